@@ -1,0 +1,369 @@
+"""Renderers of a telemetry ``Snapshot``: the live dashboard, a plain log line and a JSON line.
+
+Pure functions of one frozen snapshot — no threads, no clocks, no I/O — so the three outputs
+cannot disagree and each is tested by rendering a hand-built snapshot. The ``Live`` loop that calls
+``render_live`` once per refresh, and the choice between the views (``isatty()``, ``--json``),
+belong to the command that owns the console. The dashboard fits 100 columns.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections.abc import Iterable
+
+import msgspec
+from rich import box
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from kvpush.telemetry import QUEUE_GAUGES, HistSnapshot, Snapshot
+
+__all__ = ["render_json", "render_live", "render_plain", "render_summary_table"]
+
+WIDTH = 100
+
+#: Peer states counted as healthy ("peers=2/2") and drawn green; these drawn red; others yellow.
+OK_STATES = frozenset({"ready", "connected", "ok", "up", "done", "notif_ready", "full_ready"})
+BAD_STATES = frozenset({"failed", "error", "dead", "down", "unreachable", "incompatible"})
+
+#: The latency that the plain line reports as ``p99`` for each role (else the first histogram).
+PRIMARY_LATENCY = {"prefill": "push_latency", "decode": "decode_latency"}
+
+_PLAIN_QUEUE_KEYS = {
+    "finished_waiting_reg": "finished",
+    "regs_waiting_blocks": "regs",
+    "deferred": "deferred",
+    "inflight_writes": "inflight",
+    "d_waiting": "waiting",
+}
+_POOL_STATES = (  # gauge, label, bar character, style
+    ("pool_allocated", "allocated", "█", "blue"),
+    ("pool_inflight", "inflight", "█", "magenta"),
+    ("pool_quarantined", "quarantined", "█", "red"),
+    ("pool_free", "free", "░", "green"),
+)
+_BAR_WIDTH = 60
+_MAX_PEER_ROWS = 12
+
+
+# --- formatting helpers (pure) ----------------------------------------------------------------
+
+
+def fmt_ms(seconds: float) -> str:
+    """Milliseconds with about three significant digits: 0.047, 1.23, 41.0, 1230."""
+    ms = seconds * 1e3
+    if ms == 0:
+        return "0"
+    if ms < 1:
+        return f"{ms:.3f}"
+    if ms < 10:
+        return f"{ms:.2f}"
+    if ms < 100:
+        return f"{ms:.1f}"
+    return f"{ms:.0f}"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_rate(per_s: float) -> str:
+    return f"{per_s:,.0f}" if per_s >= 100 else f"{per_s:.1f}"
+
+
+def fmt_uptime(seconds: float) -> str:
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d{h:02d}h{m:02d}m"
+    if h:
+        return f"{h}h{m:02d}m{s:02d}s"
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def fmt_ts(ts: float) -> str:
+    """UTC, to the second: the same line whatever the reader's time zone."""
+    t = _dt.datetime.fromtimestamp(ts, tz=_dt.timezone.utc)
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _state_style(state: str) -> str:
+    if state in OK_STATES:
+        return "green"
+    if state in BAD_STATES:
+        return "bold red"
+    return "yellow"
+
+
+def _peer_ok(row: dict[str, object]) -> bool:
+    return str(row.get("state", "")) in OK_STATES
+
+
+def _primary_latency(snap: Snapshot) -> HistSnapshot | None:
+    name = PRIMARY_LATENCY.get(snap.role, "push_latency")
+    if name in snap.histograms:
+        return snap.histograms[name]
+    return next(iter(snap.histograms.values()), None)
+
+
+def _int_gauge(snap: Snapshot, name: str) -> int:
+    return int(snap.gauges.get(name, 0))
+
+
+def _token(s: str) -> str:
+    """A peer-supplied string as one whitespace-free word of the plain line."""
+    return "_".join(s.split()) or "-"
+
+
+def _cell(value: object, empty: str = "-") -> str:
+    return empty if value is None or value == "" else str(value)
+
+
+# --- the live view ----------------------------------------------------------------------------
+
+
+def _section(title: str, **kw: object) -> Table:
+    return Table(
+        title=title,
+        title_justify="left",
+        title_style="bold cyan",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        show_edge=False,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _header(snap: Snapshot) -> Text:
+    info = snap.info
+    text = Text()
+    text.append(f"kvpush {snap.role}", style="bold")
+    text.append(f"  {snap.engine_id}")
+    if snap.incarnation:
+        text.append(f" ({snap.incarnation})", style="dim")
+    for key in ("address", "device", "writer", "backends", "version"):
+        if key in info:
+            text.append(f"  {key} ", style="dim")
+            text.append(str(info[key]))
+    text.append("  up ", style="dim")
+    text.append(fmt_uptime(snap.uptime_s))
+    text.append("  at ", style="dim")
+    text.append(fmt_ts(snap.ts))
+    return text
+
+
+def _handshakes(snap: Snapshot) -> Table:
+    ok = sum(1 for r in snap.peers if _peer_ok(r))
+    t = _section(f"Handshakes  {ok}/{len(snap.peers)} ready", expand=True)
+    t.add_column("peer", no_wrap=True, max_width=24, overflow="ellipsis")
+    t.add_column("engine id", no_wrap=True, max_width=14, overflow="ellipsis")
+    t.add_column("mode", no_wrap=True)
+    t.add_column("state", no_wrap=True)
+    t.add_column("ms", justify="right", no_wrap=True)
+    t.add_column("fails", justify="right", no_wrap=True)
+    t.add_column("last error", no_wrap=True, overflow="ellipsis", ratio=1)
+    # Unhealthy peers first: they are what an operator looks for.
+    rows = sorted(snap.peers, key=lambda r: (_peer_ok(r), str(r.get("peer", ""))))
+    for row in rows[:_MAX_PEER_ROWS]:
+        state = str(row.get("state", ""))
+        duration = row.get("duration_s")
+        failures = row.get("failures") or 0
+        t.add_row(
+            _cell(row.get("peer")),
+            _cell(row.get("engine_id")),
+            _cell(row.get("mode")),
+            Text(state or "-", style=_state_style(state)),
+            fmt_ms(float(duration)) if isinstance(duration, int | float) else "-",
+            Text(str(failures), style="red" if failures else ""),
+            Text(_cell(row.get("last_error"), ""), style="red"),
+        )
+    if len(rows) > _MAX_PEER_ROWS:
+        t.add_row(Text(f"… {len(rows) - _MAX_PEER_ROWS} more", style="dim"))
+    if not rows:
+        t.add_row(Text("no peers yet", style="dim"))
+    return t
+
+
+def _queues(snap: Snapshot) -> Table:
+    t = _section("Queues")
+    t.add_column("queue")
+    t.add_column("depth", justify="right")
+    shown = [(name, label) for name, label in QUEUE_GAUGES.items() if name in snap.gauges]
+    for name, label in shown:
+        depth = _int_gauge(snap, name)
+        t.add_row(label, Text(f"{depth:,}", style="bold" if depth else "dim"))
+    if not shown:
+        t.add_row(Text("none reported", style="dim"), "")
+    return t
+
+
+def _throughput(snap: Snapshot) -> Table:
+    r, c = snap.rates, snap.counters
+    t = _section("Throughput")
+    t.add_column("")
+    t.add_column("now", justify="right")
+    t.add_column("total", justify="right")
+    t.add_row("pushes/s", fmt_rate(r.get("pushes_ok", 0.0)), f"{c.get('pushes_ok', 0):,}")
+    t.add_row(
+        "GB/s",
+        f"{r.get('bytes_pushed', 0.0) / 1e9:.2f}",
+        fmt_bytes(c.get("bytes_pushed", 0)),
+    )
+    t.add_row("requests/s", fmt_rate(r.get("requests_ok", 0.0)), f"{c.get('requests_ok', 0):,}")
+    t.add_row(
+        "notifs/s", fmt_rate(r.get("notifs_received", 0.0)), f"{c.get('notifs_received', 0):,}"
+    )
+    return t
+
+
+def _latency(snap: Snapshot) -> Table:
+    t = _section("Latency (ms)")
+    t.add_column("histogram", no_wrap=True, max_width=22, overflow="ellipsis")
+    for col in ("count", "p50", "p90", "p99", "max"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for name, h in snap.histograms.items():
+        if h.count:
+            t.add_row(
+                name, f"{h.count:,}", fmt_ms(h.p50), fmt_ms(h.p90), fmt_ms(h.p99), fmt_ms(h.max)
+            )
+        else:
+            t.add_row(name, "0", "-", "-", "-", "-", style="dim")
+    if not snap.histograms:
+        t.add_row(Text("nothing observed", style="dim"))
+    return t
+
+
+def _failures(snap: Snapshot) -> Table:
+    t = _section("Failures")
+    t.add_column("kind", no_wrap=True, max_width=24, overflow="ellipsis")
+    t.add_column("count", justify="right")
+    nonzero = sorted(((n, k) for k, n in snap.failures.items() if n), reverse=True)
+    for n, kind in nonzero:
+        t.add_row(kind, Text(f"{n:,}", style="bold red"))
+    if not nonzero:
+        t.add_row(Text("none", style="green"), "")
+    return t
+
+
+def _pool(snap: Snapshot) -> RenderableType:
+    total = _int_gauge(snap, "pool_total")
+    t = _section("Pool", show_header=False)
+    t.add_column("")
+    if not total:
+        t.add_row(Text("no block pool reported", style="dim"))
+        return t
+    bar = Text()
+    used = 0
+    for i, (gauge, _, char, style) in enumerate(_POOL_STATES):
+        n = _int_gauge(snap, gauge)
+        # A non-empty state shows at least one cell; free takes the remainder, so the bar
+        # never overflows.
+        want = max(round(_BAR_WIDTH * n / total), 1 if n else 0)
+        cells = _BAR_WIDTH - used if i == len(_POOL_STATES) - 1 else min(_BAR_WIDTH - used, want)
+        bar.append(char * max(cells, 0), style=style)
+        used += max(cells, 0)
+    legend = Text()
+    for gauge, label, _, style in _POOL_STATES:
+        if gauge in snap.gauges:
+            legend.append(f"{label} ", style=style)
+            legend.append(f"{_int_gauge(snap, gauge):,}  ")
+    legend.append(f"of {total:,} blocks", style="dim")
+    t.add_row(bar)
+    t.add_row(legend)
+    return t
+
+
+def _side_by_side(*parts: RenderableType) -> Table:
+    grid = Table.grid(padding=(0, 4))
+    for _ in parts:
+        grid.add_column(vertical="top")
+    grid.add_row(*parts)
+    return grid
+
+
+def render_live(snap: Snapshot) -> RenderableType:
+    """The dashboard: header, handshakes, queues, throughput, latency, failures, pool."""
+    return Group(
+        _header(snap),
+        Text(),
+        _handshakes(snap),
+        _side_by_side(_queues(snap), _throughput(snap)),
+        _side_by_side(_latency(snap), _failures(snap)),
+        _pool(snap),
+    )
+
+
+# --- one-line forms ---------------------------------------------------------------------------
+
+
+def render_plain(snap: Snapshot) -> str:
+    """One ``key=value`` line for logs and pipes (no colour, no newline)."""
+    r = snap.rates
+    parts = [
+        fmt_ts(snap.ts),
+        _token(snap.role),
+        _token(snap.engine_id),
+        f"pushes/s={r.get('pushes_ok', 0.0):.0f}",
+        f"req/s={r.get('requests_ok', 0.0):.0f}",
+        f"GB/s={r.get('bytes_pushed', 0.0) / 1e9:.2f}",
+    ]
+    parts += [
+        f"{key}={_int_gauge(snap, name)}"
+        for name, key in _PLAIN_QUEUE_KEYS.items()
+        if name in snap.gauges
+    ]
+    hist = _primary_latency(snap)
+    parts.append(f"p99={fmt_ms(hist.p99)}ms" if hist is not None and hist.count else "p99=-")
+    failed = sum(snap.failures.values())
+    top = sorted(((n, k) for k, n in snap.failures.items() if n), reverse=True)[:3]
+    detail = f"[{','.join(f'{k}:{n}' for n, k in top)}]" if top else ""
+    parts.append(f"fail={failed}{detail}")
+    if "pool_total" in snap.gauges:
+        parts.append(f"pool_free={_int_gauge(snap, 'pool_free')}/{_int_gauge(snap, 'pool_total')}")
+    ok = sum(1 for row in snap.peers if _peer_ok(row))
+    parts.append(f"peers={ok}/{len(snap.peers)}")
+    return " ".join(parts)
+
+
+def render_json(snap: Snapshot) -> str:
+    """One compact JSON object (``Snapshot.to_dict`` form); newlines only escaped inside."""
+    return msgspec.json.encode(snap).decode()
+
+
+def render_summary_table(snaps: Iterable[Snapshot]) -> Table:
+    """One row per endpoint: totals and latency, e.g. at the end of a run or a ``probe``."""
+    t = Table(title="Summary", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in (
+        "role",
+        "engine id",
+        "pushes",
+        "bytes",
+        "requests",
+        "failures",
+        "p50 ms",
+        "p99 ms",
+        "up",
+    ):
+        t.add_column(col, justify="left" if col in ("role", "engine id") else "right", no_wrap=True)
+    for snap in snaps:
+        c = snap.counters
+        hist = _primary_latency(snap)
+        has = hist is not None and hist.count > 0
+        t.add_row(
+            snap.role,
+            snap.engine_id,
+            f"{c.get('pushes_ok', 0):,}",
+            fmt_bytes(c.get("bytes_pushed", 0)),
+            f"{c.get('requests_ok', 0):,}",
+            f"{sum(snap.failures.values()):,}",
+            fmt_ms(hist.p50) if has and hist is not None else "-",
+            fmt_ms(hist.p99) if has and hist is not None else "-",
+            fmt_uptime(snap.uptime_s),
+        )
+    return t

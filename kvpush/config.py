@@ -1,0 +1,284 @@
+"""Frozen configuration of an endpoint, grouped by concern, validated on construction.
+
+The CLI turns options, ``KVPUSH_*`` variables and TOML files into these; the library only reads
+them. Every invalid value raises ``ConfigError`` with a hint, before any resource is created.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Literal
+
+from kvpush.errors import ConfigError
+
+Role = Literal["prefill", "decode"]
+
+DTYPE_SIZES: dict[str, int] = {
+    "uint8": 1,
+    "int8": 1,
+    "fp8": 1,
+    "float16": 2,
+    "fp16": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float32": 4,
+    "fp32": 4,
+}
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d{1,3})?)$")
+_ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+
+
+class HandshakeMode(str, Enum):
+    """What a handshake loads: notif-only (agent connection) or full (+ remote descriptors)."""
+
+    NOTIF = "notif"
+    FULL = "full"
+
+
+class WriterMode(str, Enum):
+    """How P's writer waits for a P->D handshake.
+
+    ``deferred`` (default) never blocks: the push is re-queued when the handshake completes.
+    ``blocking`` reproduces the old head-of-line behaviour (the writer waits), for comparison.
+    """
+
+    DEFERRED = "deferred"
+    BLOCKING = "blocking"
+
+
+def _positive(name: str, value: float, hint: str = "") -> None:
+    if not value > 0:
+        raise ConfigError(f"{name} must be positive, got {value}", hint or f"pass {name} > 0")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Geometry of the registered KV pool: regions (layers x K/V) x blocks x block_bytes."""
+
+    num_blocks: int = 1024
+    layers: int = 4
+    block_bytes: int = 64 * 1024
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    kv_layout: str = "NHD"
+
+    def __post_init__(self) -> None:
+        _positive("--num-blocks", self.num_blocks)
+        _positive("--layers", self.layers)
+        _positive("--block-bytes", self.block_bytes)
+        if self.num_blocks > 2**31 - 1:
+            raise ConfigError(f"--num-blocks {self.num_blocks} is too large", "use at most 2^31-1")
+        if not _DEVICE_RE.match(self.device):
+            raise ConfigError(
+                f"unknown device {self.device!r}", "use 'cpu', 'cuda' or 'cuda:N' (N = GPU index)"
+            )
+        if self.dtype not in DTYPE_SIZES:
+            raise ConfigError(
+                f"unknown dtype {self.dtype!r}", f"choose one of {', '.join(sorted(DTYPE_SIZES))}"
+            )
+        if self.block_bytes % DTYPE_SIZES[self.dtype]:
+            raise ConfigError(
+                f"--block-bytes {self.block_bytes} is not a multiple of the {self.dtype} size",
+                "pick a block size that holds whole elements",
+            )
+
+    @property
+    def regions(self) -> int:
+        """One region per layer for K and one for V."""
+        return self.layers * 2
+
+    @property
+    def total_bytes(self) -> int:
+        return self.regions * self.num_blocks * self.block_bytes
+
+    @property
+    def bytes_per_block_all_regions(self) -> int:
+        return self.regions * self.block_bytes
+
+    @staticmethod
+    def from_model(
+        *,
+        num_blocks: int,
+        layers: int,
+        block_tokens: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: str,
+        device: str = "cpu",
+    ) -> PoolConfig:
+        """Geometry from model-like parameters: a block holds block_tokens x kv_heads x head_dim."""
+        for name, v in (
+            ("--block-tokens", block_tokens),
+            ("--kv-heads", kv_heads),
+            ("--head-dim", head_dim),
+        ):
+            _positive(name, v)
+        if dtype not in DTYPE_SIZES:
+            raise ConfigError(
+                f"unknown dtype {dtype!r}", f"choose one of {', '.join(sorted(DTYPE_SIZES))}"
+            )
+        block_bytes = block_tokens * kv_heads * head_dim * DTYPE_SIZES[dtype]
+        return PoolConfig(
+            num_blocks=num_blocks, layers=layers, block_bytes=block_bytes, device=device, dtype=dtype
+        )
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """How the NIXL agent is created and driven.
+
+    NIXL's Python agent starts a progress thread that spins a whole core (its delay is hard-coded
+    to 0); on a 2-core host that halves bandwidth (DESIGN.md section 3). kvpush turns it off by
+    default and has its own threads poll, spinning while work is pending and backing off to
+    ``idle_poll_max_us`` when idle.
+    """
+
+    backends: tuple[str, ...] = ("UCX",)
+    progress_thread: bool = False
+    num_threads: int = 0
+    idle_poll_max_us: int = 1000
+    busy_spin_us: int = 2000
+
+    def __post_init__(self) -> None:
+        if not self.backends:
+            raise ConfigError("--backends is empty", "name at least one NIXL backend, e.g. UCX")
+        for b in self.backends:
+            if not re.match(r"^[A-Za-z0-9_]{1,32}$", b):
+                raise ConfigError(f"invalid backend name {b!r}", "e.g. --backends UCX")
+        if self.num_threads < 0:
+            raise ConfigError("--nixl-threads must be >= 0", "0 lets NIXL choose")
+        _positive("--idle-poll-max-us", self.idle_poll_max_us)
+        if self.busy_spin_us < 0:
+            raise ConfigError("--busy-spin-us must be >= 0", "0 disables spinning after activity")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every wait kvpush does has a deadline; these are the knobs."""
+
+    side_channel_s: float = 5.0
+    handshake_s: float = 10.0
+    lease_s: float = 30.0
+    heartbeat_s: float = 5.0
+    request_deadline_s: float = 60.0
+    peer_idle_ttl_s: float = 600.0
+    write_base_s: float = 5.0
+    write_min_gbps: float = 0.05  # a WRITE gets base + bytes / (this rate) before it is failed
+    fence_s: float = 10.0
+    drain_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "side_channel_s",
+            "handshake_s",
+            "lease_s",
+            "heartbeat_s",
+            "request_deadline_s",
+            "peer_idle_ttl_s",
+            "write_base_s",
+            "write_min_gbps",
+            "fence_s",
+            "drain_s",
+        ):
+            _positive("--" + name.replace("_s", "").replace("_", "-"), getattr(self, name))
+        if self.heartbeat_s >= self.lease_s:
+            raise ConfigError(
+                f"heartbeat interval {self.heartbeat_s}s must be shorter than the lease "
+                f"{self.lease_s}s",
+                "use a heartbeat of at most a third of the lease",
+            )
+
+    def write_deadline_s(self, nbytes: int) -> float:
+        """Size-aware WRITE deadline: a fixed allowance plus the time at a floor bandwidth."""
+        return self.write_base_s + nbytes / (self.write_min_gbps * 1e9)
+
+
+def new_engine_id(role: Role) -> str:
+    return f"{role[0]}-{uuid.uuid4().hex[:12]}"
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    """Everything one P or D endpoint needs."""
+
+    role: Role
+    host: str = "127.0.0.1"
+    port: int = 0
+    engine_id: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    handshake_mode: HandshakeMode = HandshakeMode.NOTIF  # D->P; P->D is always full
+    writer_mode: WriterMode = WriterMode.DEFERRED
+    verify: bool = True
+    auth_token: bytes | None = None
+    allow_all_interfaces: bool = False
+    max_frame_bytes: int = 4 * 1024 * 1024
+    max_notif_bytes: int = 64 * 1024
+    max_pending_notifs: int = 100_000
+    # Test/benchmark hook: delay this endpoint's handshake replies (simulates a slow new peer).
+    handshake_reply_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ConfigError(f"unknown role {self.role!r}", "use prefill or decode")
+        if not (0 <= self.port <= 65535):
+            raise ConfigError(
+                f"invalid port {self.port}", "use 1-65535, or 0 to pick a free port"
+            )
+        if not self.engine_id:
+            object.__setattr__(self, "engine_id", new_engine_id(self.role))
+        elif not _ENGINE_ID_RE.match(self.engine_id):
+            raise ConfigError(
+                f"invalid engine id {self.engine_id!r}",
+                "use up to 128 letters, digits and . _ : @ -",
+            )
+        _positive("--tp-size", self.tp_size)
+        if not (0 <= self.tp_rank < self.tp_size):
+            raise ConfigError(
+                f"--tp-rank {self.tp_rank} is outside 0..{self.tp_size - 1}",
+                "tp rank must be below tp size",
+            )
+        if self.host in ("0.0.0.0", "::", "*") and not self.allow_all_interfaces:
+            raise ConfigError(
+                f"refusing to bind the side channel to all interfaces ({self.host})",
+                "pass --expose to bind every interface on purpose (and set --auth-token-file)",
+            )
+        if self.auth_token is not None and len(self.auth_token) < 16:
+            raise ConfigError(
+                "auth token is shorter than 16 bytes", "generate one: head -c 32 /dev/urandom | xxd -p"
+            )
+
+
+def parse_address(addr: str, default_port: int | None = None) -> tuple[str, int]:
+    """Parse ``HOST:PORT`` (or ``[V6]:PORT``, or ``HOST`` with a default port)."""
+    text = addr.strip()
+    if text.startswith("tcp://"):
+        text = text[len("tcp://") :]
+    host, sep, port_s = text.rpartition(":")
+    if text.startswith("[") and "]" in text:
+        close = text.index("]")
+        host = text[1:close]
+        rest = text[close + 1 :]
+        sep, port_s = (":", rest[1:]) if rest.startswith(":") else ("", "")
+    elif not sep:
+        host, port_s = text, ""
+    if not host or any(c.isspace() for c in host) or "/" in host:
+        raise ConfigError(f"invalid address {addr!r}", "use HOST:PORT, e.g. 127.0.0.1:5600")
+    if not port_s:
+        if default_port is None:
+            raise ConfigError(f"address {addr!r} has no port", "use HOST:PORT, e.g. 127.0.0.1:5600")
+        return host, default_port
+    if not port_s.isdigit() or not (1 <= int(port_s) <= 65535):
+        raise ConfigError(f"invalid port in address {addr!r}", "ports are 1-65535")
+    return host, int(port_s)
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,380 @@
+"""Handshakes with peers: ``ensure(peer, mode) -> Future | None`` and the peer table.
+
+A handshake fetches the peer's metadata over the side channel (deadline-bound), checks the
+compatibility hash *before* decoding the metadata, checks role and geometry field by field, and
+only then hands the peer's NIXL metadata to ``add_remote_agent``. A *notif-only* handshake loads
+the peer's connection-only metadata (no memory regions): enough to send notifications. A *full*
+handshake loads full metadata and prepares the remote descriptor list for every block of every
+region (region-major, built with numpy) -- the expensive part, which therefore always runs here,
+on a handshake thread, never on the caller's (writer's) thread.
+
+Threads: one short-lived thread per in-flight handshake (bounded by a semaphore), so a peer that
+never answers only ties up its own thread until its deadline and never delays a healthy peer
+(vLLM runs one handshake at a time). The peer table is guarded by one lock. Evicting a peer only
+removes it from the table; releasing its NIXL resources is the owner thread's job
+(``release_conn``), because the owner may still be using its descriptor list.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from kvpush import protocol
+from kvpush.auth import Authenticator
+from kvpush.config import HandshakeMode, Timeouts, format_address
+from kvpush.errors import (
+    HandshakeError,
+    IncompatiblePeerError,
+    KvpushError,
+    PeerError,
+    PeerUnreachableError,
+    ShuttingDownError,
+)
+from kvpush.nixl_adapter import DList, NixlAgent
+from kvpush.pool import block_descs
+from kvpush.sidechannel import SideChannelClient
+from kvpush.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+PeerKey = tuple[str, int]
+
+
+@dataclass
+class PeerConn:
+    """A connected peer: its metadata, loaded agent and (full mode) remote descriptor list."""
+
+    key: PeerKey
+    metadata: protocol.EndpointMetadata
+    agent_name: str
+    mode: HandshakeMode
+    remote_dlist: DList | None
+    timings: dict[str, float]
+    rtt_s: float
+    clock_offset_s: float
+    connected_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    released: bool = False
+
+    @property
+    def address(self) -> str:
+        return format_address(*self.key)
+
+
+HandshakeResult = PeerConn
+
+
+@dataclass
+class _Entry:
+    key: PeerKey
+    mode: HandshakeMode
+    state: str  # connecting | connected | failed
+    future: Future[PeerConn]
+    started: float
+    conn: PeerConn | None = None
+    failures: int = 0
+    last_error: str = ""
+    duration_s: float = 0.0
+
+
+def mode_satisfies(have: HandshakeMode, want: HandshakeMode) -> bool:
+    return have == HandshakeMode.FULL or want == HandshakeMode.NOTIF
+
+
+def check_compat(
+    local: protocol.EndpointMetadata, remote_fields: dict[str, object], peer: str
+) -> None:
+    diffs = protocol.compat_differences(protocol.compat_fields(local), remote_fields)
+    if diffs:
+        text = "; ".join(f"{f}: local={lv!r} remote={rv!r}" for f, lv, rv in diffs)
+        raise IncompatiblePeerError(
+            f"{peer} is incompatible: {text}",
+            diffs,
+            hint="start both endpoints with the same geometry, dtype and layout",
+        )
+
+
+class HandshakeManager:
+    def __init__(
+        self,
+        agent: NixlAgent,
+        local_md: protocol.EndpointMetadata,
+        auth: Authenticator,
+        timeouts: Timeouts,
+        telemetry: Telemetry,
+        *,
+        expect_role: str | None,
+        max_concurrent: int = 64,
+        on_connected: Callable[[PeerConn], None] | None = None,
+    ) -> None:
+        self._agent = agent
+        self._local = local_md
+        self._local_hash = protocol.compat_hash(local_md)
+        self._auth = auth
+        self._timeouts = timeouts
+        self._tm = telemetry
+        self._expect_role = expect_role
+        self._sem = threading.BoundedSemaphore(max_concurrent)
+        self._lock = threading.Lock()
+        self._peers: dict[PeerKey, _Entry] = {}
+        self._closed = False
+        self._on_connected = on_connected
+
+    # ------------------------------------------------------------------ queries
+    def get(self, key: PeerKey) -> PeerConn | None:
+        e = self._peers.get(key)
+        if e is not None and e.state == "connected" and e.conn is not None:
+            e.conn.last_used = time.monotonic()
+            return e.conn
+        return None
+
+    def by_agent(self, agent_name: str) -> PeerConn | None:
+        with self._lock:
+            for e in self._peers.values():
+                if e.conn is not None and e.conn.agent_name == agent_name:
+                    return e.conn
+        return None
+
+    def connected(self) -> list[PeerConn]:
+        with self._lock:
+            return [e.conn for e in self._peers.values() if e.conn is not None]
+
+    def rows(self) -> list[dict[str, object]]:
+        """Per-peer telemetry rows."""
+        now = time.monotonic()
+        with self._lock:
+            entries = list(self._peers.values())
+        rows: list[dict[str, object]] = []
+        for e in entries:
+            rows.append(
+                {
+                    "peer": format_address(*e.key),
+                    "engine_id": e.conn.metadata.engine_id if e.conn else "",
+                    "role": e.conn.metadata.role if e.conn else "",
+                    "mode": e.mode.value,
+                    "state": e.state,
+                    "duration_s": round(
+                        e.duration_s if e.state != "connecting" else now - e.started, 6
+                    ),
+                    "failures": e.failures,
+                    "last_error": e.last_error,
+                }
+            )
+        return rows
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            out = {"connecting": 0, "connected": 0, "failed": 0}
+            for e in self._peers.values():
+                out[e.state] = out.get(e.state, 0) + 1
+            return out
+
+    # ------------------------------------------------------------------ ensure
+    def ensure(self, key: PeerKey, mode: HandshakeMode) -> Future[PeerConn] | None:
+        """None if already connected in a sufficient mode, else the (new or joined) future."""
+        with self._lock:
+            if self._closed:
+                f: Future[PeerConn] = Future()
+                f.set_exception(ShuttingDownError("endpoint is shutting down"))
+                return f
+            e = self._peers.get(key)
+            if e is not None:
+                if e.state == "connected" and e.conn is not None and mode_satisfies(e.mode, mode):
+                    e.conn.last_used = time.monotonic()
+                    return None
+                if e.state == "connecting" and mode_satisfies(e.mode, mode):
+                    return e.future
+                if e.state == "connected":
+                    # Upgrade notif -> full: the owner keeps using the old conn until the new
+                    # one replaces it; the old agent is the same name, so no remove is needed.
+                    pass
+            fut: Future[PeerConn] = Future()
+            fut.set_running_or_notify_cancel()
+            failures = e.failures if e is not None else 0
+            old = e.conn if e is not None else None
+            new = _Entry(key, mode, "connecting", fut, time.monotonic(), conn=old, failures=failures)
+            self._peers[key] = new
+        self._tm.inc("handshakes_started")
+        t = threading.Thread(
+            target=self._run, args=(new,), name=f"handshake-{key[0]}:{key[1]}", daemon=True
+        )
+        t.start()
+        return fut
+
+    def handshake_sync(self, key: PeerKey, mode: HandshakeMode, timeout_s: float) -> PeerConn:
+        fut = self.ensure(key, mode)
+        if fut is None:
+            conn = self.get(key)
+            assert conn is not None
+            return conn
+        return fut.result(timeout_s)
+
+    def _run(self, e: _Entry) -> None:
+        peer = format_address(*e.key)
+        try:
+            with self._sem:
+                conn = self._handshake(e.key, e.mode)
+        except BaseException as exc:
+            err = self._as_typed(exc, peer)
+            with self._lock:
+                e.state = "failed"
+                e.failures += 1
+                e.last_error = str(err)
+                e.duration_s = time.monotonic() - e.started
+                # a previous connection (e.g. notif before a failed upgrade) stays usable
+                if e.conn is not None:
+                    e.state = "connected"
+                    e.mode = e.conn.mode
+            self._tm.fail("handshake_failed")
+            log.warning("%s", err)
+            e.future.set_exception(err)
+            return
+        with self._lock:
+            e.conn = conn
+            e.state = "connected"
+            e.duration_s = time.monotonic() - e.started
+            closed = self._closed
+        self._tm.inc("handshakes_ok")
+        self._tm.observe("handshake_duration", e.duration_s)
+        log.info(
+            "handshake %s with %s (%s) done in %.1f ms: %s",
+            e.mode.value,
+            peer,
+            conn.metadata.engine_id,
+            e.duration_s * 1e3,
+            ", ".join(f"{k}={v * 1e3:.2f}ms" for k, v in conn.timings.items()),
+        )
+        if closed:
+            self.release_conn(conn)  # nobody owns it any more
+            e.future.set_exception(ShuttingDownError("endpoint is shutting down"))
+            return
+        if self._on_connected is not None:
+            self._on_connected(conn)
+        e.future.set_result(conn)
+
+    @staticmethod
+    def _as_typed(exc: BaseException, peer: str) -> KvpushError:
+        if isinstance(exc, (PeerUnreachableError, IncompatiblePeerError, HandshakeError)):
+            return exc
+        if isinstance(exc, KvpushError):
+            return HandshakeError(peer, exc.message, exc.hint or None)
+        return HandshakeError(peer, f"{type(exc).__name__}: {exc}")
+
+    def _handshake(self, key: PeerKey, mode: HandshakeMode) -> PeerConn:
+        host, port = key
+        peer = format_address(host, port)
+        deadline = time.monotonic() + self._timeouts.handshake_s
+        t0 = time.perf_counter()
+        w0 = time.time()
+        with SideChannelClient(host, port, auth=self._auth) as client:
+            try:
+                rep = client.request(
+                    protocol.HandshakeReq(mode=mode.value, requester=self._local.engine_id),
+                    timeout_s=min(self._timeouts.side_channel_s, self._timeouts.handshake_s),
+                )
+            except PeerUnreachableError as e:
+                raise PeerUnreachableError(f"handshake with {peer} failed: {e}") from None
+        t1 = time.perf_counter()
+        w1 = time.time()
+        if not isinstance(rep, protocol.HandshakeRep):
+            raise HandshakeError(peer, f"unexpected reply {type(rep).__name__}")
+        if rep.compat_hash != self._local_hash:
+            # Name the differing fields without trusting the metadata's schema.
+            check_compat(self._local, protocol.decode_metadata_loose(rep.metadata), peer)
+            raise HandshakeError(peer, "compatibility hash differs (no field differs: bad hash)")
+        md = protocol.decode_metadata(rep.metadata)
+        check_compat(self._local, protocol.compat_fields(md), peer)
+        if self._expect_role is not None and md.role != self._expect_role:
+            raise PeerError(
+                f"{peer} is a {md.role} endpoint, expected a {self._expect_role} endpoint",
+                "check the address: P pushes to D endpoints, D registers with P endpoints",
+            )
+        if len(md.region_base_addrs) != md.regions:
+            raise HandshakeError(peer, "metadata lists a wrong number of region addresses")
+        if time.monotonic() > deadline:
+            raise HandshakeError(peer, f"deadline of {self._timeouts.handshake_s:g}s passed")
+        name = self._agent.add_remote(rep.agent_metadata)
+        t2 = time.perf_counter()
+        dlist: DList | None = None
+        try:
+            if name != md.agent_name:
+                raise HandshakeError(
+                    peer, f"NIXL agent name {name!r} differs from the announced {md.agent_name!r}"
+                )
+            if mode == HandshakeMode.FULL:
+                descs = block_descs(md.region_base_addrs, md.num_blocks, md.block_bytes, md.device_id)
+                dlist = self._agent.prep_remote(name, descs, md.device_kind)
+            t3 = time.perf_counter()
+            # Warm the connection now, not on the request path (UCX wire-up costs 4-9 RTT).
+            self._agent.make_connection(name)
+            t4 = time.perf_counter()
+        except BaseException:
+            if dlist is not None:
+                self._agent.release_dlist(dlist)
+            self._agent.remove_remote(name)
+            raise
+        rtt = t1 - t0
+        offset = rep.server_clock - (w0 + w1) / 2
+        timings = {
+            "side_channel_s": t1 - t0,
+            "load_s": t2 - t1,
+            "prep_s": t3 - t2,
+            "warm_s": t4 - t3,
+            "total_s": t4 - t0,
+        }
+        return PeerConn(
+            key=key,
+            metadata=md,
+            agent_name=name,
+            mode=mode,
+            remote_dlist=dlist,
+            timings=timings,
+            rtt_s=rtt,
+            clock_offset_s=offset,
+        )
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, key: PeerKey, reason: str) -> PeerConn | None:
+        """Forget a peer; return its connection for the owner to release."""
+        with self._lock:
+            e = self._peers.pop(key, None)
+        if e is None:
+            return None
+        log.info("evicting peer %s: %s", format_address(*key), reason)
+        self._tm.inc("peers_evicted")
+        return e.conn
+
+    def idle(self, ttl_s: float) -> list[PeerKey]:
+        now = time.monotonic()
+        with self._lock:
+            return [
+                k
+                for k, e in self._peers.items()
+                if (e.conn is not None and now - e.conn.last_used > ttl_s)
+                or (e.state == "failed" and e.conn is None and now - e.started > ttl_s)
+            ]
+
+    def release_conn(self, conn: PeerConn) -> None:
+        """Release a peer's NIXL resources (owner thread only)."""
+        if conn.released:
+            return
+        conn.released = True
+        if conn.remote_dlist is not None:
+            self._agent.release_dlist(conn.remote_dlist)
+        self._agent.remove_remote(conn.agent_name)
+
+    def close(self) -> list[PeerConn]:
+        """Refuse new handshakes; return every known connection for release."""
+        with self._lock:
+            self._closed = True
+            entries = list(self._peers.values())
+            self._peers.clear()
+        for e in entries:
+            if not e.future.done():
+                pass  # its thread finishes by its deadline and sees _closed
+        return [e.conn for e in entries if e.conn is not None]

@@ -1,0 +1,249 @@
+"""The only module that imports ``nixl``: a narrow, typed wrapper around one NIXL agent.
+
+It translates NIXL's exceptions into kvpush's typed errors, fixes the agent configuration kvpush
+relies on (no spinning progress thread by default, read/write thread-sync so background
+handshakes may load agents while the owning thread posts transfers) and keeps NIXL from writing
+INFO logs to stdout. It holds no policy: callers decide what to do with each failure.
+
+Threads: the owning thread (P's writer, D's receiver) calls post/state/notifs; handshake workers
+call add_remote/prep_remote/make_connection; NIXL's RW sync mode serialises what must be.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from kvpush.config import AgentConfig
+from kvpush.errors import KvpushError, NixlUnavailableError
+
+log = logging.getLogger(__name__)
+
+# NIXL's own logging config prints INFO lines to stdout; keep stdout for the operator's output.
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+_nixl: Any = None
+_bind: Any = None
+
+
+def _import_nixl() -> tuple[Any, Any]:
+    global _nixl, _bind
+    if _nixl is None:
+        try:
+            import nixl._api as api
+            import nixl._bindings as bind
+        except Exception as e:  # ImportError, or a broken native library
+            raise NixlUnavailableError(f"NIXL is not available: {e}") from None
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+        _nixl, _bind = api, bind
+    return _nixl, _bind
+
+
+def nixl_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("nixl")
+    except Exception:
+        return "unknown"
+
+
+class TransferError(KvpushError):
+    """A NIXL call on a transfer or notification failed.
+
+    ``kind`` is one of ``peer_dead`` (remote disconnected), ``peer_unknown`` (agent not loaded),
+    ``not_allowed``, ``backend`` or ``nixl_error``.
+    """
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _translate(e: BaseException, what: str) -> TransferError:
+    name = type(e).__name__
+    kind = {
+        "nixlRemoteDisconnectError": "peer_dead",
+        "nixlNotFoundError": "peer_unknown",
+        "nixlNotAllowedError": "not_allowed",
+        "nixlBackendError": "backend",
+        "nixlCancelledError": "cancelled",
+    }.get(name, "nixl_error")
+    return TransferError(kind, f"{what}: {name}: {e}")
+
+
+class Xfer:
+    """One posted transfer; released exactly once by its owner."""
+
+    __slots__ = ("handle", "released")
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.released = False
+
+
+class DList:
+    __slots__ = ("handle", "count")
+
+    def __init__(self, handle: Any, count: int) -> None:
+        self.handle = handle
+        self.count = count
+
+
+class NixlAgent:
+    """One NIXL agent with kvpush's configuration."""
+
+    def __init__(self, name: str, cfg: AgentConfig) -> None:
+        api, bind = _import_nixl()
+        self.name = name
+        self.cfg = cfg
+        conf = api.nixl_agent_config(
+            enable_prog_thread=cfg.progress_thread,
+            enable_listen_thread=False,
+            num_threads=cfg.num_threads,
+            backends=[],
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+        )
+        try:
+            self._agent = api.nixl_agent(name, conf)
+        except Exception as e:
+            raise NixlUnavailableError(f"cannot create a NIXL agent: {e}") from None
+        available = list(self._agent.get_plugin_list())
+        for b in cfg.backends:
+            if b not in available:
+                raise NixlUnavailableError(
+                    f"NIXL backend {b} is not available",
+                    f"available backends here: {', '.join(sorted(available)) or 'none'}",
+                )
+            try:
+                self._agent.create_backend(b, {"num_threads": str(cfg.num_threads)} if cfg.num_threads else {})
+            except Exception as e:
+                raise NixlUnavailableError(f"NIXL backend {b} failed to start: {e}") from None
+        self._reg: Any = None
+        self._dram = bind.DRAM_SEG
+        self._bind = bind
+
+    # ------------------------------------------------------------------ memory / metadata
+    def register(self, tensor: Any) -> None:
+        try:
+            self._reg = self._agent.register_memory(tensor, backends=list(self.cfg.backends))
+        except Exception as e:
+            raise NixlUnavailableError(f"cannot register the KV pool with NIXL: {e}") from None
+
+    def deregister(self) -> None:
+        if self._reg is not None:
+            try:
+                self._agent.deregister_memory(self._reg)
+            except Exception as e:  # pragma: no cover - shutdown path
+                log.warning("deregister_memory failed: %s", e)
+            self._reg = None
+
+    def metadata_full(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def metadata_conn_only(self) -> bytes:
+        """Connection-only partial metadata (~335 B): enough for notifications, no regions."""
+        empty = self._bind.nixlRegDList(self._dram)
+        return bytes(
+            self._agent.get_partial_agent_metadata(empty, True, list(self.cfg.backends))
+        )
+
+    # ------------------------------------------------------------------ peers
+    def add_remote(self, metadata: bytes) -> str:
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as e:
+            raise _translate(e, "add_remote_agent") from None
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def remove_remote(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as e:
+            log.debug("remove_remote_agent(%s) failed: %s", name, e)
+
+    def make_connection(self, name: str) -> None:
+        try:
+            self._agent.make_connection(name)
+        except Exception as e:
+            raise _translate(e, "make_connection") from None
+
+    def prep_local(self, descs: np.ndarray, mem_type: str) -> DList:
+        try:
+            h = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem_type)
+        except Exception as e:
+            raise _translate(e, "prep_xfer_dlist(local)") from None
+        return DList(h, len(descs))
+
+    def prep_remote(self, name: str, descs: np.ndarray, mem_type: str) -> DList:
+        try:
+            h = self._agent.prep_xfer_dlist(name, descs, mem_type)
+        except Exception as e:
+            raise _translate(e, "prep_xfer_dlist(remote)") from None
+        return DList(h, len(descs))
+
+    def release_dlist(self, dl: DList) -> None:
+        try:
+            dl.handle.release()
+        except Exception as e:  # pragma: no cover
+            log.debug("release dlist failed: %s", e)
+
+    # ------------------------------------------------------------------ transfers
+    def post_write(
+        self,
+        local: DList,
+        local_idx: np.ndarray,
+        remote: DList,
+        remote_idx: np.ndarray,
+        notif: bytes,
+    ) -> tuple[Xfer, str]:
+        """Create and post a WRITE; returns the handle and its first state (DONE/PROC/ERR)."""
+        try:
+            h = self._agent.make_prepped_xfer(
+                "WRITE", local.handle, local_idx, remote.handle, remote_idx, notif
+            )
+        except Exception as e:
+            raise _translate(e, "make_prepped_xfer") from None
+        x = Xfer(h)
+        try:
+            st = self._agent.transfer(h)
+        except Exception as e:
+            self.release(x)
+            raise _translate(e, "transfer") from None
+        return x, st
+
+    def state(self, x: Xfer) -> str:
+        try:
+            return str(self._agent.check_xfer_state(x.handle))
+        except Exception as e:
+            raise _translate(e, "check_xfer_state") from None
+
+    def release(self, x: Xfer) -> bool:
+        """Release a handle; False if NIXL refused (transfer still active and not cancellable)."""
+        if x.released:
+            return True
+        try:
+            x.handle.release()
+        except Exception as e:
+            log.debug("release xfer failed: %s", e)
+            return False
+        x.released = True
+        return True
+
+    def send_notif(self, name: str, msg: bytes) -> None:
+        try:
+            self._agent.send_notif(name, msg)
+        except Exception as e:
+            raise _translate(e, "send_notif") from None
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        try:
+            return dict(self._agent.get_new_notifs())
+        except Exception as e:
+            raise _translate(e, "get_new_notifs") from None
+
+    def close(self) -> None:
+        self.deregister()

@@ -1,0 +1,359 @@
+"""Probing a peer's side channel: metadata, RTT, clock offset, compatibility, optional handshake.
+
+Owns the logic behind ``kvpush probe``; returns a ``ProbeReport`` dataclass and raises typed
+errors (``PeerUnreachableError`` when nothing answers). Runs on the caller's thread; every
+side-channel client it makes is used and closed on that thread. The default probe needs no NIXL:
+it only speaks the side channel (``HandshakeReq`` in notif mode never loads anything). The
+``handshake_probe`` variant starts a tiny local decode endpoint to time a real NIXL handshake.
+
+A vLLM NixlConnector side channel is probed with vLLM's own request form
+``msgpack((b"get_meta_msg", pp_rank, tp_rank))``; its reply is decoded with kvpush's bounded,
+typed decoders (the compatibility hash first, then ``NixlAgentMetadata``). The agent metadata
+bytes are reported by size only and never handed to NIXL.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+from kvpush import PROTOCOL_VERSION, protocol
+from kvpush.config import EndpointConfig, HandshakeMode, PoolConfig, format_address, parse_address
+from kvpush.errors import (
+    ExitStatus,
+    IncompatiblePeerError,
+    PeerError,
+    PeerUnreachableError,
+    ProtocolError,
+)
+
+# kvpush endpoints stamp HandshakeRep.server_clock with time.time() (wall clock, comparable
+# across hosts); vLLM stamps its reply with time.perf_counter().
+_KVPUSH_CLOCK = time.time
+_VLLM_CLOCK = time.perf_counter
+
+
+@dataclass(frozen=True)
+class RttStats:
+    """Side-channel round trips; the clock offset comes from the lowest-RTT sample."""
+
+    samples_s: tuple[float, ...]
+    clock_offset_s: float
+
+    @property
+    def min_s(self) -> float:
+        return min(self.samples_s)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.samples_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "samples": len(self.samples_s),
+            "min_s": self.min_s,
+            "median_s": self.median_s,
+            "clock_offset_s": self.clock_offset_s,
+        }
+
+
+def rtt_stats(samples: list[tuple[float, float, float]]) -> RttStats:
+    """From ``(t_send, t_recv, remote_clock)`` samples: RTTs and the offset of the best one.
+
+    offset = remote_clock - (t_send + t_recv) / 2, keeping the lowest-RTT sample (its midpoint
+    is the tightest bound on when the peer read its clock).
+    """
+    if not samples:
+        raise ValueError("no samples")
+    best = min(samples, key=lambda s: s[1] - s[0])
+    offset = best[2] - (best[0] + best[1]) / 2
+    return RttStats(tuple(t1 - t0 for t0, t1, _ in samples), offset)
+
+
+@dataclass(frozen=True)
+class ProbeReport:
+    address: str
+    kind: Literal["kvpush", "vllm"]
+    compat_hash: str
+    metadata: dict[str, Any]
+    rtt: RttStats
+    compat_checked: bool = False
+    differences: list[tuple[str, Any, Any]] = field(default_factory=list)
+    handshake_mode: str | None = None
+    handshake_timings_s: dict[str, float] | None = None
+    ping_s: list[float] | None = None
+    stats: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def compatible(self) -> bool | None:
+        return (not self.differences) if self.compat_checked else None
+
+    @property
+    def exit_status(self) -> ExitStatus:
+        return ExitStatus.NOT_READY if self.differences else ExitStatus.OK
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["rtt"] = self.rtt.to_dict()
+        d["differences"] = [
+            {"field": f, "local": local, "remote": remote} for f, local, remote in self.differences
+        ]
+        d["compatible"] = self.compatible
+        d["status"] = "healthy" if self.exit_status == ExitStatus.OK else "incompatible"
+        d["exit_status"] = int(self.exit_status)
+        return d
+
+
+def local_compat_fields(pool: PoolConfig) -> dict[str, object]:
+    """The compatibility fields (protocol.COMPAT_FIELDS) an endpoint with ``pool`` announces."""
+    return {
+        "protocol_version": PROTOCOL_VERSION,
+        "dtype": pool.dtype,
+        "kv_layout": pool.kv_layout,
+        "block_bytes": pool.block_bytes,
+        "layers": pool.layers,
+        "regions": pool.regions,
+    }
+
+
+def _client(address: str, token: bytes | None, timeout_s: float) -> Any:
+    from kvpush.auth import Authenticator
+    from kvpush.sidechannel import SideChannelClient
+
+    host, port = parse_address(address)
+    return SideChannelClient(host, port, auth=Authenticator(token), timeout_s=timeout_s)
+
+
+def _tcp_open(host: str, port: int, timeout_s: float) -> bool:
+    """Whether anything accepts a TCP connection at host:port (no bytes are sent)."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=min(timeout_s, 2.0)):
+            return True
+    except OSError:
+        return False
+
+
+def _incompatible_protocol(address: str, e: ProtocolError) -> IncompatiblePeerError:
+    return IncompatiblePeerError(
+        f"{address} answered, but its reply cannot be read: {e}",
+        [("protocol_version", PROTOCOL_VERSION, "?")],
+        "run the same kvpush version on both sides, or probe with --vllm for a vLLM peer",
+    )
+
+
+def probe(
+    address: str,
+    *,
+    count: int = 5,
+    timeout_s: float = 3.0,
+    local: dict[str, object] | None = None,
+    token: bytes | None = None,
+    vllm: bool | None = None,
+    vllm_ranks: tuple[int, int] = (0, 0),
+    stats: bool = False,
+) -> ProbeReport:
+    """Fetch a peer's metadata and measure ``count`` round trips.
+
+    ``vllm``: True speaks vLLM's request form only; None tries kvpush's form and falls back to
+    vLLM's when nothing answers; False never tries vLLM's. ``local``: compatibility fields to
+    compare against (``local_compat_fields``); None skips the comparison except for the
+    protocol version.
+    """
+    if count < 1:
+        from kvpush.errors import ConfigError
+
+        raise ConfigError(f"--count must be positive, got {count}", "pass --count 1 or more")
+    host, port = parse_address(address)
+    addr = format_address(host, port)
+    if vllm:
+        return probe_vllm(addr, count=count, timeout_s=timeout_s, ranks=vllm_ranks)
+    try:
+        return _probe_kvpush(addr, count, timeout_s, local, token, stats)
+    except PeerUnreachableError:
+        if vllm is False or not _tcp_open(host, port, timeout_s):
+            raise
+    # Something accepts connections but did not answer kvpush's form: maybe a vLLM listener.
+    try:
+        report = probe_vllm(addr, count=count, timeout_s=timeout_s, ranks=vllm_ranks)
+    except (PeerUnreachableError, ProtocolError):
+        raise PeerUnreachableError(
+            f"{addr} did not answer within {timeout_s:g}s",
+            "check the address and that the peer is running; raise --timeout for a slow link",
+        ) from None
+    report.notes.append("no answer to kvpush's request form; the peer answered vLLM's")
+    return report
+
+
+def _probe_kvpush(
+    addr: str,
+    count: int,
+    timeout_s: float,
+    local: dict[str, object] | None,
+    token: bytes | None,
+    want_stats: bool,
+) -> ProbeReport:
+    samples: list[tuple[float, float, float]] = []
+    rep: protocol.HandshakeRep | None = None
+    with _client(addr, token, timeout_s) as client:
+        # One request more than counted: the first pays the TCP/ZMQ connection set-up.
+        for i in range(count + 1):
+            t0 = _KVPUSH_CLOCK()
+            try:
+                r = client.request(protocol.HandshakeReq(mode="notif", requester="kvpush-probe"))
+            except ProtocolError as e:
+                raise _incompatible_protocol(addr, e) from None
+            t1 = _KVPUSH_CLOCK()
+            if not isinstance(r, protocol.HandshakeRep):
+                raise PeerError(f"{addr} answered a handshake request with {type(r).__name__}")
+            rep = r
+            if i > 0:
+                samples.append((t0, t1, r.server_clock))
+        stats_d: dict[str, Any] | None = None
+        if want_stats:
+            s = client.request(protocol.StatsReq())
+            if not isinstance(s, protocol.StatsRep):
+                raise PeerError(f"{addr} answered a stats request with {type(s).__name__}")
+            stats_d = dict(s.snapshot)
+    assert rep is not None
+    try:
+        md = protocol.decode_metadata(rep.metadata)
+        meta: dict[str, Any] = msgspec.structs.asdict(md)
+    except ProtocolError:
+        # Not our schema (another version): decode loosely only to name what differs.
+        meta = protocol.decode_metadata_loose(rep.metadata)
+    meta.pop("region_base_addrs", None)
+    remote_fields = {f: meta.get(f) for f in protocol.COMPAT_FIELDS}
+    if local is None:
+        local_fields = {"protocol_version": PROTOCOL_VERSION}
+        diffs = [
+            (f, lv, remote_fields.get(f))
+            for f, lv in local_fields.items()
+            if remote_fields.get(f) != lv
+        ]
+    else:
+        diffs = protocol.compat_differences(local, remote_fields)
+    return ProbeReport(
+        address=addr,
+        kind="kvpush",
+        compat_hash=rep.compat_hash,
+        metadata=meta,
+        rtt=rtt_stats(samples),
+        compat_checked=local is not None,
+        differences=diffs,
+        stats=stats_d,
+    )
+
+
+def probe_vllm(
+    addr: str, *, count: int = 5, timeout_s: float = 3.0, ranks: tuple[int, int] = (0, 0)
+) -> ProbeReport:
+    """Probe a vLLM NixlConnector side channel (each request on a fresh REQ socket)."""
+    from kvpush.sidechannel import vllm_get_meta
+
+    host, port = parse_address(addr)
+    samples: list[tuple[float, float, float]] = []
+    frames: list[bytes] = []
+    for _ in range(count):
+        frames, t0, t1, _rtt = vllm_get_meta(host, port, ranks[0], ranks[1], timeout_s)
+        if frames and frames[0].startswith(protocol.MAGIC_REP):
+            raise PeerError(
+                f"{addr} is a kvpush endpoint that refused vLLM's request form (a token is set)",
+                "probe it without --vllm, with --auth-token-file",
+            )
+        if len(frames) != 2:
+            raise ProtocolError(f"{addr}: vLLM reply has {len(frames)} parts, expected 2")
+        try:
+            remote = msgspec.msgpack.decode(frames[1], type=float)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ProtocolError(f"{addr}: vLLM reply has no clock part: {e}") from None
+        samples.append((t0, t1, remote))
+    payload = protocol.decode_vllm_payload(frames[0])
+    md = protocol.decode_vllm_agent_metadata(payload.agent_metadata_bytes)
+    meta: dict[str, Any] = msgspec.structs.asdict(md)
+    meta["agent_metadata_bytes"] = len(meta.pop("agent_metadata"))
+    meta["kv_caches_base_addr"] = len(md.kv_caches_base_addr)
+    return ProbeReport(
+        address=addr,
+        kind="vllm",
+        compat_hash=payload.compatibility_hash,
+        metadata=meta,
+        rtt=rtt_stats(samples),
+        notes=[
+            "vLLM side channel: RTT includes a new connection per request; the clock offset "
+            "compares perf_counter clocks (meaningful on the same host only)"
+        ],
+    )
+
+
+@dataclass(frozen=True)
+class HandshakeProbe:
+    mode: str
+    timings_s: dict[str, float]
+    ping_s: list[float]
+
+
+def handshake_probe(
+    address: str,
+    local: EndpointConfig,
+    mode: HandshakeMode | None,
+    ping_count: int = 0,
+) -> HandshakeProbe:
+    """Start a tiny local decode endpoint, do a real NIXL handshake (and pings) to ``address``.
+
+    ``mode`` None with ``ping_count`` > 0 handshakes notif-only, which notifications need.
+    """
+    from kvpush.endpoint import create_endpoint
+
+    host, port = parse_address(address)
+    addr = format_address(host, port)
+    ep = create_endpoint(local)
+    ep.start()
+    try:
+        res = ep.handshake_to(addr, mode or HandshakeMode.NOTIF)
+        pings = list(ep.ping(addr, ping_count)) if ping_count > 0 else []
+        return HandshakeProbe(
+            mode=(mode or HandshakeMode.NOTIF).value, timings_s=dict(res.timings), ping_s=pings
+        )
+    finally:
+        ep.stop()
+
+
+def tiny_local_config(
+    remote: dict[str, Any], given: PoolConfig | None, token: bytes | None, base: EndpointConfig
+) -> EndpointConfig:
+    """The probe's own decode endpoint: the peer's geometry (or the given one), 4 blocks."""
+    if given is not None:
+        pool = PoolConfig(
+            num_blocks=4,
+            layers=given.layers,
+            block_bytes=given.block_bytes,
+            device=given.device,
+            dtype=given.dtype,
+            kv_layout=given.kv_layout,
+        )
+    else:
+        pool = PoolConfig(
+            num_blocks=4,
+            layers=int(remote.get("layers") or 1),
+            block_bytes=int(remote.get("block_bytes") or 4096),
+            device=base.pool.device,
+            dtype=str(remote.get("dtype") or "bfloat16"),
+            kv_layout=str(remote.get("kv_layout") or "NHD"),
+        )
+    return EndpointConfig(
+        role="decode",
+        host=base.host,
+        port=0,
+        engine_id=base.engine_id,
+        pool=pool,
+        agent=base.agent,
+        timeouts=base.timeouts,
+        auth_token=token,
+    )

@@ -1,0 +1,432 @@
+"""kvpush's wire protocol: every byte that crosses a process boundary is defined here.
+
+Two carriers:
+* the **side channel** (ZMQ ROUTER on the server, DEALER/REQ on clients) carries handshakes and
+  control requests as frames ``[b"", MAGIC_REQ + envelope]``;
+* **NIXL notifications** carry PUSH_REG, completions, heartbeats, failures, cancels and fences as
+  ``MAGIC_NOTIF + envelope``.
+
+An envelope is ``msgpack(Envelope)`` whose ``body`` is the msgpack encoding of one tagged struct.
+With a shared token the envelope carries an HMAC tag (see ``kvpush.auth``); without one the tag is
+empty. Frames are size-checked *before* any decoding, and decoding goes through reusable typed
+decoders with field limits: nothing from the network is ever unpickled.
+
+For interoperability the side channel also answers vLLM's request form
+``msgpack((b"get_meta_msg", pp_rank, tp_rank))`` with vLLM's two-part reply, and notifications in
+vLLM's ``b"PUSH_REG:" + msgpack(map)`` form are accepted when no token is configured.
+
+History:
+  v1 (kvpush 0.1): first version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Annotated, Literal, TypeAlias
+
+import msgspec
+from msgspec import Meta, Struct
+
+from kvpush import PROTOCOL_VERSION
+from kvpush.errors import ProtocolError
+
+MAGIC_REQ = b"KVQ\x01"
+MAGIC_REP = b"KVR\x01"
+MAGIC_NOTIF = b"KVN\x01"
+VLLM_PUSH_REG_PREFIX = b"PUSH_REG:"
+VLLM_HB_PREFIX = b"HB:"
+VLLM_GET_META = b"get_meta_msg"
+
+MAX_FRAME_BYTES = 4 * 1024 * 1024
+MAX_NOTIF_BYTES = 64 * 1024
+MAX_AGENT_METADATA_BYTES = 2 * 1024 * 1024
+
+Str128 = Annotated[str, Meta(max_length=128)]
+Str256 = Annotated[str, Meta(max_length=256)]
+Str1k = Annotated[str, Meta(max_length=1024)]
+Port = Annotated[int, Meta(ge=0, le=65535)]
+NonNeg = Annotated[int, Meta(ge=0)]
+Pos = Annotated[int, Meta(ge=1)]
+SmallPos = Annotated[int, Meta(ge=1, le=1 << 16)]
+BlockId = Annotated[int, Meta(ge=0, lt=1 << 31)]
+BlockList = Annotated[list[BlockId], Meta(max_length=1 << 16)]
+Groups = Annotated[list[BlockList], Meta(max_length=64)]
+Addr = Annotated[int, Meta(ge=0)]
+
+
+class Envelope(Struct, array_like=True, frozen=True):
+    """Carrier of one message: timestamp + nonce for replay protection, body, optional HMAC tag."""
+
+    v: int
+    ts: float
+    nonce: Annotated[bytes, Meta(max_length=32)]
+    body: bytes
+    tag: Annotated[bytes, Meta(max_length=64)] = b""
+
+
+# --------------------------------------------------------------------------- metadata / handshake
+
+
+class EndpointMetadata(Struct, frozen=True, kw_only=True):
+    """What an endpoint tells a peer about itself (never contains NIXL metadata bytes)."""
+
+    protocol_version: int
+    kvpush_version: Str128
+    engine_id: Str128
+    role: Literal["prefill", "decode"]
+    incarnation: Str128
+    agent_name: Str256
+    host: Str256
+    port: Port
+    tp_rank: NonNeg
+    tp_size: SmallPos
+    device_kind: Literal["DRAM", "VRAM"]
+    device_id: NonNeg
+    num_blocks: Pos
+    layers: Pos
+    regions: Pos
+    block_bytes: Pos
+    dtype: Str128
+    kv_layout: Str128
+    region_base_addrs: Annotated[list[Addr], Meta(max_length=1 << 16)]
+    backends: Annotated[list[Str128], Meta(max_length=16)]
+    nixl_version: Str128 = ""
+    auth: bool = False
+
+
+COMPAT_FIELDS: tuple[str, ...] = (
+    "protocol_version",
+    "dtype",
+    "kv_layout",
+    "block_bytes",
+    "layers",
+    "regions",
+)
+
+
+def compat_fields(md: EndpointMetadata) -> dict[str, object]:
+    return {f: getattr(md, f) for f in COMPAT_FIELDS}
+
+
+def compat_hash(md: EndpointMetadata) -> str:
+    """Hash of what must match for P to WRITE into D: protocol, dtype, layout, geometry."""
+    items = compat_fields(md)
+    text = "|".join(f"{k}={items[k]}" for k in COMPAT_FIELDS)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def compat_differences(
+    local: dict[str, object], remote: dict[str, object]
+) -> list[tuple[str, object, object]]:
+    """(field, local value, remote value) for every compatibility field that differs."""
+    return [(f, local.get(f), remote.get(f)) for f in COMPAT_FIELDS if local.get(f) != remote.get(f)]
+
+
+class HandshakeReq(Struct, tag="handshake", frozen=True, kw_only=True):
+    """Ask for the peer's metadata. ``full`` asks for NIXL metadata with memory regions."""
+
+    rid: NonNeg = 0
+    mode: Literal["notif", "full"] = "notif"
+    requester: Str128 = ""
+
+
+class HandshakeRep(Struct, tag="handshake", frozen=True, kw_only=True):
+    rid: NonNeg = 0
+    compat_hash: Str128
+    metadata: Annotated[bytes, Meta(max_length=1 << 20)]  # msgpack(EndpointMetadata)
+    agent_metadata: Annotated[bytes, Meta(max_length=MAX_AGENT_METADATA_BYTES)]
+    server_clock: float
+
+
+class StatsReq(Struct, tag="stats", frozen=True, kw_only=True):
+    rid: NonNeg = 0
+
+
+class StatsRep(Struct, tag="stats", frozen=True, kw_only=True):
+    rid: NonNeg = 0
+    snapshot: dict[str, object]
+
+
+class PrefillReq(Struct, tag="prefill", frozen=True, kw_only=True):
+    """Prefill leg: P fills ``num_blocks`` with the transfer's pattern and marks them finished."""
+
+    rid: NonNeg = 0
+    transfer_id: Str256
+    num_blocks: Annotated[int, Meta(ge=1, le=1 << 16)]
+    request_id: Str256 = ""
+
+
+class PrefillRep(Struct, tag="prefill", frozen=True, kw_only=True):
+    rid: NonNeg = 0
+    transfer_id: Str256
+    outcome: Literal["ok", "failed"]
+    reason: Str256 = ""
+    latency_s: float = 0.0
+
+
+class DecodeReq(Struct, tag="decode", frozen=True, kw_only=True):
+    """Decode leg: D allocates blocks, registers them with P, waits for the push."""
+
+    rid: NonNeg = 0
+    transfer_id: Str256
+    prefill_host: Str256
+    prefill_port: Port
+    num_blocks: Annotated[int, Meta(ge=1, le=1 << 16)]
+    request_id: Str256 = ""
+    deadline_s: float = 0.0  # 0 = the endpoint's default
+
+
+class DecodeRep(Struct, tag="decode", frozen=True, kw_only=True):
+    rid: NonNeg = 0
+    transfer_id: Str256
+    request_id: Str256 = ""
+    outcome: Literal["ok", "failed"]
+    reason: Str256 = ""
+    detail: Str1k = ""
+    latency_s: float = 0.0
+    nbytes: NonNeg = 0
+    verified: bool | None = None
+
+
+class PingReq(Struct, tag="ping", frozen=True, kw_only=True):
+    """Ask the endpoint to measure NIXL notification round trips to the requester."""
+
+    rid: NonNeg = 0
+
+
+class ErrorRep(Struct, tag="error", frozen=True, kw_only=True):
+    rid: NonNeg = 0
+    code: Str128
+    message: Str1k
+    hint: Str1k = ""
+
+
+SideRequest: TypeAlias = HandshakeReq | StatsReq | PrefillReq | DecodeReq | PingReq
+SideReply: TypeAlias = HandshakeRep | StatsRep | PrefillRep | DecodeRep | ErrorRep
+
+# ----------------------------------------------------------------------------------- notifications
+
+
+class PushReg(Struct, tag="push_reg", frozen=True, kw_only=True):
+    """D -> every agent of P: D's blocks for a request are ready to be written into."""
+
+    request_id: Str256
+    transfer_id: Str256 = ""
+    decode_engine_id: Str128
+    decode_host: Str256
+    decode_port: Port
+    decode_tp_size: SmallPos = 1
+    local_block_ids: Groups
+    remote_engine_id: Str128
+    remote_host: Str256
+    remote_port: Port
+    remote_tp_size: SmallPos = 1
+    remote_pp_size: SmallPos = 1
+    decode_incarnation: Str128 = ""
+    decode_tp_rank: NonNeg = 0
+
+
+class Completion(Struct, tag="done", frozen=True, kw_only=True):
+    """Attached to P's WRITE: the blocks of ``request_id`` have landed."""
+
+    request_id: Str256
+    transfer_id: Str256 = ""
+    p_tp_size: SmallPos = 1
+    p_tp_rank: NonNeg = 0
+    nbytes: NonNeg = 0
+
+
+class Heartbeat(Struct, tag="hb", frozen=True, kw_only=True):
+    """D -> P: D still waits for these transfers; P extends their leases."""
+
+    transfer_ids: Annotated[list[Str256], Meta(max_length=4096)]
+
+
+class Failure(Struct, tag="fail", frozen=True, kw_only=True):
+    """P -> D: P cannot push this request; D fails it at once with the reason."""
+
+    request_id: Str256
+    transfer_id: Str256 = ""
+    reason: Str128
+    detail: Str1k = ""
+    may_have_written: bool = False  # True: bytes may still land; D quarantines until a Fence
+
+
+class Cancel(Struct, tag="cancel", frozen=True, kw_only=True):
+    """D -> P: D abandoned this request; P must not WRITE into its blocks, and fences."""
+
+    request_id: Str256
+    transfer_id: Str256 = ""
+
+
+class Fence(Struct, tag="fence", frozen=True, kw_only=True):
+    """P -> D, attached to a small WRITE into an abandoned request's (quarantined) block: every
+    earlier WRITE of P to D has landed, so D may reuse the blocks of ``request_ids``."""
+
+    fence_id: Str128
+    request_ids: Annotated[list[Str256], Meta(max_length=4096)] = []
+
+
+class Ping(Struct, tag="ping", frozen=True, kw_only=True):
+    """Notification round trip probe: the peer answers with ``reply=True`` to ``reply_host:port``
+    (handshaking back to it first if needed)."""
+
+    seq: NonNeg
+    reply: bool = False
+    reply_host: Str256 = ""
+    reply_port: Port = 0
+    sent_at: float = 0.0
+
+
+Notif: TypeAlias = PushReg | Completion | Heartbeat | Failure | Cancel | Fence | Ping
+
+# ------------------------------------------------------------------------------ encoding/decoding
+
+_enc = msgspec.msgpack.Encoder()
+_env_dec = msgspec.msgpack.Decoder(Envelope)
+_req_dec = msgspec.msgpack.Decoder(SideRequest)  # type: ignore[arg-type]
+_rep_dec = msgspec.msgpack.Decoder(SideReply)  # type: ignore[arg-type]
+_notif_dec = msgspec.msgpack.Decoder(Notif)  # type: ignore[arg-type]
+_md_dec = msgspec.msgpack.Decoder(EndpointMetadata)
+_md_loose_dec = msgspec.msgpack.Decoder(dict[str, object])
+_vllm_push_reg_dec = msgspec.msgpack.Decoder(dict[str, object])
+
+
+def encode(obj: object) -> bytes:
+    return _enc.encode(obj)
+
+
+def make_envelope_bytes(body: bytes, tag: bytes = b"", ts: float | None = None, nonce: bytes = b"") -> bytes:
+    env = Envelope(v=PROTOCOL_VERSION, ts=time.time() if ts is None else ts, nonce=nonce, body=body, tag=tag)
+    return _enc.encode(env)
+
+
+def _check_size(data: bytes, limit: int, what: str) -> None:
+    if len(data) > limit:
+        raise ProtocolError(f"{what} of {len(data)} bytes exceeds the {limit}-byte limit")
+
+
+def decode_envelope(data: bytes, magic: bytes, limit: int, what: str) -> Envelope:
+    """Size-check, strip the magic, decode the envelope (body still opaque)."""
+    _check_size(data, limit, what)
+    if not data.startswith(magic):
+        raise ProtocolError(f"{what} has no kvpush magic")
+    try:
+        env = _env_dec.decode(memoryview(data)[len(magic) :])
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"malformed {what} envelope: {e}") from None
+    if env.v != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"{what} uses protocol v{env.v}, this kvpush speaks v{PROTOCOL_VERSION}"
+        )
+    return env
+
+
+def _decode_body(dec: msgspec.msgpack.Decoder[object], body: bytes, what: str) -> object:
+    try:
+        return dec.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"malformed {what}: {e}") from None
+
+
+def decode_request_body(body: bytes) -> SideRequest:
+    return _decode_body(_req_dec, body, "side-channel request")  # type: ignore[return-value]
+
+
+def decode_reply_body(body: bytes) -> SideReply:
+    return _decode_body(_rep_dec, body, "side-channel reply")  # type: ignore[return-value]
+
+
+def decode_notif_body(body: bytes) -> Notif:
+    return _decode_body(_notif_dec, body, "notification")  # type: ignore[return-value]
+
+
+def encode_metadata(md: EndpointMetadata) -> bytes:
+    return _enc.encode(md)
+
+
+def decode_metadata(data: bytes) -> EndpointMetadata:
+    _check_size(data, 1 << 20, "endpoint metadata")
+    return _decode_body(_md_dec, data, "endpoint metadata")  # type: ignore[return-value]
+
+
+def decode_metadata_loose(data: bytes) -> dict[str, object]:
+    """Decode metadata as a plain map: used only to name differing fields of an incompatible
+    peer (whose metadata may not fit our schema). Never passed to NIXL."""
+    _check_size(data, 1 << 20, "endpoint metadata")
+    out = _decode_body(_md_loose_dec, data, "endpoint metadata")
+    if not isinstance(out, dict):
+        raise ProtocolError("endpoint metadata is not a map")
+    return out
+
+
+# ------------------------------------------------------------------------------------ vLLM forms
+
+
+def is_vllm_get_meta(frame: bytes) -> tuple[int, int] | None:
+    """Return (pp_rank, tp_rank) if ``frame`` is vLLM's ``msgpack((b"get_meta_msg", pp, tp))``."""
+    if len(frame) > 256 or frame.startswith(MAGIC_REQ):
+        return None
+    try:
+        obj = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return None
+    if (
+        isinstance(obj, list)
+        and len(obj) == 3
+        and obj[0] in (VLLM_GET_META, VLLM_GET_META.decode())
+        and isinstance(obj[1], int)
+        and isinstance(obj[2], int)
+    ):
+        return obj[1], obj[2]
+    return None
+
+
+def vllm_get_meta_request(pp_rank: int = 0, tp_rank: int = 0) -> bytes:
+    return _enc.encode((VLLM_GET_META, pp_rank, tp_rank))
+
+
+class VllmHandshakePayload(Struct, frozen=True):
+    compatibility_hash: Str256
+    agent_metadata_bytes: Annotated[bytes, Meta(max_length=64 << 20)]
+
+
+class VllmAgentMetadata(Struct, frozen=True, forbid_unknown_fields=False):
+    """vLLM's ``NixlAgentMetadata`` (fields kvpush reports; unknown fields are ignored)."""
+
+    engine_id: Str256
+    agent_metadata: bytes = b""
+    kv_caches_base_addr: list[int] = []
+    device_id: int = 0
+    num_blocks: int = 0
+    block_lens: list[int] = []
+    block_strides: list[int] | None = None
+    kv_cache_layout: str = ""
+    block_size: int = 0
+    ssm_sizes: list[int] | None = None
+    attn_backend_name: str = ""
+    physical_blocks_per_logical_kv_block: int | None = None
+
+
+_vllm_payload_dec = msgspec.msgpack.Decoder(VllmHandshakePayload)
+_vllm_md_dec = msgspec.msgpack.Decoder(VllmAgentMetadata)
+
+
+def decode_vllm_payload(frame: bytes) -> VllmHandshakePayload:
+    _check_size(frame, 64 << 20, "vLLM handshake payload")
+    return _decode_body(_vllm_payload_dec, frame, "vLLM handshake payload")  # type: ignore[return-value]
+
+
+def decode_vllm_agent_metadata(data: bytes) -> VllmAgentMetadata:
+    return _decode_body(_vllm_md_dec, data, "vLLM agent metadata")  # type: ignore[return-value]
+
+
+def decode_vllm_push_reg(data: bytes) -> PushReg:
+    """Decode vLLM's ``b"PUSH_REG:" + msgpack(map)`` into our PushReg."""
+    _check_size(data, MAX_NOTIF_BYTES, "PUSH_REG")
+    obj = _decode_body(_vllm_push_reg_dec, data[len(VLLM_PUSH_REG_PREFIX) :], "PUSH_REG")
+    try:
+        return msgspec.convert(obj, PushReg)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"malformed PUSH_REG: {e}") from None
