@@ -1,0 +1,398 @@
+"""The embedded demo: one P and several D endpoints as child processes, driven on loopback.
+
+Owns ``Cluster`` (spawn ``python -m kvpush serve-*`` children with ``--port 0 --ready-file``, wait
+until each is ready, stop them with SIGTERM then SIGKILL) and ``Demo`` (drive requests through
+the cluster with a ``Driver``, bring one more D in mid-run, report). Threads: the caller's thread
+owns the cluster and the stats client; the driver runs on its own thread (``start_driving``); the
+extra D is spawned on a short-lived thread. Nothing here imports typer or rich: the CLI renders
+``Demo.progress()`` / ``Demo.prefill_stats()`` and the final ``DemoReport``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpush import protocol
+from kvpush.config import parse_address
+from kvpush.driver import DriveConfig, DriveReport, Driver, RequestResult
+from kvpush.errors import KvpushError
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    requests: int = 300
+    blocks: int = 4
+    decoders: int = 2
+    concurrency: int = 8
+    extra_decoder: bool = True
+    # A small geometry: the pool of each endpoint is layers*2*num_blocks*block_bytes = 8 MiB.
+    num_blocks: int = 256
+    layers: int = 2
+    block_bytes: int = 8192
+    timeout_s: float = 30.0
+    start_timeout_s: float = 90.0
+    python: str = sys.executable
+    workdir: str | None = None  # None: a fresh temporary directory
+
+    def __post_init__(self) -> None:
+        from kvpush.errors import ConfigError
+
+        for name, v in (
+            ("--requests", self.requests),
+            ("--blocks", self.blocks),
+            ("--decoders", self.decoders),
+            ("--concurrency", self.concurrency),
+        ):
+            if v < 1:
+                raise ConfigError(f"{name} must be positive, got {v}", f"pass {name} 1 or more")
+        if self.blocks * self.concurrency > self.num_blocks:
+            raise ConfigError(
+                f"--blocks {self.blocks} x --concurrency {self.concurrency} exceeds the demo "
+                f"pool of {self.num_blocks} blocks",
+                "lower --blocks or --concurrency",
+            )
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    ready_path: Path
+    info: dict[str, Any] = field(default_factory=dict)
+    returncode: int | None = None
+
+    @property
+    def address(self) -> str:
+        return str(self.info.get("address", ""))
+
+    def log_tail(self, lines: int = 3) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return " | ".join(text[-lines:])
+
+
+def _child_env() -> dict[str, str]:
+    # The operator's KVPUSH_* settings (a --config file, a port...) are for their own
+    # endpoints, not the demo's: children get exactly the options the demo passes.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPUSH_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Cluster:
+    """Child endpoint processes, their logs and ready files in one work directory."""
+
+    def __init__(self, cfg: DemoConfig, workdir: Path) -> None:
+        self.cfg = cfg
+        self.workdir = workdir
+        self.children: list[Child] = []
+        self._lock = threading.Lock()
+
+    def spawn(self, role: str, name: str) -> Child:
+        ready = self.workdir / f"{name}.ready.json"
+        log_path = self.workdir / f"{name}.log"
+        cmd = [
+            self.cfg.python,
+            "-m",
+            "kvpush",
+            f"serve-{role}",
+            "--port",
+            "0",
+            "--engine-id",
+            name,
+            "--num-blocks",
+            str(self.cfg.num_blocks),
+            "--layers",
+            str(self.cfg.layers),
+            "--block-bytes",
+            str(self.cfg.block_bytes),
+            "--ready-file",
+            str(ready),
+            "--output",
+            "json",
+            "--interval",
+            "1",
+            "--log-level",
+            "info",
+        ]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=_child_env(),
+                start_new_session=True,  # the terminal's Ctrl+C goes to the demo only
+            )
+        child = Child(name, role, proc, log_path, ready)
+        with self._lock:
+            self.children.append(child)
+        return child
+
+    def wait_ready(self, child: Child, timeout_s: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout_s or self.cfg.start_timeout_s)
+        while True:
+            if child.ready_path.exists():
+                try:
+                    child.info = json.loads(child.ready_path.read_text())
+                    return
+                except (OSError, ValueError):
+                    pass  # written atomically, but be lenient
+            rc = child.proc.poll()
+            if rc is not None:
+                child.returncode = rc
+                raise KvpushError(
+                    f"demo endpoint {child.name} exited with status {rc} while starting: "
+                    f"{child.log_tail(1)}",
+                    f"see its log: {child.log_path}",
+                )
+            if time.monotonic() > deadline:
+                raise KvpushError(
+                    f"demo endpoint {child.name} did not start within "
+                    f"{timeout_s or self.cfg.start_timeout_s:g}s",
+                    f"see its log: {child.log_path}",
+                )
+            time.sleep(0.05)
+
+    def stop_all(self, timeout_s: float = 20.0) -> None:
+        with self._lock:
+            children = list(self.children)
+        for c in children:
+            if c.proc.poll() is None:
+                try:
+                    c.proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + timeout_s
+        for c in children:
+            try:
+                c.returncode = c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+                c.returncode = -signal.SIGKILL
+
+
+@dataclass(frozen=True)
+class DemoReport:
+    drive: DriveReport
+    children: list[dict[str, Any]]
+    events: list[str]
+    extra_decoder_requests: int
+    workdir: str
+    kept_logs: bool
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.drive.all_verified
+            and all(c["returncode"] == 0 for c in self.children)
+            and (self.extra_decoder_requests > 0 or not any(c["extra"] for c in self.children))
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "drive": self.drive.to_dict(),
+            "children": self.children,
+            "events": self.events,
+            "extra_decoder_requests": self.extra_decoder_requests,
+            "workdir": self.workdir if self.kept_logs else None,
+        }
+
+
+class Demo:
+    """Lifecycle: ``start()`` -> ``start_driving()`` -> poll ``done()`` -> ``finish()``."""
+
+    def __init__(self, cfg: DemoConfig) -> None:
+        self.cfg = cfg
+        self._own_dir = cfg.workdir is None
+        self.workdir = Path(cfg.workdir or tempfile.mkdtemp(prefix="kvpush-demo-"))
+        self.cluster = Cluster(cfg, self.workdir)
+        self.prefill: Child | None = None
+        self.decoders: list[Child] = []
+        self.extra: Child | None = None
+        self.events: list[str] = []
+        self._extra_ready = threading.Event()
+        self._extra_started = False
+        self._driver: Driver | None = None
+        self._thread: threading.Thread | None = None
+        self._report: DriveReport | None = None
+        self._error: BaseException | None = None
+        self._stats_client: Any = None
+        self._t0 = time.monotonic()
+
+    def _event(self, text: str) -> None:
+        self.events.append(f"{time.monotonic() - self._t0:6.2f}s {text}")
+
+    # ------------------------------------------------------------------ cluster
+    def start(self) -> None:
+        """Spawn P and the decoders in parallel and wait until all are ready."""
+        self.prefill = self.cluster.spawn("prefill", "p0")
+        self.decoders = [self.cluster.spawn("decode", f"d{i}") for i in range(self.cfg.decoders)]
+        for c in [self.prefill, *self.decoders]:
+            self.cluster.wait_ready(c)
+            self._event(f"{c.name} ({c.role}) ready on {c.address}")
+
+    def _spawn_extra(self) -> None:
+        try:
+            child = self.cluster.spawn("decode", f"d{self.cfg.decoders}")
+            self.extra = child
+            self._event(f"{child.name} starting (mid-run)")
+            self.cluster.wait_ready(child)
+            assert self._driver is not None
+            self._driver.add_decode(child.address)
+            self._event(f"{child.name} ready on {child.address}: added to the rotation")
+        except KvpushError as e:
+            self._event(f"extra decoder failed: {e.message}")
+        finally:
+            self._extra_ready.set()
+
+    def _before_request(self, i: int) -> None:
+        n = self.cfg.requests
+        if not self.cfg.extra_decoder or n < 3:
+            return
+        with self.cluster._lock:
+            start_now = i >= n // 3 and not self._extra_started
+            if start_now:
+                self._extra_started = True
+        if start_now:
+            threading.Thread(target=self._spawn_extra, name="demo-extra-d", daemon=True).start()
+        if i >= (2 * n) // 3 and self._extra_started:
+            # Hold the last third until the new D has joined, so that it takes traffic.
+            self._extra_ready.wait(self.cfg.start_timeout_s)
+
+    # ------------------------------------------------------------------ driving
+    def start_driving(self, on_result: Any = None) -> None:
+        assert self.prefill is not None
+        cfg = DriveConfig(
+            prefill=(self.prefill.address,),
+            decode=tuple(c.address for c in self.decoders),
+            requests=self.cfg.requests,
+            concurrency=self.cfg.concurrency,
+            blocks=self.cfg.blocks,
+            timeout_s=self.cfg.timeout_s,
+        )
+        self._driver = Driver(cfg, on_result=on_result, before_request=self._before_request)
+        self._event(f"driving {self.cfg.requests} requests")
+
+        def run() -> None:
+            try:
+                assert self._driver is not None
+                self._report = self._driver.run()
+            except BaseException as e:
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="demo-driver", daemon=True)
+        self._thread.start()
+
+    def done(self, timeout_s: float | None = 0.0) -> bool:
+        assert self._thread is not None
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def progress(self) -> tuple[int, int, int, int]:
+        """(done, ok, failed, decoders in rotation)."""
+        if self._driver is None:
+            return 0, 0, 0, len(self.decoders)
+        done, ok, failed = self._driver.progress()
+        return done, ok, failed, len(self._driver.decodes)
+
+    def cancel(self) -> None:
+        if self._driver is not None:
+            self._driver.cancel()
+
+    def prefill_stats(self, timeout_s: float = 1.0) -> dict[str, Any] | None:
+        """P's telemetry snapshot (StatsReq); None when it does not answer in time.
+
+        Call from one thread only (the client it keeps is not thread-safe).
+        """
+        if self.prefill is None or not self.prefill.address:
+            return None
+        if self._stats_client is None:
+            from kvpush.sidechannel import SideChannelClient
+
+            host, port = parse_address(self.prefill.address)
+            self._stats_client = SideChannelClient(host, port, timeout_s=timeout_s)
+        try:
+            rep = self._stats_client.request(protocol.StatsReq())
+        except KvpushError:
+            return None
+        return dict(rep.snapshot) if isinstance(rep, protocol.StatsRep) else None
+
+    # ------------------------------------------------------------------ end
+    def finish(self, keep_logs: bool | None = None) -> DemoReport:
+        """Stop the children (SIGTERM, then SIGKILL) and build the report."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._stats_client is not None:
+            self._stats_client.close()
+        self.cluster.stop_all()
+        self._event("endpoints stopped")
+        if self._error is not None:
+            raise self._error
+        assert self._report is not None
+        extra_addr = self.extra.address if self.extra else ""
+        extra_n = self._report.by_decode.get(extra_addr, 0) if extra_addr else 0
+        children = [
+            {
+                "name": c.name,
+                "role": c.role,
+                "address": c.address,
+                "returncode": c.returncode,
+                "requests": self._report.by_decode.get(c.address, 0)
+                if c.role == "decode"
+                else self._report.by_prefill.get(c.address, 0),
+                "extra": c is self.extra,
+                "log": str(c.log_path),
+            }
+            for c in self.cluster.children
+        ]
+        report = DemoReport(self._report, children, self.events, extra_n, str(self.workdir), True)
+        keep = (not report.ok) if keep_logs is None else keep_logs
+        if self._own_dir and not keep:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            report = DemoReport(
+                self._report, children, self.events, extra_n, str(self.workdir), False
+            )
+        return report
+
+    def abort(self) -> None:
+        """Best-effort cleanup after an error or interrupt: stop everything, keep the logs."""
+        self.cancel()
+        if self._stats_client is not None:
+            self._stats_client.close()
+            self._stats_client = None
+        self.cluster.stop_all(timeout_s=10.0)
+
+
+def run_demo(
+    cfg: DemoConfig, on_result: Any = None
+) -> DemoReport:  # pragma: no cover - convenience for scripts
+    demo = Demo(cfg)
+    try:
+        demo.start()
+        demo.start_driving(on_result)
+        demo.done(None)
+        return demo.finish()
+    except BaseException:
+        demo.abort()
+        raise
+
+
+__all__ = ["Child", "Cluster", "Demo", "DemoConfig", "DemoReport", "RequestResult", "run_demo"]

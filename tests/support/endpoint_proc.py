@@ -1,0 +1,69 @@
+"""Run one kvpush endpoint in its own process for integration tests (no CLI involved).
+
+Usage: python -m tests.support.endpoint_proc CONFIG_JSON READY_FILE
+CONFIG_JSON holds EndpointConfig fields (pool/timeouts/agent as nested maps). Writes READY_FILE
+(JSON: address, engine_id, incarnation, pid) once started; stops gracefully on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+from kvpush.config import AgentConfig, EndpointConfig, HandshakeMode, PoolConfig, Timeouts, WriterMode
+from kvpush.endpoint import create_endpoint
+
+
+def build_config(d: dict) -> EndpointConfig:
+    d = dict(d)
+    pool = PoolConfig(**d.pop("pool", {}))
+    timeouts = Timeouts(**d.pop("timeouts", {}))
+    agent = AgentConfig(**d.pop("agent", {}))
+    if "handshake_mode" in d:
+        d["handshake_mode"] = HandshakeMode(d["handshake_mode"])
+    if "writer_mode" in d:
+        d["writer_mode"] = WriterMode(d["writer_mode"])
+    if "auth_token" in d and d["auth_token"] is not None:
+        d["auth_token"] = d["auth_token"].encode()
+    return EndpointConfig(pool=pool, timeouts=timeouts, agent=agent, **d)
+
+
+def main() -> int:
+    logging.basicConfig(
+        level=os.environ.get("KVPUSH_TEST_LOG", "WARNING"),
+        format="%(asctime)s %(process)d %(threadName)s %(name)s %(levelname)s %(message)s",
+    )
+    cfg = build_config(json.loads(sys.argv[1]))
+    ready = sys.argv[2]
+    ep = create_endpoint(cfg)
+    ep.start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    tmp = ready + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(
+            {
+                "address": ep.address,
+                "engine_id": cfg.engine_id,
+                "incarnation": ep.incarnation,
+                "pid": os.getpid(),
+            },
+            f,
+        )
+    os.replace(tmp, ready)
+    while not stop.wait(0.2):
+        if ep.failure() is not None:
+            print(f"endpoint thread failed: {ep.failure()!r}", file=sys.stderr)
+            ep.stop(1.0)
+            return 1
+    ep.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
