@@ -67,6 +67,7 @@ class DecodeEndpoint(Endpoint):
             "decode-ready", 1 << 16, self.wake
         )
         self.evictions: Inbox[tuple[PeerKey, str]] = Inbox("decode-evict", 4096, self.wake)
+        self.cancels: Inbox[str] = Inbox("decode-cancel", 1 << 16, self.wake)
         self._last_resort: deque[tuple[DRequest, BaseException]] = deque()
         self._reqs: dict[str, DRequest] = {}  # waiting, by request id
         self._abandoned: dict[str, DRequest] = {}  # quarantined, by request id
@@ -135,6 +136,17 @@ class DecodeEndpoint(Endpoint):
             fut.set_result(self._rep_failed(rid, transfer_id, "overloaded", str(e), t0))
         return fut
 
+    def cancel(self, request_id: str) -> None:
+        """Abort a waiting request (D-side abort). If its PUSH_REG went out, P is told to drop
+        it and the blocks stay quarantined until P's WRITE completion or fence says no more
+        bytes can land (vLLM's C1: never hand them to the next request before)."""
+        self.cancels.put(request_id)
+
+    def _on_cancel(self, request_id: str) -> None:
+        req = self._reqs.get(request_id)
+        if req is not None:
+            self._finish_failed(req, "cancelled", "cancelled by D", notify_p=True)
+
     def _rep_failed(
         self, rid: str, tid: str, reason: str, detail: str, t0: float
     ) -> protocol.DecodeRep:
@@ -191,6 +203,7 @@ class DecodeEndpoint(Endpoint):
         n += drain_into(self.new, self._on_new)
         n += drain_into(self.ready, lambda item: self._on_ready(*item))
         n += drain_into(self.evictions, lambda e: self._evict(*e))
+        n += drain_into(self.cancels, self._on_cancel)
         while self._last_resort:
             req, exc = self._last_resort.popleft()
             self._finish_failed(req, "callback_error", repr(exc))

@@ -1,8 +1,10 @@
-"""Run one kvpush endpoint in its own process for integration tests (no CLI involved).
+"""Run one endpoint from a JSON config in this process: the worker used by benchmarks and tests.
 
-Usage: python -m tests.support.endpoint_proc CONFIG_JSON READY_FILE
-CONFIG_JSON holds EndpointConfig fields (pool/timeouts/agent as nested maps). Writes READY_FILE
-(JSON: address, engine_id, incarnation, pid) once started; stops gracefully on SIGTERM.
+Usage: ``python -m kvpush.node CONFIG_JSON READY_FILE``. CONFIG_JSON holds ``EndpointConfig``
+fields (``pool``, ``timeouts`` and ``agent`` as nested maps), including knobs the CLI does not
+expose (e.g. ``handshake_reply_delay_s``). Writes READY_FILE (JSON: address, engine_id,
+incarnation, pid) atomically once started; SIGTERM/SIGINT stop it gracefully (exit 0).
+Operators use ``kvpush serve-prefill`` / ``serve-decode`` instead.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from kvpush.config import AgentConfig, EndpointConfig, HandshakeMode, PoolConfig
 from kvpush.endpoint import create_endpoint
 
 
-def build_config(d: dict) -> EndpointConfig:
+def build_config(d: dict[str, object]) -> EndpointConfig:
     d = dict(d)
     pool = PoolConfig(**d.pop("pool", {}))
     timeouts = Timeouts(**d.pop("timeouts", {}))

@@ -1,0 +1,210 @@
+"""The run loop of ``kvpush serve-prefill`` / ``serve-decode``.
+
+Lifecycle (uvicorn's shape): install signal handlers -> start the endpoint (raises typed errors)
+-> optional Prometheus exporter -> ready file -> main loop (render telemetry, watch for a thread
+failure) -> ordered shutdown: ``endpoint.stop()`` drains under ``--drain-timeout``, then the
+exporter stops and the ready file is removed.
+
+Signals: SIGINT/SIGTERM handlers only set a flag (the main loop does the work); a second signal
+exits at once with status 130. Runs on the main thread; the endpoint owns its own threads.
+
+Output: ``live`` draws a rich view on stderr, on the same console as the log handler (log lines
+scroll above the view); ``plain`` and ``json`` print one telemetry line per ``--interval`` to
+stdout and log to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+from rich.console import Console
+
+from kvpush.cli.settings import LogLevel, OutputMode, ServeOptions
+from kvpush.config import EndpointConfig
+from kvpush.errors import ExitStatus, KvpushError
+
+log = logging.getLogger("kvpush.serve")
+
+LIVE_REFRESH_S = 0.25
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM; a second signal forces an immediate exit (status 130)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signame = ""
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.event.is_set():
+            os.write(2, b"kvpush: second signal: exiting without draining\n")
+            os._exit(int(ExitStatus.INTERRUPTED))
+        self.signame = signal.Signals(signum).name
+        self.event.set()
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handler)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def setup_logging(console: Console, level: LogLevel | str, rich_handler: bool) -> None:
+    """One handler for the application: rich on a terminal, plain lines otherwise."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    handler: logging.Handler
+    if rich_handler:
+        from rich.logging import RichHandler
+
+        handler = RichHandler(console=console, show_path=False, rich_tracebacks=False)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        )
+    root.addHandler(handler)
+    lvl = level.value if isinstance(level, LogLevel) else level
+    root.setLevel(lvl.upper())
+
+
+def write_ready_file(path: str, info: dict[str, Any]) -> None:
+    """Write ``info`` as JSON to ``path`` atomically (temp file in the same dir + rename)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".ready-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(info, f)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def choose_output(requested: OutputMode | None) -> OutputMode:
+    """Live only when both stdout and stderr are terminals (isatty, not rich's detection)."""
+    if requested is not None:
+        return requested
+    return OutputMode.LIVE if sys.stdout.isatty() and sys.stderr.isatty() else OutputMode.PLAIN
+
+
+def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
+    """Run one endpoint until SIGINT/SIGTERM; return the exit status (raise typed errors)."""
+    from kvpush.cli import render
+    from kvpush.endpoint import create_endpoint
+
+    output = choose_output(opts.output)
+    console = Console(stderr=True)
+    setup_logging(console, opts.log_level, rich_handler=sys.stderr.isatty())
+    if cfg.allow_all_interfaces and cfg.auth_token is None:
+        log.warning(
+            "the side channel binds %s without --auth-token-file: anyone who can reach it "
+            "can send requests",
+            cfg.host,
+        )
+    stop = StopFlag()
+    stop.install()
+    ep = create_endpoint(cfg)
+    exporter = None
+    failure: BaseException | None = None
+    started = False
+    try:
+        ep.start()
+        started = True
+        if opts.metrics_port:
+            from kvpush.prom import PrometheusExporter
+
+            exporter = PrometheusExporter(ep.snapshot, opts.metrics_host, opts.metrics_port)
+            exporter.start()
+        if opts.ready_file:
+            info: dict[str, Any] = {
+                "address": ep.address,
+                "engine_id": cfg.engine_id,
+                "incarnation": ep.incarnation,
+                "pid": os.getpid(),
+                "role": cfg.role,
+            }
+            if exporter is not None:
+                info["metrics"] = exporter.url
+            write_ready_file(opts.ready_file, info)
+        log.info("%s endpoint ready on %s; Ctrl+C or SIGTERM drains and stops", cfg.role, ep.address)
+        if output is OutputMode.LIVE:
+            failure = _loop_live(ep, stop, console, render)
+        else:
+            failure = _loop_lines(ep, stop, output, opts.interval_s, render)
+        if stop.signame:
+            log.info("%s received: draining (up to %gs)", stop.signame, cfg.timeouts.drain_s)
+    finally:
+        if started:
+            ep.stop()
+        if exporter is not None:
+            exporter.stop()
+        if opts.ready_file:
+            try:
+                os.unlink(opts.ready_file)
+            except OSError:
+                pass
+        stop.restore()
+    if failure is not None:
+        if isinstance(failure, KvpushError):
+            raise failure
+        raise KvpushError(
+            f"an internal thread of the endpoint failed: {type(failure).__name__}: {failure}",
+            "rerun with --debug --log-level debug and report the log",
+        ) from failure
+    log.info("stopped cleanly")
+    return int(ExitStatus.OK)
+
+
+def _loop_lines(
+    ep: Any, stop: StopFlag, output: OutputMode, interval_s: float, render: Any
+) -> BaseException | None:
+    fn = render.render_json if output is OutputMode.JSON else render.render_plain
+    next_t = time.monotonic() + interval_s
+    while not stop.event.is_set():
+        failure = ep.failure()
+        if failure is not None:
+            return failure  # type: ignore[no-any-return]
+        now = time.monotonic()
+        if now >= next_t:
+            sys.stdout.write(fn(ep.snapshot()) + "\n")
+            sys.stdout.flush()
+            next_t = now + interval_s
+        stop.event.wait(min(0.2, max(0.0, next_t - time.monotonic())))
+    return None
+
+
+def _loop_live(ep: Any, stop: StopFlag, console: Console, render: Any) -> BaseException | None:
+    from rich.live import Live
+
+    with Live(
+        render.render_live(ep.snapshot()),
+        console=console,
+        refresh_per_second=1 / LIVE_REFRESH_S,
+        redirect_stdout=False,
+        redirect_stderr=False,
+    ) as live:
+        while not stop.event.wait(LIVE_REFRESH_S):
+            failure = ep.failure()
+            if failure is not None:
+                return failure  # type: ignore[no-any-return]
+            live.update(render.render_live(ep.snapshot()))
+    return None
