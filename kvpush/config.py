@@ -123,7 +123,11 @@ class PoolConfig:
             )
         block_bytes = block_tokens * kv_heads * head_dim * DTYPE_SIZES[dtype]
         return PoolConfig(
-            num_blocks=num_blocks, layers=layers, block_bytes=block_bytes, device=device, dtype=dtype
+            num_blocks=num_blocks,
+            layers=layers,
+            block_bytes=block_bytes,
+            device=device,
+            dtype=dtype,
         )
 
 
@@ -229,9 +233,7 @@ class EndpointConfig:
         if self.role not in ("prefill", "decode"):
             raise ConfigError(f"unknown role {self.role!r}", "use prefill or decode")
         if not (0 <= self.port <= 65535):
-            raise ConfigError(
-                f"invalid port {self.port}", "use 1-65535, or 0 to pick a free port"
-            )
+            raise ConfigError(f"invalid port {self.port}", "use 1-65535, or 0 to pick a free port")
         if not self.engine_id:
             object.__setattr__(self, "engine_id", new_engine_id(self.role))
         elif not _ENGINE_ID_RE.match(self.engine_id):
@@ -252,7 +254,8 @@ class EndpointConfig:
             )
         if self.auth_token is not None and len(self.auth_token) < 16:
             raise ConfigError(
-                "auth token is shorter than 16 bytes", "generate one: head -c 32 /dev/urandom | xxd -p"
+                "auth token is shorter than 16 bytes",
+                "generate one: head -c 32 /dev/urandom | xxd -p",
             )
 
 

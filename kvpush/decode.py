@@ -15,12 +15,14 @@ arrives, or until P is gone and removed; never handed to another request before.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -227,7 +229,7 @@ class DecodeEndpoint(Endpoint):
             fut = self.handshakes.ensure(req.p_key, mode)
             if fut is not None:
                 req.state = "handshaking"
-                fut.add_done_callback(lambda f, r=req: self._on_handshake_done(r, f))
+                fut.add_done_callback(partial(self._on_handshake_done, req))
                 return
             conn = self.handshakes.get(req.p_key)
         if conn is None:
@@ -345,7 +347,12 @@ class DecodeEndpoint(Endpoint):
             self.telemetry.fail("unknown_completion")
         elif isinstance(msg, protocol.Failure):
             req = self._reqs.get(msg.request_id)
-            if req is None or not self._from_p(req, sender):
+            if req is None:
+                ab = self._abandoned.get(msg.request_id)
+                if ab is not None and not msg.may_have_written and self._from_p(ab, sender):
+                    self._release_abandoned(ab, f"P: {msg.reason}")  # e.g. cancel acknowledged
+                return
+            if not self._from_p(req, sender):
                 return
             self._finish_failed(
                 req, msg.reason, msg.detail, quarantine=msg.may_have_written, notify_p=False
@@ -426,15 +433,13 @@ class DecodeEndpoint(Endpoint):
         self._rl.warning(reason, "request %s failed (%s): %s", req.request_id, reason, detail)
         if was_registered and notify_p and req.p_conn is not None:
             # Tell P to drop it; P's WRITE completion (or fence) tells us when bytes stop.
-            try:
+            with contextlib.suppress(TransferError):
                 self.agent.send_notif(
                     req.p_conn.agent_name,
                     self.codec.encode(
                         protocol.Cancel(request_id=req.request_id, transfer_id=req.transfer_id)
                     ),
                 )
-            except TransferError:
-                pass
             quarantine = True
         if quarantine and req.p_conn is not None:
             self.pool.allocator.quarantine(req.request_id, reason)

@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from functools import partial
 
 import msgspec
 
@@ -159,7 +159,7 @@ class Endpoint:
         hs = self.handshakes
         tm.peers_fn(hs.rows)
         for state in ("free", "allocated", "inflight", "quarantined", "total"):
-            tm.gauge_fn(f"pool_{state}", lambda s=state: pool.allocator.counts()[s])
+            tm.gauge_fn(f"pool_{state}", partial(_pool_count, pool, state))
         self._start_role()
 
     def _start_role(self) -> None:
@@ -295,7 +295,9 @@ class Endpoint:
         try:
             return self.handshakes.handshake_sync(key, mode, t)
         except TimeoutError:
-            raise PeerUnreachableError(f"handshake with {address} did not finish in {t:g}s") from None
+            raise PeerUnreachableError(
+                f"handshake with {address} did not finish in {t:g}s"
+            ) from None
 
     def ping(self, address: str, count: int) -> list[float]:
         """NIXL notification round trips to ``address`` (the first, warm-up trip excluded)."""
@@ -350,12 +352,14 @@ class Endpoint:
 
         def answer(conn: PeerConn) -> None:
             try:
-                agent.send_notif(conn.agent_name, codec.encode(protocol.Ping(seq=msg.seq, reply=True)))
+                agent.send_notif(
+                    conn.agent_name, codec.encode(protocol.Ping(seq=msg.seq, reply=True))
+                )
             except KvpushError as e:
                 log.debug("ping reply failed: %s", e)
 
-        fut = self.handshakes.ensure(key, HandshakeMode.NOTIF)
-        if fut is None:
+        hs_fut = self.handshakes.ensure(key, HandshakeMode.NOTIF)
+        if hs_fut is None:
             conn = self.handshakes.get(key)
             if conn is not None:
                 answer(conn)
@@ -365,7 +369,11 @@ class Endpoint:
             if f.exception() is None:
                 answer(f.result())
 
-        fut.add_done_callback(done)
+        hs_fut.add_done_callback(done)
+
+
+def _pool_count(pool: KvPool, state: str) -> float:
+    return pool.allocator.counts()[state]
 
 
 def create_endpoint(cfg: EndpointConfig) -> Endpoint:
@@ -379,4 +387,3 @@ def create_endpoint(cfg: EndpointConfig) -> Endpoint:
 
 
 __all__ = ["Endpoint", "ShuttingDownError", "create_endpoint"]
-_ = Any

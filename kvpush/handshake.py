@@ -197,7 +197,9 @@ class HandshakeManager:
             fut.set_running_or_notify_cancel()
             failures = e.failures if e is not None else 0
             old = e.conn if e is not None else None
-            new = _Entry(key, mode, "connecting", fut, time.monotonic(), conn=old, failures=failures)
+            new = _Entry(
+                key, mode, "connecting", fut, time.monotonic(), conn=old, failures=failures
+            )
             self._peers[key] = new
         self._tm.inc("handshakes_started")
         t = threading.Thread(
@@ -307,7 +309,9 @@ class HandshakeManager:
                     peer, f"NIXL agent name {name!r} differs from the announced {md.agent_name!r}"
                 )
             if mode == HandshakeMode.FULL:
-                descs = block_descs(md.region_base_addrs, md.num_blocks, md.block_bytes, md.device_id)
+                descs = block_descs(
+                    md.region_base_addrs, md.num_blocks, md.block_bytes, md.device_id
+                )
                 dlist = self._agent.prep_remote(name, descs, md.device_kind)
             t3 = time.perf_counter()
             # Warm the connection now, not on the request path (UCX wire-up costs 4-9 RTT).

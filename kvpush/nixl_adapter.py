@@ -86,7 +86,7 @@ class Xfer:
 
 
 class DList:
-    __slots__ = ("handle", "count")
+    __slots__ = ("count", "handle")
 
     def __init__(self, handle: Any, count: int) -> None:
         self.handle = handle
@@ -119,7 +119,9 @@ class NixlAgent:
                     f"available backends here: {', '.join(sorted(available)) or 'none'}",
                 )
             try:
-                self._agent.create_backend(b, {"num_threads": str(cfg.num_threads)} if cfg.num_threads else {})
+                self._agent.create_backend(
+                    b, {"num_threads": str(cfg.num_threads)} if cfg.num_threads else {}
+                )
             except Exception as e:
                 raise NixlUnavailableError(f"NIXL backend {b} failed to start: {e}") from None
         self._reg: Any = None
@@ -147,9 +149,7 @@ class NixlAgent:
     def metadata_conn_only(self) -> bytes:
         """Connection-only partial metadata (~335 B): enough for notifications, no regions."""
         empty = self._bind.nixlRegDList(self._dram)
-        return bytes(
-            self._agent.get_partial_agent_metadata(empty, True, list(self.cfg.backends))
-        )
+        return bytes(self._agent.get_partial_agent_metadata(empty, True, list(self.cfg.backends)))
 
     # ------------------------------------------------------------------ peers
     def add_remote(self, metadata: bytes) -> str:

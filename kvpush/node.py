@@ -15,12 +15,20 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
 
-from kvpush.config import AgentConfig, EndpointConfig, HandshakeMode, PoolConfig, Timeouts, WriterMode
+from kvpush.config import (
+    AgentConfig,
+    EndpointConfig,
+    HandshakeMode,
+    PoolConfig,
+    Timeouts,
+    WriterMode,
+)
 from kvpush.endpoint import create_endpoint
 
 
-def build_config(d: dict[str, object]) -> EndpointConfig:
+def build_config(d: dict[str, Any]) -> EndpointConfig:
     d = dict(d)
     pool = PoolConfig(**d.pop("pool", {}))
     timeouts = Timeouts(**d.pop("timeouts", {}))

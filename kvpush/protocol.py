@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Annotated, Literal, TypeAlias
+from typing import Annotated, Literal, TypeAlias, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
@@ -120,7 +120,9 @@ def compat_differences(
     local: dict[str, object], remote: dict[str, object]
 ) -> list[tuple[str, object, object]]:
     """(field, local value, remote value) for every compatibility field that differs."""
-    return [(f, local.get(f), remote.get(f)) for f in COMPAT_FIELDS if local.get(f) != remote.get(f)]
+    return [
+        (f, local.get(f), remote.get(f)) for f in COMPAT_FIELDS if local.get(f) != remote.get(f)
+    ]
 
 
 class HandshakeReq(Struct, tag="handshake", frozen=True, kw_only=True):
@@ -297,8 +299,12 @@ def encode(obj: object) -> bytes:
     return _enc.encode(obj)
 
 
-def make_envelope_bytes(body: bytes, tag: bytes = b"", ts: float | None = None, nonce: bytes = b"") -> bytes:
-    env = Envelope(v=PROTOCOL_VERSION, ts=time.time() if ts is None else ts, nonce=nonce, body=body, tag=tag)
+def make_envelope_bytes(
+    body: bytes, tag: bytes = b"", ts: float | None = None, nonce: bytes = b""
+) -> bytes:
+    env = Envelope(
+        v=PROTOCOL_VERSION, ts=time.time() if ts is None else ts, nonce=nonce, body=body, tag=tag
+    )
     return _enc.encode(env)
 
 
@@ -323,7 +329,10 @@ def decode_envelope(data: bytes, magic: bytes, limit: int, what: str) -> Envelop
     return env
 
 
-def _decode_body(dec: msgspec.msgpack.Decoder[object], body: bytes, what: str) -> object:
+_T = TypeVar("_T")
+
+
+def _decode_body(dec: msgspec.msgpack.Decoder[_T], body: bytes, what: str) -> _T:
     try:
         return dec.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -331,15 +340,15 @@ def _decode_body(dec: msgspec.msgpack.Decoder[object], body: bytes, what: str) -
 
 
 def decode_request_body(body: bytes) -> SideRequest:
-    return _decode_body(_req_dec, body, "side-channel request")  # type: ignore[return-value]
+    return _decode_body(_req_dec, body, "side-channel request")
 
 
 def decode_reply_body(body: bytes) -> SideReply:
-    return _decode_body(_rep_dec, body, "side-channel reply")  # type: ignore[return-value]
+    return _decode_body(_rep_dec, body, "side-channel reply")
 
 
 def decode_notif_body(body: bytes) -> Notif:
-    return _decode_body(_notif_dec, body, "notification")  # type: ignore[return-value]
+    return _decode_body(_notif_dec, body, "notification")
 
 
 def encode_metadata(md: EndpointMetadata) -> bytes:
@@ -348,7 +357,7 @@ def encode_metadata(md: EndpointMetadata) -> bytes:
 
 def decode_metadata(data: bytes) -> EndpointMetadata:
     _check_size(data, 1 << 20, "endpoint metadata")
-    return _decode_body(_md_dec, data, "endpoint metadata")  # type: ignore[return-value]
+    return _decode_body(_md_dec, data, "endpoint metadata")
 
 
 def decode_metadata_loose(data: bytes) -> dict[str, object]:
@@ -415,11 +424,11 @@ _vllm_md_dec = msgspec.msgpack.Decoder(VllmAgentMetadata)
 
 def decode_vllm_payload(frame: bytes) -> VllmHandshakePayload:
     _check_size(frame, 64 << 20, "vLLM handshake payload")
-    return _decode_body(_vllm_payload_dec, frame, "vLLM handshake payload")  # type: ignore[return-value]
+    return _decode_body(_vllm_payload_dec, frame, "vLLM handshake payload")
 
 
 def decode_vllm_agent_metadata(data: bytes) -> VllmAgentMetadata:
-    return _decode_body(_vllm_md_dec, data, "vLLM agent metadata")  # type: ignore[return-value]
+    return _decode_body(_vllm_md_dec, data, "vLLM agent metadata")
 
 
 def decode_vllm_push_reg(data: bytes) -> PushReg:

@@ -13,6 +13,7 @@ request never wedges the socket (a REQ socket would be), and late replies are di
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -65,7 +66,9 @@ class _RateLimitedLog:
         now = time.monotonic()
         if now - self._last.get(kind, -1e9) >= self.interval_s:
             n = self._suppressed.pop(kind, 0)
-            log.warning(msg + (" (%d similar suppressed)" if n else ""), *args, *((n,) if n else ()))
+            log.warning(
+                msg + (" (%d similar suppressed)" if n else ""), *args, *((n,) if n else ())
+            )
             self._last[kind] = now
         else:
             self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
@@ -118,20 +121,17 @@ class SideChannelServer:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         for fd in (self._rfd, self._wfd):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
     @property
     def address(self) -> str:
         return format_address(self.host, self.port)
 
     def _wake(self) -> None:
-        try:
+        # pipe full (already woken) or closed at shutdown: nothing to do
+        with contextlib.suppress(OSError):
             os.write(self._wfd, b"x")
-        except (BlockingIOError, OSError):
-            pass  # pipe full (already woken) or closed at shutdown
 
     # ------------------------------------------------------------------ thread body
     def _bind(self) -> zmq.Socket[bytes]:
@@ -181,10 +181,8 @@ class SideChannelServer:
             while not self._stop.is_set():
                 events = dict(poller.poll(200))
                 if self._rfd in events:
-                    try:
+                    with contextlib.suppress(BlockingIOError):
                         os.read(self._rfd, 4096)
-                    except BlockingIOError:
-                        pass
                 if sock in events:
                     for _ in range(64):  # bounded burst, then send replies
                         try:
@@ -222,7 +220,9 @@ class SideChannelServer:
         self.requests += 1
         if len(frames) < 2 or len(frames) > 3:
             if frames:
-                self._reject(frames[0], "malformed_frame", f"expected 2-3 frames, got {len(frames)}")
+                self._reject(
+                    frames[0], "malformed_frame", f"expected 2-3 frames, got {len(frames)}"
+                )
             return
         ident, payload = frames[0], frames[-1]
         if len(frames) == 3 and frames[1] != b"":
@@ -369,7 +369,7 @@ class SideChannelClient:
                     raise PeerUnreachableError(
                         f"{self.address} did not accept a connection within {timeout:g}s"
                     ) from None
-                if sock.poll(min(left, 0.05) * 1000, zmq.POLLOUT):
+                if sock.poll(int(min(left, 0.05) * 1000) + 1, zmq.POLLOUT):
                     try:
                         sock.send_multipart([b"", protocol.MAGIC_REQ + env], zmq.NOBLOCK)
                         break
@@ -377,7 +377,7 @@ class SideChannelClient:
                         continue
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(max(left, 0) * 1000, zmq.POLLIN):
+            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 self._reset()
                 raise PeerUnreachableError(f"{self.address} did not answer within {timeout:g}s")
             frames = sock.recv_multipart()
@@ -386,7 +386,9 @@ class SideChannelClient:
                 continue  # a late reply to an earlier, timed-out request
             if isinstance(rep, protocol.ErrorRep):
                 if rep.code == "auth_rejected":
-                    raise AuthError(f"{self.address} refused the request: {rep.message}", rep.hint or None)
+                    raise AuthError(
+                        f"{self.address} refused the request: {rep.message}", rep.hint or None
+                    )
                 raise PeerError(f"{self.address}: {rep.message}", rep.hint or None)
             return rep
 
@@ -420,7 +422,7 @@ def vllm_get_meta(
         s.connect(f"tcp://{h}:{port}")
         t0 = time.perf_counter()
         s.send(protocol.vllm_get_meta_request(pp_rank, tp_rank))
-        if not s.poll(timeout_s * 1000, zmq.POLLIN):
+        if not s.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise PeerUnreachableError(
                 f"{format_address(host, port)} did not answer within {timeout_s:g}s"
             )

@@ -29,23 +29,26 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
 
 import numpy as np
 
 from kvpush import protocol
 from kvpush.config import EndpointConfig, HandshakeMode, WriterMode
-from kvpush.errors import AuthError, KvpushError, ProtocolError, ShuttingDownError
+from kvpush.errors import AuthError, ProtocolError
 from kvpush.handshake import HandshakeManager, PeerConn, PeerKey
 from kvpush.matching import DuplicateError, Finished, Matcher, Push, Registration, reg_key
 from kvpush.nixl_adapter import DList, NixlAgent, TransferError, Xfer
 from kvpush.notifs import IdleWaiter, NotifCodec
 from kvpush.pool import KvPool, xfer_indices
-from kvpush.queues import Inbox, InboxFullError, drain_into
+from kvpush.queues import Inbox, drain_into
 from kvpush.sidechannel import _RateLimitedLog
 from kvpush.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
+_I = TypeVar("_I")
 HOUSEKEEPING_S = 0.02
 
 
@@ -180,7 +183,7 @@ class PushWriter:
             self._housekeeping(now)
         return n > 0
 
-    def _guard(self, fn: Callable[[object], None], item: object, key: str) -> None:
+    def _guard(self, fn: Callable[[_I], None], item: _I, key: str) -> None:
         """Run one item's handler; an unexpected error fails that item, never the thread."""
         try:
             fn(item)
@@ -224,6 +227,11 @@ class PushWriter:
         if d.push.key in self._cancelled:
             self._cancelled.discard(d.push.key)
             self._release_blocks(d.push.key)
+            reg = d.push.registration
+            self._ack_cancel(
+                protocol.Cancel(request_id=reg.reg.request_id, transfer_id=reg.reg.transfer_id),
+                reg.sender,
+            )
             return
         if d.error is not None:
             self._fail(d.push, "handshake_failed", str(d.error))
@@ -262,7 +270,7 @@ class PushWriter:
                 else:
                     self._awaiting_hs[push.key] = push
                     nxt = Push(push.finished, push.registration, push.attempt + 1)
-                    fut.add_done_callback(lambda f, p=nxt: self._on_handshake_done(p, f))
+                    fut.add_done_callback(partial(self._on_handshake_done, nxt))
                     return
             conn = self._hs.get(key)
             if conn is None or conn.remote_dlist is None:
@@ -540,7 +548,7 @@ class PushWriter:
             self._matcher.renew(list(msg.transfer_ids), time.monotonic())
         elif isinstance(msg, protocol.Cancel):
             self._tm.inc("cancels_received")
-            self._on_cancel(msg.transfer_id or msg.request_id)
+            self._on_cancel(msg, sender)
         elif isinstance(msg, protocol.Ping):
             if self._on_ping is not None:
                 self._on_ping(sender, msg)
@@ -548,24 +556,42 @@ class PushWriter:
             self._tm.fail("unexpected_notif")
             self._rl.warning("unexpected", "unexpected %s from %s", type(msg).__name__, sender)
 
-    def _on_cancel(self, key: str) -> None:
+    def _on_cancel(self, msg: protocol.Cancel, sender: str) -> None:
+        """D abandoned a request after its PUSH_REG. Drop it; if no byte can land any more,
+        acknowledge with Failure(cancelled, may_have_written=False) so D frees its blocks; if a
+        WRITE is in flight, its own completion notification tells D when the bytes landed."""
+        key = msg.transfer_id or msg.request_id
         fin, reg = self._matcher.cancel(key)
         if fin is not None:
             self._pool.allocator.release(key)
-            return
-        if reg is not None:
+        if fin is not None or reg is not None:
+            self._ack_cancel(msg, sender)
             return
         if key in self._awaiting_hs:
-            self._cancelled.add(key)
+            self._cancelled.add(key)  # dropped (and acknowledged) when its handshake returns
             return
         for infl in self._inflight.values():
             if infl.kind == "push" and infl.key == key:
-                # The WRITE's own completion notification tells D when its bytes have landed.
                 infl.cancelled = True
                 return
-        # Not seen yet: remember so that late blocks/registrations are dropped.
+        # Unknown here (finished already, or never seen): nothing will be written for it.
         if len(self._cancelled) < 100_000:
             self._cancelled.add(key)
+        self._ack_cancel(msg, sender)
+
+    def _ack_cancel(self, msg: protocol.Cancel, sender: str) -> None:
+        conn = self._hs.by_agent(sender)
+        if conn is not None:
+            self._notify(
+                conn,
+                protocol.Failure(
+                    request_id=msg.request_id,
+                    transfer_id=msg.transfer_id,
+                    reason="cancelled",
+                    detail="cancel acknowledged; nothing was written",
+                    may_have_written=False,
+                ),
+            )
 
     # ------------------------------------------------------------------ peers and housekeeping
     def _evict(self, key: PeerKey, reason: str) -> None:
@@ -646,5 +672,3 @@ class PushWriter:
             self._fail(push, "shutting_down", "P stopped while the handshake was pending")
         self._awaiting_hs.clear()
         self.evictions.close()
-
-

@@ -55,17 +55,17 @@ def test_one_p_two_d_then_a_slow_third_d_joins(cluster) -> None:
     start_free = {a: _gauges(a)["pool_free"] for a in (p.address, d1.address, d2.address)}
 
     # Phase 1: 120 requests of 4 blocks, round robin over D1 and D2.
-    items = [
-        (f"a{i}", p.address, (d1, d2)[i % 2].address, 4) for i in range(120)
-    ]
+    items = [(f"a{i}", p.address, (d1, d2)[i % 2].address, 4) for i in range(120)]
     t0 = time.perf_counter()
     out = run_many(items, concurrency=8)
     elapsed = time.perf_counter() - t0
     bad = [o for o in out if o.rep.outcome != "ok" or o.rep.verified is not True]
     assert not bad, bad[:3]
     nbytes = sum(o.rep.nbytes for o in out)
-    print(f"\nphase 1: {len(out)} requests, {nbytes / 1e6:.1f} MB in {elapsed:.2f}s "
-          f"({nbytes / elapsed / 1e9:.2f} GB/s end to end incl. fill and verify)")
+    print(
+        f"\nphase 1: {len(out)} requests, {nbytes / 1e6:.1f} MB in {elapsed:.2f}s "
+        f"({nbytes / elapsed / 1e9:.2f} GB/s end to end incl. fill and verify)"
+    )
 
     # Phase 2: D3 joins mid-run; its handshake reply is 1.5 s late. D1's pushes keep flowing.
     d3 = cluster("decode", "d3", handshake_reply_delay_s=1.5)

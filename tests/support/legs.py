@@ -33,7 +33,9 @@ class Outcome:
     t_done: float
 
 
-def run_request(tid: str, p_addr: str, d_addr: str, blocks: int, deadline_s: float = 0.0) -> Outcome:
+def run_request(
+    tid: str, p_addr: str, d_addr: str, blocks: int, deadline_s: float = 0.0
+) -> Outcome:
     """D leg first (registers), then P leg; return when D has the KV (or failed)."""
     t0 = time.monotonic()
     host, port = p_addr.rsplit(":", 1)
@@ -68,8 +70,6 @@ def stats(address: str) -> dict[str, object]:
     return rep.snapshot
 
 
-def run_many(
-    items: list[tuple[str, str, str, int]], concurrency: int = 8
-) -> list[Outcome]:
+def run_many(items: list[tuple[str, str, str, int]], concurrency: int = 8) -> list[Outcome]:
     with ThreadPoolExecutor(concurrency) as ex:
         return list(ex.map(lambda it: run_request(*it), items))
