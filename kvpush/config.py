@@ -176,19 +176,20 @@ class Timeouts:
     drain_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in (
-            "side_channel_s",
-            "handshake_s",
-            "lease_s",
-            "heartbeat_s",
-            "request_deadline_s",
-            "peer_idle_ttl_s",
-            "write_base_s",
-            "write_min_gbps",
-            "fence_s",
-            "drain_s",
+        # Field -> the CLI option that sets it, so that the message names a real option.
+        for name, flag in (
+            ("side_channel_s", "--side-channel-timeout"),
+            ("handshake_s", "--handshake-timeout"),
+            ("lease_s", "--lease"),
+            ("heartbeat_s", "--heartbeat"),
+            ("request_deadline_s", "--request-deadline"),
+            ("peer_idle_ttl_s", "--peer-idle-ttl"),
+            ("write_base_s", "--write-timeout"),
+            ("write_min_gbps", "--write-min-gbps"),
+            ("fence_s", "--fence-timeout"),
+            ("drain_s", "--drain-timeout"),
         ):
-            _positive("--" + name.replace("_s", "").replace("_", "-"), getattr(self, name))
+            _positive(flag, getattr(self, name))
         if self.heartbeat_s >= self.lease_s:
             raise ConfigError(
                 f"heartbeat interval {self.heartbeat_s}s must be shorter than the lease "

@@ -29,7 +29,13 @@ import numpy as np
 from kvpush import protocol
 from kvpush.config import HandshakeMode, parse_address
 from kvpush.endpoint import Endpoint
-from kvpush.errors import AuthError, KvpushError, NoFreeBlocksError, ProtocolError
+from kvpush.errors import (
+    AuthError,
+    KvpushError,
+    NoFreeBlocksError,
+    PeerUnreachableError,
+    ProtocolError,
+)
 from kvpush.handshake import PeerConn, PeerKey
 from kvpush.nixl_adapter import TransferError
 from kvpush.notifs import IdleWaiter
@@ -248,7 +254,9 @@ class DecodeEndpoint(Endpoint):
         if req.state == "done":
             return
         if error is not None:
-            reason = "prefill_unreachable" if "did not answer" in str(error) else "handshake_failed"
+            # Typed, not by message text: "did not accept a connection" is unreachable too.
+            unreachable = isinstance(error, PeerUnreachableError)
+            reason = "prefill_unreachable" if unreachable else "handshake_failed"
             self._finish_failed(req, reason, str(error))
             return
         self._connect_and_register(req)

@@ -10,6 +10,7 @@ extra D is spawned on a short-lived thread. Nothing here imports typer or rich: 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ from typing import Any
 
 from kvpush import protocol
 from kvpush.config import parse_address
-from kvpush.driver import DriveConfig, DriveReport, Driver, RequestResult
+from kvpush.driver import DriveConfig, Driver, DriveReport, RequestResult
 from kvpush.errors import KvpushError
 
 
@@ -174,10 +175,8 @@ class Cluster:
             children = list(self.children)
         for c in children:
             if c.proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     c.proc.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
         deadline = time.monotonic() + timeout_s
         for c in children:
             try:
@@ -268,13 +267,13 @@ class Demo:
         if not self.cfg.extra_decoder or n < 3:
             return
         with self.cluster._lock:
-            start_now = i >= n // 3 and not self._extra_started
+            start_now = i >= n // 5 and not self._extra_started
             if start_now:
                 self._extra_started = True
         if start_now:
             threading.Thread(target=self._spawn_extra, name="demo-extra-d", daemon=True).start()
-        if i >= (2 * n) // 3 and self._extra_started:
-            # Hold the last third until the new D has joined, so that it takes traffic.
+        if i >= n // 2 and self._extra_started:
+            # Hold the second half until the new D has joined, so that it takes traffic.
             self._extra_ready.wait(self.cfg.start_timeout_s)
 
     # ------------------------------------------------------------------ driving

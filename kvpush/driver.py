@@ -13,6 +13,7 @@ typer or rich.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -59,9 +60,13 @@ class DriveConfig:
         if self.blocks > 1 << 16:
             raise ConfigError(f"--blocks {self.blocks} is too large", "use at most 65536")
         if self.rate is not None and not self.rate > 0:
-            raise ConfigError(f"--rate must be positive, got {self.rate:g}", "omit --rate for no limit")
+            raise ConfigError(
+                f"--rate must be positive, got {self.rate:g}", "omit --rate for no limit"
+            )
         if not self.timeout_s > 0:
-            raise ConfigError(f"--timeout must be positive, got {self.timeout_s:g}", "pass --timeout > 0")
+            raise ConfigError(
+                f"--timeout must be positive, got {self.timeout_s:g}", "pass --timeout > 0"
+            )
         if not self.run_id:
             object.__setattr__(self, "run_id", uuid.uuid4().hex[:8])
 
@@ -84,7 +89,7 @@ def percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile of an ascending list (0.0 for an empty one)."""
     if not sorted_values:
         return 0.0
-    k = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100 * len(sorted_values)) - 1))
     return sorted_values[k]
 
 
@@ -179,6 +184,12 @@ def check_roles(cfg: DriveConfig, timeout_s: float = 5.0) -> None:
                 raise ConfigError(
                     f"{addr} is a {md.get('role')} endpoint, not {role}",
                     f"give {flag} only {role} endpoints",
+                )
+            pool = md.get("num_blocks")
+            if isinstance(pool, int) and cfg.blocks > pool:
+                raise ConfigError(
+                    f"--blocks {cfg.blocks} exceeds the pool of {addr} ({pool} blocks)",
+                    f"use --blocks {pool} or fewer",
                 )
 
 
@@ -340,7 +351,7 @@ class Driver:
             detail = e.message
         latency = time.monotonic() - t0
         if prefill_err and not ok:
-            reason, detail = prefill_err, (reason + (": " + detail if detail else ""))
+            reason = prefill_err  # the cause; the decode leg's failure is its consequence
         result = RequestResult(i, tid, p, d, ok, reason, detail, latency, nbytes, verified)
         with self._lock:
             self._results.append(result)
@@ -348,5 +359,7 @@ class Driver:
             self._on_result(result)
 
 
-def drive(cfg: DriveConfig, on_result: Callable[[RequestResult], None] | None = None) -> DriveReport:
+def drive(
+    cfg: DriveConfig, on_result: Callable[[RequestResult], None] | None = None
+) -> DriveReport:
     return Driver(cfg, on_result).run()

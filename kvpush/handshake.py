@@ -110,6 +110,7 @@ class HandshakeManager:
         *,
         expect_role: str | None,
         max_concurrent: int = 64,
+        max_pending: int = 256,
         on_connected: Callable[[PeerConn], None] | None = None,
     ) -> None:
         self._agent = agent
@@ -120,6 +121,10 @@ class HandshakeManager:
         self._tm = telemetry
         self._expect_role = expect_role
         self._sem = threading.BoundedSemaphore(max_concurrent)
+        # Handshake threads alive at once (running or waiting for the semaphore): bounded, so
+        # a flood naming many addresses (e.g. unauthenticated Pings) cannot start a thread each.
+        self._max_pending = max_pending
+        self._pending = 0
         self._lock = threading.Lock()
         self._peers: dict[PeerKey, _Entry] = {}
         self._closed = False
@@ -193,6 +198,18 @@ class HandshakeManager:
                     # Upgrade notif -> full: the owner keeps using the old conn until the new
                     # one replaces it; the old agent is the same name, so no remove is needed.
                     pass
+            if self._pending >= self._max_pending:
+                self._tm.fail("handshake_overload")
+                f = Future()
+                f.set_exception(
+                    HandshakeError(
+                        format_address(*key),
+                        f"{self._pending} handshakes already in flight",
+                        "retry later; if this persists, a peer may be flooding this endpoint",
+                    )
+                )
+                return f
+            self._pending += 1
             fut: Future[PeerConn] = Future()
             fut.set_running_or_notify_cancel()
             failures = e.failures if e is not None else 0
@@ -217,6 +234,13 @@ class HandshakeManager:
         return fut.result(timeout_s)
 
     def _run(self, e: _Entry) -> None:
+        try:
+            self._run_one(e)
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def _run_one(self, e: _Entry) -> None:
         peer = format_address(*e.key)
         try:
             with self._sem:
@@ -232,7 +256,9 @@ class HandshakeManager:
                 if e.conn is not None:
                     e.state = "connected"
                     e.mode = e.conn.mode
-            self._tm.fail("handshake_failed")
+            # A counter, not a failure kind: the writer / receiver count "handshake_failed" once
+            # per push or request dropped because of it (one place per failure kind).
+            self._tm.inc("handshakes_failed")
             log.warning("%s", err)
             e.future.set_exception(err)
             return

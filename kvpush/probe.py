@@ -129,6 +129,12 @@ def _client(address: str, token: bytes | None, timeout_s: float) -> Any:
     return SideChannelClient(host, port, auth=Authenticator(token), timeout_s=timeout_s)
 
 
+UNREACHABLE_HINT = (
+    "check the address, that the peer is running and that no firewall is in the way; "
+    "raise --timeout for a slow link"
+)
+
+
 def _tcp_open(host: str, port: int, timeout_s: float) -> bool:
     """Whether anything accepts a TCP connection at host:port (no bytes are sent)."""
     import socket
@@ -173,19 +179,21 @@ def probe(
     host, port = parse_address(address)
     addr = format_address(host, port)
     if vllm:
-        return probe_vllm(addr, count=count, timeout_s=timeout_s, ranks=vllm_ranks)
+        try:
+            return probe_vllm(addr, count=count, timeout_s=timeout_s, ranks=vllm_ranks)
+        except PeerUnreachableError as e:
+            raise PeerUnreachableError(e.message, UNREACHABLE_HINT) from None
     try:
         return _probe_kvpush(addr, count, timeout_s, local, token, stats)
-    except PeerUnreachableError:
+    except PeerUnreachableError as e:
         if vllm is False or not _tcp_open(host, port, timeout_s):
-            raise
+            raise PeerUnreachableError(e.message, UNREACHABLE_HINT) from None
     # Something accepts connections but did not answer kvpush's form: maybe a vLLM listener.
     try:
         report = probe_vllm(addr, count=count, timeout_s=timeout_s, ranks=vllm_ranks)
     except (PeerUnreachableError, ProtocolError):
         raise PeerUnreachableError(
-            f"{addr} did not answer within {timeout_s:g}s",
-            "check the address and that the peer is running; raise --timeout for a slow link",
+            f"{addr} did not answer within {timeout_s:g}s", UNREACHABLE_HINT
         ) from None
     report.notes.append("no answer to kvpush's request form; the peer answered vLLM's")
     return report
@@ -230,6 +238,7 @@ def _probe_kvpush(
         meta = protocol.decode_metadata_loose(rep.metadata)
     meta.pop("region_base_addrs", None)
     remote_fields = {f: meta.get(f) for f in protocol.COMPAT_FIELDS}
+    diffs: list[tuple[str, object, object]]
     if local is None:
         local_fields = {"protocol_version": PROTOCOL_VERSION}
         diffs = [

@@ -320,7 +320,9 @@ def decode_envelope(data: bytes, magic: bytes, limit: int, what: str) -> Envelop
         raise ProtocolError(f"{what} has no kvpush magic")
     try:
         env = _env_dec.decode(memoryview(data)[len(magic) :])
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+        # RecursionError: msgspec recurses into (even unknown, skipped) nested values; a few
+        # KiB of b"\x91" would otherwise escape as a non-protocol error and kill the thread.
         raise ProtocolError(f"malformed {what} envelope: {e}") from None
     if env.v != PROTOCOL_VERSION:
         raise ProtocolError(
@@ -335,7 +337,7 @@ _T = TypeVar("_T")
 def _decode_body(dec: msgspec.msgpack.Decoder[_T], body: bytes, what: str) -> _T:
     try:
         return dec.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
         raise ProtocolError(f"malformed {what}: {e}") from None
 
 

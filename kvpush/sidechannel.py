@@ -382,8 +382,10 @@ class SideChannelClient:
                 raise PeerUnreachableError(f"{self.address} did not answer within {timeout:g}s")
             frames = sock.recv_multipart()
             rep = self._decode_reply(frames, nonce)
-            if rep.rid != rid:
-                continue  # a late reply to an earlier, timed-out request
+            if rep.rid != rid and not (rep.rid == 0 and isinstance(rep, protocol.ErrorRep)):
+                # A late reply to an earlier, timed-out request. (rid 0 is never ours: it is
+                # the server refusing a frame it could not attribute -- auth, malformed.)
+                continue
             if isinstance(rep, protocol.ErrorRep):
                 if rep.code == "auth_rejected":
                     raise AuthError(

@@ -71,6 +71,8 @@ class Inflight:
     nbytes: int
     push: Push | None = None
     fence_keys: list[str] = field(default_factory=list)
+    # (quarantined key, D block) pairs a fence covers: re-queued if the fence times out
+    fence_entries: list[tuple[str, int]] = field(default_factory=list)
     cancelled: bool = False
 
 
@@ -103,8 +105,9 @@ class PushWriter:
         self._inflight: dict[int, Inflight] = {}
         self._awaiting_hs: dict[str, Push] = {}  # key -> push waiting for its handshake
         self._cancelled: set[str] = set()
-        # per peer: (quarantined key, one of D's blocks of it) awaiting a fence
-        self._fence_pending: dict[PeerKey, list[tuple[str, int]]] = {}
+        # per peer: (quarantined key, one of D's blocks of it, D's request id) awaiting a fence;
+        # D keys its quarantined requests by request id, P its blocks by transfer key.
+        self._fence_pending: dict[PeerKey, list[tuple[str, int, str]]] = {}
         self._waiter = IdleWaiter(self.wake, cfg.agent)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="push-writer", daemon=True)
@@ -290,6 +293,23 @@ class PushWriter:
     def _post(self, push: Push, conn: PeerConn) -> None:
         reg = push.registration.reg
         local = push.finished.block_ids
+        sender = push.registration.sender
+        if sender and sender != conn.agent_name:
+            # The PUSH_REG did not come from the D it names: a third agent trying to redirect
+            # this WRITE into someone else's blocks. Refuse it (no Failure to the real D) and
+            # let the blocks wait for the real registration.
+            self._tm.fail("forged_notif")
+            self._rl.warning(
+                "forged",
+                "PUSH_REG for %s from %s, not from %s: ignored",
+                push.key,
+                sender,
+                conn.agent_name,
+            )
+            again = self._matcher.add_finished(push.finished, time.monotonic())
+            if again is not None:
+                self._start_push(again)
+            return
         if len(reg.local_block_ids) != 1:
             self._fail(push, "bad_registration", "only one block group is supported")
             return
@@ -403,6 +423,8 @@ class PushWriter:
             if dead:  # nothing can land any more
                 for k in infl.fence_keys:
                     self._pool.allocator.release_quarantined(k)
+            else:  # peer stalled (e.g. frozen): fence again later; blocks stay quarantined
+                self._fence_pending.setdefault(infl.conn.key, []).extend(infl.fence_entries)
             return
         push = infl.push
         assert push is not None
@@ -413,7 +435,9 @@ class PushWriter:
         self._fail(push, reason, detail, conn=infl.conn, may_have_written=may_have_written)
         if may_have_written:
             blocks = push.registration.reg.local_block_ids[0]
-            self._fence_pending.setdefault(infl.conn.key, []).append((infl.key, int(blocks[0])))
+            self._fence_pending.setdefault(infl.conn.key, []).append(
+                (infl.key, int(blocks[0]), push.registration.reg.request_id)
+            )
 
     # ------------------------------------------------------------------ failures
     def _fail(
@@ -466,10 +490,11 @@ class PushWriter:
             if conn is None or conn.remote_dlist is None:
                 continue  # peer gone or reconnecting: _evict releases the blocks
             del self._fence_pending[key]
-            keys = [k for k, _ in entries]
+            keys = [k for k, _, _ in entries]
+            request_ids = [rid for _, _, rid in entries]
             # Write one of P's quarantined blocks onto one of D's blocks of the same abandoned
             # request: D keeps those quarantined until this very fence lands.
-            first_key, remote_block = entries[0]
+            first_key, remote_block, _ = entries[0]
             src = self._pool.allocator.blocks_of(first_key)
             if len(src) == 0:
                 continue
@@ -481,7 +506,9 @@ class PushWriter:
                 conn.metadata.num_blocks,
                 conn.metadata.regions,
             )[:1]
-            notif = self._codec.encode(protocol.Fence(fence_id=fence_id, request_ids=keys[:4096]))
+            notif = self._codec.encode(
+                protocol.Fence(fence_id=fence_id, request_ids=request_ids[:4096])
+            )
             assert self._local_dlist is not None
             try:
                 xfer, st = self._agent.post_write(
@@ -501,6 +528,7 @@ class PushWriter:
                 deadline=t + self.cfg.timeouts.fence_s,
                 nbytes=self._block_bytes,
                 fence_keys=keys,
+                fence_entries=entries,
             )
             self._inflight[id(xfer)] = infl
             self._tm.inc("fences_sent")
@@ -565,6 +593,10 @@ class PushWriter:
         if fin is not None:
             self._pool.allocator.release(key)
         if fin is not None or reg is not None:
+            if fin is None and len(self._cancelled) < 100_000:
+                # P has not finished its blocks yet: free them when they do, instead of
+                # holding them until their lease lapses (a burst of aborts exhausted P).
+                self._cancelled.add(key)
             self._ack_cancel(msg, sender)
             return
         if key in self._awaiting_hs:
@@ -605,7 +637,7 @@ class PushWriter:
                 else:
                     for k in infl.fence_keys:
                         self._pool.allocator.release_quarantined(k)
-        for k, _ in self._fence_pending.pop(key, []):
+        for k, _, _ in self._fence_pending.pop(key, []):
             self._pool.allocator.release_quarantined(k)
         if conn is not None:
             self._hs.release_conn(conn)

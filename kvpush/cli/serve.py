@@ -15,6 +15,7 @@ stdout and log to stderr.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -74,9 +75,7 @@ def setup_logging(console: Console, level: LogLevel | str, rich_handler: bool) -
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     else:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-        )
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
     lvl = level.value if isinstance(level, LogLevel) else level
     root.setLevel(lvl.upper())
@@ -92,10 +91,8 @@ def write_ready_file(path: str, info: dict[str, Any]) -> None:
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
 
 
@@ -145,7 +142,9 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
             if exporter is not None:
                 info["metrics"] = exporter.url
             write_ready_file(opts.ready_file, info)
-        log.info("%s endpoint ready on %s; Ctrl+C or SIGTERM drains and stops", cfg.role, ep.address)
+        log.info(
+            "%s endpoint ready on %s; Ctrl+C or SIGTERM drains and stops", cfg.role, ep.address
+        )
         if output is OutputMode.LIVE:
             failure = _loop_live(ep, stop, console, render)
         else:
@@ -158,10 +157,8 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
         if exporter is not None:
             exporter.stop()
         if opts.ready_file:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(opts.ready_file)
-            except OSError:
-                pass
         stop.restore()
     if failure is not None:
         if isinstance(failure, KvpushError):

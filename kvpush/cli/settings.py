@@ -216,9 +216,7 @@ DeviceOpt = Annotated[
     str, opt("--device", "Where the KV pool lives: cpu, cuda or cuda:N.", PANEL_GEOM)
 ]
 NumBlocksOpt = Annotated[int, opt("--num-blocks", "Blocks in the KV pool.", PANEL_GEOM)]
-LayersOpt = Annotated[
-    int, opt("--layers", "Layers; each has a K and a V region.", PANEL_GEOM)
-]
+LayersOpt = Annotated[int, opt("--layers", "Layers; each has a K and a V region.", PANEL_GEOM)]
 BlockBytesOpt = Annotated[
     int | None,
     opt(

@@ -1,0 +1,73 @@
+"""``kvpush bench``: each claim of kvpush measured beside its baseline, in the same run.
+
+Scenarios (one module each; every one starts real P and D processes on 127.0.0.1 through
+``kvpush.bench.procs`` and kills them all when it ends, however it ends):
+
+- ``hol``: pushes to an established D while new Ds with slow or dead handshakes join, with the
+  deferred and the blocking writer;
+- ``handshake``: D->P notif-only vs full handshakes against P pools of 1k..1M descriptors;
+- ``bandwidth``: end-to-end push GB/s vs a raw NIXL WRITE loop, ``process_vm_writev`` and memcpy;
+- ``rate``: small pushes per second vs a raw pipelined NIXL WRITE+notif loop;
+- ``scale``: a storm of new D endpoints joining while established pushes continue.
+
+``run(name, quick, out_dir, progress)`` returns one scenario's result as a JSON-able dict
+(``kvpush.bench.report``); ``run_all`` runs every scenario. Importing this package is cheap: the
+scenario modules (and with them torch/nixl, only ever inside worker processes) load on use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SCENARIOS: tuple[str, ...] = ("hol", "handshake", "bandwidth", "rate", "scale")
+
+DEFAULT_OUT_DIR = Path("bench-out")
+
+
+def _quiet(msg: str) -> None:
+    pass
+
+
+def run(
+    name: str,
+    quick: bool = False,
+    out_dir: Path | None = None,
+    progress: Callable[[str], None] = _quiet,
+) -> dict[str, Any]:
+    """Run one scenario; write ``<out_dir>/<name>.json`` (and its chart); return the result."""
+    from kvpush.errors import ConfigError
+
+    if name not in SCENARIOS:
+        raise ConfigError(
+            f"unknown benchmark scenario {name!r}", f"choose one of {', '.join(SCENARIOS)}, or all"
+        )
+    out = out_dir if out_dir is not None else DEFAULT_OUT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    mod = importlib.import_module(f"kvpush.bench.{name}")
+    result: dict[str, Any] = mod.run(quick, out, progress)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def run_all(
+    quick: bool = False,
+    out_dir: Path | None = None,
+    progress: Callable[[str], None] = _quiet,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run every scenario in turn; also write ``<out_dir>/summary.md`` (markdown tables of all)."""
+    from kvpush.bench.report import render_summary
+
+    out = out_dir if out_dir is not None else DEFAULT_OUT_DIR
+    results = []
+    for name in SCENARIOS:
+        r = run(name, quick, out, progress)
+        if on_result is not None:
+            on_result(r)
+        results.append(r)
+    (out / "summary.md").write_text(render_summary(results))
+    return results

@@ -1,0 +1,24 @@
+"""``python -m kvpush.bench SCENARIO [--quick] [--json] [--out-dir DIR]``: the bench without the
+CLI app (``kvpush bench`` is the same command)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvpush.cli.bench_cmd import run_bench
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvpush.bench")
+    ap.add_argument("scenario", help="hol, handshake, bandwidth, rate, scale or all")
+    ap.add_argument("--quick", action="store_true", help="short smoke version")
+    ap.add_argument("--json", action="store_true", help="JSON on stdout instead of tables")
+    ap.add_argument("--out-dir", type=Path, default=None, help="results, charts and logs")
+    a = ap.parse_args(argv)
+    return run_bench(a.scenario, a.quick, a.json, a.out_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

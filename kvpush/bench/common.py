@@ -1,0 +1,52 @@
+"""Shared pieces of the scenarios: endpoint configs, the progress callback type, time bases."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Progress = Callable[[str], None]
+
+#: Lead time between scheduling an open-loop window and its start, so that every worker has
+#: received its command before the first request is due.
+LEAD_S = 0.4
+
+
+def endpoint_cfg(
+    role: str,
+    *,
+    layers: int,
+    block_bytes: int,
+    num_blocks: int,
+    verify: bool = True,
+    writer: str = "deferred",
+    progress_thread: bool = False,
+    timeouts: dict[str, float] | None = None,
+    reply_delay_s: float = 0.0,
+) -> dict[str, Any]:
+    """An ``EndpointConfig`` as the JSON map ``kvpush.node.build_config`` reads."""
+    cfg: dict[str, Any] = {
+        "role": role,
+        "pool": {"num_blocks": num_blocks, "layers": layers, "block_bytes": block_bytes},
+        "agent": {"progress_thread": progress_thread},
+        "verify": verify,
+        "writer_mode": writer,
+    }
+    if timeouts:
+        cfg["timeouts"] = timeouts
+    if reply_delay_s:
+        cfg["handshake_reply_delay_s"] = reply_delay_s
+    return cfg
+
+
+def start_at(lead_s: float = LEAD_S) -> float:
+    """A wall-clock start time shared by the workers (same host, same clock)."""
+    return time.time() + lead_s
+
+
+def logs_dir(out_dir: Path, scenario: str) -> Path:
+    d = out_dir / "logs" / f"{scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d

@@ -1,0 +1,419 @@
+"""Scenario ``hol``: does a slow or dead new peer stall pushes to an established one?
+
+Processes: P-deferred and P-blocking (``--writer deferred`` / ``blocking``), D1 (established,
+steady load on both), and per case the joining Ds: a D whose handshake replies take H seconds
+(``handshake_reply_delay_s``: its side channel answers late), a D that never answers (replies
+delayed for an hour: P's handshake times out), and two slow Ds plus a healthy third one joining
+50 ms after them.
+
+Per case and writer mode, in the same run and interleaved (case by case, deferred then
+blocking): D1 decodes at a steady rate (open loop, ``steady_decode``) while P prefills the same
+transfers on the same schedule; mid-run the new D(s) send one request each to P. Latency is D1's
+own ``DecodeRep.latency_s`` (``decode()`` to verified completion), split into *before* (issued
+before the join), *during* (issued while the slow handshakes are pending: H, or P's handshake
+timeout for the dead peer) and *after*.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpush.bench.common import Progress, endpoint_cfg, logs_dir, start_at
+from kvpush.bench.procs import Cluster, Worker
+from kvpush.bench.report import Panel, Report, Series, fmt_ms, fmt_x, line_chart
+from kvpush.bench.stats import median, ratio, summary, window
+
+NEVER_S = 3600.0  # "never": the joining D answers handshakes after an hour
+
+
+@dataclass(frozen=True)
+class HolParams:
+    rate: float  # D1 requests per second (open loop)
+    blocks: int
+    layers: int
+    block_bytes: int
+    num_blocks: int
+    before_s: float
+    delay_s: float  # H: how late a slow peer answers handshakes
+    timeout_s: float  # P's side-channel/handshake timeout: the dead peer's stall
+    after_s: float
+
+
+FULL = HolParams(
+    rate=200,
+    blocks=1,
+    layers=2,
+    block_bytes=16384,
+    num_blocks=2048,
+    before_s=2.0,
+    delay_s=2.0,
+    timeout_s=3.0,
+    after_s=1.0,
+)
+QUICK = HolParams(
+    rate=100,
+    blocks=1,
+    layers=2,
+    block_bytes=16384,
+    num_blocks=512,
+    before_s=0.4,
+    delay_s=0.3,
+    timeout_s=0.6,
+    after_s=0.2,
+)
+
+MODES = ("deferred", "blocking")
+
+
+@dataclass(frozen=True)
+class Case:
+    key: str
+    label: str
+    joiners: tuple[tuple[str, float, float], ...]  # (worker name, reply delay, join offset)
+    window_of: str  # "delay" or "timeout"
+
+
+def _cases(p: HolParams) -> list[Case]:
+    return [
+        Case(
+            "slow",
+            f"one new D answers handshakes {p.delay_s:g} s late",
+            (("d2-slow", p.delay_s, 0.0),),
+            "delay",
+        ),
+        Case(
+            "dead",
+            f"one new D never answers (P gives up after {p.timeout_s:g} s)",
+            (("d2-dead", NEVER_S, 0.0),),
+            "timeout",
+        ),
+        Case(
+            "two-slow+healthy",
+            f"two new Ds answer {p.delay_s:g} s late, a healthy third joins 50 ms later",
+            (
+                ("d2-slow-a", p.delay_s, 0.0),
+                ("d2-slow-b", p.delay_s, 0.0),
+                ("d3-healthy", 0.0, 0.05),
+            ),
+            "delay",
+        ),
+    ]
+
+
+def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
+    p = QUICK if quick else FULL
+    rep = Report(
+        "hol", "hol: head-of-line blocking behind a slow new peer", quick, params=asdict(p)
+    )
+    timeouts = {"side_channel_s": p.timeout_s, "handshake_s": p.timeout_s}
+    geo: dict[str, Any] = {"layers": p.layers, "block_bytes": p.block_bytes}
+    with Cluster(logs_dir(out_dir, "hol")) as cl:
+        progress("hol: starting P (deferred), P (blocking) and D1")
+        cases = _cases(p)
+        # The full run starts each case's joiners just before it (idle endpoints still poll);
+        # --quick starts every process at once to save start-up time.
+        joiner_specs = {
+            c.key: {
+                name: endpoint_cfg("decode", **geo, num_blocks=64, reply_delay_s=delay)
+                for name, delay, _ in c.joiners
+            }
+            for c in cases
+        }
+        early = {n: s for c in cases for n, s in joiner_specs[c.key].items()} if quick else {}
+        ws = cl.endpoints(
+            {
+                **early,
+                "p-deferred": endpoint_cfg(
+                    "prefill", **geo, num_blocks=p.num_blocks, writer="deferred", timeouts=timeouts
+                ),
+                "p-blocking": endpoint_cfg(
+                    "prefill", **geo, num_blocks=p.num_blocks, writer="blocking", timeouts=timeouts
+                ),
+                "d1": endpoint_cfg("decode", **geo, num_blocks=p.num_blocks),
+            }
+        )
+        ps = {m: ws[f"p-{m}"] for m in MODES}
+        d1 = ws["d1"]
+        # D1 joins both Ps in quiet time: the "normal" join (both handshakes + first push).
+        normal_join: dict[str, float] = {}
+        normal_hs: dict[str, float] = {}
+        for m in MODES:
+            t = start_at(0.2)
+            f = d1.call_async(
+                "decode_at",
+                p_addr=ps[m].address,
+                transfer_id=f"warm.{m}",
+                t_wall=t,
+                blocks=p.blocks,
+            )
+            ps[m].call("prefill_at", transfer_id=f"warm.{m}", t_wall=t, blocks=p.blocks)
+            r = f.result(60)
+            normal_join[m] = r["latency_s"][0]
+            _warm(ps[m], d1, p, f"warm2.{m}.")
+            normal_hs[m] = _peer_duration(ps[m], d1.address)
+        results: dict[str, dict[str, Any]] = {}
+        for case in cases:
+            progress(f"hol: case {case.key}: {case.label}")
+            if quick:
+                joiners = {name: ws[name] for name in joiner_specs[case.key]}
+            else:
+                joiners = cl.endpoints(joiner_specs[case.key])
+            win = p.delay_s if case.window_of == "delay" else p.timeout_s
+            for m in MODES:
+                progress(f"hol:   writer {m}")
+                results[f"{case.key}/{m}"] = _window(ps[m], d1, joiners, case, m, win, p)
+            for w in joiners.values():
+                cl.stop(w)
+    _report(rep, p, results, normal_join, normal_hs, out_dir)
+    return rep.to_dict()
+
+
+def _warm(pw: Worker, d1: Worker, p: HolParams, prefix: str) -> None:
+    t0 = start_at()
+    f = d1.call_async(
+        "steady_decode",
+        p_addr=pw.address,
+        prefix=prefix,
+        rate=p.rate,
+        t0=t0,
+        duration=0.3,
+        blocks=p.blocks,
+    )
+    pw.call("steady_prefill", prefix=prefix, rate=p.rate, t0=t0, duration=0.3, blocks=p.blocks)
+    f.result(60)
+
+
+def _peer_duration(pw: Worker, address: str) -> float:
+    for row in pw.call("stats")["peers"]:
+        if row["peer"] == address:
+            return float(row["duration_s"])
+    return math.nan
+
+
+def _window(
+    pw: Worker,
+    d1: Worker,
+    joiners: dict[str, Worker],
+    case: Case,
+    mode: str,
+    win: float,
+    p: HolParams,
+) -> dict[str, Any]:
+    total = p.before_s + win + p.after_s
+    t0 = start_at()
+    t_join = t0 + p.before_s
+    prefix = f"{case.key}.{mode}."
+    wait_s = total + 2 * win + 30
+    fd = d1.call_async(
+        "steady_decode",
+        p_addr=pw.address,
+        prefix=prefix,
+        rate=p.rate,
+        t0=t0,
+        duration=total,
+        blocks=p.blocks,
+        wait_s=wait_s,
+    )
+    fp = pw.call_async(
+        "steady_prefill", prefix=prefix, rate=p.rate, t0=t0, duration=total, blocks=p.blocks
+    )
+    jf = {}
+    for name, _, offset in case.joiners:
+        tid = f"join.{case.key}.{mode}.{name}"
+        jf[name] = joiners[name].call_async(
+            "decode_at",
+            p_addr=pw.address,
+            transfer_id=tid,
+            t_wall=t_join + offset,
+            blocks=p.blocks,
+            deadline_s=max(p.timeout_s, 2 * p.delay_s) + p.after_s + 1.0,
+            wait_s=wait_s,
+        )
+        pw.call_async("prefill_at", transfer_id=tid, t_wall=t_join + offset, blocks=p.blocks)
+    r = fd.result(wait_s + 30)
+    fp.result(60)
+    joined = {}
+    for name, f in jf.items():
+        jr = f.result(wait_s + 30)
+        joined[name] = {
+            "ok": jr["ok"][0],
+            "latency_s": jr["latency_s"][0] if jr["ok"][0] else None,
+            "reasons": jr["reasons"],
+            "p_handshake_s": _peer_duration(pw, joiners[name].address),
+        }
+    pw.call("wait_idle", timeout_s=30)
+    t = [x - p.before_s for x in r["t_call"]]  # seconds since the join
+    lat, ok = r["latency_s"], r["ok"]
+    phases = {}
+    for ph, lo, hi in (
+        ("before", -p.before_s, 0.0),
+        ("during", 0.0, win),
+        ("after", win, math.inf),
+    ):
+        vals, failed = window(t, lat, ok, lo, hi)
+        phases[ph] = {**summary(vals), "failed": failed}
+    return {
+        "phases": phases,
+        "window_s": win,
+        "joiners": joined,
+        "series": [[round(a, 4), round(b, 6)] for a, b, g in zip(t, lat, ok, strict=True) if g],
+        "failed": sum(1 for g in ok if not g),
+        "reasons": r["reasons"],
+    }
+
+
+def _report(
+    rep: Report,
+    p: HolParams,
+    res: dict[str, dict[str, Any]],
+    normal_join: dict[str, float],
+    normal_hs: dict[str, float],
+    out_dir: Path,
+) -> None:
+    cases = _cases(p)
+    rows = []
+    for c in cases:
+        for m in MODES:
+            r = res[f"{c.key}/{m}"]
+            ph = r["phases"]
+            rows.append(
+                [
+                    c.key,
+                    m,
+                    fmt_ms(ph["before"]["p50"]),
+                    fmt_ms(ph["before"]["p99"]),
+                    fmt_ms(ph["during"]["p50"]),
+                    fmt_ms(ph["during"]["p99"]),
+                    fmt_ms(ph["during"]["max"]),
+                    fmt_ms(ph["after"]["p99"]),
+                    str(ph["before"]["n"] + ph["during"]["n"] + ph["after"]["n"]),
+                    str(r["failed"]),
+                ]
+            )
+    rep.table(
+        f"D1 push latency (ms, D-measured decode() -> verified) at {p.rate:g} req/s, "
+        f"{p.blocks} block x {2 * p.layers} regions x {p.block_bytes // 1024} KiB",
+        [
+            "case",
+            "writer",
+            "before p50",
+            "before p99",
+            "during p50",
+            "during p99",
+            "during max",
+            "after p99",
+            "requests",
+            "failed",
+        ],
+        rows,
+        note="'during' = requests issued while the new peers' handshakes were pending "
+        f"({p.delay_s:g} s for slow peers, {p.timeout_s:g} s = P's handshake timeout for the "
+        "dead one).",
+    )
+    jrows = []
+    for m in MODES:
+        jrows.append(
+            ["D1 (quiet, reference)", m, fmt_ms(normal_join[m]), fmt_ms(normal_hs[m]), "ok"]
+        )
+    for c in cases:
+        for m in MODES:
+            for name, j in res[f"{c.key}/{m}"]["joiners"].items():
+                jrows.append(
+                    [
+                        f"{c.key}: {name}",
+                        m,
+                        fmt_ms(j["latency_s"]),
+                        fmt_ms(j["p_handshake_s"]),
+                        "ok" if j["ok"] else ",".join(j["reasons"]) or "failed",
+                    ]
+                )
+    rep.table(
+        "joining peers: first request (ms, D-measured, both handshakes + push) and "
+        "P->D handshake (ms, P telemetry)",
+        ["peer", "writer", "first request", "P->D handshake", "outcome"],
+        jrows,
+    )
+    figures: dict[str, Any] = {"normal_join_s": normal_join, "normal_p_handshake_s": normal_hs}
+    for c in cases:
+        dfr = res[f"{c.key}/deferred"]["phases"]
+        blk = res[f"{c.key}/blocking"]["phases"]
+        win = res[f"{c.key}/deferred"]["window_s"]
+        growth = ratio(dfr["during"]["p99"], dfr["before"]["p99"])
+        contrast = ratio(blk["during"]["p99"], dfr["during"]["p99"])
+        figures[c.key] = {
+            "deferred_p99_before_s": dfr["before"]["p99"],
+            "deferred_p99_during_s": dfr["during"]["p99"],
+            "blocking_p99_before_s": blk["before"]["p99"],
+            "blocking_p99_during_s": blk["during"]["p99"],
+            "deferred_growth": growth,
+            "blocking_over_deferred": contrast,
+        }
+        rep.target(
+            f"{c.key}: deferred p99 during / before",
+            "<= 2x",
+            f"{fmt_x(growth)} ({fmt_ms(dfr['during']['p99'])} / {fmt_ms(dfr['before']['p99'])} ms)",
+            growth <= 2.0 if math.isfinite(growth) else None,
+        )
+        rep.target(
+            f"{c.key}: blocking p99 during",
+            f">= {win:g} s (0.95x allowed: requests issued late in the window wait less)",
+            f"{fmt_ms(blk['during']['p99'])} ms",
+            blk["during"]["p99"] >= 0.95 * win if math.isfinite(blk["during"]["p99"]) else None,
+        )
+        rep.target(
+            f"{c.key}: blocking / deferred p99 during",
+            ">= 10x",
+            fmt_x(contrast),
+            contrast >= 10 if math.isfinite(contrast) else None,
+        )
+    healthy = res["two-slow+healthy/deferred"]["joiners"].get("d3-healthy", {})
+    ref = median(list(normal_join.values()))
+    hl = healthy.get("latency_s")
+    figures["healthy_third_join_s"] = {
+        m: res[f"two-slow+healthy/{m}"]["joiners"]["d3-healthy"]["latency_s"] for m in MODES
+    }
+    figures["healthy_third_p_handshake_s"] = {
+        m: res[f"two-slow+healthy/{m}"]["joiners"]["d3-healthy"]["p_handshake_s"] for m in MODES
+    }
+    rep.target(
+        "healthy third peer joins in normal time beside two slow ones (deferred)",
+        "first request <= 2x a quiet join",
+        f"{fmt_ms(hl)} ms vs quiet {fmt_ms(ref)} ms" if hl is not None else "failed",
+        (hl <= 2 * ref) if hl is not None and math.isfinite(ref) else False,
+    )
+    rep.figures.update(figures)
+    rep.data["series"] = {k: v["series"] for k, v in res.items()}
+    rep.data["phases"] = {k: v["phases"] for k, v in res.items()}
+    rep.data["joiners"] = {k: v["joiners"] for k, v in res.items()}
+    # chart: D1 latency over time, per case, both writers, stall window shaded
+    panels = []
+    for c in cases:
+        win = res[f"{c.key}/deferred"]["window_s"]
+        series = [
+            Series(
+                f"writer {m}",
+                [(a, b * 1e3) for a, b in res[f"{c.key}/{m}"]["series"]],
+                color="#1f77b4" if m == "deferred" else "#d62728",
+                style="trace",
+            )
+            for m in MODES
+        ]
+        panels.append(
+            Panel(
+                title=f"{c.key}: {c.label}",
+                series=series,
+                xlabel="seconds since the new peer(s) joined",
+                ylabel="D1 latency (ms, log)",
+                logy=True,
+                spans=[(0.0, win, "handshake(s) pending")],
+            )
+        )
+    svg = line_chart(
+        panels, "hol: D1 push latency while new peers join, deferred vs blocking writer"
+    )
+    path = out_dir / "hol.svg"
+    path.write_text(svg)
+    rep.charts.append(str(path))

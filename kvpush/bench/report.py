@@ -1,0 +1,451 @@
+"""Benchmark results: one JSON-able structure per scenario, rendered as text, markdown or SVG.
+
+``Report`` collects what a scenario measured: tables for people (cells already formatted),
+``figures`` for machines (plain numbers), ``targets`` (what the issue asks for, what was
+measured, met or not: a miss is reported, never hidden) and chart files. ``render_text`` and
+``render_markdown`` are pure functions of ``Report.to_dict()``; ``line_chart`` writes a small
+self-contained SVG (no plotting dependency). ``machine_info`` describes the host, including its
+load average: numbers from a busy host are not comparable with a quiet one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import math
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.bench.stats import finite
+
+
+def fmt_ms(seconds: float | None, digits: int = 2) -> str:
+    if seconds is None or (isinstance(seconds, float) and not math.isfinite(seconds)):
+        return "-"
+    ms = seconds * 1e3
+    if ms >= 100:
+        return f"{ms:.0f}"
+    if ms >= 10:
+        return f"{ms:.1f}"
+    return f"{ms:.{digits}f}"
+
+
+def fmt_x(x: float | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{x:.0f}x" if x >= 100 else f"{x:.1f}x" if x >= 10 else f"{x:.2f}x"
+
+
+def fmt_num(x: float | None, digits: int = 2) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{x:,.{digits}f}"
+
+
+@dataclass
+class Report:
+    scenario: str
+    title: str
+    quick: bool
+    params: dict[str, Any] = field(default_factory=dict)
+    tables: list[dict[str, Any]] = field(default_factory=list)
+    targets: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
+    charts: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+    machine_start: dict[str, Any] = field(default_factory=lambda: machine_info())
+
+    def table(
+        self, title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], note: str = ""
+    ) -> None:
+        self.tables.append(
+            {
+                "title": title,
+                "columns": list(columns),
+                "rows": [[str(c) for c in r] for r in rows],
+                "note": note,
+            }
+        )
+
+    def target(
+        self, name: str, target: str, measured: str, met: bool | None, note: str = ""
+    ) -> None:
+        self.targets.append(
+            {"name": name, "target": target, "measured": measured, "met": met, "note": note}
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        end = machine_info()
+        return {
+            "scenario": self.scenario,
+            "title": self.title,
+            "quick": self.quick,
+            "command": f"kvpush bench {self.scenario}" + (" --quick" if self.quick else ""),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
+            "elapsed_s": round(time.time() - self.started, 2),
+            "machine": {**self.machine_start, "loadavg_end": end["loadavg"]},
+            "params": self.params,
+            "tables": self.tables,
+            "targets": self.targets,
+            "notes": self.notes,
+            "figures": _clean(self.figures),
+            "charts": self.charts,
+            "data": _clean(self.data),
+        }
+
+
+def _clean(x: Any) -> Any:
+    """NaN/inf -> None, tuples -> lists, recursively (strict JSON)."""
+    if isinstance(x, float):
+        return finite(x)
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            kb = int(f.readline().split()[1])
+        info["mem_gib"] = round(kb / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    for pkg in ("nixl", "torch", "numpy", "pyzmq", "kvpush"):
+        with contextlib.suppress(PackageNotFoundError):
+            info[pkg] = version(pkg)
+    info["ucx_tls"] = os.environ.get("UCX_TLS", "(unset)")
+    return info
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _table_lines(t: dict[str, Any], sep: str = "  ") -> list[str]:
+    cols = t["columns"]
+    rows = t["rows"]
+    widths = [
+        max(len(str(c)), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)
+    ]
+    out = [sep.join(str(c).ljust(w) for c, w in zip(cols, widths, strict=True))]
+    out.append(sep.join("-" * w for w in widths))
+    for r in rows:
+        out.append(
+            sep.join(
+                c.rjust(w) if _numeric(c) else c.ljust(w) for c, w in zip(r, widths, strict=True)
+            )
+        )
+    return out
+
+
+def _numeric(cell: str) -> bool:
+    s = cell.replace(",", "").replace("x", "").replace("%", "").strip()
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def _met(m: bool | None) -> str:
+    return "met" if m is True else "MISSED" if m is False else "n/a"
+
+
+def render_text(r: dict[str, Any]) -> str:
+    lines = [f"== {r['title']} ({r['command']}, {r['elapsed_s']:.0f}s) =="]
+    for t in r["tables"]:
+        lines.append("")
+        lines.append(t["title"])
+        lines.extend(_table_lines(t))
+        if t.get("note"):
+            lines.append(f"  {t['note']}")
+    if r["targets"]:
+        lines.append("")
+        lines.append("targets")
+        for tg in r["targets"]:
+            lines.append(
+                f"  [{_met(tg['met'])}] {tg['name']}: {tg['measured']} (target {tg['target']})"
+            )
+            if tg.get("note"):
+                lines.append(f"      {tg['note']}")
+    for n in r["notes"]:
+        lines.append(f"note: {n}")
+    for c in r["charts"]:
+        lines.append(f"chart: {c}")
+    m = r["machine"]
+    lines.append(
+        f"host: {m.get('cpus')} CPUs ({m.get('cpu', '?')}), load average "
+        f"{m['loadavg'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} at end"
+    )
+    return "\n".join(lines)
+
+
+def render_markdown(r: dict[str, Any]) -> str:
+    out = [f"### {r['title']}", "", f"`{r['command']}` — {r['elapsed_s']:.0f} s", ""]
+    for t in r["tables"]:
+        out.append(f"**{t['title']}**")
+        out.append("")
+        out.append("| " + " | ".join(t["columns"]) + " |")
+        out.append("|" + "|".join("---" for _ in t["columns"]) + "|")
+        for row in t["rows"]:
+            out.append("| " + " | ".join(row) + " |")
+        if t.get("note"):
+            out.append("")
+            out.append(t["note"])
+        out.append("")
+    if r["targets"]:
+        out.append("| target | asked | measured | |")
+        out.append("|---|---|---|---|")
+        for tg in r["targets"]:
+            out.append(
+                f"| {tg['name']} | {tg['target']} | {tg['measured']} | **{_met(tg['met'])}** |"
+            )
+        out.append("")
+    for n in r["notes"]:
+        out.append(f"- {n}")
+    if r["notes"]:
+        out.append("")
+    return "\n".join(out)
+
+
+def render_summary(results: Sequence[dict[str, Any]]) -> str:
+    """Markdown of a whole ``bench all`` run: the host, then every scenario's tables."""
+    if not results:
+        return ""
+    m = results[0]["machine"]
+    total = sum(r["elapsed_s"] for r in results)
+    quick = " --quick" if results[0]["quick"] else ""
+    head = [
+        f"Run `kvpush bench all{quick}` started {results[0]['started_at']}, {total:.0f} s in all.",
+        "",
+        f"Host: {m.get('cpus')} CPUs ({m.get('cpu', '?')}), {m.get('mem_gib', '?')} GiB, Linux "
+        f"{m.get('kernel')}, Python {m.get('python')}, nixl {m.get('nixl', '?')}, torch "
+        f"{m.get('torch', '?')}, UCX_TLS {m.get('ucx_tls')}. Load average (1 min) at the start "
+        "of each scenario: "
+        + ", ".join(f"{r['scenario']} {r['machine']['loadavg'][0]:.2f}" for r in results)
+        + ".",
+        "",
+    ]
+    return "\n".join(head + [render_markdown(r) for r in results])
+
+
+# --------------------------------------------------------------------------- SVG
+
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")
+
+
+@dataclass
+class Series:
+    name: str
+    points: list[tuple[float, float]]
+    color: str = ""
+    style: str = "line"  # "line" (with markers), "trace" (dense: no markers) or "dots"
+    dash: bool = False
+
+
+@dataclass
+class Panel:
+    title: str
+    series: list[Series]
+    xlabel: str
+    ylabel: str
+    logx: bool = False
+    logy: bool = False
+    spans: list[tuple[float, float, str]] = field(default_factory=list)  # shaded x ranges
+    hlines: list[tuple[float, str]] = field(default_factory=list)
+    xticks: list[tuple[float, str]] | None = None
+
+
+def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    if hi <= lo:
+        return [lo]
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = min((m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw), default=raw)
+    start = math.ceil(lo / step) * step
+    ticks = []
+    x = start
+    while x <= hi + step * 1e-9:
+        ticks.append(round(x, 10))
+        x += step
+    return ticks
+
+
+def _log_ticks(lo: float, hi: float) -> list[float]:
+    a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    return [10.0**k for k in range(a, b + 1)]
+
+
+def _tick_label(v: float) -> str:
+    if v == 0:
+        return "0"
+    if abs(v) >= 1e6 or abs(v) < 1e-3:
+        return f"{v:.0e}".replace("e+0", "e").replace("e-0", "e-")
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:g}"
+
+
+def line_chart(panels: Sequence[Panel], title: str, width: int = 900, panel_h: int = 260) -> str:
+    """A stack of panels sharing a width; returns SVG text."""
+    ml, mr, mt, mb = 70, 170, 30, 45
+    top = 34
+    h = top + len(panels) * (panel_h + mt + mb)
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" '
+        f'viewBox="0 0 {width} {h}" font-family="sans-serif" font-size="12">',
+        f'<rect width="{width}" height="{h}" fill="white"/>',
+        f'<text x="{width / 2}" y="20" text-anchor="middle" font-size="15" '
+        f'font-weight="bold">{html.escape(title)}</text>',
+    ]
+    for pi, p in enumerate(panels):
+        y0 = top + pi * (panel_h + mt + mb) + mt
+        parts.extend(_panel(p, ml, y0, width - ml - mr, panel_h, pi))
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+def _panel(p: Panel, x0: float, y0: float, w: float, h: float, idx: int) -> list[str]:
+    pts = [pt for s in p.series for pt in s.points if _ok(pt, p)]
+    if not pts:
+        pts = [(1.0, 1.0), (10.0, 10.0)]
+    xs = [x for x, _ in pts] + [a for a, _, _ in p.spans] + [b for _, b, _ in p.spans]
+    ys = [y for _, y in pts] + [y for y, _ in p.hlines]
+    xlo, xhi = min(xs), max(xs)
+    ylo, yhi = min(ys), max(ys)
+    if p.logy:
+        ylo, yhi = 10 ** math.floor(math.log10(ylo)), 10 ** math.ceil(math.log10(yhi))
+    else:
+        ylo = min(0.0, ylo)
+        yhi = yhi * 1.08 if yhi > 0 else 1.0
+    if p.logx:
+        xlo, xhi = xlo / 1.3, xhi * 1.3
+    elif xhi == xlo:
+        xlo, xhi = xlo - 1, xhi + 1
+
+    def sx(x: float) -> float:
+        if p.logx:
+            return x0 + (math.log10(x) - math.log10(xlo)) / (math.log10(xhi) - math.log10(xlo)) * w
+        return x0 + (x - xlo) / (xhi - xlo) * w
+
+    def sy(y: float) -> float:
+        if p.logy:
+            y = max(y, ylo)
+            return (
+                y0 + h - (math.log10(y) - math.log10(ylo)) / (math.log10(yhi) - math.log10(ylo)) * h
+            )
+        return y0 + h - (y - ylo) / (yhi - ylo) * h
+
+    out = [
+        f'<text x="{x0}" y="{y0 - 10}" font-size="13" font-weight="bold">'
+        f"{html.escape(p.title)}</text>",
+        f'<rect x="{x0}" y="{y0}" width="{w}" height="{h}" fill="none" stroke="#444"/>',
+    ]
+    clip = f"clip{idx}"
+    out.append(
+        f'<clipPath id="{clip}"><rect x="{x0}" y="{y0}" width="{w}" height="{h}"/></clipPath>'
+    )
+    for a, b, label in p.spans:
+        out.append(
+            f'<rect x="{sx(a):.1f}" y="{y0}" width="{max(1.0, sx(b) - sx(a)):.1f}" height="{h}" '
+            f'fill="#f4c542" fill-opacity="0.25"/>'
+        )
+        out.append(
+            f'<text x="{sx(a) + 3:.1f}" y="{y0 + 14}" font-size="11" fill="#8a6d00">'
+            f"{html.escape(label)}</text>"
+        )
+    yt = _log_ticks(ylo, yhi) if p.logy else _nice_ticks(ylo, yhi)
+    for v in yt:
+        if not (ylo <= v <= yhi):
+            continue
+        y = sy(v)
+        out.append(f'<line x1="{x0}" x2="{x0 + w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{x0 - 6}" y="{y + 4:.1f}" text-anchor="end">{_tick_label(v)}</text>')
+    xt = p.xticks or [
+        (v, _tick_label(v)) for v in (_log_ticks(xlo, xhi) if p.logx else _nice_ticks(xlo, xhi))
+    ]
+    for v, label in xt:
+        if not (xlo <= v <= xhi):
+            continue
+        x = sx(v)
+        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0}" y2="{y0 + h}" stroke="#eee"/>')
+        out.append(
+            f'<text x="{x:.1f}" y="{y0 + h + 16}" text-anchor="middle">{html.escape(label)}</text>'
+        )
+    for yv, label in p.hlines:
+        y = sy(yv)
+        out.append(
+            f'<line x1="{x0}" x2="{x0 + w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#888" '
+            'stroke-dasharray="4 3"/>'
+        )
+        out.append(
+            f'<text x="{x0 + w - 4}" y="{y - 4:.1f}" text-anchor="end" fill="#666" '
+            f'font-size="11">{html.escape(label)}</text>'
+        )
+    out.append(
+        f'<text x="{x0 + w / 2}" y="{y0 + h + 34}" text-anchor="middle">'
+        f"{html.escape(p.xlabel)}</text>"
+    )
+    out.append(
+        f'<text x="{x0 - 52}" y="{y0 + h / 2}" text-anchor="middle" '
+        f'transform="rotate(-90 {x0 - 52} {y0 + h / 2})">{html.escape(p.ylabel)}</text>'
+    )
+    for si, s in enumerate(p.series):
+        color = s.color or PALETTE[si % len(PALETTE)]
+        spts = [(sx(x), sy(y)) for x, y in s.points if _ok((x, y), p)]
+        g = [f'<g clip-path="url(#{clip})">']
+        if s.style == "dots":
+            g.extend(
+                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="1.6" fill="{color}" fill-opacity="0.6"/>'
+                for x, y in spts
+            )
+        elif spts:
+            d = " ".join(
+                f"{'M' if i == 0 else 'L'}{x:.1f},{y:.1f}" for i, (x, y) in enumerate(spts)
+            )
+            dash = ' stroke-dasharray="6 4"' if s.dash else ""
+            sw = "2" if s.style == "line" else "1"
+            g.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="{sw}"{dash}/>')
+            if s.style == "line":
+                g.extend(
+                    f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in spts
+                )
+        g.append("</g>")
+        out.extend(g)
+        ly = y0 + 12 + si * 18
+        lx = x0 + w + 12
+        out.append(f'<rect x="{lx}" y="{ly - 9}" width="12" height="12" fill="{color}"/>')
+        out.append(f'<text x="{lx + 18}" y="{ly + 1}">{html.escape(s.name)}</text>')
+    return out
+
+
+def _ok(pt: tuple[float, float], p: Panel) -> bool:
+    x, y = pt
+    if x is None or y is None or not (math.isfinite(x) and math.isfinite(y)):
+        return False
+    if p.logx and x <= 0:
+        return False
+    return not (p.logy and y <= 0)

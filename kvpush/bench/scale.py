@@ -1,0 +1,225 @@
+"""Scenario ``scale``: a storm of new D endpoints joins one P while established pushes continue.
+
+Processes: one P (deferred writer), D1 (established, steady open-loop load, as in ``hol``) and
+``N`` new D endpoints, each in its own process, that all send their first request to P at the
+same instant. Measured: each new D's first request (D-measured: notif-only handshake to P, P's
+full handshake back, the push, verification) and P's handshake duration for it (P telemetry);
+the time until *all* are connected; D1's latency before the storm, during it (until the last
+new D is connected) and after.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpush.bench.common import Progress, endpoint_cfg, logs_dir, start_at
+from kvpush.bench.procs import Cluster
+from kvpush.bench.report import Panel, Report, Series, fmt_ms, fmt_x, line_chart
+from kvpush.bench.stats import median, ratio, summary, window
+
+
+@dataclass(frozen=True)
+class ScaleParams:
+    new_peers: int
+    rate: float
+    blocks: int
+    layers: int
+    block_bytes: int
+    num_blocks: int
+    before_s: float
+    storm_s: float  # how long D1's "during" recording lasts at least
+    after_s: float
+
+
+FULL = ScaleParams(
+    new_peers=8,
+    rate=200,
+    blocks=1,
+    layers=2,
+    block_bytes=16384,
+    num_blocks=2048,
+    before_s=2.0,
+    storm_s=1.0,
+    after_s=1.0,
+)
+QUICK = ScaleParams(
+    new_peers=4,
+    rate=100,
+    blocks=1,
+    layers=2,
+    block_bytes=16384,
+    num_blocks=512,
+    before_s=0.6,
+    storm_s=0.5,
+    after_s=0.3,
+)
+
+
+def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
+    p = QUICK if quick else FULL
+    rep = Report(
+        "scale",
+        f"scale: {p.new_peers} new D endpoints join at once during steady pushes",
+        quick,
+        params=asdict(p),
+    )
+    geo: dict[str, Any] = {"layers": p.layers, "block_bytes": p.block_bytes}
+    names = [f"d-new{k}" for k in range(p.new_peers)]
+    with Cluster(logs_dir(out_dir, "scale")) as cl:
+        progress(f"scale: starting P, D1 and {p.new_peers} new D endpoints")
+        specs = {
+            "p": endpoint_cfg("prefill", **geo, num_blocks=p.num_blocks),
+            "d1": endpoint_cfg("decode", **geo, num_blocks=p.num_blocks),
+        }
+        specs.update({n: endpoint_cfg("decode", **geo, num_blocks=16) for n in names})
+        ws = cl.endpoints(specs, timeout_s=180)
+        pw, d1 = ws["p"], ws["d1"]
+        # D1 joins in quiet time (the reference join), then warms up.
+        tw = start_at(0.2)
+        f = d1.call_async(
+            "decode_at", p_addr=pw.address, transfer_id="warm", t_wall=tw, blocks=p.blocks
+        )
+        pw.call("prefill_at", transfer_id="warm", t_wall=tw, blocks=p.blocks)
+        quiet_join = f.result(60)["latency_s"][0]
+        progress("scale: steady load, then the storm")
+        total = p.before_s + p.storm_s + p.after_s + 1.0
+        t0 = start_at(0.6)
+        t_join = t0 + p.before_s
+        fd = d1.call_async(
+            "steady_decode",
+            p_addr=pw.address,
+            prefix="s.",
+            rate=p.rate,
+            t0=t0,
+            duration=total,
+            blocks=p.blocks,
+            wait_s=total + 60,
+        )
+        fp = pw.call_async(
+            "steady_prefill", prefix="s.", rate=p.rate, t0=t0, duration=total, blocks=p.blocks
+        )
+        jf = {}
+        for n in names:
+            jf[n] = ws[n].call_async(
+                "decode_at",
+                p_addr=pw.address,
+                transfer_id=f"storm.{n}",
+                t_wall=t_join,
+                blocks=p.blocks,
+                wait_s=120,
+            )
+            pw.call_async("prefill_at", transfer_id=f"storm.{n}", t_wall=t_join, blocks=p.blocks)
+        r = fd.result(total + 120)
+        fp.result(60)
+        joins = {n: jf[n].result(180) for n in names}
+        peers = {row["peer"]: row for row in pw.call("stats")["peers"]}
+        hs = {n: float(peers.get(ws[n].address, {}).get("duration_s", math.nan)) for n in names}
+        d1_hs = float(peers.get(d1.address, {}).get("duration_s", math.nan))
+    # analysis
+    join_lat = {n: (j["latency_s"][0] if j["ok"][0] else None) for n, j in joins.items()}
+    done = [x for x in join_lat.values() if x is not None]
+    all_ok = len(done) == len(names)
+    all_connected = max(done) if done else math.nan
+    during_end = max(p.storm_s, all_connected if math.isfinite(all_connected) else p.storm_s)
+    t = [x - p.before_s for x in r["t_call"]]
+    lat, ok = r["latency_s"], r["ok"]
+    phases = {}
+    for ph, lo, hi in (
+        ("before", -p.before_s, 0.0),
+        ("during", 0.0, during_end),
+        ("after", during_end, math.inf),
+    ):
+        vals, failed = window(t, lat, ok, lo, hi)
+        phases[ph] = {**summary(vals), "failed": failed}
+    rep.table(
+        f"D1 latency (ms, D-measured) at {p.rate:g} req/s while {p.new_peers} new Ds join",
+        ["phase", "window (s since storm)", "requests", "p50", "p99", "max", "failed"],
+        [
+            [
+                ph,
+                {
+                    "before": f"-{p.before_s:g}..0",
+                    "during": f"0..{during_end:.2f}",
+                    "after": f"{during_end:.2f}..",
+                }[ph],
+                str(v["n"]),
+                fmt_ms(v["p50"]),
+                fmt_ms(v["p99"]),
+                fmt_ms(v["max"]),
+                str(v["failed"]),
+            ]
+            for ph, v in phases.items()
+        ],
+        note=f"'during' lasts until the last new D had its first push (at least {p.storm_s:g} s).",
+    )
+    rows = [["D1 (quiet join, reference)", fmt_ms(quiet_join), fmt_ms(d1_hs), "ok"]]
+    for n in names:
+        j = joins[n]
+        rows.append(
+            [
+                n,
+                fmt_ms(join_lat[n]),
+                fmt_ms(hs[n]),
+                "ok" if j["ok"][0] else ",".join(j["reasons"]) or "failed",
+            ]
+        )
+    rep.table(
+        "new peers: first request (ms, D-measured: both handshakes + push + verify) and "
+        "P->D handshake (ms, P telemetry)",
+        ["peer", "first request", "P->D handshake", "outcome"],
+        rows,
+    )
+    growth = ratio(phases["during"]["p99"], phases["before"]["p99"])
+    rep.target(
+        f"all {p.new_peers} new peers connected",
+        "all",
+        f"{len(done)}/{len(names)} in {fmt_ms(all_connected)} ms (median "
+        f"{fmt_ms(median(done))} ms; quiet join {fmt_ms(quiet_join)} ms)",
+        all_ok,
+    )
+    rep.target(
+        "D1 p99 during the storm / before",
+        "(no target set; hol asks <= 2x for one slow peer)",
+        f"{fmt_x(growth)} ({fmt_ms(phases['during']['p99'])} / "
+        f"{fmt_ms(phases['before']['p99'])} ms)",
+        None,
+    )
+    rep.figures.update(
+        {
+            "all_connected_s": all_connected,
+            "join_latency_s": join_lat,
+            "p_handshake_s": hs,
+            "quiet_join_s": quiet_join,
+            "d1_phases": phases,
+            "d1_p99_growth": growth,
+        }
+    )
+    rep.data["d1_series"] = [
+        [round(a, 4), round(b, 6)] for a, b, g in zip(t, lat, ok, strict=True) if g
+    ]
+    panel = Panel(
+        title=f"D1 latency while {p.new_peers} new Ds join at t=0; "
+        "dots: each new D's first request",
+        series=[
+            Series(
+                "D1 (established)",
+                [(a, b * 1e3) for a, b, g in zip(t, lat, ok, strict=True) if g],
+                color="#1f77b4",
+                style="trace",
+            ),
+            Series(
+                "new D first request", [(x, x * 1e3) for x in done], color="#d62728", style="dots"
+            ),
+        ],
+        xlabel="seconds since the storm",
+        ylabel="ms (log)",
+        logy=True,
+        spans=[(0.0, during_end, "joining")],
+    )
+    path = out_dir / "scale.svg"
+    path.write_text(line_chart([panel], "scale: a handshake storm during steady pushes"))
+    rep.charts.append(str(path))
+    return rep.to_dict()

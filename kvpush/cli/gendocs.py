@@ -1,0 +1,297 @@
+"""Generate ``completions/`` and ``man/kvpush.1`` from the one CLI definition (the typer app).
+
+``python -m kvpush.cli.gendocs`` rewrites the committed files; ``--check`` exits 1 when any of
+them differs from what the app generates now (``tests/test_cli_docs.py`` runs the same check).
+typer >= 0.26 ships its own copy of click, so click-man does not work on it: this walks the
+click command tree that typer builds and writes roff itself. Output is deterministic (no dates,
+no terminal widths) so that the drift check is exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from kvpush import PROTOCOL_VERSION, __version__
+
+PROG = "kvpush"
+COMPLETE_VAR = "_KVPUSH_COMPLETE"
+ROOT = Path(__file__).resolve().parents[2]
+
+_INSTALL = {
+    "bash": "kvpush completion bash > ~/.local/share/bash-completion/completions/kvpush",
+    "zsh": 'kvpush completion zsh > "${fpath[1]}/_kvpush"   (then: compinit)',
+    "fish": "kvpush completion fish > ~/.config/fish/completions/kvpush.fish",
+}
+
+
+def completion_script(shell: str) -> str:
+    """The completion script for ``shell``: typer's, which asks ``kvpush`` itself on each Tab."""
+    # typer's own --show-completion uses this function (typer.completion re-exports it).
+    from typer._completion_shared import get_completion_script
+
+    body = get_completion_script(prog_name=PROG, complete_var=COMPLETE_VAR, shell=shell)
+    header = (
+        f"# {shell} completion for kvpush {__version__}. Generated from the CLI by\n"
+        "# 'python -m kvpush.cli.gendocs' (also: 'kvpush completion " + shell + "'); "
+        "do not edit.\n"
+        f"# Install: {_INSTALL[shell]}\n"
+    )
+    if body.startswith("#compdef"):
+        first, _, rest = body.partition("\n")
+        return f"{first}\n{header}{rest.rstrip()}\n"
+    return f"{header}{body.rstrip()}\n"
+
+
+# -------------------------------------------------------------------------------- man page
+
+
+def _esc(text: str) -> str:
+    """Escape text for roff: backslashes, and a leading dot or quote on any line."""
+    text = text.replace("\\", "\\e")
+    out = []
+    for line in text.split("\n"):
+        if line.startswith((".", "'")):
+            line = "\\&" + line
+        out.append(line)
+    return "\n".join(out)
+
+
+def _opt(name: str) -> str:
+    return "\\fB" + _esc(name).replace("-", "\\-") + "\\fR"
+
+
+def _metavar(param: Any) -> str:
+    if getattr(param, "is_flag", False) or getattr(param, "count", False):
+        return ""
+    if getattr(param, "metavar", None):
+        return str(param.metavar)
+    desc = getattr(param, "type_descriptor", None)  # typer >= 0.26
+    ann = getattr(desc, "annotation", None)
+    args = getattr(ann, "__args__", None)
+    if args:  # list[X]
+        ann = args[0]
+    if isinstance(ann, type) and issubclass(ann, Enum):
+        return "{" + "|".join(str(m.value) for m in ann) + "}"
+    if ann is int:
+        return "N"
+    if ann is float:
+        name = param.name or ""
+        return "SECONDS" if name in _SECONDS else "X"
+    return "TEXT"
+
+
+_SECONDS = {
+    "side_channel_timeout",
+    "handshake_timeout",
+    "lease",
+    "heartbeat",
+    "request_deadline",
+    "peer_idle_ttl",
+    "write_timeout",
+    "fence_timeout",
+    "drain_timeout",
+    "interval",
+    "timeout",
+}
+
+
+def _default(param: Any) -> str | None:
+    if param.show_default is False:
+        return None
+    d = param.default
+    if callable(d) or d is None or d == "" or d == () or d == []:
+        return None
+    if isinstance(d, Enum):
+        d = d.value
+    if getattr(param, "is_flag", False):
+        if param.secondary_opts:
+            return str(param.opts[0] if d else param.secondary_opts[0])
+        return None
+    return str(d)
+
+
+def _paragraphs(text: str | None) -> list[str]:
+    if not text:
+        return []
+    paras = [" ".join(p.split()) for p in text.strip().split("\n\n")]
+    return [p for p in paras if p and p != "\b"]
+
+
+def _option_block(param: Any) -> list[str]:
+    names = [*param.opts, *param.secondary_opts]
+    head = ", ".join(_opt(n) for n in names)
+    mv = _metavar(param)
+    if mv:
+        head += " \\fI" + _esc(mv) + "\\fR"
+    lines = [".TP", head]
+    text = " ".join((param.help or "").split())
+    extra = []
+    d = _default(param)
+    if d is not None:
+        extra.append(f"Default: {d}.")
+    env = param.envvar
+    if env and getattr(param, "show_envvar", True):
+        extra.append(f"Environment: {env if isinstance(env, str) else ', '.join(env)}.")
+    lines.append(_esc(" ".join(x for x in (text, *extra) if x)))
+    return lines
+
+
+def _synopsis(name: str, cmd: Any) -> str:
+    args = " ".join(
+        f"\\fI{_esc((p.name or '').upper())}\\fR"
+        for p in cmd.params
+        if p.param_type_name == "argument"
+    )
+    return f"{_opt(PROG)} {_opt(name)} [\\fIOPTIONS\\fR]" + (f" {args}" if args else "")
+
+
+def man_page() -> str:
+    """The whole of ``man/kvpush.1``, generated from the typer app."""
+    from typer.main import get_command
+
+    from kvpush.cli.main import EPILOG, HELP, app
+
+    root: Any = get_command(app)
+    out: list[str] = [
+        '.\\" Generated from the CLI by "python -m kvpush.cli.gendocs"; do not edit.',
+        f'.TH KVPUSH 1 "" "kvpush {__version__}" "User Commands"',
+        ".nh",
+        ".ad l",
+        ".SH NAME",
+        "kvpush \\- push KV\\-cache blocks from prefill to decode endpoints over NIXL",
+        ".SH SYNOPSIS",
+        f"{_opt(PROG)} [\\fIGLOBAL OPTIONS\\fR] \\fICOMMAND\\fR [\\fIOPTIONS\\fR] [\\fIARGS\\fR]",
+        ".SH DESCRIPTION",
+        _esc(" ".join(HELP.split())),
+        ".PP",
+        _esc(
+            "Commands: " + ", ".join(root.commands) + ". Each command's options are listed below; "
+            "'kvpush COMMAND --help' shows the same."
+        ),
+        ".SH GLOBAL OPTIONS",
+    ]
+    for p in root.params:
+        if p.param_type_name == "option":
+            out += _option_block(p)
+    out += [".TP", f"{_opt('-h')}, {_opt('--help')}", "Show help and exit."]
+    out.append(".SH COMMANDS")
+    for name, cmd in root.commands.items():
+        out += [".SS " + _esc(name), _synopsis(name, cmd)]
+        for para in _paragraphs(cmd.help):
+            out += [".PP", _esc(para)]
+        args = [p for p in cmd.params if p.param_type_name == "argument"]
+        opts = [p for p in cmd.params if p.param_type_name == "option"]
+        if args:
+            out += [".PP", "Arguments:"]
+            for a in args:
+                out += [
+                    ".TP",
+                    f"\\fI{_esc((a.name or '').upper())}\\fR",
+                    _esc(getattr(a, "help", "") or ""),
+                ]
+        if opts:
+            out += [".PP", "Options:"]
+            for p in opts:
+                out += _option_block(p)
+    out += [
+        ".SH CONFIGURATION FILE",
+        _esc(
+            "serve-prefill, serve-decode and probe read --config FILE.toml: keys are option "
+            'names with underscores (num_blocks = 2048, handshake = "full"); the tables '
+            "[prefill] and [decode] apply to one role only. Relative *_file paths are relative "
+            "to the file. Precedence: command line, then KVPUSH_* variables, then the file, "
+            "then the defaults."
+        ),
+        ".SH ENVIRONMENT",
+        ".TP",
+        "\\fBKVPUSH_\\fIOPTION\\fR",
+        _esc(
+            "Every option of serve-prefill, serve-decode and probe, upper-cased with dashes as "
+            "underscores, e.g. KVPUSH_NUM_BLOCKS=2048, KVPUSH_AUTH_TOKEN_FILE=/etc/kvpush/token."
+        ),
+        ".TP",
+        "\\fBKVPUSH_DEBUG\\fR",
+        "Same as \\fB\\-\\-debug\\fR.",
+        ".TP",
+        "\\fBNO_COLOR\\fR",
+        "Disable colours in all output.",
+        ".TP",
+        "\\fBUCX_TLS\\fR, \\fBUCX_NET_DEVICES\\fR",
+        _esc("Read by UCX (NIXL's default backend); leave UCX_TLS unset unless measuring."),
+        ".SH EXIT STATUS",
+    ]
+    for code, meaning in (
+        (0, "success"),
+        (1, "error (a request failed, an endpoint failed)"),
+        (2, "usage: invalid option, value, address, device or configuration"),
+        (3, "the peer answered but is not ready or is incompatible"),
+        (69, "the peer is unreachable"),
+        (130, "interrupted (a second SIGINT/SIGTERM while draining)"),
+    ):
+        out += [".TP", f"\\fB{code}\\fR", _esc(meaning)]
+    out += [
+        ".SH EXAMPLES",
+        ".nf",
+        _esc(
+            "kvpush demo\n"
+            "kvpush serve-prefill --port 5600\n"
+            "kvpush serve-decode --port 5601\n"
+            "kvpush probe 127.0.0.1:5600 --handshake full --ping 20\n"
+            "kvpush drive -p 127.0.0.1:5600 -d 127.0.0.1:5601 -n 1000 -c 16\n"
+            "kvpush completion bash > ~/.local/share/bash-completion/completions/kvpush"
+        ),
+        ".fi",
+        ".SH NOTES",
+        _esc(" ".join(EPILOG.split()) + f" Wire protocol version {PROTOCOL_VERSION}."),
+        "",
+    ]
+    return "\n".join(out)
+
+
+def outputs() -> dict[str, str]:
+    """Relative path -> content of every generated file."""
+    files = {f"completions/kvpush.{sh}": completion_script(sh) for sh in ("bash", "zsh", "fish")}
+    files["man/kvpush.1"] = man_page()
+    return files
+
+
+def drift(root: Path = ROOT) -> list[str]:
+    """Generated files whose committed copy under ``root`` differs (or is missing)."""
+    stale = []
+    for rel, text in outputs().items():
+        path = root / rel
+        if not path.exists() or path.read_text() != text:
+            stale.append(rel)
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvpush.cli.gendocs", description=__doc__)
+    ap.add_argument("--check", action="store_true", help="exit 1 if a committed file drifted")
+    ap.add_argument(
+        "--root", type=Path, default=ROOT, help="repository root (default: %(default)s)"
+    )
+    args = ap.parse_args(argv)
+    if args.check:
+        stale = drift(args.root)
+        for rel in stale:
+            print(
+                f"drift: {rel} differs from the CLI; run: python -m kvpush.cli.gendocs",
+                file=sys.stderr,
+            )
+        return 1 if stale else 0
+    for rel, text in outputs().items():
+        path = args.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+            print(f"wrote {rel}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

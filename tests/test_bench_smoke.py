@@ -1,0 +1,80 @@
+"""Smoke test of ``kvpush bench``: every scenario runs in --quick mode and returns a well-formed
+result (tables, targets, figures, chart). Structure only: no timing or ratio is asserted here --
+numbers from a shared CI host mean nothing; BENCHMARKS.md holds a full run's figures."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from kvpush import bench
+from kvpush.cli.bench_cmd import run_bench
+from kvpush.errors import ExitStatus
+
+pytestmark = pytest.mark.integration
+
+CHARTS = {"hol", "handshake", "bandwidth", "scale"}
+
+
+def _check_result(r: dict[str, object], name: str, out: Path) -> None:
+    assert r["scenario"] == name
+    assert r["quick"] is True
+    assert r["command"] == f"kvpush bench {name} --quick"
+    # strict JSON: no NaN or infinity anywhere
+    text = json.dumps(r, allow_nan=False)
+    assert json.loads((out / f"{name}.json").read_text()) == json.loads(text)
+    machine = r["machine"]
+    assert isinstance(machine, dict) and machine["cpus"] and len(machine["loadavg"]) == 3
+    tables = r["tables"]
+    assert isinstance(tables, list) and tables
+    for t in tables:
+        assert t["title"] and t["columns"] and t["rows"]
+        for row in t["rows"]:
+            assert len(row) == len(t["columns"]), (t["title"], row)
+            assert all(isinstance(c, str) for c in row)
+    targets = r["targets"]
+    assert isinstance(targets, list) and targets
+    for tg in targets:
+        assert tg["name"] and tg["target"] and tg["measured"]
+        assert tg["met"] in (True, False, None)
+    assert isinstance(r["figures"], dict) and r["figures"]
+    charts = r["charts"]
+    assert isinstance(charts, list)
+    if name in CHARTS:
+        assert charts, f"{name} draws a chart"
+    for c in charts:
+        root = ET.parse(c).getroot()
+        assert root.tag.endswith("svg")
+
+
+@pytest.mark.parametrize("name", bench.SCENARIOS)
+def test_scenario_quick(name: str, tmp_path: Path) -> None:
+    r = bench.run(name, quick=True, out_dir=tmp_path)
+    _check_result(r, name, tmp_path)
+    if name == "hol":
+        assert {"slow", "dead", "two-slow+healthy"} <= set(r["figures"])
+        assert set(r["data"]["series"]) == {
+            f"{c}/{m}"
+            for c in ("slow", "dead", "two-slow+healthy")
+            for m in ("deferred", "blocking")
+        }
+    if name == "handshake":
+        sizes = r["figures"]["sizes"]
+        assert len(sizes) >= 2 and all(
+            s["notif_total_s"] > 0 and s["full_total_s"] > 0 for s in sizes
+        )
+    if name in ("bandwidth", "rate"):
+        assert "verified" in json.dumps(r["tables"]) or r["notes"]
+    # no endpoint process outlives its scenario
+    logs = list((tmp_path / "logs").iterdir())
+    assert logs
+
+
+def test_unknown_scenario_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_bench("nope", quick=True, json_out=False, out_dir=None) == ExitStatus.USAGE
+    err = capsys.readouterr().err
+    assert "error: unknown benchmark scenario 'nope'" in err
+    assert "hint: choose one of hol, handshake, bandwidth, rate, scale, or all" in err
