@@ -6,7 +6,9 @@ them. Every invalid value raises ``ConfigError`` with a hint, before any resourc
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import socket
 import uuid
 from dataclasses import dataclass, field
 from enum import Enum
@@ -202,6 +204,20 @@ class Timeouts:
         return self.write_base_s + nbytes / (self.write_min_gbps * 1e9)
 
 
+def _binds_all_interfaces(host: str) -> bool:
+    """True for every spelling of the unspecified address (0.0.0.0, ::, [::], 0, *)."""
+    h = host.strip().strip("[]")
+    if h in ("*", ""):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_unspecified
+    except ValueError:
+        try:
+            return ipaddress.ip_address(socket.inet_ntoa(socket.inet_aton(h))).is_unspecified
+        except OSError:
+            return False
+
+
 def new_engine_id(role: Role) -> str:
     return f"{role[0]}-{uuid.uuid4().hex[:12]}"
 
@@ -248,7 +264,7 @@ class EndpointConfig:
                 f"--tp-rank {self.tp_rank} is outside 0..{self.tp_size - 1}",
                 "tp rank must be below tp size",
             )
-        if self.host in ("0.0.0.0", "::", "*") and not self.allow_all_interfaces:
+        if _binds_all_interfaces(self.host) and not self.allow_all_interfaces:
             raise ConfigError(
                 f"refusing to bind the side channel to all interfaces ({self.host})",
                 "pass --expose to bind every interface on purpose (and set --auth-token-file)",

@@ -40,7 +40,8 @@ from kvpush.handshake import PeerConn, PeerKey
 from kvpush.nixl_adapter import TransferError
 from kvpush.notifs import IdleWaiter
 from kvpush.queues import Inbox, drain_into
-from kvpush.sidechannel import ReplyFn, _RateLimitedLog
+from kvpush.ratelog import RateLimitedLog
+from kvpush.sidechannel import ReplyFn
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class DecodeEndpoint(Endpoint):
         self._abandoned: dict[str, DRequest] = {}  # quarantined, by request id
         self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="completer")
         self._waiter = IdleWaiter(self.wake, self.cfg.agent)
-        self._rl = _RateLimitedLog()
+        self._rl = RateLimitedLog(log)
         self._next_hk = 0.0
         self._next_hb = 0.0
         self._owner_stop = threading.Event()
@@ -445,7 +446,12 @@ class DecodeEndpoint(Endpoint):
                 self.agent.send_notif(
                     req.p_conn.agent_name,
                     self.codec.encode(
-                        protocol.Cancel(request_id=req.request_id, transfer_id=req.transfer_id)
+                        protocol.Cancel(
+                            request_id=req.request_id,
+                            transfer_id=req.transfer_id,
+                            decode_host=self.cfg.host,
+                            decode_port=self.metadata.port if self.metadata else 0,
+                        )
                     ),
                 )
             quarantine = True

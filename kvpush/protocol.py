@@ -256,10 +256,15 @@ class Failure(Struct, tag="fail", frozen=True, kw_only=True):
 
 
 class Cancel(Struct, tag="cancel", frozen=True, kw_only=True):
-    """D -> P: D abandoned this request; P must not WRITE into its blocks, and fences."""
+    """D -> P: D abandoned this request; P must not WRITE into its blocks, and fences.
+
+    Carries D's side-channel address so that P can acknowledge even before it ever connected
+    to D (the common case: D's deadline passes before P finished its blocks)."""
 
     request_id: Str256
     transfer_id: Str256 = ""
+    decode_host: Str256 = ""
+    decode_port: Port = 0
 
 
 class Fence(Struct, tag="fence", frozen=True, kw_only=True):

@@ -38,6 +38,7 @@ from kvpush.errors import (
     PeerUnreachableError,
     ProtocolError,
 )
+from kvpush.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -52,26 +53,6 @@ _ctx_lock = threading.Lock()
 def context() -> zmq.Context[zmq.Socket[bytes]]:
     with _ctx_lock:
         return zmq.Context.instance()
-
-
-class _RateLimitedLog:
-    """Log a message kind at most once per interval, with the count suppressed meanwhile."""
-
-    def __init__(self, interval_s: float = 5.0) -> None:
-        self.interval_s = interval_s
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warning(self, kind: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -1e9) >= self.interval_s:
-            n = self._suppressed.pop(kind, 0)
-            log.warning(
-                msg + (" (%d similar suppressed)" if n else ""), *args, *((n,) if n else ())
-            )
-            self._last[kind] = now
-        else:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
 
 
 class SideChannelServer:
@@ -102,7 +83,7 @@ class SideChannelServer:
         self._startup_error: BaseException | None = None
         self.failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._rl = _RateLimitedLog()
+        self._rl = RateLimitedLog(log)
         self.requests = 0
         self.rejected = 0
 

@@ -43,12 +43,18 @@ from kvpush.nixl_adapter import DList, NixlAgent, TransferError, Xfer
 from kvpush.notifs import IdleWaiter, NotifCodec
 from kvpush.pool import KvPool, xfer_indices
 from kvpush.queues import Inbox, drain_into
-from kvpush.sidechannel import _RateLimitedLog
+from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
 _I = TypeVar("_I")
+
+
+def _call(task: Callable[[], None]) -> None:
+    task()
+
+
 HOUSEKEEPING_S = 0.02
 
 
@@ -71,8 +77,8 @@ class Inflight:
     nbytes: int
     push: Push | None = None
     fence_keys: list[str] = field(default_factory=list)
-    # (quarantined key, D block) pairs a fence covers: re-queued if the fence times out
-    fence_entries: list[tuple[str, int]] = field(default_factory=list)
+    # (quarantined key, D block, D request id) a fence covers: re-queued if it times out
+    fence_entries: list[tuple[str, int, str]] = field(default_factory=list)
     cancelled: bool = False
 
 
@@ -99,6 +105,8 @@ class PushWriter:
         self.registrations: Inbox[Registration] = Inbox("registrations", 1 << 16, self.wake)
         self.deferred: Inbox[Deferred] = Inbox("deferred", 1 << 16, self.wake)
         self.evictions: Inbox[tuple[PeerKey, str]] = Inbox("evictions", 4096, self.wake)
+        # small jobs other threads hand to the writer (it owns the agent's send path)
+        self.tasks: Inbox[Callable[[], None]] = Inbox("tasks", 1 << 16, self.wake)
         self._last_resort: deque[tuple[Push, BaseException]] = deque()
         t = cfg.timeouts
         self._matcher = Matcher(lease_s=t.lease_s, reg_ttl_s=t.request_deadline_s)
@@ -112,7 +120,7 @@ class PushWriter:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="push-writer", daemon=True)
         self.failure: BaseException | None = None
-        self._rl = _RateLimitedLog()
+        self._rl = RateLimitedLog(log)
         self._local_dlist: DList | None = None
         self._regions = pool.cfg.regions
         self._nb = pool.cfg.num_blocks
@@ -174,6 +182,7 @@ class PushWriter:
         n += drain_into(self.registrations, lambda r: self._guard(self._on_registration, r, r.key))
         n += drain_into(self.deferred, lambda d: self._guard(self._on_deferred, d, d.push.key))
         n += drain_into(self.evictions, lambda e: self._evict(*e))
+        n += drain_into(self.tasks, lambda t: self._guard(_call, t, "task"))
         while self._last_resort:
             push, exc = self._last_resort.popleft()
             self._fail(push, "callback_error", f"handshake callback failed: {exc!r}")
@@ -494,10 +503,15 @@ class PushWriter:
             request_ids = [rid for _, _, rid in entries]
             # Write one of P's quarantined blocks onto one of D's blocks of the same abandoned
             # request: D keeps those quarantined until this very fence lands.
-            first_key, remote_block, _ = entries[0]
-            src = self._pool.allocator.blocks_of(first_key)
-            if len(src) == 0:
-                continue
+            # The source only needs to be readable: any of P's blocks will do (P's own block 0
+            # when the abandoned requests' blocks are gone); the target is quarantined at D.
+            src = np.zeros(1, dtype=np.int64)
+            remote_block = entries[0][1]
+            for k, rb, _ in entries:
+                held = self._pool.allocator.blocks_of(k)
+                if len(held):
+                    src, remote_block = held[:1], rb
+                    break
             self._fence_seq += 1
             fence_id = f"fence-{self._fence_seq}"
             lidx = xfer_indices(src[:1], self._nb, self._regions)[:1]
@@ -612,18 +626,46 @@ class PushWriter:
         self._ack_cancel(msg, sender)
 
     def _ack_cancel(self, msg: protocol.Cancel, sender: str) -> None:
+        """Tell D that nothing was (or will be) written for a cancelled request. Without a
+        connection to D yet, handshake to the address the Cancel carries -- in the background,
+        like a push -- and acknowledge from this thread once it is up."""
+        ack = protocol.Failure(
+            request_id=msg.request_id,
+            transfer_id=msg.transfer_id,
+            reason="cancelled",
+            detail="cancel acknowledged; nothing was written",
+            may_have_written=False,
+        )
         conn = self._hs.by_agent(sender)
         if conn is not None:
-            self._notify(
-                conn,
-                protocol.Failure(
-                    request_id=msg.request_id,
-                    transfer_id=msg.transfer_id,
-                    reason="cancelled",
-                    detail="cancel acknowledged; nothing was written",
-                    may_have_written=False,
-                ),
-            )
+            self._notify(conn, ack)
+            return
+        if not msg.decode_port:
+            self._tm.fail("cancel_unacknowledged")
+            return
+        key: PeerKey = (msg.decode_host, msg.decode_port)
+        fut = self._hs.ensure(key, HandshakeMode.FULL)
+        if fut is None:
+            conn = self._hs.get(key)
+            if conn is not None:
+                self._notify(conn, ack)
+            return
+
+        def done(f: Future[PeerConn]) -> None:  # handshake thread: hand back to the writer
+            try:
+                if f.exception() is None:
+                    self.tasks.put(partial(self._ack_after_handshake, key, ack))
+                else:
+                    self._tm.fail("cancel_unacknowledged")
+            except BaseException:
+                self._tm.fail("cancel_unacknowledged")
+
+        fut.add_done_callback(done)
+
+    def _ack_after_handshake(self, key: PeerKey, ack: protocol.Failure) -> None:
+        conn = self._hs.get(key)
+        if conn is not None:
+            self._notify(conn, ack)
 
     # ------------------------------------------------------------------ peers and housekeeping
     def _evict(self, key: PeerKey, reason: str) -> None:

@@ -166,7 +166,7 @@ def test_pending_handshake_is_joined(env: Env) -> None:
 def test_a_peer_that_never_answers_does_not_delay_a_healthy_one(
     make_env: Callable[..., Env],
 ) -> None:
-    env = make_env(side_channel_s=2.0)
+    env = make_env(side_channel_s=3.0)
     holes = [env.hole() for _ in range(3)]
     stuck = [env.hs.ensure(h.key, FULL) for h in holes]
     healthy = env.stub()

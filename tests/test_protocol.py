@@ -138,8 +138,8 @@ def test_vllm_structs_round_trip() -> None:
 
 
 def test_structs_encode_as_maps_keyed_by_field_name_with_a_type_tag() -> None:
-    raw = msgspec.msgpack.decode(protocol.encode(protocol.Cancel(request_id="r")))
-    assert raw == {"type": "cancel", "request_id": "r", "transfer_id": ""}
+    raw = msgspec.msgpack.decode(protocol.encode(protocol.Heartbeat(transfer_ids=["t"])))
+    assert raw == {"type": "hb", "transfer_ids": ["t"]}
 
 
 # ------------------------------------------------------------------ validation and limits

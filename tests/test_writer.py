@@ -512,17 +512,18 @@ def test_cancel_during_write_leaves_it_to_the_completion(rig: Rig) -> None:
     assert rig.free() == 32  # the WRITE's own completion notif tells D
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="P acknowledges a Cancel only through an existing P->D connection; a D whose "
-    "registration was never matched is never told, and its quarantined blocks leak",
-)
 def test_cancel_before_p_ever_connected_is_still_acknowledged(rig: Rig) -> None:
     d = rig.stub()  # answers handshakes, but P has none with it yet
     rig.notify_from(d, rig.reg(d, "t1", [1], request_id="r1"))
     rig.writer._pass()
-    rig.notify_from(d, protocol.Cancel(request_id="r1", transfer_id="t1"))
-    deadline = time.monotonic() + 1.5
+    # The Cancel carries D's side-channel address: P handshakes there to acknowledge.
+    rig.notify_from(
+        d,
+        protocol.Cancel(
+            request_id="r1", transfer_id="t1", decode_host=d.key[0], decode_port=d.key[1]
+        ),
+    )
+    deadline = time.monotonic() + 5
     while time.monotonic() < deadline and not rig.sent_to(d):
         rig.writer._pass()
         time.sleep(0.005)
