@@ -133,7 +133,7 @@ def test_pool_exhaustion_refuses_at_once(tmp_path: Path) -> None:
         t0 = time.monotonic()
         r = run_leg("one-too-many", p.address, d.address, 8, send_p=False)
         assert r.outcome == "failed" and r.reason == "no_free_blocks", r
-        assert time.monotonic() - t0 < 0.5, "refusal was not immediate"
+        assert time.monotonic() - t0 < 1.0, "refusal was not immediate"
         g = gauges(d.address)
         assert (g["pool_allocated"], g["pool_free"]) == (60, 4), g
         # A request that fits still goes through while the pool is nearly full.

@@ -80,7 +80,7 @@ def test_d_killed_before_and_during_pushes(tmp_path: Path) -> None:
         ts = [
             threading.Thread(
                 target=lambda i=i: regd.append(
-                    run_leg(f"pre-{i}", p.address, d1.address, 4, send_p=False, d_timeout_s=5)
+                    run_leg(f"pre-{i}", p.address, d1.address, 4, send_p=False, d_timeout_s=3)
                 )
             )
             for i in range(4)
@@ -104,7 +104,7 @@ def test_d_killed_before_and_during_pushes(tmp_path: Path) -> None:
         # During: load on D2 and D3; D3 is SIGKILLed while its pushes flow.
         t2, out2 = _load(p.address, d2.address, 40, "ok2")
         dead = threading.Event()
-        t3, out3 = _load(p.address, d3.address, 400, "die3", stop=dead, d_timeout_s=8)
+        t3, out3 = _load(p.address, d3.address, 400, "die3", stop=dead, d_timeout_s=4)
         wait_for(lambda: counters(d3.address).get("requests_ok", 0) >= 20, 20, "D3 load")
         c.kill("d3")
         dead.set()
@@ -118,9 +118,11 @@ def test_d_killed_before_and_during_pushes(tmp_path: Path) -> None:
         assert g["pool_quarantined"] == 0, g  # a dead peer can land nothing: no quarantine
         snap = snapshot(p.address)
         rows = {r["peer"]: r for r in snap["peers"]}
-        for dead_d in (d1, d3):  # dead peers: removed, or listed as a failed handshake
-            row = rows.get(dead_d.address)
-            assert row is None or row["state"] == "failed", rows
+        # P pushed to D1 after its death: it noticed at once, removed the agent, and the
+        # re-handshake of the next push failed. D3 is noticed at P's next NIXL call to it (if
+        # its last registrations were all served, there is none: the idle TTL removes it).
+        assert d1.address not in rows or rows[d1.address]["state"] == "failed", rows
+        assert rows.get(d3.address, {}).get("state") != "connecting", rows
         assert rows[d2.address]["state"] == "connected"
         f = snap["failures"]
         print("P failures:", f, "P peers:", rows)
@@ -150,7 +152,7 @@ def test_d_frozen_then_resumed(tmp_path: Path) -> None:
         t_freeze = time.monotonic()
         # P keeps serving D2 while D1 is frozen.
         during = fresh_batch(p.address, [d2.address], n=12, prefix="during")
-        assert max(r.latency_s for r in during) < 2.0, [r.latency_s for r in during]
+        assert max(r.latency_s for r in during) < FREEZE_S - 1, [r.latency_s for r in during]
         wait_for(
             lambda: (
                 sum(failures(p.address).get(k, 0) for k in ("write_timeout", "peer_dead")) > 0

@@ -14,6 +14,12 @@ Progress = Callable[[str], None]
 LEAD_S = 0.4
 
 
+#: P's open-loop generators finish a transfer's blocks this long before D asks for it, so that
+#: D's latency measures the push (PUSH_REG -> WRITE -> completion), not P's model-stand-in
+#: catching up after a scheduling hiccup.
+PREFILL_AHEAD_S = 0.1
+
+
 def endpoint_cfg(
     role: str,
     *,

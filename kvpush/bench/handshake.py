@@ -46,52 +46,55 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
     )
     rows_by_size: list[dict[str, Any]] = []
     with Cluster(logs_dir(out_dir, "handshake")) as cl:
+        progress(
+            "handshake: starting a P and a D per pool size: "
+            + ", ".join(f"{2 * la * b:,}" for la, b in sizes)
+            + " descriptors"
+        )
+        specs: dict[str, dict[str, Any]] = {}
         for layers, blocks in sizes:
             descs = 2 * layers * blocks
-            progress(
-                f"handshake: P pool of {2 * layers} regions x {blocks} blocks = "
-                f"{descs:,} descriptors"
+            specs[f"p-{descs}"] = endpoint_cfg(
+                "prefill", layers=layers, block_bytes=BLOCK_BYTES, num_blocks=blocks
             )
-            ws = cl.endpoints(
-                {
-                    f"p-{descs}": endpoint_cfg(
-                        "prefill", layers=layers, block_bytes=BLOCK_BYTES, num_blocks=blocks
-                    ),
-                    f"d-{descs}": endpoint_cfg(
-                        "decode", layers=layers, block_bytes=BLOCK_BYTES, num_blocks=4
-                    ),
-                }
+            specs[f"d-{descs}"] = endpoint_cfg(
+                "decode", layers=layers, block_bytes=BLOCK_BYTES, num_blocks=4
             )
-            pw, dw = ws[f"p-{descs}"], ws[f"d-{descs}"]
-            sizes_b = pw.call("metadata_sizes")
-            dw.call(
-                "handshake_series",
-                p_addr=pw.address,
-                modes=list(MODES),
-                repeats=warmup,
-                call_timeout=300,
-            )
-            r = dw.call(
-                "handshake_series",
-                p_addr=pw.address,
-                modes=list(MODES),
-                repeats=repeats,
-                call_timeout=600,
-            )
+        ws = cl.endpoints(specs, timeout_s=180)
+        samples: dict[int, dict[str, list[dict[str, float]]]] = {}
+        # Rounds go across sizes (1k, 16k, ... then again), so a busy moment of the host
+        # lands on every size alike rather than on one.
+        for k in range(warmup + repeats):
+            if k == warmup:
+                progress(f"handshake: {repeats} measured rounds")
+            for layers, blocks in sizes:
+                descs = 2 * layers * blocks
+                r = ws[f"d-{descs}"].call(
+                    "handshake_series",
+                    p_addr=ws[f"p-{descs}"].address,
+                    modes=list(MODES),
+                    repeats=1,
+                    call_timeout=300,
+                )
+                if k >= warmup:
+                    acc = samples.setdefault(descs, {m: [] for m in MODES})
+                    for m in MODES:
+                        acc[m].extend(r[m])
+        for layers, blocks in sizes:
+            descs = 2 * layers * blocks
             entry: dict[str, Any] = {
                 "layers": layers,
                 "regions": 2 * layers,
                 "blocks": blocks,
                 "descriptors": descs,
-                "metadata_bytes": sizes_b,
+                "metadata_bytes": ws[f"p-{descs}"].call("metadata_sizes"),
             }
             for m in MODES:
-                entry[m] = {ph: median([row[ph] for row in r[m]]) for ph in PHASES}
-                entry[m]["total_p90_s"] = percentile([row["total_s"] for row in r[m]], 90)
-                entry[m]["samples_total_s"] = [row["total_s"] for row in r[m]]
+                rows = samples[descs][m]
+                entry[m] = {ph: median([row[ph] for row in rows]) for ph in PHASES}
+                entry[m]["total_p90_s"] = percentile([row["total_s"] for row in rows], 90)
+                entry[m]["samples_total_s"] = [row["total_s"] for row in rows]
             rows_by_size.append(entry)
-            for w in ws.values():
-                cl.stop(w)
     _report(rep, rows_by_size, out_dir)
     return rep.to_dict()
 

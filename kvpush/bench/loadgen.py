@@ -133,13 +133,18 @@ def steady_decode(
     ep = state.endpoint
     n = max(1, int(duration * rate))
     rec = _Recorder(n)
+    late = 0.0
     for i in range(n):
-        _sleep_until(t0 + i / rate)
-        rec.t_call[i] = time.time()
+        t = t0 + i / rate
+        _sleep_until(t)
+        rec.t_call[i] = now = time.time()
+        late = max(late, now - t)
         fut = ep.decode(f"{prefix}{i}", p_addr, blocks, deadline_s)
         fut.add_done_callback(rec.callback(i))
     completed = rec.wait(n, wait_s)
-    return rec.result(t0, completed)
+    out = rec.result(t0, completed)
+    out["max_late_s"] = late
+    return out
 
 
 def decode_at(

@@ -418,8 +418,9 @@ def _panel(p: Panel, x0: float, y0: float, w: float, h: float, idx: int) -> list
         spts = [(sx(x), sy(y)) for x, y in s.points if _ok((x, y), p)]
         g = [f'<g clip-path="url(#{clip})">']
         if s.style == "dots":
+            r = "1.6" if len(spts) > 50 else "3.5"
             g.extend(
-                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="1.6" fill="{color}" fill-opacity="0.6"/>'
+                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r}" fill="{color}" fill-opacity="0.7"/>'
                 for x, y in spts
             )
         elif spts:

@@ -100,6 +100,7 @@ class Cluster:
         self.cfgs[name] = cfg
         p = start_endpoint(cfg, self.tmp, name)
         self.procs[name] = p
+        _remember_token(p.address, cfg.get("auth_token"))
         return p
 
     def restart(self, name: str, **override: object) -> Proc:
@@ -110,6 +111,7 @@ class Cluster:
         self.cfgs[name] = cfg
         p = start_endpoint(cfg, self.tmp, name)
         self.procs[name] = p
+        _remember_token(p.address, cfg.get("auth_token"))
         return p
 
     def kill(self, name: str) -> Proc:
@@ -188,12 +190,30 @@ class ProcStats:
 # ------------------------------------------------------------------------------------ requests
 
 
-def request(address: str, req: Any, timeout_s: float = 5.0) -> Any:
-    """One side-channel request on a fresh socket (closed after: worker threads come and go)."""
+# The token of every endpoint a Cluster started with one: the test's clients use it.
+_TOKENS: dict[str, bytes] = {}
+
+
+def _remember_token(address: str, token: object) -> None:
+    if isinstance(token, str):
+        _TOKENS[address] = token.encode()
+    else:
+        _TOKENS.pop(address, None)
+
+
+def client(address: str, timeout_s: float) -> Any:
+    """A side-channel client for ``address``, with the endpoint's token if it has one."""
+    from kvpush.auth import Authenticator
     from kvpush.sidechannel import SideChannelClient
 
     host, port = address.rsplit(":", 1)
-    with SideChannelClient(host, int(port), timeout_s=timeout_s) as c:
+    auth = Authenticator(_TOKENS.get(address))
+    return SideChannelClient(host, int(port), auth=auth, timeout_s=timeout_s)
+
+
+def request(address: str, req: Any, timeout_s: float = 5.0) -> Any:
+    """One side-channel request on a fresh socket (closed after: worker threads come and go)."""
+    with client(address, timeout_s) as c:
         return c.request(req, timeout_s=timeout_s)
 
 
@@ -263,11 +283,8 @@ def run_leg(
     t0 = time.monotonic()
 
     def decode_leg() -> None:
-        from kvpush.sidechannel import SideChannelClient
-
-        dh, dp = d_addr.rsplit(":", 1)
         # A fresh client: the D leg of a request owns its socket (late replies stay there).
-        with SideChannelClient(dh, int(dp), timeout_s=d_timeout_s) as c:
+        with client(d_addr, d_timeout_s) as c:
             try:
                 out["d"] = c.request(
                     protocol.DecodeReq(
@@ -398,6 +415,18 @@ def settle(
     if quarantine_clears:
         assert g["pool_quarantined"] == 0, (address, g)
     return g
+
+
+def skip_unless_marker_selected(request: Any, marker: str) -> None:
+    """Skip a long test unless the run selected its marker (``-m slow``): the default run stays
+    short even where the pytest configuration does not deselect it."""
+    import pytest
+
+    expr = str(request.config.getoption("markexpr") or "")
+    if os.environ.get("KVPUSH_RUN_SLOW") == "1":
+        return
+    if marker not in expr.replace(f"not {marker}", ""):
+        pytest.skip(f"{marker} test: run with -m {marker} (or KVPUSH_RUN_SLOW=1)")
 
 
 def wait_for(pred: Any, timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
@@ -830,6 +859,7 @@ class Relay:
         self.delay_s = delay_s
         self.partitioned = False
         self.forwarded = 0
+        self.forwarded_bytes = 0
         self.dropped = 0
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, name="tun-relay", daemon=True)
@@ -874,6 +904,7 @@ class Relay:
                 with contextlib.suppress(OSError):
                     os.write(dst, pkt)
                     self.forwarded += 1
+                    self.forwarded_bytes += len(pkt)
 
 
 def _readable(fd: int) -> bool:
@@ -883,7 +914,139 @@ def _readable(fd: int) -> bool:
     return bool(r)
 
 
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        cur = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{cur}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{cur}/task/{tid}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except OSError:
+                continue
+            out.extend(kids)
+            todo.extend(kids)
+    return out
+
+
+@dataclass
+class NsProc:
+    """An endpoint started inside a network namespace (optionally under ``unshare``).
+
+    ``pid`` is the endpoint's host PID: ``unshare --fork`` ignores SIGTERM, so signals go to
+    the endpoint itself, which is PID 1 of its own PID namespace when unshared.
+    """
+
+    popen: subprocess.Popen[bytes]
+    pid: int
+    address: str
+    log: Path
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+
+    def kill(self) -> None:
+        for pid in (self.pid, self.popen.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(5)
+
+    def log_text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def start_in_netns(
+    cfg: dict[str, object],
+    tmp: Path,
+    name: str,
+    netns: str,
+    *,
+    unshare: bool = False,
+    env: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> NsProc:
+    ready = tmp / f"{name}.ready"
+    log = tmp / f"{name}.log"
+    ready.unlink(missing_ok=True)
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    cmd = ["ip", "netns", "exec", netns]
+    if unshare:
+        cmd += ["unshare", "--pid", "--ipc", "--mount", "--fork", "--mount-proc"]
+    cmd += [sys.executable, "-m", "kvpush.node", json.dumps(cfg), str(ready)]
+    with open(log, "ab") as lf:
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=lf, stderr=subprocess.STDOUT, env=full_env)
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        if p.poll() is not None:
+            raise RuntimeError(f"{name} exited with {p.returncode}:\n{log.read_text()}")
+        if time.monotonic() > deadline:
+            p.kill()
+            raise RuntimeError(f"{name} did not start in {timeout}s:\n{log.read_text()}")
+        time.sleep(0.02)
+    info = json.loads(ready.read_text())
+    pid = p.pid
+    for cand in [p.pid, *_descendants(p.pid)]:
+        with contextlib.suppress(OSError), open(f"/proc/{cand}/cmdline", "rb") as f:
+            if b"kvpush.node" in f.read():
+                pid = cand
+    return NsProc(p, pid, info["address"], log)
+
+
+def run_in_netns(netns: str, *args: str, timeout: float = 120.0) -> Any:
+    """Run ``python -m tests.support.faults ARGS`` inside ``netns``; return its JSON output."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run(
+        ["ip", "netns", "exec", netns, sys.executable, "-m", "tests.support.faults", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if r.returncode != 0:
+        raise AssertionError(f"{args[0]} in {netns} failed ({r.returncode}):\n{r.stderr[-4000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _driver_main(args: list[str]) -> int:  # pragma: no cover - runs inside a namespace
+    """``legs P D N BLOCKS PREFIX [P_DELAY_S]`` or ``stats ADDR``: one JSON line on stdout."""
+    from dataclasses import asdict
+
+    if args[0] == "legs":
+        p, d, n, blocks, prefix = args[1], args[2], int(args[3]), int(args[4]), args[5]
+        p_delay = float(args[6]) if len(args) > 6 else 0.0
+        items = [(f"{prefix}-{i}", p, d, blocks) for i in range(n)]
+        res = run_legs(items, concurrency=4, p_delay_s=p_delay, d_timeout_s=30)
+        print(json.dumps([asdict(r) for r in res]))
+    elif args[0] == "stats":
+        print(json.dumps(snapshot(args[1])))
+    else:
+        print(f"unknown driver command {args[0]!r}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["forger"]:
         sys.exit(_forger_main())
-    sys.exit(f"usage: {sys.argv[0]} forger")
+    if sys.argv[1:2] in (["legs"], ["stats"]):
+        sys.exit(_driver_main(sys.argv[1:]))
+    sys.exit(f"usage: {sys.argv[0]} forger | legs ... | stats ADDR")
