@@ -30,15 +30,13 @@ from kvpush import protocol
 from kvpush.config import HandshakeMode, parse_address
 from kvpush.endpoint import Endpoint
 from kvpush.errors import (
-    AuthError,
     KvpushError,
     NoFreeBlocksError,
     PeerUnreachableError,
-    ProtocolError,
 )
 from kvpush.handshake import PeerConn, PeerKey
 from kvpush.nixl_adapter import TransferError
-from kvpush.notifs import IdleWaiter
+from kvpush.notifs import IdleWaiter, drain_notifications
 from kvpush.queues import Inbox, drain_into
 from kvpush.ratelog import RateLimitedLog
 from kvpush.sidechannel import ReplyFn
@@ -301,32 +299,7 @@ class DecodeEndpoint(Endpoint):
     # ------------------------------------------------------------------ notifications
     def _poll_notifs(self) -> int:
         assert self.agent is not None
-        try:
-            notifs = self.agent.get_notifs()
-        except TransferError as e:
-            self._rl.warning("notifs", "get_new_notifs failed: %s", e)
-            return 0
-        n = 0
-        for sender, msgs in notifs.items():
-            for data in msgs:
-                n += 1
-                self.telemetry.inc("notifs_received")
-                try:
-                    msg = self.codec.decode(data)
-                except AuthError as e:
-                    self.telemetry.fail("auth_rejected")
-                    self._rl.warning("auth", "rejected notification from %s: %s", sender, e)
-                    continue
-                except ProtocolError as e:
-                    self.telemetry.fail("malformed_notif")
-                    self._rl.warning("malformed", "bad notification from %s: %s", sender, e)
-                    continue
-                try:
-                    self._on_notif(sender, msg)
-                except Exception:
-                    self.telemetry.fail("internal_error")
-                    log.exception("receiver: handling a notification from %s failed", sender)
-        return n
+        return drain_notifications(self.agent, self.codec, self.telemetry, self._rl, self._on_notif)
 
     def _from_p(self, req: DRequest, sender: str) -> bool:
         """Only the P agent a request registered with may complete or fail it."""

@@ -9,13 +9,20 @@ after activity, then back off exponentially to ``idle_poll_max_us`` -- woken at 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 
 from kvpush import protocol
 from kvpush.auth import CH_NOTIF, Authenticator
 from kvpush.config import AgentConfig
 from kvpush.errors import AuthError, ProtocolError
+from kvpush.nixl_adapter import NixlAgent, TransferError
+from kvpush.ratelog import RateLimitedLog
+from kvpush.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
 
 
 class NotifCodec:
@@ -69,3 +76,44 @@ class IdleWaiter:
 
     def force_wake(self) -> None:
         self.wake.set()
+
+
+def drain_notifications(
+    agent: NixlAgent,
+    codec: NotifCodec,
+    telemetry: Telemetry,
+    rl: RateLimitedLog,
+    handle: Callable[[str, protocol.Notif], None],
+) -> int:
+    """Fetch every pending notification, decode each and hand it to ``handle`` (owner thread).
+
+    One place counts and logs each rejection kind: unauthenticated (``auth_rejected``),
+    malformed or oversized (``malformed_notif``), a handler bug (``internal_error``). No input
+    can raise out of here. Returns how many notifications were seen.
+    """
+    try:
+        notifs = agent.get_notifs()
+    except TransferError as e:
+        rl.warning("notifs", "get_new_notifs failed: %s", e)
+        return 0
+    n = 0
+    for sender, msgs in notifs.items():
+        for data in msgs:
+            n += 1
+            telemetry.inc("notifs_received")
+            try:
+                msg = codec.decode(data)
+            except AuthError as e:
+                telemetry.fail("auth_rejected")
+                rl.warning("auth", "rejected notification from %s: %s", sender, e)
+                continue
+            except ProtocolError as e:
+                telemetry.fail("malformed_notif")
+                rl.warning("malformed", "bad notification from %s: %s", sender, e)
+                continue
+            try:
+                handle(sender, msg)
+            except Exception:
+                telemetry.fail("internal_error")
+                log.exception("handling a notification from %s failed", sender)
+    return n

@@ -36,11 +36,10 @@ import numpy as np
 
 from kvpush import protocol
 from kvpush.config import EndpointConfig, HandshakeMode, WriterMode
-from kvpush.errors import AuthError, ProtocolError
 from kvpush.handshake import HandshakeManager, PeerConn, PeerKey
 from kvpush.matching import DuplicateError, Finished, Matcher, Push, Registration, reg_key
 from kvpush.nixl_adapter import DList, NixlAgent, TransferError, Xfer
-from kvpush.notifs import IdleWaiter, NotifCodec
+from kvpush.notifs import IdleWaiter, NotifCodec, drain_notifications
 from kvpush.pool import KvPool, xfer_indices
 from kvpush.queues import Inbox, drain_into
 from kvpush.ratelog import RateLimitedLog
@@ -263,6 +262,13 @@ class PushWriter:
             and reg.decode_incarnation
             and conn.metadata.incarnation != reg.decode_incarnation
         ):
+            arrived_wall = time.time() - (time.monotonic() - push.registration.t_arrived)
+            if conn.connected_at > arrived_wall:
+                # We connected to this incarnation after the PUSH_REG arrived: it comes from
+                # an incarnation that has since died. Evicting the live one would fail its
+                # pushes; writing would hit blocks that now belong to someone else.
+                self._fail(push, "stale_registration", "D restarted after this PUSH_REG")
+                return
             # D restarted at the same address: forget the old incarnation first.
             self._evict(key, f"new incarnation {reg.decode_incarnation}")
             conn = None
@@ -302,6 +308,10 @@ class PushWriter:
     def _post(self, push: Push, conn: PeerConn) -> None:
         reg = push.registration.reg
         local = push.finished.block_ids
+        if reg.decode_incarnation and conn.metadata.incarnation != reg.decode_incarnation:
+            # Reconnected to a newer incarnation than the one that registered.
+            self._fail(push, "stale_registration", "D restarted after this PUSH_REG")
+            return
         sender = push.registration.sender
         if sender and sender != conn.agent_name:
             # The PUSH_REG did not come from the D it names: a third agent trying to redirect
@@ -551,32 +561,7 @@ class PushWriter:
 
     # ------------------------------------------------------------------ notifications
     def _poll_notifs(self) -> int:
-        try:
-            notifs = self._agent.get_notifs()
-        except TransferError as e:
-            self._rl.warning("notifs", "get_new_notifs failed: %s", e)
-            return 0
-        n = 0
-        for sender, msgs in notifs.items():
-            for data in msgs:
-                n += 1
-                self._tm.inc("notifs_received")
-                try:
-                    msg = self._codec.decode(data)
-                except AuthError as e:
-                    self._tm.fail("auth_rejected")
-                    self._rl.warning("auth", "rejected notification from %s: %s", sender, e)
-                    continue
-                except ProtocolError as e:
-                    self._tm.fail("malformed_notif")
-                    self._rl.warning("malformed", "bad notification from %s: %s", sender, e)
-                    continue
-                try:
-                    self._on_notif(sender, msg)
-                except Exception:
-                    self._tm.fail("internal_error")
-                    log.exception("writer: handling a notification from %s failed", sender)
-        return n
+        return drain_notifications(self._agent, self._codec, self._tm, self._rl, self._on_notif)
 
     def _on_notif(self, sender: str, msg: protocol.Notif) -> None:
         if isinstance(msg, protocol.PushReg):
@@ -692,23 +677,28 @@ class PushWriter:
             self._pool.allocator.release(f.key)
         for r in regs:
             self._tm.fail("registration_expired")
-            conn = self._hs.get((r.reg.decode_host, r.reg.decode_port))
-            if conn is not None:
-                self._notify(
-                    conn,
-                    protocol.Failure(
-                        request_id=r.reg.request_id,
-                        transfer_id=r.reg.transfer_id,
-                        reason="no_blocks",
-                        detail="P never finished blocks for this transfer",
-                    ),
-                )
+            self._refuse_registration(r, "no_blocks", "P never finished blocks for this transfer")
         if self._fence_pending:
             self._send_fences()
         busy_peers = {i.conn.key for i in self._inflight.values()}
         for key in self._hs.idle(self.cfg.timeouts.peer_idle_ttl_s):
             if key not in busy_peers:
                 self._evict(key, "idle")
+
+    def _refuse_registration(self, r: Registration, reason: str, detail: str) -> None:
+        """Tell D (when connected) that a registration that never met its blocks is dropped;
+        nothing was written, so D can free its blocks at once."""
+        conn = self._hs.get((r.reg.decode_host, r.reg.decode_port))
+        if conn is not None:
+            self._notify(
+                conn,
+                protocol.Failure(
+                    request_id=r.reg.request_id,
+                    transfer_id=r.reg.transfer_id,
+                    reason=reason,
+                    detail=detail,
+                ),
+            )
 
     # ------------------------------------------------------------------ shutdown
     def _drain(self) -> None:
@@ -720,17 +710,7 @@ class PushWriter:
         for f in fins:
             self._pool.allocator.release(f.key)
         for r in regs:
-            conn = self._hs.get((r.reg.decode_host, r.reg.decode_port))
-            if conn is not None:
-                self._notify(
-                    conn,
-                    protocol.Failure(
-                        request_id=r.reg.request_id,
-                        transfer_id=r.reg.transfer_id,
-                        reason="shutting_down",
-                        detail="P is shutting down",
-                    ),
-                )
+            self._refuse_registration(r, "shutting_down", "P is shutting down")
         deadline = getattr(self, "_drain_deadline", time.monotonic() + 5)
         while (self._inflight or self._awaiting_hs or len(self.deferred)) and (
             time.monotonic() < deadline
