@@ -37,6 +37,7 @@ from kvpush.errors import (
 )
 from kvpush.nixl_adapter import DList, NixlAgent
 from kvpush.pool import block_descs
+from kvpush.ratelog import RateLimitedLog
 from kvpush.sidechannel import SideChannelClient
 from kvpush.telemetry import Telemetry
 
@@ -129,6 +130,7 @@ class HandshakeManager:
         self._peers: dict[PeerKey, _Entry] = {}
         self._closed = False
         self._on_connected = on_connected
+        self._rl = RateLimitedLog(log)
 
     # ------------------------------------------------------------------ queries
     def get(self, key: PeerKey) -> PeerConn | None:
@@ -259,7 +261,7 @@ class HandshakeManager:
             # A counter, not a failure kind: the writer / receiver count "handshake_failed" once
             # per push or request dropped because of it (one place per failure kind).
             self._tm.inc("handshakes_failed")
-            log.warning("%s", err)
+            self._rl.warning("handshake_failed", "%s", err)
             e.future.set_exception(err)
             return
         with self._lock:

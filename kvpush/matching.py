@@ -106,6 +106,12 @@ class Matcher:
         regs = [self._regs.pop(k) for k in gone_r]
         return fins, regs
 
+    def registration(self, key: str) -> Registration | None:
+        return self._regs.get(key)
+
+    def finished(self, key: str) -> Finished | None:
+        return self._finished.get(key)
+
     def cancel(self, key: str) -> tuple[Finished | None, Registration | None]:
         self._lease_until.pop(key, None)
         return self._finished.pop(key, None), self._regs.pop(key, None)

@@ -509,6 +509,9 @@ class PushWriter:
             if conn is None or conn.remote_dlist is None:
                 continue  # peer gone or reconnecting: _evict releases the blocks
             del self._fence_pending[key]
+            if len(entries) > 4096:  # one Fence names at most 4096 requests; the rest next time
+                self._fence_pending[key] = entries[4096:]
+                entries = entries[:4096]
             keys = [k for k, _, _ in entries]
             request_ids = [rid for _, _, rid in entries]
             # Write one of P's quarantined blocks onto one of D's blocks of the same abandoned
@@ -586,8 +589,20 @@ class PushWriter:
     def _on_cancel(self, msg: protocol.Cancel, sender: str) -> None:
         """D abandoned a request after its PUSH_REG. Drop it; if no byte can land any more,
         acknowledge with Failure(cancelled, may_have_written=False) so D frees its blocks; if a
-        WRITE is in flight, its own completion notification tells D when the bytes landed."""
+        WRITE is in flight, its own completion notification tells D when the bytes landed.
+
+        Only the agent that sent the registration may cancel it (a PUSH_REG always precedes its
+        Cancel on the same connection): a Cancel from anyone else is counted as forged."""
         key = msg.transfer_id or msg.request_id
+        owner = self._registration_sender(key)
+        if owner is not None and owner != sender:
+            self._tm.fail("forged_notif")
+            self._rl.warning("forged", "ignored a Cancel for %s from %s (not its D)", key, sender)
+            return
+        if owner is None and self._matcher.finished(key) is not None:
+            self._tm.fail("forged_notif")  # blocks waiting, but nobody registered them
+            self._rl.warning("forged", "ignored a Cancel for unregistered %s from %s", key, sender)
+            return
         fin, reg = self._matcher.cancel(key)
         if fin is not None:
             self._pool.allocator.release(key)
@@ -606,9 +621,20 @@ class PushWriter:
                 infl.cancelled = True
                 return
         # Unknown here (finished already, or never seen): nothing will be written for it.
-        if len(self._cancelled) < 100_000:
-            self._cancelled.add(key)
         self._ack_cancel(msg, sender)
+
+    def _registration_sender(self, key: str) -> str | None:
+        """The NIXL agent whose PUSH_REG P holds for ``key`` (waiting, deferred or in flight)."""
+        r = self._matcher.registration(key)
+        if r is not None:
+            return r.sender
+        push = self._awaiting_hs.get(key)
+        if push is not None:
+            return push.registration.sender
+        for infl in self._inflight.values():
+            if infl.kind == "push" and infl.key == key and infl.push is not None:
+                return infl.push.registration.sender
+        return None
 
     def _ack_cancel(self, msg: protocol.Cancel, sender: str) -> None:
         """Tell D that nothing was (or will be) written for a cancelled request. Without a

@@ -25,6 +25,7 @@ from tests.support.faults import (
     failures,
     free_port,
     fresh_batch,
+    gauges,
     request,
     run_leg,
     settle,
@@ -191,11 +192,35 @@ def test_d_restarted_at_same_address(tmp_path: Path) -> None:
         fresh_batch(p.address, [d.address, other.address], n=8, prefix="crash")
         inc1 = d.incarnation
 
+        # A registration from the dead incarnation is still waiting at P when the new one is
+        # connected: P must drop it without disturbing the new incarnation (whose blocks it
+        # names are someone else's now), while the new D is under load.
+        ghost: list[Result] = []
+        tg = threading.Thread(
+            target=lambda: ghost.append(
+                run_leg("ghost", p.address, d.address, 4, send_p=False, d_timeout_s=3)
+            )
+        )
+        tg.start()
+        wait_for(lambda: gauges(p.address)["regs_waiting_blocks"] == 1, 5, "ghost PUSH_REG")
+        c.kill("d")
+        d = c.restart("d")
+        fresh_batch(p.address, [d.address], n=4, prefix="new-inc")
+        tl, load = _load(p.address, d.address, 60, "under-ghost", blocks=4)
+        rep = request(p.address, protocol.PrefillReq(transfer_id="ghost", num_blocks=4))
+        assert rep.outcome == "ok", rep
+        tl.join(30)
+        tg.join(10)
+        assert ghost[0].reason == "d_unreachable", ghost
+        assert check_results(load) == {"ok": 60}, "the ghost registration disturbed the new D"
+        assert failures(p.address).get("stale_registration") == 1, failures(p.address)
+        inc2 = d.incarnation
+
         # Graceful restart, with load on the other D meanwhile.
         t, out = _load(p.address, other.address, 20, "bg")
         c.stop("d")
         d = c.restart("d")
-        assert d.incarnation not in (inc0, inc1)
+        assert d.incarnation not in (inc0, inc1, inc2)
         fresh_batch(p.address, [d.address], n=8, prefix="graceful")
         t.join(30)
         assert check_results(out) == {"ok": 20}
@@ -250,6 +275,14 @@ def test_p_killed_mid_push_then_restarted(tmp_path: Path) -> None:
         # A new P incarnation at the same address: both Ds work against it.
         p = c.restart("p")
         fresh_batch(p.address, [d1.address, d2.address], n=16, prefix="newp")
+
+        # P dies and restarts while both Ds are idle (nothing to heartbeat): a D finds out
+        # when its next PUSH_REG fails, and handshakes with the new incarnation at once.
+        c.kill("p")
+        p = c.restart("p")
+        t0 = time.monotonic()
+        fresh_batch(p.address, [d1.address, d2.address], n=8, prefix="idle-restart")
+        assert time.monotonic() - t0 < deadline_s / 3, "the first requests waited for a deadline"
         for a in (p.address, d1.address, d2.address):
             settle(a, quarantine_clears=True)
         d_start.assert_bounded(ProcStats.of(d1.popen.pid), "D1 after P's death")

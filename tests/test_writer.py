@@ -486,17 +486,35 @@ def test_cancel_while_handshaking_acknowledged_without_write(rig: Rig) -> None:
     assert ack.reason == "cancelled" and not ack.may_have_written
 
 
-def test_cancel_of_unknown_transfer_acknowledged_and_late_blocks_released(rig: Rig) -> None:
+def test_cancel_of_unknown_transfer_is_acknowledged_but_cannot_drop_a_later_one(
+    rig: Rig,
+) -> None:
     d = rig.stub()
     rig.connect(d)
     rig.notify_from(d, protocol.Cancel(request_id="t9", transfer_id="t9"))
     rig.writer._pass()
     (ack,) = rig.sent_to(d)
     assert isinstance(ack, protocol.Failure) and not ack.may_have_written
+    # A Cancel for a transfer P never saw must not poison that id: a later, real transfer
+    # with it is pushed normally (otherwise anyone could cancel requests in advance).
     rig.writer.submit_finished(rig.finished("t9", 2))
+    rig.notify_from(d, rig.reg(d, "t9", [1, 2]))
     rig.writer._pass()
-    assert rig.free() == 32  # released without waiting for the lease
-    assert rig.agent.count("post_write") == 0
+    assert rig.agent.count("post_write") == 1
+
+
+def test_cancel_from_another_agent_than_the_registration_is_forged(rig: Rig) -> None:
+    d, other = rig.stub(), rig.stub()
+    rig.connect(d)
+    rig.connect(other)
+    rig.notify_from(d, rig.reg(d, "t5", [1]))
+    rig.writer._pass()
+    rig.notify_from(other, protocol.Cancel(request_id="t5", transfer_id="t5"))
+    rig.writer._pass()
+    assert rig.tm.snapshot().failures.get("forged_notif") == 1
+    rig.writer.submit_finished(rig.finished("t5", 1))
+    rig.writer._pass()
+    assert rig.agent.count("post_write") == 1  # the real registration still gets its push
 
 
 def test_cancel_during_write_leaves_it_to_the_completion(rig: Rig) -> None:

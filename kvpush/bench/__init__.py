@@ -47,8 +47,15 @@ def run(
         )
     out = out_dir if out_dir is not None else DEFAULT_OUT_DIR
     out.mkdir(parents=True, exist_ok=True)
+    from kvpush.bench.noise import HostMonitor
+
     mod = importlib.import_module(f"kvpush.bench.{name}")
-    result: dict[str, Any] = mod.run(quick, out, progress)
+    monitor = HostMonitor().start()
+    try:
+        result: dict[str, Any] = mod.run(quick, out, progress)
+    finally:
+        noise = monitor.stop()
+    result["host_noise"] = noise
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
 

@@ -9,7 +9,8 @@ threads off, the target polling. Rounds alternate raw / kvpush.
 
 CPU per push comes from the kernel's per-thread accounting (``/proc/self/task/*/schedstat``):
 P's writer thread, and the raw initiator's loop thread. *Writer overhead per push* is the
-difference: what kvpush's writer spends beyond the NIXL calls a bare loop makes.
+difference: what kvpush's writer spends beyond the NIXL calls a bare loop makes. The full run
+also drives a second P/D pair whose D has ``busy_spin_us=0``, in the same rounds.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ D_BLOCKS = 256
 
 
 def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
-    configs = ((64, 3000), (1, 500)) if quick else ((64, 20000), (1, 3000))
+    configs = ((64, 2000), (1, 300)) if quick else ((64, 20000), (1, 3000))
     rounds = 1 if quick else 3
     rep = Report(
         "rate",
@@ -49,8 +50,22 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
     out: dict[int, dict[str, Any]] = {}
     with Cluster(logs_dir(out_dir, "rate")) as cl:
         progress("rate: starting P, D and the raw workers")
+        nospin: dict[str, dict[str, Any]] = {}
+        if not quick:
+            # A second pair whose D does not keep polling after activity (busy_spin_us=0).
+            dcfg = endpoint_cfg(
+                "decode", layers=1, block_bytes=BLOCK_BYTES, num_blocks=D_BLOCKS, verify=False
+            )
+            dcfg["agent"]["busy_spin_us"] = 0
+            nospin = {
+                "p-nospin": endpoint_cfg(
+                    "prefill", layers=1, block_bytes=BLOCK_BYTES, num_blocks=P_BLOCKS
+                ),
+                "d-nospin": dcfg,
+            }
         ws = cl.endpoints(
             {
+                **nospin,
                 "p": endpoint_cfg(
                     "prefill", layers=1, block_bytes=BLOCK_BYTES, num_blocks=P_BLOCKS
                 ),
@@ -64,9 +79,11 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         rt.wait_started()
         ri.wait_started()
         _kvpush(pw, dw, "warm.", 1000 if not quick else 300, 64)
+        if nospin:
+            _kvpush(ws["p-nospin"], ws["d-nospin"], "warm.", 1000, 64)
         for inflight, n in configs:
             progress(f"rate: {inflight} in flight")
-            kv, raw = [], []
+            kv, raw, kv_ns = [], [], []
             for k in range(rounds):
                 ti = rt.call(
                     "raw_node",
@@ -96,7 +113,11 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
                 ri.call("raw_close")
                 rt.call("raw_close")
                 kv.append(_kvpush(pw, dw, f"k{inflight}.r{k}.", n, inflight))
-            out[inflight] = {"n": n, "kvpush": kv, "raw": raw}
+                if nospin and inflight > 1:
+                    kv_ns.append(
+                        _kvpush(ws["p-nospin"], ws["d-nospin"], f"k{inflight}.r{k}.", n, inflight)
+                    )
+            out[inflight] = {"n": n, "kvpush": kv, "raw": raw, "kvpush_d_nospin": kv_ns}
             if inflight == configs[0][0]:
                 hist = pw.call("stats")["histograms"]
                 out[inflight]["p_hist"] = {
@@ -211,9 +232,36 @@ def _report(rep: Report, out: dict[int, dict[str, Any]], verified: int, nverify:
         ],
         rows,
         note="latency = D-measured decode() -> completion (median round); raw loop us = CPU of "
-        "the raw "
-        "initiator thread per WRITE+notif; writer overhead = P writer us - raw loop us.",
+        "the raw initiator thread per WRITE+notif; writer overhead = P writer us - raw loop us. "
+        "With 1 in flight the owner threads spin between pushes (busy_spin_us), so their CPU "
+        "per push is mostly waiting, not work.",
     )
+    for inflight, e in out.items():
+        ns = e.get("kvpush_d_nospin") or []
+        if not ns:
+            continue
+        kv_rate = median([x["per_s"] for x in e["kvpush"]])
+        ns_rate = median([x["per_s"] for x in ns])
+        raw_rate = median([x["per_s"] for x in e["raw"]])
+        rep.table(
+            f"D's receiver without spin-after-activity (busy_spin_us=0), {inflight} in flight, "
+            "same rounds",
+            ["config", "kvpush/s", "kvpush/raw", "P writer us", "D process us", "lat p50 ms"],
+            [
+                [
+                    name,
+                    fmt_num(median([x["per_s"] for x in runs]), 0),
+                    f"{ratio(median([x['per_s'] for x in runs]), raw_rate) * 100:.0f}%",
+                    fmt_num(median([x["writer_cpu_us"] for x in runs]), 1),
+                    fmt_num(median([x["d_cpu_us"] for x in runs]), 1),
+                    fmt_ms(median([x["latency"]["p50"] for x in runs]), 3),
+                ]
+                for name, runs in (("defaults", e["kvpush"]), ("D busy_spin_us=0", ns))
+            ],
+        )
+        rep.figures[f"inflight_{inflight}"]["d_nospin_per_s"] = ns_rate
+        rep.figures[f"inflight_{inflight}"]["d_nospin_gain"] = ratio(ns_rate, kv_rate)
+        rep.figures[f"inflight_{inflight}"]["d_nospin_rounds"] = ns
     first = next(iter(out.values()))
     ph = first.get("p_hist") or {}
     if ph:
@@ -233,8 +281,8 @@ def _report(rep: Report, out: dict[int, dict[str, Any]], verified: int, nverify:
                 if h
             ],
             note="push_latency: P matched blocks with PUSH_REG -> WRITE complete; "
-            "write_duration: WRITE "
-            "posted -> complete (cumulative since P started, incl. warm-up).",
+            "write_duration: WRITE posted -> complete (cumulative since P started, incl. "
+            "warm-up).",
         )
     rep.figures["verified"] = {"ok": verified, "of": nverify}
     if verified != nverify:

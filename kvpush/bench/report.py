@@ -195,6 +195,10 @@ def render_text(r: dict[str, Any]) -> str:
         lines.append(f"note: {n}")
     for c in r["charts"]:
         lines.append(f"chart: {c}")
+    if r.get("host_noise"):
+        from kvpush.bench.noise import describe
+
+        lines.append(describe(r["host_noise"]))
     m = r["machine"]
     lines.append(
         f"host: {m.get('cpus')} CPUs ({m.get('cpu', '?')}), load average "
@@ -224,9 +228,18 @@ def render_markdown(r: dict[str, Any]) -> str:
                 f"| {tg['name']} | {tg['target']} | {tg['measured']} | **{_met(tg['met'])}** |"
             )
         out.append("")
-    for n in r["notes"]:
+    notes = list(r["notes"])
+    if r.get("host_noise"):
+        from kvpush.bench.noise import describe
+
+        m = r["machine"]
+        notes.append(
+            describe(r["host_noise"])
+            + f"; load average {m['loadavg'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} at end"
+        )
+    for n in notes:
         out.append(f"- {n}")
-    if r["notes"]:
+    if notes:
         out.append("")
     return "\n".join(out)
 

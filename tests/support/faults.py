@@ -18,8 +18,13 @@ What lives here:
 * ``Relay`` and ``NetnsPair``: a userspace relay between two TUN devices in two network
   namespaces, adding delay or a partition (this kernel has no ``tc netem``; DESIGN.md section 3).
 
+* ``start_in_netns`` / ``run_in_netns``: endpoints (optionally under ``unshare``) and request
+  drivers inside those namespaces.
+
 Run as ``python -m tests.support.faults forger`` this module is the forger process: it reads one
-JSON command per line on stdin and answers one JSON line per command on stdout.
+JSON command per line on stdin and answers one JSON line per command on stdout. ``legs ...`` and
+``stats ADDR`` run requests or read a snapshot and print one JSON line (the netns test runs them
+inside a namespace).
 """
 
 from __future__ import annotations
