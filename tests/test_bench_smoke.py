@@ -5,6 +5,7 @@ numbers from a shared CI host mean nothing; BENCHMARKS.md holds a full run's fig
 from __future__ import annotations
 
 import json
+import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -50,6 +51,24 @@ def _check_result(r: dict[str, object], name: str, out: Path) -> None:
         assert root.tag.endswith("svg")
 
 
+def _my_workers() -> list[int]:
+    """Bench worker processes that are children of this test process."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"kvpush.bench.worker" in cmd:
+            out.append(int(entry))
+    return out
+
+
 @pytest.mark.parametrize("name", bench.SCENARIOS)
 def test_scenario_quick(name: str, tmp_path: Path) -> None:
     r = bench.run(name, quick=True, out_dir=tmp_path)
@@ -68,9 +87,9 @@ def test_scenario_quick(name: str, tmp_path: Path) -> None:
         )
     if name in ("bandwidth", "rate"):
         assert "verified" in json.dumps(r["tables"]) or r["notes"]
-    # no endpoint process outlives its scenario
-    logs = list((tmp_path / "logs").iterdir())
-    assert logs
+    # every worker wrote its log, and none outlives its scenario
+    assert list((tmp_path / "logs").iterdir())
+    assert _my_workers() == []
 
 
 def test_unknown_scenario_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

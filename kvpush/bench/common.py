@@ -20,6 +20,12 @@ LEAD_S = 0.4
 PREFILL_AHEAD_S = 0.1
 
 
+#: The first part of every open-loop window is not counted: both generators start at once and
+#: their first requests meet cold paths of the bench itself (thread start, first fill).
+def warmup_s(before_s: float) -> float:
+    return min(0.25, before_s / 4)
+
+
 def endpoint_cfg(
     role: str,
     *,

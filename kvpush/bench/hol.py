@@ -22,7 +22,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush.bench.common import PREFILL_AHEAD_S, Progress, endpoint_cfg, logs_dir, start_at
+from kvpush.bench import noise
+from kvpush.bench.common import (
+    PREFILL_AHEAD_S,
+    Progress,
+    endpoint_cfg,
+    logs_dir,
+    start_at,
+    warmup_s,
+)
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Panel, Report, Series, fmt_ms, fmt_x, line_chart
 from kvpush.bench.stats import median, ratio, summary, window
@@ -41,6 +49,7 @@ class HolParams:
     delay_s: float  # H: how late a slow peer answers handshakes
     timeout_s: float  # P's side-channel/handshake timeout: the dead peer's stall
     after_s: float
+    repeats: int  # every (case, writer) window is run this many times with fresh new peers
 
 
 FULL = HolParams(
@@ -53,6 +62,7 @@ FULL = HolParams(
     delay_s=2.0,
     timeout_s=3.0,
     after_s=1.0,
+    repeats=3,
 )
 QUICK = HolParams(
     rate=100,
@@ -64,6 +74,7 @@ QUICK = HolParams(
     delay_s=0.3,
     timeout_s=0.6,
     after_s=0.2,
+    repeats=1,
 )
 
 MODES = ("deferred", "blocking")
@@ -155,20 +166,29 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
             normal_join[m] = r["latency_s"][0]
             _warm(ps[m], d1, p, f"warm2.{m}.")
             normal_hs[m] = _peer_duration(ps[m], d1.address)
-        results: dict[str, dict[str, Any]] = {}
-        for case in cases:
-            progress(f"hol: case {case.key}: {case.label}")
-            if quick:
-                joiners = {name: ws[name] for name in joiner_specs[case.key]}
-            else:
-                joiners = cl.endpoints(joiner_specs[case.key])
-                time.sleep(1.0)  # let the new processes settle before the clock starts
-            win = p.delay_s if case.window_of == "delay" else p.timeout_s
-            for m in MODES:
-                progress(f"hol:   writer {m}")
-                results[f"{case.key}/{m}"] = _window(ps[m], d1, joiners, case, m, win, p)
-            for w in joiners.values():
-                cl.stop(w)
+        results: dict[str, list[dict[str, Any]]] = {}
+        for k in range(p.repeats):
+            for case in cases:
+                progress(f"hol: repeat {k + 1}/{p.repeats}, case {case.key}: {case.label}")
+                if quick:
+                    joiners = {name: ws[name] for name in joiner_specs[case.key]}
+                else:
+                    # Fresh processes every repeat: a peer is new to a P only once.
+                    started = cl.endpoints(
+                        {f"{n}-r{k}": s for n, s in joiner_specs[case.key].items()}
+                    )
+                    joiners = {n: started[f"{n}-r{k}"] for n in joiner_specs[case.key]}
+                    time.sleep(1.0)  # let the new processes settle before the clock starts
+                win = p.delay_s if case.window_of == "delay" else p.timeout_s
+                # Alternate which writer goes first, so neither always follows the other.
+                for m in MODES if k % 2 == 0 else tuple(reversed(MODES)):
+                    progress(f"hol:   writer {m}")
+                    results.setdefault(f"{case.key}/{m}", []).append(
+                        _window(ps[m], d1, joiners, case, m, win, p, k)
+                    )
+                if not quick:
+                    for w in joiners.values():
+                        cl.stop(w)
     _report(rep, p, results, normal_join, normal_hs, out_dir)
     return rep.to_dict()
 
@@ -216,11 +236,12 @@ def _window(
     mode: str,
     win: float,
     p: HolParams,
+    rep: int,
 ) -> dict[str, Any]:
     total = p.before_s + win + p.after_s
     t0 = start_at()
     t_join = t0 + p.before_s
-    prefix = f"{case.key}.{mode}."
+    prefix = f"{case.key}.{mode}.{rep}."
     wait_s = total + 2 * win + 30
     fd = d1.call_async(
         "steady_decode",
@@ -242,7 +263,7 @@ def _window(
     )
     jf = {}
     for name, _, offset in case.joiners:
-        tid = f"join.{case.key}.{mode}.{name}"
+        tid = f"join.{case.key}.{mode}.{rep}.{name}"
         jf[name] = joiners[name].call_async(
             "decode_at",
             p_addr=pw.address,
@@ -270,12 +291,19 @@ def _window(
             "p_handshake_s": _peer_duration(pw, joiners[name].address),
             "p_peer_state": _peer_row(pw, joiners[name].address).get("state", "unknown"),
         }
+    # Both sides idle before the next window: P has pushed everything, D1 has verified and
+    # returned every block (after a blocking stall D1 verifies a backlog of hundreds).
     pw.call("wait_idle", timeout_s=30)
+    d1.call("wait_idle", timeout_s=30)
+    stalls = [
+        [round(ts - t_join, 3), round(late * 1e3, 1)]
+        for ts, late in noise.stalls_between(t0, t_join + win + p.after_s + 1.0)
+    ]
     t = [x - p.before_s for x in r["t_call"]]  # seconds since the join
     lat, ok = r["latency_s"], r["ok"]
     phases = {}
     for ph, lo, hi in (
-        ("before", -p.before_s, 0.0),
+        ("before", -p.before_s + warmup_s(p.before_s), 0.0),
         ("during", 0.0, win),
         ("after", win, math.inf),
     ):
@@ -289,40 +317,54 @@ def _window(
         "failed": sum(1 for g in ok if not g),
         "reasons": r["reasons"],
         "generator_late_s": {"d1": r["max_late_s"], "p": p_late},
+        "host_stalls": stalls,
     }
+
+
+def _stall_cell(stalls: list[list[float]]) -> str:
+    big = [ms for _, ms in stalls if ms > 50]
+    return f"{len(big)} (max {max(big):.0f} ms)" if big else "0"
+
+
+def _med(runs: list[dict[str, Any]], phase: str, stat: str) -> float:
+    return median([r["phases"][phase][stat] for r in runs])
 
 
 def _report(
     rep: Report,
     p: HolParams,
-    res: dict[str, dict[str, Any]],
+    res: dict[str, list[dict[str, Any]]],
     normal_join: dict[str, float],
     normal_hs: dict[str, float],
     out_dir: Path,
 ) -> None:
     cases = _cases(p)
+    nrep = p.repeats
     rows = []
     for c in cases:
         for m in MODES:
-            r = res[f"{c.key}/{m}"]
-            ph = r["phases"]
+            runs = res[f"{c.key}/{m}"]
             rows.append(
                 [
                     c.key,
                     m,
-                    fmt_ms(ph["before"]["p50"]),
-                    fmt_ms(ph["before"]["p99"]),
-                    fmt_ms(ph["during"]["p50"]),
-                    fmt_ms(ph["during"]["p99"]),
-                    fmt_ms(ph["during"]["max"]),
-                    fmt_ms(ph["after"]["p99"]),
-                    str(ph["before"]["n"] + ph["during"]["n"] + ph["after"]["n"]),
-                    str(r["failed"]),
+                    fmt_ms(_med(runs, "before", "p50")),
+                    fmt_ms(_med(runs, "before", "p99")),
+                    fmt_ms(_med(runs, "during", "p50")),
+                    fmt_ms(_med(runs, "during", "p99")),
+                    " / ".join(fmt_ms(r["phases"]["during"]["p99"]) for r in runs),
+                    fmt_ms(_med(runs, "during", "max")),
+                    fmt_ms(_med(runs, "after", "p99")),
+                    str(sum(r["phases"][ph]["n"] for r in runs for ph in r["phases"])),
+                    str(sum(r["failed"] for r in runs)),
+                    _stall_cell([s for r in runs for s in r["host_stalls"]]),
                 ]
             )
+    each = "each repeat" if nrep > 1 else "the run"
     rep.table(
         f"D1 push latency (ms, D-measured decode() -> verified) at {p.rate:g} req/s, "
-        f"{p.blocks} block x {2 * p.layers} regions x {p.block_bytes // 1024} KiB",
+        f"{p.blocks} block x {2 * p.layers} regions x {p.block_bytes // 1024} KiB"
+        + (f"; median of {nrep} repeats" if nrep > 1 else ""),
         [
             "case",
             "writer",
@@ -330,15 +372,21 @@ def _report(
             "before p99",
             "during p50",
             "during p99",
+            f"during p99, {each}",
             "during max",
             "after p99",
             "requests",
             "failed",
+            "host stalls",
         ],
         rows,
-        note="'during' = requests issued while the new peers' handshakes were pending "
+        note=f"'before' = requests issued from {warmup_s(p.before_s):g} s after the start of "
+        "the window (generators warming up) until the join; "
+        "'during' = requests issued while the new peers' handshakes were pending "
         f"({p.delay_s:g} s for slow peers, {p.timeout_s:g} s = P's handshake timeout for the "
-        "dead one).",
+        "dead one). 'host stalls' = times the bench's own 5 ms timer thread woke more than "
+        "50 ms late during those windows: no CPU was free for it (other jobs, or the "
+        "benchmark's own processes).",
     )
     jrows = []
     for m in MODES:
@@ -347,50 +395,58 @@ def _report(
         )
     for c in cases:
         for m in MODES:
-            for name, j in res[f"{c.key}/{m}"]["joiners"].items():
+            runs = res[f"{c.key}/{m}"]
+            for name in runs[0]["joiners"]:
+                js = [r["joiners"][name] for r in runs]
+                lat = [j["latency_s"] for j in js if j["latency_s"] is not None]
+                hs = [j["p_handshake_s"] for j in js if j["p_peer_state"] == "connected"]
+                states = sorted({j["p_peer_state"] for j in js if j["p_peer_state"] != "connected"})
+                reasons = sorted({x for j in js for x in j["reasons"]})
                 jrows.append(
                     [
                         f"{c.key}: {name}",
                         m,
-                        fmt_ms(j["latency_s"]),
-                        fmt_ms(j["p_handshake_s"])
-                        if j["p_peer_state"] == "connected"
-                        else f"not connected ({j['p_peer_state']})",
-                        "ok" if j["ok"] else ",".join(j["reasons"]) or "failed",
+                        fmt_ms(median(lat)) if lat else "-",
+                        fmt_ms(median(hs)) if hs else f"not connected ({', '.join(states)})",
+                        f"{sum(1 for j in js if j['ok'])}/{len(js)} ok"
+                        + (f" ({', '.join(reasons)})" if reasons else ""),
                     ]
                 )
     rep.table(
         "joining peers: first request (ms, D-measured, both handshakes + push) and "
-        "P->D handshake (ms, P telemetry)",
+        "P->D handshake (ms, P telemetry)" + (f", median of {nrep} repeats" if nrep > 1 else ""),
         ["peer", "writer", "first request", "P->D handshake", "outcome"],
         jrows,
     )
     figures: dict[str, Any] = {"normal_join_s": normal_join, "normal_p_handshake_s": normal_hs}
     for c in cases:
-        dfr = res[f"{c.key}/deferred"]["phases"]
-        blk = res[f"{c.key}/blocking"]["phases"]
-        win = res[f"{c.key}/deferred"]["window_s"]
-        growth = ratio(dfr["during"]["p99"], dfr["before"]["p99"])
-        contrast = ratio(blk["during"]["p99"], dfr["during"]["p99"])
+        dfr, blk = res[f"{c.key}/deferred"], res[f"{c.key}/blocking"]
+        win = dfr[0]["window_s"]
+        d_before, d_during = _med(dfr, "before", "p99"), _med(dfr, "during", "p99")
+        b_during = _med(blk, "during", "p99")
+        growth = ratio(d_during, d_before)
+        contrast = ratio(b_during, d_during)
         figures[c.key] = {
-            "deferred_p99_before_s": dfr["before"]["p99"],
-            "deferred_p99_during_s": dfr["during"]["p99"],
-            "blocking_p99_before_s": blk["before"]["p99"],
-            "blocking_p99_during_s": blk["during"]["p99"],
+            "deferred_p99_before_s": d_before,
+            "deferred_p99_during_s": d_during,
+            "blocking_p99_before_s": _med(blk, "before", "p99"),
+            "blocking_p99_during_s": b_during,
             "deferred_growth": growth,
             "blocking_over_deferred": contrast,
+            "deferred_p99_during_each_s": [r["phases"]["during"]["p99"] for r in dfr],
+            "blocking_p99_during_each_s": [r["phases"]["during"]["p99"] for r in blk],
         }
         rep.target(
             f"{c.key}: deferred p99 during / before",
             "<= 2x",
-            f"{fmt_x(growth)} ({fmt_ms(dfr['during']['p99'])} / {fmt_ms(dfr['before']['p99'])} ms)",
+            f"{fmt_x(growth)} ({fmt_ms(d_during)} / {fmt_ms(d_before)} ms)",
             growth <= 2.0 if math.isfinite(growth) else None,
         )
         rep.target(
             f"{c.key}: blocking p99 during",
             f">= {win:g} s (0.95x allowed: requests issued late in the window wait less)",
-            f"{fmt_ms(blk['during']['p99'])} ms",
-            blk["during"]["p99"] >= 0.95 * win if math.isfinite(blk["during"]["p99"]) else None,
+            f"{fmt_ms(b_during)} ms",
+            b_during >= 0.95 * win if math.isfinite(b_during) else None,
         )
         rep.target(
             f"{c.key}: blocking / deferred p99 during",
@@ -398,15 +454,15 @@ def _report(
             fmt_x(contrast),
             contrast >= 10 if math.isfinite(contrast) else None,
         )
-    healthy = res["two-slow+healthy/deferred"]["joiners"].get("d3-healthy", {})
+
+    def third(m: str) -> list[float]:
+        js = [r["joiners"]["d3-healthy"] for r in res[f"two-slow+healthy/{m}"]]
+        return [j["latency_s"] for j in js if j["latency_s"] is not None]
+
+    ok_d, ok_b = third("deferred"), third("blocking")
+    hl = median(ok_d) if len(ok_d) == nrep else None
     ref = median(list(normal_join.values()))
-    hl = healthy.get("latency_s")
-    figures["healthy_third_join_s"] = {
-        m: res[f"two-slow+healthy/{m}"]["joiners"]["d3-healthy"]["latency_s"] for m in MODES
-    }
-    figures["healthy_third_p_handshake_s"] = {
-        m: res[f"two-slow+healthy/{m}"]["joiners"]["d3-healthy"]["p_handshake_s"] for m in MODES
-    }
+    figures["healthy_third_join_s"] = {"deferred": ok_d, "blocking": ok_b}
     quiet = ", ".join(fmt_ms(v) for v in normal_join.values())
     rep.target(
         "healthy third peer joins in normal time beside two slow ones (deferred)",
@@ -415,34 +471,36 @@ def _report(
         if hl is not None
         else "failed",
         (hl <= 2 * ref) if hl is not None and math.isfinite(ref) else False,
-        note="one sample against two: a quiet join itself varies about 2x between runs here",
+        note="a quiet join (D1 joining each P before the run) itself varies about 2x here",
     )
-    blk = res["two-slow+healthy/blocking"]["joiners"].get("d3-healthy", {}).get("latency_s")
+    hb = median(ok_b) if ok_b else math.nan
     rep.target(
         "healthy third peer is not held behind the slow handshakes (deferred)",
         f"first request < H/10 = {p.delay_s * 100:.0f} ms (blocking writer: >= H)",
-        f"{fmt_ms(hl)} ms (blocking writer: {fmt_ms(blk)} ms)" if hl is not None else "failed",
+        f"{fmt_ms(hl)} ms (blocking writer: {fmt_ms(hb)} ms)" if hl is not None else "failed",
         (hl < p.delay_s / 10) if hl is not None else False,
     )
-    late = max(max(v["generator_late_s"].values()) for v in res.values())
+    late = max(max(v["generator_late_s"].values()) for runs in res.values() for v in runs)
     rep.figures["generator_max_late_s"] = late
     if late > 0.02:
         rep.notes.append(
             f"the open-loop generators fell up to {late * 1e3:.0f} ms behind schedule at some "
-            "point: the host was busy (see the load average); latencies include such stalls"
+            "point: a thread of P or D1 did not get the CPU in time (other jobs, or the endpoints' "
+            "own threads: see host noise and BENCHMARKS.md); latencies include such stalls"
         )
     rep.figures.update(figures)
-    rep.data["series"] = {k: v["series"] for k, v in res.items()}
-    rep.data["phases"] = {k: v["phases"] for k, v in res.items()}
-    rep.data["joiners"] = {k: v["joiners"] for k, v in res.items()}
-    # chart: D1 latency over time, per case, both writers, stall window shaded
+    rep.data["series"] = {k: [r["series"] for r in runs] for k, runs in res.items()}
+    rep.data["phases"] = {k: [r["phases"] for r in runs] for k, runs in res.items()}
+    rep.data["joiners"] = {k: [r["joiners"] for r in runs] for k, runs in res.items()}
+    rep.data["host_stalls"] = {k: [r["host_stalls"] for r in runs] for k, runs in res.items()}
+    # chart: D1 latency over time in the first repeat, per case, both writers
     panels = []
     for c in cases:
-        win = res[f"{c.key}/deferred"]["window_s"]
+        win = res[f"{c.key}/deferred"][0]["window_s"]
         series = [
             Series(
                 f"writer {m}",
-                [(a, b * 1e3) for a, b in res[f"{c.key}/{m}"]["series"]],
+                [(a, b * 1e3) for a, b in res[f"{c.key}/{m}"][0]["series"]],
                 color="#1f77b4" if m == "deferred" else "#d62728",
                 style="trace",
             )
@@ -452,10 +510,14 @@ def _report(
             Panel(
                 title=f"{c.key}: {c.label}",
                 series=series,
-                xlabel="seconds since the new peer(s) joined",
+                xlabel="seconds since the new peer(s) joined"
+                + (" (first repeat)" if nrep > 1 else ""),
                 ylabel="D1 latency (ms, log)",
                 logy=True,
                 spans=[(0.0, win, "handshake(s) pending")],
+                marks=[x for x, _ in res[f"{c.key}/deferred"][0]["host_stalls"]],
+                marks_label="red ticks: host stalls during the deferred run (a 5 ms timer in "
+                "the bench woke > 20 ms late)",
             )
         )
     svg = line_chart(

@@ -215,12 +215,25 @@ def steady_prefill(
     ep = state.endpoint
     n = max(1, int(duration * rate))
     late = 0.0
+    events: list[list[float]] = []  # [seconds since t0, seconds late] when > 20 ms late
+    took: list[float] = []
     for i in range(n):
         t = t0 + i / rate
         _sleep_until(t)
-        late = max(late, time.time() - t)
+        now = time.time()
+        late = max(late, now - t)
+        if now - t > 0.02:
+            events.append([round(t - t0, 4), round(now - t, 4)])
         ep.prefill(f"{prefix}{i}", blocks)
-    return {"n": n, "max_late_s": late}
+        took.append(time.time() - now)
+    took.sort()
+    return {
+        "n": n,
+        "max_late_s": late,
+        "late_events": events[:1000],
+        "prefill_p50_s": took[len(took) // 2],
+        "prefill_max_s": took[-1],
+    }
 
 
 def prefill_at(state: Any, transfer_id: str, t_wall: float, blocks: int) -> None:
@@ -369,6 +382,48 @@ def cpu(state: Any) -> dict[str, float]:
     return threads_cpu_s(state)
 
 
+# --------------------------------------------------------------------------- GC pauses
+
+_gc_log: list[tuple[int, float, float]] = []  # (generation, wall time, seconds)
+_gc_t0: list[float] = [0.0]
+
+
+def _gc_cb(phase: str, info: dict[str, Any]) -> None:
+    if phase == "start":
+        _gc_t0[0] = time.perf_counter()
+    elif len(_gc_log) < 100_000:
+        _gc_log.append(
+            (int(info.get("generation", -1)), time.time(), time.perf_counter() - _gc_t0[0])
+        )
+
+
+def gc_watch(state: Any) -> None:
+    """Start recording this process's garbage-collector pauses (they stop every thread)."""
+    import gc
+
+    _gc_log.clear()
+    if _gc_cb not in gc.callbacks:
+        gc.callbacks.append(_gc_cb)
+
+
+def gc_report(state: Any) -> dict[str, Any]:
+    """Pauses per generation since ``gc_watch``: count, total and max seconds, slowest times."""
+    import gc
+
+    out: dict[str, Any] = {"tracked_objects": len(gc.get_objects())}
+    for g in (0, 1, 2):
+        d = [x for x in _gc_log if x[0] == g]
+        out[f"gen{g}"] = {
+            "count": len(d),
+            "total_s": sum(x[2] for x in d),
+            "max_s": max((x[2] for x in d), default=0.0),
+        }
+    out["slowest"] = [
+        [round(t, 3), g, round(s, 4)] for g, t, s in sorted(_gc_log, key=lambda x: -x[2])[:10]
+    ]
+    return out
+
+
 COMMANDS: dict[str, Callable[..., Any]] = {
     "steady_decode": steady_decode,
     "decode_at": decode_at,
@@ -383,4 +438,6 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "handshake_series": handshake_series,
     "cpu": cpu,
     "metadata_sizes": metadata_sizes,
+    "gc_watch": gc_watch,
+    "gc_report": gc_report,
 }

@@ -18,6 +18,17 @@ import time
 from typing import Any
 
 _TICK_S = 0.005
+STALL_S = 0.02  # a wake-up this late is recorded with its time (see ``stalls_between``)
+
+_current: HostMonitor | None = None
+
+
+def stalls_between(t0: float, t1: float) -> list[tuple[float, float]]:
+    """(wall time, seconds late) of the running monitor's late wake-ups within [t0, t1]."""
+    m = _current
+    if m is None:
+        return []
+    return [(t, late) for t, late in list(m.stalls) if t0 <= t <= t1]
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -56,6 +67,7 @@ class HostMonitor:
     def __init__(self) -> None:
         self._stop = threading.Event()
         self._late: list[float] = []
+        self.stalls: list[tuple[float, float]] = []
         self._thread = threading.Thread(target=self._run, name="bench-host-monitor", daemon=True)
         self._t0 = 0.0
         self._psi0: int | None = None
@@ -63,6 +75,8 @@ class HostMonitor:
         self._own0 = 0.0
 
     def start(self) -> HostMonitor:
+        global _current
+        _current = self
         self._t0 = time.monotonic()
         self._psi0 = _psi_some_us()
         self._host0 = _host_cpu_s()
@@ -74,9 +88,15 @@ class HostMonitor:
         while not self._stop.is_set():
             t = time.perf_counter()
             time.sleep(_TICK_S)
-            self._late.append(time.perf_counter() - t - _TICK_S)
+            late = time.perf_counter() - t - _TICK_S
+            self._late.append(late)
+            if late > STALL_S:
+                self.stalls.append((time.time(), late))
 
     def stop(self) -> dict[str, Any]:
+        global _current
+        if _current is self:
+            _current = None
         self._stop.set()
         self._thread.join(1.0)
         elapsed = time.monotonic() - self._t0
@@ -89,6 +109,7 @@ class HostMonitor:
             "wakeup_late_max_ms": round(late[-1] * 1e3, 1) if n else None,
             "stalls_over_50ms": sum(1 for x in late if x > 0.05),
             "stalls_over_200ms": sum(1 for x in late if x > 0.2),
+            "stalls": [[round(t, 3), round(x * 1e3, 1)] for t, x in self.stalls],
             "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         }
         if self._psi0 is not None and psi1 is not None and elapsed > 0:

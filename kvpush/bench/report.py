@@ -289,6 +289,8 @@ class Panel:
     logy: bool = False
     spans: list[tuple[float, float, str]] = field(default_factory=list)  # shaded x ranges
     hlines: list[tuple[float, str]] = field(default_factory=list)
+    marks: list[float] = field(default_factory=list)  # x positions of host stalls (red ticks)
+    marks_label: str = "red ticks: host stalls (a 5 ms timer in the bench woke > 20 ms late)"
     xticks: list[tuple[float, str]] | None = None
 
 
@@ -407,6 +409,17 @@ def _panel(p: Panel, x0: float, y0: float, w: float, h: float, idx: int) -> list
         out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0}" y2="{y0 + h}" stroke="#eee"/>')
         out.append(
             f'<text x="{x:.1f}" y="{y0 + h + 16}" text-anchor="middle">{html.escape(label)}</text>'
+        )
+    for xm in p.marks:
+        if xlo <= xm <= xhi:
+            out.append(
+                f'<line x1="{sx(xm):.1f}" x2="{sx(xm):.1f}" y1="{y0 + h - 14}" y2="{y0 + h}" '
+                'stroke="#d00" stroke-width="2"/>'
+            )
+    if p.marks:
+        out.append(
+            f'<text x="{x0 + 4}" y="{y0 + h - 18}" font-size="10" fill="#d00">'
+            f"{html.escape(p.marks_label)}</text>"
         )
     for yv, label in p.hlines:
         y = sy(yv)

@@ -105,8 +105,6 @@ def main() -> int:
         format="%(asctime)s %(process)d %(threadName)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
-    if os.environ.get("KVPUSH_BENCH_SWITCH_INTERVAL"):  # experiments only (see BENCHMARKS.md)
-        sys.setswitchinterval(float(os.environ["KVPUSH_BENCH_SWITCH_INTERVAL"]))
     state = WorkerState()
     cmds = _commands(state)
     _emit({"id": 0, "ok": True, "result": {"pid": os.getpid()}})
