@@ -363,10 +363,9 @@ class DecodeEndpoint(Endpoint):
         try:
             if self.cfg.verify:
                 verified = self.pool.verify(req.transfer_id, req.block_ids)
-        except Exception as e:  # a verification bug must still resolve the request
+        except Exception:  # a verification bug must still resolve the request
             log.exception("verification of %s failed", req.request_id)
             verified = False
-            del e
         finally:
             self.pool.allocator.release(req.request_id)
         latency = time.monotonic() - req.t_start

@@ -406,7 +406,6 @@ class HandshakeManager:
             self._closed = True
             entries = list(self._peers.values())
             self._peers.clear()
-        for e in entries:
-            if not e.future.done():
-                pass  # its thread finishes by its deadline and sees _closed
+        # Handshakes still running finish by their deadline, see _closed and release their own
+        # connection (see _run).
         return [e.conn for e in entries if e.conn is not None]

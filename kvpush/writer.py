@@ -78,7 +78,6 @@ class Inflight:
     fence_keys: list[str] = field(default_factory=list)
     # (quarantined key, D block, D request id) a fence covers: re-queued if it times out
     fence_entries: list[tuple[str, int, str]] = field(default_factory=list)
-    cancelled: bool = False
 
 
 class PushWriter:
@@ -618,8 +617,7 @@ class PushWriter:
             return
         for infl in self._inflight.values():
             if infl.kind == "push" and infl.key == key:
-                infl.cancelled = True
-                return
+                return  # the WRITE's own completion notification tells D when bytes landed
         # Unknown here (finished already, or never seen): nothing will be written for it.
         self._ack_cancel(msg, sender)
 
