@@ -22,8 +22,6 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
-import msgspec
-
 from kvpush import PROTOCOL_VERSION, __version__, protocol
 from kvpush.auth import Authenticator
 from kvpush.config import EndpointConfig, HandshakeMode, format_address, parse_address
@@ -103,7 +101,7 @@ class Endpoint:
             self._handle_request,
             self.auth,
             max_frame_bytes=cfg.max_frame_bytes,
-            vllm_handler=self._vllm_meta,
+            vllm_handler=self._answer_get_meta,
             on_reject=lambda kind: self.telemetry.fail(kind),
             name=f"sidechannel-{self.role}",
         )
@@ -265,26 +263,39 @@ class Endpoint:
         else:
             send()
 
-    def _vllm_meta(self, pp_rank: int, tp_rank: int) -> list[bytes]:
-        """Answer vLLM's get_meta_msg in vLLM's two-part form (for mixed deployments/probes)."""
-        assert self.metadata is not None
+    def _answer_get_meta(self, pp_rank: int, tp_rank: int) -> list[bytes]:
+        """Answer vLLM's ``get_meta_msg`` (every client's first contact) in vLLM's form.
+
+        The payload says "kvpush" under the extra key vLLM's decoder ignores, and carries no
+        NIXL metadata: its compatibility hash can never equal a vLLM engine's, and its empty
+        ``agent_metadata_bytes`` fail vLLM's decoder cleanly, so a vLLM engine that asks stops
+        before it could load anything. With a token set, only "kvpush, token needed" is told.
+        """
         md = self.metadata
-        vmd = protocol.VllmAgentMetadata(
-            engine_id=md.engine_id,
-            agent_metadata=self._agent_md_full,
-            kv_caches_base_addr=list(md.region_base_addrs),
-            device_id=md.device_id,
-            num_blocks=md.num_blocks,
-            block_lens=[md.block_bytes] * md.regions,
-            kv_cache_layout=md.kv_layout,
-            block_size=0,
-            attn_backend_name="kvpush",
-        )
-        payload = protocol.VllmHandshakePayload(
-            compatibility_hash=protocol.compat_hash(md),
-            agent_metadata_bytes=msgspec.msgpack.encode(vmd),
-        )
-        return [msgspec.msgpack.encode(payload), msgspec.msgpack.encode(time.perf_counter())]
+        if self.auth.enabled or md is None:
+            ident = protocol.KvpushIdentity(
+                protocol=PROTOCOL_VERSION,
+                auth=self.auth.enabled,
+                error="" if md is not None else "starting",
+            )
+            payload = protocol.VllmHandshakePayload("", b"", ident)
+        else:
+            served = (pp_rank, tp_rank) == (0, md.tp_rank)
+            ident = protocol.KvpushIdentity(
+                protocol=PROTOCOL_VERSION,
+                version=__version__,
+                wire="kvpush",
+                role=md.role,
+                engine_id=md.engine_id,
+                incarnation=md.incarnation,
+                tp_size=md.tp_size,
+                ranks=[(0, md.tp_rank)],
+                error="" if served else f"rank ({pp_rank}, {tp_rank}) is not served here",
+            )
+            payload = protocol.VllmHandshakePayload(
+                "kvpush:" + protocol.compat_hash(md), b"", ident
+            )
+        return protocol.encode_get_meta_reply(payload, time.perf_counter())
 
     # ------------------------------------------------------------------ probes
     def handshake_to(self, address: str, mode: HandshakeMode) -> HandshakeResult:

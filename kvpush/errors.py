@@ -112,3 +112,14 @@ class ShuttingDownError(KvpushError):
     """The endpoint is draining and refuses new work."""
 
     exit_status = ExitStatus.NOT_READY
+
+
+class WrongWireError(IncompatiblePeerError):
+    """The peer speaks another wire than this side: a vLLM engine where kvpush was expected,
+    or the other way round. Nothing but ``get_meta_msg`` was sent to it."""
+
+    def __init__(self, message: str, peer_kind: str, hint: str | None = None) -> None:
+        super().__init__(
+            message, [("wire", "kvpush" if peer_kind == "vllm" else "vllm", peer_kind)], hint
+        )
+        self.peer_kind = peer_kind

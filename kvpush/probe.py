@@ -6,10 +6,12 @@ side-channel client it makes is used and closed on that thread. The default prob
 it only speaks the side channel (``HandshakeReq`` in notif mode never loads anything). The
 ``handshake_probe`` variant starts a tiny local decode endpoint to time a real NIXL handshake.
 
-A vLLM NixlConnector side channel is probed with vLLM's own request form
-``msgpack((b"get_meta_msg", pp_rank, tp_rank))``; its reply is decoded with kvpush's bounded,
-typed decoders (the compatibility hash first, then ``NixlAgentMetadata``). The agent metadata
-bytes are reported by size only and never handed to NIXL.
+Safe first contact: the first message to any peer is vLLM's own request form
+``msgpack((b"get_meta_msg", pp_rank, tp_rank))``, the one request vLLM's listener survives. A
+kvpush endpoint answers it with its identity under an extra key; a vLLM engine's answer is
+decoded with kvpush's bounded, typed decoders (the compatibility hash first, then
+``NixlAgentMetadata``) and it is sent nothing else. The agent metadata bytes are reported by
+size only and never handed to NIXL.
 """
 
 from __future__ import annotations
@@ -32,9 +34,8 @@ from kvpush.errors import (
 )
 
 # kvpush endpoints stamp HandshakeRep.server_clock with time.time() (wall clock, comparable
-# across hosts); vLLM stamps its reply with time.perf_counter().
+# across hosts); vLLM stamps its get_meta_msg answer with time.perf_counter().
 _KVPUSH_CLOCK = time.time
-_VLLM_CLOCK = time.perf_counter
 
 
 @dataclass(frozen=True)
@@ -135,22 +136,11 @@ UNREACHABLE_HINT = (
 )
 
 
-def _tcp_open(host: str, port: int, timeout_s: float) -> bool:
-    """Whether anything accepts a TCP connection at host:port (no bytes are sent)."""
-    import socket
-
-    try:
-        with socket.create_connection((host, port), timeout=min(timeout_s, 2.0)):
-            return True
-    except OSError:
-        return False
-
-
 def _incompatible_protocol(address: str, e: ProtocolError) -> IncompatiblePeerError:
     return IncompatiblePeerError(
         f"{address} answered, but its reply cannot be read: {e}",
         [("protocol_version", PROTOCOL_VERSION, "?")],
-        "run the same kvpush version on both sides, or probe with --vllm for a vLLM peer",
+        "run the same kvpush version on both sides",
     )
 
 
@@ -161,16 +151,16 @@ def probe(
     timeout_s: float = 3.0,
     local: dict[str, object] | None = None,
     token: bytes | None = None,
-    vllm: bool | None = None,
-    vllm_ranks: tuple[int, int] = (0, 0),
+    ranks: tuple[int, int] = (0, 0),
     stats: bool = False,
 ) -> ProbeReport:
-    """Fetch a peer's metadata and measure ``count`` round trips.
+    """Identify a peer, fetch its metadata and measure ``count`` round trips.
 
-    ``vllm``: True speaks vLLM's request form only; None tries kvpush's form and falls back to
-    vLLM's when nothing answers; False never tries vLLM's. ``local``: compatibility fields to
-    compare against (``local_compat_fields``); None skips the comparison except for the
-    protocol version.
+    The first message is always vLLM's ``get_meta_msg`` for ``ranks`` (the one request vLLM's
+    listener survives); a vLLM peer is then only ever sent more of those. A kvpush peer says
+    so in its answer and gets kvpush's requests. ``local``: compatibility fields to compare
+    against (``local_compat_fields``); None skips the comparison except for the protocol
+    version.
     """
     if count < 1:
         from kvpush.errors import ConfigError
@@ -178,57 +168,46 @@ def probe(
         raise ConfigError(f"--count must be positive, got {count}", "pass --count 1 or more")
     host, port = parse_address(address)
     addr = format_address(host, port)
-    if vllm:
+    with _client(addr, token, timeout_s) as client:
         try:
-            return probe_vllm(addr, count=count, timeout_s=timeout_s, ranks=vllm_ranks)
+            ident = client.identify(*ranks)
+            if ident.kind == "vllm":
+                return _probe_vllm(addr, client, ident, count)
+            return _probe_kvpush(addr, client, ident, count, local, stats)
         except PeerUnreachableError as e:
             raise PeerUnreachableError(e.message, UNREACHABLE_HINT) from None
-    try:
-        return _probe_kvpush(addr, count, timeout_s, local, token, stats)
-    except PeerUnreachableError as e:
-        if vllm is False or not _tcp_open(host, port, timeout_s):
-            raise PeerUnreachableError(e.message, UNREACHABLE_HINT) from None
-    # Something accepts connections but did not answer kvpush's form: maybe a vLLM listener.
-    try:
-        report = probe_vllm(addr, count=count, timeout_s=timeout_s, ranks=vllm_ranks)
-    except (PeerUnreachableError, ProtocolError):
-        raise PeerUnreachableError(
-            f"{addr} did not answer within {timeout_s:g}s", UNREACHABLE_HINT
-        ) from None
-    report.notes.append("no answer to kvpush's request form; the peer answered vLLM's")
-    return report
 
 
 def _probe_kvpush(
     addr: str,
+    client: Any,
+    ident: Any,
     count: int,
-    timeout_s: float,
     local: dict[str, object] | None,
-    token: bytes | None,
     want_stats: bool,
 ) -> ProbeReport:
+    kv = ident.kvpush
+    if kv.error:
+        raise PeerError(f"{addr} is a kvpush endpoint: {kv.error}", "ask for rank 0,0")
     samples: list[tuple[float, float, float]] = []
     rep: protocol.HandshakeRep | None = None
-    with _client(addr, token, timeout_s) as client:
-        # One request more than counted: the first pays the TCP/ZMQ connection set-up.
-        for i in range(count + 1):
-            t0 = _KVPUSH_CLOCK()
-            try:
-                r = client.request(protocol.HandshakeReq(mode="notif", requester="kvpush-probe"))
-            except ProtocolError as e:
-                raise _incompatible_protocol(addr, e) from None
-            t1 = _KVPUSH_CLOCK()
-            if not isinstance(r, protocol.HandshakeRep):
-                raise PeerError(f"{addr} answered a handshake request with {type(r).__name__}")
-            rep = r
-            if i > 0:
-                samples.append((t0, t1, r.server_clock))
-        stats_d: dict[str, Any] | None = None
-        if want_stats:
-            s = client.request(protocol.StatsReq())
-            if not isinstance(s, protocol.StatsRep):
-                raise PeerError(f"{addr} answered a stats request with {type(s).__name__}")
-            stats_d = dict(s.snapshot)
+    for _ in range(count):
+        t0 = _KVPUSH_CLOCK()
+        try:
+            r = client.request(protocol.HandshakeReq(mode="notif", requester="kvpush-probe"))
+        except ProtocolError as e:
+            raise _incompatible_protocol(addr, e) from None
+        t1 = _KVPUSH_CLOCK()
+        if not isinstance(r, protocol.HandshakeRep):
+            raise PeerError(f"{addr} answered a handshake request with {type(r).__name__}")
+        rep = r
+        samples.append((t0, t1, r.server_clock))
+    stats_d: dict[str, Any] | None = None
+    if want_stats:
+        s = client.request(protocol.StatsReq())
+        if not isinstance(s, protocol.StatsRep):
+            raise PeerError(f"{addr} answered a stats request with {type(s).__name__}")
+        stats_d = dict(s.snapshot)
     assert rep is not None
     try:
         md = protocol.decode_metadata(rep.metadata)
@@ -237,6 +216,8 @@ def _probe_kvpush(
         # Not our schema (another version): decode loosely only to name what differs.
         meta = protocol.decode_metadata_loose(rep.metadata)
     meta.pop("region_base_addrs", None)
+    meta["wire"] = kv.wire
+    meta["ranks"] = [list(r) for r in kv.ranks]
     remote_fields = {f: meta.get(f) for f in protocol.COMPAT_FIELDS}
     diffs: list[tuple[str, object, object]]
     if local is None:
@@ -260,34 +241,20 @@ def _probe_kvpush(
     )
 
 
-def probe_vllm(
-    addr: str, *, count: int = 5, timeout_s: float = 3.0, ranks: tuple[int, int] = (0, 0)
-) -> ProbeReport:
-    """Probe a vLLM NixlConnector side channel (each request on a fresh REQ socket)."""
-    from kvpush.sidechannel import vllm_get_meta
-
-    host, port = parse_address(addr)
+def _probe_vllm(addr: str, client: Any, first: Any, count: int) -> ProbeReport:
+    """A vLLM side channel: only ever ``get_meta_msg`` on the one connection."""
     samples: list[tuple[float, float, float]] = []
-    frames: list[bytes] = []
+    ident = first
     for _ in range(count):
-        frames, t0, t1, _rtt = vllm_get_meta(host, port, ranks[0], ranks[1], timeout_s)
-        if frames and frames[0].startswith(protocol.MAGIC_REP):
-            raise PeerError(
-                f"{addr} is a kvpush endpoint that refused vLLM's request form (a token is set)",
-                "probe it without --vllm, with --auth-token-file",
-            )
-        if len(frames) != 2:
-            raise ProtocolError(f"{addr}: vLLM reply has {len(frames)} parts, expected 2")
-        try:
-            remote = msgspec.msgpack.decode(frames[1], type=float)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise ProtocolError(f"{addr}: vLLM reply has no clock part: {e}") from None
-        samples.append((t0, t1, remote))
-    payload = protocol.decode_vllm_payload(frames[0])
+        ident = client.identify(*first.ranks)
+        samples.append((ident.t_send, ident.t_recv, ident.remote_clock))
+    payload = ident.payload
     md = protocol.decode_vllm_agent_metadata(payload.agent_metadata_bytes)
     meta: dict[str, Any] = msgspec.structs.asdict(md)
     meta["agent_metadata_bytes"] = len(meta.pop("agent_metadata"))
-    meta["kv_caches_base_addr"] = len(md.kv_caches_base_addr)
+    meta["regions"] = len(md.kv_caches_base_addr)
+    meta["kv_caches_base_addr"] = [hex(a) for a in md.kv_caches_base_addr]
+    meta["ranks"] = [list(first.ranks)]
     return ProbeReport(
         address=addr,
         kind="vllm",
@@ -295,8 +262,8 @@ def probe_vllm(
         metadata=meta,
         rtt=rtt_stats(samples),
         notes=[
-            "vLLM side channel: RTT includes a new connection per request; the clock offset "
-            "compares perf_counter clocks (meaningful on the same host only)"
+            "vLLM side channel: only get_meta_msg was sent; the clock offset compares "
+            "perf_counter clocks (meaningful on the same host only)"
         ],
     )
 

@@ -403,13 +403,41 @@ def vllm_get_meta_request(pp_rank: int = 0, tp_rank: int = 0) -> bytes:
     return _enc.encode((VLLM_GET_META, pp_rank, tp_rank))
 
 
-class VllmHandshakePayload(Struct, frozen=True):
+class KvpushIdentity(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How a kvpush endpoint says who it is in its answer to vLLM's ``get_meta_msg``.
+
+    Every first contact (probe, drive's preflight, every handshake) is a ``get_meta_msg``,
+    because that is the one request vLLM's listener survives. A kvpush endpoint answers it in
+    vLLM's two-part form with this map under the extra key ``kvpush`` (vLLM's decoder ignores
+    unknown keys). With a token set, only ``protocol`` and ``auth=True`` are told.
+    """
+
+    protocol: int
+    auth: bool = False
+    version: Str128 = ""
+    wire: Str128 = ""  # "kvpush" | "vllm": which framing the endpoint speaks to its peers
+    role: Str128 = ""
+    engine_id: Str256 = ""
+    incarnation: Str128 = ""
+    tp_size: SmallPos = 1
+    ranks: Annotated[list[tuple[NonNeg, NonNeg]], Meta(max_length=4096)] = []
+    error: Str1k = ""  # the endpoint could not serve the asked rank
+
+
+class VllmHandshakePayload(Struct, frozen=True, omit_defaults=True):
+    """vLLM's ``NixlHandshakePayload``; ``kvpush`` is present only in a kvpush endpoint's answer."""
+
     compatibility_hash: Str256
     agent_metadata_bytes: Annotated[bytes, Meta(max_length=64 << 20)]
+    kvpush: KvpushIdentity | None = None
 
 
 class VllmAgentMetadata(Struct, frozen=True, forbid_unknown_fields=False):
-    """vLLM's ``NixlAgentMetadata`` (fields kvpush reports; unknown fields are ignored)."""
+    """vLLM's ``NixlAgentMetadata`` (0.33, connector version 15), every field.
+
+    Decoded leniently (defaults for what an older vLLM leaves out, unknown fields ignored):
+    this is for reporting and for matching a peer's geometry; it is never handed to NIXL.
+    """
 
     engine_id: Str256
     agent_metadata: bytes = b""
@@ -423,6 +451,15 @@ class VllmAgentMetadata(Struct, frozen=True, forbid_unknown_fields=False):
     ssm_sizes: list[int] | None = None
     attn_backend_name: str = ""
     physical_blocks_per_logical_kv_block: int | None = None
+    region_num_blocks: list[int] | None = None
+    region_group_ids: list[int] | None = None
+    region_names: list[str] | None = None
+    region_mem_types: list[str] | None = None
+    dcp_size: int = 1
+    pcp_size: int = 1
+    ple_block_len: int | None = None
+    region_members: list[list[str]] = []
+    packed_member_layouts: dict[str, tuple[int, int]] = {}
 
 
 _vllm_payload_dec = msgspec.msgpack.Decoder(VllmHandshakePayload)
@@ -436,6 +473,27 @@ def decode_vllm_payload(frame: bytes) -> VllmHandshakePayload:
 
 def decode_vllm_agent_metadata(data: bytes) -> VllmAgentMetadata:
     return _decode_body(_vllm_md_dec, data, "vLLM agent metadata")
+
+
+_clock_dec = msgspec.msgpack.Decoder(float)
+
+
+def decode_get_meta_reply(frames: list[bytes]) -> tuple[VllmHandshakePayload, float]:
+    """Decode the answer to ``get_meta_msg``: ``[payload, msgpack(perf_counter)]``.
+
+    A leading empty delimiter frame (what a DEALER receives) is skipped. Raises
+    ``ProtocolError`` when the answer is not in vLLM's form.
+    """
+    parts = frames[1:] if frames and frames[0] == b"" else list(frames)
+    if len(parts) != 2:
+        raise ProtocolError(f"answer has {len(parts)} parts, vLLM's form has 2")
+    payload = decode_vllm_payload(parts[0])
+    clock = _decode_body(_clock_dec, parts[1], "clock part")
+    return payload, clock
+
+
+def encode_get_meta_reply(payload: VllmHandshakePayload, clock: float) -> list[bytes]:
+    return [_enc.encode(payload), _enc.encode(clock)]
 
 
 def decode_vllm_push_reg(data: bytes) -> PushReg:

@@ -119,23 +119,20 @@ def test_stats(pd_pair, kvpush_run) -> None:
     assert "Handshakes" in r.stdout and "Pool" in r.stdout
 
 
-def test_vllm_form_against_kvpush(pd_pair, kvpush_run) -> None:
+def test_kvpush_peer_identified_at_first_contact(pd_pair, kvpush_run) -> None:
     p, _ = pd_pair
-    r = kvpush_run("probe", p.address, "--vllm", "--json", "--count", "2")
+    r = kvpush_run("probe", p.address, "--json", "--count", "2")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["kind"] == "vllm"
-    md = out["metadata"]
-    assert md["engine_id"] == p.info["engine_id"]
-    assert md["attn_backend_name"] == "kvpush"
-    assert md["block_lens"] == [4096] * 4
-    assert md["kv_caches_base_addr"] == 4
-    assert md["agent_metadata_bytes"] > 0
+    assert out["kind"] == "kvpush"
+    assert out["metadata"]["wire"] == "kvpush"
+    assert out["metadata"]["ranks"] == [[0, 0]]
 
 
 class FakeVllmListener:
-    """A stand-in for vLLM's NixlConnector side channel: a ROUTER that answers get_meta_msg
-    with vLLM's two-part reply and, like vLLM, never answers anything else."""
+    """vLLM 0.33's listener loop, line for line in behaviour (``_nixl_handshake_listener``):
+    exactly three frames, a msgpack 3-sequence, the reply looked up by (pp, tp). Anything else
+    raises and the thread dies for good, as vLLM's does. ``alive`` tells whether it survived."""
 
     def __init__(self) -> None:
         import zmq
@@ -144,7 +141,8 @@ class FakeVllmListener:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.ignored = 0
+        self.requests = 0
+        self.died: BaseException | None = None
         self._stop = threading.Event()
         md = protocol.VllmAgentMetadata(
             engine_id="vllm-engine-7",
@@ -165,23 +163,25 @@ class FakeVllmListener:
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
     def _run(self) -> None:
         import zmq
 
-        while not self._stop.is_set():
-            if not self.sock.poll(50, zmq.POLLIN):
-                continue
-            ident, _, msg = self.sock.recv_multipart()[:3]
-            try:
-                ok = msgspec.msgpack.decode(msg)[0] == protocol.VLLM_GET_META
-            except Exception:
-                ok = False
-            if not ok:
-                self.ignored += 1
-                continue
-            self.sock.send_multipart(
-                [ident, b"", self.payload, msgspec.msgpack.encode(time.perf_counter())]
-            )
+        encoded = {(0, 0): self.payload}
+        try:
+            while not self._stop.is_set():
+                if not self.sock.poll(50, zmq.POLLIN):
+                    continue
+                identity, _, msg = self.sock.recv_multipart()  # 3 frames or ValueError
+                _tag, pp, tp = msgspec.msgpack.decode(msg)  # msgpack 3-sequence or dies
+                self.requests += 1
+                ts = msgspec.msgpack.encode(time.perf_counter())
+                self.sock.send_multipart((identity, b"", encoded[(pp, tp)], ts))  # KeyError
+        except BaseException as e:
+            self.died = e
 
     def close(self) -> None:
         self._stop.set()
@@ -197,8 +197,8 @@ def vllm_listener():
     f.close()
 
 
-def test_vllm_listener_explicit(vllm_listener, kvpush_run) -> None:
-    r = kvpush_run("probe", f"127.0.0.1:{vllm_listener.port}", "--vllm", "--json")
+def test_vllm_listener_identified(vllm_listener, kvpush_run) -> None:
+    r = kvpush_run("probe", f"127.0.0.1:{vllm_listener.port}", "--json", "--count", "3")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     md = out["metadata"]
@@ -208,15 +208,37 @@ def test_vllm_listener_explicit(vllm_listener, kvpush_run) -> None:
     assert md["kv_cache_layout"] == "HND"
     assert md["block_size"] == 16
     assert md["agent_metadata_bytes"] == 300
-    assert vllm_listener.ignored == 0  # --vllm never sent kvpush's form
+    assert md["regions"] == 2
+    assert out["rtt"]["samples"] == 3
+    assert vllm_listener.alive, vllm_listener.died
+    assert vllm_listener.requests == 4  # identify + 3 samples, nothing but get_meta_msg
 
 
-def test_vllm_listener_auto_detected(vllm_listener, kvpush_run) -> None:
+def test_vllm_listener_plain_output(vllm_listener, kvpush_run) -> None:
     r = kvpush_run("probe", f"127.0.0.1:{vllm_listener.port}", "--timeout", "0.5")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[0] == f"vllm endpoint at 127.0.0.1:{vllm_listener.port}: healthy"
     assert "vllm-engine-7" in r.stdout and "FLASH_ATTN" in r.stdout
-    assert "no answer to kvpush's request form" in r.stdout
+    assert "only get_meta_msg was sent" in r.stdout
+    assert vllm_listener.alive, vllm_listener.died
+
+
+def test_vllm_listener_survives_every_probe_mode(vllm_listener, kvpush_run) -> None:
+    addr = f"127.0.0.1:{vllm_listener.port}"
+    for args in (
+        (),
+        ("--json",),
+        ("--stats",),
+        ("--handshake", "notif"),
+        ("--handshake", "full", "--ping", "2"),
+        ("--layers", "2", "--block-bytes", "32768"),
+    ):
+        r = kvpush_run("probe", addr, "--timeout", "2", *args)
+        assert r.returncode in (0, 3), (args, r.stdout, r.stderr)
+        assert vllm_listener.alive, (args, vllm_listener.died)
+    r = kvpush_run("probe", addr, "--ranks", "0,1", "--timeout", "1")
+    # vLLM's listener dies on a rank it does not serve (KeyError); kvpush asks only when told.
+    assert r.returncode == 69, r.stderr
 
 
 def test_auth_token(serve, kvpush_run, tmp_path) -> None:
@@ -239,5 +261,7 @@ def test_auth_token(serve, kvpush_run, tmp_path) -> None:
     assert json.loads(r.stdout)["metadata"]["auth"] is True
     r = kvpush_run("probe", s.address, "--timeout", "1")
     assert r.returncode == 3
-    assert r.err_lines[0].startswith(f"error: {s.address} refused the request: ")
-    assert r.err_lines[1] == "hint: both sides must use the same --auth-token-file"
+    assert r.err_lines == [
+        f"error: {s.address} is a kvpush endpoint that requires an auth token",
+        "hint: pass --auth-token-file with the token the peer uses",
+    ]

@@ -130,6 +130,27 @@ def test_forgeries_without_token(tmp_path: Path) -> None:
             settle(a, quarantine_clears=True)
 
 
+def _raw_untagged_request(host: str, port: int) -> protocol.SideReply:
+    """One kvpush frame with no tag on a bare DEALER (no get_meta_msg first)."""
+    import zmq
+
+    from kvpush.auth import CH_REPLY, Authenticator
+    from kvpush.sidechannel import context
+
+    sock = context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{host}:{port}")
+        env = Authenticator(None).seal(b"req", protocol.encode(protocol.StatsReq(rid=7)))
+        sock.send_multipart([b"", protocol.MAGIC_REQ + env])
+        assert sock.poll(5000, zmq.POLLIN), "no answer"
+        frames = sock.recv_multipart()
+        envr = protocol.decode_envelope(frames[-1], protocol.MAGIC_REP, 1 << 20, "reply")
+        return protocol.decode_reply_body(Authenticator(TOKEN.encode()).open(CH_REPLY, envr))
+    finally:
+        sock.close(0)
+
+
 @pytest.mark.parametrize(
     "sign", [None, "wrong-token-wrong-token-wrong"], ids=["untagged", "bad-tag"]
 )
@@ -143,15 +164,19 @@ def test_forgeries_with_token(tmp_path: Path, sign: str | None) -> None:
         forger = Forger(tmp_path, "nometa")
         try:
             rep = forger.cmd(op="connect", address=d.address, token=None, allow_error=True)
-            assert "error" in rep and "refused" in rep["error"], rep
+            # Told at first contact (get_meta_msg), before it sends any kvpush frame.
+            assert "error" in rep and "requires an auth token" in rep["error"], rep
         finally:
             forger.close()
-        assert failures(d.address).get("auth_rejected", 0) >= 1
         with (
             SideChannelClient(d.host, d.port) as untagged,
-            pytest.raises(AuthError, match="authentication tag"),
+            pytest.raises(AuthError, match="requires an auth token"),
         ):
-            untagged.request(protocol.StatsReq())  # an untagged request is refused too
+            untagged.request(protocol.StatsReq())
+        # A client that skips first contact and sends an untagged frame is refused by D itself.
+        rep = _raw_untagged_request(d.host, d.port)
+        assert isinstance(rep, protocol.ErrorRep) and rep.code == "auth_rejected", rep
+        assert failures(d.address).get("auth_rejected", 0) >= 1
 
         victims = _forgeries(tmp_path, p, d, token=TOKEN, sign=sign)
         assert check_results(list(victims.values())) == {"ok": 2}, victims

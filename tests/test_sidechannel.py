@@ -19,13 +19,13 @@ from kvpush.errors import (
     KvpushError,
     PeerError,
     PeerUnreachableError,
+    WrongWireError,
 )
 from kvpush.sidechannel import (
     ReplyFn,
     SideChannelClient,
     SideChannelServer,
     context,
-    vllm_get_meta,
 )
 from tests.fakes import closed_port
 
@@ -40,10 +40,15 @@ class Server:
         self.held: list[tuple[protocol.SideRequest, ReplyFn]] = []
         self.hold = False
         self.raise_: BaseException | None = None
+        # What a kvpush endpoint answers to get_meta_msg: vLLM's form + kvpush's identity.
         self.vllm: Callable[[int, int], list[bytes]] | None = lambda pp, tp: [
             msgspec.msgpack.encode(
                 protocol.VllmHandshakePayload(
-                    compatibility_hash="h", agent_metadata_bytes=b"md-%d-%d" % (pp, tp)
+                    compatibility_hash="h",
+                    agent_metadata_bytes=b"md-%d-%d" % (pp, tp),
+                    kvpush=protocol.KvpushIdentity(
+                        protocol=protocol.PROTOCOL_VERSION, auth=token is not None
+                    ),
                 )
             ),
             msgspec.msgpack.encode(123.25),
@@ -238,12 +243,14 @@ def test_authentication(make_server: Callable[..., Server]) -> None:
         assert isinstance(c.request(protocol.StatsReq(), timeout_s=5), protocol.StatsRep)
     with server.client() as c, pytest.raises(AuthError) as ei:
         c.request(protocol.StatsReq(), timeout_s=5)
+    # Told at first contact, before any kvpush frame is sent.
     assert str(ei.value) == (
-        f"127.0.0.1:{server.port} refused the request: message has no authentication tag"
+        f"127.0.0.1:{server.port} is a kvpush endpoint that requires an auth token"
     )
     with server.client(auth=Authenticator(b"x" * 32)) as c, pytest.raises(AuthError):
         c.request(protocol.StatsReq(), timeout_s=5)
-    assert server.rejects == ["auth_rejected", "auth_rejected"]
+    # The client without a token never sent a kvpush frame: one rejection, the wrong token.
+    assert server.rejects == ["auth_rejected"]
     # A replayed (captured) request is refused too.
     raw = Raw(server.port)
     try:
@@ -298,6 +305,16 @@ def test_late_replies_discarded_by_request_id() -> None:
     done = threading.Event()
 
     def serve() -> None:
+        ident, _, payload = router.recv_multipart()  # first contact: get_meta_msg
+        assert protocol.is_vllm_get_meta(payload) == (0, 0)
+        kv = protocol.KvpushIdentity(protocol=protocol.PROTOCOL_VERSION)
+        router.send_multipart(
+            [
+                ident,
+                b"",
+                *protocol.encode_get_meta_reply(protocol.VllmHandshakePayload("", b"", kv), 0.0),
+            ]
+        )
         ident, _, payload = router.recv_multipart()
         env = protocol.decode_envelope(payload, protocol.MAGIC_REQ, 1 << 20, "req")
         req = protocol.decode_request_body(env.body)
@@ -323,35 +340,93 @@ def test_late_replies_discarded_by_request_id() -> None:
 # ------------------------------------------------------------------ vLLM form
 
 
+def vllm_get_meta(
+    port: int, pp_rank: int = 0, tp_rank: int = 0, timeout_s: float = 5.0
+) -> list[bytes]:
+    """What vLLM's own client does: a fresh REQ socket, one get_meta_msg, two parts back."""
+    s = context().socket(zmq.REQ)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(f"tcp://127.0.0.1:{port}")
+        s.send(protocol.vllm_get_meta_request(pp_rank, tp_rank))
+        assert s.poll(int(timeout_s * 1000), zmq.POLLIN), "no answer to get_meta_msg"
+        return s.recv_multipart()
+    finally:
+        s.close(0)
+
+
 def test_vllm_get_meta_two_part_reply(server: Server) -> None:
-    frames, t0, t1, rtt = vllm_get_meta("127.0.0.1", server.port, pp_rank=1, tp_rank=2)
+    frames = vllm_get_meta(server.port, pp_rank=1, tp_rank=2)
     assert len(frames) == 2
     payload = protocol.decode_vllm_payload(frames[0])
     assert payload.agent_metadata_bytes == b"md-1-2"
+    assert payload.kvpush is not None and payload.kvpush.protocol == protocol.PROTOCOL_VERSION
     assert msgspec.msgpack.decode(frames[1]) == 123.25
-    assert t1 >= t0 and rtt == t1 - t0
 
 
-def test_vllm_handler_error_answered(server: Server) -> None:
+def test_vllm_handler_error_answered_in_vllm_form(server: Server) -> None:
     def boom(pp: int, tp: int) -> list[bytes]:
         raise RuntimeError("no metadata yet")
 
     server.vllm = boom
-    frames, *_ = vllm_get_meta("127.0.0.1", server.port)
-    env = protocol.decode_envelope(frames[-1], protocol.MAGIC_REP, 1 << 20, "reply")
-    rep = protocol.decode_reply_body(env.body)
-    assert isinstance(rep, protocol.ErrorRep) and rep.code == "internal_error"
+    frames = vllm_get_meta(server.port)
+    assert len(frames) == 2  # a vLLM client asserts two parts
+    payload, _clock = protocol.decode_get_meta_reply(frames)
+    assert payload.agent_metadata_bytes == b"" and payload.compatibility_hash == ""
+    assert payload.kvpush is not None
+    assert payload.kvpush.error == "cannot serve rank (0, 0): no metadata yet"
     assert server.rejects == ["internal_error"]
     _still_serves(server)
 
 
-def test_vllm_request_refused_when_a_token_is_set(make_server: Callable[..., Server]) -> None:
+def test_get_meta_answered_when_a_token_is_set(make_server: Callable[..., Server]) -> None:
     server = make_server(token=TOKEN)
-    frames, *_ = vllm_get_meta("127.0.0.1", server.port)
-    assert len(frames) == 1
-    env = protocol.decode_envelope(frames[0], protocol.MAGIC_REP, 1 << 20, "reply")
-    rep = protocol.decode_reply_body(Authenticator(TOKEN).open(CH_REPLY, env))
-    assert isinstance(rep, protocol.ErrorRep) and rep.code == "auth_rejected"
+    frames = vllm_get_meta(server.port)
+    payload, _clock = protocol.decode_get_meta_reply(frames)
+    assert payload.kvpush is not None and payload.kvpush.auth is True
+
+
+def test_client_identifies_before_its_first_request(server: Server) -> None:
+    """The first frame any client sends is get_meta_msg; kvpush framing only after it."""
+    seen: list[bytes] = []
+    inner = server.vllm
+    assert inner is not None
+
+    def spy(pp: int, tp: int) -> list[bytes]:
+        seen.append(b"get_meta_msg")
+        return inner(pp, tp)
+
+    server.vllm = spy
+    with server.client() as c:
+        assert c.identity is None
+        rep = c.request(protocol.StatsReq(), timeout_s=5)
+        assert isinstance(rep, protocol.StatsRep)
+        assert c.identity is not None and c.identity.kind == "kvpush"
+        c.request(protocol.StatsReq(), timeout_s=5)
+    assert seen == [b"get_meta_msg"]  # once per connection
+
+
+def test_client_refuses_a_vllm_peer(server: Server) -> None:
+    server.vllm = lambda pp, tp: [
+        msgspec.msgpack.encode(protocol.VllmHandshakePayload("vllm-hash", b"md")),
+        msgspec.msgpack.encode(1.0),
+    ]
+    with server.client() as c, pytest.raises(WrongWireError) as ei:
+        c.request(protocol.StatsReq(), timeout_s=5)
+    assert ei.value.message.startswith(
+        f"127.0.0.1:{server.port} is a vLLM NIXL side channel, not a kvpush endpoint"
+    )
+    assert "--wire vllm" in ei.value.hint
+    assert server.held == [] and server.rejects == []  # it got nothing but get_meta_msg
+
+
+def test_client_without_token_told_a_token_is_needed(make_server: Callable[..., Server]) -> None:
+    server = make_server(token=TOKEN)
+    with server.client() as c, pytest.raises(AuthError) as ei:
+        c.request(protocol.StatsReq(), timeout_s=5)
+    assert str(ei.value) == (
+        f"127.0.0.1:{server.port} is a kvpush endpoint that requires an auth token"
+    )
 
 
 # ------------------------------------------------------------------ binding

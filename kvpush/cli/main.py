@@ -235,18 +235,13 @@ def probe(
     ] = 0,
     stats: Annotated[bool, typer.Option("--stats", help="Show the peer's live telemetry.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
-    vllm: Annotated[
-        bool | None,
+    ranks: Annotated[
+        str,
         typer.Option(
-            "--vllm/--no-vllm",
-            help="Speak vLLM NixlConnector's side-channel form (get_meta_msg). By default "
-            "kvpush's form is tried first and vLLM's when that gets no answer.",
-            show_default=False,
+            "--ranks",
+            help="The peer's (pp, tp) rank to ask for, as PP,TP (vLLM serves one per rank).",
         ),
-    ] = None,
-    vllm_tp_rank: Annotated[
-        int, typer.Option("--vllm-tp-rank", help="tp_rank of a vLLM get_meta_msg request.")
-    ] = 0,
+    ] = "0,0",
     config: s.ConfigOpt = None,
     auth_token_file: s.AuthTokenOpt = None,
     device: s.DeviceOpt = "cpu",
@@ -285,8 +280,7 @@ def probe(
         timeout_s=timeout,
         local=local,
         token=token,
-        vllm=vllm,
-        vllm_ranks=(0, vllm_tp_rank),
+        ranks=s.parse_ranks(ranks),
         stats=stats,
     )
     if handshake is not None or ping > 0:
@@ -390,21 +384,13 @@ def _print_probe(r: Any) -> None:
         row("backends", ",".join(md.get("backends") or []))
         row("auth", "on" if md.get("auth") else "off")
     else:
-        for k in (
-            "engine_id",
-            "device_id",
-            "num_blocks",
-            "block_lens",
-            "block_strides",
-            "kv_cache_layout",
-            "block_size",
-            "attn_backend_name",
-            "physical_blocks_per_logical_kv_block",
-            "ssm_sizes",
-        ):
-            row(k.replace("_", " "), md.get(k))
-        row("regions", f"{md.get('kv_caches_base_addr')} base addresses")
+        for k, v in md.items():
+            if k in ("agent_metadata_bytes", "ranks", "regions", "kv_caches_base_addr"):
+                continue
+            row(k, v)
+        row("regions", f"{md.get('regions')}: base addresses {md.get('kv_caches_base_addr')}")
         row("agent metadata", f"{md.get('agent_metadata_bytes')} bytes (not loaded)")
+        row("rank", f"pp {md['ranks'][0][0]}, tp {md['ranks'][0][1]}")
     row("compat hash", r.compat_hash)
     rtt = r.rtt
     row(

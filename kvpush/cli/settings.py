@@ -519,3 +519,11 @@ class ServeOptions:
             metrics_host=p["metrics_host"],
             metrics_port=p["metrics_port"],
         )
+
+
+def parse_ranks(text: str) -> tuple[int, int]:
+    """``PP,TP`` -> (pp, tp): the rank a get_meta_msg asks for."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ConfigError(f"invalid --ranks {text!r}", "use PP,TP with two ranks, e.g. --ranks 0,1")
+    return int(parts[0]), int(parts[1])
