@@ -1,6 +1,6 @@
 """The one seam component tests fake: the NIXL agent. Plus real-socket peer stubs.
 
-``FakeAgent`` has the interface of ``kvpush.nixl_adapter.NixlAgent`` that the writer, the decode
+``FakeAgent`` has the interface of ``kvpush.transport.nixl.NixlAgent`` that the writer, the decode
 receiver and the handshake manager use. It records every call, keeps the notifications sent and
 the WRITEs posted, and lets a test script what NIXL answers: the first state of a WRITE, the
 state of each posted WRITE, and ``TransferError(kind, msg)`` exceptions from any method. It is
@@ -34,11 +34,12 @@ import msgspec
 import numpy as np
 import zmq
 
-from kvpush import PROTOCOL_VERSION, __version__, protocol
-from kvpush.auth import Authenticator
+from kvpush import PROTOCOL_VERSION, __version__
 from kvpush.config import PoolConfig, format_address
-from kvpush.nixl_adapter import DList, TransferError, Xfer
-from kvpush.sidechannel import ReplyFn, SideChannelServer, context
+from kvpush.transport.nixl import DList, TransferError, Xfer
+from kvpush.transport.sidechannel import ReplyFn, SideChannelServer, context
+from kvpush.wire import protocol
+from kvpush.wire.auth import Authenticator
 
 FULL_PREFIX = b"FAKE-FULL:"
 CONN_PREFIX = b"FAKE-CONN:"
@@ -463,7 +464,7 @@ class BlackHole:
 
 def decode_notif(data: bytes) -> protocol.Notif:
     """Decode a notification the writer sent (no token)."""
-    from kvpush.notifs import NotifCodec
+    from kvpush.wire.notifs import NotifCodec
 
     return NotifCodec(Authenticator(None)).decode(data)
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpush import auth as auth_mod
-from kvpush import protocol
-from kvpush.auth import CH_NOTIF, CH_REPLY, CH_REQUEST, Authenticator, load_token_file
 from kvpush.errors import AuthError, ConfigError
+from kvpush.wire import auth as auth_mod
+from kvpush.wire import protocol
+from kvpush.wire.auth import CH_NOTIF, CH_REPLY, CH_REQUEST, Authenticator, load_token_file
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
 
@@ -25,7 +25,7 @@ def env_of(sealed: bytes) -> protocol.Envelope:
 
 
 def at(monkeypatch: pytest.MonkeyPatch, t: float) -> None:
-    """Freeze kvpush.auth's wall clock (and only its) at ``t``."""
+    """Freeze kvpush.wire.auth's wall clock (and only its) at ``t``."""
     monkeypatch.setattr(auth_mod, "time", types.SimpleNamespace(time=lambda: t))
 
 

@@ -10,7 +10,7 @@ import time
 import msgspec
 import pytest
 
-from kvpush import protocol
+from kvpush.wire import vllm
 
 pytestmark = pytest.mark.integration
 
@@ -144,7 +144,7 @@ class FakeVllmListener:
         self.requests = 0
         self.died: BaseException | None = None
         self._stop = threading.Event()
-        md = protocol.VllmAgentMetadata(
+        md = vllm.AgentMetadata(
             engine_id="vllm-engine-7",
             agent_metadata=b"\x00" * 300,
             kv_caches_base_addr=[1 << 40, 2 << 40],
@@ -156,7 +156,7 @@ class FakeVllmListener:
             attn_backend_name="FLASH_ATTN",
         )
         self.payload = msgspec.msgpack.encode(
-            protocol.VllmHandshakePayload(
+            vllm.HandshakePayload(
                 compatibility_hash="abc123", agent_metadata_bytes=msgspec.msgpack.encode(md)
             )
         )

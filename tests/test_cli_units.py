@@ -11,10 +11,10 @@ from kvpush.cli import settings
 from kvpush.cli.serve import choose_output, write_ready_file
 from kvpush.cli.settings import OutputMode
 from kvpush.config import PoolConfig
-from kvpush.driver import DriveConfig, RequestResult, percentile, summarize
 from kvpush.errors import ConfigError
-from kvpush.probe import local_compat_fields, rtt_stats
-from kvpush.protocol import COMPAT_FIELDS
+from kvpush.ops.driver import DriveConfig, RequestResult, percentile, summarize
+from kvpush.ops.probe import local_compat_fields, rtt_stats
+from kvpush.wire.protocol import COMPAT_FIELDS
 
 
 def test_envvar_names() -> None:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpush import protocol
 from kvpush.errors import AuthError
-from kvpush.sidechannel import SideChannelClient
+from kvpush.transport.client import SideChannelClient
+from kvpush.wire import protocol
 from tests.support.faults import (
     Forger,
     Result,
@@ -134,8 +134,8 @@ def _raw_untagged_request(host: str, port: int) -> protocol.SideReply:
     """One kvpush frame with no tag on a bare DEALER (no get_meta_msg first)."""
     import zmq
 
-    from kvpush.auth import CH_REPLY, Authenticator
-    from kvpush.sidechannel import context
+    from kvpush.transport.sidechannel import context
+    from kvpush.wire.auth import CH_REPLY, Authenticator
 
     sock = context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush import protocol
+from kvpush.wire import protocol
 from tests.support.faults import (
     FAST_TIMEOUTS,
     SMALL_POOL,

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvpush import protocol
+from kvpush.wire import protocol
 from tests.support.faults import (
     ProcStats,
     Result,

@@ -15,7 +15,6 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvpush.auth import Authenticator
 from kvpush.config import HandshakeMode, PoolConfig, Timeouts
 from kvpush.errors import (
     HandshakeError,
@@ -23,9 +22,10 @@ from kvpush.errors import (
     PeerUnreachableError,
     ShuttingDownError,
 )
-from kvpush.handshake import HandshakeManager
-from kvpush.nixl_adapter import TransferError
-from kvpush.telemetry import Telemetry
+from kvpush.peers.handshakes import HandshakeManager
+from kvpush.telemetry.store import Telemetry
+from kvpush.transport.nixl import TransferError
+from kvpush.wire.auth import Authenticator
 from tests.fakes import (
     BlackHole,
     FakeAgent,

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush import protocol
-from kvpush.matching import DuplicateError, Finished, Matcher, Registration, reg_key
+from kvpush.prefill.matching import DuplicateError, Finished, Matcher, Registration, reg_key
+from kvpush.wire import protocol
 
 LEASE, REG_TTL = 30.0, 10.0
 

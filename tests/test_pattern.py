@@ -1,4 +1,4 @@
-"""Unit tests of kvpush.pattern: determinism, tag layout, slicing, and what it tells apart."""
+"""Unit tests of the pattern: determinism, tag layout, slicing, and what it tells apart."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvpush.pattern import (
+from kvpush.memory.pattern import (
     TAG_BYTES,
     base_row,
     expected_blocks,

@@ -1,4 +1,4 @@
-"""Unit tests of kvpush.pool: allocator states, descriptor arithmetic, KvPool fill/verify/scrub."""
+"""Unit tests of kvpush.memory: allocator states, descriptor arithmetic, KvPool fill/verify."""
 
 from __future__ import annotations
 
@@ -8,19 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-import kvpush.pool as pool_mod
+import kvpush.memory.pool as pool_mod
 from kvpush.config import PoolConfig
 from kvpush.errors import ConfigError, DeviceError, NoFreeBlocksError
-from kvpush.pattern import write_expected
-from kvpush.pool import (
-    POISON_BYTE,
-    BlockAllocator,
-    BlockState,
-    KvPool,
-    block_descs,
-    contiguous_runs,
-    xfer_indices,
-)
+from kvpush.memory.allocator import BlockAllocator, BlockState
+from kvpush.memory.descriptors import block_descs, contiguous_runs, xfer_indices
+from kvpush.memory.pattern import write_expected
+from kvpush.memory.pool import POISON_BYTE, KvPool
 
 # -- BlockAllocator ---------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Tests of kvpush.prom: a real exporter on a free port, scraped over HTTP."""
+"""Tests of kvpush.telemetry.prom: a real exporter on a free port, scraped over HTTP."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.errors import BindError
-from kvpush.prom import PrometheusExporter, metric_name, snapshot_families
-from kvpush.telemetry import Telemetry
+from kvpush.telemetry.prom import PrometheusExporter, metric_name, snapshot_families
+from kvpush.telemetry.store import Telemetry
 
 
 def busy_telemetry() -> Telemetry:

@@ -15,10 +15,11 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvpush import PROTOCOL_VERSION, protocol
-from kvpush.auth import CH_NOTIF, CH_REQUEST, Authenticator
+from kvpush import PROTOCOL_VERSION
 from kvpush.errors import AuthError, ProtocolError
-from kvpush.notifs import NotifCodec
+from kvpush.wire import protocol, vllm
+from kvpush.wire.auth import CH_NOTIF, CH_REQUEST, Authenticator
+from kvpush.wire.notifs import NotifCodec
 from tests.fakes import make_metadata, stub_pool
 
 MD = make_metadata("decode", stub_pool(), engine_id="d-1", incarnation="f" * 32, port=5600)
@@ -126,15 +127,15 @@ def test_envelope_round_trip() -> None:
 
 
 def test_vllm_structs_round_trip() -> None:
-    vmd = protocol.VllmAgentMetadata(
+    vmd = vllm.AgentMetadata(
         engine_id="e", agent_metadata=b"a", kv_caches_base_addr=[1, 2], num_blocks=3
     )
-    p = protocol.VllmHandshakePayload(
+    p = vllm.HandshakePayload(
         compatibility_hash="h", agent_metadata_bytes=msgspec.msgpack.encode(vmd)
     )
-    got = protocol.decode_vllm_payload(msgspec.msgpack.encode(p))
+    got = vllm.decode_payload(msgspec.msgpack.encode(p))
     assert got == p
-    assert protocol.decode_vllm_agent_metadata(got.agent_metadata_bytes) == vmd
+    assert vllm.decode_agent_metadata(got.agent_metadata_bytes) == vmd
 
 
 def test_structs_encode_as_maps_keyed_by_field_name_with_a_type_tag() -> None:
@@ -166,9 +167,9 @@ def test_size_limit_checked_before_decoding() -> None:
         ProtocolError, match=r"endpoint metadata of \d+ bytes exceeds the 1048576-byte"
     ):
         protocol.decode_metadata(protocol.encode_metadata(MD) + b"\x00" * (1 << 20))
-    big = protocol.VLLM_PUSH_REG_PREFIX + b"\x80" * protocol.MAX_NOTIF_BYTES
+    big = vllm.PUSH_REG_PREFIX + b"\x80" * protocol.MAX_NOTIF_BYTES
     with pytest.raises(ProtocolError, match=r"PUSH_REG of \d+ bytes exceeds"):
-        protocol.decode_vllm_push_reg(big)
+        vllm.decode_push_reg(big)
     codec = NotifCodec(Authenticator(None), max_bytes=100)
     with pytest.raises(ProtocolError, match="notification of 101 bytes exceeds the 100-byte"):
         codec.decode(b"\x00" * 101)
@@ -222,19 +223,19 @@ def test_compat_hash_covers_compat_fields_only() -> None:
 
 
 def test_vllm_get_meta_recognised() -> None:
-    assert protocol.is_vllm_get_meta(protocol.vllm_get_meta_request(1, 3)) == (1, 3)
-    assert protocol.is_vllm_get_meta(msgspec.msgpack.encode(("get_meta_msg", 0, 2))) == (0, 2)
+    assert vllm.is_get_meta(vllm.get_meta_request(1, 3)) == (1, 3)
+    assert vllm.is_get_meta(msgspec.msgpack.encode(("get_meta_msg", 0, 2))) == (0, 2)
     for frame in (
         msgspec.msgpack.encode((b"get_meta_msg", 0)),
         msgspec.msgpack.encode((b"other", 0, 0)),
         msgspec.msgpack.encode((b"get_meta_msg", "0", 0)),
         msgspec.msgpack.encode({"get_meta_msg": 1}),
-        protocol.MAGIC_REQ + protocol.vllm_get_meta_request(),
+        protocol.MAGIC_REQ + vllm.get_meta_request(),
         b"\xc1",
         b"",
-        protocol.vllm_get_meta_request() + b" " * 300,
+        vllm.get_meta_request() + b" " * 300,
     ):
-        assert protocol.is_vllm_get_meta(frame) is None
+        assert vllm.is_get_meta(frame) is None
 
 
 def test_vllm_push_reg_accepted() -> None:
@@ -253,8 +254,8 @@ def test_vllm_push_reg_accepted() -> None:
         "remote_pp_size": 1,
         "some_future_vllm_field": {"x": 1},
     }
-    data = protocol.VLLM_PUSH_REG_PREFIX + msgspec.msgpack.encode(fields)
-    for reg in (protocol.decode_vllm_push_reg(data), NotifCodec(Authenticator(None)).decode(data)):
+    data = vllm.PUSH_REG_PREFIX + msgspec.msgpack.encode(fields)
+    for reg in (vllm.decode_push_reg(data), NotifCodec(Authenticator(None)).decode(data)):
         assert isinstance(reg, protocol.PushReg)
         assert (reg.request_id, reg.transfer_id, reg.decode_port) == ("r1", "t1", 5601)
         assert reg.local_block_ids == [[3, 4, 5]]
@@ -262,9 +263,7 @@ def test_vllm_push_reg_accepted() -> None:
         NotifCodec(Authenticator(b"k" * 32)).decode(data)
     del fields["decode_port"]
     with pytest.raises(ProtocolError, match="malformed PUSH_REG"):
-        protocol.decode_vllm_push_reg(
-            protocol.VLLM_PUSH_REG_PREFIX + msgspec.msgpack.encode(fields)
-        )
+        vllm.decode_push_reg(vllm.PUSH_REG_PREFIX + msgspec.msgpack.encode(fields))
 
 
 # ------------------------------------------------------------------ fuzzing
@@ -281,10 +280,8 @@ def _valid_frames() -> list[bytes]:
         frames.append(protocol.MAGIC_REQ + plain.seal(CH_REQUEST, body))
         frames.append(protocol.MAGIC_NOTIF + sealed.seal(CH_NOTIF, body))
     frames.append(protocol.encode_metadata(MD))
-    frames.append(protocol.vllm_get_meta_request(0, 1))
-    frames.append(
-        protocol.VLLM_PUSH_REG_PREFIX + msgspec.msgpack.encode(msgspec.to_builtins(NOTIFS[0]))
-    )
+    frames.append(vllm.get_meta_request(0, 1))
+    frames.append(vllm.PUSH_REG_PREFIX + msgspec.msgpack.encode(msgspec.to_builtins(NOTIFS[0])))
     return frames
 
 
@@ -302,9 +299,9 @@ DECODERS: dict[str, Callable[[bytes], object]] = {
     "metadata_loose": protocol.decode_metadata_loose,
     "notif_codec": _plain_codec.decode,
     "notif_codec_token": _sealed_codec.decode,
-    "vllm_push_reg": protocol.decode_vllm_push_reg,
-    "vllm_payload": protocol.decode_vllm_payload,
-    "vllm_agent_metadata": protocol.decode_vllm_agent_metadata,
+    "vllm_push_reg": vllm.decode_push_reg,
+    "vllm_payload": vllm.decode_payload,
+    "vllm_agent_metadata": vllm.decode_agent_metadata,
 }
 
 
@@ -316,7 +313,7 @@ def _only_protocol_errors(data: bytes) -> None:
             pass
         except Exception as e:  # pragma: no cover - this is the failure being hunted
             raise AssertionError(f"{name} raised {type(e).__name__}: {e!r} on {data[:64]!r}") from e
-    got = protocol.is_vllm_get_meta(data)  # a predicate: never raises
+    got = vllm.is_get_meta(data)  # a predicate: never raises
     assert got is None or (isinstance(got, tuple) and len(got) == 2)
 
 
@@ -336,9 +333,7 @@ def mutated(draw: st.DrawFn) -> bytes:
             del data[i:]
         else:
             data[:0] = draw(
-                st.sampled_from(
-                    [protocol.MAGIC_REQ, protocol.MAGIC_NOTIF, protocol.VLLM_PUSH_REG_PREFIX]
-                )
+                st.sampled_from([protocol.MAGIC_REQ, protocol.MAGIC_NOTIF, vllm.PUSH_REG_PREFIX])
             )
     return bytes(data)
 
@@ -351,7 +346,7 @@ DEEP = b"\x81\xa1x" + b"\x91" * 20_000 + b"\xc0"
 @example(b"")
 @example(DEEP)
 @example(protocol.MAGIC_NOTIF + b"\x95\x01\xcb" + b"\x00" * 8 + b"\xc4\x00" + DEEP)
-@example(protocol.VLLM_PUSH_REG_PREFIX + DEEP)
+@example(vllm.PUSH_REG_PREFIX + DEEP)
 @example(b"\xdd\xff\xff\xff\xff")  # an array claiming 4G elements
 @example(b"\xd6\xff\xff\xff\xff\xff")  # a msgpack timestamp extension
 def test_random_bytes_raise_only_protocol_errors(data: bytes) -> None:
@@ -373,9 +368,9 @@ def test_deeply_nested_input_is_a_protocol_error(name: str) -> None:
     data = {
         "envelope_req": protocol.MAGIC_REQ + deep_env,
         "envelope_notif": protocol.MAGIC_NOTIF + deep_env,
-        "notif_codec": protocol.VLLM_PUSH_REG_PREFIX + DEEP,
+        "notif_codec": vllm.PUSH_REG_PREFIX + DEEP,
         "notif_codec_token": protocol.MAGIC_NOTIF + deep_env,
-        "vllm_push_reg": protocol.VLLM_PUSH_REG_PREFIX + DEEP,
+        "vllm_push_reg": vllm.PUSH_REG_PREFIX + DEEP,
     }.get(name, DEEP)
     with pytest.raises((ProtocolError, AuthError)):
         DECODERS[name](data)

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from kvpush.errors import ShuttingDownError
-from kvpush.queues import Inbox, InboxFullError, drain_into
+from kvpush.runtime.inbox import Inbox, InboxFullError, drain_into
 
 
 def test_put_wakes_and_drain_is_fifo() -> None:

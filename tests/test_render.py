@@ -14,7 +14,8 @@ from kvpush.cli.render import (
     render_plain,
     render_summary_table,
 )
-from kvpush.telemetry import Snapshot, Telemetry, snapshot_from_dict
+from kvpush.telemetry.snapshot import Snapshot, snapshot_from_dict
+from kvpush.telemetry.store import Telemetry
 
 T0 = 1_795_000_000.0  # 2026-11-18T11:06:40Z
 

@@ -10,8 +10,6 @@ import msgspec
 import pytest
 import zmq
 
-from kvpush import protocol
-from kvpush.auth import CH_REPLY, CH_REQUEST, Authenticator
 from kvpush.errors import (
     AuthError,
     BindError,
@@ -21,12 +19,10 @@ from kvpush.errors import (
     PeerUnreachableError,
     WrongWireError,
 )
-from kvpush.sidechannel import (
-    ReplyFn,
-    SideChannelClient,
-    SideChannelServer,
-    context,
-)
+from kvpush.transport.client import SideChannelClient
+from kvpush.transport.sidechannel import ReplyFn, SideChannelServer, context
+from kvpush.wire import protocol, vllm
+from kvpush.wire.auth import CH_REPLY, CH_REQUEST, Authenticator
 from tests.fakes import closed_port
 
 TOKEN = b"side-channel-token-0123456789"
@@ -43,10 +39,10 @@ class Server:
         # What a kvpush endpoint answers to get_meta_msg: vLLM's form + kvpush's identity.
         self.vllm: Callable[[int, int], list[bytes]] | None = lambda pp, tp: [
             msgspec.msgpack.encode(
-                protocol.VllmHandshakePayload(
+                vllm.HandshakePayload(
                     compatibility_hash="h",
                     agent_metadata_bytes=b"md-%d-%d" % (pp, tp),
-                    kvpush=protocol.KvpushIdentity(
+                    kvpush=vllm.KvpushIdentity(
                         protocol=protocol.PROTOCOL_VERSION, auth=token is not None
                     ),
                 )
@@ -306,13 +302,13 @@ def test_late_replies_discarded_by_request_id() -> None:
 
     def serve() -> None:
         ident, _, payload = router.recv_multipart()  # first contact: get_meta_msg
-        assert protocol.is_vllm_get_meta(payload) == (0, 0)
-        kv = protocol.KvpushIdentity(protocol=protocol.PROTOCOL_VERSION)
+        assert vllm.is_get_meta(payload) == (0, 0)
+        kv = vllm.KvpushIdentity(protocol=protocol.PROTOCOL_VERSION)
         router.send_multipart(
             [
                 ident,
                 b"",
-                *protocol.encode_get_meta_reply(protocol.VllmHandshakePayload("", b"", kv), 0.0),
+                *vllm.encode_get_meta_reply(vllm.HandshakePayload("", b"", kv), 0.0),
             ]
         )
         ident, _, payload = router.recv_multipart()
@@ -348,7 +344,7 @@ def vllm_get_meta(
     s.setsockopt(zmq.LINGER, 0)
     try:
         s.connect(f"tcp://127.0.0.1:{port}")
-        s.send(protocol.vllm_get_meta_request(pp_rank, tp_rank))
+        s.send(vllm.get_meta_request(pp_rank, tp_rank))
         assert s.poll(int(timeout_s * 1000), zmq.POLLIN), "no answer to get_meta_msg"
         return s.recv_multipart()
     finally:
@@ -358,7 +354,7 @@ def vllm_get_meta(
 def test_vllm_get_meta_two_part_reply(server: Server) -> None:
     frames = vllm_get_meta(server.port, pp_rank=1, tp_rank=2)
     assert len(frames) == 2
-    payload = protocol.decode_vllm_payload(frames[0])
+    payload = vllm.decode_payload(frames[0])
     assert payload.agent_metadata_bytes == b"md-1-2"
     assert payload.kvpush is not None and payload.kvpush.protocol == protocol.PROTOCOL_VERSION
     assert msgspec.msgpack.decode(frames[1]) == 123.25
@@ -371,7 +367,7 @@ def test_vllm_handler_error_answered_in_vllm_form(server: Server) -> None:
     server.vllm = boom
     frames = vllm_get_meta(server.port)
     assert len(frames) == 2  # a vLLM client asserts two parts
-    payload, _clock = protocol.decode_get_meta_reply(frames)
+    payload, _clock = vllm.decode_get_meta_reply(frames)
     assert payload.agent_metadata_bytes == b"" and payload.compatibility_hash == ""
     assert payload.kvpush is not None
     assert payload.kvpush.error == "cannot serve rank (0, 0): no metadata yet"
@@ -382,7 +378,7 @@ def test_vllm_handler_error_answered_in_vllm_form(server: Server) -> None:
 def test_get_meta_answered_when_a_token_is_set(make_server: Callable[..., Server]) -> None:
     server = make_server(token=TOKEN)
     frames = vllm_get_meta(server.port)
-    payload, _clock = protocol.decode_get_meta_reply(frames)
+    payload, _clock = vllm.decode_get_meta_reply(frames)
     assert payload.kvpush is not None and payload.kvpush.auth is True
 
 
@@ -408,7 +404,7 @@ def test_client_identifies_before_its_first_request(server: Server) -> None:
 
 def test_client_refuses_a_vllm_peer(server: Server) -> None:
     server.vllm = lambda pp, tp: [
-        msgspec.msgpack.encode(protocol.VllmHandshakePayload("vllm-hash", b"md")),
+        msgspec.msgpack.encode(vllm.HandshakePayload("vllm-hash", b"md")),
         msgspec.msgpack.encode(1.0),
     ]
     with server.client() as c, pytest.raises(WrongWireError) as ei:

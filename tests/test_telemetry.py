@@ -1,4 +1,4 @@
-"""Unit tests of kvpush.telemetry: histogram precision, thread-safe counters, rates, round trips."""
+"""Unit tests of telemetry: histogram precision, thread-safe counters, rates, round trips."""
 
 from __future__ import annotations
 
@@ -14,18 +14,17 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvpush.telemetry import (
+from kvpush.telemetry.names import RATE_COUNTERS
+from kvpush.telemetry.snapshot import (
     BUCKET_BOUNDS,
-    RATE_COUNTERS,
-    Histogram,
     HistSnapshot,
     Snapshot,
-    Telemetry,
-    _bucket_index,
     expand_buckets,
     snapshot_from_dict,
     window_rates,
 )
+from kvpush.telemetry.snapshot import bucket_index as _bucket_index
+from kvpush.telemetry.store import Histogram, Telemetry
 
 BUCKET_RATIO = 10**0.1  # one bucket width
 
@@ -272,7 +271,7 @@ def test_broken_gauge_is_left_out_and_logged_once(caplog: pytest.LogCaptureFixtu
     tel.gauge_fn("deferred", broken)
     tel.gauge_fn("nan", lambda: float("nan"))
     tel.gauge_fn("ok", lambda: 1)
-    with caplog.at_level(logging.WARNING, logger="kvpush.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="kvpush.telemetry.store"):
         assert tel.snapshot().gauges == {"ok": 1.0}
         assert tel.snapshot().gauges == {"ok": 1.0}
     assert [r.getMessage() for r in caplog.records] == [
@@ -334,7 +333,7 @@ def test_snapshot_is_a_copy() -> None:
 
 def test_core_layer_imports_no_ui_or_native_modules() -> None:
     code = (
-        "import sys, kvpush.telemetry; "
+        "import sys, kvpush.telemetry.store; "
         "bad = {'rich', 'typer', 'torch', 'nixl', 'zmq', 'prometheus_client'} & set(sys.modules); "
         "assert not bad, bad"
     )

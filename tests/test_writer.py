@@ -18,17 +18,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from kvpush import protocol
-from kvpush.auth import Authenticator
 from kvpush.config import EndpointConfig, HandshakeMode, Timeouts, WriterMode
 from kvpush.errors import ShuttingDownError
-from kvpush.handshake import HandshakeManager
-from kvpush.matching import Finished, Registration, reg_key
-from kvpush.nixl_adapter import TransferError
-from kvpush.notifs import NotifCodec
-from kvpush.pool import BlockState, KvPool, xfer_indices
-from kvpush.telemetry import Telemetry
-from kvpush.writer import PushWriter
+from kvpush.memory.allocator import BlockState
+from kvpush.memory.descriptors import xfer_indices
+from kvpush.memory.pool import KvPool
+from kvpush.peers.handshakes import HandshakeManager
+from kvpush.prefill.matching import Finished, Registration, reg_key
+from kvpush.prefill.writer import PushWriter
+from kvpush.telemetry.store import Telemetry
+from kvpush.transport.nixl import TransferError
+from kvpush.wire import protocol
+from kvpush.wire.auth import Authenticator
+from kvpush.wire.notifs import NotifCodec
 from tests.fakes import FakeAgent, StubPeer, decode_notif, make_metadata, stub_pool, wait_until
 
 P_POOL = stub_pool(num_blocks=32, layers=2, block_bytes=64)

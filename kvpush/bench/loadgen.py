@@ -32,8 +32,8 @@ _SC_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def start_endpoint(state: Any, config: dict[str, Any]) -> dict[str, Any]:
-    from kvpush.endpoint import create_endpoint
-    from kvpush.node import build_config
+    from kvpush.endpoint.core import create_endpoint
+    from kvpush.ops.node import build_config
 
     cfg = build_config(config)
     ep = create_endpoint(cfg)
@@ -261,7 +261,7 @@ def finish_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) ->
     allows: the stand-in for a model that has just computed its KV, for timed parts whose D
     does not verify (content is checked in a separate, verified pass). Costs an allocation and
     an inbox put, where ``prefill`` also writes every byte."""
-    from kvpush.matching import Finished
+    from kvpush.prefill.matching import Finished
 
     ep = state.endpoint
     alloc = ep.pool.allocator

@@ -1,10 +1,10 @@
 """Raw baselines that run inside a bench worker: NIXL WRITE loops without kvpush, and the
 machine's own limits (``process_vm_writev``, ``memcpy``).
 
-Everything NIXL goes through ``kvpush.nixl_adapter.NixlAgent`` (the only module that imports
+Everything NIXL goes through ``kvpush.transport.nixl.NixlAgent`` (the only module that imports
 nixl), with the same agent configuration knobs kvpush exposes (``AgentConfig``). The descriptor
 shape is kvpush's: one descriptor per block per region, region-major lists, a transfer covering
-``blocks`` consecutive blocks in every region (``kvpush.pool.block_descs`` / ``xfer_indices``).
+``blocks`` consecutive blocks in every region (``kvpush.memory.descriptors``).
 
 A *target* registers a pool-shaped buffer and, with the progress thread off, polls its agent
 (``get_notifs``) on a thread: without that polling the first WRITE to it never completes. An
@@ -49,7 +49,7 @@ class RawNode:
         self, regions: int, num_blocks: int, block_bytes: int, progress_thread: bool, poll: str
     ) -> None:
         from kvpush.config import AgentConfig
-        from kvpush.nixl_adapter import NixlAgent
+        from kvpush.transport.nixl import NixlAgent
 
         self.geometry = (regions, num_blocks, block_bytes)
         self.tensor = _buffer(regions, num_blocks, block_bytes)
@@ -146,7 +146,7 @@ def raw_write_loop(
     Each WRITE is ``make_prepped_xfer`` + ``transfer`` on prepared lists, then polled with
     ``check_xfer_state`` until DONE and released; ``notif`` attaches a short notification.
     """
-    from kvpush.pool import block_descs, xfer_indices
+    from kvpush.memory.descriptors import block_descs, xfer_indices
 
     node: RawNode = state.raw
     agent = node.agent

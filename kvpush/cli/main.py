@@ -262,8 +262,8 @@ def probe(
     KVPUSH_* variables, or --config), names each field that differs. Exit status: 0 healthy,
     3 answered but not ready or incompatible, 69 unreachable.
     """
-    from kvpush import probe as core
     from kvpush.config import AgentConfig, EndpointConfig, Timeouts
+    from kvpush.ops import probe as core
 
     p = ctx.params
     token = s.auth_token(auth_token_file)
@@ -424,7 +424,7 @@ def _print_probe(r: Any) -> None:
     t.print(con)
     if r.stats is not None:
         from kvpush.cli.render import render_live
-        from kvpush.telemetry import snapshot_from_dict
+        from kvpush.telemetry.snapshot import snapshot_from_dict
 
         con.print()
         con.print(render_live(snapshot_from_dict(r.stats)))
@@ -468,7 +468,7 @@ def drive(
     percentiles, throughput and whether every byte verified. Exit status 0 when all requests
     succeeded and verified, 1 otherwise.
     """
-    from kvpush.driver import DriveConfig, Driver
+    from kvpush.ops.driver import DriveConfig, Driver
 
     cfg = DriveConfig(
         prefill=tuple(prefill),
@@ -567,7 +567,7 @@ def demo(
     (its first push needs a new handshake, which must not stall the others). Every byte is
     verified; the endpoints are stopped with SIGTERM. Exit status 0 when everything succeeded.
     """
-    from kvpush.demo import Demo, DemoConfig
+    from kvpush.ops.demo import Demo, DemoConfig
 
     cfg = DemoConfig(requests=requests, blocks=blocks, decoders=decoders, concurrency=concurrency)
     show_live = (sys.stderr.isatty() and not json_out) if live is None else live
@@ -615,7 +615,7 @@ def _demo_run(d: Any, show_live: bool, quiet: bool) -> None:
         snap = d.prefill_stats()
         if snap is not None:
             from kvpush.cli.render import render_live
-            from kvpush.telemetry import snapshot_from_dict
+            from kvpush.telemetry.snapshot import snapshot_from_dict
 
             parts.append(render_live(snapshot_from_dict(snap)))
         return Group(*parts)

@@ -17,7 +17,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvpush.telemetry import QUEUE_GAUGES, HistSnapshot, Snapshot
+from kvpush.telemetry.names import QUEUE_GAUGES
+from kvpush.telemetry.snapshot import HistSnapshot, Snapshot
 
 __all__ = ["render_json", "render_live", "render_plain", "render_summary_table"]
 

@@ -106,7 +106,7 @@ def choose_output(requested: OutputMode | None) -> OutputMode:
 def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
     """Run one endpoint until SIGINT/SIGTERM; return the exit status (raise typed errors)."""
     from kvpush.cli import render
-    from kvpush.endpoint import create_endpoint
+    from kvpush.endpoint.core import create_endpoint
 
     output = choose_output(opts.output)
     console = Console(stderr=True)
@@ -127,7 +127,7 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
         ep.start()
         started = True
         if opts.metrics_port:
-            from kvpush.prom import PrometheusExporter
+            from kvpush.telemetry.prom import PrometheusExporter
 
             exporter = PrometheusExporter(ep.snapshot, opts.metrics_host, opts.metrics_port)
             exporter.start()

@@ -470,7 +470,7 @@ def timeouts(p: Mapping[str, Any]) -> Timeouts:
 def auth_token(path: str | None) -> bytes | None:
     if not path:
         return None
-    from kvpush.auth import load_token_file
+    from kvpush.wire.auth import load_token_file
 
     return load_token_file(path)
 

@@ -2,7 +2,7 @@
 
 What lives here:
 
-* ``Cluster``: starts, kills, freezes and restarts endpoint processes (``python -m kvpush.node``)
+* ``Cluster``: starts, kills, freezes and restarts endpoint processes (``-m kvpush.ops.node``)
   with short deadlines, and at teardown checks that every endpoint that was not killed on purpose
   exits 0 without a traceback in its log.
 * ``run_leg`` / ``run_legs``: both legs of a request over the real side channels, with client
@@ -208,8 +208,8 @@ def _remember_token(address: str, token: object) -> None:
 
 def client(address: str, timeout_s: float) -> Any:
     """A side-channel client for ``address``, with the endpoint's token if it has one."""
-    from kvpush.auth import Authenticator
-    from kvpush.sidechannel import SideChannelClient
+    from kvpush.transport.client import SideChannelClient
+    from kvpush.wire.auth import Authenticator
 
     host, port = address.rsplit(":", 1)
     auth = Authenticator(_TOKENS.get(address))
@@ -223,7 +223,7 @@ def request(address: str, req: Any, timeout_s: float = 5.0) -> Any:
 
 
 def snapshot(address: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    from kvpush import protocol
+    from kvpush.wire import protocol
 
     rep = request(address, protocol.StatsReq(), timeout_s)
     assert isinstance(rep, protocol.StatsRep), rep
@@ -280,8 +280,8 @@ def run_leg(
     A D that does not answer (killed, or frozen past the client timeout) yields
     ``failed/d_unreachable``: the request ended with the process that held it.
     """
-    from kvpush import protocol
     from kvpush.errors import KvpushError
+    from kvpush.wire import protocol
 
     host, port = p_addr.rsplit(":", 1)
     out: dict[str, Any] = {}
@@ -502,7 +502,8 @@ class SilentListener:
 
 def junk_frames(seed: int, n: int, max_frame: int) -> Iterator[list[bytes]]:
     """Malformed side-channel requests as DEALER frame lists (ZMQ adds the identity)."""
-    from kvpush import PROTOCOL_VERSION, protocol
+    from kvpush import PROTOCOL_VERSION
+    from kvpush.wire import protocol
 
     rng = random.Random(seed)
 
@@ -629,9 +630,10 @@ class Forger:
 
 
 def _junk_notifs(seed: int, count: int) -> Iterator[bytes]:
-    from kvpush import PROTOCOL_VERSION, protocol
-    from kvpush.auth import Authenticator
-    from kvpush.notifs import NotifCodec
+    from kvpush import PROTOCOL_VERSION
+    from kvpush.wire import protocol
+    from kvpush.wire.auth import Authenticator
+    from kvpush.wire.notifs import NotifCodec
 
     rng = random.Random(seed)
     codec = NotifCodec(Authenticator(None))
@@ -684,12 +686,12 @@ def _junk_notifs(seed: int, count: int) -> Iterator[bytes]:
 
 
 def _forger_main() -> int:  # pragma: no cover - runs in the forger process
-    from kvpush import protocol
-    from kvpush.auth import Authenticator
     from kvpush.config import AgentConfig
-    from kvpush.nixl_adapter import NixlAgent
-    from kvpush.notifs import NotifCodec
-    from kvpush.sidechannel import SideChannelClient
+    from kvpush.transport.client import SideChannelClient
+    from kvpush.transport.nixl import NixlAgent
+    from kvpush.wire import protocol
+    from kvpush.wire.auth import Authenticator
+    from kvpush.wire.notifs import NotifCodec
 
     agent = NixlAgent(f"forger-{uuid.uuid4().hex[:8]}", AgentConfig())
     peers: dict[str, str] = {}  # address -> agent name
@@ -994,7 +996,7 @@ def start_in_netns(
     cmd = ["ip", "netns", "exec", netns]
     if unshare:
         cmd += ["unshare", "--pid", "--ipc", "--mount", "--fork", "--mount-proc"]
-    cmd += [sys.executable, "-m", "kvpush.node", json.dumps(cfg), str(ready)]
+    cmd += [sys.executable, "-m", "kvpush.ops.node", json.dumps(cfg), str(ready)]
     with open(log, "ab") as lf:
         p = subprocess.Popen(cmd, cwd=ROOT, stdout=lf, stderr=subprocess.STDOUT, env=full_env)
     deadline = time.monotonic() + timeout
@@ -1009,7 +1011,7 @@ def start_in_netns(
     pid = p.pid
     for cand in [p.pid, *_descendants(p.pid)]:
         with contextlib.suppress(OSError), open(f"/proc/{cand}/cmdline", "rb") as f:
-            if b"kvpush.node" in f.read():
+            if b"kvpush.ops.node" in f.read():
                 pid = cand
     return NsProc(p, pid, info["address"], log)
 

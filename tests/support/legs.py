@@ -7,8 +7,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvpush import protocol
-from kvpush.sidechannel import SideChannelClient
+from kvpush.transport.client import SideChannelClient
+from kvpush.wire import protocol
 
 _local = threading.local()
 

@@ -62,7 +62,7 @@ def start_endpoint(cfg: dict[str, object], tmp: Path, name: str, timeout: float 
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     with open(log, "ab") as lf:
         p = subprocess.Popen(
-            [sys.executable, "-m", "kvpush.node", json.dumps(cfg), str(ready)],
+            [sys.executable, "-m", "kvpush.ops.node", json.dumps(cfg), str(ready)],
             cwd=ROOT,
             stdout=lf,
             stderr=subprocess.STDOUT,

@@ -22,16 +22,18 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
-from kvpush import PROTOCOL_VERSION, __version__, protocol
-from kvpush.auth import Authenticator
+from kvpush import PROTOCOL_VERSION, __version__
 from kvpush.config import EndpointConfig, HandshakeMode, format_address, parse_address
 from kvpush.errors import KvpushError, PeerUnreachableError, ShuttingDownError
-from kvpush.handshake import HandshakeManager, HandshakeResult, PeerConn
-from kvpush.nixl_adapter import NixlAgent, nixl_version
-from kvpush.notifs import NotifCodec
-from kvpush.pool import KvPool
-from kvpush.sidechannel import ReplyFn, SideChannelServer
-from kvpush.telemetry import Snapshot, Telemetry
+from kvpush.memory.pool import KvPool
+from kvpush.peers.handshakes import HandshakeManager, HandshakeResult, PeerConn
+from kvpush.telemetry.snapshot import Snapshot
+from kvpush.telemetry.store import Telemetry
+from kvpush.transport.nixl import NixlAgent, nixl_version
+from kvpush.transport.sidechannel import ReplyFn, SideChannelServer
+from kvpush.wire import protocol, vllm
+from kvpush.wire.auth import Authenticator
+from kvpush.wire.notifs import NotifCodec
 
 log = logging.getLogger(__name__)
 
@@ -273,15 +275,15 @@ class Endpoint:
         """
         md = self.metadata
         if self.auth.enabled or md is None:
-            ident = protocol.KvpushIdentity(
+            ident = vllm.KvpushIdentity(
                 protocol=PROTOCOL_VERSION,
                 auth=self.auth.enabled,
                 error="" if md is not None else "starting",
             )
-            payload = protocol.VllmHandshakePayload("", b"", ident)
+            payload = vllm.HandshakePayload("", b"", ident)
         else:
             served = (pp_rank, tp_rank) == (0, md.tp_rank)
-            ident = protocol.KvpushIdentity(
+            ident = vllm.KvpushIdentity(
                 protocol=PROTOCOL_VERSION,
                 version=__version__,
                 wire="kvpush",
@@ -292,10 +294,8 @@ class Endpoint:
                 ranks=[(0, md.tp_rank)],
                 error="" if served else f"rank ({pp_rank}, {tp_rank}) is not served here",
             )
-            payload = protocol.VllmHandshakePayload(
-                "kvpush:" + protocol.compat_hash(md), b"", ident
-            )
-        return protocol.encode_get_meta_reply(payload, time.perf_counter())
+            payload = vllm.HandshakePayload("kvpush:" + protocol.compat_hash(md), b"", ident)
+        return vllm.encode_get_meta_reply(payload, time.perf_counter())
 
     # ------------------------------------------------------------------ probes
     def handshake_to(self, address: str, mode: HandshakeMode) -> HandshakeResult:
@@ -389,10 +389,10 @@ def _pool_count(pool: KvPool, state: str) -> float:
 
 def create_endpoint(cfg: EndpointConfig) -> Endpoint:
     if cfg.role == "prefill":
-        from kvpush.prefill import PrefillEndpoint
+        from kvpush.prefill.endpoint import PrefillEndpoint
 
         return PrefillEndpoint(cfg)
-    from kvpush.decode import DecodeEndpoint
+    from kvpush.decode.endpoint import DecodeEndpoint
 
     return DecodeEndpoint(cfg)
 

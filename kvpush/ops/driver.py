@@ -23,9 +23,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush import protocol
 from kvpush.config import format_address, parse_address
 from kvpush.errors import ConfigError, KvpushError, PeerError, PeerUnreachableError
+from kvpush.wire import protocol
 
 
 @dataclass(frozen=True)
@@ -163,8 +163,8 @@ def summarize(results: list[RequestResult], elapsed_s: float) -> DriveReport:
 
 
 def _client(address: str, token: bytes | None, timeout_s: float) -> Any:
-    from kvpush.auth import Authenticator
-    from kvpush.sidechannel import SideChannelClient
+    from kvpush.transport.client import SideChannelClient
+    from kvpush.wire.auth import Authenticator
 
     host, port = parse_address(address)
     return SideChannelClient(host, port, auth=Authenticator(token), timeout_s=timeout_s)

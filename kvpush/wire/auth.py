@@ -16,8 +16,8 @@ import threading
 import time
 from collections import OrderedDict
 
-from kvpush import protocol
 from kvpush.errors import AuthError, ConfigError
+from kvpush.wire import protocol
 
 CH_REQUEST = b"req"
 CH_REPLY = b"rep"

@@ -26,20 +26,20 @@ from functools import partial
 
 import numpy as np
 
-from kvpush import protocol
 from kvpush.config import HandshakeMode, parse_address
-from kvpush.endpoint import Endpoint
+from kvpush.endpoint.core import Endpoint
 from kvpush.errors import (
     KvpushError,
     NoFreeBlocksError,
     PeerUnreachableError,
 )
-from kvpush.handshake import PeerConn, PeerKey
-from kvpush.nixl_adapter import TransferError
-from kvpush.notifs import IdleWaiter, drain_notifications
-from kvpush.queues import Inbox, drain_into
-from kvpush.ratelog import RateLimitedLog
-from kvpush.sidechannel import ReplyFn
+from kvpush.peers.handshakes import PeerConn, PeerKey
+from kvpush.runtime.inbox import Inbox, drain_into
+from kvpush.runtime.owner import IdleWaiter, drain_notifications
+from kvpush.runtime.ratelog import RateLimitedLog
+from kvpush.transport.nixl import TransferError
+from kvpush.transport.sidechannel import ReplyFn
+from kvpush.wire import protocol
 
 log = logging.getLogger(__name__)
 

@@ -34,16 +34,18 @@ from typing import TypeVar
 
 import numpy as np
 
-from kvpush import protocol
 from kvpush.config import EndpointConfig, HandshakeMode, WriterMode
-from kvpush.handshake import HandshakeManager, PeerConn, PeerKey
-from kvpush.matching import DuplicateError, Finished, Matcher, Push, Registration, reg_key
-from kvpush.nixl_adapter import DList, NixlAgent, TransferError, Xfer
-from kvpush.notifs import IdleWaiter, NotifCodec, drain_notifications
-from kvpush.pool import KvPool, xfer_indices
-from kvpush.queues import Inbox, drain_into
-from kvpush.ratelog import RateLimitedLog
-from kvpush.telemetry import Telemetry
+from kvpush.memory.descriptors import xfer_indices
+from kvpush.memory.pool import KvPool
+from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
+from kvpush.prefill.matching import DuplicateError, Finished, Matcher, Push, Registration, reg_key
+from kvpush.runtime.inbox import Inbox, drain_into
+from kvpush.runtime.owner import IdleWaiter, drain_notifications
+from kvpush.runtime.ratelog import RateLimitedLog
+from kvpush.telemetry.store import Telemetry
+from kvpush.transport.nixl import DList, NixlAgent, TransferError, Xfer
+from kvpush.wire import protocol
+from kvpush.wire.notifs import NotifCodec
 
 log = logging.getLogger(__name__)
 

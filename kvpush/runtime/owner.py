@@ -1,10 +1,9 @@
-"""Encoding and decoding of NIXL notifications, and the owner threads' idle strategy.
+"""The owner threads' shared pieces: the idle strategy and the notification drain.
 
-``NotifCodec`` seals outgoing notifications (HMAC when a token is set) and size-checks,
-authenticates and decodes incoming ones into typed structs; vLLM's ``PUSH_REG:`` form is
-accepted only when no token is set. ``IdleWaiter`` implements the polling policy of threads that
-own a NIXL agent without a progress thread: spin while work is pending, keep spinning briefly
-after activity, then back off exponentially to ``idle_poll_max_us`` -- woken at once by inbox puts.
+``IdleWaiter`` implements the polling policy of a thread that owns a NIXL agent without a
+progress thread: spin while work is pending, keep spinning briefly after activity, then back off
+exponentially to ``idle_poll_max_us`` -- woken at once by inbox puts. ``drain_notifications``
+fetches, decodes and dispatches every pending notification in one place.
 """
 
 from __future__ import annotations
@@ -14,38 +13,15 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvpush import protocol
-from kvpush.auth import CH_NOTIF, Authenticator
 from kvpush.config import AgentConfig
 from kvpush.errors import AuthError, ProtocolError
-from kvpush.nixl_adapter import NixlAgent, TransferError
-from kvpush.ratelog import RateLimitedLog
-from kvpush.telemetry import Telemetry
+from kvpush.runtime.ratelog import RateLimitedLog
+from kvpush.telemetry.store import Telemetry
+from kvpush.transport.nixl import NixlAgent, TransferError
+from kvpush.wire import protocol
+from kvpush.wire.notifs import NotifCodec
 
 log = logging.getLogger(__name__)
-
-
-class NotifCodec:
-    def __init__(self, auth: Authenticator, max_bytes: int = protocol.MAX_NOTIF_BYTES) -> None:
-        self._auth = auth
-        self.max_bytes = max_bytes
-
-    def encode(self, msg: protocol.Notif) -> bytes:
-        return protocol.MAGIC_NOTIF + self._auth.seal(CH_NOTIF, protocol.encode(msg))
-
-    def decode(self, data: bytes) -> protocol.Notif:
-        """Raise ``ProtocolError`` (malformed/oversized) or ``AuthError`` (unauthenticated)."""
-        if len(data) > self.max_bytes:
-            raise ProtocolError(
-                f"notification of {len(data)} bytes exceeds the {self.max_bytes}-byte limit"
-            )
-        if data.startswith(protocol.VLLM_PUSH_REG_PREFIX):
-            if self._auth.enabled:
-                raise AuthError("unauthenticated vLLM-form PUSH_REG refused: a token is set")
-            return protocol.decode_vllm_push_reg(data)
-        env = protocol.decode_envelope(data, protocol.MAGIC_NOTIF, self.max_bytes, "notification")
-        body = self._auth.open(CH_NOTIF, env)
-        return protocol.decode_notif_body(body)
 
 
 class IdleWaiter:

@@ -1,6 +1,6 @@
 """Run one endpoint from a JSON config in this process: the worker used by benchmarks and tests.
 
-Usage: ``python -m kvpush.node CONFIG_JSON READY_FILE``. CONFIG_JSON holds ``EndpointConfig``
+Usage: ``python -m kvpush.ops.node CONFIG_JSON READY_FILE``. CONFIG_JSON holds ``EndpointConfig``
 fields (``pool``, ``timeouts`` and ``agent`` as nested maps), including knobs the CLI does not
 expose (e.g. ``handshake_reply_delay_s``). Writes READY_FILE (JSON: address, engine_id,
 incarnation, pid) atomically once started; SIGTERM/SIGINT stop it gracefully (exit 0).
@@ -25,7 +25,7 @@ from kvpush.config import (
     Timeouts,
     WriterMode,
 )
-from kvpush.endpoint import create_endpoint
+from kvpush.endpoint.core import create_endpoint
 
 
 def build_config(d: dict[str, Any]) -> EndpointConfig:

@@ -2,7 +2,7 @@
 
 ``prefill(transfer_id, num_blocks)`` stands in for the model: it allocates blocks, writes the
 transfer's deterministic pattern into them and hands them to the writer as *finished*. The
-writer thread (``kvpush.writer``) does everything else. Control requests arrive on the side
+writer thread (``kvpush.prefill.writer``) does everything else. Control requests arrive on the side
 channel and run on the control executor, because filling blocks takes a while.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import time
 
-from kvpush import protocol
-from kvpush.endpoint import Endpoint
+from kvpush.endpoint.core import Endpoint
 from kvpush.errors import KvpushError, NoFreeBlocksError, ShuttingDownError
-from kvpush.matching import Finished
-from kvpush.sidechannel import ReplyFn
-from kvpush.writer import PushWriter
+from kvpush.prefill.matching import Finished
+from kvpush.prefill.writer import PushWriter
+from kvpush.transport.sidechannel import ReplyFn
+from kvpush.wire import protocol
 
 log = logging.getLogger(__name__)
 

@@ -7,13 +7,11 @@ Two carriers:
   ``MAGIC_NOTIF + envelope``.
 
 An envelope is ``msgpack(Envelope)`` whose ``body`` is the msgpack encoding of one tagged struct.
-With a shared token the envelope carries an HMAC tag (see ``kvpush.auth``); without one the tag is
+With a shared token the envelope carries an HMAC tag (``kvpush.wire.auth``); without one the tag is
 empty. Frames are size-checked *before* any decoding, and decoding goes through reusable typed
 decoders with field limits: nothing from the network is ever unpickled.
 
-For interoperability the side channel also answers vLLM's request form
-``msgpack((b"get_meta_msg", pp_rank, tp_rank))`` with vLLM's two-part reply, and notifications in
-vLLM's ``b"PUSH_REG:" + msgpack(map)`` form are accepted when no token is configured.
+vLLM's forms (``get_meta_msg``, its two-part answer, ``PUSH_REG:``) live in ``kvpush.wire.vllm``.
 
 History:
   v1 (kvpush 0.1): first version.
@@ -34,9 +32,6 @@ from kvpush.errors import ProtocolError
 MAGIC_REQ = b"KVQ\x01"
 MAGIC_REP = b"KVR\x01"
 MAGIC_NOTIF = b"KVN\x01"
-VLLM_PUSH_REG_PREFIX = b"PUSH_REG:"
-VLLM_HB_PREFIX = b"HB:"
-VLLM_GET_META = b"get_meta_msg"
 
 MAX_FRAME_BYTES = 4 * 1024 * 1024
 MAX_NOTIF_BYTES = 64 * 1024
@@ -297,7 +292,6 @@ _rep_dec = msgspec.msgpack.Decoder(SideReply)  # type: ignore[arg-type]
 _notif_dec = msgspec.msgpack.Decoder(Notif)  # type: ignore[arg-type]
 _md_dec = msgspec.msgpack.Decoder(EndpointMetadata)
 _md_loose_dec = msgspec.msgpack.Decoder(dict[str, object])
-_vllm_push_reg_dec = msgspec.msgpack.Decoder(dict[str, object])
 
 
 def encode(obj: object) -> bytes:
@@ -313,14 +307,14 @@ def make_envelope_bytes(
     return _enc.encode(env)
 
 
-def _check_size(data: bytes, limit: int, what: str) -> None:
+def check_size(data: bytes, limit: int, what: str) -> None:
     if len(data) > limit:
         raise ProtocolError(f"{what} of {len(data)} bytes exceeds the {limit}-byte limit")
 
 
 def decode_envelope(data: bytes, magic: bytes, limit: int, what: str) -> Envelope:
     """Size-check, strip the magic, decode the envelope (body still opaque)."""
-    _check_size(data, limit, what)
+    check_size(data, limit, what)
     if not data.startswith(magic):
         raise ProtocolError(f"{what} has no kvpush magic")
     try:
@@ -339,7 +333,7 @@ def decode_envelope(data: bytes, magic: bytes, limit: int, what: str) -> Envelop
 _T = TypeVar("_T")
 
 
-def _decode_body(dec: msgspec.msgpack.Decoder[_T], body: bytes, what: str) -> _T:
+def decode_body(dec: msgspec.msgpack.Decoder[_T], body: bytes, what: str) -> _T:
     try:
         return dec.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
@@ -347,15 +341,15 @@ def _decode_body(dec: msgspec.msgpack.Decoder[_T], body: bytes, what: str) -> _T
 
 
 def decode_request_body(body: bytes) -> SideRequest:
-    return _decode_body(_req_dec, body, "side-channel request")
+    return decode_body(_req_dec, body, "side-channel request")
 
 
 def decode_reply_body(body: bytes) -> SideReply:
-    return _decode_body(_rep_dec, body, "side-channel reply")
+    return decode_body(_rep_dec, body, "side-channel reply")
 
 
 def decode_notif_body(body: bytes) -> Notif:
-    return _decode_body(_notif_dec, body, "notification")
+    return decode_body(_notif_dec, body, "notification")
 
 
 def encode_metadata(md: EndpointMetadata) -> bytes:
@@ -363,144 +357,15 @@ def encode_metadata(md: EndpointMetadata) -> bytes:
 
 
 def decode_metadata(data: bytes) -> EndpointMetadata:
-    _check_size(data, 1 << 20, "endpoint metadata")
-    return _decode_body(_md_dec, data, "endpoint metadata")
+    check_size(data, 1 << 20, "endpoint metadata")
+    return decode_body(_md_dec, data, "endpoint metadata")
 
 
 def decode_metadata_loose(data: bytes) -> dict[str, object]:
     """Decode metadata as a plain map: used only to name differing fields of an incompatible
     peer (whose metadata may not fit our schema). Never passed to NIXL."""
-    _check_size(data, 1 << 20, "endpoint metadata")
-    out = _decode_body(_md_loose_dec, data, "endpoint metadata")
+    check_size(data, 1 << 20, "endpoint metadata")
+    out = decode_body(_md_loose_dec, data, "endpoint metadata")
     if not isinstance(out, dict):
         raise ProtocolError("endpoint metadata is not a map")
     return out
-
-
-# ------------------------------------------------------------------------------------ vLLM forms
-
-
-def is_vllm_get_meta(frame: bytes) -> tuple[int, int] | None:
-    """Return (pp_rank, tp_rank) if ``frame`` is vLLM's ``msgpack((b"get_meta_msg", pp, tp))``."""
-    if len(frame) > 256 or frame.startswith(MAGIC_REQ):
-        return None
-    try:
-        obj = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError:
-        return None
-    if (
-        isinstance(obj, list)
-        and len(obj) == 3
-        and obj[0] in (VLLM_GET_META, VLLM_GET_META.decode())
-        and isinstance(obj[1], int)
-        and isinstance(obj[2], int)
-    ):
-        return obj[1], obj[2]
-    return None
-
-
-def vllm_get_meta_request(pp_rank: int = 0, tp_rank: int = 0) -> bytes:
-    return _enc.encode((VLLM_GET_META, pp_rank, tp_rank))
-
-
-class KvpushIdentity(Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """How a kvpush endpoint says who it is in its answer to vLLM's ``get_meta_msg``.
-
-    Every first contact (probe, drive's preflight, every handshake) is a ``get_meta_msg``,
-    because that is the one request vLLM's listener survives. A kvpush endpoint answers it in
-    vLLM's two-part form with this map under the extra key ``kvpush`` (vLLM's decoder ignores
-    unknown keys). With a token set, only ``protocol`` and ``auth=True`` are told.
-    """
-
-    protocol: int
-    auth: bool = False
-    version: Str128 = ""
-    wire: Str128 = ""  # "kvpush" | "vllm": which framing the endpoint speaks to its peers
-    role: Str128 = ""
-    engine_id: Str256 = ""
-    incarnation: Str128 = ""
-    tp_size: SmallPos = 1
-    ranks: Annotated[list[tuple[NonNeg, NonNeg]], Meta(max_length=4096)] = []
-    error: Str1k = ""  # the endpoint could not serve the asked rank
-
-
-class VllmHandshakePayload(Struct, frozen=True, omit_defaults=True):
-    """vLLM's ``NixlHandshakePayload``; ``kvpush`` is present only in a kvpush endpoint's answer."""
-
-    compatibility_hash: Str256
-    agent_metadata_bytes: Annotated[bytes, Meta(max_length=64 << 20)]
-    kvpush: KvpushIdentity | None = None
-
-
-class VllmAgentMetadata(Struct, frozen=True, forbid_unknown_fields=False):
-    """vLLM's ``NixlAgentMetadata`` (0.33, connector version 15), every field.
-
-    Decoded leniently (defaults for what an older vLLM leaves out, unknown fields ignored):
-    this is for reporting and for matching a peer's geometry; it is never handed to NIXL.
-    """
-
-    engine_id: Str256
-    agent_metadata: bytes = b""
-    kv_caches_base_addr: list[int] = []
-    device_id: int = 0
-    num_blocks: int = 0
-    block_lens: list[int] = []
-    block_strides: list[int] | None = None
-    kv_cache_layout: str = ""
-    block_size: int = 0
-    ssm_sizes: list[int] | None = None
-    attn_backend_name: str = ""
-    physical_blocks_per_logical_kv_block: int | None = None
-    region_num_blocks: list[int] | None = None
-    region_group_ids: list[int] | None = None
-    region_names: list[str] | None = None
-    region_mem_types: list[str] | None = None
-    dcp_size: int = 1
-    pcp_size: int = 1
-    ple_block_len: int | None = None
-    region_members: list[list[str]] = []
-    packed_member_layouts: dict[str, tuple[int, int]] = {}
-
-
-_vllm_payload_dec = msgspec.msgpack.Decoder(VllmHandshakePayload)
-_vllm_md_dec = msgspec.msgpack.Decoder(VllmAgentMetadata)
-
-
-def decode_vllm_payload(frame: bytes) -> VllmHandshakePayload:
-    _check_size(frame, 64 << 20, "vLLM handshake payload")
-    return _decode_body(_vllm_payload_dec, frame, "vLLM handshake payload")
-
-
-def decode_vllm_agent_metadata(data: bytes) -> VllmAgentMetadata:
-    return _decode_body(_vllm_md_dec, data, "vLLM agent metadata")
-
-
-_clock_dec = msgspec.msgpack.Decoder(float)
-
-
-def decode_get_meta_reply(frames: list[bytes]) -> tuple[VllmHandshakePayload, float]:
-    """Decode the answer to ``get_meta_msg``: ``[payload, msgpack(perf_counter)]``.
-
-    A leading empty delimiter frame (what a DEALER receives) is skipped. Raises
-    ``ProtocolError`` when the answer is not in vLLM's form.
-    """
-    parts = frames[1:] if frames and frames[0] == b"" else list(frames)
-    if len(parts) != 2:
-        raise ProtocolError(f"answer has {len(parts)} parts, vLLM's form has 2")
-    payload = decode_vllm_payload(parts[0])
-    clock = _decode_body(_clock_dec, parts[1], "clock part")
-    return payload, clock
-
-
-def encode_get_meta_reply(payload: VllmHandshakePayload, clock: float) -> list[bytes]:
-    return [_enc.encode(payload), _enc.encode(clock)]
-
-
-def decode_vllm_push_reg(data: bytes) -> PushReg:
-    """Decode vLLM's ``b"PUSH_REG:" + msgpack(map)`` into our PushReg."""
-    _check_size(data, MAX_NOTIF_BYTES, "PUSH_REG")
-    obj = _decode_body(_vllm_push_reg_dec, data[len(VLLM_PUSH_REG_PREFIX) :], "PUSH_REG")
-    try:
-        return msgspec.convert(obj, PushReg)
-    except msgspec.ValidationError as e:
-        raise ProtocolError(f"malformed PUSH_REG: {e}") from None

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush import protocol
 from kvpush.config import parse_address
-from kvpush.driver import DriveConfig, Driver, DriveReport, RequestResult
 from kvpush.errors import KvpushError
+from kvpush.ops.driver import DriveConfig, Driver, DriveReport, RequestResult
+from kvpush.wire import protocol
 
 
 @dataclass(frozen=True)
@@ -324,7 +324,7 @@ class Demo:
         if self.prefill is None or not self.prefill.address:
             return None
         if self._stats_client is None:
-            from kvpush.sidechannel import SideChannelClient
+            from kvpush.transport.client import SideChannelClient
 
             host, port = parse_address(self.prefill.address)
             self._stats_client = SideChannelClient(host, port, timeout_s=timeout_s)

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvpush import PROTOCOL_VERSION, protocol
+from kvpush import PROTOCOL_VERSION
 from kvpush.config import EndpointConfig, HandshakeMode, PoolConfig, format_address, parse_address
 from kvpush.errors import (
     ExitStatus,
@@ -32,6 +32,7 @@ from kvpush.errors import (
     PeerUnreachableError,
     ProtocolError,
 )
+from kvpush.wire import protocol, vllm
 
 # kvpush endpoints stamp HandshakeRep.server_clock with time.time() (wall clock, comparable
 # across hosts); vLLM stamps its get_meta_msg answer with time.perf_counter().
@@ -123,8 +124,8 @@ def local_compat_fields(pool: PoolConfig) -> dict[str, object]:
 
 
 def _client(address: str, token: bytes | None, timeout_s: float) -> Any:
-    from kvpush.auth import Authenticator
-    from kvpush.sidechannel import SideChannelClient
+    from kvpush.transport.client import SideChannelClient
+    from kvpush.wire.auth import Authenticator
 
     host, port = parse_address(address)
     return SideChannelClient(host, port, auth=Authenticator(token), timeout_s=timeout_s)
@@ -249,7 +250,7 @@ def _probe_vllm(addr: str, client: Any, first: Any, count: int) -> ProbeReport:
         ident = client.identify(*first.ranks)
         samples.append((ident.t_send, ident.t_recv, ident.remote_clock))
     payload = ident.payload
-    md = protocol.decode_vllm_agent_metadata(payload.agent_metadata_bytes)
+    md = vllm.decode_agent_metadata(payload.agent_metadata_bytes)
     meta: dict[str, Any] = msgspec.structs.asdict(md)
     meta["agent_metadata_bytes"] = len(meta.pop("agent_metadata"))
     meta["regions"] = len(md.kv_caches_base_addr)
@@ -285,7 +286,7 @@ def handshake_probe(
 
     ``mode`` None with ``ping_count`` > 0 handshakes notif-only, which notifications need.
     """
-    from kvpush.endpoint import create_endpoint
+    from kvpush.endpoint.core import create_endpoint
 
     host, port = parse_address(address)
     addr = format_address(host, port)

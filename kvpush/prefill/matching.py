@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpush import protocol
+from kvpush.wire import protocol
 
 
 @dataclass(frozen=True)

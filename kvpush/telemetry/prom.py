@@ -40,7 +40,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvpush.errors import BindError
-from kvpush.telemetry import POOL_GAUGES, QUEUE_GAUGES, Snapshot, expand_buckets
+from kvpush.telemetry.names import POOL_GAUGES, QUEUE_GAUGES
+from kvpush.telemetry.snapshot import Snapshot, expand_buckets
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from kvpush import protocol
-from kvpush.auth import Authenticator
 from kvpush.config import HandshakeMode, Timeouts, format_address
 from kvpush.errors import (
     HandshakeError,
@@ -35,11 +33,13 @@ from kvpush.errors import (
     PeerUnreachableError,
     ShuttingDownError,
 )
-from kvpush.nixl_adapter import DList, NixlAgent
-from kvpush.pool import block_descs
-from kvpush.ratelog import RateLimitedLog
-from kvpush.sidechannel import SideChannelClient
-from kvpush.telemetry import Telemetry
+from kvpush.memory.descriptors import block_descs
+from kvpush.runtime.ratelog import RateLimitedLog
+from kvpush.telemetry.store import Telemetry
+from kvpush.transport.client import SideChannelClient
+from kvpush.transport.nixl import DList, NixlAgent
+from kvpush.wire import protocol
+from kvpush.wire.auth import Authenticator
 
 log = logging.getLogger(__name__)
 
