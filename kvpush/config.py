@@ -242,7 +242,6 @@ class EndpointConfig:
     allow_all_interfaces: bool = False
     max_frame_bytes: int = 4 * 1024 * 1024
     max_notif_bytes: int = 64 * 1024
-    max_pending_notifs: int = 100_000
     # Test/benchmark hook: delay this endpoint's handshake replies (simulates a slow new peer).
     handshake_reply_delay_s: float = 0.0
 

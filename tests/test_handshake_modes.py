@@ -41,7 +41,7 @@ NOTIF, FULL = HandshakeMode.NOTIF, HandshakeMode.FULL
 
 
 class Env:
-    def __init__(self, timeouts: Timeouts, token: bytes | None, expect_role: str | None) -> None:
+    def __init__(self, timeouts: Timeouts, token: bytes | None) -> None:
         self.agent = FakeAgent(name="p-hs#fake")
         self.tm = Telemetry("prefill", "p-hs")
         md = make_metadata("prefill", P_POOL, engine_id="p-hs", incarnation=uuid.uuid4().hex)
@@ -51,7 +51,6 @@ class Env:
             Authenticator(token),
             timeouts,
             self.tm,
-            expect_role=expect_role,
         )
         self.stubs: list[StubPeer] = []
         self.holes: list[BlackHole] = []
@@ -82,10 +81,9 @@ def make_env() -> Iterator[Callable[..., Env]]:
     def make(
         side_channel_s: float = 5.0,
         token: bytes | None = None,
-        expect_role: str | None = None,
     ) -> Env:
         t = Timeouts(side_channel_s=side_channel_s, handshake_s=side_channel_s)
-        e = Env(t, token, expect_role)
+        e = Env(t, token)
         envs.append(e)
         return e
 
@@ -218,15 +216,6 @@ def test_error_reply_is_a_handshake_error_naming_the_peer(env: Env) -> None:
     assert exc.peer == d.address
     assert str(exc).startswith(f"handshake with {d.address} failed: ")
     assert "stub refuses: not_ready" in exc.reason
-    assert env.agent.count("add_remote") == 0
-
-
-def test_wrong_role_refused(make_env: Callable[..., Env]) -> None:
-    env = make_env(expect_role="decode")
-    d = env.stub(role="prefill")
-    exc = _fail(env, d)
-    assert isinstance(exc, HandshakeError)
-    assert f"{d.address} is a prefill endpoint, expected a decode endpoint" in str(exc)
     assert env.agent.count("add_remote") == 0
 
 

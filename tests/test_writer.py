@@ -1,8 +1,10 @@
-"""Component tests of P's PushWriter: real pool, telemetry, codec, matcher and HandshakeManager
-(talking over real ZMQ to stub D peers); only the NIXL agent is faked (``tests.fakes``).
+"""Component tests of P's PushWriter: real pool, telemetry, codec, push table, owner loop and
+HandshakeManager (talking over real ZMQ to stub D peers); only the NIXL agent is faked
+(``tests.fakes``).
 
 Most tests drive the writer without its thread: they put items on its inboxes (or deliver NIXL
-notifications to the fake agent) and call one ``_pass()`` at a time, so each step is observable.
+notifications to the fake agent) and run one owner pass at a time (``rig.step()``), so each step
+is observable.
 Handshake completion happens on the real handshake thread when the test releases a stub's reply;
 tests wait for its effects with bounded waits, never on timing.
 """
@@ -24,8 +26,9 @@ from kvpush.memory.allocator import BlockState
 from kvpush.memory.descriptors import xfer_indices
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager
-from kvpush.prefill.matching import Finished, Registration, reg_key
+from kvpush.prefill.table import Finished, Registration, reg_key
 from kvpush.prefill.writer import PushWriter
+from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import TransferError
 from kvpush.wire import protocol
@@ -43,6 +46,7 @@ class Rig:
     tm: Telemetry
     hs: HandshakeManager
     writer: PushWriter
+    owner: OwnerThread
     codec: NotifCodec
     stubs: list[StubPeer] = field(default_factory=list)
 
@@ -86,6 +90,14 @@ class Rig:
     def registration(self, stub: StubPeer, reg: protocol.PushReg) -> Registration:
         return Registration(reg_key(reg), reg, stub.agent_name, time.monotonic())
 
+    def register(self, r: Registration) -> None:
+        """D's PUSH_REG arrives (a NIXL notification from its agent), for the next pass."""
+        self.agent.deliver(r.sender, self.codec.encode(r.reg))
+
+    def step(self) -> bool:
+        """One pass of the writer's owner loop."""
+        return self.owner.run_once()
+
     def notify_from(self, stub: StubPeer, msg: protocol.Notif) -> None:
         """A NIXL notification from D's agent, picked up by the writer's next pass."""
         self.agent.deliver(stub.agent_name, self.codec.encode(msg))
@@ -116,12 +128,14 @@ def _make_rig(mode: WriterMode = WriterMode.DEFERRED) -> Rig:
     tm = Telemetry("prefill", "p-test")
     auth = Authenticator(None)
     md = make_metadata("prefill", P_POOL, engine_id="p-test", incarnation=uuid.uuid4().hex)
-    hs = HandshakeManager(agent, md, auth, cfg.timeouts, tm, expect_role=None)  # type: ignore[arg-type]
+    hs = HandshakeManager(agent, md, auth, cfg.timeouts, tm)  # type: ignore[arg-type]
     codec = NotifCodec(auth)
-    w = PushWriter(cfg, agent, pool, hs, codec, tm)  # type: ignore[arg-type]
-    # What start() does before it starts the thread: tests call _pass() themselves.
-    w._local_dlist = agent.prep_local(pool.all_block_descs(), pool.device_kind)
-    return Rig(agent, pool, tm, hs, w, codec)
+    owner = OwnerThread("push-writer", cfg.agent)
+    w = PushWriter(cfg, agent, pool, hs, codec, tm, owner)  # type: ignore[arg-type]
+    owner.export_gauges(tm)
+    # What the owner thread does before its first pass: tests run passes themselves.
+    w.on_start()
+    return Rig(agent, pool, tm, hs, w, owner, codec)
 
 
 @pytest.fixture
@@ -135,8 +149,8 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
 
     yield make
     for r in rigs:
-        if r.writer.alive:
-            r.writer.stop(2)
+        if r.owner.alive:
+            r.owner.stop(2)
         for s in r.stubs:
             s.stop()
         wait_until(lambda r=r: r.hs.counts()["connecting"] == 0, 10, "handshakes to settle")
@@ -153,7 +167,7 @@ def _passes_until(rig: Rig, pred: Callable[[], bool], what: str) -> None:
     may finish before or during the pass that started them, so no single step is guaranteed."""
 
     def step() -> bool:
-        rig.writer._pass()
+        rig.step()
         return pred()
 
     wait_until(step, what=what)
@@ -163,10 +177,10 @@ def _pending_push(rig: Rig, tid: str = "t1", n: int = 3) -> tuple[StubPeer, Fini
     """A matched push whose P->D handshake is held by the stub; one _pass() done."""
     d = rig.stub(hold=True)
     f = rig.finished(tid, n)
-    rig.writer.submit_finished(f)
-    rig.writer.submit_registration(rig.registration(d, rig.reg(d, tid, [5, 6, 7][:n])))
-    rig.writer.wake.clear()  # the puts woke it; the pass below is that wake-up
-    rig.writer._pass()
+    rig.writer.finished.put(f)
+    rig.register(rig.registration(d, rig.reg(d, tid, [5, 6, 7][:n])))
+    rig.owner.wake.clear()  # the puts woke it; the pass below is that wake-up
+    rig.step()
     wait_until(d.got_request.is_set, what="the handshake request to reach D")
     return d, f
 
@@ -179,11 +193,11 @@ def test_push_deferred_while_handshake_pending(rig: Rig) -> None:
     w = rig.writer
     assert rig.agent.count("post_write") == 0  # no WRITE
     assert len(w.deferred) == 0  # nothing queued yet
-    assert not w.wake.is_set()  # and nobody woke the writer
+    assert not rig.owner.wake.is_set()  # and nobody woke the writer
     assert d.requests[0].mode == "full"  # P->D is a full handshake
     assert rig.tm.snapshot().gauges["deferred"] == 1
     # The writer is free: another pass returns at once and still writes nothing.
-    w._pass()
+    rig.step()
     assert rig.agent.count("post_write") == 0
     assert rig.pool.allocator.state_of("t1") == BlockState.ALLOCATED
 
@@ -194,10 +208,10 @@ def test_handshake_completion_queues_wakes_and_writes_on_next_pass(rig: Rig) -> 
     w = rig.writer
     d.release()
     wait_until(lambda: len(w.deferred) == 1, what="the deferred push")
-    assert w.wake.is_set()
+    assert rig.owner.wake.is_set()
     assert rig.agent.count("post_write") == 0  # the callback only queues; the writer WRITEs
 
-    w._pass()
+    rig.step()
     assert len(rig.agent.writes) == 1
     wr = rig.agent.writes[0]
     conn = rig.hs.get(d.key)
@@ -214,7 +228,7 @@ def test_handshake_completion_queues_wakes_and_writes_on_next_pass(rig: Rig) -> 
     assert rig.pool.allocator.state_of("t1") == BlockState.INFLIGHT
 
     rig.agent.default_state = "DONE"
-    w._pass()
+    rig.step()
     assert rig.free() == 32
     c = rig.counters()
     assert c["pushes_ok"] == 1 and c["bytes_pushed"] == done.nbytes
@@ -224,14 +238,14 @@ def test_handshake_completion_queues_wakes_and_writes_on_next_pass(rig: Rig) -> 
 def test_handshake_failure_drops_push_counted_blocks_released(rig: Rig) -> None:
     d = rig.stub(hold=True)
     for tid in ("a", "b"):  # two pushes wait on the same handshake
-        rig.writer.submit_finished(rig.finished(tid, 2))
-        rig.writer.submit_registration(rig.registration(d, rig.reg(d, tid, [1, 2])))
-    rig.writer._pass()
+        rig.writer.finished.put(rig.finished(tid, 2))
+        rig.register(rig.registration(d, rig.reg(d, tid, [1, 2])))
+    rig.step()
     wait_until(d.got_request.is_set)
     assert len(d.requests) == 1  # joined, not started twice
     d.release(error="not_ready")
     wait_until(lambda: len(rig.writer.deferred) == 2)
-    rig.writer._pass()
+    rig.step()
     assert rig.agent.count("post_write") == 0
     assert rig.free() == 32
     assert rig.failures()["handshake_failed"] == 2  # one per dropped push
@@ -241,8 +255,8 @@ def test_handshake_failure_drops_push_counted_blocks_released(rig: Rig) -> None:
 
     # A later push to the same peer starts a fresh handshake (failure is not sticky).
     d.hold = False
-    rig.writer.submit_finished(rig.finished("c", 1))
-    rig.writer.submit_registration(rig.registration(d, rig.reg(d, "c", [9])))
+    rig.writer.finished.put(rig.finished("c", 1))
+    rig.register(rig.registration(d, rig.reg(d, "c", [9])))
     _passes_until(rig, lambda: rig.agent.count("post_write") == 1, "the WRITE")
     assert len(d.requests) == 2
 
@@ -251,17 +265,17 @@ def test_writer_thread_drains_deferred_inbox(rig: Rig) -> None:
     d = rig.stub(hold=True)
     w = rig.writer
     w._local_dlist = None
-    w.start()  # the real thread from here on
-    w.submit_finished(rig.finished("t1", 2))
-    w.submit_registration(rig.registration(d, rig.reg(d, "t1", [3, 4])))
+    rig.owner.start()  # the real thread from here on
+    w.finished.put(rig.finished("t1", 2))
+    rig.register(rig.registration(d, rig.reg(d, "t1", [3, 4])))
     wait_until(d.got_request.is_set)
     assert rig.agent.count("post_write") == 0
     d.release()
     wait_until(lambda: rig.counters().get("pushes_ok") == 1, what="the push to complete")
     assert rig.agent.count("post_write") == 1
     assert len(w.deferred) == 0
-    w.stop(2)
-    assert not w.alive and w.failure is None
+    rig.owner.stop(2)
+    assert not rig.owner.alive and rig.owner.failure is None
     assert rig.free() == 32
 
 
@@ -279,10 +293,10 @@ def test_exception_in_callback_path_loses_nothing(
         monkeypatch.setattr(w.deferred, "put", put)
     else:
         w.deferred.close()  # e.g. the writer is stopping: put raises ShuttingDownError
-        w.wake.clear()
+        rig.owner.wake.clear()
     d.release()
-    wait_until(w.wake.is_set, what="the callback's wake-up")
-    w._pass()
+    wait_until(rig.owner.wake.is_set, what="the callback's wake-up")
+    rig.step()
     assert rig.agent.count("post_write") == 0
     assert rig.failures()["callback_error"] == 1
     assert rig.counters()["pushes_failed"] == 1
@@ -307,17 +321,17 @@ def test_both_arrival_orders_match_and_write_once(rig: Rig, first: str, warm: bo
     reg = rig.reg(d, "t1", [10, 11])
     steps = [
         lambda: rig.notify_from(d, reg),  # PUSH_REG over NIXL, as D sends it
-        lambda: rig.writer.submit_finished(rig.finished("t1", 2)),
+        lambda: rig.writer.finished.put(rig.finished("t1", 2)),
     ]
     if first == "blocks":
         steps.reverse()
     steps[0]()
-    rig.writer._pass()
+    rig.step()
     assert rig.agent.count("post_write") == 0
     steps[1]()
     _passes_until(rig, lambda: rig.agent.count("post_write") == 1, "the WRITE")
     for _ in range(3):
-        rig.writer._pass()
+        rig.step()
     assert rig.agent.count("post_write") == 1
     assert rig.counters()["pushes_ok"] == 1
     assert rig.counters()["push_regs_received"] == 1
@@ -330,9 +344,9 @@ def test_duplicate_registration_counted_and_written_once(rig: Rig) -> None:
     reg = rig.reg(d, "t1", [1])
     rig.notify_from(d, reg)
     rig.notify_from(d, reg)
-    rig.writer._pass()
-    rig.writer.submit_finished(rig.finished("t1", 1))
-    rig.writer._pass()
+    rig.step()
+    rig.writer.finished.put(rig.finished("t1", 1))
+    rig.step()
     assert rig.agent.count("post_write") == 1
     assert rig.failures()["duplicate_registration"] == 1
 
@@ -340,9 +354,9 @@ def test_duplicate_registration_counted_and_written_once(rig: Rig) -> None:
 def test_block_count_mismatch_refused(rig: Rig) -> None:
     d = rig.stub()
     rig.connect(d)
-    rig.writer.submit_finished(rig.finished("t1", 3))
-    rig.writer.submit_registration(rig.registration(d, rig.reg(d, "t1", [1, 2])))
-    rig.writer._pass()
+    rig.writer.finished.put(rig.finished("t1", 3))
+    rig.register(rig.registration(d, rig.reg(d, "t1", [1, 2])))
+    rig.step()
     assert rig.agent.count("post_write") == 0  # never a misaligned (prefix) WRITE
     assert rig.failures()["block_count_mismatch"] == 1
     assert rig.free() == 32
@@ -361,9 +375,9 @@ def test_bad_registration_refused(rig: Rig, groups: list[list[int]]) -> None:
     d = rig.stub()
     rig.connect(d)
     n = len(groups[0])
-    rig.writer.submit_finished(rig.finished("t1", n))
-    rig.writer.submit_registration(rig.registration(d, rig.reg(d, "t1", [], groups=groups)))
-    rig.writer._pass()
+    rig.writer.finished.put(rig.finished("t1", n))
+    rig.register(rig.registration(d, rig.reg(d, "t1", [], groups=groups)))
+    rig.step()
     assert rig.agent.count("post_write") == 0
     assert rig.failures()["bad_registration"] == 1
     assert rig.free() == 32
@@ -374,16 +388,16 @@ def test_bad_registration_refused(rig: Rig, groups: list[list[int]]) -> None:
 
 def _post_one(rig: Rig, d: StubPeer, tid: str = "t1", request_id: str = "") -> None:
     rig.connect(d)
-    rig.writer.submit_finished(rig.finished(tid, 2))
+    rig.writer.finished.put(rig.finished(tid, 2))
     reg = rig.reg(d, tid, [20, 21], request_id=request_id)
-    rig.writer.submit_registration(rig.registration(d, reg))
+    rig.register(rig.registration(d, reg))
 
 
 def test_write_post_peer_dead_fails_push_and_evicts_peer(rig: Rig) -> None:
     d = rig.stub()
     rig.agent.raise_on("post_write", TransferError("peer_dead", "transfer: disconnected"))
     _post_one(rig, d)
-    rig.writer._pass()
+    rig.step()
     assert rig.failures()["write_post_failed"] == 1
     assert rig.free() == 32  # nothing was posted: the blocks are free at once
     (fail,) = rig.sent_to(d)
@@ -399,10 +413,10 @@ def test_write_error_while_polling(rig: Rig, kind: str) -> None:
     d = rig.stub()
     rig.agent.default_state = "PROC"
     _post_one(rig, d)
-    rig.writer._pass()
+    rig.step()
     (wr,) = rig.agent.writes
     rig.agent.script_states(wr.xfer, TransferError(kind, "check_xfer_state: boom"))
-    rig.writer._pass()
+    rig.step()
     assert wr.xfer.released
     if kind == "peer_dead":
         # Nothing can land any more: P's blocks are free, the peer is evicted.
@@ -422,15 +436,14 @@ def test_abandoned_write_quarantines_then_fence_frees(rig: Rig, how: str) -> Non
     d = rig.stub()
     rig.agent.default_state = "PROC"
     _post_one(rig, d, tid="t1", request_id="req-1")
-    w = rig.writer
-    w._pass()
+    rig.step()
     (wr,) = rig.agent.writes
     if how == "timeout":
-        for infl in w._inflight.values():
+        for infl in rig.writer.table.inflight():
             infl.deadline = 0.0  # its size-aware deadline has passed
     else:
         rig.agent.script_states(wr.xfer, "ERR")
-    w._pass()
+    rig.step()
     reason = "write_timeout" if how == "timeout" else "write_error"
     assert rig.failures()[reason] == 1
     assert rig.pool.allocator.state_of("t1") == BlockState.QUARANTINED
@@ -441,8 +454,8 @@ def test_abandoned_write_quarantines_then_fence_frees(rig: Rig, how: str) -> Non
 
     # Housekeeping posts the fence: a one-block WRITE to the same peer with a Fence notif.
     rig.agent.default_state = "DONE"
-    w._next_hk = 0.0
-    w._pass()
+    rig.owner.force_housekeeping()
+    rig.step()
     assert rig.counters()["fences_sent"] == 1
     fence_wr = rig.agent.writes[1]
     fence = decode_notif(fence_wr.notif)
@@ -452,7 +465,7 @@ def test_abandoned_write_quarantines_then_fence_frees(rig: Rig, how: str) -> Non
     assert fence_wr.remote is wr.remote and len(fence_wr.remote_idx) == 1
     # One of D's blocks of the abandoned request, never a block another request may own.
     assert int(fence_wr.remote_idx[0]) in set(wr.remote_idx.tolist())
-    w._pass()
+    rig.step()
     assert rig.counters()["fences_ok"] == 1
     assert rig.free() == 32
 
@@ -464,9 +477,9 @@ def test_cancel_of_waiting_registration_acknowledged(rig: Rig) -> None:
     d = rig.stub()
     rig.connect(d)
     rig.notify_from(d, rig.reg(d, "t1", [1, 2], request_id="r1"))
-    rig.writer._pass()
+    rig.step()
     rig.notify_from(d, protocol.Cancel(request_id="r1", transfer_id="t1"))
-    rig.writer._pass()
+    rig.step()
     (ack,) = rig.sent_to(d)
     assert isinstance(ack, protocol.Failure)
     assert (ack.request_id, ack.reason, ack.may_have_written) == ("r1", "cancelled", False)
@@ -477,10 +490,10 @@ def test_cancel_of_waiting_registration_acknowledged(rig: Rig) -> None:
 def test_cancel_while_handshaking_acknowledged_without_write(rig: Rig) -> None:
     d, _ = _pending_push(rig)
     rig.notify_from(d, protocol.Cancel(request_id="t1", transfer_id="t1"))
-    rig.writer._pass()
+    rig.step()
     d.release()
     wait_until(lambda: len(rig.writer.deferred) == 1)
-    rig.writer._pass()
+    rig.step()
     assert rig.agent.count("post_write") == 0
     assert rig.free() == 32
     (ack,) = rig.sent_to(d)
@@ -494,14 +507,14 @@ def test_cancel_of_unknown_transfer_is_acknowledged_but_cannot_drop_a_later_one(
     d = rig.stub()
     rig.connect(d)
     rig.notify_from(d, protocol.Cancel(request_id="t9", transfer_id="t9"))
-    rig.writer._pass()
+    rig.step()
     (ack,) = rig.sent_to(d)
     assert isinstance(ack, protocol.Failure) and not ack.may_have_written
     # A Cancel for a transfer P never saw must not poison that id: a later, real transfer
     # with it is pushed normally (otherwise anyone could cancel requests in advance).
-    rig.writer.submit_finished(rig.finished("t9", 2))
+    rig.writer.finished.put(rig.finished("t9", 2))
     rig.notify_from(d, rig.reg(d, "t9", [1, 2]))
-    rig.writer._pass()
+    rig.step()
     assert rig.agent.count("post_write") == 1
 
 
@@ -510,12 +523,12 @@ def test_cancel_from_another_agent_than_the_registration_is_forged(rig: Rig) -> 
     rig.connect(d)
     rig.connect(other)
     rig.notify_from(d, rig.reg(d, "t5", [1]))
-    rig.writer._pass()
+    rig.step()
     rig.notify_from(other, protocol.Cancel(request_id="t5", transfer_id="t5"))
-    rig.writer._pass()
+    rig.step()
     assert rig.tm.snapshot().failures.get("forged_notif") == 1
-    rig.writer.submit_finished(rig.finished("t5", 1))
-    rig.writer._pass()
+    rig.writer.finished.put(rig.finished("t5", 1))
+    rig.step()
     assert rig.agent.count("post_write") == 1  # the real registration still gets its push
 
 
@@ -523,19 +536,19 @@ def test_cancel_during_write_leaves_it_to_the_completion(rig: Rig) -> None:
     d = rig.stub()
     rig.agent.default_state = "PROC"
     _post_one(rig, d)
-    rig.writer._pass()
+    rig.step()
     rig.notify_from(d, protocol.Cancel(request_id="t1", transfer_id="t1"))
-    rig.writer._pass()
+    rig.step()
     assert rig.sent_to(d) == []  # no "nothing was written" ack: bytes are moving
     rig.agent.default_state = "DONE"
-    rig.writer._pass()
+    rig.step()
     assert rig.free() == 32  # the WRITE's own completion notif tells D
 
 
 def test_cancel_before_p_ever_connected_is_still_acknowledged(rig: Rig) -> None:
     d = rig.stub()  # answers handshakes, but P has none with it yet
     rig.notify_from(d, rig.reg(d, "t1", [1], request_id="r1"))
-    rig.writer._pass()
+    rig.step()
     # The Cancel carries D's side-channel address: P handshakes there to acknowledge.
     rig.notify_from(
         d,
@@ -545,7 +558,7 @@ def test_cancel_before_p_ever_connected_is_still_acknowledged(rig: Rig) -> None:
     )
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and not rig.sent_to(d):
-        rig.writer._pass()
+        rig.step()
         time.sleep(0.005)
     acks = [m for m in rig.sent_to(d) if isinstance(m, protocol.Failure)]
     assert acks and acks[0].reason == "cancelled" and not acks[0].may_have_written
@@ -559,17 +572,17 @@ def _slow_and_healthy(rig: Rig) -> tuple[StubPeer, StubPeer]:
     slow, healthy = rig.stub(hold=True), rig.stub()
     rig.connect(healthy)
     w = rig.writer
-    w.submit_finished(rig.finished("slow", 1))
-    w.submit_finished(rig.finished("fast", 1))
-    w.submit_registration(rig.registration(slow, rig.reg(slow, "slow", [1])))
-    w.submit_registration(rig.registration(healthy, rig.reg(healthy, "fast", [1])))
+    w.finished.put(rig.finished("slow", 1))
+    w.finished.put(rig.finished("fast", 1))
+    rig.register(rig.registration(slow, rig.reg(slow, "slow", [1])))
+    rig.register(rig.registration(healthy, rig.reg(healthy, "fast", [1])))
     return slow, healthy
 
 
 def test_blocking_mode_waits_on_the_handshake(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig(WriterMode.BLOCKING)
     slow, healthy = _slow_and_healthy(rig)
-    t = threading.Thread(target=rig.writer._pass, daemon=True)
+    t = threading.Thread(target=rig.step, daemon=True)
     t.start()
     wait_until(slow.got_request.is_set)
     # The head-of-line baseline: the writer sits in the handshake; the healthy push waits.
@@ -587,14 +600,14 @@ def test_blocking_mode_waits_on_the_handshake(make_rig: Callable[..., Rig]) -> N
 
 def test_deferred_mode_writes_healthy_peer_while_another_handshakes(rig: Rig) -> None:
     slow, healthy = _slow_and_healthy(rig)
-    rig.writer._pass()  # returns although the slow handshake hangs
+    rig.step()  # returns although the slow handshake hangs
     wait_until(slow.got_request.is_set)
     (wr,) = rig.agent.writes
     conn_h = rig.hs.get(healthy.key)
     assert conn_h is not None and wr.remote is conn_h.remote_dlist
     slow.release()
     wait_until(lambda: len(rig.writer.deferred) == 1)
-    rig.writer._pass()
+    rig.step()
     assert len(rig.agent.writes) == 2
 
 
@@ -606,9 +619,9 @@ def test_new_incarnation_of_d_is_rehandshaken(rig: Rig) -> None:
     rig.connect(d)
     old_name = d.agent_name
     d.new_incarnation()  # D restarted at the same address with a fresh agent name
-    rig.writer.submit_finished(rig.finished("t1", 1))
-    rig.writer.submit_registration(rig.registration(d, rig.reg(d, "t1", [0])))
-    rig.writer._pass()
+    rig.writer.finished.put(rig.finished("t1", 1))
+    rig.register(rig.registration(d, rig.reg(d, "t1", [0])))
+    rig.step()
     assert old_name in rig.agent.removed  # old agent removed before the new one is loaded
     _passes_until(rig, lambda: rig.agent.count("post_write") == 1, "the WRITE")
     conn = rig.hs.get(d.key)
@@ -618,10 +631,10 @@ def test_new_incarnation_of_d_is_rehandshaken(rig: Rig) -> None:
 
 
 def test_lease_expiry_frees_finished_blocks(rig: Rig) -> None:
-    rig.writer.submit_finished(rig.finished("t1", 4))
-    rig.writer._pass()
+    rig.writer.finished.put(rig.finished("t1", 4))
+    rig.step()
     assert rig.free() == 28
-    rig.writer._housekeeping(time.monotonic() + rig.writer.cfg.timeouts.lease_s + 1)
+    rig.writer.housekeeping(time.monotonic() + rig.writer.cfg.timeouts.lease_s + 1)
     assert rig.free() == 32
     assert rig.failures()["lease_expired"] == 1
 
@@ -633,8 +646,8 @@ def test_bad_notifications_are_counted_and_the_writer_keeps_going(rig: Rig) -> N
     rig.agent.deliver(d.agent_name, b"PUSH_REG:" + b"\x81\xa1x" + b"\x91" * 30_000 + b"\x00")
     rig.agent.deliver(d.agent_name, b"x" * (protocol.MAX_NOTIF_BYTES + 1))
     rig.notify_from(d, rig.reg(d, "t1", [1]))
-    rig.writer.submit_finished(rig.finished("t1", 1))
-    rig.writer._pass()
+    rig.writer.finished.put(rig.finished("t1", 1))
+    rig.step()
     assert rig.failures()["malformed_notif"] == 3
     assert rig.agent.count("post_write") == 1
 
@@ -642,14 +655,14 @@ def test_bad_notifications_are_counted_and_the_writer_keeps_going(rig: Rig) -> N
 def test_unexpected_notification_kind_counted(rig: Rig) -> None:
     d = rig.stub()
     rig.notify_from(d, protocol.Completion(request_id="x"))
-    rig.writer._pass()
+    rig.step()
     assert rig.failures()["unexpected_notif"] == 1
 
 
 def test_heartbeat_renews_lease(rig: Rig) -> None:
     d = rig.stub()
-    rig.writer.submit_finished(rig.finished("t1", 1))
-    rig.writer._pass()
+    rig.writer.finished.put(rig.finished("t1", 1))
+    rig.step()
     rig.notify_from(d, protocol.Heartbeat(transfer_ids=["t1", "unknown"]))
-    rig.writer._pass()
+    rig.step()
     assert rig.counters()["heartbeats_received"] == 1

@@ -18,7 +18,6 @@ Threads: the calling command thread, plus done-callbacks on D's completer thread
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -32,12 +31,11 @@ _SC_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def start_endpoint(state: Any, config: dict[str, Any]) -> dict[str, Any]:
-    from kvpush.endpoint.core import create_endpoint
+    from kvpush.endpoint import open_endpoint
     from kvpush.ops.node import build_config
 
     cfg = build_config(config)
-    ep = create_endpoint(cfg)
-    ep.start()
+    ep = open_endpoint(cfg)
     state.endpoint = ep
     return {
         "address": ep.address,
@@ -139,7 +137,7 @@ def steady_decode(
         _sleep_until(t)
         rec.t_call[i] = now = time.time()
         late = max(late, now - t)
-        fut = ep.decode(f"{prefix}{i}", p_addr, blocks, deadline_s)
+        fut = ep.role.decode(f"{prefix}{i}", p_addr, blocks, deadline_s)
         fut.add_done_callback(rec.callback(i))
     completed = rec.wait(n, wait_s)
     out = rec.result(t0, completed)
@@ -161,7 +159,7 @@ def decode_at(
     rec = _Recorder(1)
     _sleep_until(t_wall)
     rec.t_call[0] = time.time()
-    ep.decode(transfer_id, p_addr, blocks, deadline_s).add_done_callback(rec.callback(0))
+    ep.role.decode(transfer_id, p_addr, blocks, deadline_s).add_done_callback(rec.callback(0))
     completed = rec.wait(1, wait_s)
     return rec.result(t_wall, completed)
 
@@ -186,7 +184,7 @@ def decode_many(
     for i in range(n):
         slots.acquire()
         rec.t_call[i] = time.time()
-        ep.decode(f"{prefix}{i}", p_addr, blocks, deadline_s).add_done_callback(
+        ep.role.decode(f"{prefix}{i}", p_addr, blocks, deadline_s).add_done_callback(
             rec.callback(i, slots)
         )
     completed = rec.wait(n, wait_s)
@@ -201,8 +199,7 @@ def decode_many(
 
 def set_verify(state: Any, verify: bool) -> None:
     """Turn D's content verification on or off (timed parts run without it, then verify)."""
-    ep = state.endpoint
-    ep.cfg = dataclasses.replace(ep.cfg, verify=verify)
+    state.endpoint.role.completer.verify = verify
 
 
 # --------------------------------------------------------------------------- P side
@@ -224,7 +221,7 @@ def steady_prefill(
         late = max(late, now - t)
         if now - t > 0.02:
             events.append([round(t - t0, 4), round(now - t, 4)])
-        ep.prefill(f"{prefix}{i}", blocks)
+        ep.role.prefill(f"{prefix}{i}", blocks)
         took.append(time.time() - now)
     took.sort()
     return {
@@ -238,7 +235,7 @@ def steady_prefill(
 
 def prefill_at(state: Any, transfer_id: str, t_wall: float, blocks: int) -> None:
     _sleep_until(t_wall)
-    state.endpoint.prefill(transfer_id, blocks)
+    state.endpoint.role.prefill(transfer_id, blocks)
 
 
 def prefill_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) -> dict[str, Any]:
@@ -252,7 +249,7 @@ def prefill_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) -
         while alloc.counts()["free"] < blocks:
             waited += 1
             time.sleep(0.0002)
-        ep.prefill(f"{prefix}{i}", blocks)
+        ep.role.prefill(f"{prefix}{i}", blocks)
     return {"elapsed_s": time.time() - t0, "waits": waited, "cpu_s": process_cpu_s() - cpu0}
 
 
@@ -261,11 +258,11 @@ def finish_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) ->
     allows: the stand-in for a model that has just computed its KV, for timed parts whose D
     does not verify (content is checked in a separate, verified pass). Costs an allocation and
     an inbox put, where ``prefill`` also writes every byte."""
-    from kvpush.prefill.matching import Finished
+    from kvpush.prefill.table import Finished
 
     ep = state.endpoint
     alloc = ep.pool.allocator
-    writer = ep.writer
+    writer = ep.role.writer
     waited = 0
     t0 = time.time()
     i, end = start, start + n
@@ -280,7 +277,7 @@ def finish_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) ->
         for _ in range(k):
             tid = f"{prefix}{i}"
             ids = alloc.allocate(tid, blocks)
-            writer.submit_finished(Finished(tid, tid, tid, ids, time.monotonic()))
+            writer.finished.put(Finished(tid, tid, tid, ids, time.monotonic()))
             i += 1
     return {"elapsed_s": time.time() - t0, "waits": waited}
 

@@ -106,7 +106,7 @@ def choose_output(requested: OutputMode | None) -> OutputMode:
 def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
     """Run one endpoint until SIGINT/SIGTERM; return the exit status (raise typed errors)."""
     from kvpush.cli import render
-    from kvpush.endpoint.core import create_endpoint
+    from kvpush.endpoint import open_endpoint
 
     output = choose_output(opts.output)
     console = Console(stderr=True)
@@ -119,13 +119,11 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
         )
     stop = StopFlag()
     stop.install()
-    ep = create_endpoint(cfg)
     exporter = None
     failure: BaseException | None = None
-    started = False
+    ep: Any = None
     try:
-        ep.start()
-        started = True
+        ep = open_endpoint(cfg)
         if opts.metrics_port:
             from kvpush.telemetry.prom import PrometheusExporter
 
@@ -152,7 +150,7 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
         if stop.signame:
             log.info("%s received: draining (up to %gs)", stop.signame, cfg.timeouts.drain_s)
     finally:
-        if started:
+        if ep is not None:
             ep.stop()
         if exporter is not None:
             exporter.stop()

@@ -286,12 +286,11 @@ def handshake_probe(
 
     ``mode`` None with ``ping_count`` > 0 handshakes notif-only, which notifications need.
     """
-    from kvpush.endpoint.core import create_endpoint
+    from kvpush.endpoint import open_endpoint
 
     host, port = parse_address(address)
     addr = format_address(host, port)
-    ep = create_endpoint(local)
-    ep.start()
+    ep = open_endpoint(local)
     try:
         res = ep.handshake_to(addr, mode or HandshakeMode.NOTIF)
         pings = list(ep.ping(addr, ping_count)) if ping_count > 0 else []

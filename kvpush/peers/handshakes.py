@@ -1,9 +1,10 @@
 """Handshakes with peers: ``ensure(peer, mode) -> Future | None`` and the peer table.
 
 A handshake fetches the peer's metadata over the side channel (deadline-bound), checks the
-compatibility hash *before* decoding the metadata, checks role and geometry field by field, and
-only then hands the peer's NIXL metadata to ``add_remote_agent``. A *notif-only* handshake loads
-the peer's connection-only metadata (no memory regions): enough to send notifications. A *full*
+compatibility hash *before* decoding the metadata, checks geometry field by field
+(``kvpush.peers.validation``), and only then hands the peer's NIXL metadata to
+``add_remote_agent``. A *notif-only* handshake loads the peer's connection-only metadata (no
+memory regions): enough to send notifications. A *full*
 handshake loads full metadata and prepares the remote descriptor list for every block of every
 region (region-major, built with numpy) -- the expensive part, which therefore always runs here,
 on a handshake thread, never on the caller's (writer's) thread.
@@ -20,21 +21,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 from kvpush.config import HandshakeMode, Timeouts, format_address
 from kvpush.errors import (
     HandshakeError,
     IncompatiblePeerError,
     KvpushError,
-    PeerError,
     PeerUnreachableError,
     ShuttingDownError,
 )
 from kvpush.memory.descriptors import block_descs
-from kvpush.runtime.ratelog import RateLimitedLog
+from kvpush.peers.state import PeerConn, PeerEntry, PeerKey
+from kvpush.peers.validation import check_reply, mode_satisfies
+from kvpush.ratelog import RateLimitedLog
+from kvpush.telemetry.names import Counter, Failure, Hist, PeerState
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.client import SideChannelClient
 from kvpush.transport.nixl import DList, NixlAgent
@@ -42,62 +43,6 @@ from kvpush.wire import protocol
 from kvpush.wire.auth import Authenticator
 
 log = logging.getLogger(__name__)
-
-PeerKey = tuple[str, int]
-
-
-@dataclass
-class PeerConn:
-    """A connected peer: its metadata, loaded agent and (full mode) remote descriptor list."""
-
-    key: PeerKey
-    metadata: protocol.EndpointMetadata
-    agent_name: str
-    mode: HandshakeMode
-    remote_dlist: DList | None
-    timings: dict[str, float]
-    rtt_s: float
-    clock_offset_s: float
-    connected_at: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.monotonic)
-    released: bool = False
-
-    @property
-    def address(self) -> str:
-        return format_address(*self.key)
-
-
-HandshakeResult = PeerConn
-
-
-@dataclass
-class _Entry:
-    key: PeerKey
-    mode: HandshakeMode
-    state: str  # connecting | connected | failed
-    future: Future[PeerConn]
-    started: float
-    conn: PeerConn | None = None
-    failures: int = 0
-    last_error: str = ""
-    duration_s: float = 0.0
-
-
-def mode_satisfies(have: HandshakeMode, want: HandshakeMode) -> bool:
-    return have == HandshakeMode.FULL or want == HandshakeMode.NOTIF
-
-
-def check_compat(
-    local: protocol.EndpointMetadata, remote_fields: dict[str, object], peer: str
-) -> None:
-    diffs = protocol.compat_differences(protocol.compat_fields(local), remote_fields)
-    if diffs:
-        text = "; ".join(f"{f}: local={lv!r} remote={rv!r}" for f, lv, rv in diffs)
-        raise IncompatiblePeerError(
-            f"{peer} is incompatible: {text}",
-            diffs,
-            hint="start both endpoints with the same geometry, dtype and layout",
-        )
 
 
 class HandshakeManager:
@@ -109,10 +54,8 @@ class HandshakeManager:
         timeouts: Timeouts,
         telemetry: Telemetry,
         *,
-        expect_role: str | None,
         max_concurrent: int = 64,
         max_pending: int = 256,
-        on_connected: Callable[[PeerConn], None] | None = None,
     ) -> None:
         self._agent = agent
         self._local = local_md
@@ -120,22 +63,20 @@ class HandshakeManager:
         self._auth = auth
         self._timeouts = timeouts
         self._tm = telemetry
-        self._expect_role = expect_role
         self._sem = threading.BoundedSemaphore(max_concurrent)
         # Handshake threads alive at once (running or waiting for the semaphore): bounded, so
         # a flood naming many addresses (e.g. unauthenticated Pings) cannot start a thread each.
         self._max_pending = max_pending
         self._pending = 0
         self._lock = threading.Lock()
-        self._peers: dict[PeerKey, _Entry] = {}
+        self._peers: dict[PeerKey, PeerEntry] = {}
         self._closed = False
-        self._on_connected = on_connected
         self._rl = RateLimitedLog(log)
 
     # ------------------------------------------------------------------ queries
     def get(self, key: PeerKey) -> PeerConn | None:
         e = self._peers.get(key)
-        if e is not None and e.state == "connected" and e.conn is not None:
+        if e is not None and e.state == PeerState.CONNECTED and e.conn is not None:
             e.conn.last_used = time.monotonic()
             return e.conn
         return None
@@ -146,10 +87,6 @@ class HandshakeManager:
                 if e.conn is not None and e.conn.agent_name == agent_name:
                     return e.conn
         return None
-
-    def connected(self) -> list[PeerConn]:
-        with self._lock:
-            return [e.conn for e in self._peers.values() if e.conn is not None]
 
     def rows(self) -> list[dict[str, object]]:
         """Per-peer telemetry rows."""
@@ -166,7 +103,7 @@ class HandshakeManager:
                     "mode": e.mode.value,
                     "state": e.state,
                     "duration_s": round(
-                        e.duration_s if e.state != "connecting" else now - e.started, 6
+                        e.duration_s if e.state != PeerState.CONNECTING else now - e.started, 6
                     ),
                     "failures": e.failures,
                     "last_error": e.last_error,
@@ -176,7 +113,7 @@ class HandshakeManager:
 
     def counts(self) -> dict[str, int]:
         with self._lock:
-            out = {"connecting": 0, "connected": 0, "failed": 0}
+            out: dict[str, int] = dict.fromkeys(PeerState, 0)
             for e in self._peers.values():
                 out[e.state] = out.get(e.state, 0) + 1
             return out
@@ -191,17 +128,21 @@ class HandshakeManager:
                 return f
             e = self._peers.get(key)
             if e is not None:
-                if e.state == "connected" and e.conn is not None and mode_satisfies(e.mode, mode):
+                if (
+                    e.state == PeerState.CONNECTED
+                    and e.conn is not None
+                    and mode_satisfies(e.mode, mode)
+                ):
                     e.conn.last_used = time.monotonic()
                     return None
-                if e.state == "connecting" and mode_satisfies(e.mode, mode):
+                if e.state == PeerState.CONNECTING and mode_satisfies(e.mode, mode):
                     return e.future
-                if e.state == "connected":
+                if e.state == PeerState.CONNECTED:
                     # Upgrade notif -> full: the owner keeps using the old conn until the new
                     # one replaces it; the old agent is the same name, so no remove is needed.
                     pass
             if self._pending >= self._max_pending:
-                self._tm.fail("handshake_overload")
+                self._tm.fail(Failure.HANDSHAKE_OVERLOAD)
                 f = Future()
                 f.set_exception(
                     HandshakeError(
@@ -216,11 +157,11 @@ class HandshakeManager:
             fut.set_running_or_notify_cancel()
             failures = e.failures if e is not None else 0
             old = e.conn if e is not None else None
-            new = _Entry(
-                key, mode, "connecting", fut, time.monotonic(), conn=old, failures=failures
+            new = PeerEntry(
+                key, mode, PeerState.CONNECTING, fut, time.monotonic(), conn=old, failures=failures
             )
             self._peers[key] = new
-        self._tm.inc("handshakes_started")
+        self._tm.inc(Counter.HANDSHAKES_STARTED)
         t = threading.Thread(
             target=self._run, args=(new,), name=f"handshake-{key[0]}:{key[1]}", daemon=True
         )
@@ -235,14 +176,14 @@ class HandshakeManager:
             return conn
         return fut.result(timeout_s)
 
-    def _run(self, e: _Entry) -> None:
+    def _run(self, e: PeerEntry) -> None:
         try:
             self._run_one(e)
         finally:
             with self._lock:
                 self._pending -= 1
 
-    def _run_one(self, e: _Entry) -> None:
+    def _run_one(self, e: PeerEntry) -> None:
         peer = format_address(*e.key)
         try:
             with self._sem:
@@ -250,27 +191,27 @@ class HandshakeManager:
         except BaseException as exc:
             err = self._as_typed(exc, peer)
             with self._lock:
-                e.state = "failed"
+                e.state = PeerState.FAILED
                 e.failures += 1
                 e.last_error = str(err)
                 e.duration_s = time.monotonic() - e.started
                 # a previous connection (e.g. notif before a failed upgrade) stays usable
                 if e.conn is not None:
-                    e.state = "connected"
+                    e.state = PeerState.CONNECTED
                     e.mode = e.conn.mode
             # A counter, not a failure kind: the writer / receiver count "handshake_failed" once
             # per push or request dropped because of it (one place per failure kind).
-            self._tm.inc("handshakes_failed")
+            self._tm.inc(Counter.HANDSHAKES_FAILED)
             self._rl.warning("handshake_failed", "%s", err)
             e.future.set_exception(err)
             return
         with self._lock:
             e.conn = conn
-            e.state = "connected"
+            e.state = PeerState.CONNECTED
             e.duration_s = time.monotonic() - e.started
             closed = self._closed
-        self._tm.inc("handshakes_ok")
-        self._tm.observe("handshake_duration", e.duration_s)
+        self._tm.inc(Counter.HANDSHAKES_OK)
+        self._tm.observe(Hist.HANDSHAKE_DURATION, e.duration_s)
         log.info(
             "handshake %s with %s (%s) done in %.1f ms: %s",
             e.mode.value,
@@ -283,8 +224,6 @@ class HandshakeManager:
             self.release_conn(conn)  # nobody owns it any more
             e.future.set_exception(ShuttingDownError("endpoint is shutting down"))
             return
-        if self._on_connected is not None:
-            self._on_connected(conn)
         e.future.set_result(conn)
 
     @staticmethod
@@ -313,19 +252,7 @@ class HandshakeManager:
         w1 = time.time()
         if not isinstance(rep, protocol.HandshakeRep):
             raise HandshakeError(peer, f"unexpected reply {type(rep).__name__}")
-        if rep.compat_hash != self._local_hash:
-            # Name the differing fields without trusting the metadata's schema.
-            check_compat(self._local, protocol.decode_metadata_loose(rep.metadata), peer)
-            raise HandshakeError(peer, "compatibility hash differs (no field differs: bad hash)")
-        md = protocol.decode_metadata(rep.metadata)
-        check_compat(self._local, protocol.compat_fields(md), peer)
-        if self._expect_role is not None and md.role != self._expect_role:
-            raise PeerError(
-                f"{peer} is a {md.role} endpoint, expected a {self._expect_role} endpoint",
-                "check the address: P pushes to D endpoints, D registers with P endpoints",
-            )
-        if len(md.region_base_addrs) != md.regions:
-            raise HandshakeError(peer, "metadata lists a wrong number of region addresses")
+        md = check_reply(self._local, self._local_hash, rep, peer)
         if time.monotonic() > deadline:
             raise HandshakeError(peer, f"deadline of {self._timeouts.handshake_s:g}s passed")
         name = self._agent.add_remote(rep.agent_metadata)
@@ -378,7 +305,7 @@ class HandshakeManager:
         if e is None:
             return None
         log.info("evicting peer %s: %s", format_address(*key), reason)
-        self._tm.inc("peers_evicted")
+        self._tm.inc(Counter.PEERS_EVICTED)
         return e.conn
 
     def idle(self, ttl_s: float) -> list[PeerKey]:
@@ -388,7 +315,7 @@ class HandshakeManager:
                 k
                 for k, e in self._peers.items()
                 if (e.conn is not None and now - e.conn.last_used > ttl_s)
-                or (e.state == "failed" and e.conn is None and now - e.started > ttl_s)
+                or (e.state == PeerState.FAILED and e.conn is None and now - e.started > ttl_s)
             ]
 
     def release_conn(self, conn: PeerConn) -> None:
@@ -409,3 +336,6 @@ class HandshakeManager:
         # Handshakes still running finish by their deadline, see _closed and release their own
         # connection (see _run).
         return [e.conn for e in entries if e.conn is not None]
+
+
+__all__ = ["HandshakeManager", "PeerConn", "PeerKey"]

@@ -1,27 +1,234 @@
-"""The owner threads' shared pieces: the idle strategy and the notification drain.
+"""``OwnerThread``: the one loop that both P's writer and D's receiver run on.
 
-``IdleWaiter`` implements the polling policy of a thread that owns a NIXL agent without a
-progress thread: spin while work is pending, keep spinning briefly after activity, then back off
-exponentially to ``idle_poll_max_us`` -- woken at once by inbox puts. ``drain_notifications``
-fetches, decodes and dispatches every pending notification in one place.
+An owner thread owns its role's side of a NIXL agent (posting WRITEs, sending and polling
+notifications, polling transfers) and the role's per-transfer state; no other thread touches
+either. Other threads hand it work through bounded *inboxes* (``inbox()``), all sharing one
+wake event, so a put wakes the owner at once.
+
+One pass (``run_once``): drain every inbox in registration order (each item through its handler;
+an unexpected error is handed to that inbox's ``on_error``, which fails the item, never the
+thread), run the hand-offs that could not be queued (``hand_off``'s last resort: a request is
+never lost because an inbox was full or closed), let the role ``poll`` (notifications, in-flight
+WRITEs), and every ``housekeeping_s`` run the role's housekeeping. The role's gauges are
+published after a busy pass or a housekeeping one. Then ``IdleWaiter`` decides how long to
+sleep: spin while work is pending, back off when idle.
+
+Gauges are published by the owner into an immutable mapping (``published``) that telemetry
+reads from any thread: readers never iterate the owner's live containers.
+
+Lifecycle: ``start()`` runs the role's ``on_start`` on the new thread and returns once the loop
+runs, or re-raises its start-up error. ``stop(drain_s)`` stops intake and lets the role ``drain``
+(finish or fail in-flight work) until the deadline; the first failure of the loop is kept in
+``failure`` for the endpoint to surface.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Generic, Protocol, TypeVar
 
 from kvpush.config import AgentConfig
-from kvpush.errors import AuthError, ProtocolError
-from kvpush.runtime.ratelog import RateLimitedLog
+from kvpush.errors import AuthError, KvpushError, ProtocolError
+from kvpush.ratelog import RateLimitedLog
+from kvpush.runtime.inbox import Inbox
+from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import NixlAgent, TransferError
 from kvpush.wire import protocol
 from kvpush.wire.notifs import NotifCodec
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+HOUSEKEEPING_S = 0.02
+
+
+class OwnerLoop(Protocol):
+    """What a role gives the owner thread."""
+
+    def on_start(self) -> None:
+        """On the owner thread, before the first pass (e.g. prepare local descriptors)."""
+
+    def poll(self) -> int:
+        """Notifications and in-flight transfers; how many events were handled."""
+
+    def pending(self) -> bool:
+        """Whether work is in flight (the owner keeps spinning)."""
+
+    def housekeeping(self, now: float) -> None:
+        """Deadlines, leases, heartbeats, idle peers (every ``housekeeping_s``)."""
+
+    def gauges(self) -> dict[str, float]:
+        """Queue depths for telemetry, computed on the owner thread."""
+
+    def drain(self, deadline: float) -> None:
+        """After stop: finish or fail in-flight work until ``deadline`` (monotonic)."""
+
+
+@dataclass(frozen=True)
+class _Route(Generic[T]):
+    inbox: Inbox[T]
+    handle: Callable[[T], None]
+    on_error: Callable[[T, Exception], None]
+
+
+class OwnerThread:
+    def __init__(
+        self,
+        name: str,
+        agent_cfg: AgentConfig,
+        *,
+        housekeeping_s: float = HOUSEKEEPING_S,
+    ) -> None:
+        self.name = name
+        self.wake = threading.Event()
+        self._routes: list[_Route[Any]] = []
+        self._last_resort: deque[Callable[[], None]] = deque()
+        self._loop: OwnerLoop | None = None
+        self._waiter = IdleWaiter(self.wake, agent_cfg)
+        self._hk_s = housekeeping_s
+        self._next_hk = 0.0
+        self._stopping = threading.Event()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._drain_deadline = 0.0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.failure: BaseException | None = None
+        self.gauge_names: tuple[str, ...] = ()
+        self.published: Mapping[str, float] = MappingProxyType({})
+
+    # ------------------------------------------------------------------ set-up (caller thread)
+    def attach(self, loop: OwnerLoop) -> None:
+        self._loop = loop
+        first = loop.gauges()
+        self.gauge_names = tuple(first)
+        self.published = MappingProxyType(first)
+
+    def inbox(
+        self,
+        name: str,
+        maxlen: int,
+        handle: Callable[[T], None],
+        on_error: Callable[[T, Exception], None],
+    ) -> Inbox[T]:
+        """A bounded inbox drained on every pass, in the order inboxes were made."""
+        box: Inbox[T] = Inbox(name, maxlen, self.wake)
+        self._routes.append(_Route(box, handle, on_error))
+        return box
+
+    def export_gauges(self, telemetry: Telemetry) -> None:
+        """Let ``telemetry`` read the loop's gauges from what the owner last published."""
+        for name in self.gauge_names:
+            telemetry.gauge_fn(name, functools.partial(_published, self, name))
+
+    # ------------------------------------------------------------------ any thread
+    def hand_off(self, inbox: Inbox[T], item: T, fallback: Callable[[BaseException], None]) -> None:
+        """Queue ``item``; if even that fails (full, closed, a bug), the owner runs
+        ``fallback(error)`` on its next pass instead: nothing handed off is lost silently."""
+        try:
+            inbox.put(item)
+        except BaseException as e:
+            self._last_resort.append(functools.partial(fallback, e))
+            self.wake.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Return once the loop runs; re-raise the role's start-up error."""
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise KvpushError(f"{self.name} did not start within {timeout_s:g}s")
+        if self._start_error is not None:
+            raise self._start_error
+
+    def stop(self, drain_s: float) -> None:
+        """Stop intake, let the role drain until ``drain_s`` from now, join the thread."""
+        self._drain_deadline = time.monotonic() + drain_s
+        self._stopping.set()
+        self.wake.set()
+        if self._thread.is_alive():
+            self._thread.join(drain_s + 5)
+
+    def close_inboxes(self) -> list[Any]:
+        """Close every inbox; return what was still queued (for the role to fail)."""
+        rest: list[Any] = []
+        for r in self._routes:
+            rest.extend(r.inbox.close())
+        return rest
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        loop = self._loop
+        assert loop is not None, "attach() a loop before start()"
+        try:
+            loop.on_start()
+        except BaseException as e:
+            self._start_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while not self._stopping.is_set():
+                busy = self.run_once()
+                self._waiter.wait(busy or loop.pending())
+            loop.drain(self._drain_deadline)
+        except BaseException as e:  # surfaced through Endpoint.failure()
+            self.failure = e
+            log.exception("%s failed", self.name)
+
+    def run_once(self) -> bool:
+        """One pass; True when anything was handled. Tests step the loop with it."""
+        loop = self._loop
+        assert loop is not None
+        n = 0
+        for r in self._routes:
+            n += self._drain(r)
+        while self._last_resort:
+            self._last_resort.popleft()()
+            n += 1
+        n += loop.poll()
+        now = time.monotonic()
+        hk = now >= self._next_hk
+        if hk:
+            self._next_hk = now + self._hk_s
+            loop.housekeeping(now)
+        if hk or n:
+            self.published = MappingProxyType(loop.gauges())
+        return n > 0
+
+    def force_housekeeping(self) -> None:
+        """Let the next pass run housekeeping whatever the time (tests)."""
+        self._next_hk = 0.0
+
+    @staticmethod
+    def _drain(r: _Route[Any]) -> int:
+        n = 0
+        for item in r.inbox.drain():
+            n += 1
+            try:
+                r.handle(item)
+            except Exception as e:
+                r.on_error(item, e)
+        return n
+
+
+def _published(owner: OwnerThread, name: str) -> float:
+    return owner.published.get(name, 0.0)
 
 
 class IdleWaiter:
@@ -50,9 +257,6 @@ class IdleWaiter:
             self._sleep = min(self._sleep * 2, self.max_s)
         self.wake.clear()
 
-    def force_wake(self) -> None:
-        self.wake.set()
-
 
 def drain_notifications(
     agent: NixlAgent,
@@ -76,20 +280,20 @@ def drain_notifications(
     for sender, msgs in notifs.items():
         for data in msgs:
             n += 1
-            telemetry.inc("notifs_received")
+            telemetry.inc(Counter.NOTIFS_RECEIVED)
             try:
                 msg = codec.decode(data)
             except AuthError as e:
-                telemetry.fail("auth_rejected")
+                telemetry.fail(Failure.AUTH_REJECTED)
                 rl.warning("auth", "rejected notification from %s: %s", sender, e)
                 continue
             except ProtocolError as e:
-                telemetry.fail("malformed_notif")
+                telemetry.fail(Failure.MALFORMED_NOTIF)
                 rl.warning("malformed", "bad notification from %s: %s", sender, e)
                 continue
             try:
                 handle(sender, msg)
             except Exception:
-                telemetry.fail("internal_error")
+                telemetry.fail(Failure.INTERNAL_ERROR)
                 log.exception("handling a notification from %s failed", sender)
     return n

@@ -53,6 +53,7 @@ class Failure(StrEnum):
     PREFILL_UNREACHABLE = "prefill_unreachable"
     DECODE_UNREACHABLE = "decode_unreachable"
     PREFILL_DEAD = "prefill_dead"
+    PREFILL_FAILED = "prefill_failed"  # P failed it for a reason this version does not know
     PEER_DEAD = "peer_dead"
     SHUTTING_DOWN = "shutting_down"
     # blocks, leases, registrations

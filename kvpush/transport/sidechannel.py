@@ -30,7 +30,8 @@ from kvpush.errors import (
     KvpushError,
     ProtocolError,
 )
-from kvpush.runtime.ratelog import RateLimitedLog
+from kvpush.ratelog import RateLimitedLog
+from kvpush.telemetry.names import Failure
 from kvpush.wire import protocol, vllm
 from kvpush.wire.auth import CH_REPLY, CH_REQUEST, Authenticator
 
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 ReplyFn = Callable[[protocol.SideReply], None]
 Handler = Callable[[protocol.SideRequest, ReplyFn], None]
 VllmHandler = Callable[[int, int], list[bytes]]
-RejectFn = Callable[[str], None]
+RejectFn = Callable[[Failure], None]
 
 _ctx_lock = threading.Lock()
 
@@ -178,7 +179,9 @@ class SideChannelServer:
         finally:
             sock.close(0)
 
-    def _reject(self, ident: bytes, kind: str, message: str, hint: str = "", rid: int = 0) -> None:
+    def _reject(
+        self, ident: bytes, kind: Failure, message: str, hint: str = "", rid: int = 0
+    ) -> None:
         self.rejected += 1
         self._on_reject(kind)
         self._rl.warning(kind, "side channel: rejected a request (%s): %s", kind, message)
@@ -198,7 +201,7 @@ class SideChannelServer:
                 return self._vllm(pp_rank, tp_rank)
             except Exception as e:  # a handler bug must not kill the side channel
                 log.exception("side channel: answering get_meta_msg failed")
-                self._on_reject("internal_error")
+                self._on_reject(Failure.INTERNAL_ERROR)
                 error = f"cannot serve rank ({pp_rank}, {tp_rank}): {e}"
         else:
             error = "no metadata to serve"
@@ -223,39 +226,39 @@ class SideChannelServer:
         if len(frames) < 2 or len(frames) > 3:
             if frames:
                 self._reject(
-                    frames[0], "malformed_frame", f"expected 2-3 frames, got {len(frames)}"
+                    frames[0], Failure.MALFORMED_FRAME, f"expected 2-3 frames, got {len(frames)}"
                 )
             return
         ident, payload = frames[0], frames[-1]
         if len(frames) == 3 and frames[1] != b"":
-            self._reject(ident, "malformed_frame", "missing empty delimiter frame")
+            self._reject(ident, Failure.MALFORMED_FRAME, "missing empty delimiter frame")
             return
         if len(payload) > self._max:
             self._reject(
                 ident,
-                "oversized_frame",
+                Failure.OVERSIZED_FRAME,
                 f"frame of {len(payload)} bytes exceeds the {self._max}-byte limit",
             )
             return
         if not payload.startswith(protocol.MAGIC_REQ):
-            self._reject(ident, "malformed_frame", "not a kvpush request (bad magic)")
+            self._reject(ident, Failure.MALFORMED_FRAME, "not a kvpush request (bad magic)")
             return
         try:
             env = protocol.decode_envelope(
                 payload, protocol.MAGIC_REQ, self._max, "side-channel request"
             )
         except ProtocolError as e:
-            self._reject(ident, "malformed_frame", str(e))
+            self._reject(ident, Failure.MALFORMED_FRAME, str(e))
             return
         try:
             body = self._auth.open(CH_REQUEST, env)
         except AuthError as e:
-            self._reject(ident, "auth_rejected", str(e), e.hint)
+            self._reject(ident, Failure.AUTH_REJECTED, str(e), e.hint)
             return
         try:
             req = protocol.decode_request_body(body)
         except ProtocolError as e:
-            self._reject(ident, "malformed_frame", str(e))
+            self._reject(ident, Failure.MALFORMED_FRAME, str(e))
             return
         nonce = env.nonce
         done = threading.Event()
@@ -276,5 +279,5 @@ class SideChannelServer:
             )
         except Exception as e:  # a handler bug must not kill the side channel
             log.exception("side channel handler failed for %s", type(req).__name__)
-            self._on_reject("internal_error")
-            reply(protocol.ErrorRep(rid=req.rid, code="internal_error", message=str(e)))
+            self._on_reject(Failure.INTERNAL_ERROR)
+            reply(protocol.ErrorRep(rid=req.rid, code=Failure.INTERNAL_ERROR, message=str(e)))

@@ -1,73 +1,94 @@
-"""The prefill (P) endpoint: fills blocks for a transfer and pushes them with the writer.
+"""P's role: fill blocks for a transfer and push them with the writer.
 
 ``prefill(transfer_id, num_blocks)`` stands in for the model: it allocates blocks, writes the
-transfer's deterministic pattern into them and hands them to the writer as *finished*. The
-writer thread (``kvpush.prefill.writer``) does everything else. Control requests arrive on the side
-channel and run on the control executor, because filling blocks takes a while.
+transfer's deterministic pattern into them and hands them to the writer as *finished*; the
+writer (``kvpush.prefill.writer``, on this role's owner thread) does everything else. Prefill
+requests arrive on the side channel and run on the endpoint's control executor, because filling
+blocks takes a while.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
-from kvpush.endpoint.core import Endpoint
 from kvpush.errors import KvpushError, NoFreeBlocksError, ShuttingDownError
-from kvpush.prefill.matching import Finished
+from kvpush.prefill.table import Finished
 from kvpush.prefill.writer import PushWriter
+from kvpush.runtime.context import EndpointContext
+from kvpush.runtime.owner import OwnerThread
+from kvpush.telemetry.names import Counter, Failure
 from kvpush.transport.sidechannel import ReplyFn
 from kvpush.wire import protocol
 
 log = logging.getLogger(__name__)
 
 
-class PrefillEndpoint(Endpoint):
-    role = "prefill"
+class PrefillRole:
+    name = "prefill"
 
-    writer: PushWriter
-
-    def _start_role(self) -> None:
-        assert self.agent and self.pool and self.handshakes
+    def __init__(self, ctx: EndpointContext) -> None:
+        self.ctx = ctx
+        self.owner = OwnerThread("push-writer", ctx.cfg.agent)
         self.writer = PushWriter(
-            self.cfg,
-            self.agent,
-            self.pool,
-            self.handshakes,
-            self.codec,
-            self.telemetry,
-            on_ping=self._on_ping,
+            ctx.cfg,
+            ctx.agent,
+            ctx.pool,
+            ctx.handshakes,
+            ctx.codec,
+            ctx.telemetry,
+            self.owner,
+            on_ping=ctx.on_ping,
         )
-        self.writer.start()
+        self._stopping = threading.Event()
 
+    # ------------------------------------------------------------------ Role
+    def start(self) -> None:
+        self.owner.start()
+
+    def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
+        if isinstance(req, protocol.PrefillReq):
+            self.ctx.control.submit(self._serve_prefill, req, reply)
+            return True
+        return False
+
+    def stop_intake(self, drain_s: float) -> None:
+        self._stopping.set()
+
+    def stop(self, drain_s: float) -> None:
+        self.owner.stop(drain_s)
+
+    def failure(self) -> BaseException | None:
+        return self.owner.failure
+
+    def poke(self) -> None:
+        self.owner.wake.set()
+
+    # ------------------------------------------------------------------ API (any thread)
     def prefill(self, transfer_id: str, num_blocks: int, request_id: str = "") -> None:
         """Fill ``num_blocks`` blocks with the transfer's pattern and mark them finished."""
         if self._stopping.is_set():
             raise ShuttingDownError("prefill endpoint is shutting down")
         if not transfer_id:
             raise KvpushError("transfer id is empty", "pass a non-empty transfer id")
-        assert self.pool is not None
+        pool, tm = self.ctx.pool, self.ctx.telemetry
         try:
-            ids = self.pool.allocator.allocate(transfer_id, num_blocks)
+            ids = pool.allocator.allocate(transfer_id, num_blocks)
         except NoFreeBlocksError:
-            self.telemetry.fail("no_free_blocks")
+            tm.fail(Failure.NO_FREE_BLOCKS)
             raise
         except ValueError as e:
             raise KvpushError(f"cannot prefill {transfer_id}: {e}") from None
         try:
-            self.pool.fill(transfer_id, ids)
-            self.writer.submit_finished(
+            pool.fill(transfer_id, ids)
+            self.writer.finished.put(
                 Finished(transfer_id, transfer_id, request_id or transfer_id, ids, time.monotonic())
             )
         except BaseException:
-            self.pool.allocator.release(transfer_id)
+            pool.allocator.release(transfer_id)
             raise
-        self.telemetry.inc("prefills")
-
-    def _handle_role_request(self, req: protocol.SideRequest, reply: ReplyFn) -> None:
-        if isinstance(req, protocol.PrefillReq):
-            self._control.submit(self._serve_prefill, req, reply)
-            return
-        super()._handle_role_request(req, reply)
+        tm.inc(Counter.PREFILLS)
 
     def _serve_prefill(self, req: protocol.PrefillReq, reply: ReplyFn) -> None:
         t0 = time.perf_counter()
@@ -100,13 +121,3 @@ class PrefillEndpoint(Endpoint):
                 latency_s=time.perf_counter() - t0,
             )
         )
-
-    def _poke_owner(self) -> None:
-        self.writer.wake.set()
-
-    def _stop_role(self, drain_s: float) -> None:
-        if hasattr(self, "writer"):
-            self.writer.stop(drain_s)
-
-    def _role_failure(self) -> BaseException | None:
-        return self.writer.failure if hasattr(self, "writer") else None

@@ -1,5 +1,5 @@
-"""The pure Matcher: both arrival orders, duplicates, leases (expiry, renewal by 2/3), stale
-registrations, cancel. No threads, no clocks: every call gets its ``now``."""
+"""The pure push table's matching: both arrival orders, duplicates, leases (expiry, renewal by
+2/3), stale registrations, cancel. No threads, no clocks: every call gets its ``now``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.prefill.matching import DuplicateError, Finished, Matcher, Registration, reg_key
+from kvpush.prefill.table import (
+    CancelledEarly,
+    DuplicateError,
+    Finished,
+    Push,
+    PushTable,
+    Registered,
+    Registration,
+    Waiting,
+    reg_key,
+)
 from kvpush.wire import protocol
 
 LEASE, REG_TTL = 30.0, 10.0
@@ -38,8 +48,8 @@ def reg(key: str, t: float = 0.0) -> Registration:
 
 
 @pytest.fixture
-def m() -> Matcher:
-    return Matcher(lease_s=LEASE, reg_ttl_s=REG_TTL)
+def m() -> PushTable:
+    return PushTable(lease_s=LEASE, reg_ttl_s=REG_TTL)
 
 
 def test_reg_key_is_transfer_id_with_request_id_fallback() -> None:
@@ -47,36 +57,36 @@ def test_reg_key_is_transfer_id_with_request_id_fallback() -> None:
     assert reg_key(push_reg("", "r1")) == "r1"
 
 
-def test_blocks_first(m: Matcher) -> None:
+def test_blocks_first(m: PushTable) -> None:
     f = fin("a")
     assert m.add_finished(f, now=0.0) is None
-    assert (m.finished_waiting, m.regs_waiting) == (1, 0)
+    assert (m.count(Waiting), m.count(Registered)) == (1, 0)
     r = reg("a", 1.0)
     p = m.add_registration(r)
-    assert p is not None and p.finished is f and p.registration is r and p.key == "a"
+    assert isinstance(p, Push) and p.finished is f and p.registration is r and p.key == "a"
     assert p.attempt == 0
-    assert (m.finished_waiting, m.regs_waiting) == (0, 0)
+    assert (m.count(Waiting), m.count(Registered)) == (0, 0)
     assert m.expire(now=1e9) == ([], [])  # a matched request holds no lease
 
 
-def test_registration_first(m: Matcher) -> None:
+def test_registration_first(m: PushTable) -> None:
     r = reg("a")
     assert m.add_registration(r) is None
-    assert (m.finished_waiting, m.regs_waiting) == (0, 1)
+    assert (m.count(Waiting), m.count(Registered)) == (0, 1)
     f = fin("a")
     p = m.add_finished(f, now=0.0)
-    assert p is not None and p.finished is f and p.registration is r
-    assert (m.finished_waiting, m.regs_waiting) == (0, 0)
+    assert isinstance(p, Push) and p.finished is f and p.registration is r
+    assert (m.count(Waiting), m.count(Registered)) == (0, 0)
     assert m.expire(now=1e9) == ([], [])
 
 
-def test_different_keys_do_not_match(m: Matcher) -> None:
+def test_different_keys_do_not_match(m: PushTable) -> None:
     assert m.add_finished(fin("a"), 0.0) is None
     assert m.add_registration(reg("b")) is None
     assert m.waiting_keys() == ["a"]
 
 
-def test_duplicates_refused(m: Matcher) -> None:
+def test_duplicates_refused(m: PushTable) -> None:
     m.add_finished(fin("a"), 0.0)
     with pytest.raises(DuplicateError, match="transfer a already finished and waiting"):
         m.add_finished(fin("a"), 0.0)
@@ -88,22 +98,22 @@ def test_duplicates_refused(m: Matcher) -> None:
     assert m.add_finished(fin("b"), 0.0) is not None
 
 
-def test_key_can_be_reused_after_a_match(m: Matcher) -> None:
+def test_key_can_be_reused_after_a_match(m: PushTable) -> None:
     m.add_finished(fin("a"), 0.0)
     assert m.add_registration(reg("a")) is not None
     assert m.add_finished(fin("a"), 1.0) is None  # a new request with the same id
 
 
-def test_lease_expires_at_its_length(m: Matcher) -> None:
+def test_lease_expires_at_its_length(m: PushTable) -> None:
     f = fin("a")
     m.add_finished(f, now=100.0)
     assert m.expire(now=100.0 + LEASE - 0.001) == ([], [])
     assert m.expire(now=100.0 + LEASE) == ([f], [])
-    assert m.finished_waiting == 0
+    assert m.count(Waiting) == 0
     assert m.add_registration(reg("a")) is None  # gone: nothing to match any more
 
 
-def test_heartbeat_extends_a_lease_to_two_thirds_of_its_length(m: Matcher) -> None:
+def test_heartbeat_extends_a_lease_to_two_thirds_of_its_length(m: PushTable) -> None:
     f = fin("a")
     m.add_finished(f, now=0.0)
     assert m.renew(["a", "unknown"], now=20.0) == 1  # 20 + 2/3*30 = 40 > 30
@@ -111,7 +121,7 @@ def test_heartbeat_extends_a_lease_to_two_thirds_of_its_length(m: Matcher) -> No
     assert m.expire(now=40.0) == ([f], [])
 
 
-def test_renew_never_shortens_a_lease(m: Matcher) -> None:
+def test_renew_never_shortens_a_lease(m: PushTable) -> None:
     f = fin("a")
     m.add_finished(f, now=0.0)
     assert m.renew(["a"], now=1.0) == 1  # 1 + 20 = 21 < 30: the lease stays at 30
@@ -119,7 +129,7 @@ def test_renew_never_shortens_a_lease(m: Matcher) -> None:
     assert m.expire(now=30.0) == ([f], [])
 
 
-def test_renewals_keep_a_lease_alive_indefinitely(m: Matcher) -> None:
+def test_renewals_keep_a_lease_alive_indefinitely(m: PushTable) -> None:
     f = fin("a")
     m.add_finished(f, now=0.0)
     t = 0.0
@@ -130,21 +140,21 @@ def test_renewals_keep_a_lease_alive_indefinitely(m: Matcher) -> None:
     assert m.expire(now=t + LEASE * 2 / 3) == ([f], [])
 
 
-def test_renew_ignores_matched_and_registered_keys(m: Matcher) -> None:
+def test_renew_ignores_matched_and_registered_keys(m: PushTable) -> None:
     m.add_registration(reg("r"))
     assert m.renew(["r"], now=0.0) == 0
 
 
-def test_stale_registrations_dropped_after_ttl(m: Matcher) -> None:
+def test_stale_registrations_dropped_after_ttl(m: PushTable) -> None:
     r = reg("a", t=5.0)
     m.add_registration(r)
     assert m.expire(now=5.0 + REG_TTL) == ([], [])
     assert m.expire(now=5.0 + REG_TTL + 0.001) == ([], [r])
-    assert m.regs_waiting == 0
+    assert m.count(Registered) == 0
     assert m.add_finished(fin("a"), 20.0) is None
 
 
-def test_expire_returns_both_kinds_and_keeps_the_rest(m: Matcher) -> None:
+def test_expire_returns_both_kinds_and_keeps_the_rest(m: PushTable) -> None:
     fa, fb = fin("fa"), fin("fb")
     m.add_finished(fa, now=0.0)
     m.add_finished(fb, now=10.0)
@@ -153,27 +163,28 @@ def test_expire_returns_both_kinds_and_keeps_the_rest(m: Matcher) -> None:
     m.add_registration(rb)
     fins, regs = m.expire(now=30.0)
     assert fins == [fa] and regs == [ra]
-    assert m.waiting_keys() == ["fb"] and m.regs_waiting == 1
+    assert m.waiting_keys() == ["fb"] and m.count(Registered) == 1
 
 
-def test_cancel(m: Matcher) -> None:
+def test_cancel(m: PushTable) -> None:
     f = fin("a")
     m.add_finished(f, 0.0)
     r = reg("b")
     m.add_registration(r)
-    assert m.cancel("a") == (f, None)
-    assert m.cancel("b") == (None, r)
-    assert m.cancel("c") == (None, None)
+    a, b = m.pop("a"), m.pop("b")
+    assert isinstance(a, Waiting) and a.finished is f
+    assert isinstance(b, Registered) and b.registration is r
+    assert m.pop("c") is None
     assert m.expire(now=1e9) == ([], [])  # the cancelled lease is gone too
-    assert (m.finished_waiting, m.regs_waiting) == (0, 0)
+    assert (m.count(Waiting), m.count(Registered)) == (0, 0)
 
 
-def test_drain_all(m: Matcher) -> None:
+def test_drain_all(m: PushTable) -> None:
     f, r = fin("a"), reg("b")
     m.add_finished(f, 0.0)
     m.add_registration(r)
-    assert m.drain_all() == ([f], [r])
-    assert m.drain_all() == ([], [])
+    assert m.drain_waiting() == ([f], [r])
+    assert m.drain_waiting() == ([], [])
     assert m.expire(now=1e9) == ([], [])
 
 
@@ -182,13 +193,14 @@ def test_drain_all(m: Matcher) -> None:
 def test_any_interleaving_matches_every_key_exactly_once(
     events: list[tuple[int, str]],
 ) -> None:
-    m = Matcher(lease_s=LEASE, reg_ttl_s=REG_TTL)
+    m = PushTable(lease_s=LEASE, reg_ttl_s=REG_TTL)
     matched: list[str] = []
     for k, side in events:
         key = f"k{k}"
         p = m.add_finished(fin(key), 0.0) if side == "fin" else m.add_registration(reg(key))
         if p is not None:
+            assert not isinstance(p, CancelledEarly)
             assert p.finished.key == p.registration.key == key
             matched.append(key)
     assert sorted(matched) == sorted(f"k{k}" for k in range(8))
-    assert (m.finished_waiting, m.regs_waiting) == (0, 0)
+    assert (m.count(Waiting), m.count(Registered)) == (0, 0)

@@ -1,0 +1,73 @@
+"""D's completer thread: verify a finished request's bytes, give its blocks back, answer it.
+
+Verification reads every byte of the request's blocks; it runs here, on one executor thread, so
+it never delays the receiver's notification polling. ``complete`` is called by the receiver
+thread after it removed the request from its table; no other thread touches those blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from kvpush.decode.requests import DRequest
+from kvpush.memory.pool import KvPool
+from kvpush.telemetry.names import Counter, Failure, Hist
+from kvpush.telemetry.store import Telemetry
+from kvpush.wire import protocol
+
+log = logging.getLogger(__name__)
+
+
+class Completer:
+    def __init__(self, pool: KvPool, telemetry: Telemetry, verify: bool) -> None:
+        self._pool = pool
+        self._tm = telemetry
+        self.verify = verify  # may be switched at run time (benchmarks time without it)
+        self._ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="completer")
+
+    def submit(self, req: DRequest) -> None:
+        self._ex.submit(self.complete, req)
+
+    def close(self) -> None:
+        self._ex.shutdown(wait=True)
+
+    def complete(self, req: DRequest) -> None:
+        """Verify, give the blocks back, resolve the future (this thread)."""
+        verified: bool | None = None
+        try:
+            if self.verify:
+                verified = self._pool.verify(req.transfer_id, req.block_ids)
+        except Exception:  # a verification bug must still resolve the request
+            log.exception("verification of %s failed", req.request_id)
+            verified = False
+        finally:
+            self._pool.allocator.release(req.request_id)
+        latency = time.monotonic() - req.t_start
+        if verified is False:
+            self._tm.fail(Failure.VERIFY_FAILED)
+            self._tm.inc(Counter.REQUESTS_FAILED)
+            rep = protocol.DecodeRep(
+                transfer_id=req.transfer_id,
+                request_id=req.request_id,
+                outcome="failed",
+                reason=Failure.VERIFY_FAILED,
+                detail="received bytes differ from the transfer's pattern",
+                latency_s=latency,
+                nbytes=req.nbytes,
+                verified=False,
+            )
+        else:
+            self._tm.inc(Counter.REQUESTS_OK)
+            self._tm.inc(Counter.BYTES_RECEIVED, req.nbytes)
+            self._tm.observe(Hist.DECODE_LATENCY, latency)
+            rep = protocol.DecodeRep(
+                transfer_id=req.transfer_id,
+                request_id=req.request_id,
+                outcome="ok",
+                latency_s=latency,
+                nbytes=req.nbytes,
+                verified=verified,
+            )
+        req.future.set_result(rep)

@@ -1,0 +1,145 @@
+"""D's role: allocate blocks for a request, let the receiver register them with P, answer.
+
+``decode(transfer_id, P address, num_blocks)`` allocates blocks (all or nothing; refused at once
+with ``no_free_blocks``) and hands the request to the receiver (``kvpush.decode.receiver``, on
+this role's owner thread); the returned future resolves with a ``DecodeRep`` once the KV has
+landed and been verified, or failed with a reason -- it never raises for peer failures. Decode
+requests arrive on the side channel; their replies go out when the future resolves.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import msgspec
+import numpy as np
+
+from kvpush.config import format_address, parse_address
+from kvpush.decode.completer import Completer
+from kvpush.decode.receiver import Receiver, failed_rep
+from kvpush.decode.requests import DRequest
+from kvpush.errors import KvpushError, NoFreeBlocksError
+from kvpush.runtime.context import EndpointContext
+from kvpush.runtime.owner import OwnerThread
+from kvpush.telemetry.names import Failure
+from kvpush.transport.sidechannel import ReplyFn
+from kvpush.wire import protocol
+
+
+class DecodeRole:
+    name = "decode"
+
+    def __init__(self, ctx: EndpointContext) -> None:
+        self.ctx = ctx
+        self.owner = OwnerThread("decode-receiver", ctx.cfg.agent)
+        self.completer = Completer(ctx.pool, ctx.telemetry, ctx.cfg.verify)
+        self.receiver = Receiver(
+            ctx.cfg,
+            ctx.agent,
+            ctx.pool,
+            ctx.handshakes,
+            ctx.codec,
+            ctx.telemetry,
+            ctx.metadata,
+            self.completer,
+            self.owner,
+            on_ping=ctx.on_ping,
+        )
+        self._stopping = threading.Event()
+
+    # ------------------------------------------------------------------ Role
+    def start(self) -> None:
+        self.owner.start()
+
+    def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
+        if not isinstance(req, protocol.DecodeReq):
+            return False
+        addr = format_address(req.prefill_host, req.prefill_port)
+        fut = self.decode(req.transfer_id, addr, req.num_blocks, req.deadline_s, req.request_id)
+        rid = req.rid
+
+        def done(f: Future[protocol.DecodeRep]) -> None:
+            reply(msgspec.structs.replace(f.result(), rid=rid))
+
+        fut.add_done_callback(done)
+        return True
+
+    def stop_intake(self, drain_s: float) -> None:
+        self._stopping.set()
+        deadline = time.monotonic() + drain_s
+        # Waiting requests get until the drain deadline to receive their KV.
+        while (
+            (self.receiver.table.n_waiting or len(self.receiver.new))
+            and time.monotonic() < deadline
+            and self.owner.alive
+        ):
+            time.sleep(0.01)
+
+    def stop(self, drain_s: float) -> None:
+        self.owner.stop(drain_s)
+        self.completer.close()
+
+    def failure(self) -> BaseException | None:
+        return self.owner.failure
+
+    def poke(self) -> None:
+        self.owner.wake.set()
+
+    # ------------------------------------------------------------------ API (any thread)
+    def decode(
+        self,
+        transfer_id: str,
+        prefill_address: str,
+        num_blocks: int,
+        deadline_s: float = 0.0,
+        request_id: str = "",
+    ) -> Future[protocol.DecodeRep]:
+        """Register ``num_blocks`` blocks with P for ``transfer_id``; the future resolves with a
+        ``DecodeRep`` (ok, or failed with a reason)."""
+        p_key = parse_address(prefill_address)
+        rid = request_id or transfer_id
+        cfg, pool, tm = self.ctx.cfg, self.ctx.pool, self.ctx.telemetry
+        fut: Future[protocol.DecodeRep] = Future()
+        t0 = time.monotonic()
+        dl = deadline_s if deadline_s > 0 else cfg.timeouts.request_deadline_s
+        req = DRequest(
+            request_id=rid,
+            transfer_id=transfer_id,
+            p_key=p_key,
+            block_ids=np.empty(0, dtype=np.int64),
+            future=fut,
+            t_start=t0,
+            deadline=t0 + dl,
+            nbytes=num_blocks * cfg.pool.bytes_per_block_all_regions,
+        )
+
+        def refuse(reason: Failure, detail: str) -> Future[protocol.DecodeRep]:
+            fut.set_result(failed_rep(tm, req, reason, detail))
+            return fut
+
+        if self._stopping.is_set():
+            return refuse(Failure.SHUTTING_DOWN, "D is stopping")
+        try:
+            req.block_ids = pool.allocator.allocate(rid, num_blocks)
+        except NoFreeBlocksError as e:
+            tm.fail(Failure.NO_FREE_BLOCKS)
+            return refuse(Failure.NO_FREE_BLOCKS, str(e))
+        except ValueError as e:
+            if pool.allocator.state_of(rid) is not None:
+                # The id holds blocks: a waiting or quarantined request uses it.
+                return refuse(Failure.DUPLICATE_REQUEST, "request id in use")
+            return refuse(Failure.BAD_REQUEST, str(e))
+        try:
+            self.receiver.new.put(req)
+        except KvpushError as e:
+            pool.allocator.release(rid)
+            return refuse(Failure.OVERLOADED, str(e))
+        return fut
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a waiting request (D-side abort). If its PUSH_REG went out, P is told to drop
+        it and the blocks stay quarantined until P's WRITE completion or fence says no more
+        bytes can land (vLLM's C1: never hand them to the next request before)."""
+        self.receiver.cancels.put(request_id)

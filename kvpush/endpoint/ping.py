@@ -1,0 +1,106 @@
+"""NIXL notification round trips between endpoints (``kvpush probe --ping``).
+
+``Pinger.ping`` runs on the caller's thread: it sends ``Ping`` notifications to a peer and waits
+for each answer. ``Pinger.on_ping`` is called on the role's owner thread for every Ping
+notification: an answer resolves a waiting ping, a question is answered (after a notif-only
+handshake back to the address it names, in the background like every handshake).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from kvpush.config import HandshakeMode
+from kvpush.errors import KvpushError, PeerUnreachableError
+from kvpush.peers.handshakes import HandshakeManager, PeerConn
+from kvpush.transport.nixl import NixlAgent
+from kvpush.wire import protocol
+from kvpush.wire.notifs import NotifCodec
+
+log = logging.getLogger(__name__)
+
+
+class Pinger:
+    def __init__(
+        self,
+        agent: NixlAgent,
+        handshakes: HandshakeManager,
+        codec: NotifCodec,
+        reply_to: tuple[str, int],
+        timeout_s: float,
+    ) -> None:
+        self._agent = agent
+        self._hs = handshakes
+        self._codec = codec
+        self._reply_to = reply_to
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._waiters: dict[int, Future[float]] = {}
+        self._seq = 0
+
+    def ping(self, conn: PeerConn, count: int, poke: Callable[[], None]) -> list[float]:
+        """``count`` round trips to ``conn`` (a first, warm-up trip is not counted)."""
+        out: list[float] = []
+        for i in range(count + 1):
+            with self._lock:
+                self._seq += 1
+                seq = self._seq
+                fut: Future[float] = Future()
+                self._waiters[seq] = fut
+            t0 = time.perf_counter()
+            msg = protocol.Ping(
+                seq=seq,
+                reply_host=self._reply_to[0],
+                reply_port=self._reply_to[1],
+                sent_at=time.time(),
+            )
+            self._agent.send_notif(conn.agent_name, self._codec.encode(msg))
+            poke()
+            try:
+                t1 = fut.result(self._timeout_s)
+            except TimeoutError:
+                raise PeerUnreachableError(
+                    f"{conn.address} did not answer NIXL ping {i} in time"
+                ) from None
+            finally:
+                with self._lock:
+                    self._waiters.pop(seq, None)
+            if i > 0:
+                out.append(t1 - t0)
+        return out
+
+    def on_ping(self, sender: str, msg: protocol.Ping) -> None:
+        """Owner thread: resolve an answer, or answer a question."""
+        if msg.reply:
+            with self._lock:
+                fut = self._waiters.get(msg.seq)
+            if fut is not None and not fut.done():
+                fut.set_result(time.perf_counter())
+            return
+        key = (msg.reply_host, msg.reply_port)
+        agent, codec = self._agent, self._codec
+
+        def answer(conn: PeerConn) -> None:
+            try:
+                agent.send_notif(
+                    conn.agent_name, codec.encode(protocol.Ping(seq=msg.seq, reply=True))
+                )
+            except KvpushError as e:
+                log.debug("ping reply failed: %s", e)
+
+        hs_fut = self._hs.ensure(key, HandshakeMode.NOTIF)
+        if hs_fut is None:
+            conn = self._hs.get(key)
+            if conn is not None:
+                answer(conn)
+            return
+
+        def done(f: Future[PeerConn]) -> None:
+            if f.exception() is None:
+                answer(f.result())
+
+        hs_fut.add_done_callback(done)

@@ -1,0 +1,50 @@
+"""A handshake peer as data: its key, its connection, its row in the peer table."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from kvpush.config import HandshakeMode, format_address
+from kvpush.telemetry.names import PeerState
+from kvpush.transport.nixl import DList
+from kvpush.wire import protocol
+
+PeerKey = tuple[str, int]
+
+
+@dataclass
+class PeerConn:
+    """A connected peer: its metadata, loaded agent and (full mode) remote descriptor list."""
+
+    key: PeerKey
+    metadata: protocol.EndpointMetadata
+    agent_name: str
+    mode: HandshakeMode
+    remote_dlist: DList | None
+    timings: dict[str, float]
+    rtt_s: float
+    clock_offset_s: float
+    connected_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    released: bool = False
+
+    @property
+    def address(self) -> str:
+        return format_address(*self.key)
+
+
+@dataclass
+class PeerEntry:
+    """One row of the handshake manager's peer table (guarded by its lock)."""
+
+    key: PeerKey
+    mode: HandshakeMode
+    state: PeerState
+    future: Future[PeerConn]
+    started: float
+    conn: PeerConn | None = None
+    failures: int = 0
+    last_error: str = ""
+    duration_s: float = 0.0

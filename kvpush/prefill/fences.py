@@ -1,0 +1,124 @@
+"""Fences: how P frees blocks of WRITEs it abandoned while their bytes may still be moving.
+
+Releasing an in-flight NIXL transfer does not stop its bytes (DESIGN.md section 3). So an
+abandoned WRITE quarantines P's blocks and tells D ``may_have_written``; D quarantines its blocks
+too. A *fence* -- a one-block WRITE with a ``Fence`` notification to the same peer, which
+completes only after every earlier WRITE to that peer has landed -- then frees both sides: P's
+blocks when the fence WRITE completes, D's when the fence notification arrives.
+
+``Fences`` keeps the entries waiting for a fence per peer and posts one fence per peer from the
+writer's housekeeping; a fence that times out (peer frozen) puts its entries back to fence again
+later, a fence to a dead peer releases them (nothing can land any more). Runs on the writer
+thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvpush.memory.pool import KvPool
+from kvpush.peers.handshakes import HandshakeManager, PeerKey
+from kvpush.prefill.plan import LocalGeometry, fence_plan
+from kvpush.prefill.table import FenceEntry, FenceWrite, PushTable
+from kvpush.ratelog import RateLimitedLog
+from kvpush.telemetry.names import Counter, Failure
+from kvpush.telemetry.store import Telemetry
+from kvpush.transport.nixl import DList, NixlAgent, TransferError
+from kvpush.wire import protocol
+from kvpush.wire.notifs import NotifCodec
+
+log = logging.getLogger(__name__)
+
+MAX_PER_FENCE = 4096  # one Fence notification names at most this many requests
+
+
+class Fences:
+    def __init__(
+        self,
+        agent: NixlAgent,
+        pool: KvPool,
+        table: PushTable,
+        handshakes: HandshakeManager,
+        codec: NotifCodec,
+        telemetry: Telemetry,
+        geometry: LocalGeometry,
+        fence_timeout_s: float,
+    ) -> None:
+        self._agent = agent
+        self._pool = pool
+        self._table = table
+        self._hs = handshakes
+        self._codec = codec
+        self._tm = telemetry
+        self._geom = geometry
+        self._timeout_s = fence_timeout_s
+        self._pending: dict[PeerKey, list[FenceEntry]] = {}
+        self._seq = 0
+        self._rl = RateLimitedLog(log)
+
+    def add(self, peer: PeerKey, entry: FenceEntry) -> None:
+        self._pending.setdefault(peer, []).append(entry)
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def forget_peer(self, peer: PeerKey) -> None:
+        """The peer is gone: nothing can land any more, its quarantined blocks are free."""
+        for e in self._pending.pop(peer, []):
+            self._pool.allocator.release_quarantined(e.key)
+
+    def completed(self, fw: FenceWrite) -> None:
+        for e in fw.entries:
+            self._pool.allocator.release_quarantined(e.key)
+        self._tm.inc(Counter.FENCES_OK)
+
+    def failed(self, fw: FenceWrite, peer_dead: bool) -> None:
+        self._tm.fail(Failure.FENCE_FAILED)
+        if peer_dead:  # nothing can land any more
+            for e in fw.entries:
+                self._pool.allocator.release_quarantined(e.key)
+        else:  # peer stalled (e.g. frozen): fence again later; blocks stay quarantined
+            self._pending.setdefault(fw.conn.key, []).extend(fw.entries)
+
+    def send(self, local_dlist: DList) -> list[FenceWrite]:
+        """Post one fence per peer with pending entries; return those already DONE at post."""
+        done: list[FenceWrite] = []
+        for peer, entries in list(self._pending.items()):
+            conn = self._hs.get(peer)
+            if conn is None or conn.remote_dlist is None:
+                continue  # peer gone or reconnecting: the writer's eviction releases the blocks
+            del self._pending[peer]
+            if len(entries) > MAX_PER_FENCE:
+                self._pending[peer] = entries[MAX_PER_FENCE:]
+                entries = entries[:MAX_PER_FENCE]
+            # Write one of P's quarantined blocks onto one of D's blocks of the same abandoned
+            # request: D keeps those quarantined until this very fence lands. The source only
+            # needs to be readable: P's own block 0 when the abandoned blocks are gone.
+            src, remote_block = 0, entries[0].d_block
+            for e in entries:
+                held = self._pool.allocator.blocks_of(e.key)
+                if len(held):
+                    src, remote_block = int(held[0]), e.d_block
+                    break
+            self._seq += 1
+            fence_id = f"fence-{self._seq}"
+            plan = fence_plan(src, remote_block, conn.metadata, self._geom)
+            notif = self._codec.encode(
+                protocol.Fence(fence_id=fence_id, request_ids=[e.d_request_id for e in entries])
+            )
+            try:
+                xfer, st = self._agent.post_write(
+                    local_dlist, plan.local_idx, conn.remote_dlist, plan.remote_idx, notif
+                )
+            except TransferError as e:
+                self._rl.warning("fence", "fence to %s failed to post: %s", conn.address, e)
+                self._pending.setdefault(peer, []).extend(entries)
+                continue
+            t = time.monotonic()
+            fw = FenceWrite(fence_id, xfer, conn, t, t + self._timeout_s, plan.nbytes, entries)
+            self._table.fence_posted(fw)
+            self._tm.inc(Counter.FENCES_SENT)
+            if st == "DONE":
+                done.append(fw)
+        return done

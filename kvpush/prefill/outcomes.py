@@ -1,0 +1,194 @@
+"""What P tells D, and D's cancels: one place for every Failure notification P sends.
+
+``fail`` is the one path of a push that will not complete: it counts the reason, logs it
+(rate-limited), quarantines or frees P's blocks and sends D a ``Failure`` naming the reason (the
+closed set ``kvpush.telemetry.names.Failure``) with the detail beside it. ``on_cancel`` handles
+D's ``Cancel`` of a registered transfer and acknowledges it once nothing can be written any more.
+Runs on the writer thread; handshake callbacks hand their work back through the tasks inbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from kvpush.config import HandshakeMode
+from kvpush.memory.pool import KvPool
+from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
+from kvpush.prefill.table import (
+    AwaitingHandshake,
+    CancelledEarly,
+    Push,
+    PushTable,
+    Registered,
+    Registration,
+    Waiting,
+    Writing,
+)
+from kvpush.ratelog import RateLimitedLog
+from kvpush.runtime.inbox import Inbox
+from kvpush.runtime.owner import OwnerThread
+from kvpush.telemetry.names import Counter, Failure
+from kvpush.telemetry.store import Telemetry
+from kvpush.transport.nixl import NixlAgent, TransferError
+from kvpush.wire import protocol
+from kvpush.wire.notifs import NotifCodec
+
+log = logging.getLogger(__name__)
+
+MAX_EARLY_CANCELS = 100_000
+
+
+class Outcomes:
+    def __init__(
+        self,
+        agent: NixlAgent,
+        pool: KvPool,
+        table: PushTable,
+        handshakes: HandshakeManager,
+        codec: NotifCodec,
+        telemetry: Telemetry,
+        owner: OwnerThread,
+        tasks: Inbox[Callable[[], None]],
+    ) -> None:
+        self._agent = agent
+        self._pool = pool
+        self.table = table
+        self._hs = handshakes
+        self._codec = codec
+        self._tm = telemetry
+        self._owner = owner
+        self._tasks = tasks
+        self._rl = RateLimitedLog(log)
+
+    def fail(
+        self,
+        push: Push,
+        reason: Failure,
+        detail: str,
+        *,
+        conn: PeerConn | None = None,
+        may_have_written: bool = False,
+    ) -> None:
+        st = self.table.get(push.key)
+        if isinstance(st, AwaitingHandshake) and st.push.finished is push.finished:
+            self.table.pop(push.key)
+        self._tm.fail(reason)
+        self._tm.inc(Counter.PUSHES_FAILED)
+        self._rl.warning(str(reason), "push %s failed (%s): %s", push.key, reason, detail)
+        if may_have_written:
+            self._pool.allocator.quarantine(push.key, reason)
+        else:
+            self._pool.allocator.release(push.key)
+        reg = push.registration.reg
+        if conn is None:
+            conn = self._hs.get(push.peer)
+        if conn is not None:
+            self.notify(
+                conn,
+                protocol.Failure(
+                    request_id=reg.request_id,
+                    transfer_id=reg.transfer_id,
+                    reason=reason,
+                    detail=detail[:1000],
+                    may_have_written=may_have_written,
+                ),
+            )
+
+    def notify(self, conn: PeerConn, msg: protocol.Notif) -> bool:
+        try:
+            self._agent.send_notif(conn.agent_name, self._codec.encode(msg))
+            return True
+        except TransferError as e:
+            self._rl.warning("notify", "notification to %s failed: %s", conn.address, e)
+            return False
+
+    def refuse_registration(self, r: Registration, reason: Failure, detail: str) -> None:
+        """Tell D (when connected) that a registration that never met its blocks is dropped;
+        nothing was written, so D can free its blocks at once."""
+        conn = self._hs.get((r.reg.decode_host, r.reg.decode_port))
+        if conn is not None:
+            self.notify(
+                conn,
+                protocol.Failure(
+                    request_id=r.reg.request_id,
+                    transfer_id=r.reg.transfer_id,
+                    reason=reason,
+                    detail=detail,
+                ),
+            )
+
+    # ------------------------------------------------------------------ cancels
+    def on_cancel(self, msg: protocol.Cancel, sender: str) -> None:
+        """D abandoned a request after its PUSH_REG. Drop it; if no byte can land any more,
+        acknowledge with Failure(cancelled, may_have_written=False) so D frees its blocks; if a
+        WRITE is in flight, its own completion notification tells D when the bytes landed.
+
+        Only the agent that sent the registration may cancel it (a PUSH_REG always precedes its
+        Cancel on the same connection): a Cancel from anyone else is counted as forged."""
+        key = msg.transfer_id or msg.request_id
+        st = self.table.get(key)
+        owner = self.table.sender(key)
+        if (owner is not None and owner != sender) or (owner is None and isinstance(st, Waiting)):
+            # Not its D, or blocks waiting that nobody registered.
+            self._tm.fail(Failure.FORGED_NOTIF)
+            self._rl.warning("forged", "ignored a Cancel for %s from %s (not its D)", key, sender)
+            return
+        if isinstance(st, Registered):
+            # P has not finished its blocks yet: free them when they do, instead of holding
+            # them until their lease lapses (a burst of aborts exhausted P).
+            if self.table.count(CancelledEarly) < MAX_EARLY_CANCELS:
+                self.table.cancel_early(key, time.monotonic())
+            else:
+                self.table.pop(key)
+            self.ack_cancel(msg, sender)
+        elif isinstance(st, AwaitingHandshake):
+            st.cancelled = True  # dropped (and acknowledged) when its handshake returns
+        elif isinstance(st, Writing):
+            return  # the WRITE's own completion notification tells D when bytes landed
+        else:
+            # Unknown here (finished already, or never seen): nothing will be written for it.
+            self.ack_cancel(msg, sender)
+
+    def ack_cancel(self, msg: protocol.Cancel, sender: str) -> None:
+        """Tell D that nothing was (or will be) written for a cancelled request. Without a
+        connection to D yet, handshake to the address the Cancel carries -- in the background,
+        like a push -- and acknowledge from this thread once it is up."""
+        ack = protocol.Failure(
+            request_id=msg.request_id,
+            transfer_id=msg.transfer_id,
+            reason=Failure.CANCELLED,
+            detail="cancel acknowledged; nothing was written",
+            may_have_written=False,
+        )
+        conn = self._hs.by_agent(sender)
+        if conn is not None:
+            self.notify(conn, ack)
+            return
+        if not msg.decode_port:
+            self._tm.fail(Failure.CANCEL_UNACKNOWLEDGED)
+            return
+        key: PeerKey = (msg.decode_host, msg.decode_port)
+        fut = self._hs.ensure(key, HandshakeMode.FULL)
+        if fut is None:
+            self._ack_after_handshake(key, ack)
+            return
+
+        def done(f: Future[PeerConn]) -> None:  # handshake thread: hand back to the writer
+            if f.exception() is not None:
+                self._tm.fail(Failure.CANCEL_UNACKNOWLEDGED)
+                return
+            self._owner.hand_off(
+                self._tasks,
+                lambda: self._ack_after_handshake(key, ack),
+                lambda e: self._tm.fail(Failure.CANCEL_UNACKNOWLEDGED),
+            )
+
+        fut.add_done_callback(done)
+
+    def _ack_after_handshake(self, key: PeerKey, ack: protocol.Failure) -> None:
+        conn = self._hs.get(key)
+        if conn is not None:
+            self.notify(conn, ack)

@@ -1,0 +1,76 @@
+"""The write plan of one push: which local descriptors go to which remote ones. Pure.
+
+Given P's finished block ids, D's registration and D's metadata, ``plan_write`` checks what a
+peer sent (one block group, as many blocks as P holds: a misaligned prefix is refused, never
+written -- vLLM's C3 --, ids inside D's pool) and returns the paired descriptor indices into the
+two region-major descriptor lists, with the byte count. No threads, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpush.memory.descriptors import xfer_indices
+from kvpush.telemetry.names import Failure
+from kvpush.wire import protocol
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    local_idx: np.ndarray  # int32 indices into P's local descriptor list
+    remote_idx: np.ndarray  # int32 indices into D's remote descriptor list
+    nbytes: int
+
+
+class PlanError(Exception):
+    """The registration cannot be written as asked: ``reason`` says why."""
+
+    def __init__(self, reason: Failure, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class LocalGeometry:
+    num_blocks: int
+    regions: int
+    block_bytes: int
+
+
+def plan_write(
+    local_ids: np.ndarray,
+    reg: protocol.PushReg,
+    remote: protocol.EndpointMetadata,
+    local: LocalGeometry,
+) -> WritePlan:
+    if len(reg.local_block_ids) != 1:
+        raise PlanError(Failure.BAD_REGISTRATION, "only one block group is supported")
+    remote_ids = np.asarray(reg.local_block_ids[0], dtype=np.int64)
+    if len(remote_ids) != len(local_ids):
+        raise PlanError(
+            Failure.BLOCK_COUNT_MISMATCH,
+            f"P finished {len(local_ids)} blocks, D registered {len(remote_ids)}",
+        )
+    if len(remote_ids) and (
+        int(remote_ids.max()) >= remote.num_blocks or int(remote_ids.min()) < 0
+    ):
+        raise PlanError(Failure.BAD_REGISTRATION, "D block id outside D's pool")
+    return WritePlan(
+        local_idx=xfer_indices(local_ids, local.num_blocks, local.regions),
+        remote_idx=xfer_indices(remote_ids, remote.num_blocks, remote.regions),
+        nbytes=len(local_ids) * local.regions * local.block_bytes,
+    )
+
+
+def fence_plan(
+    src_block: int, remote_block: int, remote: protocol.EndpointMetadata, local: LocalGeometry
+) -> WritePlan:
+    """A fence: one block of region 0, P's ``src_block`` onto D's ``remote_block``."""
+    lidx = xfer_indices(np.asarray([src_block], dtype=np.int64), local.num_blocks, local.regions)
+    ridx = xfer_indices(
+        np.asarray([remote_block], dtype=np.int64), remote.num_blocks, remote.regions
+    )
+    return WritePlan(local_idx=lidx[:1], remote_idx=ridx[:1], nbytes=local.block_bytes)

@@ -1,0 +1,307 @@
+"""P's push table: the one place a transfer's state lives, from finished blocks to a done WRITE.
+
+Pure (no threads, no I/O); owned by the writer thread. Each transfer key (the transfer id, or
+the request id when a PUSH_REG carries none) is in exactly one typed state::
+
+    Finished ──PUSH_REG──▶ (matched) ──▶ AwaitingHandshake ──▶ Writing ──▶ gone
+    Registered ──blocks──▶ (matched) ──▶ Writing ──▶ gone            (P->D peer already connected)
+    Registered ──Cancel──▶ CancelledEarly ──blocks──▶ gone (blocks freed at once)
+
+Either side may arrive first. A finished transfer holds P's blocks under a lease that starts when
+its blocks finish; D's heartbeats renew it while D waits; an expired lease gives the blocks back.
+A registration that never meets its blocks is dropped after ``reg_ttl_s`` (D's own deadline fails
+the request on D's side). Matching is O(1) per arrival; expiry scans the waiting states only.
+
+In-flight WRITEs and fences are also indexed by their NIXL handle here (``inflight``), so the
+writer polls one map and a cancel or a sender lookup is one dict access.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvpush.peers.handshakes import PeerConn, PeerKey
+from kvpush.transport.nixl import Xfer
+from kvpush.wire import protocol
+
+
+@dataclass(frozen=True)
+class Finished:
+    """P's blocks of one transfer are filled and ready to be written."""
+
+    key: str
+    transfer_id: str
+    request_id: str
+    block_ids: np.ndarray
+    t_finished: float  # monotonic
+
+
+@dataclass(frozen=True)
+class Registration:
+    """D's PUSH_REG: where P must write, and who sent it."""
+
+    key: str
+    reg: protocol.PushReg
+    sender: str  # NIXL agent name the PUSH_REG came from
+    t_arrived: float
+
+
+@dataclass(frozen=True)
+class Push:
+    """A matched pair: P's blocks and D's registration, ready to be written."""
+
+    finished: Finished
+    registration: Registration
+    attempt: int = 0
+
+    @property
+    def key(self) -> str:
+        return self.finished.key
+
+    @property
+    def peer(self) -> PeerKey:
+        reg = self.registration.reg
+        return (reg.decode_host, reg.decode_port)
+
+    def retry(self) -> Push:
+        return Push(self.finished, self.registration, self.attempt + 1)
+
+
+def reg_key(reg: protocol.PushReg) -> str:
+    return reg.transfer_id or reg.request_id
+
+
+# --------------------------------------------------------------------------- the typed states
+
+
+@dataclass
+class Waiting:
+    """Finished blocks awaiting D's PUSH_REG, under a lease."""
+
+    finished: Finished
+    lease_until: float
+
+
+@dataclass
+class Registered:
+    """A PUSH_REG awaiting P's blocks."""
+
+    registration: Registration
+
+
+@dataclass
+class AwaitingHandshake:
+    """Matched; the P->D handshake runs in the background. ``cancelled``: D cancelled meanwhile."""
+
+    push: Push
+    cancelled: bool = False
+
+
+@dataclass
+class Writing:
+    """A posted WRITE of one push."""
+
+    push: Push
+    xfer: Xfer
+    conn: PeerConn
+    t_post: float
+    deadline: float
+    nbytes: int
+
+
+@dataclass
+class CancelledEarly:
+    """D cancelled before P's blocks finished: free them the moment they do."""
+
+    since: float
+
+
+@dataclass(frozen=True)
+class FenceEntry:
+    """A quarantined transfer a fence covers: P's key, one of D's blocks of it, D's request id."""
+
+    key: str
+    d_block: int
+    d_request_id: str
+
+
+@dataclass
+class FenceWrite:
+    """A posted fence: a one-block WRITE + Fence notification to one peer."""
+
+    fence_id: str
+    xfer: Xfer
+    conn: PeerConn
+    t_post: float
+    deadline: float
+    nbytes: int
+    entries: list[FenceEntry] = field(default_factory=list)
+
+
+State = Waiting | Registered | AwaitingHandshake | Writing | CancelledEarly
+InFlight = Writing | FenceWrite
+
+
+class DuplicateError(ValueError):
+    pass
+
+
+class PushTable:
+    def __init__(self, lease_s: float, reg_ttl_s: float) -> None:
+        self.lease_s = lease_s
+        self.reg_ttl_s = reg_ttl_s
+        self._states: dict[str, State] = {}
+        self._inflight: dict[int, InFlight] = {}
+        self._counts: dict[type, int] = dict.fromkeys(
+            (Waiting, Registered, AwaitingHandshake, Writing, CancelledEarly), 0
+        )
+
+    # ------------------------------------------------------------------ reads
+    def get(self, key: str) -> State | None:
+        return self._states.get(key)
+
+    def count(self, kind: type) -> int:
+        return self._counts[kind]
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def sender(self, key: str) -> str | None:
+        """The NIXL agent whose PUSH_REG P holds for ``key`` (registered, matched, writing)."""
+        st = self._states.get(key)
+        if isinstance(st, Registered):
+            return st.registration.sender
+        if isinstance(st, (AwaitingHandshake, Writing)):
+            return st.push.registration.sender
+        return None
+
+    def inflight(self) -> list[InFlight]:
+        """A copy: the caller may complete or abandon entries while iterating."""
+        return list(self._inflight.values())
+
+    def has_inflight(self) -> bool:
+        return bool(self._inflight)
+
+    def peers_in_flight(self) -> set[PeerKey]:
+        return {w.conn.key for w in self._inflight.values()}
+
+    def waiting_keys(self) -> list[str]:
+        """Keys of finished transfers still waiting for their PUSH_REG."""
+        return [k for k, s in self._states.items() if isinstance(s, Waiting)]
+
+    def waiting_handshake(self) -> Iterator[AwaitingHandshake]:
+        return (s for s in list(self._states.values()) if isinstance(s, AwaitingHandshake))
+
+    # ------------------------------------------------------------------ transitions
+    def _set(self, key: str, st: State) -> None:
+        old = self._states.get(key)
+        if old is not None:
+            self._counts[type(old)] -= 1
+        self._states[key] = st
+        self._counts[type(st)] += 1
+
+    def pop(self, key: str) -> State | None:
+        st = self._states.pop(key, None)
+        if st is not None:
+            self._counts[type(st)] -= 1
+        return st
+
+    def add_finished(self, f: Finished, now: float) -> Push | CancelledEarly | None:
+        """P's blocks finished: the matched push, the early cancel they meet, or None (wait)."""
+        st = self._states.get(f.key)
+        if isinstance(st, CancelledEarly):
+            self.pop(f.key)
+            return st
+        if isinstance(st, Registered):
+            self.pop(f.key)
+            return Push(f, st.registration)
+        if isinstance(st, Waiting):
+            raise DuplicateError(f"transfer {f.key} already finished and waiting")
+        if st is not None:
+            raise DuplicateError(f"transfer {f.key} already matched ({type(st).__name__})")
+        self._set(f.key, Waiting(f, now + self.lease_s))
+        return None
+
+    def add_registration(self, r: Registration) -> Push | CancelledEarly | None:
+        """D's PUSH_REG: the matched push, an early cancel it meets, or None (wait for blocks)."""
+        st = self._states.get(r.key)
+        if isinstance(st, CancelledEarly):
+            self.pop(r.key)
+            return st
+        if isinstance(st, Waiting):
+            self.pop(r.key)
+            return Push(st.finished, r)
+        if isinstance(st, Registered):
+            raise DuplicateError(f"transfer {r.key} already registered")
+        if st is not None:
+            raise DuplicateError(f"transfer {r.key} already matched ({type(st).__name__})")
+        self._set(r.key, Registered(r))
+        return None
+
+    def await_handshake(self, push: Push) -> None:
+        self._set(push.key, AwaitingHandshake(push))
+
+    def writing(self, w: Writing) -> None:
+        self._set(w.push.key, w)
+        self._inflight[id(w.xfer)] = w
+
+    def fence_posted(self, fw: FenceWrite) -> None:
+        self._inflight[id(fw.xfer)] = fw
+
+    def done(self, entry: InFlight) -> None:
+        """A WRITE or fence completed or was abandoned: forget it."""
+        self._inflight.pop(id(entry.xfer), None)
+        if isinstance(entry, Writing) and self._states.get(entry.push.key) is entry:
+            self.pop(entry.push.key)
+
+    def cancel_early(self, key: str, now: float) -> None:
+        self._set(key, CancelledEarly(now))
+
+    # ------------------------------------------------------------------ leases and expiry
+    def renew(self, keys: list[str], now: float) -> int:
+        """Heartbeat: extend each waiting lease to at least now + 2/3 of its length."""
+        n = 0
+        ext = now + self.lease_s * 2 / 3
+        for k in keys:
+            st = self._states.get(k)
+            if isinstance(st, Waiting):
+                if st.lease_until < ext:
+                    st.lease_until = ext
+                n += 1
+        return n
+
+    def expire(self, now: float) -> tuple[list[Finished], list[Registration]]:
+        """Remove and return finished transfers whose lease lapsed, and stale registrations
+        (early cancels are forgotten after the registration TTL too)."""
+        fins: list[Finished] = []
+        regs: list[Registration] = []
+        if not (self._counts[Waiting] or self._counts[Registered] or self._counts[CancelledEarly]):
+            return fins, regs
+        for k, st in list(self._states.items()):
+            if isinstance(st, Waiting) and st.lease_until <= now:
+                self.pop(k)
+                fins.append(st.finished)
+            elif isinstance(st, Registered) and now - st.registration.t_arrived > self.reg_ttl_s:
+                self.pop(k)
+                regs.append(st.registration)
+            elif isinstance(st, CancelledEarly) and now - st.since > self.reg_ttl_s:
+                self.pop(k)
+        return fins, regs
+
+    def drain_waiting(self) -> tuple[list[Finished], list[Registration]]:
+        """Shutdown: remove every transfer not yet matched."""
+        fins: list[Finished] = []
+        regs: list[Registration] = []
+        for k, st in list(self._states.items()):
+            if isinstance(st, Waiting):
+                fins.append(st.finished)
+                self.pop(k)
+            elif isinstance(st, Registered):
+                regs.append(st.registration)
+                self.pop(k)
+            elif isinstance(st, CancelledEarly):
+                self.pop(k)
+        return fins, regs

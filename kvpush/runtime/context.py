@@ -1,0 +1,68 @@
+"""What an endpoint hands its role: the shared resources, built complete, and the role contract.
+
+The endpoint core (``kvpush.endpoint``) builds every shared resource before any role exists --
+pool, NIXL agent, handshake manager, codec, telemetry, its own metadata -- and passes them in one
+``EndpointContext``; the role (P's ``PrefillRole``, D's ``DecodeRole``) owns its ``OwnerThread``
+and serves its side-channel requests. Composition, not a template: roles never import the
+endpoint, and nothing here is Optional until some start() ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvpush.config import EndpointConfig
+from kvpush.memory.pool import KvPool
+from kvpush.peers.handshakes import HandshakeManager
+from kvpush.runtime.owner import OwnerThread
+from kvpush.telemetry.store import Telemetry
+from kvpush.transport.nixl import NixlAgent
+from kvpush.transport.sidechannel import ReplyFn
+from kvpush.wire import protocol
+from kvpush.wire.notifs import NotifCodec
+
+
+@dataclass(frozen=True)
+class EndpointContext:
+    cfg: EndpointConfig
+    agent: NixlAgent
+    pool: KvPool
+    handshakes: HandshakeManager
+    codec: NotifCodec
+    telemetry: Telemetry
+    metadata: protocol.EndpointMetadata
+    # Ping notifications are the endpoint's business; the role's owner thread hands them over.
+    on_ping: Callable[[str, protocol.Ping], None]
+    # Slow control requests (P fills blocks) run here, never on the side-channel thread.
+    control: ThreadPoolExecutor
+
+    @property
+    def incarnation(self) -> str:
+        return self.metadata.incarnation
+
+
+class Role(Protocol):
+    """P's or D's part of an endpoint."""
+
+    owner: OwnerThread
+
+    def start(self) -> None:
+        """Start the owner thread; return once it runs, or raise."""
+
+    def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
+        """Serve a role request (True), or leave it to the endpoint (False)."""
+
+    def stop_intake(self, drain_s: float) -> None:
+        """Refuse new work (D also finishes or fails its waiting requests)."""
+
+    def stop(self, drain_s: float) -> None:
+        """Drain in-flight work and stop the owner thread."""
+
+    def failure(self) -> BaseException | None:
+        """The first failure of the role's threads, if any."""
+
+    def poke(self) -> None:
+        """Wake the owner thread (so it polls notifications now)."""
