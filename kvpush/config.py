@@ -41,6 +41,26 @@ class HandshakeMode(str, Enum):
     FULL = "full"
 
 
+class Wire(str, Enum):
+    """Which wire an endpoint speaks to its peers.
+
+    ``kvpush`` (default): kvpush's own framing, authenticated when a token is set, with failure
+    notifications, cancels and fences. ``vllm``: vLLM 0.33's push wire exactly (``get_meta_msg``
+    answers with NIXL metadata, ``PUSH_REG:`` / ``<id>:<tp>`` / ``HB:`` notifications), so a kvpush
+    endpoint stands in for either side of a vLLM push deployment.
+    """
+
+    KVPUSH = "kvpush"
+    VLLM = "vllm"
+
+
+class KvRegions(str, Enum):
+    """How a layer's K and V lie in memory: two regions per layer, or one holding K|V."""
+
+    PER_KV = "per-kv"  # separate K and V regions (2 per layer)
+    PER_LAYER = "per-layer"  # one region per layer with K|V inside (vLLM's CPU layout)
+
+
 class WriterMode(str, Enum):
     """How P's writer waits for a P->D handshake.
 
@@ -67,6 +87,7 @@ class PoolConfig:
     device: str = "cpu"
     dtype: str = "bfloat16"
     kv_layout: str = "NHD"
+    kv_regions: KvRegions = KvRegions.PER_KV
 
     def __post_init__(self) -> None:
         _positive("--num-blocks", self.num_blocks)
@@ -90,8 +111,8 @@ class PoolConfig:
 
     @property
     def regions(self) -> int:
-        """One region per layer for K and one for V."""
-        return self.layers * 2
+        """Per layer one region for K and one for V, or one for both (``kv_regions``)."""
+        return self.layers * (2 if self.kv_regions == KvRegions.PER_KV else 1)
 
     @property
     def total_bytes(self) -> int:
@@ -204,6 +225,39 @@ class Timeouts:
         return self.write_base_s + nbytes / (self.write_min_gbps * 1e9)
 
 
+_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class VllmWireConfig:
+    """What a ``--wire vllm`` endpoint tells vLLM peers beyond the pool's own geometry.
+
+    Taken from a running vLLM peer (``--like HOST:PORT``) or given by flags. ``compat_hash`` is
+    the compatibility hash both sides must share (vLLM's handshake client checks it before it
+    decodes anything); the rest must match what vLLM validates in a handshake.
+    """
+
+    compat_hash: str
+    block_size: int = 16  # tokens per block
+    attn_backend_name: str = "FLASH_ATTN"
+    region_names: tuple[str, ...] | None = None  # vLLM's layer names, or None (not announced)
+    device_id: int = 0
+
+    def __post_init__(self) -> None:
+        if not _HASH_RE.match(self.compat_hash):
+            raise ConfigError(
+                f"invalid compatibility hash {self.compat_hash!r}",
+                "pass vLLM's 64-hex-digit hash with --compat-hash, or take it from a running "
+                "peer with --like HOST:PORT",
+            )
+        _positive("--vllm-block-size", self.block_size)
+        if not re.match(r"^[A-Za-z0-9_]{1,64}$", self.attn_backend_name):
+            raise ConfigError(
+                f"invalid attention backend name {self.attn_backend_name!r}",
+                "use vLLM's name, e.g. FLASH_ATTN or CPU_ATTN",
+            )
+
+
 def _binds_all_interfaces(host: str) -> bool:
     """True for every spelling of the unspecified address (0.0.0.0, ::, [::], 0, *)."""
     h = host.strip().strip("[]")
@@ -237,6 +291,8 @@ class EndpointConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     handshake_mode: HandshakeMode = HandshakeMode.NOTIF  # D->P; P->D is always full
     writer_mode: WriterMode = WriterMode.DEFERRED
+    wire: Wire = Wire.KVPUSH
+    vllm: VllmWireConfig | None = None  # required with wire=vllm
     verify: bool = True
     auth_token: bytes | None = None
     allow_all_interfaces: bool = False
@@ -268,6 +324,19 @@ class EndpointConfig:
                 f"refusing to bind the side channel to all interfaces ({self.host})",
                 "pass --expose to bind every interface on purpose (and set --auth-token-file)",
             )
+        if self.wire == Wire.VLLM:
+            if self.vllm is None:
+                raise ConfigError(
+                    "--wire vllm needs the vLLM peer's compatibility hash and geometry",
+                    "pass --like HOST:PORT of a running vLLM peer, or --compat-hash",
+                )
+            if self.auth_token is not None:
+                raise ConfigError(
+                    "--wire vllm cannot authenticate: vLLM's push wire has no tokens",
+                    "drop --auth-token-file, and keep the endpoint on a private network",
+                )
+            if self.pool.regions > 1 << 16:
+                raise ConfigError("too many regions for a vLLM peer", "use fewer --layers")
         if self.auth_token is not None and len(self.auth_token) < 16:
             raise ConfigError(
                 "auth token is shorter than 16 bytes",

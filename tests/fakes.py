@@ -386,12 +386,12 @@ class StubPeer:
         return self.metadata.agent_name
 
     @property
-    def key(self) -> tuple[str, int]:
-        return ("127.0.0.1", self.server.port)
+    def key(self) -> tuple[str, int, int]:
+        return ("127.0.0.1", self.server.port, 0)
 
     @property
     def address(self) -> str:
-        return format_address(*self.key)
+        return format_address(*self.key[:2])
 
     # -- serving ----------------------------------------------------------------------------
     def _handle(self, req: protocol.SideRequest, reply: ReplyFn) -> None:
@@ -451,12 +451,12 @@ class BlackHole:
         self.port = int(ep.decode().rsplit(":", 1)[1])
 
     @property
-    def key(self) -> tuple[str, int]:
-        return ("127.0.0.1", self.port)
+    def key(self) -> tuple[str, int, int]:
+        return ("127.0.0.1", self.port, 0)
 
     @property
     def address(self) -> str:
-        return format_address(*self.key)
+        return format_address(*self.key[:2])
 
     def close(self) -> None:
         self.sock.close(0)

@@ -190,7 +190,7 @@ def test_a_peer_that_never_answers_does_not_delay_a_healthy_one(
 def test_nobody_listening_is_unreachable(make_env: Callable[..., Env]) -> None:
     env = make_env(side_channel_s=0.5)
     port = closed_port()
-    fut = env.hs.ensure(("127.0.0.1", port), NOTIF)
+    fut = env.hs.ensure(("127.0.0.1", port, 0), NOTIF)
     assert fut is not None
     with pytest.raises(PeerUnreachableError, match=f"127.0.0.1:{port}"):
         fut.result(10)

@@ -291,6 +291,7 @@ class Receiver:
                             transfer_id=req.transfer_id,
                             decode_host=self.cfg.host,
                             decode_port=self._md.port,
+                            decode_tp_rank=self._md.tp_rank,
                         )
                     ),
                 )

@@ -98,7 +98,8 @@ class DecodeRole:
     ) -> Future[protocol.DecodeRep]:
         """Register ``num_blocks`` blocks with P for ``transfer_id``; the future resolves with a
         ``DecodeRep`` (ok, or failed with a reason)."""
-        p_key = parse_address(prefill_address)
+        host, port = parse_address(prefill_address)
+        p_key = (host, port, 0)
         rid = request_id or transfer_id
         cfg, pool, tm = self.ctx.cfg, self.ctx.pool, self.ctx.telemetry
         fut: Future[protocol.DecodeRep] = Future()

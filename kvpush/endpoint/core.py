@@ -103,7 +103,7 @@ class Endpoint(Generic[R]):
                 self.agent,
                 self.handshakes,
                 self.codec,
-                (cfg.host, self.server.port),
+                (cfg.host, self.server.port, cfg.tp_rank),
                 cfg.timeouts.handshake_s + 2,
             )
             self.ctx = EndpointContext(
@@ -310,7 +310,8 @@ class Endpoint(Generic[R]):
     # ------------------------------------------------------------------ probes
     def handshake_to(self, address: str, mode: HandshakeMode) -> PeerConn:
         """A real NIXL handshake to another endpoint (used by ``kvpush probe --handshake``)."""
-        key = parse_address(address)
+        host, port = parse_address(address)
+        key = (host, port, 0)
         t = self.cfg.timeouts.handshake_s + 1
         try:
             return self.handshakes.handshake_sync(key, mode, t)

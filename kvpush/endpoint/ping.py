@@ -30,7 +30,7 @@ class Pinger:
         agent: NixlAgent,
         handshakes: HandshakeManager,
         codec: NotifCodec,
-        reply_to: tuple[str, int],
+        reply_to: tuple[str, int, int],
         timeout_s: float,
     ) -> None:
         self._agent = agent
@@ -56,6 +56,7 @@ class Pinger:
                 seq=seq,
                 reply_host=self._reply_to[0],
                 reply_port=self._reply_to[1],
+                reply_rank=self._reply_to[2],
                 sent_at=time.time(),
             )
             self._agent.send_notif(conn.agent_name, self._codec.encode(msg))
@@ -81,7 +82,7 @@ class Pinger:
             if fut is not None and not fut.done():
                 fut.set_result(time.perf_counter())
             return
-        key = (msg.reply_host, msg.reply_port)
+        key = (msg.reply_host, msg.reply_port, msg.reply_rank)
         agent, codec = self._agent, self._codec
 
         def answer(conn: PeerConn) -> None:

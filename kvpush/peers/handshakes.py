@@ -32,7 +32,7 @@ from kvpush.errors import (
     ShuttingDownError,
 )
 from kvpush.memory.descriptors import block_descs
-from kvpush.peers.state import PeerConn, PeerEntry, PeerKey
+from kvpush.peers.state import PeerConn, PeerEntry, PeerKey, peer_key, peer_name
 from kvpush.peers.validation import check_reply, mode_satisfies
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter, Failure, Hist, PeerState
@@ -97,7 +97,7 @@ class HandshakeManager:
         for e in entries:
             rows.append(
                 {
-                    "peer": format_address(*e.key),
+                    "peer": peer_name(e.key),
                     "engine_id": e.conn.metadata.engine_id if e.conn else "",
                     "role": e.conn.metadata.role if e.conn else "",
                     "mode": e.mode.value,
@@ -146,7 +146,7 @@ class HandshakeManager:
                 f = Future()
                 f.set_exception(
                     HandshakeError(
-                        format_address(*key),
+                        peer_name(key),
                         f"{self._pending} handshakes already in flight",
                         "retry later; if this persists, a peer may be flooding this endpoint",
                     )
@@ -184,7 +184,7 @@ class HandshakeManager:
                 self._pending -= 1
 
     def _run_one(self, e: PeerEntry) -> None:
-        peer = format_address(*e.key)
+        peer = peer_name(e.key)
         try:
             with self._sem:
                 conn = self._handshake(e.key, e.mode)
@@ -235,15 +235,17 @@ class HandshakeManager:
         return HandshakeError(peer, f"{type(exc).__name__}: {exc}")
 
     def _handshake(self, key: PeerKey, mode: HandshakeMode) -> PeerConn:
-        host, port = key
-        peer = format_address(host, port)
+        host, port, rank = key
+        peer = peer_name(key)
         deadline = time.monotonic() + self._timeouts.handshake_s
         t0 = time.perf_counter()
         w0 = time.time()
         with SideChannelClient(host, port, auth=self._auth) as client:
             try:
                 rep = client.request(
-                    protocol.HandshakeReq(mode=mode.value, requester=self._local.engine_id),
+                    protocol.HandshakeReq(
+                        mode=mode.value, requester=self._local.engine_id, tp_rank=rank
+                    ),
                     timeout_s=min(self._timeouts.side_channel_s, self._timeouts.handshake_s),
                 )
             except PeerUnreachableError as e:
@@ -304,7 +306,7 @@ class HandshakeManager:
             e = self._peers.pop(key, None)
         if e is None:
             return None
-        log.info("evicting peer %s: %s", format_address(*key), reason)
+        log.info("evicting peer %s: %s", peer_name(key), reason)
         self._tm.inc(Counter.PEERS_EVICTED)
         return e.conn
 
@@ -338,4 +340,4 @@ class HandshakeManager:
         return [e.conn for e in entries if e.conn is not None]
 
 
-__all__ = ["HandshakeManager", "PeerConn", "PeerKey"]
+__all__ = ["HandshakeManager", "PeerConn", "PeerKey", "peer_key", "peer_name"]

@@ -11,7 +11,19 @@ from kvpush.telemetry.names import PeerState
 from kvpush.transport.nixl import DList
 from kvpush.wire import protocol
 
-PeerKey = tuple[str, int]
+PeerKey = tuple[str, int, int]
+"""(host, side-channel port, tp rank): a rank of a peer endpoint; each rank is its own agent."""
+
+
+def peer_key(host: str, port: int, rank: int = 0) -> PeerKey:
+    return (host, port, rank)
+
+
+def peer_name(key: PeerKey) -> str:
+    """``HOST:PORT`` for rank 0 (the common case), ``HOST:PORT rank R`` otherwise."""
+    host, port, rank = key
+    addr = format_address(host, port)
+    return addr if rank == 0 else f"{addr} rank {rank}"
 
 
 @dataclass
@@ -32,7 +44,7 @@ class PeerConn:
 
     @property
     def address(self) -> str:
-        return format_address(*self.key)
+        return peer_name(self.key)
 
 
 @dataclass

@@ -108,7 +108,7 @@ class Outcomes:
     def refuse_registration(self, r: Registration, reason: Failure, detail: str) -> None:
         """Tell D (when connected) that a registration that never met its blocks is dropped;
         nothing was written, so D can free its blocks at once."""
-        conn = self._hs.get((r.reg.decode_host, r.reg.decode_port))
+        conn = self._hs.get((r.reg.decode_host, r.reg.decode_port, r.reg.decode_tp_rank))
         if conn is not None:
             self.notify(
                 conn,
@@ -170,7 +170,7 @@ class Outcomes:
         if not msg.decode_port:
             self._tm.fail(Failure.CANCEL_UNACKNOWLEDGED)
             return
-        key: PeerKey = (msg.decode_host, msg.decode_port)
+        key: PeerKey = (msg.decode_host, msg.decode_port, msg.decode_tp_rank)
         fut = self._hs.ensure(key, HandshakeMode.FULL)
         if fut is None:
             self._ack_after_handshake(key, ack)

@@ -64,7 +64,7 @@ class Push:
     @property
     def peer(self) -> PeerKey:
         reg = self.registration.reg
-        return (reg.decode_host, reg.decode_port)
+        return (reg.decode_host, reg.decode_port, reg.decode_tp_rank)
 
     def retry(self) -> Push:
         return Push(self.finished, self.registration, self.attempt + 1)

@@ -126,6 +126,7 @@ class HandshakeReq(Struct, tag="handshake", frozen=True, kw_only=True):
     rid: NonNeg = 0
     mode: Literal["notif", "full"] = "notif"
     requester: Str128 = ""
+    tp_rank: NonNeg = 0  # which rank of the peer endpoint to describe
 
 
 class HandshakeRep(Struct, tag="handshake", frozen=True, kw_only=True):
@@ -260,6 +261,7 @@ class Cancel(Struct, tag="cancel", frozen=True, kw_only=True):
     transfer_id: Str256 = ""
     decode_host: Str256 = ""
     decode_port: Port = 0
+    decode_tp_rank: NonNeg = 0
 
 
 class Fence(Struct, tag="fence", frozen=True, kw_only=True):
@@ -279,6 +281,7 @@ class Ping(Struct, tag="ping", frozen=True, kw_only=True):
     reply_host: Str256 = ""
     reply_port: Port = 0
     sent_at: float = 0.0
+    reply_rank: NonNeg = 0
 
 
 Notif: TypeAlias = PushReg | Completion | Heartbeat | Failure | Cancel | Fence | Ping
