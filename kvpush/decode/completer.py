@@ -36,8 +36,11 @@ class Completer:
     def complete(self, req: DRequest) -> None:
         """Verify, give the blocks back, resolve the future (this thread)."""
         verified: bool | None = None
+        sha = ""
         try:
-            if self.verify:
+            if req.digest:
+                sha = self._pool.digest(req.block_ids)
+            if self.verify and not req.p_engine_id:  # a vLLM P's bytes follow no kvpush pattern
                 verified = self._pool.verify(req.transfer_id, req.block_ids)
         except Exception:  # a verification bug must still resolve the request
             log.exception("verification of %s failed", req.request_id)
@@ -69,5 +72,6 @@ class Completer:
                 latency_s=latency,
                 nbytes=req.nbytes,
                 verified=verified,
+                sha256=sha,
             )
         req.future.set_result(rep)

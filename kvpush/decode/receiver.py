@@ -26,13 +26,14 @@ from kvpush.decode.requests import DRequest, DState, RequestTable
 from kvpush.errors import PeerUnreachableError
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
+from kvpush.peers.vllm_peer import PeerHint
 from kvpush.ratelog import RateLimitedLog
 from kvpush.runtime.owner import OwnerThread, drain_notifications
 from kvpush.telemetry.names import Counter, Failure, Gauge
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import NixlAgent, TransferError
 from kvpush.wire import protocol
-from kvpush.wire.notifs import NotifCodec
+from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class Receiver:
         agent: NixlAgent,
         pool: KvPool,
         handshakes: HandshakeManager,
-        codec: NotifCodec,
+        codec: Codec,
         telemetry: Telemetry,
         metadata: protocol.EndpointMetadata,
         completer: Completer,
@@ -89,6 +90,8 @@ class Receiver:
         }
 
     def housekeeping(self, now: float) -> None:
+        for ab in self.table.quarantine_over(now):
+            self._release_abandoned(ab, "P's lease is over: nothing can land any more")
         for req in self.table.expired(now):
             self._finish_failed(
                 req, Failure.DEADLINE, f"no KV after {now - req.t_start:.1f}s", notify_p=True
@@ -133,7 +136,7 @@ class Receiver:
         conn = self._hs.get(req.p_key)
         mode = self.cfg.handshake_mode
         if conn is None or (mode == HandshakeMode.FULL and conn.mode != HandshakeMode.FULL):
-            fut = self._hs.ensure(req.p_key, mode)
+            fut = self._hs.ensure(req.p_key, mode, PeerHint(req.p_engine_id, req.p_tp_size))
             if fut is not None:
                 req.state = DState.HANDSHAKING
                 fut.add_done_callback(lambda f: self._handshake_done(req, f))
@@ -171,7 +174,8 @@ class Receiver:
     def _register(self, req: DRequest, conn: PeerConn) -> None:
         md = self._md
         req.p_conn = conn
-        req.expected = max(1, conn.metadata.tp_size // max(1, self.cfg.tp_size))
+        # One completion per contributing P rank and pipeline stage (vLLM's rule).
+        req.expected = req.p_pp_size * max(1, conn.metadata.tp_size // max(1, self.cfg.tp_size))
         reg = protocol.PushReg(
             request_id=req.request_id,
             transfer_id=req.transfer_id,
@@ -184,7 +188,7 @@ class Receiver:
             remote_host=req.p_key[0],
             remote_port=req.p_key[1],
             remote_tp_size=conn.metadata.tp_size,
-            remote_pp_size=1,
+            remote_pp_size=req.p_pp_size,
             decode_incarnation=md.incarnation,
             decode_tp_rank=md.tp_rank,
         )
@@ -281,20 +285,22 @@ class Receiver:
         self._tm.fail(reason)
         self._rl.warning(str(reason), "request %s failed (%s): %s", req.request_id, reason, detail)
         if was_registered and notify_p and req.p_conn is not None:
-            # Tell P to drop it; P's WRITE completion (or fence) tells us when bytes stop.
-            with contextlib.suppress(TransferError):
-                self._agent.send_notif(
-                    req.p_conn.agent_name,
-                    self._codec.encode(
-                        protocol.Cancel(
-                            request_id=req.request_id,
-                            transfer_id=req.transfer_id,
-                            decode_host=self.cfg.host,
-                            decode_port=self._md.port,
-                            decode_tp_rank=self._md.tp_rank,
-                        )
-                    ),
-                )
+            cancel = protocol.Cancel(
+                request_id=req.request_id,
+                transfer_id=req.transfer_id,
+                decode_host=self.cfg.host,
+                decode_port=self._md.port,
+                decode_tp_rank=self._md.tp_rank,
+            )
+            if self._codec.carries(cancel):
+                # Tell P to drop it; P's WRITE completion (or fence) tells us when bytes stop.
+                with contextlib.suppress(TransferError):
+                    self._agent.send_notif(req.p_conn.agent_name, self._codec.encode(cancel))
+            else:
+                # vLLM's wire has no cancel and no fence: P may still WRITE until its lease,
+                # no longer renewed, runs out; only then are these blocks anybody's again.
+                t = self.cfg.timeouts
+                req.quarantine_until = time.monotonic() + t.lease_s + t.write_base_s
             quarantine = True
         if quarantine and req.p_conn is not None:
             self._pool.allocator.quarantine(req.request_id, reason)

@@ -12,6 +12,7 @@ fence or the WRITE's own completion says no more bytes can land, or until P is g
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -46,6 +47,13 @@ class DRequest:
     received: int = 0
     p_conn: PeerConn | None = None
     attempts: int = 0  # re-handshakes after P vanished
+    # vLLM's wire: P's coordinates from its kv_transfer_params (the router contract).
+    p_engine_id: str = ""
+    p_tp_size: int = 1
+    p_pp_size: int = 1
+    digest: bool = False  # answer with the sha256 of the received bytes
+    # An abandoned request whose P cannot fence (vLLM's wire) is released after this time.
+    quarantine_until: float = math.inf
 
 
 class RequestTable:
@@ -76,6 +84,10 @@ class RequestTable:
 
     def expired(self, now: float) -> list[DRequest]:
         return [r for r in self._waiting.values() if now > r.deadline]
+
+    def quarantine_over(self, now: float) -> list[DRequest]:
+        """Abandoned requests whose quarantine has a time limit that passed."""
+        return [r for r in self._abandoned.values() if now > r.quarantine_until]
 
     def of_peer(self, key: PeerKey) -> tuple[list[DRequest], list[DRequest]]:
         """(waiting, abandoned) requests drawing from P at ``key``."""

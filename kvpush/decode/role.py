@@ -9,14 +9,16 @@ requests arrive on the side channel; their replies go out when the future resolv
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 
-from kvpush.config import format_address, parse_address
+from kvpush.config import Wire, format_address, parse_address
 from kvpush.decode.completer import Completer
 from kvpush.decode.receiver import Receiver, failed_rep
 from kvpush.decode.requests import DRequest
@@ -25,7 +27,17 @@ from kvpush.runtime.context import EndpointContext
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.names import Failure
 from kvpush.transport.sidechannel import ReplyFn
-from kvpush.wire import protocol
+from kvpush.wire import protocol, vllm
+
+
+@dataclass(frozen=True)
+class VllmLeg:
+    """The parts of a vLLM P's ``kv_transfer_params`` a D request needs."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    remote_tp_size: int = 1
+    remote_pp_size: int = 1
 
 
 class DecodeRole:
@@ -57,7 +69,19 @@ class DecodeRole:
         if not isinstance(req, protocol.DecodeReq):
             return False
         addr = format_address(req.prefill_host, req.prefill_port)
-        fut = self.decode(req.transfer_id, addr, req.num_blocks, req.deadline_s, req.request_id)
+        fut = self.decode(
+            req.transfer_id,
+            addr,
+            req.num_blocks,
+            req.deadline_s,
+            req.request_id,
+            vllm_params=VllmLeg(
+                req.remote_engine_id, req.remote_request_id, req.remote_tp_size, req.remote_pp_size
+            )
+            if req.remote_engine_id
+            else None,
+            digest=req.digest,
+        )
         rid = req.rid
 
         def done(f: Future[protocol.DecodeRep]) -> None:
@@ -95,11 +119,33 @@ class DecodeRole:
         num_blocks: int,
         deadline_s: float = 0.0,
         request_id: str = "",
+        vllm_params: VllmLeg | None = None,
+        digest: bool = False,
     ) -> Future[protocol.DecodeRep]:
         """Register ``num_blocks`` blocks with P for ``transfer_id``; the future resolves with a
-        ``DecodeRep`` (ok, or failed with a reason)."""
+        ``DecodeRep`` (ok, or failed with a reason).
+
+        ``vllm_params``: a vLLM P's coordinates from its ``kv_transfer_params``; D's request id
+        then shares the base of P's (``<base>-<8 hex>``, how vLLM matches them) and
+        ``transfer_id`` is P's request id (what heartbeats name)."""
         host, port = parse_address(prefill_address)
         p_key = (host, port, 0)
+        if vllm_params is not None:
+            if self.ctx.cfg.wire != Wire.VLLM:
+                fut0: Future[protocol.DecodeRep] = Future()
+                fut0.set_result(
+                    protocol.DecodeRep(
+                        transfer_id=transfer_id,
+                        outcome="failed",
+                        reason=Failure.BAD_REQUEST,
+                        detail="vLLM kv_transfer_params need a D started with --wire vllm",
+                    )
+                )
+                return fut0
+            transfer_id = vllm_params.remote_request_id or transfer_id
+            request_id = request_id or (
+                f"{vllm.base_request_id(transfer_id)}-{secrets.token_hex(4)}"
+            )
         rid = request_id or transfer_id
         cfg, pool, tm = self.ctx.cfg, self.ctx.pool, self.ctx.telemetry
         fut: Future[protocol.DecodeRep] = Future()
@@ -114,7 +160,12 @@ class DecodeRole:
             t_start=t0,
             deadline=t0 + dl,
             nbytes=num_blocks * cfg.pool.bytes_per_block_all_regions,
+            digest=digest or vllm_params is not None,
         )
+        if vllm_params is not None:
+            req.p_engine_id = vllm_params.remote_engine_id
+            req.p_tp_size = vllm_params.remote_tp_size
+            req.p_pp_size = vllm_params.remote_pp_size
 
         def refuse(reason: Failure, detail: str) -> Future[protocol.DecodeRep]:
             fut.set_result(failed_rep(tm, req, reason, detail))

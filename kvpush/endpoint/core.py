@@ -31,7 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, TypeVar
 
 from kvpush import PROTOCOL_VERSION, __version__
-from kvpush.config import EndpointConfig, HandshakeMode, format_address, parse_address
+from kvpush.config import EndpointConfig, HandshakeMode, Wire, format_address, parse_address
+from kvpush.endpoint import answers
 from kvpush.endpoint.ping import Pinger
 from kvpush.errors import PeerUnreachableError
 from kvpush.memory.allocator import BlockAllocator
@@ -45,7 +46,7 @@ from kvpush.transport.nixl import NixlAgent, nixl_version
 from kvpush.transport.sidechannel import ReplyFn, SideChannelServer
 from kvpush.wire import protocol, vllm
 from kvpush.wire.auth import Authenticator
-from kvpush.wire.notifs import NotifCodec
+from kvpush.wire.notifs import Codec, NotifCodec, VllmNotifCodec
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,11 @@ class Endpoint(Generic[R]):
         self.agent_name = f"{cfg.engine_id}#{self.incarnation[:12]}"
         self.telemetry = Telemetry(cfg.role, cfg.engine_id, self.incarnation)
         self.auth = Authenticator(cfg.auth_token)
-        self.codec = NotifCodec(self.auth, cfg.max_notif_bytes)
+        self.codec: Codec = (
+            VllmNotifCodec(cfg.max_notif_bytes)
+            if cfg.wire == Wire.VLLM
+            else NotifCodec(self.auth, cfg.max_notif_bytes)
+        )
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._stopped = False
@@ -96,7 +101,13 @@ class Endpoint(Generic[R]):
             self._agent_md_full = self.agent.metadata_full()
             self._agent_md_conn = self.agent.metadata_conn_only()
             self.handshakes = HandshakeManager(
-                self.agent, self.metadata, self.auth, cfg.timeouts, self.telemetry
+                self.agent,
+                self.metadata,
+                self.auth,
+                cfg.timeouts,
+                self.telemetry,
+                wire=cfg.wire,
+                vllm_wire=cfg.vllm,
             )
             undo.callback(self._release_peers)
             self.pinger = Pinger(
@@ -252,6 +263,10 @@ class Endpoint(Generic[R]):
             )
 
     def _reply_handshake(self, req: protocol.HandshakeReq, reply: ReplyFn) -> None:
+        refusal = answers.refuse_handshake(self.cfg, req)
+        if refusal is not None:
+            reply(refusal)
+            return
         self.telemetry.inc(Counter.HANDSHAKES_SERVED)
         agent_md = self._agent_md_full if req.mode == "full" else self._agent_md_conn
         rep = protocol.HandshakeRep(
@@ -276,35 +291,11 @@ class Endpoint(Generic[R]):
             send()
 
     def _answer_get_meta(self, pp_rank: int, tp_rank: int) -> list[bytes]:
-        """Answer vLLM's ``get_meta_msg`` (every client's first contact) in vLLM's form.
-
-        The payload says "kvpush" under the extra key vLLM's decoder ignores, and carries no
-        NIXL metadata: its compatibility hash can never equal a vLLM engine's, and its empty
-        ``agent_metadata_bytes`` fail vLLM's decoder cleanly, so a vLLM engine that asks stops
-        before it could load anything. With a token set, only "kvpush, token needed" is told.
-        """
+        """Answer vLLM's ``get_meta_msg`` (every client's first contact) in vLLM's form."""
         md = self.metadata if self._ready.is_set() else None
-        if self.auth.enabled or md is None:
-            ident = vllm.KvpushIdentity(
-                protocol=PROTOCOL_VERSION,
-                auth=self.auth.enabled,
-                error="" if md is not None else "starting",
-            )
-            payload = vllm.HandshakePayload("", b"", ident)
-        else:
-            served = (pp_rank, tp_rank) == (0, md.tp_rank)
-            ident = vllm.KvpushIdentity(
-                protocol=PROTOCOL_VERSION,
-                version=__version__,
-                wire="kvpush",
-                role=md.role,
-                engine_id=md.engine_id,
-                incarnation=md.incarnation,
-                tp_size=md.tp_size,
-                ranks=[(0, md.tp_rank)],
-                error="" if served else f"rank ({pp_rank}, {tp_rank}) is not served here",
-            )
-            payload = vllm.HandshakePayload("kvpush:" + protocol.compat_hash(md), b"", ident)
+        payload = answers.get_meta_payload(
+            md, self.cfg, self.auth.enabled, self._agent_md_full, (pp_rank, tp_rank)
+        )
         return vllm.encode_get_meta_reply(payload, time.perf_counter())
 
     # ------------------------------------------------------------------ probes

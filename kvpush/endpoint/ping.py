@@ -19,7 +19,7 @@ from kvpush.errors import KvpushError, PeerUnreachableError
 from kvpush.peers.handshakes import HandshakeManager, PeerConn
 from kvpush.transport.nixl import NixlAgent
 from kvpush.wire import protocol
-from kvpush.wire.notifs import NotifCodec
+from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class Pinger:
         self,
         agent: NixlAgent,
         handshakes: HandshakeManager,
-        codec: NotifCodec,
+        codec: Codec,
         reply_to: tuple[str, int, int],
         timeout_s: float,
     ) -> None:

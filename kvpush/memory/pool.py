@@ -8,6 +8,7 @@ These take no lock: they are called by whichever thread currently owns the block
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 
@@ -133,6 +134,17 @@ class KvPool:
             if not _equal(got, exp):
                 return False
         return True
+
+    def digest(self, block_ids: np.ndarray) -> str:
+        """sha256 (hex) of these blocks' bytes: region by region in region order, each region's
+        blocks in the given order -- the digest a vLLM-wire peer reports for the same bytes."""
+        ids = np.ascontiguousarray(block_ids, dtype=np.int64).reshape(-1)
+        h = hashlib.sha256()
+        for r in range(self.cfg.regions):
+            for _, part in self._chunks(ids):
+                rows = self.tensor[r].index_select(0, self._index(part))
+                h.update(np.ascontiguousarray(rows.cpu().numpy()).data)
+        return h.hexdigest()
 
     def scrub(self, block_ids: np.ndarray) -> None:
         """Overwrite these blocks in every region with ``POISON_BYTE``."""

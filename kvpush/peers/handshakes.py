@@ -23,17 +23,19 @@ import threading
 import time
 from concurrent.futures import Future
 
-from kvpush.config import HandshakeMode, Timeouts, format_address
+from kvpush.config import HandshakeMode, Timeouts, VllmWireConfig, Wire
 from kvpush.errors import (
     HandshakeError,
     IncompatiblePeerError,
     KvpushError,
     PeerUnreachableError,
     ShuttingDownError,
+    WrongWireError,
 )
 from kvpush.memory.descriptors import block_descs
 from kvpush.peers.state import PeerConn, PeerEntry, PeerKey, peer_key, peer_name
 from kvpush.peers.validation import check_reply, mode_satisfies
+from kvpush.peers.vllm_peer import PeerHint, check_vllm_answer
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter, Failure, Hist, PeerState
 from kvpush.telemetry.store import Telemetry
@@ -56,7 +58,13 @@ class HandshakeManager:
         *,
         max_concurrent: int = 64,
         max_pending: int = 256,
+        wire: Wire = Wire.KVPUSH,
+        vllm_wire: VllmWireConfig | None = None,
     ) -> None:
+        if wire == Wire.VLLM and vllm_wire is None:
+            raise ValueError("a vLLM-wire handshake manager needs the vLLM wire config")
+        self._wire = wire
+        self._vllm = vllm_wire
         self._agent = agent
         self._local = local_md
         self._local_hash = protocol.compat_hash(local_md)
@@ -119,8 +127,13 @@ class HandshakeManager:
             return out
 
     # ------------------------------------------------------------------ ensure
-    def ensure(self, key: PeerKey, mode: HandshakeMode) -> Future[PeerConn] | None:
-        """None if already connected in a sufficient mode, else the (new or joined) future."""
+    def ensure(
+        self, key: PeerKey, mode: HandshakeMode, hint: PeerHint | None = None
+    ) -> Future[PeerConn] | None:
+        """None if already connected in a sufficient mode, else the (new or joined) future.
+
+        ``hint``: what the caller knows of a vLLM peer (its engine id, checked like vLLM does,
+        and its TP size); ignored on kvpush's wire, where the peer tells both."""
         with self._lock:
             if self._closed:
                 f: Future[PeerConn] = Future()
@@ -158,7 +171,14 @@ class HandshakeManager:
             failures = e.failures if e is not None else 0
             old = e.conn if e is not None else None
             new = PeerEntry(
-                key, mode, PeerState.CONNECTING, fut, time.monotonic(), conn=old, failures=failures
+                key,
+                mode,
+                PeerState.CONNECTING,
+                fut,
+                time.monotonic(),
+                conn=old,
+                failures=failures,
+                hint=hint or PeerHint(),
             )
             self._peers[key] = new
         self._tm.inc(Counter.HANDSHAKES_STARTED)
@@ -187,7 +207,7 @@ class HandshakeManager:
         peer = peer_name(e.key)
         try:
             with self._sem:
-                conn = self._handshake(e.key, e.mode)
+                conn = self._handshake(e.key, e.mode, e.hint)
         except BaseException as exc:
             err = self._as_typed(exc, peer)
             with self._lock:
@@ -234,40 +254,58 @@ class HandshakeManager:
             return HandshakeError(peer, exc.message, exc.hint or None)
         return HandshakeError(peer, f"{type(exc).__name__}: {exc}")
 
-    def _handshake(self, key: PeerKey, mode: HandshakeMode) -> PeerConn:
+    def _handshake(self, key: PeerKey, mode: HandshakeMode, hint: PeerHint) -> PeerConn:
         host, port, rank = key
         peer = peer_name(key)
         deadline = time.monotonic() + self._timeouts.handshake_s
+        timeout = min(self._timeouts.side_channel_s, self._timeouts.handshake_s)
         t0 = time.perf_counter()
         w0 = time.time()
-        with SideChannelClient(host, port, auth=self._auth) as client:
+        strides: list[int] | None = None
+        with SideChannelClient(host, port, auth=self._auth, timeout_s=timeout) as client:
             try:
-                rep = client.request(
-                    protocol.HandshakeReq(
-                        mode=mode.value, requester=self._local.engine_id, tp_rank=rank
-                    ),
-                    timeout_s=min(self._timeouts.side_channel_s, self._timeouts.handshake_s),
-                )
+                if self._wire == Wire.VLLM:
+                    assert self._vllm is not None
+                    ident = client.identify(0, rank)
+                    role = "decode" if self._local.role == "prefill" else "prefill"
+                    vp = check_vllm_answer(peer, ident.payload, self._local, self._vllm, hint, role)
+                    md, agent_md, strides = vp.metadata, vp.agent_metadata, vp.block_strides
+                    server_clock = time.time() - (time.perf_counter() - ident.remote_clock)
+                else:
+                    client.identify(0, 0)
+                    kv = client.identity.kvpush if client.identity is not None else None
+                    if kv is not None and kv.wire == "vllm":
+                        raise WrongWireError(
+                            f"{peer} is a kvpush endpoint speaking vLLM's wire (--wire vllm)",
+                            "vllm",
+                            "start this endpoint with --wire vllm too, or that one without it",
+                        )
+                    rep = client.request(
+                        protocol.HandshakeReq(
+                            mode=mode.value, requester=self._local.engine_id, tp_rank=rank
+                        ),
+                    )
+                    if not isinstance(rep, protocol.HandshakeRep):
+                        raise HandshakeError(peer, f"unexpected reply {type(rep).__name__}")
+                    md = check_reply(self._local, self._local_hash, rep, peer)
+                    agent_md, server_clock = rep.agent_metadata, rep.server_clock
             except PeerUnreachableError as e:
                 raise PeerUnreachableError(f"handshake with {peer} failed: {e}") from None
         t1 = time.perf_counter()
         w1 = time.time()
-        if not isinstance(rep, protocol.HandshakeRep):
-            raise HandshakeError(peer, f"unexpected reply {type(rep).__name__}")
-        md = check_reply(self._local, self._local_hash, rep, peer)
         if time.monotonic() > deadline:
             raise HandshakeError(peer, f"deadline of {self._timeouts.handshake_s:g}s passed")
-        name = self._agent.add_remote(rep.agent_metadata)
+        name = self._agent.add_remote(agent_md)
         t2 = time.perf_counter()
         dlist: DList | None = None
         try:
-            if name != md.agent_name:
+            if md.agent_name and name != md.agent_name:
                 raise HandshakeError(
                     peer, f"NIXL agent name {name!r} differs from the announced {md.agent_name!r}"
                 )
             if mode == HandshakeMode.FULL:
                 descs = block_descs(
-                    md.region_base_addrs, md.num_blocks, md.block_bytes, md.device_id
+                    md.region_base_addrs, md.num_blocks, md.block_bytes, md.device_id, strides
                 )
                 dlist = self._agent.prep_remote(name, descs, md.device_kind)
             t3 = time.perf_counter()
@@ -280,7 +318,7 @@ class HandshakeManager:
             self._agent.remove_remote(name)
             raise
         rtt = t1 - t0
-        offset = rep.server_clock - (w0 + w1) / 2
+        offset = server_clock - (w0 + w1) / 2
         timings = {
             "side_channel_s": t1 - t0,
             "load_s": t2 - t1,

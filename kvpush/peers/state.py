@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvpush.config import HandshakeMode, format_address
+from kvpush.peers.vllm_peer import PeerHint
 from kvpush.telemetry.names import PeerState
 from kvpush.transport.nixl import DList
 from kvpush.wire import protocol
@@ -60,3 +61,4 @@ class PeerEntry:
     failures: int = 0
     last_error: str = ""
     duration_s: float = 0.0
+    hint: PeerHint = field(default_factory=PeerHint)

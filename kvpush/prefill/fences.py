@@ -26,7 +26,7 @@ from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import DList, NixlAgent, TransferError
 from kvpush.wire import protocol
-from kvpush.wire.notifs import NotifCodec
+from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class Fences:
         pool: KvPool,
         table: PushTable,
         handshakes: HandshakeManager,
-        codec: NotifCodec,
+        codec: Codec,
         telemetry: Telemetry,
         geometry: LocalGeometry,
         fence_timeout_s: float,

@@ -21,6 +21,7 @@ from kvpush.prefill.table import (
     AwaitingHandshake,
     CancelledEarly,
     Push,
+    PushOutcome,
     PushTable,
     Registered,
     Registration,
@@ -34,7 +35,7 @@ from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import NixlAgent, TransferError
 from kvpush.wire import protocol
-from kvpush.wire.notifs import NotifCodec
+from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,11 @@ class Outcomes:
         pool: KvPool,
         table: PushTable,
         handshakes: HandshakeManager,
-        codec: NotifCodec,
+        codec: Codec,
         telemetry: Telemetry,
         owner: OwnerThread,
         tasks: Inbox[Callable[[], None]],
+        on_outcome: Callable[[PushOutcome], None],
     ) -> None:
         self._agent = agent
         self._pool = pool
@@ -61,6 +63,7 @@ class Outcomes:
         self._tm = telemetry
         self._owner = owner
         self._tasks = tasks
+        self._on_outcome = on_outcome
         self._rl = RateLimitedLog(log)
 
     def fail(
@@ -77,6 +80,7 @@ class Outcomes:
             self.table.pop(push.key)
         self._tm.fail(reason)
         self._tm.inc(Counter.PUSHES_FAILED)
+        self._on_outcome(PushOutcome(push.finished.transfer_id, False, reason, detail))
         self._rl.warning(str(reason), "push %s failed (%s): %s", push.key, reason, detail)
         if may_have_written:
             self._pool.allocator.quarantine(push.key, reason)
@@ -98,6 +102,9 @@ class Outcomes:
             )
 
     def notify(self, conn: PeerConn, msg: protocol.Notif) -> bool:
+        """Send ``msg`` if this wire has a form for it (vLLM's has no failures or cancels)."""
+        if not self._codec.carries(msg):
+            return False
         try:
             self._agent.send_notif(conn.agent_name, self._codec.encode(msg))
             return True

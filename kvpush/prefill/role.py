@@ -4,7 +4,10 @@
 transfer's deterministic pattern into them and hands them to the writer as *finished*; the
 writer (``kvpush.prefill.writer``, on this role's owner thread) does everything else. Prefill
 requests arrive on the side channel and run on the endpoint's control executor, because filling
-blocks takes a while.
+blocks takes a while. ``watch(transfer_id)`` resolves when that transfer's push ends (WRITE
+done, failed, or lease lapsed): the writer reports every outcome here, and the last few thousand
+are kept for a ``PushWaitReq`` that comes late. On vLLM's wire the prefill answer also carries
+the ``kv_transfer_params`` a vLLM D needs (what a vLLM P's ``request_finished`` returns).
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from typing import TypeVar
 
+from kvpush.config import Wire
 from kvpush.errors import KvpushError, NoFreeBlocksError, ShuttingDownError
-from kvpush.prefill.table import Finished
+from kvpush.prefill.table import Finished, PushOutcome, transfer_key
 from kvpush.prefill.writer import PushWriter
 from kvpush.runtime.context import EndpointContext
 from kvpush.runtime.owner import OwnerThread
@@ -40,8 +47,14 @@ class PrefillRole:
             ctx.telemetry,
             self.owner,
             on_ping=ctx.on_ping,
+            on_outcome=self._outcome,
         )
         self._stopping = threading.Event()
+        self._vllm = ctx.cfg.wire == Wire.VLLM
+        self._lock = threading.Lock()
+        self._watches: dict[str, Future[PushOutcome]] = {}
+        self._recent: OrderedDict[str, PushOutcome] = OrderedDict()
+        self._digests: OrderedDict[str, str] = OrderedDict()
 
     # ------------------------------------------------------------------ Role
     def start(self) -> None:
@@ -50,6 +63,9 @@ class PrefillRole:
     def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
         if isinstance(req, protocol.PrefillReq):
             self.ctx.control.submit(self._serve_prefill, req, reply)
+            return True
+        if isinstance(req, protocol.PushWaitReq):
+            self._serve_wait(req, reply)
             return True
         return False
 
@@ -66,34 +82,113 @@ class PrefillRole:
         self.owner.wake.set()
 
     # ------------------------------------------------------------------ API (any thread)
-    def prefill(self, transfer_id: str, num_blocks: int, request_id: str = "") -> None:
-        """Fill ``num_blocks`` blocks with the transfer's pattern and mark them finished."""
+    def prefill(
+        self, transfer_id: str, num_blocks: int, request_id: str = "", digest: bool = False
+    ) -> str:
+        """Fill ``num_blocks`` blocks with the transfer's pattern and mark them finished; return
+        the sha256 of the filled bytes when ``digest`` (else "")."""
         if self._stopping.is_set():
             raise ShuttingDownError("prefill endpoint is shutting down")
         if not transfer_id:
             raise KvpushError("transfer id is empty", "pass a non-empty transfer id")
         pool, tm = self.ctx.pool, self.ctx.telemetry
+        key = transfer_key(transfer_id, self._vllm)  # the writer's table key owns the blocks
         try:
-            ids = pool.allocator.allocate(transfer_id, num_blocks)
+            ids = pool.allocator.allocate(key, num_blocks)
         except NoFreeBlocksError:
             tm.fail(Failure.NO_FREE_BLOCKS)
             raise
         except ValueError as e:
             raise KvpushError(f"cannot prefill {transfer_id}: {e}") from None
+        sha = ""
         try:
             pool.fill(transfer_id, ids)
-            self.writer.finished.put(
-                Finished(transfer_id, transfer_id, request_id or transfer_id, ids, time.monotonic())
-            )
+            if digest:
+                sha = pool.digest(ids)
+                with self._lock:
+                    _remember(self._digests, transfer_id, sha)
+            rid = request_id or transfer_id
+            self.writer.finished.put(Finished(key, transfer_id, rid, ids, time.monotonic()))
         except BaseException:
-            pool.allocator.release(transfer_id)
+            pool.allocator.release(key)
             raise
         tm.inc(Counter.PREFILLS)
+        return sha
+
+    # ------------------------------------------------------------------ outcomes
+    def watch(self, transfer_id: str) -> Future[PushOutcome]:
+        """A future resolved with the push outcome of ``transfer_id`` (at once if it ended)."""
+        with self._lock:
+            done = self._recent.get(transfer_id)
+            if done is not None:
+                fut: Future[PushOutcome] = Future()
+                fut.set_result(done)
+                return fut
+            return self._watches.setdefault(transfer_id, Future())
+
+    def _outcome(self, outcome: PushOutcome) -> None:
+        """Writer thread: remember the outcome, resolve whoever waits for it."""
+        with self._lock:
+            _remember(self._recent, outcome.transfer_id, outcome)
+            fut = self._watches.pop(outcome.transfer_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(outcome)
+
+    def _serve_wait(self, req: protocol.PushWaitReq, reply: ReplyFn) -> None:
+        fut = self.watch(req.transfer_id)
+        timer = threading.Timer(max(0.0, req.timeout_s), lambda: answer(None))
+        timer.daemon = True
+        sent = threading.Event()
+
+        def answer(f: Future[PushOutcome] | None) -> None:
+            if sent.is_set():
+                return
+            sent.set()
+            timer.cancel()
+            with self._lock:
+                sha = self._digests.get(req.transfer_id, "")
+            if f is None or not f.done():
+                reply(
+                    protocol.PushWaitRep(
+                        rid=req.rid, transfer_id=req.transfer_id, outcome="pending"
+                    )
+                )
+                return
+            o = f.result()
+            reply(
+                protocol.PushWaitRep(
+                    rid=req.rid,
+                    transfer_id=req.transfer_id,
+                    outcome="ok" if o.ok else "failed",
+                    reason=o.reason,
+                    detail=o.detail[:1000],
+                    nbytes=o.nbytes,
+                    sha256=sha if o.ok else "",
+                )
+            )
+
+        timer.start()
+        fut.add_done_callback(answer)
+
+    def kv_transfer_params(self, request_id: str) -> dict[str, str | int | bool | list[int]]:
+        """What a vLLM P's ``request_finished`` returns for the router to hand to D."""
+        md = self.ctx.metadata
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": md.engine_id,
+            "remote_request_id": request_id,
+            "remote_host": md.host,
+            "remote_port": md.port,
+            "tp_size": md.tp_size,
+            "pp_size": 1,
+            "transfer_mode": "push",
+        }
 
     def _serve_prefill(self, req: protocol.PrefillReq, reply: ReplyFn) -> None:
         t0 = time.perf_counter()
         try:
-            self.prefill(req.transfer_id, req.num_blocks, req.request_id)
+            sha = self.prefill(req.transfer_id, req.num_blocks, req.request_id, req.digest)
         except KvpushError as e:
             reason = "no_free_blocks" if isinstance(e, NoFreeBlocksError) else type(e).__name__
             reply(
@@ -119,5 +214,18 @@ class PrefillRole:
                 transfer_id=req.transfer_id,
                 outcome="ok",
                 latency_s=time.perf_counter() - t0,
+                sha256=sha,
+                kv_transfer_params=self.kv_transfer_params(req.transfer_id) if self._vllm else {},
             )
         )
+
+
+_V = TypeVar("_V")
+RECENT = 4096  # outcomes and digests kept for late PushWaitReqs
+
+
+def _remember(d: OrderedDict[str, _V], key: str, value: _V) -> None:
+    d[key] = value
+    d.move_to_end(key)
+    while len(d) > RECENT:
+        d.popitem(last=False)

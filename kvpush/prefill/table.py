@@ -25,7 +25,7 @@ import numpy as np
 
 from kvpush.peers.handshakes import PeerConn, PeerKey
 from kvpush.transport.nixl import Xfer
-from kvpush.wire import protocol
+from kvpush.wire import protocol, vllm
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,23 @@ class Push:
 
 def reg_key(reg: protocol.PushReg) -> str:
     return reg.transfer_id or reg.request_id
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    """How the push of one transfer ended (reported to whoever waits for it)."""
+
+    transfer_id: str
+    ok: bool
+    reason: str = ""
+    detail: str = ""
+    nbytes: int = 0
+
+
+def transfer_key(transfer_id: str, vllm_ids: bool) -> str:
+    """The table key of a transfer: its id, or on vLLM's wire its base request id (vLLM's P
+    and D request ids share a base and differ in a ``-<8 hex>`` suffix)."""
+    return vllm.base_request_id(transfer_id) if vllm_ids else transfer_id
 
 
 # --------------------------------------------------------------------------- the typed states

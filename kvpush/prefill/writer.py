@@ -21,12 +21,14 @@ moving quarantines P's blocks and tells D ``may_have_written``; a fence
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
-from kvpush.config import EndpointConfig, HandshakeMode, WriterMode
+from kvpush.config import EndpointConfig, HandshakeMode, Wire, WriterMode
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
+from kvpush.peers.vllm_peer import PeerHint
 from kvpush.prefill.fences import Fences
 from kvpush.prefill.outcomes import Outcomes
 from kvpush.prefill.plan import LocalGeometry, PlanError, plan_write
@@ -40,12 +42,14 @@ from kvpush.prefill.table import (
     Finished,
     InFlight,
     Push,
+    PushOutcome,
     PushTable,
     Registered,
     Registration,
     Waiting,
     Writing,
     reg_key,
+    transfer_key,
 )
 from kvpush.ratelog import RateLimitedLog
 from kvpush.runtime.owner import OwnerThread, drain_notifications
@@ -53,7 +57,7 @@ from kvpush.telemetry.names import Counter, Failure, Gauge, Hist
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import DList, NixlAgent, TransferError
 from kvpush.wire import protocol
-from kvpush.wire.notifs import NotifCodec
+from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +69,11 @@ class PushWriter:
         agent: NixlAgent,
         pool: KvPool,
         handshakes: HandshakeManager,
-        codec: NotifCodec,
+        codec: Codec,
         telemetry: Telemetry,
         owner: OwnerThread,
         on_ping: Callable[[str, protocol.Ping], None] | None = None,
+        on_outcome: Callable[[PushOutcome], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self._agent = agent
@@ -78,6 +83,10 @@ class PushWriter:
         self._tm = telemetry
         self._owner = owner
         self._on_ping = on_ping
+        self._on_outcome = on_outcome or _ignore
+        # vLLM's wire: matched by base request id, no WRITE deadline (vLLM has none and no fence
+        # could tell a vLLM D that a late WRITE is over), no kvpush notifications.
+        self._vllm = cfg.wire == Wire.VLLM
         t = cfg.timeouts
         self.table = PushTable(lease_s=t.lease_s, reg_ttl_s=t.request_deadline_s)
         self.finished = owner.inbox("finished", 1 << 16, self._on_finished, self._item_failed)
@@ -90,7 +99,15 @@ class PushWriter:
         )
         self._geom = LocalGeometry(pool.cfg.num_blocks, pool.cfg.regions, pool.cfg.block_bytes)
         self._out = Outcomes(
-            agent, pool, self.table, handshakes, codec, telemetry, owner, self.tasks
+            agent,
+            pool,
+            self.table,
+            handshakes,
+            codec,
+            telemetry,
+            owner,
+            self.tasks,
+            self._on_outcome,
         )
         self._fences = Fences(
             agent, pool, self.table, handshakes, codec, telemetry, self._geom, t.fence_s
@@ -128,6 +145,7 @@ class PushWriter:
             self._tm.fail(Failure.LEASE_EXPIRED)
             self._rl.warning("lease", "lease of %s lapsed before D registered", f.key)
             self._pool.allocator.release(f.key)
+            self._on_outcome(PushOutcome(f.transfer_id, False, Failure.LEASE_EXPIRED))
         for r in regs:
             self._tm.fail(Failure.REGISTRATION_EXPIRED)
             self._out.refuse_registration(r, Failure.NO_BLOCKS, "P never finished blocks for it")
@@ -212,7 +230,8 @@ class PushWriter:
             self._evict(key, f"new incarnation {reg.decode_incarnation}")
             conn = None
         if conn is None or conn.remote_dlist is None:
-            fut = self._hs.ensure(key, HandshakeMode.FULL)
+            hint = PeerHint(reg.decode_engine_id, reg.decode_tp_size)
+            fut = self._hs.ensure(key, HandshakeMode.FULL, hint)
             if fut is not None:
                 if push.attempt >= 3:
                     self._out.fail(push, Failure.HANDSHAKE_FAILED, "peer kept disconnecting")
@@ -265,6 +284,9 @@ class PushWriter:
             )
         )
         assert self._local_dlist is not None and conn.remote_dlist is not None
+        # INFLIGHT before the post: from the moment bytes may move, nothing frees these blocks
+        # except a completion, a fence or the peer's death.
+        self._pool.allocator.mark_inflight(push.key)
         t_post = time.monotonic()
         try:
             xfer, state = self._agent.post_write(
@@ -275,8 +297,9 @@ class PushWriter:
             if e.kind in ("peer_dead", "peer_unknown"):
                 self._evict(conn.key, f"WRITE post failed: {e.kind}")
             return
-        self._pool.allocator.mark_inflight(push.key)
-        deadline = t_post + self.cfg.timeouts.write_deadline_s(plan.nbytes)
+        deadline = (
+            math.inf if self._vllm else t_post + self.cfg.timeouts.write_deadline_s(plan.nbytes)
+        )
         w = Writing(push, xfer, conn, t_post, deadline, plan.nbytes)
         self.table.writing(w)
         if state == "DONE":
@@ -324,6 +347,7 @@ class PushWriter:
         push = entry.push
         self._pool.allocator.release(push.key)
         self._tm.inc(Counter.PUSHES_OK)
+        self._on_outcome(PushOutcome(push.finished.transfer_id, True, nbytes=entry.nbytes))
         self._tm.inc(Counter.BYTES_PUSHED, entry.nbytes)
         self._tm.observe(Hist.WRITE_DURATION, now - entry.t_post)
         t_match = max(push.finished.t_finished, push.registration.t_arrived)
@@ -354,10 +378,12 @@ class PushWriter:
         if isinstance(msg, protocol.PushReg):
             self._tm.inc(Counter.PUSH_REGS_RECEIVED)
             if not self._owner.stopping:
-                self._on_registration(Registration(reg_key(msg), msg, sender, time.monotonic()))
+                key = transfer_key(msg.request_id, True) if self._vllm else reg_key(msg)
+                self._on_registration(Registration(key, msg, sender, time.monotonic()))
         elif isinstance(msg, protocol.Heartbeat):
             self._tm.inc(Counter.HEARTBEATS_RECEIVED)
-            self.table.renew(list(msg.transfer_ids), time.monotonic())
+            keys = [transfer_key(t, self._vllm) for t in msg.transfer_ids]
+            self.table.renew(keys, time.monotonic())
         elif isinstance(msg, protocol.Cancel):
             self._tm.inc(Counter.CANCELS_RECEIVED)
             self._out.on_cancel(msg, sender)
@@ -419,3 +445,7 @@ class PushWriter:
 
 def _call(task: Callable[[], None]) -> None:
     task()
+
+
+def _ignore(outcome: PushOutcome) -> None:
+    pass

@@ -22,7 +22,7 @@ from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import NixlAgent
 from kvpush.transport.sidechannel import ReplyFn
 from kvpush.wire import protocol
-from kvpush.wire.notifs import NotifCodec
+from kvpush.wire.notifs import Codec
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class EndpointContext:
     agent: NixlAgent
     pool: KvPool
     handshakes: HandshakeManager
-    codec: NotifCodec
+    codec: Codec
     telemetry: Telemetry
     metadata: protocol.EndpointMetadata
     # Ping notifications are the endpoint's business; the role's owner thread hands them over.

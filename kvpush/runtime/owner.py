@@ -42,7 +42,7 @@ from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import NixlAgent, TransferError
 from kvpush.wire import protocol
-from kvpush.wire.notifs import NotifCodec
+from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ class IdleWaiter:
 
 def drain_notifications(
     agent: NixlAgent,
-    codec: NotifCodec,
+    codec: Codec,
     telemetry: Telemetry,
     rl: RateLimitedLog,
     handle: Callable[[str, protocol.Notif], None],

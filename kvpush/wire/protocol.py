@@ -14,7 +14,9 @@ decoders with field limits: nothing from the network is ever unpickled.
 vLLM's forms (``get_meta_msg``, its two-part answer, ``PUSH_REG:``) live in ``kvpush.wire.vllm``.
 
 History:
-  v1 (kvpush 0.1): first version.
+  v1 (kvpush 0.1): first version. Later fields are optional with defaults (a v1 peer without them
+  still decodes): HandshakeReq.tp_rank, Cancel.decode_tp_rank, Ping.reply_rank, the vLLM-wire
+  fields of DecodeReq/DecodeRep/PrefillReq/PrefillRep, PushWaitReq/PushWaitRep.
 """
 
 from __future__ import annotations
@@ -147,12 +149,16 @@ class StatsRep(Struct, tag="stats", frozen=True, kw_only=True):
 
 
 class PrefillReq(Struct, tag="prefill", frozen=True, kw_only=True):
-    """Prefill leg: P fills ``num_blocks`` with the transfer's pattern and marks them finished."""
+    """Prefill leg: P fills ``num_blocks`` with the transfer's pattern and marks them finished.
+
+    ``digest``: also return the sha256 of the filled bytes (region by region in region order,
+    each region's blocks in the request's block order), what a D must receive."""
 
     rid: NonNeg = 0
     transfer_id: Str256
     num_blocks: Annotated[int, Meta(ge=1, le=1 << 16)]
     request_id: Str256 = ""
+    digest: bool = False
 
 
 class PrefillRep(Struct, tag="prefill", frozen=True, kw_only=True):
@@ -161,6 +167,27 @@ class PrefillRep(Struct, tag="prefill", frozen=True, kw_only=True):
     outcome: Literal["ok", "failed"]
     reason: Str256 = ""
     latency_s: float = 0.0
+    sha256: Str128 = ""
+    # On vLLM's wire: the kv_transfer_params a vLLM D needs to pull this request's KV in.
+    kv_transfer_params: dict[Str128, str | int | bool | list[int]] = {}
+
+
+class PushWaitReq(Struct, tag="push_wait", frozen=True, kw_only=True):
+    """Ask P how the push of a transfer ended; answered when it ends (or at ``timeout_s``)."""
+
+    rid: NonNeg = 0
+    transfer_id: Str256
+    timeout_s: float = 60.0
+
+
+class PushWaitRep(Struct, tag="push_wait", frozen=True, kw_only=True):
+    rid: NonNeg = 0
+    transfer_id: Str256
+    outcome: Literal["ok", "failed", "pending"]
+    reason: Str128 = ""
+    detail: Str1k = ""
+    nbytes: NonNeg = 0
+    sha256: Str128 = ""
 
 
 class DecodeReq(Struct, tag="decode", frozen=True, kw_only=True):
@@ -173,6 +200,12 @@ class DecodeReq(Struct, tag="decode", frozen=True, kw_only=True):
     num_blocks: Annotated[int, Meta(ge=1, le=1 << 16)]
     request_id: Str256 = ""
     deadline_s: float = 0.0  # 0 = the endpoint's default
+    # vLLM's wire: the kv_transfer_params of a vLLM P (the router contract).
+    remote_engine_id: Str256 = ""
+    remote_request_id: Str256 = ""
+    remote_tp_size: SmallPos = 1
+    remote_pp_size: SmallPos = 1
+    digest: bool = False  # answer with the sha256 of the received bytes
 
 
 class DecodeRep(Struct, tag="decode", frozen=True, kw_only=True):
@@ -185,6 +218,7 @@ class DecodeRep(Struct, tag="decode", frozen=True, kw_only=True):
     latency_s: float = 0.0
     nbytes: NonNeg = 0
     verified: bool | None = None
+    sha256: Str128 = ""
 
 
 class PingReq(Struct, tag="ping", frozen=True, kw_only=True):
@@ -200,8 +234,8 @@ class ErrorRep(Struct, tag="error", frozen=True, kw_only=True):
     hint: Str1k = ""
 
 
-SideRequest: TypeAlias = HandshakeReq | StatsReq | PrefillReq | DecodeReq | PingReq
-SideReply: TypeAlias = HandshakeRep | StatsRep | PrefillRep | DecodeRep | ErrorRep
+SideRequest: TypeAlias = HandshakeReq | StatsReq | PrefillReq | DecodeReq | PingReq | PushWaitReq
+SideReply: TypeAlias = HandshakeRep | StatsRep | PrefillRep | DecodeRep | ErrorRep | PushWaitRep
 
 # ----------------------------------------------------------------------------------- notifications
 

@@ -5,13 +5,15 @@
   every kvpush client's *first contact*: the one request a vLLM listener survives. A kvpush
   endpoint's answer carries ``KvpushIdentity`` under the extra key ``kvpush``.
 * ``NixlAgentMetadata``: every field, decoded leniently for reporting and geometry matching.
-* ``PUSH_REG:`` + msgpack(map) notifications.
+* the three notification forms: ``PUSH_REG:`` + msgpack(map) (D -> P), ``"<D request id>:<P tp>"``
+  attached to P's WRITE, and ``"HB:" + ",".join(P request ids)`` (D -> P lease renewals).
 
 Nothing here is ever handed to NIXL or unpickled.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 import msgspec
@@ -21,6 +23,8 @@ from kvpush.errors import ProtocolError
 from kvpush.wire.protocol import (
     MAGIC_REQ,
     MAX_NOTIF_BYTES,
+    Completion,
+    Heartbeat,
     NonNeg,
     PushReg,
     SmallPos,
@@ -155,11 +159,131 @@ def encode_get_meta_reply(payload: HandshakePayload, clock: float) -> list[bytes
     return [_enc.encode(payload), _enc.encode(clock)]
 
 
+_RANDOM_SUFFIX_RE = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+
+
+def base_request_id(request_id: str) -> str:
+    """vLLM's id without its per-request ``-<8 hex>`` suffix: P and D ids share this base."""
+    return _RANDOM_SUFFIX_RE.sub("", request_id)
+
+
+# ------------------------------------------------------------------------------ notifications
+
+#: The keys of vLLM 0.33's PUSH_REG map, in vLLM's order; all but remote_pp_size are required.
+PUSH_REG_KEYS: tuple[str, ...] = (
+    "request_id",
+    "decode_engine_id",
+    "decode_host",
+    "decode_port",
+    "decode_tp_size",
+    "local_block_ids",
+    "remote_engine_id",
+    "remote_host",
+    "remote_port",
+    "remote_tp_size",
+    "remote_pp_size",
+)
+
+
 def decode_push_reg(data: bytes) -> PushReg:
-    """Decode vLLM's ``b"PUSH_REG:" + msgpack(map)`` into our PushReg."""
+    """Decode vLLM's ``b"PUSH_REG:" + msgpack(map)`` into our PushReg (a missing key or a
+    wrong type is a ``ProtocolError`` for this one notification, nothing else is dropped)."""
     check_size(data, MAX_NOTIF_BYTES, "PUSH_REG")
     obj = decode_body(_push_reg_dec, data[len(PUSH_REG_PREFIX) :], "PUSH_REG")
     try:
         return msgspec.convert(obj, PushReg)
     except msgspec.ValidationError as e:
         raise ProtocolError(f"malformed PUSH_REG: {e}") from None
+
+
+def encode_push_reg(reg: PushReg) -> bytes:
+    """Our PushReg in vLLM's form: exactly vLLM's keys (kvpush's extras are left out)."""
+    m = {
+        "request_id": reg.request_id,
+        "decode_engine_id": reg.decode_engine_id,
+        "decode_host": reg.decode_host,
+        "decode_port": reg.decode_port,
+        "decode_tp_size": reg.decode_tp_size,
+        "local_block_ids": reg.local_block_ids,
+        "remote_engine_id": reg.remote_engine_id,
+        "remote_host": reg.remote_host,
+        "remote_port": reg.remote_port,
+        "remote_tp_size": reg.remote_tp_size,
+        "remote_pp_size": reg.remote_pp_size,
+    }
+    return PUSH_REG_PREFIX + _enc.encode(m)
+
+
+def encode_completion(request_id: str, p_tp_size: int) -> bytes:
+    """P's completion notification, attached to its WRITE: ``"<D request id>:<P tp size>"``."""
+    return f"{request_id}:{p_tp_size}".encode()
+
+
+def encode_heartbeat(p_request_ids: list[str]) -> bytes:
+    """D's lease renewal: ``"HB:" + ",".join(P request ids)``."""
+    return HB_PREFIX + ",".join(p_request_ids).encode()
+
+
+def decode_notif(data: bytes) -> PushReg | Completion | Heartbeat:
+    """One of vLLM's three notification forms, or ``ProtocolError``."""
+    if data.startswith(PUSH_REG_PREFIX):
+        return decode_push_reg(data)
+    check_size(data, MAX_NOTIF_BYTES, "notification")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("notification is not UTF-8: not one of vLLM's forms") from None
+    if text.startswith("HB:"):
+        ids = [i for i in text[3:].split(",") if i]
+        if any(len(i) > 256 for i in ids):
+            raise ProtocolError("heartbeat names a request id longer than 256 characters")
+        return Heartbeat(transfer_ids=ids)
+    rid, sep, tp = text.rpartition(":")
+    if not sep or not rid or not tp.isdigit() or len(rid) > 256 or not 0 < int(tp) <= 1 << 16:
+        raise ProtocolError(f"notification {text[:64]!r} is not one of vLLM's forms")
+    return Completion(request_id=rid, p_tp_size=int(tp))
+
+
+# ------------------------------------------------------------------------------ our answer
+
+
+def build_agent_metadata(
+    *,
+    engine_id: str,
+    agent_metadata: bytes,
+    base_addrs: list[int],
+    device_id: int,
+    num_blocks: int,
+    block_len: int,
+    kv_cache_layout: str,
+    block_size: int,
+    attn_backend_name: str,
+    region_names: list[str] | None,
+    mem_type: str,
+) -> bytes:
+    """``msgpack(NixlAgentMetadata)`` of a uniform pool, every field typed as vLLM decodes it."""
+    regions = len(base_addrs)
+    md = AgentMetadata(
+        engine_id=engine_id,
+        agent_metadata=agent_metadata,
+        kv_caches_base_addr=list(base_addrs),
+        device_id=device_id,
+        num_blocks=num_blocks,
+        block_lens=[block_len] * regions,
+        block_strides=[block_len] * regions,
+        kv_cache_layout=kv_cache_layout,
+        block_size=block_size,
+        ssm_sizes=[0, 0],
+        attn_backend_name=attn_backend_name,
+        physical_blocks_per_logical_kv_block=1,
+        region_num_blocks=[num_blocks] * regions,
+        region_group_ids=[0] * regions,
+        region_names=region_names,
+        region_mem_types=[mem_type] * regions,
+        dcp_size=1,
+        pcp_size=1,
+        ple_block_len=None,
+        region_members=[],
+        packed_member_layouts={},
+    )
+    return _enc.encode(md)

@@ -1,0 +1,88 @@
+"""What an endpoint answers on its side channel about itself: pure functions of its metadata.
+
+``get_meta_payload`` answers vLLM's ``get_meta_msg``, every client's first contact, always in
+vLLM's two-part form:
+
+* on kvpush's wire the payload says "kvpush" under the extra key vLLM's decoder ignores and
+  carries no NIXL metadata: its compatibility hash can never equal a vLLM engine's and its
+  empty ``agent_metadata_bytes`` fail vLLM's decoder cleanly, so a vLLM engine that asks stops
+  before it could load anything. With a token set, only "kvpush, token needed" is told.
+* on vLLM's wire (``--wire vllm``) it is a real ``NixlHandshakePayload``: the configured
+  compatibility hash and ``NixlAgentMetadata`` that passes vLLM's full validation, plus the
+  kvpush key (wire ``vllm``), so kvpush tools still know who answered.
+"""
+
+from __future__ import annotations
+
+from kvpush import PROTOCOL_VERSION, __version__
+from kvpush.config import EndpointConfig, Wire
+from kvpush.wire import protocol, vllm
+
+
+def _identity(md: protocol.EndpointMetadata, wire: Wire, error: str = "") -> vllm.KvpushIdentity:
+    return vllm.KvpushIdentity(
+        protocol=PROTOCOL_VERSION,
+        version=__version__,
+        wire=wire.value,
+        role=md.role,
+        engine_id=md.engine_id,
+        incarnation=md.incarnation,
+        tp_size=md.tp_size,
+        ranks=[(0, md.tp_rank)],
+        error=error,
+    )
+
+
+def get_meta_payload(
+    md: protocol.EndpointMetadata | None,
+    cfg: EndpointConfig,
+    auth_enabled: bool,
+    agent_md_full: bytes,
+    ranks: tuple[int, int],
+) -> vllm.HandshakePayload:
+    if auth_enabled or md is None:
+        ident = vllm.KvpushIdentity(
+            protocol=PROTOCOL_VERSION, auth=auth_enabled, error="" if md else "starting"
+        )
+        return vllm.HandshakePayload("", b"", ident)
+    if ranks != (0, md.tp_rank):
+        error = f"rank ({ranks[0]}, {ranks[1]}) is not served here"
+        return vllm.HandshakePayload("", b"", _identity(md, cfg.wire, error))
+    if cfg.wire == Wire.KVPUSH or cfg.vllm is None:
+        return vllm.HandshakePayload(
+            "kvpush:" + protocol.compat_hash(md), b"", _identity(md, cfg.wire)
+        )
+    v = cfg.vllm
+    amd = vllm.build_agent_metadata(
+        engine_id=md.engine_id,
+        agent_metadata=agent_md_full,
+        base_addrs=list(md.region_base_addrs),
+        device_id=md.device_id,
+        num_blocks=md.num_blocks,
+        block_len=md.block_bytes,
+        kv_cache_layout=md.kv_layout,
+        block_size=v.block_size,
+        attn_backend_name=v.attn_backend_name,
+        region_names=list(v.region_names) if v.region_names else None,
+        mem_type=md.device_kind,
+    )
+    return vllm.HandshakePayload(v.compat_hash, amd, _identity(md, cfg.wire))
+
+
+def refuse_handshake(cfg: EndpointConfig, req: protocol.HandshakeReq) -> protocol.ErrorRep | None:
+    """kvpush's own handshake is refused on vLLM's wire and for a rank this endpoint lacks."""
+    if cfg.wire == Wire.VLLM:
+        return protocol.ErrorRep(
+            rid=req.rid,
+            code="wrong_wire",
+            message="this endpoint speaks vLLM's push wire (--wire vllm)",
+            hint="handshake with it as a vLLM peer: start the other side with --wire vllm",
+        )
+    if req.tp_rank != cfg.tp_rank:
+        return protocol.ErrorRep(
+            rid=req.rid,
+            code="no_such_rank",
+            message=f"rank {req.tp_rank} is not served here",
+            hint="ask for a rank the endpoint serves ('kvpush probe' lists them)",
+        )
+    return None

@@ -1,0 +1,124 @@
+"""A vLLM peer's answer to ``get_meta_msg``, checked the way vLLM checks it. Pure.
+
+``--wire vllm`` endpoints learn a peer from vLLM's two-part answer, not from kvpush's
+``HandshakeRep``. The checks follow vLLM's own client (``base_worker._nixl_handshake``) in order:
+the compatibility hash *before* anything is decoded, then ``NixlAgentMetadata``, then the engine
+id, then the geometry a WRITE between the two needs (region count, block lengths and strides,
+layout, block size in tokens, attention backend). Every difference is named with both values.
+The result is the peer's metadata in kvpush's own ``EndpointMetadata`` shape, so the writer and
+the receiver need no second code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpush import PROTOCOL_VERSION
+from kvpush.config import VllmWireConfig
+from kvpush.errors import HandshakeError, IncompatiblePeerError, WrongWireError
+from kvpush.wire import protocol, vllm
+
+
+@dataclass(frozen=True)
+class PeerHint:
+    """What the caller knows of a vLLM peer before its handshake (from PUSH_REG or params)."""
+
+    engine_id: str = ""
+    tp_size: int = 1
+
+
+@dataclass(frozen=True)
+class VllmPeer:
+    metadata: protocol.EndpointMetadata
+    agent_metadata: bytes
+    block_strides: list[int]
+
+
+HASH_HINT = (
+    "both sides must run the same model, dtype, KV cache dtype, attention backend and vLLM "
+    "version; start kvpush with --like HOST:PORT of the peer to take its hash and geometry"
+)
+
+
+def check_vllm_answer(
+    peer: str,
+    payload: vllm.HandshakePayload,
+    local: protocol.EndpointMetadata,
+    wire: VllmWireConfig,
+    hint: PeerHint,
+    peer_role: str,
+) -> VllmPeer:
+    kv = payload.kvpush
+    if kv is not None and kv.wire != "vllm":
+        raise WrongWireError(
+            f"{peer} is a kvpush endpoint speaking kvpush's wire, not vLLM's",
+            "kvpush",
+            "start that endpoint with --wire vllm too, or this one without it",
+        )
+    if not payload.compatibility_hash or not payload.agent_metadata_bytes:
+        why = kv.error if kv is not None and kv.error else "no metadata in its answer"
+        raise HandshakeError(peer, why)
+    if payload.compatibility_hash != wire.compat_hash:
+        raise IncompatiblePeerError(
+            f"{peer} has another vLLM compatibility hash: local {wire.compat_hash}, "
+            f"remote {payload.compatibility_hash}",
+            [("compatibility_hash", wire.compat_hash, payload.compatibility_hash)],
+            HASH_HINT,
+        )
+    md = vllm.decode_agent_metadata(payload.agent_metadata_bytes)
+    if hint.engine_id and md.engine_id != hint.engine_id:
+        raise HandshakeError(
+            peer,
+            f"engine id {md.engine_id!r}, expected {hint.engine_id!r}",
+            "check the engine id in kv_transfer_params / PUSH_REG: another engine answers there",
+        )
+    regions = len(md.kv_caches_base_addr)
+    strides = list(md.block_strides) if md.block_strides is not None else list(md.block_lens)
+    diffs: list[tuple[str, object, object]] = []
+
+    def differ(field: str, ours: object, theirs: object) -> None:
+        if ours != theirs:
+            diffs.append((field, ours, theirs))
+
+    differ("regions", local.regions, regions)
+    differ("block_lens", [local.block_bytes] * local.regions, list(md.block_lens))
+    differ("kv_cache_layout", local.kv_layout, md.kv_cache_layout)
+    differ("block_size", wire.block_size, md.block_size)
+    differ("attn_backend_name", wire.attn_backend_name, md.attn_backend_name)
+    if diffs:
+        text = "; ".join(f"{f}: local={a!r} remote={b!r}" for f, a, b in diffs)
+        raise IncompatiblePeerError(
+            f"{peer} is incompatible: {text}",
+            diffs,
+            "start kvpush with --like HOST:PORT of the peer to take its geometry",
+        )
+    if len(strides) != regions or any(s < n for s, n in zip(strides, md.block_lens, strict=True)):
+        raise HandshakeError(peer, "block strides shorter than block lengths, or missing")
+    if md.num_blocks < 1 or not md.agent_metadata:
+        raise HandshakeError(peer, "metadata names no blocks or no NIXL agent")
+    mem = (md.region_mem_types or ["DRAM"])[0]
+    if mem not in ("DRAM", "VRAM"):
+        raise HandshakeError(peer, f"unknown memory type {mem!r}")
+    meta = protocol.EndpointMetadata(
+        protocol_version=PROTOCOL_VERSION,
+        kvpush_version="vllm",
+        engine_id=md.engine_id,
+        role=peer_role,  # type: ignore[arg-type]
+        incarnation="",
+        agent_name="",
+        host="",
+        port=0,
+        tp_rank=0,
+        tp_size=max(1, hint.tp_size),
+        device_kind=mem,  # type: ignore[arg-type]
+        device_id=md.device_id,
+        num_blocks=md.num_blocks,
+        layers=local.layers,
+        regions=regions,
+        block_bytes=md.block_lens[0] if md.block_lens else local.block_bytes,
+        dtype=local.dtype,
+        kv_layout=md.kv_cache_layout,
+        region_base_addrs=list(md.kv_caches_base_addr),
+        backends=["UCX"],
+    )
+    return VllmPeer(meta, md.agent_metadata, strides)
