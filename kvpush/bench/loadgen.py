@@ -32,12 +32,11 @@ _SC_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def start_endpoint(state: Any, config: dict[str, Any]) -> dict[str, Any]:
-    from kvpush.endpoint.core import create_endpoint
+    from kvpush.ops.engine import open_endpoint
     from kvpush.ops.node import build_config
 
     cfg = build_config(config)
-    ep = create_endpoint(cfg)
-    ep.start()
+    ep = open_endpoint(cfg)
     state.endpoint = ep
     return {
         "address": ep.address,

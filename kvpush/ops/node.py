@@ -25,7 +25,7 @@ from kvpush.config import (
     Timeouts,
     WriterMode,
 )
-from kvpush.endpoint.core import create_endpoint
+from kvpush.ops.engine import open_endpoint
 
 
 def build_config(d: dict[str, Any]) -> EndpointConfig:
@@ -49,8 +49,7 @@ def main() -> int:
     )
     cfg = build_config(json.loads(sys.argv[1]))
     ready = sys.argv[2]
-    ep = create_endpoint(cfg)
-    ep.start()
+    ep = open_endpoint(cfg)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
