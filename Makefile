@@ -18,6 +18,8 @@ lint:
 	.venv/bin/ruff check kvpush tests
 	.venv/bin/ruff format --check kvpush tests
 	.venv/bin/mypy kvpush
+	.venv/bin/mypy --explicit-package-bases tests
+	.venv/bin/lint-imports
 
 docs:
 	@scripts/bootstrap.sh

@@ -77,6 +77,39 @@ def _positive(name: str, value: float, hint: str = "") -> None:
         raise ConfigError(f"{name} must be positive, got {value}", hint or f"pass {name} > 0")
 
 
+#: The field<->flag table, written once: each configuration field -> the CLI option that sets it.
+#: Validation messages name the option an operator typed; ``kvpush.cli.translate`` builds the
+#: configuration from the options through these tables (the option's parameter name is the flag
+#: without dashes, ``--side-channel-timeout`` -> ``side_channel_timeout``).
+POOL_FLAGS: dict[str, str] = {
+    "num_blocks": "--num-blocks",
+    "layers": "--layers",
+    "block_bytes": "--block-bytes",
+    "device": "--device",
+    "dtype": "--dtype",
+    "kv_layout": "--kv-layout",
+}
+AGENT_FLAGS: dict[str, str] = {
+    "backends": "--backends",
+    "progress_thread": "--progress-thread",
+    "num_threads": "--nixl-threads",
+    "idle_poll_max_us": "--idle-poll-max-us",
+    "busy_spin_us": "--busy-spin-us",
+}
+TIMEOUT_FLAGS: dict[str, str] = {
+    "side_channel_s": "--side-channel-timeout",
+    "handshake_s": "--handshake-timeout",
+    "lease_s": "--lease",
+    "heartbeat_s": "--heartbeat",
+    "request_deadline_s": "--request-deadline",
+    "peer_idle_ttl_s": "--peer-idle-ttl",
+    "write_base_s": "--write-timeout",
+    "write_min_gbps": "--write-min-gbps",
+    "fence_s": "--fence-timeout",
+    "drain_s": "--drain-timeout",
+}
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """Geometry of the registered KV pool: regions (layers x K/V) x blocks x block_bytes."""
@@ -90,9 +123,8 @@ class PoolConfig:
     kv_regions: KvRegions = KvRegions.PER_KV
 
     def __post_init__(self) -> None:
-        _positive("--num-blocks", self.num_blocks)
-        _positive("--layers", self.layers)
-        _positive("--block-bytes", self.block_bytes)
+        for name in ("num_blocks", "layers", "block_bytes"):
+            _positive(POOL_FLAGS[name], getattr(self, name))
         if self.num_blocks > 2**31 - 1:
             raise ConfigError(f"--num-blocks {self.num_blocks} is too large", "use at most 2^31-1")
         if not _DEVICE_RE.match(self.device):
@@ -177,10 +209,12 @@ class AgentConfig:
             if not re.match(r"^[A-Za-z0-9_]{1,32}$", b):
                 raise ConfigError(f"invalid backend name {b!r}", "e.g. --backends UCX")
         if self.num_threads < 0:
-            raise ConfigError("--nixl-threads must be >= 0", "0 lets NIXL choose")
-        _positive("--idle-poll-max-us", self.idle_poll_max_us)
+            raise ConfigError(f"{AGENT_FLAGS['num_threads']} must be >= 0", "0 lets NIXL choose")
+        _positive(AGENT_FLAGS["idle_poll_max_us"], self.idle_poll_max_us)
         if self.busy_spin_us < 0:
-            raise ConfigError("--busy-spin-us must be >= 0", "0 disables spinning after activity")
+            raise ConfigError(
+                f"{AGENT_FLAGS['busy_spin_us']} must be >= 0", "0 disables spinning after activity"
+            )
 
 
 @dataclass(frozen=True)
@@ -199,19 +233,7 @@ class Timeouts:
     drain_s: float = 10.0
 
     def __post_init__(self) -> None:
-        # Field -> the CLI option that sets it, so that the message names a real option.
-        for name, flag in (
-            ("side_channel_s", "--side-channel-timeout"),
-            ("handshake_s", "--handshake-timeout"),
-            ("lease_s", "--lease"),
-            ("heartbeat_s", "--heartbeat"),
-            ("request_deadline_s", "--request-deadline"),
-            ("peer_idle_ttl_s", "--peer-idle-ttl"),
-            ("write_base_s", "--write-timeout"),
-            ("write_min_gbps", "--write-min-gbps"),
-            ("fence_s", "--fence-timeout"),
-            ("drain_s", "--drain-timeout"),
-        ):
+        for name, flag in TIMEOUT_FLAGS.items():
             _positive(flag, getattr(self, name))
         if self.heartbeat_s >= self.lease_s:
             raise ConfigError(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvpush import bench
-from kvpush.cli.bench_cmd import run_bench
+from kvpush.bench.console import run_bench
 from kvpush.errors import ExitStatus
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ import pytest
 from typer.main import get_command
 
 from kvpush.cli import gendocs
-from kvpush.cli.main import app
+from kvpush.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ from kvpush import PROTOCOL_VERSION, __version__
 
 def test_import_cli_does_not_pull_heavy_modules() -> None:
     code = (
-        "import kvpush.cli.main, kvpush.cli.settings, kvpush.cli.gendocs, sys; "
+        "import kvpush.cli, kvpush.cli.app, kvpush.cli.options, kvpush.cli.gendocs, sys; "
         "heavy = {'torch', 'nixl', 'zmq'} & set(sys.modules); "
         "assert not heavy, heavy"
     )
@@ -34,7 +34,7 @@ def test_console_script_entry_point_is_run() -> None:
     from importlib.metadata import entry_points
 
     eps = {e.name: e.value for e in entry_points(group="console_scripts")}
-    assert eps.get("kvpush") == "kvpush.cli.main:run"
+    assert eps.get("kvpush") == "kvpush.cli.app:run"
 
 
 def test_bash_tab_completion_lists_commands(make_env) -> None:

@@ -54,7 +54,7 @@ def test_second_signal_forces_exit_130() -> None:
     # queue standard signals), so the flag's contract is checked in a process signalling itself.
     code = (
         "import os, signal, time\n"
-        "from kvpush.cli.serve import StopFlag\n"
+        "from kvpush.cli.signals import StopFlag\n"
         "f = StopFlag(); f.install()\n"
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n"
         "assert f.event.is_set() and f.signame == 'SIGTERM'\n"

@@ -7,19 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.cli import settings
-from kvpush.cli.serve import choose_output, write_ready_file
-from kvpush.cli.settings import OutputMode
+from kvpush.cli import configfile, options, translate
+from kvpush.cli.commands.serve import choose_output, write_ready_file
+from kvpush.cli.options import OutputMode
 from kvpush.config import PoolConfig
 from kvpush.errors import ConfigError
-from kvpush.ops.driver import DriveConfig, RequestResult, percentile, summarize
+from kvpush.ops.driver import DriveConfig, RequestResult, summarize
 from kvpush.ops.probe import local_compat_fields, rtt_stats
+from kvpush.ops.stats import percentile
 from kvpush.wire.protocol import COMPAT_FIELDS
 
 
 def test_envvar_names() -> None:
-    assert settings.envvar("--num-blocks") == "KVPUSH_NUM_BLOCKS"
-    assert settings.envvar("--progress-thread/--no-progress-thread") == "KVPUSH_PROGRESS_THREAD"
+    assert options.envvar("--num-blocks") == "KVPUSH_NUM_BLOCKS"
+    assert options.envvar("--progress-thread/--no-progress-thread") == "KVPUSH_PROGRESS_THREAD"
 
 
 def test_percentile_nearest_rank() -> None:
@@ -83,13 +84,13 @@ BASE = {"num_blocks": 8, "layers": 2, "device": "cpu", "dtype": "bfloat16", "kv_
 
 
 def test_pool_config_model_like_and_conflicts() -> None:
-    p = settings.pool_config({**BASE, "block_tokens": 16, "kv_heads": 8, "head_dim": 128})
+    p = translate.pool_config({**BASE, "block_tokens": 16, "kv_heads": 8, "head_dim": 128})
     assert p.block_bytes == 16 * 8 * 128 * 2
     with pytest.raises(ConfigError, match="--block-bytes and --block-tokens both set"):
-        settings.pool_config(
+        translate.pool_config(
             {**BASE, "block_bytes": 4096, "block_tokens": 16, "kv_heads": 1, "head_dim": 1}
         )
-    assert settings.pool_config({**BASE, "block_bytes": None}).block_bytes == 65536
+    assert translate.pool_config({**BASE, "block_bytes": None}).block_bytes == 65536
 
 
 def test_config_values_sections_and_paths(tmp_path: Path) -> None:
@@ -104,7 +105,7 @@ def test_config_values_sections_and_paths(tmp_path: Path) -> None:
     }
     own = {"num_blocks", "handshake", "auth_token_file", "backends", "port"}
     known = own | {"writer"}
-    out = settings.config_values(data, path, "serve-decode", own, known)
+    out = configfile.config_values(data, path, "serve-decode", own, known)
     assert out == {
         "num_blocks": 8,
         "auth_token_file": str(tmp_path / "tok"),
@@ -112,7 +113,7 @@ def test_config_values_sections_and_paths(tmp_path: Path) -> None:
         "handshake": "full",
     }
     with pytest.raises(ConfigError, match="unknown key 'bogus'"):
-        settings.config_values({"bogus": 1}, path, "serve-decode", own, known)
+        configfile.config_values({"bogus": 1}, path, "serve-decode", own, known)
 
 
 def test_write_ready_file_is_atomic_json(tmp_path: Path) -> None:

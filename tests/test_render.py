@@ -1,12 +1,13 @@
-"""Tests of kvpush.cli.render: pure renderers of a hand-built Snapshot."""
+"""Tests of kvpush.cli.views.live: pure renderers of a hand-built Snapshot."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 from rich.console import Console
 
-from kvpush.cli.render import (
+from kvpush.cli.views.live import (
     fmt_ms,
     fmt_uptime,
     render_json,
@@ -39,11 +40,11 @@ def sample_snapshot(peers: list[dict[str, object]] | None = None) -> Snapshot:
         "pool_total": 1024,
     }
     for name, value in gauges.items():
-        tel.gauge_fn(name, lambda v=value: v)
+        tel.gauge_fn(name, functools.partial(float, value))
     if peers is None:
         peers = [
             {"peer": "127.0.0.1:5700", "engine_id": "d-11aa22bb", "mode": "full",
-             "state": "ready", "duration_s": 0.041, "failures": 0, "last_error": None},
+             "state": "connected", "duration_s": 0.041, "failures": 0, "last_error": None},
             {"peer": "10.0.0.12:5701", "engine_id": "d-99ff", "mode": "full", "state": "failed",
              "duration_s": 5.0, "failures": 3,
              "last_error": "deadline: no answer within 5 s from 10.0.0.12:5701 " * 4},
@@ -78,7 +79,7 @@ def test_live_view_has_every_section_and_fits_100_columns() -> None:
     assert "kvpush prefill" in lines[0]
     assert "p-7f3a9c21" in text and "127.0.0.1:5600" in text and "up 2s" in text
     (peer_row,) = [line for line in lines if line.startswith("127.0.0.1:5700")]
-    assert peer_row.split()[:5] == ["127.0.0.1:5700", "d-11aa22bb", "full", "ready", "41.0"]
+    assert peer_row.split()[:5] == ["127.0.0.1:5700", "d-11aa22bb", "full", "connected", "41.0"]
     (failed_row,) = [line for line in lines if line.startswith("10.0.0.12:5701")]
     assert "failed" in failed_row and "deadline: no answer" in failed_row
     assert "Handshakes  1/2 ready" in text
@@ -101,7 +102,7 @@ def test_live_view_of_a_fresh_endpoint() -> None:
 
 def test_live_view_caps_peer_rows_unhealthy_first() -> None:
     peers: list[dict[str, object]] = [
-        {"peer": f"10.0.0.{i}:5700", "state": "ready"} for i in range(30)
+        {"peer": f"10.0.0.{i}:5700", "state": "connected"} for i in range(30)
     ]
     peers.append({"peer": "10.0.9.9:5700", "state": "failed"})
     text = rendered(sample_snapshot(peers))

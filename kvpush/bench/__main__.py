@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvpush.cli.bench_cmd import run_bench
+from kvpush.bench.console import run_bench
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ _SC_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def start_endpoint(state: Any, config: dict[str, Any]) -> dict[str, Any]:
-    from kvpush.endpoint import open_endpoint
+    from kvpush.ops.engine import open_endpoint
     from kvpush.ops.node import build_config
 
     cfg = build_config(config)

@@ -1,7 +1,8 @@
 """Pure statistics for benchmark results: percentiles, summaries, windows, ratios.
 
-No I/O, no threads. Percentiles are linear interpolation between closest ranks (numpy's
-default), computed exactly from the recorded samples (not from histogram buckets).
+No I/O, no threads. Percentiles are the tools' one definition, ``kvpush.ops.stats.percentile``
+(nearest rank: always a recorded value), computed exactly from the recorded samples (not from
+histogram buckets); here an empty series gives NaN (reported as null), not 0.
 """
 
 from __future__ import annotations
@@ -9,18 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from kvpush.ops.stats import percentile as _percentile
+
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) of ``values``; NaN when empty."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    if len(xs) == 1:
-        return float(xs[0])
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+    """The ``q``-th nearest-rank percentile (0..100) of ``values``; NaN when empty."""
+    return _percentile(values, q, empty=math.nan)
 
 
 def median(values: Sequence[float]) -> float:

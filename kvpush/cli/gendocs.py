@@ -4,7 +4,7 @@
 them differs from what the app generates now (``tests/test_cli_docs.py`` runs the same check).
 typer >= 0.26 ships its own copy of click, so click-man does not work on it: this walks the
 click command tree that typer builds and writes roff itself. Output is deterministic (no dates,
-no terminal widths) so that the drift check is exact.
+no terminal widths) so that the drift check is exact. Runs on the main thread.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush import PROTOCOL_VERSION, __version__
+from kvpush.cli.options import SECONDS
 
 PROG = "kvpush"
 COMPLETE_VAR = "_KVPUSH_COMPLETE"
@@ -80,23 +81,8 @@ def _metavar(param: Any) -> str:
         return "N"
     if ann is float:
         name = param.name or ""
-        return "SECONDS" if name in _SECONDS else "X"
+        return "SECONDS" if name in SECONDS else "X"
     return "TEXT"
-
-
-_SECONDS = {
-    "side_channel_timeout",
-    "handshake_timeout",
-    "lease",
-    "heartbeat",
-    "request_deadline",
-    "peer_idle_ttl",
-    "write_timeout",
-    "fence_timeout",
-    "drain_timeout",
-    "interval",
-    "timeout",
-}
 
 
 def _default(param: Any) -> str | None:
@@ -153,7 +139,7 @@ def man_page() -> str:
     """The whole of ``man/kvpush.1``, generated from the typer app."""
     from typer.main import get_command
 
-    from kvpush.cli.main import EPILOG, HELP, app
+    from kvpush.cli.app import EPILOG, HELP, app
 
     root: Any = get_command(app)
     out: list[str] = [

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush.config import parse_address
 from kvpush.errors import KvpushError
+from kvpush.ops import control
 from kvpush.ops.driver import DriveConfig, Driver, DriveReport, RequestResult
 from kvpush.wire import protocol
 
@@ -324,10 +324,7 @@ class Demo:
         if self.prefill is None or not self.prefill.address:
             return None
         if self._stats_client is None:
-            from kvpush.transport.client import SideChannelClient
-
-            host, port = parse_address(self.prefill.address)
-            self._stats_client = SideChannelClient(host, port, timeout_s=timeout_s)
+            self._stats_client = control.connect(self.prefill.address, None, timeout_s)
         try:
             rep = self._stats_client.request(protocol.StatsReq())
         except KvpushError:

@@ -13,7 +13,6 @@ typer or rich.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import uuid
@@ -25,6 +24,8 @@ from typing import Any
 
 from kvpush.config import format_address, parse_address
 from kvpush.errors import ConfigError, KvpushError, PeerError, PeerUnreachableError
+from kvpush.ops import control
+from kvpush.ops.stats import percentile
 from kvpush.wire import protocol
 
 
@@ -83,14 +84,6 @@ class RequestResult:
     latency_s: float  # driver-measured: decode leg sent -> decode reply received
     nbytes: int
     verified: bool | None
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list (0.0 for an empty one)."""
-    if not sorted_values:
-        return 0.0
-    k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100 * len(sorted_values)) - 1))
-    return sorted_values[k]
 
 
 @dataclass(frozen=True)
@@ -162,19 +155,11 @@ def summarize(results: list[RequestResult], elapsed_s: float) -> DriveReport:
     )
 
 
-def _client(address: str, token: bytes | None, timeout_s: float) -> Any:
-    from kvpush.transport.client import SideChannelClient
-    from kvpush.wire.auth import Authenticator
-
-    host, port = parse_address(address)
-    return SideChannelClient(host, port, auth=Authenticator(token), timeout_s=timeout_s)
-
-
 def check_roles(cfg: DriveConfig, timeout_s: float = 5.0) -> None:
     """Fail fast: every endpoint answers and has the role it was given as."""
     for role, addrs in (("prefill", cfg.prefill), ("decode", cfg.decode)):
         for addr in addrs:
-            with _client(addr, cfg.auth_token, min(timeout_s, cfg.timeout_s)) as c:
+            with control.connect(addr, cfg.auth_token, min(timeout_s, cfg.timeout_s)) as c:
                 rep = c.request(protocol.HandshakeReq(mode="notif", requester="kvpush-drive"))
             if not isinstance(rep, protocol.HandshakeRep):
                 raise PeerError(f"{addr} answered a handshake request with {type(rep).__name__}")
@@ -290,7 +275,9 @@ class Driver:
                 def decode_leg(d: str = d, tid: str = tid, ph: str = ph, pp: int = pp) -> Any:
                     c = d_clients.get(d)
                     if c is None:
-                        c = d_clients[d] = _client(d, self.cfg.auth_token, self.cfg.timeout_s)
+                        c = d_clients[d] = control.connect(
+                            d, self.cfg.auth_token, self.cfg.timeout_s
+                        )
                     return c.request(
                         protocol.DecodeReq(
                             transfer_id=tid,
@@ -308,7 +295,9 @@ class Driver:
                 try:
                     c = p_clients.get(p)
                     if c is None:
-                        c = p_clients[p] = _client(p, self.cfg.auth_token, self.cfg.timeout_s)
+                        c = p_clients[p] = control.connect(
+                            p, self.cfg.auth_token, self.cfg.timeout_s
+                        )
                     prep = c.request(
                         protocol.PrefillReq(transfer_id=tid, num_blocks=self.cfg.blocks)
                     )

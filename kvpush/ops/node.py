@@ -25,7 +25,7 @@ from kvpush.config import (
     Timeouts,
     WriterMode,
 )
-from kvpush.endpoint import open_endpoint
+from kvpush.ops.engine import open_endpoint
 
 
 def build_config(d: dict[str, Any]) -> EndpointConfig:

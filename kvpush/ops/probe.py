@@ -16,7 +16,6 @@ size only and never handed to NIXL.
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -32,6 +31,8 @@ from kvpush.errors import (
     PeerUnreachableError,
     ProtocolError,
 )
+from kvpush.ops import control
+from kvpush.ops.stats import median
 from kvpush.wire import protocol, vllm
 
 # kvpush endpoints stamp HandshakeRep.server_clock with time.time() (wall clock, comparable
@@ -52,7 +53,7 @@ class RttStats:
 
     @property
     def median_s(self) -> float:
-        return statistics.median(self.samples_s)
+        return median(self.samples_s)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -123,14 +124,6 @@ def local_compat_fields(pool: PoolConfig) -> dict[str, object]:
     }
 
 
-def _client(address: str, token: bytes | None, timeout_s: float) -> Any:
-    from kvpush.transport.client import SideChannelClient
-    from kvpush.wire.auth import Authenticator
-
-    host, port = parse_address(address)
-    return SideChannelClient(host, port, auth=Authenticator(token), timeout_s=timeout_s)
-
-
 UNREACHABLE_HINT = (
     "check the address, that the peer is running and that no firewall is in the way; "
     "raise --timeout for a slow link"
@@ -169,7 +162,7 @@ def probe(
         raise ConfigError(f"--count must be positive, got {count}", "pass --count 1 or more")
     host, port = parse_address(address)
     addr = format_address(host, port)
-    with _client(addr, token, timeout_s) as client:
+    with control.connect(addr, token, timeout_s) as client:
         try:
             ident = client.identify(*ranks)
             if ident.kind == "vllm":
@@ -286,7 +279,7 @@ def handshake_probe(
 
     ``mode`` None with ``ping_count`` > 0 handshakes notif-only, which notifications need.
     """
-    from kvpush.endpoint import open_endpoint
+    from kvpush.ops.engine import open_endpoint
 
     host, port = parse_address(address)
     addr = format_address(host, port)

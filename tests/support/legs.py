@@ -1,4 +1,8 @@
-"""Send both legs of a request to running endpoints over their real side channels."""
+"""Send both legs of a request to running endpoints over their real side channels.
+
+Clients come from the tools' one control client (``kvpush.ops.control.connect``), one per
+address per thread (a client belongs to one thread).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvpush.ops import control
 from kvpush.transport.client import SideChannelClient
 from kvpush.wire import protocol
 
@@ -18,9 +23,7 @@ def _client(address: str) -> SideChannelClient:
     _local.clients = cache
     c = cache.get(address)
     if c is None:
-        host, port = address.rsplit(":", 1)
-        c = SideChannelClient(host, int(port), timeout_s=30)
-        cache[address] = c
+        c = cache[address] = control.connect(address, None, timeout_s=30)
     return c
 
 

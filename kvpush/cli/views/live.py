@@ -1,9 +1,12 @@
 """Renderers of a telemetry ``Snapshot``: the live dashboard, a plain log line and a JSON line.
 
-Pure functions of one frozen snapshot — no threads, no clocks, no I/O — so the three outputs
-cannot disagree and each is tested by rendering a hand-built snapshot. The ``Live`` loop that calls
-``render_live`` once per refresh, and the choice between the views (``isatty()``, ``--json``),
-belong to the command that owns the console. The dashboard fits 100 columns.
+Owns the three views of one endpoint's telemetry (``kvpush serve-*``, ``probe --stats``, the
+demo). Every name comes from ``kvpush.telemetry.names`` (``Counter``, ``Gauge``, ``Hist``,
+``PeerState``), the same enums the endpoint bumps. Pure functions of one frozen snapshot -- no
+threads, no clocks, no I/O -- so the three outputs cannot disagree and each is tested by
+rendering a hand-built snapshot. The ``Live`` loop that calls ``render_live`` once per refresh,
+and the choice between the views (``isatty()``, ``--json``), belong to the command that owns
+the console (on the main thread). The dashboard fits 100 columns.
 """
 
 from __future__ import annotations
@@ -17,32 +20,33 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvpush.telemetry.names import QUEUE_GAUGES
+from kvpush.telemetry.names import QUEUE_GAUGES, Counter, Gauge, Hist, PeerState
 from kvpush.telemetry.snapshot import HistSnapshot, Snapshot
 
 __all__ = ["render_json", "render_live", "render_plain", "render_summary_table"]
 
 WIDTH = 100
 
-#: Peer states counted as healthy ("peers=2/2") and drawn green; these drawn red; others yellow.
-OK_STATES = frozenset({"ready", "connected", "ok", "up", "done", "notif_ready", "full_ready"})
-BAD_STATES = frozenset({"failed", "error", "dead", "down", "unreachable", "incompatible"})
+#: Peer states counted as healthy ("peers=2/2") and drawn green; these drawn red; others (a
+#: peer still connecting, or a state a newer endpoint reports) yellow.
+OK_STATES = frozenset({PeerState.CONNECTED})
+BAD_STATES = frozenset({PeerState.FAILED})
 
 #: The latency that the plain line reports as ``p99`` for each role (else the first histogram).
-PRIMARY_LATENCY = {"prefill": "push_latency", "decode": "decode_latency"}
+PRIMARY_LATENCY = {"prefill": Hist.PUSH_LATENCY, "decode": Hist.DECODE_LATENCY}
 
 _PLAIN_QUEUE_KEYS = {
-    "finished_waiting_reg": "finished",
-    "regs_waiting_blocks": "regs",
-    "deferred": "deferred",
-    "inflight_writes": "inflight",
-    "d_waiting": "waiting",
+    Gauge.FINISHED_WAITING_REG: "finished",
+    Gauge.REGS_WAITING_BLOCKS: "regs",
+    Gauge.DEFERRED: "deferred",
+    Gauge.INFLIGHT_WRITES: "inflight",
+    Gauge.D_WAITING: "waiting",
 }
 _POOL_STATES = (  # gauge, label, bar character, style
-    ("pool_allocated", "allocated", "█", "blue"),
-    ("pool_inflight", "inflight", "█", "magenta"),
-    ("pool_quarantined", "quarantined", "█", "red"),
-    ("pool_free", "free", "░", "green"),
+    (Gauge.POOL_ALLOCATED, "allocated", "█", "blue"),
+    (Gauge.POOL_INFLIGHT, "inflight", "█", "magenta"),
+    (Gauge.POOL_QUARANTINED, "quarantined", "█", "red"),
+    (Gauge.POOL_FREE, "free", "░", "green"),
 )
 _BAR_WIDTH = 60
 _MAX_PEER_ROWS = 12
@@ -107,7 +111,7 @@ def _peer_ok(row: dict[str, object]) -> bool:
 
 
 def _primary_latency(snap: Snapshot) -> HistSnapshot | None:
-    name = PRIMARY_LATENCY.get(snap.role, "push_latency")
+    name = PRIMARY_LATENCY.get(snap.role, Hist.PUSH_LATENCY)
     if name in snap.histograms:
         return snap.histograms[name]
     return next(iter(snap.histograms.values()), None)
@@ -210,16 +214,16 @@ def _throughput(snap: Snapshot) -> Table:
     t.add_column("")
     t.add_column("now", justify="right")
     t.add_column("total", justify="right")
-    t.add_row("pushes/s", fmt_rate(r.get("pushes_ok", 0.0)), f"{c.get('pushes_ok', 0):,}")
-    t.add_row(
-        "GB/s",
-        f"{r.get('bytes_pushed', 0.0) / 1e9:.2f}",
-        fmt_bytes(c.get("bytes_pushed", 0)),
+    ok, pushed, req, notifs = (
+        Counter.PUSHES_OK,
+        Counter.BYTES_PUSHED,
+        Counter.REQUESTS_OK,
+        Counter.NOTIFS_RECEIVED,
     )
-    t.add_row("requests/s", fmt_rate(r.get("requests_ok", 0.0)), f"{c.get('requests_ok', 0):,}")
-    t.add_row(
-        "notifs/s", fmt_rate(r.get("notifs_received", 0.0)), f"{c.get('notifs_received', 0):,}"
-    )
+    t.add_row("pushes/s", fmt_rate(r.get(ok, 0.0)), f"{c.get(ok, 0):,}")
+    t.add_row("GB/s", f"{r.get(pushed, 0.0) / 1e9:.2f}", fmt_bytes(c.get(pushed, 0)))
+    t.add_row("requests/s", fmt_rate(r.get(req, 0.0)), f"{c.get(req, 0):,}")
+    t.add_row("notifs/s", fmt_rate(r.get(notifs, 0.0)), f"{c.get(notifs, 0):,}")
     return t
 
 
@@ -253,7 +257,7 @@ def _failures(snap: Snapshot) -> Table:
 
 
 def _pool(snap: Snapshot) -> RenderableType:
-    total = _int_gauge(snap, "pool_total")
+    total = _int_gauge(snap, Gauge.POOL_TOTAL)
     t = _section("Pool", show_header=False)
     t.add_column("")
     if not total:
@@ -310,9 +314,9 @@ def render_plain(snap: Snapshot) -> str:
         fmt_ts(snap.ts),
         _token(snap.role),
         _token(snap.engine_id),
-        f"pushes/s={r.get('pushes_ok', 0.0):.0f}",
-        f"req/s={r.get('requests_ok', 0.0):.0f}",
-        f"GB/s={r.get('bytes_pushed', 0.0) / 1e9:.2f}",
+        f"pushes/s={r.get(Counter.PUSHES_OK, 0.0):.0f}",
+        f"req/s={r.get(Counter.REQUESTS_OK, 0.0):.0f}",
+        f"GB/s={r.get(Counter.BYTES_PUSHED, 0.0) / 1e9:.2f}",
     ]
     parts += [
         f"{key}={_int_gauge(snap, name)}"
@@ -325,8 +329,9 @@ def render_plain(snap: Snapshot) -> str:
     top = sorted(((n, k) for k, n in snap.failures.items() if n), reverse=True)[:3]
     detail = f"[{','.join(f'{k}:{n}' for n, k in top)}]" if top else ""
     parts.append(f"fail={failed}{detail}")
-    if "pool_total" in snap.gauges:
-        parts.append(f"pool_free={_int_gauge(snap, 'pool_free')}/{_int_gauge(snap, 'pool_total')}")
+    if Gauge.POOL_TOTAL in snap.gauges:
+        free, total = _int_gauge(snap, Gauge.POOL_FREE), _int_gauge(snap, Gauge.POOL_TOTAL)
+        parts.append(f"pool_free={free}/{total}")
     ok = sum(1 for row in snap.peers if _peer_ok(row))
     parts.append(f"peers={ok}/{len(snap.peers)}")
     return " ".join(parts)
@@ -359,9 +364,9 @@ def render_summary_table(snaps: Iterable[Snapshot]) -> Table:
         t.add_row(
             snap.role,
             snap.engine_id,
-            f"{c.get('pushes_ok', 0):,}",
-            fmt_bytes(c.get("bytes_pushed", 0)),
-            f"{c.get('requests_ok', 0):,}",
+            f"{c.get(Counter.PUSHES_OK, 0):,}",
+            fmt_bytes(c.get(Counter.BYTES_PUSHED, 0)),
+            f"{c.get(Counter.REQUESTS_OK, 0):,}",
             f"{sum(snap.failures.values()):,}",
             fmt_ms(hist.p50) if has and hist is not None else "-",
             fmt_ms(hist.p99) if has and hist is not None else "-",

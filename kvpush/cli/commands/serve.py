@@ -1,16 +1,17 @@
-"""The run loop of ``kvpush serve-prefill`` / ``serve-decode``.
+"""``kvpush serve-prefill`` / ``serve-decode``: both commands, and the run loop of an endpoint.
 
-Lifecycle (uvicorn's shape): install signal handlers -> start the endpoint (raises typed errors)
--> optional Prometheus exporter -> ready file -> main loop (render telemetry, watch for a thread
-failure) -> ordered shutdown: ``endpoint.stop()`` drains under ``--drain-timeout``, then the
-exporter stops and the ready file is removed.
+The two commands are built from the one option table (``options.serve_entries(role)``); their
+body translates the options (``translate``) and calls ``serve``.
 
-Signals: SIGINT/SIGTERM handlers only set a flag (the main loop does the work); a second signal
-exits at once with status 130. Runs on the main thread; the endpoint owns its own threads.
+Lifecycle (uvicorn's shape): install signal handlers -> open the endpoint
+(``kvpush.ops.engine.open_endpoint``; raises typed errors) -> optional Prometheus exporter ->
+ready file -> main loop (render telemetry, watch for a thread failure) -> ordered shutdown:
+``endpoint.stop()`` drains under ``--drain-timeout``, then the exporter stops and the ready
+file is removed. Signals only set a flag (``StopFlag``); a second one exits at once (130).
 
 Output: ``live`` draws a rich view on stderr, on the same console as the log handler (log lines
 scroll above the view); ``plain`` and ``json`` print one telemetry line per ``--interval`` to
-stdout and log to stderr.
+stdout and log to stderr. Runs on the main thread; the endpoint owns its own threads.
 """
 
 from __future__ import annotations
@@ -19,47 +20,52 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 import tempfile
-import threading
 import time
-from types import FrameType
 from typing import Any
 
+import typer
 from rich.console import Console
 
-from kvpush.cli.settings import LogLevel, OutputMode, ServeOptions
-from kvpush.config import EndpointConfig
+from kvpush.cli import options, translate
+from kvpush.cli.options import LogLevel, OutputMode
+from kvpush.cli.signals import StopFlag
+from kvpush.cli.translate import ServeOptions
+from kvpush.config import EndpointConfig, Role
 from kvpush.errors import ExitStatus, KvpushError
 
 log = logging.getLogger("kvpush.serve")
 
 LIVE_REFRESH_S = 0.25
 
+DOCS: dict[str, str] = {
+    "prefill": """Run a prefill endpoint (P): fill blocks on request and push them to decode
+    endpoints.
 
-class StopFlag:
-    """Set by SIGINT/SIGTERM; a second signal forces an immediate exit (status 130)."""
+    P marks a request's blocks finished, matches them with D's PUSH_REG registration (either
+    may arrive first), handshakes with a new D in the background and WRITEs the blocks into D's
+    memory with a completion notification. SIGINT/SIGTERM drain and exit 0; a second signal
+    exits at once (130).""",
+    "decode": """Run a decode endpoint (D): allocate blocks on request and receive P's push into
+    them.
 
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.signame = ""
-        self._previous: dict[int, Any] = {}
+    D allocates blocks, handshakes with P (notification-only by default: D only ever notifies
+    P), sends PUSH_REG, counts completion notifications, verifies the bytes and answers the
+    request. SIGINT/SIGTERM drain and exit 0; a second signal exits at once (130).""",
+}
 
-    def _handler(self, signum: int, frame: FrameType | None) -> None:
-        if self.event.is_set():
-            os.write(2, b"kvpush: second signal: exiting without draining\n")
-            os._exit(int(ExitStatus.INTERRUPTED))
-        self.signame = signal.Signals(signum).name
-        self.event.set()
 
-    def install(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handler)
+def register(app: typer.Typer) -> None:
+    for role in ("prefill", "decode"):
 
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        def body(ctx: typer.Context, role: Role = role, **params: Any) -> None:  # type: ignore[assignment]
+            del ctx
+            cfg = translate.endpoint_config(role, params)
+            opts = ServeOptions.from_params(params)
+            raise typer.Exit(serve(cfg, opts))
+
+        options.register(app, f"serve-{role}", body, options.serve_entries(role), DOCS[role])
 
 
 def setup_logging(console: Console, level: LogLevel | str, rich_handler: bool) -> None:
@@ -105,8 +111,8 @@ def choose_output(requested: OutputMode | None) -> OutputMode:
 
 def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
     """Run one endpoint until SIGINT/SIGTERM; return the exit status (raise typed errors)."""
-    from kvpush.cli import render
-    from kvpush.endpoint import open_endpoint
+    from kvpush.cli.views import live as render
+    from kvpush.ops.engine import open_endpoint
 
     output = choose_output(opts.output)
     console = Console(stderr=True)
@@ -117,11 +123,10 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
             "can send requests",
             cfg.host,
         )
-    stop = StopFlag()
-    stop.install()
+    stop = StopFlag().install()
+    ep = None
     exporter = None
     failure: BaseException | None = None
-    ep: Any = None
     try:
         ep = open_endpoint(cfg)
         if opts.metrics_port:

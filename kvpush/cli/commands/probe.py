@@ -1,0 +1,109 @@
+"""``kvpush probe ADDRESS``: who is this peer, is it healthy, is it compatible with us?
+
+Options -> ``kvpush.ops.probe`` (side-channel identity, RTT, clock offset, compatibility) and,
+for ``--handshake`` / ``--ping``, a tiny local decode endpoint that times a real NIXL handshake
+-> the report printed for a person (``views.reports``) or as one JSON object. Exit status: 0
+healthy, 3 answered but not ready or incompatible, 69 unreachable. Runs on the main thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import typer
+
+from kvpush.cli import options, stdio, translate
+from kvpush.config import HandshakeMode
+from kvpush.errors import ConfigError
+
+DOC = """Ask a peer who it is, whether it is healthy and whether it is compatible with us.
+
+Reports engine id, role, incarnation, versions, geometry, device and compatibility hash,
+the side-channel RTT (min/median) and clock offset. Given local geometry options (or
+KVPUSH_* variables, or --config), names each field that differs. Exit status: 0 healthy,
+3 answered but not ready or incompatible, 69 unreachable."""
+
+
+def register(app: typer.Typer) -> None:
+    options.register(app, "probe", probe, options.PROBE, DOC)
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    src = ctx.get_parameter_source(name)
+    return src is not None and src.name != "DEFAULT"
+
+
+def probe(
+    ctx: typer.Context,
+    address: str,
+    count: int,
+    timeout: float,
+    handshake: HandshakeMode | None,
+    ping: int,
+    stats: bool,
+    json_out: bool,
+    ranks: str,
+    auth_token_file: str | None,
+    backends: str,
+    progress_thread: bool,
+    **geometry: Any,
+) -> None:
+    from kvpush.config import AgentConfig, EndpointConfig, Timeouts
+    from kvpush.ops import probe as core
+
+    p = ctx.params
+    token = translate.auth_token(auth_token_file)
+    given = [n for n in options.GEOMETRY if _given(ctx, n)]
+    local_pool = translate.pool_config(p, num_blocks=4) if given else None
+    local = core.local_compat_fields(local_pool) if local_pool is not None else None
+    if ping < 0:
+        raise ConfigError(f"--ping must be >= 0, got {ping}", "pass --ping N with N >= 1")
+    if not timeout > 0:
+        raise ConfigError(f"--timeout must be positive, got {timeout:g}", "pass --timeout > 0")
+    report = core.probe(
+        address,
+        count=count,
+        timeout_s=timeout,
+        local=local,
+        token=token,
+        ranks=translate.parse_ranks(ranks),
+        stats=stats,
+    )
+    if handshake is not None or ping > 0:
+        if report.kind != "kvpush":
+            report.notes.append("--handshake/--ping need a kvpush peer: skipped")
+        elif report.differences:
+            report.notes.append("incompatible peer: --handshake/--ping skipped")
+        else:
+            base = EndpointConfig(
+                role="decode",
+                agent=AgentConfig(
+                    backends=translate.backends(backends), progress_thread=progress_thread
+                ),
+                timeouts=Timeouts(side_channel_s=timeout, handshake_s=max(timeout, 1.0)),
+                pool=translate.pool_config(p, num_blocks=4),
+            )
+            cfg = core.tiny_local_config(report.metadata, local_pool, token, base)
+            hp = core.handshake_probe(report.address, cfg, handshake, ping)
+            report = dataclasses.replace(
+                report,
+                handshake_mode=hp.mode if handshake is not None else None,
+                handshake_timings_s=hp.timings_s if handshake is not None else None,
+                ping_s=hp.ping_s if ping > 0 else None,
+            )
+    if json_out:
+        stdio.out(json.dumps(report.to_dict(), default=str))
+    else:
+        from rich.console import Console
+
+        from kvpush.cli.views.reports import probe_report, probe_stats
+
+        con = Console()
+        con.print(probe_report(report), soft_wrap=True)
+        extra = probe_stats(report)
+        if extra is not None:
+            con.print()
+            con.print(extra)
+    raise typer.Exit(int(report.exit_status))

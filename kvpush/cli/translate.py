@@ -1,0 +1,169 @@
+"""Parsed option values -> the library's frozen configuration (``EndpointConfig`` and its parts).
+
+Owns the one translation of CLI values into ``PoolConfig`` / ``AgentConfig`` / ``Timeouts`` /
+``EndpointConfig`` and the run loop's ``ServeOptions``. The config fields are found through the
+field<->flag tables of ``kvpush.config`` (a field's option is its flag's parameter name), so no
+name is written here a second time. Validation errors come from the config dataclasses, which
+name the option; the few checks only the CLI can make (``--interval``, ``--metrics-port``) are
+here. Pure functions over a ``{param: value}`` mapping; no torch, nixl or zmq.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.cli.options import LogLevel, OutputMode, param_name
+from kvpush.config import (
+    AGENT_FLAGS,
+    TIMEOUT_FLAGS,
+    AgentConfig,
+    EndpointConfig,
+    HandshakeMode,
+    PoolConfig,
+    Role,
+    Timeouts,
+    WriterMode,
+)
+from kvpush.errors import ConfigError
+
+MODEL_LIKE = ("--block-tokens", "--kv-heads", "--head-dim")
+
+
+def require_positive(flag: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{flag} must be positive, got {value:g}", f"pass {flag} > 0")
+
+
+def pool_config(p: Mapping[str, Any], num_blocks: int | None = None) -> PoolConfig:
+    """PoolConfig from parsed options (``num_blocks`` overrides the option, for probes)."""
+    model = {flag: p.get(param_name(flag)) for flag in MODEL_LIKE}
+    blocks = p["num_blocks"] if num_blocks is None else num_blocks
+    layout = p.get("kv_layout") or PoolConfig.kv_layout
+    given = [k for k, v in model.items() if v is not None]
+    if given:
+        if p.get("block_bytes") is not None:
+            raise ConfigError(
+                f"--block-bytes and {given[0]} both set the block size",
+                "give either --block-bytes or --block-tokens/--kv-heads/--head-dim",
+            )
+        missing = [k for k, v in model.items() if v is None]
+        if missing:
+            raise ConfigError(
+                f"{given[0]} needs {' and '.join(missing)} too",
+                "model-like geometry takes --block-tokens, --kv-heads and --head-dim together",
+            )
+        pool = PoolConfig.from_model(
+            num_blocks=blocks,
+            layers=p["layers"],
+            block_tokens=int(model["--block-tokens"] or 0),
+            kv_heads=int(model["--kv-heads"] or 0),
+            head_dim=int(model["--head-dim"] or 0),
+            dtype=p["dtype"],
+            device=p["device"],
+        )
+        return PoolConfig(
+            num_blocks=pool.num_blocks,
+            layers=pool.layers,
+            block_bytes=pool.block_bytes,
+            device=pool.device,
+            dtype=pool.dtype,
+            kv_layout=layout,
+        )
+    bb = p.get("block_bytes")
+    return PoolConfig(
+        num_blocks=blocks,
+        layers=p["layers"],
+        block_bytes=PoolConfig.block_bytes if bb is None else bb,
+        device=p["device"],
+        dtype=p["dtype"],
+        kv_layout=layout,
+    )
+
+
+def backends(text: str) -> tuple[str, ...]:
+    return tuple(b.strip() for b in str(text).split(",") if b.strip())
+
+
+def agent_config(p: Mapping[str, Any]) -> AgentConfig:
+    values: dict[str, Any] = {
+        fld: p[param_name(flag)] for fld, flag in AGENT_FLAGS.items() if param_name(flag) in p
+    }
+    if "backends" in values:
+        values["backends"] = backends(values["backends"])
+    if "progress_thread" in values:
+        values["progress_thread"] = bool(values["progress_thread"])
+    return AgentConfig(**values)
+
+
+def timeouts(p: Mapping[str, Any]) -> Timeouts:
+    values: dict[str, float] = {}
+    for fld, flag in TIMEOUT_FLAGS.items():
+        name = param_name(flag)
+        if name in p:
+            require_positive(flag, p[name])
+            values[fld] = float(p[name])
+    return Timeouts(**values)
+
+
+def auth_token(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    from kvpush.wire.auth import load_token_file
+
+    return load_token_file(path)
+
+
+def endpoint_config(role: Role, p: Mapping[str, Any]) -> EndpointConfig:
+    """The endpoint's frozen config from the parsed options of serve-prefill / serve-decode."""
+    return EndpointConfig(
+        role=role,
+        host=p["host"],
+        port=p["port"],
+        engine_id=p.get("engine_id") or "",
+        pool=pool_config(p),
+        agent=agent_config(p),
+        timeouts=timeouts(p),
+        handshake_mode=p.get("handshake") or HandshakeMode.NOTIF,
+        writer_mode=p.get("writer") or WriterMode.DEFERRED,
+        verify=bool(p.get("verify", True)),
+        auth_token=auth_token(p.get("auth_token_file")),
+        allow_all_interfaces=bool(p.get("expose", False)),
+    )
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What the run loop needs beyond the endpoint's config."""
+
+    output: OutputMode | None
+    interval_s: float
+    log_level: LogLevel
+    ready_file: str | None
+    metrics_host: str
+    metrics_port: int
+
+    @staticmethod
+    def from_params(p: Mapping[str, Any]) -> ServeOptions:
+        require_positive("--interval", p["interval"])
+        if not (0 <= p["metrics_port"] <= 65535):
+            raise ConfigError(
+                f"invalid port {p['metrics_port']}", "use 1-65535 for --metrics-port, or 0 for off"
+            )
+        return ServeOptions(
+            output=p["output"],
+            interval_s=float(p["interval"]),
+            log_level=p["log_level"],
+            ready_file=p["ready_file"],
+            metrics_host=p["metrics_host"],
+            metrics_port=p["metrics_port"],
+        )
+
+
+def parse_ranks(text: str) -> tuple[int, int]:
+    """``PP,TP`` -> (pp, tp): the rank a get_meta_msg asks for."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ConfigError(f"invalid --ranks {text!r}", "use PP,TP with two ranks, e.g. --ranks 0,1")
+    return int(parts[0]), int(parts[1])

@@ -1,0 +1,199 @@
+"""Renderers of the tools' results: a probe report, a drive summary, a demo summary and view.
+
+Owns how ``kvpush probe``, ``kvpush drive`` and ``kvpush demo`` print their results for a
+person (``--json`` prints the reports' ``to_dict`` instead). Pure functions of the report
+dataclasses of ``kvpush.ops``, returning rich renderables: label/value lines without table
+padding, so a pipe gets no trailing blanks. Runs on whichever thread prints (the main thread).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from kvpush.cli.views.live import fmt_bytes, fmt_ms, render_live
+from kvpush.telemetry.snapshot import snapshot_from_dict
+
+
+class Rows:
+    """Label/value lines, printed without table padding (no trailing blanks in pipes)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, Any]] = []
+
+    def add(self, label: str, value: Any) -> None:
+        self.rows.append((label, value))
+
+    def render(self) -> Group:
+        width = max((len(k) for k, _ in self.rows), default=0)
+        lines = []
+        for k, v in self.rows:
+            value = v if isinstance(v, Text) else Text(str(v))
+            lines.append(Text.assemble((k.ljust(width), "dim"), "  ", value))
+        return Group(*lines)
+
+
+def ibytes(n: float) -> str:
+    """Binary units for geometry (block sizes are powers of two): 4 KiB, 512 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:g} {unit}" if unit == "B" else f"{n:.4g} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+# ----------------------------------------------------------------------------------- probe
+
+
+def _kvpush_rows(t: Rows, md: dict[str, Any]) -> None:
+    t.add("role", md.get("role"))
+    t.add("engine id", md.get("engine_id"))
+    t.add("incarnation", md.get("incarnation"))
+    t.add("agent", md.get("agent_name"))
+    t.add(
+        "versions",
+        f"kvpush {md.get('kvpush_version')} · protocol v{md.get('protocol_version')} · "
+        f"nixl {md.get('nixl_version') or '?'}",
+    )
+    t.add("device", f"{md.get('device_kind')} (id {md.get('device_id')})")
+    try:
+        total = ibytes(int(md["num_blocks"]) * int(md["regions"]) * int(md["block_bytes"]))
+        t.add(
+            "geometry",
+            f"{md['num_blocks']} blocks × {md['regions']} regions ({md['layers']} layers × "
+            f"K/V) × {ibytes(int(md['block_bytes']))}, {md.get('dtype')}, "
+            f"{md.get('kv_layout')}: {total}",
+        )
+    except (KeyError, TypeError, ValueError):
+        t.add("geometry", "?")
+    t.add("tp", f"rank {md.get('tp_rank')} of {md.get('tp_size')}")
+    t.add("backends", ",".join(md.get("backends") or []))
+    t.add("auth", "on" if md.get("auth") else "off")
+
+
+def _vllm_rows(t: Rows, md: dict[str, Any]) -> None:
+    for k, v in md.items():
+        if k in ("agent_metadata_bytes", "ranks", "regions", "kv_caches_base_addr"):
+            continue
+        t.add(k, v)
+    t.add("regions", f"{md.get('regions')}: base addresses {md.get('kv_caches_base_addr')}")
+    t.add("agent metadata", f"{md.get('agent_metadata_bytes')} bytes (not loaded)")
+    t.add("rank", f"pp {md['ranks'][0][0]}, tp {md['ranks'][0][1]}")
+
+
+def probe_report(r: Any) -> RenderableType:
+    """The human form of a ``ProbeReport``: a headline and label/value rows."""
+    status = "healthy" if not r.differences else "INCOMPATIBLE"
+    head = Text.from_markup(f"[bold]{r.kind} endpoint at {r.address}[/bold]: {status}")
+    t = Rows()
+    (_kvpush_rows if r.kind == "kvpush" else _vllm_rows)(t, r.metadata)
+    t.add("compat hash", r.compat_hash)
+    rtt = r.rtt
+    t.add(
+        "rtt",
+        f"min {fmt_ms(rtt.min_s)} ms · median {fmt_ms(rtt.median_s)} ms "
+        f"({len(rtt.samples_s)} samples)",
+    )
+    t.add("clock offset", f"{rtt.clock_offset_s * 1e3:+.3f} ms")
+    if r.differences:
+        t.add("compatible", "NO")
+        for f, local, remote in r.differences:
+            t.add("", f"{f}: local {local}, remote {remote}")
+    elif r.compat_checked:
+        t.add("compatible", "yes")
+    elif r.kind == "kvpush":
+        t.add("compatible", "protocol yes; geometry not checked (give --block-bytes, --layers...)")
+    if r.handshake_timings_s is not None:
+        phases = " · ".join(
+            f"{k.removesuffix('_s')} {fmt_ms(v)} ms" for k, v in r.handshake_timings_s.items()
+        )
+        t.add(f"handshake ({r.handshake_mode})", phases)
+    if r.ping_s:
+        pings = sorted(r.ping_s)
+        t.add(
+            "nixl ping",
+            f"min {fmt_ms(pings[0])} ms · median {fmt_ms(pings[len(pings) // 2])} ms · "
+            f"max {fmt_ms(pings[-1])} ms ({len(pings)} round trips)",
+        )
+    for n in r.notes:
+        t.add("note", n)
+    return Group(head, t.render())
+
+
+def probe_stats(r: Any) -> RenderableType | None:
+    """The peer's live telemetry of ``probe --stats`` (None without it)."""
+    return None if r.stats is None else render_live(snapshot_from_dict(r.stats))
+
+
+# ------------------------------------------------------------------------------ drive, demo
+
+
+def drive_summary(r: Any, title: str = "drive") -> RenderableType:
+    """The human form of a ``DriveReport``."""
+    t = Rows()
+    t.add("requests", f"{r.requests}: {r.ok} ok, {r.failed} failed")
+    for reason, n in r.failures_by_reason.items():
+        t.add("", f"{n} × {reason}")
+    for line in r.first_failures:
+        t.add("", f"e.g. {line}")
+    lat = r.latency_s
+    t.add(
+        "latency",
+        f"p50 {fmt_ms(lat['p50'])} ms · p90 {fmt_ms(lat['p90'])} ms · "
+        f"p99 {fmt_ms(lat['p99'])} ms · max {fmt_ms(lat['max'])} ms",
+    )
+    t.add("throughput", f"{r.requests_per_s:.1f} requests/s · {r.gb_per_s:.3f} GB/s")
+    t.add("bytes", f"{fmt_bytes(r.bytes_total)} in {r.elapsed_s:.2f} s")
+    t.add("by decode", " · ".join(f"{a} {n}" for a, n in r.by_decode.items()))
+    t.add(
+        "all bytes verified",
+        Text.from_markup(
+            "[green]yes[/green]" if r.all_verified else f"[red]no[/red] ({r.verified}/{r.requests})"
+        ),
+    )
+    return Group(Text.from_markup(f"[bold]{title} summary[/bold]"), t.render())
+
+
+def demo_summary(r: Any) -> RenderableType:
+    """The human form of a ``DemoReport``: the drive summary, the children, the events."""
+    lines: list[RenderableType] = [drive_summary(r.drive, title="demo")]
+    for c in r.children:
+        state = f"exited {c['returncode']}"
+        extra = " (joined mid-run)" if c["extra"] else ""
+        lines.append(
+            Text(
+                f"  {c['name']:<4} {c['role']:<8} {c['address']:<22} {c['requests']:>5} "
+                f"requests, {state}{extra}"
+            )
+        )
+    lines += [Text(f"  {e}", style="dim") for e in r.events]
+    if r.kept_logs:
+        lines.append(Text(f"  logs kept in {r.workdir}"))
+    lines.append(Text.from_markup("[green]demo ok[/green]" if r.ok else "[red]demo FAILED[/red]"))
+    return Group(*lines)
+
+
+def demo_view(
+    progress: tuple[int, int, int, int], total: int, events: list[str], snap: dict[str, Any] | None
+) -> RenderableType:
+    """The demo's live view: a progress bar, the last events and P's telemetry."""
+    done, _ok, failed, ndec = progress
+    head = Table.grid(padding=(0, 2))
+    head.add_row(
+        Text("demo", style="bold"),
+        ProgressBar(total=total, completed=done, width=40),
+        Text(f"{done}/{total} requests · {failed} failed · {ndec} decoders"),
+    )
+    parts: list[RenderableType] = [head, *[Text(e, style="dim") for e in events[-4:]], Text()]
+    if snap is not None:
+        parts.append(render_live(snapshot_from_dict(snap)))
+    return Group(*parts)
+
+
+def demo_progress_line(progress: tuple[int, int, int, int], total: int) -> str:
+    done, _ok, failed, ndec = progress
+    return f"demo: {done}/{total} requests, {failed} failed, {ndec} decoders"
