@@ -84,8 +84,9 @@ class Tap:
             {"t": round(time.time(), 6), "role": self.role, "kind": kind, **kw}, default=str
         )
         with self._lock:
-            self._f.write(line + "\n")
-            self._f.flush()
+            if not self._f.closed:  # a straggling vLLM thread after shutdown: dropped
+                self._f.write(line + "\n")
+                self._f.flush()
 
     def close(self) -> None:
         with self._lock:
