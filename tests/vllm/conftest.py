@@ -2,10 +2,10 @@
 
 ``vllm_p`` / ``vllm_d`` are module-scoped: one real vLLM P and one real vLLM D per test module,
 started together (their slow vLLM imports overlap) and stopped at the module's end, whatever
-happened. A module sets their lease by overriding the ``vllm_lease`` fixture. ``vllm_factory``
-starts extra, function-scoped peers (for tests that kill one). Work directories live in one
-temporary directory per module, removed at teardown; a failing assertion carries the peer's
-status and log tail instead.
+happened. A module sets their lease by overriding the ``vllm_lease`` fixture, or starts more
+processes alongside them by overriding ``vllm_pair``. Work directories live in one temporary
+directory per module (``vllm_tmp``), removed at teardown; a failing assertion carries the
+peer's status and log tail instead.
 
 The suite needs the vLLM virtualenv (``scripts/vllm-venv.sh``), so a run that did not select
 the marker (``-m vllm``, or ``KVPUSH_RUN_VLLM=1``) skips it: ``make test`` deselects it anyway.
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import PeerFactory, VllmPeer, start_many, stop_many, vllm_python
+from harness import VllmPeer, start_many, stop_many, vllm_python
 
 _REASON = "vLLM interop test: run with -m vllm (make test-vllm) or KVPUSH_RUN_VLLM=1"
 
@@ -85,13 +85,3 @@ def vllm_p(vllm_pair: tuple[VllmPeer, VllmPeer]) -> VllmPeer:
 def vllm_d(vllm_pair: tuple[VllmPeer, VllmPeer]) -> VllmPeer:
     """A real vLLM decode engine (kv_consumer), shared by the module."""
     return vllm_pair[1]
-
-
-@pytest.fixture
-def vllm_factory(vllm_py: str, vllm_tmp: Path) -> Iterator[PeerFactory]:
-    """Start extra vLLM peers for one test; all stopped at its end."""
-    f = PeerFactory(vllm_py, vllm_tmp)
-    try:
-        yield f
-    finally:
-        f.close()

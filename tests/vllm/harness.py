@@ -21,7 +21,6 @@ import os
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -382,24 +381,6 @@ def start_many(
     return peers
 
 
-class PeerFactory:
-    """Starts peers in one directory and stops them all on ``close``."""
-
-    def __init__(self, python: str, tmp: Path) -> None:
-        self.python = python
-        self.tmp = tmp
-        self.peers: list[VllmPeer] = []
-
-    def start(self, role: str, **kw: Any) -> VllmPeer:
-        wd = Path(tempfile.mkdtemp(prefix=f"{role}-", dir=self.tmp))
-        peer = VllmPeer.start(role, wd, python=self.python, **kw)
-        self.peers.append(peer)
-        return peer
-
-    def close(self) -> None:
-        stop_many(self.peers)
-
-
 def settle_all(
     peers: Sequence[VllmPeer], steps: int = 10, min_s: float = 0.5, timeout: float = 60.0
 ) -> None:
@@ -433,6 +414,25 @@ def stop_many(peers: Sequence[VllmPeer], timeout: float = STOP_TIMEOUT_S) -> Non
                 p.send({"op": "stop"})
     for p in peers:
         p.stop(timeout)
+
+
+class Untouched:
+    """Marks peers' wire logs; ``check`` asserts each stayed alive with no NIXL activity since.
+
+    For tests of commands that must not touch a vLLM peer beyond its side channel: afterwards
+    the process, its listener and writer threads live, no engine step raised, and the peer sent
+    or received no notification, posted no transfer and loaded no agent."""
+
+    def __init__(self, *peers: VllmPeer) -> None:
+        self.peers = peers
+        self.marks = [p.wire_mark() for p in peers]
+
+    def check(self, what: str) -> None:
+        settle_all(self.peers)  # whatever reached NIXL has been through vLLM's writer and engine
+        for peer, mark in zip(self.peers, self.marks, strict=True):
+            peer.assert_alive(what)
+            activity = peer.nixl_activity(mark)
+            assert not activity, f"{what}: vLLM {peer.role} saw NIXL activity: {activity}"
 
 
 @atexit.register
