@@ -1,5 +1,5 @@
 # The two commands a newcomer runs (README "Set-up"): each builds .venv by itself.
-.PHONY: demo test test-slow lint docs
+.PHONY: demo test test-slow test-vllm lint docs
 
 demo:
 	@scripts/bootstrap.sh
@@ -7,11 +7,17 @@ demo:
 
 test:
 	@scripts/bootstrap.sh
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -m "not vllm"
 
 test-slow:
 	@scripts/bootstrap.sh
 	.venv/bin/python -m pytest -q -m slow
+
+# Against vLLM's real NixlPushConnector (tests/vllm), in a second venv (.vllm-venv, built once, ~3 min;
+# VLLM_VENV=/path reuses another). Not part of `make test`.
+test-vllm:
+	@scripts/bootstrap.sh
+	PY="$$(scripts/vllm-venv.sh)" && KVPUSH_VLLM_PYTHON="$$PY" .venv/bin/python -m pytest -q -m vllm tests/vllm
 
 lint:
 	@scripts/bootstrap.sh
