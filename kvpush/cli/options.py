@@ -30,8 +30,10 @@ from kvpush.config import (
     TIMEOUT_FLAGS,
     AgentConfig,
     HandshakeMode,
+    KvRegions,
     PoolConfig,
     Timeouts,
+    Wire,
     WriterMode,
 )
 
@@ -43,6 +45,7 @@ PANEL_NIXL = "NIXL"
 PANEL_TIME = "Timeouts (seconds)"
 PANEL_OUT = "Output"
 PANEL_SEC = "Security"
+PANEL_VLLM = "vLLM wire"
 
 
 class OutputMode(str, Enum):
@@ -193,6 +196,26 @@ _OPTS: list[Opt] = [
         PANEL_GEOM),
     Opt("kv_layout", (POOL_FLAGS["kv_layout"],), str, "KV cache layout name; peers must agree.",
         _pool("kv_layout"), PANEL_GEOM),
+    Opt("kv_regions", ("--kv-regions",), KvRegions,
+        "per-kv: a K and a V region per layer; per-layer: one region per layer with K|V inside "
+        "(vLLM's layout on CPU).", _pool("kv_regions"), PANEL_GEOM),
+    Opt("wire", ("--wire",), Wire,
+        "kvpush: kvpush's own framing (failures, cancels, fences, auth). vllm: vLLM 0.33's push "
+        "wire exactly, to stand in for a vLLM P or D (needs --like or --compat-hash).",
+        Wire.KVPUSH, PANEL_VLLM),
+    Opt("like", ("--like",), str | None,
+        "Take the geometry (regions, block length, layout, block size, attention backend, layer "
+        "names) and the compatibility hash from this running vLLM peer (--wire vllm).", None,
+        PANEL_VLLM, metavar="HOST:PORT"),
+    Opt("compat_hash", ("--compat-hash",), str | None,
+        "vLLM's compatibility hash both sides must share (--wire vllm; overrides --like's).",
+        None, PANEL_VLLM, metavar="HEX"),
+    Opt("vllm_block_size", ("--vllm-block-size",), int | None,
+        "Tokens per block vLLM announces (--wire vllm without --like; default 16).", None,
+        PANEL_VLLM, show_default=False),
+    Opt("attn_backend", ("--attn-backend",), str | None,
+        "vLLM's attention backend name, e.g. FLASH_ATTN, CPU_ATTN (--wire vllm without --like; "
+        "default FLASH_ATTN).", None, PANEL_VLLM, show_default=False),
     Opt("backends", (AGENT_FLAGS["backends"],), str, "Comma-separated NIXL backends to create.",
         ",".join(_agent("backends")), PANEL_NIXL),
     Opt("progress_thread", ("--progress-thread/--no-progress-thread",), bool,
@@ -276,6 +299,10 @@ _OPTS: list[Opt] = [
     Opt("json_out", ("--json",), bool, "One JSON object on stdout.", False, key="probe.json"),
     Opt("ranks", ("--ranks",), str,
         "The peer's (pp, tp) rank to ask for, as PP,TP (vLLM serves one per rank).", "0,0"),
+    Opt("peer_tp", ("--peer-tp",), int | None,
+        "The vLLM peer's TP size (tp_size of its kv_transfer_params): needed to ask it for a "
+        "rank other than 0,0, since vLLM's listener dies on a rank it does not serve.", None,
+        show_default=False),
     # --------------------------------------------------------------------- drive, demo
     Opt("prefill", ("--prefill", "-p"), list[str],
         "A prefill endpoint HOST:PORT (repeatable).", REQUIRED),
@@ -395,7 +422,10 @@ SERVE: list[tuple[str, frozenset[str]]] = [
         ("drain_timeout", "prefill decode"), ("metrics_port", "prefill decode"),
         ("metrics_host", "prefill decode"), ("output", "prefill decode"),
         ("interval", "prefill decode"), ("log_level", "prefill decode"),
-        ("ready_file", "prefill decode"),
+        ("ready_file", "prefill decode"), ("kv_regions", "prefill decode"),
+        ("wire", "prefill decode"), ("like", "prefill decode"),
+        ("compat_hash", "prefill decode"), ("vllm_block_size", "prefill decode"),
+        ("attn_backend", "prefill decode"),
     )
 ]  # fmt: skip
 SERVE_PORT = {"prefill": 5600, "decode": 5601}
@@ -414,7 +444,8 @@ GEOMETRY = ("layers", "block_bytes", "block_tokens", "kv_heads", "head_dim", "dt
 
 PROBE: list[Entry] = [
     "address", "count", "probe.timeout", "probe.handshake", "ping", "stats", "probe.json",
-    "ranks", "config", "auth_token_file", "device", *GEOMETRY, "backends", "progress_thread",
+    "ranks", "peer_tp", "config", "auth_token_file", "device", *GEOMETRY, "kv_regions",
+    "backends", "progress_thread",
 ]  # fmt: skip
 DRIVE: list[Entry] = [
     "prefill", "decode", "requests", "concurrency", "rate", "blocks", "drive.timeout",

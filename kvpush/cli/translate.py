@@ -11,7 +11,7 @@ here. Pure functions over a ``{param: value}`` mapping; no torch, nixl or zmq.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpush.cli.options import LogLevel, OutputMode, param_name
@@ -24,6 +24,8 @@ from kvpush.config import (
     PoolConfig,
     Role,
     Timeouts,
+    VllmWireConfig,
+    Wire,
     WriterMode,
 )
 from kvpush.errors import ConfigError
@@ -70,6 +72,7 @@ def pool_config(p: Mapping[str, Any], num_blocks: int | None = None) -> PoolConf
             device=pool.device,
             dtype=pool.dtype,
             kv_layout=layout,
+            kv_regions=p.get("kv_regions") or PoolConfig.kv_regions,
         )
     bb = p.get("block_bytes")
     return PoolConfig(
@@ -79,7 +82,47 @@ def pool_config(p: Mapping[str, Any], num_blocks: int | None = None) -> PoolConf
         device=p["device"],
         dtype=p["dtype"],
         kv_layout=layout,
+        kv_regions=p.get("kv_regions") or PoolConfig.kv_regions,
     )
+
+
+def vllm_wire(p: Mapping[str, Any], pool: PoolConfig) -> tuple[VllmWireConfig | None, PoolConfig]:
+    """``--wire vllm``: the vLLM wire config (and the pool reshaped by ``--like``)."""
+    wire = p.get("wire") or Wire.KVPUSH
+    like_addr = p.get("like")
+    given = [f for f in ("compat_hash", "vllm_block_size", "attn_backend") if p.get(f)]
+    if wire != Wire.VLLM:
+        if like_addr or given:
+            flag = "--like" if like_addr else "--" + given[0].replace("_", "-")
+            raise ConfigError(f"{flag} needs --wire vllm", "add --wire vllm, or drop the option")
+        return None, pool
+    if like_addr:
+        from kvpush.ops.like import like
+
+        lk = like(like_addr)
+        pool = replace(
+            pool,
+            layers=lk.layers,
+            kv_regions=lk.kv_regions,
+            block_bytes=lk.block_bytes,
+            kv_layout=lk.kv_layout,
+        )
+        cfg = lk.wire
+    elif not p.get("compat_hash"):
+        raise ConfigError(
+            "--wire vllm needs the vLLM peer's compatibility hash",
+            "pass --like HOST:PORT of a running vLLM peer, or --compat-hash HEX",
+        )
+    else:
+        cfg = VllmWireConfig(compat_hash=str(p["compat_hash"]))
+    overrides: dict[str, Any] = {}
+    if p.get("compat_hash"):
+        overrides["compat_hash"] = str(p["compat_hash"]).lower()
+    if p.get("vllm_block_size"):
+        overrides["block_size"] = int(p["vllm_block_size"])
+    if p.get("attn_backend"):
+        overrides["attn_backend_name"] = str(p["attn_backend"])
+    return replace(cfg, **overrides), pool
 
 
 def backends(text: str) -> tuple[str, ...]:
@@ -117,17 +160,21 @@ def auth_token(path: str | None) -> bytes | None:
 
 def endpoint_config(role: Role, p: Mapping[str, Any]) -> EndpointConfig:
     """The endpoint's frozen config from the parsed options of serve-prefill / serve-decode."""
+    vllm, pool = vllm_wire(p, pool_config(p))
     return EndpointConfig(
         role=role,
         host=p["host"],
         port=p["port"],
         engine_id=p.get("engine_id") or "",
-        pool=pool_config(p),
+        pool=pool,
+        wire=p.get("wire") or Wire.KVPUSH,
+        vllm=vllm,
         agent=agent_config(p),
         timeouts=timeouts(p),
         handshake_mode=p.get("handshake") or HandshakeMode.NOTIF,
         writer_mode=p.get("writer") or WriterMode.DEFERRED,
-        verify=bool(p.get("verify", True)),
+        # A vLLM P's bytes follow no kvpush pattern: on vLLM's wire D reports digests instead.
+        verify=bool(p.get("verify", True)) and vllm is None,
         auth_token=auth_token(p.get("auth_token_file")),
         allow_all_interfaces=bool(p.get("expose", False)),
     )

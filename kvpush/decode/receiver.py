@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from kvpush.config import EndpointConfig, HandshakeMode
 from kvpush.decode.completer import Completer
 from kvpush.decode.requests import DRequest, DState, RequestTable
-from kvpush.errors import PeerUnreachableError
+from kvpush.errors import IncompatiblePeerError, NoFreeBlocksError, PeerUnreachableError
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
 from kvpush.peers.vllm_peer import PeerHint
@@ -92,6 +92,8 @@ class Receiver:
     def housekeeping(self, now: float) -> None:
         for ab in self.table.quarantine_over(now):
             self._release_abandoned(ab, "P's lease is over: nothing can land any more")
+        for req in self.table.due_for_blocks(now):
+            self._allocate_and_register(req)
         for req in self.table.expired(now):
             self._finish_failed(
                 req, Failure.DEADLINE, f"no KV after {now - req.t_start:.1f}s", notify_p=True
@@ -165,15 +167,35 @@ class Receiver:
             return
         if error is not None:
             # Typed, not by message text: "did not accept a connection" is unreachable too.
-            unreachable = isinstance(error, PeerUnreachableError)
-            reason = Failure.PREFILL_UNREACHABLE if unreachable else Failure.HANDSHAKE_FAILED
+            if isinstance(error, PeerUnreachableError):
+                reason = Failure.PREFILL_UNREACHABLE
+            elif isinstance(error, IncompatiblePeerError):
+                reason = Failure.INCOMPATIBLE
+            else:
+                reason = Failure.HANDSHAKE_FAILED
             self._finish_failed(req, reason, str(error))
             return
         self._connect_and_register(req)
 
+    def _allocate_and_register(self, req: DRequest) -> None:
+        """A held-back request's time has come: allocate its blocks, then register them."""
+        assert req.p_conn is not None
+        try:
+            req.block_ids = self._pool.allocator.allocate(req.request_id, req.num_blocks)
+        except NoFreeBlocksError as e:
+            self._tm.fail(Failure.NO_FREE_BLOCKS)
+            self._finish_failed(req, Failure.NO_FREE_BLOCKS, str(e), notify_p=False)
+            return
+        req.alloc_at = 0.0
+        self._register(req, req.p_conn)
+
     def _register(self, req: DRequest, conn: PeerConn) -> None:
         md = self._md
         req.p_conn = conn
+        if req.alloc_at > 0.0:
+            # Held in D's queue: P's lease is heartbeated meanwhile, blocks come later.
+            req.state = DState.WAITING_BLOCKS
+            return
         # One completion per contributing P rank and pipeline stage (vLLM's rule).
         req.expected = req.p_pp_size * max(1, conn.metadata.tp_size // max(1, self.cfg.tp_size))
         reg = protocol.PushReg(

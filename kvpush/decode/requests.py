@@ -4,6 +4,7 @@ Pure (no threads, no I/O); owned by the receiver thread. A request's life::
 
     NEW ──handshake pending──▶ HANDSHAKING ──▶ REGISTERED ──completions──▶ DONE
       └──────────── P connected ─────────────▶ REGISTERED
+    (connected, blocks held back: WAITING_BLOCKS, heartbeating P) ──blocks──▶ REGISTERED
     (any) ──failed/cancelled, bytes may still land──▶ ABANDONED ──fence / late completion──▶ gone
 
 An abandoned request keeps its blocks quarantined (never handed to another request) until P's
@@ -27,6 +28,7 @@ from kvpush.wire import protocol
 class DState(StrEnum):
     NEW = "new"
     HANDSHAKING = "handshaking"
+    WAITING_BLOCKS = "waiting_blocks"  # connected to P, blocks not allocated yet
     REGISTERED = "registered"
     DONE = "done"
     ABANDONED = "abandoned"
@@ -54,6 +56,10 @@ class DRequest:
     digest: bool = False  # answer with the sha256 of the received bytes
     # An abandoned request whose P cannot fence (vLLM's wire) is released after this time.
     quarantine_until: float = math.inf
+    # A request held in D's queue before it gets blocks (as a scheduled vLLM request waits):
+    # allocate ``num_blocks`` at ``alloc_at``; P's lease is heartbeated meanwhile.
+    num_blocks: int = 0
+    alloc_at: float = 0.0
 
 
 class RequestTable:
@@ -85,6 +91,13 @@ class RequestTable:
     def expired(self, now: float) -> list[DRequest]:
         return [r for r in self._waiting.values() if now > r.deadline]
 
+    def due_for_blocks(self, now: float) -> list[DRequest]:
+        return [
+            r
+            for r in self._waiting.values()
+            if r.state is DState.WAITING_BLOCKS and now >= r.alloc_at
+        ]
+
     def quarantine_over(self, now: float) -> list[DRequest]:
         """Abandoned requests whose quarantine has a time limit that passed."""
         return [r for r in self._abandoned.values() if now > r.quarantine_until]
@@ -105,7 +118,7 @@ class RequestTable:
         """Per P agent, the transfer ids of the requests registered with it."""
         by_p: dict[str, tuple[PeerConn, list[str]]] = {}
         for r in self._waiting.values():
-            if r.state is DState.REGISTERED and r.p_conn is not None:
+            if r.state in (DState.REGISTERED, DState.WAITING_BLOCKS) and r.p_conn is not None:
                 by_p.setdefault(r.p_conn.agent_name, (r.p_conn, []))[1].append(r.transfer_id)
         return iter(by_p.values())
 

@@ -81,6 +81,7 @@ class DecodeRole:
             if req.remote_engine_id
             else None,
             digest=req.digest,
+            alloc_delay_s=req.alloc_delay_s,
         )
         rid = req.rid
 
@@ -121,13 +122,17 @@ class DecodeRole:
         request_id: str = "",
         vllm_params: VllmLeg | None = None,
         digest: bool = False,
+        alloc_delay_s: float = 0.0,
     ) -> Future[protocol.DecodeRep]:
         """Register ``num_blocks`` blocks with P for ``transfer_id``; the future resolves with a
         ``DecodeRep`` (ok, or failed with a reason).
 
         ``vllm_params``: a vLLM P's coordinates from its ``kv_transfer_params``; D's request id
         then shares the base of P's (``<base>-<8 hex>``, how vLLM matches them) and
-        ``transfer_id`` is P's request id (what heartbeats name)."""
+        ``transfer_id`` is P's request id (what heartbeats name).
+
+        ``alloc_delay_s``: hold the request that long before it gets blocks, as a vLLM request
+        waits in D's scheduler queue; D connects to P and heartbeats its lease meanwhile."""
         host, port = parse_address(prefill_address)
         p_key = (host, port, 0)
         if vllm_params is not None:
@@ -173,6 +178,13 @@ class DecodeRole:
 
         if self._stopping.is_set():
             return refuse(Failure.SHUTTING_DOWN, "D is stopping")
+        if alloc_delay_s > 0:
+            if pool.allocator.state_of(rid) is not None:
+                return refuse(Failure.DUPLICATE_REQUEST, "request id in use")
+            req.num_blocks = num_blocks
+            req.alloc_at = t0 + alloc_delay_s
+            req.deadline += alloc_delay_s
+            return self._submit(req)
         try:
             req.block_ids = pool.allocator.allocate(rid, num_blocks)
         except NoFreeBlocksError as e:
@@ -183,12 +195,15 @@ class DecodeRole:
                 # The id holds blocks: a waiting or quarantined request uses it.
                 return refuse(Failure.DUPLICATE_REQUEST, "request id in use")
             return refuse(Failure.BAD_REQUEST, str(e))
+        return self._submit(req)
+
+    def _submit(self, req: DRequest) -> Future[protocol.DecodeRep]:
         try:
             self.receiver.new.put(req)
         except KvpushError as e:
-            pool.allocator.release(rid)
-            return refuse(Failure.OVERLOADED, str(e))
-        return fut
+            self.ctx.pool.allocator.release(req.request_id)
+            req.future.set_result(failed_rep(self.ctx.telemetry, req, Failure.OVERLOADED, str(e)))
+        return req.future
 
     def cancel(self, request_id: str) -> None:
         """Abort a waiting request (D-side abort). If its PUSH_REG went out, P is told to drop

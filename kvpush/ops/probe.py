@@ -17,7 +17,7 @@ size only and never handed to NIXL.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import msgspec
@@ -25,13 +25,16 @@ import msgspec
 from kvpush import PROTOCOL_VERSION
 from kvpush.config import EndpointConfig, HandshakeMode, PoolConfig, format_address, parse_address
 from kvpush.errors import (
+    ConfigError,
     ExitStatus,
     IncompatiblePeerError,
+    KvpushError,
     PeerError,
     PeerUnreachableError,
     ProtocolError,
 )
 from kvpush.ops import control
+from kvpush.ops.like import likeness_of
 from kvpush.ops.stats import median
 from kvpush.wire import protocol, vllm
 
@@ -91,6 +94,7 @@ class ProbeReport:
     ping_s: list[float] | None = None
     stats: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    suggest: list[str] = field(default_factory=list)  # kvpush command lines that fit the peer
 
     @property
     def compatible(self) -> bool | None:
@@ -147,6 +151,7 @@ def probe(
     token: bytes | None = None,
     ranks: tuple[int, int] = (0, 0),
     stats: bool = False,
+    peer_tp: int | None = None,
 ) -> ProbeReport:
     """Identify a peer, fetch its metadata and measure ``count`` round trips.
 
@@ -155,18 +160,28 @@ def probe(
     so in its answer and gets kvpush's requests. ``local``: compatibility fields to compare
     against (``local_compat_fields``); None skips the comparison except for the protocol
     version.
+
+    Rank (0, 0), which every engine serves, is always asked first. Another rank is asked only
+    when it is known to be served: a kvpush peer lists its ranks; for a vLLM peer the caller
+    must say its TP size (``peer_tp``), because vLLM 0.33's listener thread dies on a rank the
+    engine does not serve and never answers again.
     """
     if count < 1:
-        from kvpush.errors import ConfigError
-
         raise ConfigError(f"--count must be positive, got {count}", "pass --count 1 or more")
     host, port = parse_address(address)
     addr = format_address(host, port)
     with control.connect(addr, token, timeout_s) as client:
         try:
-            ident = client.identify(*ranks)
-            if ident.kind == "vllm":
-                return _probe_vllm(addr, client, ident, count)
+            ident = client.identify(0, 0)
+            if ranks != (0, 0):
+                _check_rank(addr, ident, ranks, peer_tp)
+                ident = client.identify(*ranks)
+            kv = ident.kvpush
+            if kv is None or kv.wire == "vllm":
+                report = _probe_vllm(addr, client, ident, count, local)
+                if kv is not None and stats and not kv.auth:
+                    report = _with_stats(report, client)
+                return report
             return _probe_kvpush(addr, client, ident, count, local, stats)
         except PeerUnreachableError as e:
             raise PeerUnreachableError(e.message, UNREACHABLE_HINT) from None
@@ -235,7 +250,53 @@ def _probe_kvpush(
     )
 
 
-def _probe_vllm(addr: str, client: Any, first: Any, count: int) -> ProbeReport:
+def _check_rank(addr: str, ident: Any, ranks: tuple[int, int], peer_tp: int | None) -> None:
+    """Refuse to ask a peer for a rank it may not serve (it would kill a vLLM listener)."""
+    kv = ident.kvpush
+    if kv is not None:
+        served = [tuple(r) for r in kv.ranks]
+        if served and ranks not in served:
+            raise PeerError(
+                f"{addr} does not serve rank {ranks[0]},{ranks[1]}: it serves "
+                + ", ".join(f"{p},{t}" for p, t in served),
+                "ask for one of the ranks it serves",
+            )
+        return
+    if ranks[0] != 0 or peer_tp is None or not 0 <= ranks[1] < peer_tp:
+        raise ConfigError(
+            f"not asking {addr} for rank {ranks[0]},{ranks[1]}: a vLLM 0.33 listener asked for "
+            "a rank its engine does not serve dies and answers no handshake again",
+            "pass --peer-tp N, the tp_size of its kv_transfer_params, to ask a rank below N "
+            "(pipeline ranks other than 0 are not asked)",
+        )
+
+
+def _with_stats(report: ProbeReport, client: Any) -> ProbeReport:
+    s = client.request(protocol.StatsReq())
+    if not isinstance(s, protocol.StatsRep):
+        raise PeerError(f"{report.address} answered a stats request with {type(s).__name__}")
+    return replace(report, stats=dict(s.snapshot))
+
+
+def vllm_differences(
+    local: dict[str, object], md: vllm.AgentMetadata
+) -> list[tuple[str, object, object]]:
+    """What differs between a local geometry (``local_compat_fields``) and a vLLM peer's."""
+    diffs: list[tuple[str, object, object]] = []
+    regions = len(md.kv_caches_base_addr)
+    if local.get("regions") != regions:
+        diffs.append(("regions", local.get("regions"), regions))
+    lens = sorted(set(md.block_lens))
+    if [local.get("block_bytes")] != lens:
+        diffs.append(("block_bytes", local.get("block_bytes"), lens[0] if len(lens) == 1 else lens))
+    if local.get("kv_layout") != md.kv_cache_layout:
+        diffs.append(("kv_layout", local.get("kv_layout"), md.kv_cache_layout))
+    return diffs
+
+
+def _probe_vllm(
+    addr: str, client: Any, first: Any, count: int, local: dict[str, object] | None
+) -> ProbeReport:
     """A vLLM side channel: only ever ``get_meta_msg`` on the one connection."""
     samples: list[tuple[float, float, float]] = []
     ident = first
@@ -243,22 +304,50 @@ def _probe_vllm(addr: str, client: Any, first: Any, count: int) -> ProbeReport:
         ident = client.identify(*first.ranks)
         samples.append((ident.t_send, ident.t_recv, ident.remote_clock))
     payload = ident.payload
+    if not payload.agent_metadata_bytes:
+        kv = payload.kvpush
+        raise PeerError(
+            f"{addr} answered rank {first.ranks[0]},{first.ranks[1]} without metadata"
+            + (f": {kv.error}" if kv is not None and kv.error else ""),
+            "ask for a rank it serves",
+        )
     md = vllm.decode_agent_metadata(payload.agent_metadata_bytes)
     meta: dict[str, Any] = msgspec.structs.asdict(md)
     meta["agent_metadata_bytes"] = len(meta.pop("agent_metadata"))
     meta["regions"] = len(md.kv_caches_base_addr)
     meta["kv_caches_base_addr"] = [hex(a) for a in md.kv_caches_base_addr]
     meta["ranks"] = [list(first.ranks)]
+    notes = [
+        "vLLM side channel: only get_meta_msg was sent; the clock offset compares "
+        "perf_counter clocks (meaningful on the same host only)"
+    ]
+    kv = payload.kvpush
+    if kv is not None:
+        meta["kvpush"] = msgspec.structs.asdict(kv)
+        notes = [f"a kvpush endpoint ({kv.role}) speaking vLLM's push wire"]
+    suggest: list[str] = []
+    try:
+        lk = likeness_of(payload, addr)
+        suggest = [
+            f"kvpush serve-decode --wire vllm --like {addr}   # receive its pushes",
+            f"kvpush serve-prefill --wire vllm --like {addr}   # push into it",
+            "kvpush " + " ".join(lk.options("decode")) + "   # the same, without the peer up",
+        ]
+    except KvpushError as e:
+        notes.append(f"kvpush cannot stand in for it: {e.message}")
+    diffs = vllm_differences(local, md) if local is not None else []
+    if local is not None:
+        notes.append("dtype is not in vLLM's metadata: it is part of the compatibility hash")
     return ProbeReport(
         address=addr,
         kind="vllm",
         compat_hash=payload.compatibility_hash,
         metadata=meta,
         rtt=rtt_stats(samples),
-        notes=[
-            "vLLM side channel: only get_meta_msg was sent; the clock offset compares "
-            "perf_counter clocks (meaningful on the same host only)"
-        ],
+        compat_checked=local is not None,
+        differences=diffs,
+        notes=notes,
+        suggest=suggest,
     )
 
 
@@ -292,6 +381,34 @@ def handshake_probe(
         )
     finally:
         ep.stop()
+
+
+def tiny_vllm_config(address: str, base: EndpointConfig) -> EndpointConfig:
+    """The probe's own endpoint for a vLLM peer: its geometry and hash (``--like``), 4 blocks,
+    on vLLM's wire, so that the handshake passes the same checks a real deployment's would."""
+    from kvpush.config import Wire
+    from kvpush.ops.like import like
+
+    lk = like(address, timeout_s=base.timeouts.side_channel_s)
+    pool = PoolConfig(
+        num_blocks=4,
+        layers=lk.layers,
+        block_bytes=lk.block_bytes,
+        device=base.pool.device,
+        dtype="uint8",
+        kv_layout=lk.kv_layout,
+        kv_regions=lk.kv_regions,
+    )
+    return EndpointConfig(
+        role="decode",
+        host=base.host,
+        port=0,
+        pool=pool,
+        agent=base.agent,
+        timeouts=base.timeouts,
+        wire=Wire.VLLM,
+        vllm=lk.wire,
+    )
 
 
 def tiny_local_config(

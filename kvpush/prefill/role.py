@@ -84,9 +84,9 @@ class PrefillRole:
     # ------------------------------------------------------------------ API (any thread)
     def prefill(
         self, transfer_id: str, num_blocks: int, request_id: str = "", digest: bool = False
-    ) -> str:
+    ) -> tuple[list[int], str]:
         """Fill ``num_blocks`` blocks with the transfer's pattern and mark them finished; return
-        the sha256 of the filled bytes when ``digest`` (else "")."""
+        the block ids and the sha256 of the filled bytes when ``digest`` (else "")."""
         if self._stopping.is_set():
             raise ShuttingDownError("prefill endpoint is shutting down")
         if not transfer_id:
@@ -113,7 +113,7 @@ class PrefillRole:
             pool.allocator.release(key)
             raise
         tm.inc(Counter.PREFILLS)
-        return sha
+        return ids.tolist(), sha
 
     # ------------------------------------------------------------------ outcomes
     def watch(self, transfer_id: str) -> Future[PushOutcome]:
@@ -170,10 +170,13 @@ class PrefillRole:
         timer.start()
         fut.add_done_callback(answer)
 
-    def kv_transfer_params(self, request_id: str) -> dict[str, str | int | bool | list[int]]:
+    def kv_transfer_params(
+        self, request_id: str, block_ids: list[int]
+    ) -> dict[str, str | int | bool | list[list[int]]]:
         """What a vLLM P's ``request_finished`` returns for the router to hand to D."""
         md = self.ctx.metadata
         return {
+            "remote_block_ids": [block_ids],
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": md.engine_id,
@@ -188,7 +191,7 @@ class PrefillRole:
     def _serve_prefill(self, req: protocol.PrefillReq, reply: ReplyFn) -> None:
         t0 = time.perf_counter()
         try:
-            sha = self.prefill(req.transfer_id, req.num_blocks, req.request_id, req.digest)
+            ids, sha = self.prefill(req.transfer_id, req.num_blocks, req.request_id, req.digest)
         except KvpushError as e:
             reason = "no_free_blocks" if isinstance(e, NoFreeBlocksError) else type(e).__name__
             reply(
@@ -215,7 +218,9 @@ class PrefillRole:
                 outcome="ok",
                 latency_s=time.perf_counter() - t0,
                 sha256=sha,
-                kv_transfer_params=self.kv_transfer_params(req.transfer_id) if self._vllm else {},
+                kv_transfer_params=(
+                    self.kv_transfer_params(req.transfer_id, ids) if self._vllm else {}
+                ),
             )
         )
 

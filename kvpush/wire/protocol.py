@@ -169,7 +169,7 @@ class PrefillRep(Struct, tag="prefill", frozen=True, kw_only=True):
     latency_s: float = 0.0
     sha256: Str128 = ""
     # On vLLM's wire: the kv_transfer_params a vLLM D needs to pull this request's KV in.
-    kv_transfer_params: dict[Str128, str | int | bool | list[int]] = {}
+    kv_transfer_params: dict[Str128, str | int | bool | list[list[int]]] = {}
 
 
 class PushWaitReq(Struct, tag="push_wait", frozen=True, kw_only=True):
@@ -206,6 +206,9 @@ class DecodeReq(Struct, tag="decode", frozen=True, kw_only=True):
     remote_tp_size: SmallPos = 1
     remote_pp_size: SmallPos = 1
     digest: bool = False  # answer with the sha256 of the received bytes
+    # Hold the request this long before it gets blocks (a vLLM request waiting in D's queue);
+    # P's lease is heartbeated meanwhile.
+    alloc_delay_s: Annotated[float, Meta(ge=0, le=3600)] = 0.0
 
 
 class DecodeRep(Struct, tag="decode", frozen=True, kw_only=True):

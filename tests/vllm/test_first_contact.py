@@ -182,8 +182,9 @@ def test_kvpush_decode_given_a_vllm_prefill(
     vLLM peer, the vLLM P gets nothing but get_meta_msg, and the kvpush D stays healthy.
     ``kvpush drive`` has no option to skip its preflight, so the leg is sent the way the
     driver sends it: kvpush's own side-channel client and ``DecodeReq``."""
-    from kvpush import protocol
     from kvpush.sidechannel import SideChannelClient
+
+    from kvpush import protocol
 
     _, kd = kvpush_pd
     watch = untouched()

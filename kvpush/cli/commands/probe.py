@@ -45,6 +45,7 @@ def probe(
     stats: bool,
     json_out: bool,
     ranks: str,
+    peer_tp: int | None,
     auth_token_file: str | None,
     backends: str,
     progress_thread: bool,
@@ -70,11 +71,17 @@ def probe(
         token=token,
         ranks=translate.parse_ranks(ranks),
         stats=stats,
+        peer_tp=peer_tp,
     )
+    vllm_wire = report.kind == "vllm"
+    if ping > 0 and vllm_wire:
+        raise ConfigError(
+            f"not pinging {report.address}: NIXL pings are kvpush notifications, and any "
+            "notification but vLLM's three forms kills a vLLM engine's main thread",
+            "drop --ping for a vLLM peer (--handshake times a real handshake with it)",
+        )
     if handshake is not None or ping > 0:
-        if report.kind != "kvpush":
-            report.notes.append("--handshake/--ping need a kvpush peer: skipped")
-        elif report.differences:
+        if report.differences:
             report.notes.append("incompatible peer: --handshake/--ping skipped")
         else:
             base = EndpointConfig(
@@ -85,7 +92,11 @@ def probe(
                 timeouts=Timeouts(side_channel_s=timeout, handshake_s=max(timeout, 1.0)),
                 pool=translate.pool_config(p, num_blocks=4),
             )
-            cfg = core.tiny_local_config(report.metadata, local_pool, token, base)
+            if vllm_wire:
+                # Loads the peer's agent (and, full, its descriptors); sends it nothing.
+                cfg = core.tiny_vllm_config(report.address, base)
+            else:
+                cfg = core.tiny_local_config(report.metadata, local_pool, token, base)
             hp = core.handshake_probe(report.address, cfg, handshake, ping)
             report = dataclasses.replace(
                 report,

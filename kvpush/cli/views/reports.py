@@ -121,6 +121,8 @@ def probe_report(r: Any) -> RenderableType:
         )
     for n in r.notes:
         t.add("note", n)
+    for i, line in enumerate(getattr(r, "suggest", [])):
+        t.add("kvpush to fit it" if i == 0 else "", line)
     return Group(head, t.render())
 
 
