@@ -87,8 +87,18 @@ PROBES = {
     "count10": ["--count", "10"],
     "handshake-notif": ["--handshake", "notif"],
     "handshake-full": ["--handshake", "full"],
-    "ping3": ["--ping", "3"],
-    "geometry": ["--layers", "2", "--block-bytes", "8192", "--dtype", "float32"],
+    "geometry": [
+        "--layers",
+        "2",
+        "--kv-regions",
+        "per-layer",
+        "--block-bytes",
+        "8192",
+        "--kv-layout",
+        "LBHNC",
+        "--dtype",
+        "float32",
+    ],
     "ranks00": ["--ranks", "0,0"],
 }
 
@@ -117,23 +127,45 @@ def test_probe(
     assert rows["engine_id"] == peer.engine_id
     assert rows["block_lens"] == str(peer.info["block_lens"])
     assert peer.info["compat_hash"] in r.stdout
-    if case in ("handshake-notif", "handshake-full", "ping3"):
-        assert "--handshake/--ping need a kvpush peer: skipped" in r.stdout
+    if case.startswith("handshake-"):
+        # A real NIXL handshake from a tiny vLLM-wire endpoint: it loads the peer's agent (and,
+        # full, its descriptors) and sends the peer nothing -- the wire check above says so.
+        assert f"handshake ({case.split('-')[1]})" in r.stdout, r.stdout
+    if case == "geometry":
+        assert rows["compatible"] == "yes", r.stdout
     if case == "count10":
         assert "(10 samples)" in rows["rtt"]
 
 
-def test_probe_handshake_json_reports_the_skip(
+def test_probe_handshake_json(
     vllm_p: VllmPeer, untouched: Callable[[], Untouched], kvpush_run: Callable[..., Done]
 ) -> None:
     watch = untouched()
-    r = kvpush_run("probe", vllm_p.address, "--json", "--handshake", "full", "--ping", "3")
-    watch.check("kvpush probe --json --handshake full --ping 3")
+    r = kvpush_run("probe", vllm_p.address, "--json", "--handshake", "full")
+    watch.check("kvpush probe --json --handshake full")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     check_probe_json(out, vllm_p)
-    assert out["handshake_mode"] is None and out["ping_s"] is None
-    assert "--handshake/--ping need a kvpush peer: skipped" in out["notes"]
+    assert out["handshake_mode"] == "full"
+    assert set(out["handshake_timings_s"]) >= {"side_channel_s", "load_s", "prep_s", "total_s"}
+
+
+@pytest.mark.parametrize("role", ["P", "D"])
+def test_probe_ping_refused(
+    role: str,
+    vllm_p: VllmPeer,
+    vllm_d: VllmPeer,
+    untouched: Callable[[], Untouched],
+    kvpush_run: Callable[..., Done],
+) -> None:
+    """NIXL pings are kvpush notifications, which kill a vLLM engine: refused, nothing sent."""
+    peer = vllm_p if role == "P" else vllm_d
+    watch = untouched()
+    r = kvpush_run("probe", peer.address, "--ping", "3", timeout=120)
+    watch.check("kvpush probe --ping 3")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.err_lines[0].startswith(f"error: not pinging {peer.address}: "), r.stderr
+    assert r.err_lines[1].startswith("hint: drop --ping for a vLLM peer")
 
 
 def check_refused(r: Done, vllm: VllmPeer) -> None:
@@ -182,9 +214,8 @@ def test_kvpush_decode_given_a_vllm_prefill(
     vLLM peer, the vLLM P gets nothing but get_meta_msg, and the kvpush D stays healthy.
     ``kvpush drive`` has no option to skip its preflight, so the leg is sent the way the
     driver sends it: kvpush's own side-channel client and ``DecodeReq``."""
-    from kvpush.sidechannel import SideChannelClient
-
-    from kvpush import protocol
+    from kvpush.transport.client import SideChannelClient
+    from kvpush.wire import protocol
 
     _, kd = kvpush_pd
     watch = untouched()
@@ -202,7 +233,7 @@ def test_kvpush_decode_given_a_vllm_prefill(
     watch.check("a kvpush D's decode leg naming the vLLM P")
     assert isinstance(rep, protocol.DecodeRep)
     assert rep.outcome == "failed" and rep.nbytes == 0, rep
-    assert rep.reason == "handshake_failed", rep
+    assert rep.reason == "incompatible", rep  # another wire: the compatibility kind
     assert rep.detail.startswith(
         f"{vllm_p.address} is a vLLM NIXL side channel, not a kvpush endpoint"
     ), rep
@@ -220,7 +251,7 @@ def test_driver_without_preflight(
 ) -> None:
     """The router library with its preflight off (``DriveConfig(preflight=False)``; the CLI has
     no such option): each leg meant for a vLLM peer fails on kvpush's first-contact check."""
-    from kvpush.driver import DriveConfig, Driver
+    from kvpush.ops.driver import DriveConfig, Driver
 
     kp, kd = kvpush_pd
     vllm = vllm_p if vllm_role == "P" else vllm_d

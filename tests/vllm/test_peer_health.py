@@ -117,17 +117,19 @@ def test_dead_listener_and_dead_engine_are_seen(doomed: list[VllmPeer]) -> None:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvpush misbehaviour: 'probe --ranks 0,1' sends get_meta_msg for a rank a TP=1 vLLM "
-    "engine does not serve; vLLM's listener thread dies (KeyError, VLLM_INTEROP.md section 1) "
-    "and kvpush reports the peer unreachable (exit 69)",
-)
 def test_probe_of_a_rank_vllm_does_not_serve(
     doomed: list[VllmPeer], kvpush_run: Callable[..., Done]
 ) -> None:
+    """vLLM's listener dies on a rank its engine does not serve (a TP=1 engine asked for rank
+    0,1: KeyError). kvpush asks another rank only when told the engine's TP size, and only a
+    rank below it: otherwise it refuses (usage, exit 2) and the listener lives."""
     d = doomed[1]
-    watch = Untouched(d)
-    r = kvpush_run("probe", d.address, "--ranks", "0,1", "--timeout", "3", timeout=120)
-    watch.check("kvpush probe --ranks 0,1")
-    assert r.returncode in (0, 3), r.stdout + r.stderr
+    for args in (["--ranks", "0,1"], ["--ranks", "0,1", "--peer-tp", "1"]):
+        watch = Untouched(d)
+        r = kvpush_run("probe", d.address, *args, "--timeout", "3", timeout=120)
+        watch.check("kvpush probe " + " ".join(args))
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.err_lines[0].startswith(f"error: not asking {d.address} for rank 0,1"), r.stderr
+        assert "--peer-tp N" in r.err_lines[1]
+    r = kvpush_run("probe", d.address, "--ranks", "0,0", "--json", timeout=120)
+    assert r.returncode == 0, r.stderr  # the listener still answers
