@@ -247,7 +247,7 @@ class Timeouts:
         return self.write_base_s + nbytes / (self.write_min_gbps * 1e9)
 
 
-_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+_HASH_RE = re.compile(r"^[!-~]{1,256}$")  # vLLM's is 64 hex digits; any printable token is kept
 
 
 @dataclass(frozen=True)
@@ -269,7 +269,7 @@ class VllmWireConfig:
         if not _HASH_RE.match(self.compat_hash):
             raise ConfigError(
                 f"invalid compatibility hash {self.compat_hash!r}",
-                "pass vLLM's 64-hex-digit hash with --compat-hash, or take it from a running "
+                "pass vLLM's hash (64 hex digits) with --compat-hash, or take it from a running "
                 "peer with --like HOST:PORT",
             )
         _positive("--vllm-block-size", self.block_size)

@@ -129,6 +129,9 @@ def test_kvpush_peer_identified_at_first_contact(pd_pair, kvpush_run) -> None:
     assert out["metadata"]["ranks"] == [[0, 0]]
 
 
+HASH = "5" * 64  # a vLLM compatibility hash is 64 hex digits
+
+
 class FakeVllmListener:
     """vLLM 0.33's listener loop, line for line in behaviour (``_nixl_handshake_listener``):
     exactly three frames, a msgpack 3-sequence, the reply looked up by (pp, tp). Anything else
@@ -144,20 +147,31 @@ class FakeVllmListener:
         self.requests = 0
         self.died: BaseException | None = None
         self._stop = threading.Event()
+        # A real NIXL agent's metadata (of an agent in this process that nobody uses), so a
+        # probe's --handshake loads what a vLLM engine's answer would hold.
+        from kvpush.config import AgentConfig
+        from kvpush.transport.nixl import NixlAgent
+
+        import torch
+
+        self.agent = NixlAgent(f"vllm-fake-{self.port}", AgentConfig())
+        self.kv = torch.zeros((2, 16, 4096), dtype=torch.uint8)  # two regions, 16 blocks
+        self.agent.register(self.kv)
+        base = self.kv.data_ptr()
         md = vllm.AgentMetadata(
             engine_id="vllm-engine-7",
-            agent_metadata=b"\x00" * 300,
-            kv_caches_base_addr=[1 << 40, 2 << 40],
-            device_id=3,
-            num_blocks=1000,
-            block_lens=[32768, 32768],
+            agent_metadata=self.agent.metadata_full(),
+            kv_caches_base_addr=[base, base + 16 * 4096],
+            device_id=0,
+            num_blocks=16,
+            block_lens=[4096, 4096],
             kv_cache_layout="HND",
             block_size=16,
             attn_backend_name="FLASH_ATTN",
         )
         self.payload = msgspec.msgpack.encode(
             vllm.HandshakePayload(
-                compatibility_hash="abc123", agent_metadata_bytes=msgspec.msgpack.encode(md)
+                compatibility_hash=HASH, agent_metadata_bytes=msgspec.msgpack.encode(md)
             )
         )
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -188,6 +202,7 @@ class FakeVllmListener:
         self.thread.join(5)
         self.sock.close(0)
         self.ctx.term()
+        self.agent.close()
 
 
 @pytest.fixture
@@ -202,12 +217,12 @@ def test_vllm_listener_identified(vllm_listener, kvpush_run) -> None:
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     md = out["metadata"]
-    assert out["kind"] == "vllm" and out["compat_hash"] == "abc123"
+    assert out["kind"] == "vllm" and out["compat_hash"] == HASH
     assert md["engine_id"] == "vllm-engine-7"
-    assert md["block_lens"] == [32768, 32768]
+    assert md["block_lens"] == [4096, 4096]
     assert md["kv_cache_layout"] == "HND"
     assert md["block_size"] == 16
-    assert md["agent_metadata_bytes"] == 300
+    assert md["agent_metadata_bytes"] == len(vllm_listener.agent.metadata_full())
     assert md["regions"] == 2
     assert out["rtt"]["samples"] == 3
     assert vllm_listener.alive, vllm_listener.died
@@ -230,15 +245,21 @@ def test_vllm_listener_survives_every_probe_mode(vllm_listener, kvpush_run) -> N
         ("--json",),
         ("--stats",),
         ("--handshake", "notif"),
-        ("--handshake", "full", "--ping", "2"),
+        ("--handshake", "full"),
         ("--layers", "2", "--block-bytes", "32768"),
     ):
         r = kvpush_run("probe", addr, "--timeout", "2", *args)
         assert r.returncode in (0, 3), (args, r.stdout, r.stderr)
         assert vllm_listener.alive, (args, vllm_listener.died)
-    r = kvpush_run("probe", addr, "--ranks", "0,1", "--timeout", "1")
-    # vLLM's listener dies on a rank it does not serve (KeyError); kvpush asks only when told.
-    assert r.returncode == 69, r.stderr
+    # Refused before anything is sent: a NIXL ping (a foreign notification kills a vLLM engine),
+    # and a rank the engine may not serve (vLLM's listener dies on it: KeyError).
+    for args in (("--ping", "2"), ("--ranks", "0,1"), ("--ranks", "0,1", "--peer-tp", "1")):
+        r = kvpush_run("probe", addr, "--timeout", "1", *args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert vllm_listener.alive, (args, vllm_listener.died)  # it got get_meta_msg (0,0) only
+    r = kvpush_run("probe", addr, "--ranks", "0,1", "--peer-tp", "2", "--timeout", "1")
+    # Told it serves rank 1 (it does not): this fake, like vLLM, dies -- the operator's word.
+    assert r.returncode == 69 and not vllm_listener.alive, r.stderr
 
 
 def test_auth_token(serve, kvpush_run, tmp_path) -> None:

@@ -23,9 +23,10 @@ from concurrent.futures import Future
 from kvpush.config import EndpointConfig, HandshakeMode
 from kvpush.decode.completer import Completer
 from kvpush.decode.requests import DRequest, DState, RequestTable
-from kvpush.errors import IncompatiblePeerError, NoFreeBlocksError, PeerUnreachableError
+from kvpush.errors import NoFreeBlocksError
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
+from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
 from kvpush.ratelog import RateLimitedLog
 from kvpush.runtime.owner import OwnerThread, drain_notifications
@@ -166,14 +167,7 @@ class Receiver:
         if req.state in (DState.DONE, DState.ABANDONED):
             return
         if error is not None:
-            # Typed, not by message text: "did not accept a connection" is unreachable too.
-            if isinstance(error, PeerUnreachableError):
-                reason = Failure.PREFILL_UNREACHABLE
-            elif isinstance(error, IncompatiblePeerError):
-                reason = Failure.INCOMPATIBLE
-            else:
-                reason = Failure.HANDSHAKE_FAILED
-            self._finish_failed(req, reason, str(error))
+            self._finish_failed(req, handshake_failure(error, "prefill"), str(error))
             return
         self._connect_and_register(req)
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from kvpush.config import EndpointConfig, HandshakeMode, Wire, WriterMode
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
+from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
 from kvpush.prefill.fences import Fences
 from kvpush.prefill.outcomes import Outcomes
@@ -203,7 +204,7 @@ class PushWriter:
             cancel = protocol.Cancel(request_id=reg.reg.request_id, transfer_id=reg.reg.transfer_id)
             self._out.ack_cancel(cancel, reg.sender)
         elif d.error is not None:
-            self._out.fail(d.push, Failure.HANDSHAKE_FAILED, str(d.error))
+            self._out.fail(d.push, handshake_failure(d.error, "decode"), str(d.error))
         elif self._owner.stopping:
             self._out.fail(d.push, Failure.SHUTTING_DOWN, "P is shutting down")
         else:
@@ -240,7 +241,7 @@ class PushWriter:
                     if not self._wait.pending(push, fut):
                         return  # parked: it comes back through the deferred inbox
                 except BaseException as e:
-                    self._out.fail(push, Failure.HANDSHAKE_FAILED, str(e))
+                    self._out.fail(push, handshake_failure(e, "decode"), str(e))
                     return
             conn = self._hs.get(key)
             if conn is None or conn.remote_dlist is None:

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 # NIXL's own logging config prints INFO lines to stdout; keep stdout for the operator's output.
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
+_AGENT_MD_MAGIC = b"nixlSerDes|Agent"  # how nixl 1.5's serialized agent metadata starts
+
 _nixl: Any = None
 _bind: Any = None
 
@@ -153,6 +155,10 @@ class NixlAgent:
 
     # ------------------------------------------------------------------ peers
     def add_remote(self, metadata: bytes) -> str:
+        # NIXL may crash on malformed metadata instead of raising: refuse what is plainly not
+        # a serialized agent before NIXL parses it.
+        if not metadata.startswith(_AGENT_MD_MAGIC):
+            raise TransferError("bad_metadata", "add_remote_agent: not NIXL agent metadata")
         try:
             name = self._agent.add_remote_agent(metadata)
         except Exception as e:
