@@ -149,10 +149,10 @@ class FakeVllmListener:
         self._stop = threading.Event()
         # A real NIXL agent's metadata (of an agent in this process that nobody uses), so a
         # probe's --handshake loads what a vLLM engine's answer would hold.
+        import torch
+
         from kvpush.config import AgentConfig
         from kvpush.transport.nixl import NixlAgent
-
-        import torch
 
         self.agent = NixlAgent(f"vllm-fake-{self.port}", AgentConfig())
         self.kv = torch.zeros((2, 16, 4096), dtype=torch.uint8)  # two regions, 16 blocks
