@@ -180,3 +180,29 @@ def test_no_decode_left_fails_the_rest_at_once(serve) -> None:
     assert out["failed"] > 90000
     assert f"decode {d.address} is down (connection refused)" in stderr
     _settled(p)
+
+
+@pytest.mark.slow
+def test_a_dying_prefill_ends_the_run_without_waiting_out_timeouts(serve) -> None:
+    # D learns that P is gone from its own heartbeats (the endpoint's part); drive marks P down
+    # at once and fails what is left with prefill_unreachable.
+    p = serve.start("prefill", *POOL, *P_FAST)
+    d1 = serve.start("decode", *POOL, "--heartbeat", "0.5")
+    d2 = serve.start("decode", *POOL, "--heartbeat", "0.5")
+    drive = _drive(
+        "-p", p.address, "-d", d1.address, "-d", d2.address, "-n", "100000", "-c", "8",
+        "--blocks", "1", "--timeout", "300",
+    )  # fmt: skip
+    try:
+        _until("P taking traffic", lambda: _counter(d1, "requests_ok") >= 20)
+        p.proc.send_signal(signal.SIGKILL)
+        stdout, stderr = drive.communicate(timeout=200)  # << --timeout 300
+    finally:
+        drive.kill()
+    out = json.loads(stdout)
+    _accounted(out, 100000)
+    assert drive.returncode == 1
+    assert out["failures_by_reason"]["prefill_unreachable"] > 90000
+    assert f"prefill {p.address} is down (connection refused)" in stderr
+    assert "Traceback" not in stderr
+    _settled(d1, d2)

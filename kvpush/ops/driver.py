@@ -200,7 +200,7 @@ class Driver:
                     self._fail_unresolved(Failure.CANCELLED, "in flight when interrupted")
                 continue
             for role in ("prefill", "decode"):
-                if self.health.pick(role) is None:  # type: ignore[arg-type]
+                if not self.health.any_up(role):  # type: ignore[arg-type]
                     self._fail_untaken(
                         reasons.UNREACHABLE[role],
                         self.health.down_reason(role),  # type: ignore[arg-type]

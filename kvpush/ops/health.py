@@ -98,6 +98,11 @@ class Health:
                     return addr
             return None
 
+    def any_up(self, role: Leg) -> bool:
+        """Whether some peer of ``role`` is up (does not move the round robin)."""
+        with self._lock:
+            return any(self._peers[a].up for a in self._order[role])
+
     def down_reason(self, role: Leg) -> str:
         with self._lock:
             whys = [f"{a}: {self._peers[a].why}" for a in self._order[role]]

@@ -35,8 +35,8 @@ class DriveConfig:
     # Liveness: a peer with requests in flight and no reply for stall_s gets a get_meta_msg
     # that must be answered within liveness_s, else it is marked down; a down peer is
     # re-checked every recheck_s. Refused connections mark a peer down at once.
-    liveness_s: float = 1.0
-    stall_s: float = 2.0
+    liveness_s: float = 2.0
+    stall_s: float = 3.0
     recheck_s: float = 1.0
     grace_s: float = 3.0  # after Ctrl-C: how long in-flight requests may still finish
 
