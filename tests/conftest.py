@@ -9,6 +9,7 @@ waits for its ``--ready-file``; all are stopped at teardown with SIGTERM, then S
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 from collections.abc import Callable, Iterator
@@ -25,6 +26,16 @@ SMALL = ["--num-blocks", "64", "--layers", "2", "--block-bytes", "4096"]
 Served = Proc
 ServeFactory = Launcher
 cli_env = clean_env
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A ``slow`` test runs only when the run selects it (``-m slow``, as ``make test-slow``
+    and CI do) or with ``KVPUSH_RUN_SLOW=1``: ``make test`` stays short."""
+    if item.get_closest_marker("slow") is None or os.environ.get("KVPUSH_RUN_SLOW") == "1":
+        return
+    expr = str(item.config.getoption("markexpr") or "")
+    if "slow" not in expr.replace("not slow", ""):
+        pytest.skip("slow test: run with -m slow (or KVPUSH_RUN_SLOW=1)")
 
 
 def unused_port() -> int:

@@ -6,6 +6,7 @@ endpoints and are marked ``integration``.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -385,9 +386,9 @@ def test_metrics_port_in_use(kvpush_run, serve) -> None:
 def test_probe_unreachable(kvpush_run, free_port: int) -> None:
     r = kvpush_run("probe", f"127.0.0.1:{free_port}", "--timeout", "0.5")
     assert r.err_lines == [
-        f"error: 127.0.0.1:{free_port} did not accept a connection within 0.5s",
-        "hint: check the address, that the peer is running and that no firewall is in the way;"
-        " raise --timeout for a slow link",
+        f"error: 127.0.0.1:{free_port}: connection refused",
+        f"hint: nothing listens on port {free_port} of 127.0.0.1: check the port and that the "
+        "peer runs",
     ]
     assert r.returncode == UNREACHABLE
 
@@ -397,5 +398,144 @@ def test_drive_unreachable(kvpush_run, free_port: int) -> None:
     r = kvpush_run(
         "drive", "-p", f"127.0.0.1:{free_port}", "-d", f"127.0.0.1:{free_port}", "--timeout", "0.5"
     )
-    assert r.err_lines[0] == f"error: 127.0.0.1:{free_port} did not accept a connection within 0.5s"
+    assert r.err_lines[0] == f"error: 127.0.0.1:{free_port}: connection refused"
     assert r.returncode == UNREACHABLE
+
+
+# ------------------------------------------------------------- issue 12: the smaller items
+
+
+def test_bad_typed_value_names_its_source(kvpush_run, make_env, tmp_path: Path) -> None:
+    explain = "input should be a valid integer, unable to parse string as an integer"
+    r = kvpush_run("serve-prefill", env=make_env(KVPUSH_NUM_BLOCKS="abc"))
+    assert r.err_lines == [
+        f"error: invalid value 'abc' for --num-blocks from KVPUSH_NUM_BLOCKS: {explain}",
+        "hint: fix or unset KVPUSH_NUM_BLOCKS",
+    ]
+    assert r.returncode == USAGE
+    cfg = tmp_path / "kvpush.toml"
+    cfg.write_text('[decode]\nnum_blocks = "abc"\n')
+    r = kvpush_run("serve-decode", "--config", str(cfg))
+    assert r.err_lines == [
+        f"error: invalid value 'abc' for num_blocks in config file {cfg}: {explain}",
+        f"hint: fix num_blocks in {cfg}",
+    ]
+    assert r.returncode == USAGE
+    r = kvpush_run("serve-prefill", "--port", "abc")
+    assert r.err_lines == [
+        f"error: invalid value for --port: {explain}",
+        "hint: see 'kvpush serve-prefill --help'",
+    ]
+    assert "╭" not in r.stderr  # no box: one error line and one hint line
+
+
+def test_config_file_that_is_not_utf8(kvpush_run, tmp_path: Path) -> None:
+    cfg = tmp_path / "latin1.toml"
+    cfg.write_bytes(b'engine_id = "caf\xe9"\n')
+    r = kvpush_run("serve-decode", "--config", str(cfg))
+    assert r.err_lines == [
+        f"error: config file {cfg} is not UTF-8 text (byte 16: 0xe9)",
+        "hint: TOML files are UTF-8: save it as UTF-8 (iconv -t UTF-8)",
+    ]
+    assert r.returncode == USAGE
+
+
+def test_every_table_of_a_shared_config_file_is_checked(kvpush_run, tmp_path: Path) -> None:
+    typo = tmp_path / "typo.toml"
+    typo.write_text("[prefill]\nnum_blokcs = 8\n")
+    r = kvpush_run("serve-decode", "--config", str(typo))  # the [prefill] table is not its own
+    assert r.err_lines == [
+        f"error: unknown key 'num_blokcs' in config file {typo}",
+        "hint: keys are option names with underscores, e.g. num_blocks = 1024",
+    ]
+    assert r.returncode == USAGE
+    wrong = tmp_path / "wrong-role.toml"
+    wrong.write_text('[decode]\nwriter = "blocking"\n')
+    r = kvpush_run("serve-prefill", "--config", str(wrong))
+    assert r.err_lines == [
+        f"error: key 'writer' in table [decode] of config file {wrong} is not an option of "
+        "serve-decode",
+        "hint: move it to the table of the role it applies to, or to the top level",
+    ]
+    assert r.returncode == USAGE
+
+
+def test_ready_file_in_a_missing_directory_is_refused_up_front(kvpush_run, tmp_path) -> None:
+    path = tmp_path / "no" / "such" / "ready.json"
+    r = kvpush_run("serve-decode", "--port", "0", "--ready-file", str(path))
+    assert r.err_lines == [
+        f"error: --ready-file {path}: directory {path.parent} does not exist",
+        "hint: create the directory first, or give a path in an existing one",
+    ]
+    assert r.returncode == USAGE
+    assert "ready on" not in r.stderr  # refused before the endpoint started
+
+
+def test_every_option_of_drive_reads_its_variable(kvpush_run, make_env) -> None:
+    env = make_env(
+        KVPUSH_PREFILL="127.0.0.1:5600", KVPUSH_DECODE="127.0.0.1:5601", KVPUSH_REQUESTS="0"
+    )
+    r = kvpush_run("drive", env=env)
+    assert r.err_lines == [
+        "error: --requests must be positive, got 0",
+        "hint: pass --requests 1 or more",
+    ]
+    env = make_env(KVPUSH_PREFILL="127.0.0.1:5600 127.0.0.1:5602", KVPUSH_DECODE="127.0.0.1:x")
+    r = kvpush_run("drive", env=env)
+    assert r.err_lines == [
+        "error: invalid port in address '127.0.0.1:x'",
+        "hint: ports are 1-65535",
+    ]
+    r = kvpush_run("probe", "127.0.0.1:5600", env=make_env(KVPUSH_COUNT="0"))
+    assert r.err_lines[0] == "error: --count must be positive, got 0"
+    r = kvpush_run("demo", env=make_env(KVPUSH_DECODERS="0"))
+    assert r.err_lines[0] == "error: --decoders must be positive, got 0"
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_bracketed_ipv6_host_is_not_doubled(serve, kvpush_run) -> None:
+    s = serve.start("decode", "--host", "[::1]", "--num-blocks", "8", "--layers", "1",
+                    "--block-bytes", "4096")  # fmt: skip
+    assert s.address == f"[::1]:{s.port}"
+    r = kvpush_run("probe", s.address, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["address"] == s.address
+
+
+@pytest.mark.integration
+def test_drive_preflight_refuses_an_incompatible_pair(serve, kvpush_run) -> None:
+    p = serve.start("prefill", "--num-blocks", "16", "--layers", "2", "--block-bytes", "4096")
+    d = serve.start("decode", "--num-blocks", "16", "--layers", "1", "--block-bytes", "8192")
+    r = kvpush_run("drive", "-p", p.address, "-d", d.address, "-n", "5")
+    assert r.err_lines == [
+        f"error: {d.address} (decode) is incompatible with {p.address} (prefill): "
+        "block_bytes 8192 vs 4096, layers 1 vs 2, regions 2 vs 4",
+        "hint: P and D must agree on dtype, kv layout, block size and layers: start them with "
+        "the same geometry options",
+    ]
+    assert r.returncode == 3
+
+
+@pytest.mark.integration
+def test_auth_errors_name_the_peer(serve, kvpush_run, tmp_path: Path) -> None:
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    for f, text in ((ours, "0123456789abcdef0123456789abcdef"), (theirs, "f" * 32)):
+        f.write_text(text + "\n")
+        f.chmod(0o600)
+    p = serve.start("prefill", "--num-blocks", "8", "--layers", "1", "--block-bytes", "4096",
+                    "--auth-token-file", str(theirs))  # fmt: skip
+    r = kvpush_run("drive", "-p", p.address, "-d", p.address, "--auth-token-file", str(ours))
+    assert r.returncode == 3, r.stderr
+    assert r.err_lines[0].startswith(f"error: {p.address}"), r.err_lines

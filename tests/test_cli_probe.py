@@ -117,6 +117,14 @@ def test_stats(pd_pair, kvpush_run) -> None:
     assert out["stats"]["gauges"]["pool_total"] == 64
     r = kvpush_run("probe", d.address, "--stats")
     assert "Handshakes" in r.stdout and "Pool" in r.stdout
+    # Only what applies to a D: no writer mode, no pushes; its D->P handshake mode instead.
+    (header,) = [ln for ln in r.stdout.splitlines() if ln.startswith("kvpush decode")]
+    assert "writer" not in header and "handshake notif" in header
+    assert "pushes/s" not in r.stdout and "requests/s" in r.stdout
+    p, _ = pd_pair
+    r = kvpush_run("probe", p.address, "--stats")
+    (header,) = [ln for ln in r.stdout.splitlines() if ln.startswith("kvpush prefill")]
+    assert "writer deferred" in header and "handshake" not in header
 
 
 def test_kvpush_peer_identified_at_first_contact(pd_pair, kvpush_run) -> None:

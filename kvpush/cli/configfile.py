@@ -49,7 +49,14 @@ def toml_load(path: str) -> dict[str, Any]:
             f"cannot read config file {path}: {e.strerror}", "check the path and its permissions"
         ) from None
     try:
-        return tomllib.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {e.start}: {raw[e.start]:#04x})",
+            "TOML files are UTF-8: save it as UTF-8 (iconv -t UTF-8)",
+        ) from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(
             f"config file {path} is not valid TOML: {e}", "see https://toml.io for the syntax"
@@ -91,6 +98,15 @@ def config_values(
                     f"unknown table [{key}] in config file {path}",
                     "use top-level keys, or the tables [prefill] and [decode]",
                 )
+            for raw_key in value:
+                k = raw_key.replace("-", "_")
+                _check_key(k, raw_key, path, known)
+                if section_keys is not None and k not in section_keys.get(key, known):
+                    raise ConfigError(
+                        f"key {raw_key!r} in table [{key}] of config file {path} is not an "
+                        f"option of {SECTIONS[key]}",
+                        "move it to the table of the role it applies to, or to the top level",
+                    )
             if SECTIONS[key] == command:
                 items.extend(value.items())
             continue

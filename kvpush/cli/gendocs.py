@@ -196,8 +196,9 @@ def man_page() -> str:
         ".TP",
         "\\fBKVPUSH_\\fIOPTION\\fR",
         _esc(
-            "Every option of serve-prefill, serve-decode and probe, upper-cased with dashes as "
-            "underscores, e.g. KVPUSH_NUM_BLOCKS=2048, KVPUSH_AUTH_TOKEN_FILE=/etc/kvpush/token."
+            "Every option of every command, upper-cased with dashes as underscores, e.g. "
+            "KVPUSH_NUM_BLOCKS=2048, KVPUSH_AUTH_TOKEN_FILE=/etc/kvpush/token; a repeatable "
+            'option takes space-separated values (KVPUSH_DECODE="HOST:PORT HOST:PORT").'
         ),
         ".TP",
         "\\fBKVPUSH_DEBUG\\fR",
@@ -216,7 +217,11 @@ def man_page() -> str:
         (2, "usage: invalid option, value, address, device or configuration"),
         (3, "the peer answered but is not ready or is incompatible"),
         (69, "the peer is unreachable"),
-        (130, "interrupted (a second SIGINT/SIGTERM while draining)"),
+        (
+            130,
+            "interrupted: a second signal while an endpoint drains; drive or demo stopped "
+            "by SIGINT, SIGTERM or SIGHUP",
+        ),
     ):
         out += [".TP", f"\\fB{code}\\fR", _esc(meaning)]
     out += [

@@ -35,7 +35,7 @@ class PipeSafe:
         if not self.broken:
             try:
                 return self._stream.write(text)
-            except BrokenPipeError:
+            except (BrokenPipeError, OSError):  # EPIPE; EIO from a hung-up terminal
                 self._broke()
         return len(text)
 
@@ -43,7 +43,7 @@ class PipeSafe:
         if not self.broken:
             try:
                 self._stream.flush()
-            except BrokenPipeError:
+            except (BrokenPipeError, OSError):
                 self._broke()
 
     def isatty(self) -> bool:

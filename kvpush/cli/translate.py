@@ -10,6 +10,7 @@ here. Pure functions over a ``{param: value}`` mapping; no torch, nixl or zmq.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -158,12 +159,35 @@ def auth_token(path: str | None) -> bytes | None:
     return load_token_file(path)
 
 
+def bare_host(host: str) -> str:
+    """``[::1]`` -> ``::1``: addresses are formatted with brackets later, exactly once."""
+    h = host.strip()
+    return h[1:-1] if h.startswith("[") and h.endswith("]") else h
+
+
+def check_ready_file(path: str) -> None:
+    """Refuse a ``--ready-file`` that could never be written, before anything starts."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ConfigError(
+            f"--ready-file {path}: directory {directory} does not exist",
+            "create the directory first, or give a path in an existing one",
+        )
+    if os.path.isdir(path):
+        raise ConfigError(f"--ready-file {path} is a directory", "give a file path")
+    if not os.access(directory, os.W_OK):
+        raise ConfigError(
+            f"--ready-file {path}: directory {directory} is not writable",
+            "choose a directory this user may write to",
+        )
+
+
 def endpoint_config(role: Role, p: Mapping[str, Any]) -> EndpointConfig:
     """The endpoint's frozen config from the parsed options of serve-prefill / serve-decode."""
     vllm, pool = vllm_wire(p, pool_config(p))
     return EndpointConfig(
         role=role,
-        host=p["host"],
+        host=bare_host(p["host"]),
         port=p["port"],
         engine_id=p.get("engine_id") or "",
         pool=pool,
@@ -194,6 +218,8 @@ class ServeOptions:
     @staticmethod
     def from_params(p: Mapping[str, Any]) -> ServeOptions:
         require_positive("--interval", p["interval"])
+        if p["ready_file"]:
+            check_ready_file(p["ready_file"])
         if not (0 <= p["metrics_port"] <= 65535):
             raise ConfigError(
                 f"invalid port {p['metrics_port']}", "use 1-65535 for --metrics-port, or 0 for off"

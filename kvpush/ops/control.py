@@ -1,22 +1,47 @@
-"""The one control client of the operator tools: ``connect`` and ``call``.
+"""The one control client of the operator tools, and what a peer is before any ZMQ is spoken.
 
-Every tool that talks to an endpoint's side channel (probe, drive, demo, the tests' legs) gets
-its client from ``connect``, so that how a client is made (and later, how connections are
-shared) changes in one place. ``call`` sends one request and makes sure its errors name the
-peer. A client belongs to one thread (it wraps one ZMQ socket); no zmq is imported here (only
-``kvpush.transport`` imports it).
+Owns ``connect`` (the side-channel client every tool uses: probe, drive, demo, the tests' legs),
+``call`` (one request whose errors always name the peer), ``ClientPool`` (a bounded set of
+connections per peer that worker threads borrow one at a time, so the number of sockets is
+planned, not one per thread) and ``first_contact`` (a raw TCP look at a peer: refused, timed
+out, a name that resolves to nothing, a ZMQ socket, or something else such as HTTP).
+
+Threads: a client belongs to the thread that borrowed it until it is given back (the pool's
+lock and queue hand it over with a memory barrier, as ZMQ asks of a socket that changes
+threads). ``first_contact`` runs on the caller's thread and uses plain sockets only; no zmq is
+imported here (only ``kvpush.transport`` imports it).
+
+Why raw TCP first: ZMQ reconnects silently, so a closed port looks like a slow peer until the
+deadline ("did not accept a connection within 3s"), and a peer that is not a side channel at
+all (kvpush's own ``/metrics`` port) looks like one that does not answer. A TCP connect says
+"refused" at once, and a ZMQ peer greets every new connection with its ZMTP signature before
+anything is sent. Only when nothing greets us is ``HEAD / HTTP/1.0`` sent, which an HTTP server
+answers; to a ZMQ peer it is an unfinished ZMTP/1.0 frame that libzmq drops without handing
+anything to the application, so even a vLLM listener (which dies on unexpected messages) is
+safe.
 """
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpush.config import parse_address
-from kvpush.errors import AuthError, ProtocolError
+from kvpush.config import format_address, parse_address
+from kvpush.errors import AuthError, PeerError, PeerUnreachableError, ProtocolError
 
 if TYPE_CHECKING:
     from kvpush.transport.client import SideChannelClient
     from kvpush.wire import protocol
+
+#: The bytes a ZMQ peer sends first on every connection: 0xFF, 8 length bytes, 0x7F.
+ZMTP_FIRST = 0xFF
+HTTP_PROBE = b"HEAD / HTTP/1.0\r\n\r\n"
+GREETING_WAIT_S = 1.0
 
 
 def connect(address: str, token: bytes | None = None, timeout_s: float = 5.0) -> SideChannelClient:
@@ -38,3 +63,226 @@ def call(
         if client.address in e.message:
             raise
         raise type(e)(f"{client.address}: {e.message}", e.hint or None) from None
+
+
+# ----------------------------------------------------------------------------------- the pool
+
+
+class ClientPool:
+    """At most ``budget`` clients in all, shared by worker threads, each borrowed by one thread.
+
+    ``borrow(address)`` hands out an idle client of that peer, or makes one while fewer than
+    ``budget`` exist, or closes an idle client of another peer to make room, or else waits for
+    one to be given back. A thread holds at most one client at a time, so with at most
+    ``budget`` borrowing threads nobody waits for ever. A client that failed has closed its own
+    socket (a fresh one next time), so giving it back is always safe.
+    """
+
+    def __init__(self, token: bytes | None, timeout_s: float, budget: int) -> None:
+        self._token = token
+        self._timeout = timeout_s
+        self._budget = budget
+        self._cond = threading.Condition()
+        self._idle: dict[str, list[SideChannelClient]] = {}
+        self._count = 0
+        self._closed = False
+
+    def _take(self, address: str) -> SideChannelClient:
+        with self._cond:
+            while True:
+                idle = self._idle.setdefault(address, [])
+                if idle:
+                    return idle.pop()
+                if self._count < self._budget:
+                    self._count += 1
+                    return connect(address, self._token, self._timeout)
+                other = next((lst for lst in self._idle.values() if lst), None)
+                if other is not None:
+                    other.pop().close()  # room for this peer: an idle socket of another
+                    self._count -= 1
+                    continue
+                self._cond.wait()
+
+    @contextlib.contextmanager
+    def borrow(self, address: str) -> Iterator[SideChannelClient]:
+        c = self._take(address)
+        try:
+            yield c
+        finally:
+            with self._cond:
+                if self._closed:
+                    c.close()
+                    self._count -= 1
+                else:
+                    self._idle.setdefault(address, []).append(c)
+                self._cond.notify()
+
+    def grow(self, n: int) -> None:
+        """Allow ``n`` more clients (a borrower that will not give its client back soon)."""
+        with self._cond:
+            self._budget += n
+            self._cond.notify_all()
+
+    @property
+    def sockets(self) -> int:
+        """Clients in existence (idle or borrowed)."""
+        with self._cond:
+            return self._count
+
+    def close(self) -> None:
+        """Close the idle clients; a borrowed one is closed when it is given back."""
+        with self._cond:
+            self._closed = True
+            for lst in self._idle.values():
+                while lst:
+                    lst.pop().close()
+                    self._count -= 1
+
+
+# ------------------------------------------------------------------------- raw first contact
+
+
+@dataclass(frozen=True)
+class Contact:
+    """What a raw TCP connection to a peer found (``kind``) and the words for it."""
+
+    address: str
+    kind: str  # zmq | refused | timeout | unresolved | unreachable | http | other | silent | closed
+    detail: str = ""
+
+    @property
+    def is_zmq(self) -> bool:
+        return self.kind == "zmq"
+
+
+def resolve(host: str, port: int) -> tuple[int, tuple[str, int]] | None:
+    """The first (family, sockaddr) for ``host``; None when the name resolves to nothing."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return None
+    if not infos:
+        return None
+    family, _, _, _, sockaddr = infos[0]
+    return int(family), (str(sockaddr[0]), int(sockaddr[1]))
+
+
+def tcp_contact(address: str, timeout_s: float, look: bool = True) -> Contact:
+    """Connect once and classify the peer; ``look`` False only checks that it accepts."""
+    host, port = parse_address(address)
+    addr = format_address(host, port)
+    target = resolve(host, port)
+    if target is None:
+        return Contact(addr, "unresolved", f"{host!r} resolves to no address")
+    family, sockaddr = target
+    deadline = time.monotonic() + timeout_s
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        try:
+            s.connect(sockaddr)
+        except ConnectionRefusedError:
+            return Contact(addr, "refused", "connection refused")
+        except TimeoutError:
+            return Contact(addr, "timeout", f"no TCP connection within {timeout_s:g}s")
+        except OSError as e:
+            return Contact(addr, "unreachable", e.strerror or str(e))
+        if not look:
+            return Contact(addr, "zmq", "accepts connections")
+        first = _read_some(s, min(GREETING_WAIT_S, max(0.05, deadline - time.monotonic())))
+        if first is None:
+            return Contact(addr, "closed", "closed the connection without a word")
+        if first:
+            return _classify(addr, first)
+        try:
+            s.sendall(HTTP_PROBE)
+        except OSError:
+            return Contact(addr, "closed", "closed the connection without a word")
+        reply = _read_some(s, max(0.05, deadline - time.monotonic()))
+        if reply is None:
+            return Contact(addr, "closed", "accepted the connection, then closed it unanswered")
+        if reply:
+            return _classify(addr, reply)
+        return Contact(
+            addr, "silent", f"accepted the connection but sent nothing within {timeout_s:g}s"
+        )
+
+
+def _read_some(s: socket.socket, wait_s: float) -> bytes | None:
+    """Up to 64 bytes within ``wait_s``: b"" when nothing came, None when the peer closed."""
+    s.settimeout(wait_s)
+    try:
+        data = s.recv(64)
+    except TimeoutError:
+        return b""
+    except OSError:
+        return None
+    return data if data else None
+
+
+def _classify(addr: str, data: bytes) -> Contact:
+    if data[0] == ZMTP_FIRST and (len(data) < 10 or data[9] & 0x01):
+        return Contact(addr, "zmq", "ZMTP greeting")
+    head = data[:64].lower()
+    if head.startswith(b"http/") or b"<html" in head or b"<!doctype html" in head:
+        return Contact(addr, "http", "looks like HTTP")
+    shown = data[:24].decode("ascii", "backslashreplace").strip()
+    return Contact(addr, "other", f"it sent {shown!r}")
+
+
+UNREACHABLE_HINT = (
+    "check the address, that the peer is running and that no firewall is in the way; "
+    "raise --timeout for a slow link"
+)
+NOT_A_SIDE_CHANNEL_HINT = (
+    "check the address: it must be a kvpush or vLLM NIXL side channel, not e.g. the "
+    "Prometheus /metrics port"
+)
+
+
+class UnreachablePeer(PeerUnreachableError):
+    """Nothing usable answered (exit 69); ``found`` says what: refused, timeout, silent..."""
+
+    def __init__(self, message: str, found: str, hint: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.found = found
+
+
+class NotASideChannel(PeerError):
+    """Something answered, but not a ZMQ side channel (exit 3); ``found``: http, other..."""
+
+    def __init__(self, message: str, found: str, hint: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.found = found
+
+
+def first_contact(address: str, timeout_s: float) -> Contact:
+    """Raise the typed error for a peer that cannot be a side channel; return a ZMQ contact.
+
+    ``UnreachablePeer`` (exit 69): refused, no TCP connection in time, a name that resolves
+    to nothing, a network error, or a peer that accepted and stayed silent.
+    ``NotASideChannel`` (exit 3): it answered, but not as ZMQ (HTTP, a banner, a closed
+    connection).
+    """
+    c = tcp_contact(address, timeout_s)
+    if c.kind == "zmq":
+        return c
+    if c.kind == "refused":
+        host, port = parse_address(address)
+        raise UnreachablePeer(
+            f"{c.address}: connection refused",
+            c.kind,
+            f"nothing listens on port {port} of {host}: check the port and that the peer runs",
+        )
+    if c.kind in ("timeout", "unresolved", "unreachable", "silent"):
+        what = {
+            "timeout": "timed out",
+            "unresolved": "cannot resolve the name",
+            "unreachable": "network error",
+            "silent": "timed out",
+        }[c.kind]
+        raise UnreachablePeer(f"{c.address}: {what}: {c.detail}", c.kind, UNREACHABLE_HINT)
+    raise NotASideChannel(
+        f"{c.address} answered but is not a kvpush or vLLM side channel ({c.detail})",
+        c.kind,
+        NOT_A_SIDE_CHANNEL_HINT,
+    )

@@ -1,31 +1,31 @@
 """The embedded demo: one P and several D endpoints as child processes, driven on loopback.
 
-Owns ``Cluster`` (spawn ``python -m kvpush serve-*`` children with ``--port 0 --ready-file``, wait
-until each is ready, stop them with SIGTERM then SIGKILL) and ``Demo`` (drive requests through
-the cluster with a ``Driver``, bring one more D in mid-run, report). Threads: the caller's thread
-owns the cluster and the stats client; the driver runs on its own thread (``start_driving``); the
-extra D is spawned on a short-lived thread. Nothing here imports typer or rich: the CLI renders
-``Demo.progress()`` / ``Demo.prefill_stats()`` and the final ``DemoReport``.
+Owns ``Demo`` (a ``kvpush.ops.cluster.Cluster`` of child endpoints, requests driven through it
+with a ``Driver``, one more D brought in mid-run, a ``DemoReport``). Threads: the caller's
+thread owns the cluster and the stats client; the driver runs on its own thread
+(``start_driving``); the extra D is spawned on a short-lived thread. Nothing here imports typer
+or rich: the CLI renders ``Demo.progress()`` / ``Demo.prefill_stats()`` and the final
+``DemoReport``.
+
+Clean-up guarantee: ``cancel`` (the CLI calls it on SIGINT, SIGTERM and SIGHUP) stops intake,
+interrupts a start still waiting for a child, and ``finish``/``abort`` stop every child and
+remove the work directory unless the logs are asked for (``keep_logs``) or something failed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvpush.errors import KvpushError
 from kvpush.ops import control
+from kvpush.ops.cluster import Child, Cluster, DemoInterrupted
 from kvpush.ops.driver import DriveConfig, Driver, DriveReport, RequestResult
 from kvpush.wire import protocol
 
@@ -65,128 +65,6 @@ class DemoConfig:
             )
 
 
-@dataclass
-class Child:
-    name: str
-    role: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    ready_path: Path
-    info: dict[str, Any] = field(default_factory=dict)
-    returncode: int | None = None
-
-    @property
-    def address(self) -> str:
-        return str(self.info.get("address", ""))
-
-    def log_tail(self, lines: int = 3) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        return " | ".join(text[-lines:])
-
-
-def _child_env() -> dict[str, str]:
-    # The operator's KVPUSH_* settings (a --config file, a port...) are for their own
-    # endpoints, not the demo's: children get exactly the options the demo passes.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPUSH_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-class Cluster:
-    """Child endpoint processes, their logs and ready files in one work directory."""
-
-    def __init__(self, cfg: DemoConfig, workdir: Path) -> None:
-        self.cfg = cfg
-        self.workdir = workdir
-        self.children: list[Child] = []
-        self._lock = threading.Lock()
-
-    def spawn(self, role: str, name: str) -> Child:
-        ready = self.workdir / f"{name}.ready.json"
-        log_path = self.workdir / f"{name}.log"
-        cmd = [
-            self.cfg.python,
-            "-m",
-            "kvpush",
-            f"serve-{role}",
-            "--port",
-            "0",
-            "--engine-id",
-            name,
-            "--num-blocks",
-            str(self.cfg.num_blocks),
-            "--layers",
-            str(self.cfg.layers),
-            "--block-bytes",
-            str(self.cfg.block_bytes),
-            "--ready-file",
-            str(ready),
-            "--output",
-            "json",
-            "--interval",
-            "1",
-            "--log-level",
-            "info",
-        ]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=_child_env(),
-                start_new_session=True,  # the terminal's Ctrl+C goes to the demo only
-            )
-        child = Child(name, role, proc, log_path, ready)
-        with self._lock:
-            self.children.append(child)
-        return child
-
-    def wait_ready(self, child: Child, timeout_s: float | None = None) -> None:
-        deadline = time.monotonic() + (timeout_s or self.cfg.start_timeout_s)
-        while True:
-            if child.ready_path.exists():
-                try:
-                    child.info = json.loads(child.ready_path.read_text())
-                    return
-                except (OSError, ValueError):
-                    pass  # written atomically, but be lenient
-            rc = child.proc.poll()
-            if rc is not None:
-                child.returncode = rc
-                raise KvpushError(
-                    f"demo endpoint {child.name} exited with status {rc} while starting: "
-                    f"{child.log_tail(1)}",
-                    f"see its log: {child.log_path}",
-                )
-            if time.monotonic() > deadline:
-                raise KvpushError(
-                    f"demo endpoint {child.name} did not start within "
-                    f"{timeout_s or self.cfg.start_timeout_s:g}s",
-                    f"see its log: {child.log_path}",
-                )
-            time.sleep(0.05)
-
-    def stop_all(self, timeout_s: float = 20.0) -> None:
-        with self._lock:
-            children = list(self.children)
-        for c in children:
-            if c.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for c in children:
-            try:
-                c.returncode = c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait()
-                c.returncode = -signal.SIGKILL
-
-
 @dataclass(frozen=True)
 class DemoReport:
     drive: DriveReport
@@ -195,11 +73,13 @@ class DemoReport:
     extra_decoder_requests: int
     workdir: str
     kept_logs: bool
+    interrupted: bool = False
 
     @property
     def ok(self) -> bool:
         return (
-            self.drive.all_verified
+            not self.interrupted
+            and self.drive.all_verified
             and all(c["returncode"] == 0 for c in self.children)
             and (self.extra_decoder_requests > 0 or not any(c["extra"] for c in self.children))
         )
@@ -207,6 +87,7 @@ class DemoReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
+            "interrupted": self.interrupted,
             "drive": self.drive.to_dict(),
             "children": self.children,
             "events": self.events,
@@ -279,6 +160,8 @@ class Demo:
     # ------------------------------------------------------------------ driving
     def start_driving(self, on_result: Any = None) -> None:
         assert self.prefill is not None
+        if self.interrupted:
+            raise DemoInterrupted("demo interrupted before driving", "nothing was driven")
         cfg = DriveConfig(
             prefill=(self.prefill.address,),
             decode=tuple(c.address for c in self.decoders),
@@ -312,7 +195,15 @@ class Demo:
         done, ok, failed = self._driver.progress()
         return done, ok, failed, len(self._driver.decodes)
 
+    @property
+    def interrupted(self) -> bool:
+        return self.cluster.cancelled.is_set()
+
     def cancel(self) -> None:
+        """Stop: no more requests (in-flight ones get the driver's grace), no more waiting for a
+        child to start. Safe from a signal handler (it only sets flags)."""
+        self.cluster.cancelled.set()
+        self._extra_ready.set()
         if self._driver is not None:
             self._driver.cancel()
 
@@ -359,22 +250,32 @@ class Demo:
             }
             for c in self.cluster.children
         ]
-        report = DemoReport(self._report, children, self.events, extra_n, str(self.workdir), True)
-        keep = (not report.ok) if keep_logs is None else keep_logs
+        cut = self.interrupted
+        report = DemoReport(
+            self._report, children, self.events, extra_n, str(self.workdir), True, cut
+        )
+        failed = not report.ok and not cut  # an interrupt is not a failure: no logs kept for it
+        keep = failed if keep_logs is None else (keep_logs or failed)
         if self._own_dir and not keep:
             shutil.rmtree(self.workdir, ignore_errors=True)
             report = DemoReport(
-                self._report, children, self.events, extra_n, str(self.workdir), False
+                self._report, children, self.events, extra_n, str(self.workdir), False, cut
             )
         return report
 
-    def abort(self) -> None:
-        """Best-effort cleanup after an error or interrupt: stop everything, keep the logs."""
+    def abort(self, keep_logs: bool = False) -> bool:
+        """Cleanup after an error or an interrupt: stop every child; keep the logs after an
+        error (or when asked), remove them after an interrupt. Returns whether they were kept."""
+        interrupted = self.interrupted
         self.cancel()
         if self._stats_client is not None:
             self._stats_client.close()
             self._stats_client = None
         self.cluster.stop_all(timeout_s=10.0)
+        keep = keep_logs or not interrupted
+        if self._own_dir and not keep:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        return keep or not self._own_dir
 
 
 def run_demo(

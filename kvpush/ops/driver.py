@@ -1,181 +1,61 @@
-"""The router role: send both legs of N requests to running P and D endpoints, collect results.
+"""The router role: send both legs of N requests to running P and D endpoints, account for each.
 
-Owns ``Driver`` (behind ``kvpush drive`` and ``kvpush demo``). Threads: ``concurrency`` worker
-threads, each owning its side-channel clients to the P endpoints, and one companion thread per
-worker owning its clients to the D endpoints (side-channel clients are not thread-safe). A worker
-takes the next request index, hands the decode leg to its companion (D registers its blocks with
-P and answers only once the KV has landed and been verified), sends the prefill leg itself, then
-waits for the decode reply: both legs are in flight together, as a push-mode router sends them.
+Owns ``Driver`` (behind ``kvpush drive`` and ``kvpush demo``). Guarantees:
 
-Results are plain dataclasses; ``on_result`` is called from worker threads. Nothing here imports
-typer or rich.
+* **every request is accounted for**: the report has exactly ``requests`` results; a request
+  ends as ok, or failed with one ``Failure`` reason and detail -- an exception in a worker
+  becomes ``internal_error``, a request never sent after Ctrl-C becomes ``cancelled``. Each
+  result is recorded once: the first of (decode reply, prefill failure, peer found dead,
+  interrupt) decides it, later news of the same request is dropped.
+* **planned resources**: worker threads borrow side-channel connections from two bounded
+  ``ClientPool`` s (decode legs; prefill legs), so the socket count is fixed up front (ZMQ holds
+  at most 1023 sockets per process): ``--concurrency`` above ``SOCKET_BUDGET`` runs that many
+  requests at a time and says so in the report's notes.
+* **fail fast, route around**: ``kvpush.ops.health`` marks a peer that refuses connections or
+  misses a liveness check down at once; new requests go round robin to the peers still up, a
+  request that finds no peer of a role up fails in microseconds with ``decode_unreachable`` /
+  ``prefill_unreachable``, and a down peer is re-checked and comes back.
+
+Threads: ``run`` runs on the caller's thread and only waits, watches and times out; ``W``
+worker threads each send one request's decode leg at a time (it blocks until D has the KV),
+while its prefill leg goes to a small executor per P (prefill legs are short); the monitor
+thread of ``Health``. ``on_result``/``on_event`` are called from those threads. Nothing here
+imports typer or rich.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import threading
 import time
-import uuid
-from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
 
 from kvpush.config import format_address, parse_address
-from kvpush.errors import ConfigError, KvpushError, PeerError, PeerUnreachableError
-from kvpush.ops import control
-from kvpush.ops.stats import percentile
+from kvpush.errors import KvpushError
+from kvpush.ops import control, reasons
+from kvpush.ops.health import Health, Peer
+from kvpush.ops.preflight import check_peers
+from kvpush.ops.results import DriveConfig, DriveReport, RequestResult, summarize
+from kvpush.ops.senders import Senders
+from kvpush.telemetry.names import Failure
 from kvpush.wire import protocol
 
+log = logging.getLogger(__name__)
 
-@dataclass(frozen=True)
-class DriveConfig:
-    prefill: tuple[str, ...]
-    decode: tuple[str, ...]
-    requests: int = 100
-    concurrency: int = 8
-    rate: float | None = None  # requests started per second; None: as fast as concurrency allows
-    blocks: int = 4
-    timeout_s: float = 30.0
-    auth_token: bytes | None = None
-    run_id: str = ""
-    preflight: bool = True
+#: Side-channel sockets one drive may open (ZMQ's default limit is 1023 per process).
+SOCKET_BUDGET = 1000
+#: Threads (and sockets) per prefill endpoint for prefill legs.
+PREFILL_THREADS = 16
+#: A decode leg's client waits this much longer than D's own deadline for D's answer.
+DECODE_MARGIN_S = 5.0
+#: Each request first contacts its D (get_meta_msg) within this: a worker that picked a peer
+#: that just died loses seconds, not a whole request timeout, and the request goes elsewhere.
+CONTACT_S = 5.0
+#: Workers replaced after their peer died under them (each keeps its socket until its deadline).
+REPLACEMENT_RESERVE = 20
 
-    def __post_init__(self) -> None:
-        if not self.prefill:
-            raise ConfigError("no prefill endpoint given", "pass --prefill HOST:PORT")
-        if not self.decode:
-            raise ConfigError("no decode endpoint given", "pass --decode HOST:PORT")
-        norm = tuple(format_address(*parse_address(a)) for a in self.prefill)
-        object.__setattr__(self, "prefill", norm)
-        norm = tuple(format_address(*parse_address(a)) for a in self.decode)
-        object.__setattr__(self, "decode", norm)
-        for name, value in (
-            ("--requests", self.requests),
-            ("--concurrency", self.concurrency),
-            ("--blocks", self.blocks),
-        ):
-            if value < 1:
-                raise ConfigError(f"{name} must be positive, got {value}", f"pass {name} 1 or more")
-        if self.blocks > 1 << 16:
-            raise ConfigError(f"--blocks {self.blocks} is too large", "use at most 65536")
-        if self.rate is not None and not self.rate > 0:
-            raise ConfigError(
-                f"--rate must be positive, got {self.rate:g}", "omit --rate for no limit"
-            )
-        if not self.timeout_s > 0:
-            raise ConfigError(
-                f"--timeout must be positive, got {self.timeout_s:g}", "pass --timeout > 0"
-            )
-        if not self.run_id:
-            object.__setattr__(self, "run_id", uuid.uuid4().hex[:8])
-
-
-@dataclass(frozen=True)
-class RequestResult:
-    index: int
-    transfer_id: str
-    prefill: str
-    decode: str
-    ok: bool
-    reason: str  # "" when ok
-    detail: str
-    latency_s: float  # driver-measured: decode leg sent -> decode reply received
-    nbytes: int
-    verified: bool | None
-
-
-@dataclass(frozen=True)
-class DriveReport:
-    requests: int
-    ok: int
-    failed: int
-    verified: int
-    failures_by_reason: dict[str, int]
-    latency_s: dict[str, float]
-    elapsed_s: float
-    requests_per_s: float
-    bytes_total: int
-    gb_per_s: float
-    by_decode: dict[str, int]
-    by_prefill: dict[str, int]
-    first_failures: list[str] = field(default_factory=list)
-
-    @property
-    def all_verified(self) -> bool:
-        return self.requests > 0 and self.ok == self.requests and self.verified == self.requests
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "requests": self.requests,
-            "ok": self.ok,
-            "failed": self.failed,
-            "verified": self.verified,
-            "all_verified": self.all_verified,
-            "failures_by_reason": self.failures_by_reason,
-            "first_failures": self.first_failures,
-            "latency_s": self.latency_s,
-            "elapsed_s": self.elapsed_s,
-            "requests_per_s": self.requests_per_s,
-            "bytes_total": self.bytes_total,
-            "gb_per_s": self.gb_per_s,
-            "by_decode": self.by_decode,
-            "by_prefill": self.by_prefill,
-        }
-
-
-def summarize(results: list[RequestResult], elapsed_s: float) -> DriveReport:
-    lat = sorted(r.latency_s for r in results if r.ok)
-    ok = [r for r in results if r.ok]
-    nbytes = sum(r.nbytes for r in ok)
-    failures = [r for r in results if not r.ok]
-    return DriveReport(
-        requests=len(results),
-        ok=len(ok),
-        failed=len(failures),
-        verified=sum(1 for r in ok if r.verified is True),
-        failures_by_reason=dict(Counter(r.reason for r in failures).most_common()),
-        latency_s={
-            "p50": percentile(lat, 50),
-            "p90": percentile(lat, 90),
-            "p99": percentile(lat, 99),
-            "max": lat[-1] if lat else 0.0,
-        },
-        elapsed_s=elapsed_s,
-        requests_per_s=len(results) / elapsed_s if elapsed_s > 0 else 0.0,
-        bytes_total=nbytes,
-        gb_per_s=nbytes / elapsed_s / 1e9 if elapsed_s > 0 else 0.0,
-        by_decode=dict(Counter(r.decode for r in results)),
-        by_prefill=dict(Counter(r.prefill for r in results)),
-        first_failures=[
-            f"{r.transfer_id} via {r.decode}: {r.reason}{': ' + r.detail if r.detail else ''}"
-            for r in failures[:5]
-        ],
-    )
-
-
-def check_roles(cfg: DriveConfig, timeout_s: float = 5.0) -> None:
-    """Fail fast: every endpoint answers and has the role it was given as."""
-    for role, addrs in (("prefill", cfg.prefill), ("decode", cfg.decode)):
-        for addr in addrs:
-            with control.connect(addr, cfg.auth_token, min(timeout_s, cfg.timeout_s)) as c:
-                rep = c.request(protocol.HandshakeReq(mode="notif", requester="kvpush-drive"))
-            if not isinstance(rep, protocol.HandshakeRep):
-                raise PeerError(f"{addr} answered a handshake request with {type(rep).__name__}")
-            md = protocol.decode_metadata_loose(rep.metadata)
-            if md.get("role") != role:
-                flag = "--prefill" if role == "prefill" else "--decode"
-                raise ConfigError(
-                    f"{addr} is a {md.get('role')} endpoint, not {role}",
-                    f"give {flag} only {role} endpoints",
-                )
-            pool = md.get("num_blocks")
-            if isinstance(pool, int) and cfg.blocks > pool:
-                raise ConfigError(
-                    f"--blocks {cfg.blocks} exceeds the pool of {addr} ({pool} blocks)",
-                    f"use --blocks {pool} or fewer",
-                )
+__all__ = ["DriveConfig", "DriveReport", "Driver", "RequestResult", "drive", "summarize"]
 
 
 class Driver:
@@ -186,166 +66,361 @@ class Driver:
         cfg: DriveConfig,
         on_result: Callable[[RequestResult], None] | None = None,
         before_request: Callable[[int], None] | None = None,
+        on_event: Callable[[str], None] | None = None,
+        on_tick: Callable[[], None] | None = None,
+        tick_s: float = 3.0,
     ) -> None:
         self.cfg = cfg
+        self._on_tick = on_tick
+        self._tick_s = tick_s
         self._on_result = on_result
         self._before = before_request
+        self._on_event_cb = on_event
         self._lock = threading.Lock()
-        self._decodes = list(cfg.decode)
+        self._results: list[RequestResult | None] = [None] * cfg.requests
+        self._t_sent: dict[int, tuple[float, str, str]] = {}  # index -> (t0, P, D)
+        self._done_count = 0
+        self._ok_count = 0
+        self._all_done = threading.Event()
         self._next = 0
-        self._rr_p = 0
-        self._rr_d = 0
-        self._results: list[RequestResult] = []
         self._cancel = threading.Event()
+        self._force = threading.Event()
         self._t0 = 0.0
+        self.events: list[str] = []
+        self.notes: list[str] = []
+        self._wids = itertools.count()
+        self._worker_of: dict[int, int] = {}  # request index -> the worker sending it
+        self._retired: set[int] = set()
+        self._replacements = 0
+        n_peers = len(cfg.prefill) + len(cfg.decode) + 8 + REPLACEMENT_RESERVE
+        p_threads = min(PREFILL_THREADS, cfg.concurrency, cfg.requests)
+        budget = SOCKET_BUDGET - n_peers - p_threads * len(cfg.prefill)
+        self.workers = max(1, min(cfg.concurrency, cfg.requests, budget))
+        if self.workers < min(cfg.concurrency, cfg.requests):
+            self.notes.append(
+                f"--concurrency {cfg.concurrency} is more side-channel connections than one "
+                f"process may hold: at most {self.workers} requests were in flight at a time"
+            )
+        self._d_pool = control.ClientPool(cfg.auth_token, cfg.timeout_s, self.workers)
+        self._p_pool = control.ClientPool(
+            cfg.auth_token, cfg.timeout_s, p_threads * len(cfg.prefill)
+        )
+        self._p_exec = {p: Senders(p_threads, f"drive-p{i}") for i, p in enumerate(cfg.prefill)}
+        self.health = Health(
+            cfg.auth_token,
+            liveness_s=cfg.liveness_s,
+            stall_s=cfg.stall_s,
+            recheck_s=cfg.recheck_s,
+            on_down=self._on_down,
+            on_event=self._event,
+        )
+        for p in cfg.prefill:
+            self.health.add(p, "prefill")
+        for d in cfg.decode:
+            self.health.add(d, "decode")
 
     # ------------------------------------------------------------------ control (any thread)
     def add_decode(self, address: str) -> None:
-        addr = format_address(*parse_address(address))
-        with self._lock:
-            if addr not in self._decodes:
-                self._decodes.append(addr)
+        self.health.add(format_address(*parse_address(address)), "decode")
 
     def cancel(self) -> None:
-        """Start no more requests; in-flight ones finish or time out."""
+        """Stop intake; in-flight requests get ``grace_s`` to finish (a second call: none)."""
+        if self._cancel.is_set():
+            self._force.set()
         self._cancel.set()
 
     @property
     def decodes(self) -> list[str]:
-        with self._lock:
-            return list(self._decodes)
+        return [a for a, role, *_ in self.health.rows() if role == "decode"]
 
     def progress(self) -> tuple[int, int, int]:
         """(done, ok, failed) so far."""
         with self._lock:
-            ok = sum(1 for r in self._results if r.ok)
-            return len(self._results), ok, len(self._results) - ok
+            return self._done_count, self._ok_count, self._done_count - self._ok_count
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._t_sent)
+
+    def _event(self, text: str) -> None:
+        line = f"{time.monotonic() - self._t0:.2f}s {text}"
+        with self._lock:
+            self.events.append(line)
+        log.info("%s", text)
+        if self._on_event_cb is not None:
+            self._on_event_cb(text)
 
     # ------------------------------------------------------------------ run
     def run(self) -> DriveReport:
         if self.cfg.preflight:
-            check_roles(self.cfg)
+            check_peers(self.cfg)
         self._t0 = time.monotonic()
-        threads = [
-            threading.Thread(target=self._worker, name=f"drive-{i}", daemon=True)
-            for i in range(min(self.cfg.concurrency, self.cfg.requests))
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        self.health.start()
+        started = 0
+        try:
+            for _ in range(self.workers):
+                if not self._spawn_worker():
+                    break
+                started += 1
+            if started == 0:
+                raise KvpushError("drive could not start a worker thread", "lower --concurrency")
+            self._wait()
+        finally:
+            self.health.stop()
+            for ex in self._p_exec.values():
+                ex.close()
+            self._d_pool.close()
+            self._p_pool.close()
         elapsed = time.monotonic() - self._t0
         with self._lock:
-            results = sorted(self._results, key=lambda r: r.index)
-        return summarize(results, elapsed)
+            results = [r for r in self._results if r is not None]
+            events = list(self.events)
+        assert len(results) == self.cfg.requests
+        return summarize(
+            results,
+            elapsed,
+            interrupted=self._cancel.is_set(),
+            concurrency=min(self.workers, started),
+            notes=self.notes,
+            peer_events=events,
+        )
 
-    def _take(self) -> tuple[int, str, str] | None:
+    def _wait(self) -> None:
+        grace_until: float | None = None
+        next_tick = time.monotonic() + self._tick_s
+        while not self._all_done.wait(0.05):
+            if self._on_tick is not None and time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + self._tick_s
+                self._on_tick()
+            if self._cancel.is_set():
+                if grace_until is None:
+                    grace_until = time.monotonic() + self.cfg.grace_s
+                    self._fail_untaken(Failure.CANCELLED, "not sent: interrupted")
+                if self._force.is_set() or time.monotonic() >= grace_until:
+                    self._fail_unresolved(Failure.CANCELLED, "in flight when interrupted")
+                continue
+            for role in ("prefill", "decode"):
+                if not self.health.any_up(role):  # type: ignore[arg-type]
+                    self._fail_untaken(
+                        reasons.UNREACHABLE[role],
+                        self.health.down_reason(role),  # type: ignore[arg-type]
+                    )
+
+    # ------------------------------------------------------------------ recording
+    def _resolve(self, i: int, result: RequestResult) -> bool:
+        """Record request ``i``'s result unless it already has one; True when recorded."""
+        with self._lock:
+            if self._results[i] is not None:
+                return False
+            self._results[i] = result
+            self._t_sent.pop(i, None)
+            self._worker_of.pop(i, None)
+            self._done_count += 1
+            self._ok_count += result.ok
+            if self._done_count == self.cfg.requests:
+                self._all_done.set()
+        if self._on_result is not None:
+            try:
+                self._on_result(result)
+            except Exception:
+                log.exception("on_result callback failed")
+        return True
+
+    def _fail(self, i: int, reason: Failure, detail: str, p: str = "", d: str = "") -> None:
+        with self._lock:
+            t0, p0, d0 = self._t_sent.get(i, (0.0, p, d))
+        latency = time.monotonic() - t0 if t0 else 0.0
+        self._resolve(
+            i,
+            RequestResult(
+                i, self._tid(i), p0, d0, False, reason.value, detail[:500], latency, 0, None
+            ),
+        )
+
+    def _fail_untaken(self, reason: Failure, detail: str) -> None:
+        with self._lock:
+            first, self._next = self._next, self.cfg.requests
+        for i in range(first, self.cfg.requests):
+            self._fail(i, reason, detail)
+
+    def _fail_unresolved(self, reason: Failure, detail: str) -> None:
+        with self._lock:
+            pending = [i for i, r in enumerate(self._results) if r is None]
+        for i in pending:
+            self._fail(i, reason, detail)
+
+    def _tid(self, i: int) -> str:
+        return f"{self.cfg.run_id}-{i}"
+
+    # ------------------------------------------------------------------ workers
+    def _take(self) -> int | None:
         with self._lock:
             if self._cancel.is_set() or self._next >= self.cfg.requests:
                 return None
             i = self._next
             self._next += 1
-            p = self.cfg.prefill[self._rr_p % len(self.cfg.prefill)]
-            self._rr_p += 1
         if self._before is not None:
             self._before(i)
-        with self._lock:
-            d = self._decodes[self._rr_d % len(self._decodes)]
-            self._rr_d += 1
         if self.cfg.rate:
             wait = self._t0 + i / self.cfg.rate - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
-        return i, p, d
+        return i
 
-    def _worker(self) -> None:
-        p_clients: dict[str, Any] = {}
-        d_clients: dict[str, Any] = {}  # touched only by the companion thread
-        companion = ThreadPoolExecutor(1, thread_name_prefix=threading.current_thread().name + "-d")
-        margin = 5.0
+    def _spawn_worker(self) -> bool:
+        wid = next(self._wids)
+        t = threading.Thread(target=self._worker, args=(wid,), name=f"drive-{wid}", daemon=True)
         try:
-            while True:
-                job = self._take()
-                if job is None:
-                    return
-                i, p, d = job
-                tid = f"{self.cfg.run_id}-{i}"
-                ph, pp = parse_address(p)
+            t.start()
+        except RuntimeError as e:  # can't start new thread: run with those there are
+            self.notes.append(f"a worker thread could not start: {e}")
+            return False
+        return True
 
-                def decode_leg(d: str = d, tid: str = tid, ph: str = ph, pp: int = pp) -> Any:
-                    c = d_clients.get(d)
-                    if c is None:
-                        c = d_clients[d] = control.connect(
-                            d, self.cfg.auth_token, self.cfg.timeout_s
-                        )
-                    return c.request(
+    def _worker(self, wid: int) -> None:
+        while wid not in self._retired:
+            i = self._take()
+            if i is None:
+                return
+            try:
+                self._one(i, wid)
+            except BaseException as e:  # never a vanished request: it fails with a reason
+                log.exception("drive worker failed on request %d", i)
+                self._fail(i, Failure.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
+
+    def _one(self, i: int, wid: int) -> None:
+        tried: set[str] = set()
+        while True:
+            p = self.health.pick("prefill")
+            d = self.health.pick("decode")
+            if p is None or d is None:
+                role: reasons.Leg = "prefill" if p is None else "decode"
+                self._fail(i, reasons.UNREACHABLE[role], self.health.down_reason(role))
+                return
+            if d in tried:  # every D that is up could not be reached just now
+                self._fail(i, reasons.UNREACHABLE["decode"], f"D {d}: no contact")
+                return
+            tried.add(d)
+            with self._lock:
+                if self._results[i] is not None:  # failed meanwhile (no peer up, interrupted)
+                    return
+                self._t_sent[i] = (time.monotonic(), p, d)
+                self._worker_of[i] = wid
+            if not self.health.sent(d, i):
+                continue  # went down this instant: pick again
+            try:
+                if self._decode_leg(i, p, d):
+                    return
+            finally:
+                self.health.finished(d, i)
+
+    def _on_down(self, peer: Peer, dead: bool, inflight: list[int]) -> None:
+        """Monitor thread: a dead peer's requests in flight fail now; their workers are blocked
+        until their own deadline, so each is retired and replaced (within the socket reserve)."""
+        reason = reasons.UNREACHABLE[peer.role]
+        for i in inflight:
+            with self._lock:
+                wid = self._worker_of.get(i)
+                replace = (
+                    wid is not None
+                    and wid not in self._retired
+                    and peer.role == "decode"
+                    and self._replacements < REPLACEMENT_RESERVE
+                )
+                if replace:
+                    assert wid is not None
+                    self._retired.add(wid)
+                    self._replacements += 1
+            self._fail(i, reason, f"{peer.address} ({peer.role}): {peer.why}")
+            if replace:
+                self._d_pool.grow(1)  # the retired worker keeps its socket until its deadline
+                self._spawn_worker()
+
+    def _prefill_leg(self, i: int, p: str) -> None:
+        """On P's executor: send the prefill leg; a failure decides the request at once."""
+        try:
+            try:
+                with self._p_pool.borrow(p) as c:
+                    rep = control.call(
+                        c, protocol.PrefillReq(transfer_id=self._tid(i), num_blocks=self.cfg.blocks)
+                    )
+                self.health.replied(p)
+            except KvpushError as e:
+                reason, detail = reasons.from_error(e, "prefill")
+                if reason is Failure.PREFILL_UNREACHABLE:
+                    self.health.suspect(p)
+                self._fail(i, reason, f"P {p}: {detail}")
+                return
+            if not isinstance(rep, protocol.PrefillRep):
+                self._fail(i, Failure.MALFORMED_FRAME, f"P {p} answered with {type(rep).__name__}")
+            elif rep.outcome != "ok":
+                reason, detail = reasons.from_peer(rep.reason)
+                self._fail(i, reason, f"P {p}: {detail or rep.reason}")
+        except BaseException as e:
+            log.exception("prefill leg of request %d failed", i)
+            self._fail(i, Failure.INTERNAL_ERROR, f"P {p}: {type(e).__name__}: {e}")
+        finally:
+            self.health.finished(p, i)
+
+    def _decode_leg(self, i: int, p: str, d: str) -> bool:
+        """Contact D (bounded by ``CONTACT_S``), send the prefill leg, send the decode leg and
+        wait for D's answer. False when D could not be contacted (nothing was sent: the
+        request may go to another D)."""
+        ph, pp = parse_address(p)
+        try:
+            with self._d_pool.borrow(d) as c:
+                try:
+                    c.identify(timeout_s=CONTACT_S)
+                except KvpushError:
+                    self.health.suspect(d)
+                    return False
+                if not self.health.sent(p, i):
+                    self._fail(i, reasons.UNREACHABLE["prefill"], f"P {p} went down")
+                    return True
+                try:
+                    pfut = self._p_exec[p].submit(self._prefill_leg, i, p)
+                except BaseException:
+                    self.health.finished(p, i)
+                    raise
+                try:
+                    rep = control.call(
+                        c,
                         protocol.DecodeReq(
-                            transfer_id=tid,
+                            transfer_id=self._tid(i),
                             prefill_host=ph,
                             prefill_port=pp,
                             num_blocks=self.cfg.blocks,
                             deadline_s=self.cfg.timeout_s,
                         ),
-                        timeout_s=self.cfg.timeout_s + margin,
+                        timeout_s=self.cfg.timeout_s + DECODE_MARGIN_S,
                     )
-
-                t0 = time.monotonic()
-                fut: Future[Any] = companion.submit(decode_leg)
-                prefill_err = ""
-                try:
-                    c = p_clients.get(p)
-                    if c is None:
-                        c = p_clients[p] = control.connect(
-                            p, self.cfg.auth_token, self.cfg.timeout_s
-                        )
-                    prep = c.request(
-                        protocol.PrefillReq(transfer_id=tid, num_blocks=self.cfg.blocks)
-                    )
-                    if isinstance(prep, protocol.PrefillRep) and prep.outcome != "ok":
-                        prefill_err = f"prefill_{prep.reason or 'failed'}"
-                except PeerUnreachableError:
-                    prefill_err = "prefill_unreachable"
-                except KvpushError as e:
-                    prefill_err = f"prefill_error: {e.message}"
-                self._record(i, tid, p, d, t0, fut, prefill_err)
-        finally:
-            companion.shutdown(wait=True)
-            for c in p_clients.values():
-                c.close()
-            for c in d_clients.values():
-                c.close()
-
-    def _record(
-        self, i: int, tid: str, p: str, d: str, t0: float, fut: Future[Any], prefill_err: str
-    ) -> None:
-        ok = False
-        reason = detail = ""
-        nbytes = 0
-        verified: bool | None = None
-        try:
-            rep = fut.result()
-            if isinstance(rep, protocol.DecodeRep):
-                ok = rep.outcome == "ok"
-                reason = "" if ok else (rep.reason or "failed")
-                detail = rep.detail
-                nbytes = rep.nbytes
-                verified = rep.verified
-            else:
-                reason = f"unexpected reply {type(rep).__name__}"
-        except PeerUnreachableError:
-            reason = "decode_timeout"
-            detail = f"no decode reply within {self.cfg.timeout_s:g}s"
+                finally:
+                    pfut.result()  # short: P answers once its blocks are filled
         except KvpushError as e:
-            reason = "decode_error"
-            detail = e.message
-        latency = time.monotonic() - t0
-        if prefill_err and not ok:
-            reason = prefill_err  # the cause; the decode leg's failure is its consequence
-        result = RequestResult(i, tid, p, d, ok, reason, detail, latency, nbytes, verified)
+            reason, detail = reasons.from_error(e, "decode")
+            if reason is Failure.DECODE_UNREACHABLE:
+                self.health.suspect(d)
+            self._fail(i, reason, f"D {d}: {detail}")
+            return True
+        self.health.replied(d)
+        if not isinstance(rep, protocol.DecodeRep):
+            self._fail(i, Failure.MALFORMED_FRAME, f"D {d} answered with {type(rep).__name__}")
+            return True
         with self._lock:
-            self._results.append(result)
-        if self._on_result is not None:
-            self._on_result(result)
+            t0 = self._t_sent.get(i, (time.monotonic(), p, d))[0]
+        latency = time.monotonic() - t0
+        if rep.outcome == "ok":
+            result = RequestResult(
+                i, self._tid(i), p, d, True, "", "", latency, rep.nbytes, rep.verified
+            )
+        else:
+            reason, detail = reasons.from_peer(rep.reason or "internal_error", rep.detail)
+            result = RequestResult(
+                i, self._tid(i), p, d, False, reason.value, f"D {d}: {detail}"[:500], latency, 0,
+                None,
+            )  # fmt: skip
+        self._resolve(i, result)
+        return True
 
 
 def drive(

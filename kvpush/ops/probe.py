@@ -128,10 +128,7 @@ def local_compat_fields(pool: PoolConfig) -> dict[str, object]:
     }
 
 
-UNREACHABLE_HINT = (
-    "check the address, that the peer is running and that no firewall is in the way; "
-    "raise --timeout for a slow link"
-)
+UNREACHABLE_HINT = control.UNREACHABLE_HINT
 
 
 def _incompatible_protocol(address: str, e: ProtocolError) -> IncompatiblePeerError:
@@ -170,12 +167,23 @@ def probe(
         raise ConfigError(f"--count must be positive, got {count}", "pass --count 1 or more")
     host, port = parse_address(address)
     addr = format_address(host, port)
+    control.first_contact(addr, timeout_s)
     with control.connect(addr, token, timeout_s) as client:
         try:
             ident = client.identify(0, 0)
             if ranks != (0, 0):
                 _check_rank(addr, ident, ranks, peer_tp)
                 ident = client.identify(*ranks)
+        except PeerUnreachableError:
+            raise control.UnreachablePeer(
+                f"{addr}: timed out: a ZMQ socket accepted the connection but did not answer "
+                f"get_meta_msg within {timeout_s:g}s (busy, frozen, or not a side channel)",
+                "timeout",
+                UNREACHABLE_HINT,
+            ) from None
+        except ProtocolError as e:
+            raise control.NotASideChannel(e.message, "other", e.hint or None) from None
+        try:
             kv = ident.kvpush
             if kv is None or kv.wire == "vllm":
                 report = _probe_vllm(addr, client, ident, count, local)
@@ -203,7 +211,7 @@ def _probe_kvpush(
     for _ in range(count):
         t0 = _KVPUSH_CLOCK()
         try:
-            r = client.request(protocol.HandshakeReq(mode="notif", requester="kvpush-probe"))
+            r = control.call(client, protocol.HandshakeReq(mode="notif", requester="kvpush-probe"))
         except ProtocolError as e:
             raise _incompatible_protocol(addr, e) from None
         t1 = _KVPUSH_CLOCK()
@@ -213,7 +221,7 @@ def _probe_kvpush(
         samples.append((t0, t1, r.server_clock))
     stats_d: dict[str, Any] | None = None
     if want_stats:
-        s = client.request(protocol.StatsReq())
+        s = control.call(client, protocol.StatsReq())
         if not isinstance(s, protocol.StatsRep):
             raise PeerError(f"{addr} answered a stats request with {type(s).__name__}")
         stats_d = dict(s.snapshot)

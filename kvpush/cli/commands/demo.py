@@ -2,8 +2,9 @@
 
 Options -> ``kvpush.ops.demo.Demo`` (child processes, a driver, a third D midway) -> P's live
 telemetry or progress lines on stderr while it runs -> the summary (``views.reports``) or one
-JSON object. Exit status 0 when everything succeeded. Runs on the main thread; the demo owns
-its children and its driver thread.
+JSON object. Exit status 0 when everything succeeded, 130 when a signal stopped it (children
+stopped, work directory removed unless --keep-logs). Runs on the main thread; the demo owns its
+children and its driver thread.
 """
 
 from __future__ import annotations
@@ -17,13 +18,17 @@ import typer
 from rich.console import Console
 
 from kvpush.cli import options, stdio
+from kvpush.cli.signals import StopFlag
 from kvpush.cli.views import reports
+from kvpush.errors import ExitStatus
 
 DOC = """Start one P and two D endpoints on loopback, push a few hundred requests through them.
 
 The endpoints run as separate processes. Midway a third D starts and joins the rotation
 (its first push needs a new handshake, which must not stall the others). Every byte is
-verified; the endpoints are stopped with SIGTERM. Exit status 0 when everything succeeded."""
+verified; the endpoints are stopped with SIGTERM. SIGINT, SIGTERM or SIGHUP stop the demo
+early: intake stops, every endpoint is stopped, the work directory is removed (unless
+--keep-logs) and the exit status is 130. Exit status 0 when everything succeeded."""
 
 
 def register(app: typer.Typer) -> None:
@@ -45,17 +50,34 @@ def demo(
     cfg = DemoConfig(requests=requests, blocks=blocks, decoders=decoders, concurrency=concurrency)
     show_live = (sys.stderr.isatty() and not json_out) if live is None else live
     d = Demo(cfg)
+    stop = StopFlag(on_signal=d.cancel).install()
+    err = Console(stderr=True, highlight=False)
     try:
-        _run(d, show_live, quiet=json_out)
-        report = d.finish(keep_logs=True if keep_logs else None)
-    except BaseException:
-        d.abort()
-        raise
+        try:
+            _run(d, show_live, quiet=json_out)
+            report = d.finish(keep_logs=True if keep_logs else None)
+        except BaseException:
+            kept = d.abort(keep_logs=keep_logs)
+            err.print(f"demo: endpoints stopped; {_logs(kept, d.workdir)}")
+            raise
+    finally:
+        stop.restore()
+    if report.interrupted:
+        err.print(
+            f"demo: interrupted by {stop.signame}: endpoints stopped; "
+            f"{_logs(report.kept_logs, d.workdir)}"
+        )
     if json_out:
         stdio.out(json.dumps(report.to_dict()))
     else:
         Console().print(reports.demo_summary(report), soft_wrap=True)
+    if report.interrupted:
+        raise typer.Exit(int(ExitStatus.INTERRUPTED))
     raise typer.Exit(0 if report.ok else 1)
+
+
+def _logs(kept: bool, workdir: Any) -> str:
+    return f"logs kept in {workdir}" if kept else "work directory removed"
 
 
 def _run(d: Any, show_live: bool, quiet: bool) -> None:

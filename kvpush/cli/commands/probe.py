@@ -8,6 +8,7 @@ healthy, 3 answered but not ready or incompatible, 69 unreachable. Runs on the m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from typing import Any
@@ -15,15 +16,23 @@ from typing import Any
 import typer
 
 from kvpush.cli import options, stdio, translate
-from kvpush.config import HandshakeMode
-from kvpush.errors import ConfigError
+from kvpush.config import HandshakeMode, format_address, parse_address
+from kvpush.errors import (
+    ConfigError,
+    ExitStatus,
+    IncompatiblePeerError,
+    KvpushError,
+    PeerUnreachableError,
+)
 
 DOC = """Ask a peer who it is, whether it is healthy and whether it is compatible with us.
 
 Reports engine id, role, incarnation, versions, geometry, device and compatibility hash,
 the side-channel RTT (min/median) and clock offset. Given local geometry options (or
 KVPUSH_* variables, or --config), names each field that differs. Exit status: 0 healthy,
-3 answered but not ready or incompatible, 69 unreachable."""
+3 answered but not ready, incompatible or not a side channel at all (e.g. HTTP), 69
+unreachable (connection refused, timed out, a name that resolves to nothing). With --json,
+exactly one JSON object on stdout, errors included."""
 
 
 def register(app: typer.Typer) -> None:
@@ -35,7 +44,40 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return src is not None and src.name != "DEFAULT"
 
 
-def probe(
+def error_object(address: str, e: KvpushError) -> dict[str, Any]:
+    """The one JSON object ``probe --json`` prints when the probe ends in an error."""
+    with contextlib.suppress(ConfigError):
+        address = format_address(*parse_address(address))
+    if isinstance(e, PeerUnreachableError):
+        status = "unreachable"
+    elif isinstance(e, IncompatiblePeerError):
+        status = "incompatible"
+    elif e.exit_status == ExitStatus.NOT_READY:
+        status = "not_a_side_channel" if getattr(e, "found", "") else "not_ready"
+    elif e.exit_status == ExitStatus.USAGE:
+        status = "usage"
+    else:
+        status = "error"
+    return {
+        "address": address,
+        "status": status,
+        "found": getattr(e, "found", None),
+        "error": e.message,
+        "hint": e.hint or None,
+        "exit_status": int(e.exit_status),
+    }
+
+
+def probe(ctx: typer.Context, address: str, json_out: bool, **params: Any) -> None:
+    try:
+        _probe(ctx, address=address, json_out=json_out, **params)
+    except KvpushError as e:
+        if json_out:
+            stdio.out(json.dumps(error_object(address, e)))
+        raise
+
+
+def _probe(
     ctx: typer.Context,
     address: str,
     count: int,

@@ -7,7 +7,9 @@ Lifecycle (uvicorn's shape): install signal handlers -> open the endpoint
 (``kvpush.ops.engine.open_endpoint``; raises typed errors) -> optional Prometheus exporter ->
 ready file -> main loop (render telemetry, watch for a thread failure) -> ordered shutdown:
 ``endpoint.stop()`` drains under ``--drain-timeout``, then the exporter stops and the ready
-file is removed. Signals only set a flag (``StopFlag``); a second one exits at once (130).
+file is removed. SIGINT, SIGTERM and SIGHUP only set a flag (``StopFlag``); a second one exits
+at once (130). A stdout whose reader went away (``| head -1``) ends the telemetry lines with one
+warning on stderr; the endpoint goes on serving and logging to stderr.
 
 Output: ``live`` draws a rich view on stderr, on the same console as the log handler (log lines
 scroll above the view); ``plain`` and ``json`` print one telemetry line per ``--interval`` to
@@ -28,7 +30,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from kvpush.cli import options, translate
+from kvpush.cli import options, stdio, translate
 from kvpush.cli.options import LogLevel, OutputMode
 from kvpush.cli.signals import StopFlag
 from kvpush.cli.translate import ServeOptions
@@ -45,14 +47,16 @@ DOCS: dict[str, str] = {
 
     P marks a request's blocks finished, matches them with D's PUSH_REG registration (either
     may arrive first), handshakes with a new D in the background and WRITEs the blocks into D's
-    memory with a completion notification. SIGINT/SIGTERM drain and exit 0; a second signal
-    exits at once (130).""",
+    memory with a completion notification. SIGINT, SIGTERM and SIGHUP drain and exit 0; a
+    second signal exits at once (130). A closed stdout stops the telemetry lines, not the
+    endpoint.""",
     "decode": """Run a decode endpoint (D): allocate blocks on request and receive P's push into
     them.
 
     D allocates blocks, handshakes with P (notification-only by default: D only ever notifies
     P), sends PUSH_REG, counts completion notifications, verifies the bytes and answers the
-    request. SIGINT/SIGTERM drain and exit 0; a second signal exits at once (130).""",
+    request. SIGINT, SIGTERM and SIGHUP drain and exit 0; a second signal exits at once (130).
+    A closed stdout stops the telemetry lines, not the endpoint.""",
 }
 
 
@@ -110,7 +114,8 @@ def choose_output(requested: OutputMode | None) -> OutputMode:
 
 
 def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
-    """Run one endpoint until SIGINT/SIGTERM; return the exit status (raise typed errors)."""
+    """Run one endpoint until SIGINT/SIGTERM/SIGHUP; return the exit status (raise typed
+    errors)."""
     from kvpush.cli.views import live as render
     from kvpush.ops.engine import open_endpoint
 
@@ -129,6 +134,7 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
     failure: BaseException | None = None
     try:
         ep = open_endpoint(cfg)
+        stop.rearm()  # UCX took SIGHUP over while the endpoint started
         if opts.metrics_port:
             from kvpush.telemetry.prom import PrometheusExporter
 
@@ -179,6 +185,7 @@ def _loop_lines(
 ) -> BaseException | None:
     fn = render.render_json if output is OutputMode.JSON else render.render_plain
     next_t = time.monotonic() + interval_s
+    told = False
     while not stop.event.is_set():
         failure = ep.failure()
         if failure is not None:
@@ -188,6 +195,12 @@ def _loop_lines(
             sys.stdout.write(fn(ep.snapshot()) + "\n")
             sys.stdout.flush()
             next_t = now + interval_s
+            if stdio.stdout_closed() and not told:
+                told = True
+                log.warning(
+                    "stdout was closed by its reader: no more telemetry lines; the endpoint "
+                    "goes on serving (SIGTERM or Ctrl+C drains and stops it)"
+                )
         stop.event.wait(min(0.2, max(0.0, next_t - time.monotonic())))
     return None
 

@@ -48,6 +48,25 @@ _POOL_STATES = (  # gauge, label, bar character, style
     (Gauge.POOL_QUARANTINED, "quarantined", "█", "red"),
     (Gauge.POOL_FREE, "free", "░", "green"),
 )
+#: The ``info`` keys the header shows, by role (a D has no writer mode, a P no D->P handshake).
+HEADER_INFO = {
+    "prefill": ("address", "device", "writer", "backends", "version"),
+    "decode": ("address", "device", "handshake", "backends", "version"),
+}
+#: Throughput rows by role: label, counter (its rate when the snapshot carries one), scale.
+THROUGHPUT = {
+    "prefill": (
+        ("pushes/s", Counter.PUSHES_OK),
+        ("GB/s", Counter.BYTES_PUSHED),
+        ("requests/s", Counter.REQUESTS_OK),
+        ("notifs/s", Counter.NOTIFS_RECEIVED),
+    ),
+    "decode": (
+        ("requests/s", Counter.REQUESTS_OK),
+        ("GB received", Counter.BYTES_RECEIVED),
+        ("notifs/s", Counter.NOTIFS_RECEIVED),
+    ),
+}
 _BAR_WIDTH = 60
 _MAX_PEER_ROWS = 12
 
@@ -152,7 +171,7 @@ def _header(snap: Snapshot) -> Text:
     text.append(f"  {snap.engine_id}")
     if snap.incarnation:
         text.append(f" ({snap.incarnation})", style="dim")
-    for key in ("address", "device", "writer", "backends", "version"):
+    for key in HEADER_INFO.get(snap.role, HEADER_INFO["prefill"]):
         if key in info:
             text.append(f"  {key} ", style="dim")
             text.append(str(info[key]))
@@ -214,16 +233,13 @@ def _throughput(snap: Snapshot) -> Table:
     t.add_column("")
     t.add_column("now", justify="right")
     t.add_column("total", justify="right")
-    ok, pushed, req, notifs = (
-        Counter.PUSHES_OK,
-        Counter.BYTES_PUSHED,
-        Counter.REQUESTS_OK,
-        Counter.NOTIFS_RECEIVED,
-    )
-    t.add_row("pushes/s", fmt_rate(r.get(ok, 0.0)), f"{c.get(ok, 0):,}")
-    t.add_row("GB/s", f"{r.get(pushed, 0.0) / 1e9:.2f}", fmt_bytes(c.get(pushed, 0)))
-    t.add_row("requests/s", fmt_rate(r.get(req, 0.0)), f"{c.get(req, 0):,}")
-    t.add_row("notifs/s", fmt_rate(r.get(notifs, 0.0)), f"{c.get(notifs, 0):,}")
+    for label, name in THROUGHPUT.get(snap.role, THROUGHPUT["prefill"]):
+        if name in (Counter.BYTES_PUSHED, Counter.BYTES_RECEIVED):
+            now = f"{r[name] / 1e9:.2f}" if name in r else "-"
+            t.add_row(label, now, fmt_bytes(c.get(name, 0)))
+        else:
+            now = fmt_rate(r[name]) if name in r else "-"
+            t.add_row(label, now, f"{c.get(name, 0):,}")
     return t
 
 

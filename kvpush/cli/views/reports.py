@@ -157,7 +157,22 @@ def drive_summary(r: Any, title: str = "drive") -> RenderableType:
             "[green]yes[/green]" if r.all_verified else f"[red]no[/red] ({r.verified}/{r.requests})"
         ),
     )
+    if getattr(r, "interrupted", False):
+        t.add("interrupted", "yes: requests not sent or still in flight count as cancelled")
+    for e in getattr(r, "peer_events", []):
+        t.add("peer event", e)
+    for n in getattr(r, "notes", []):
+        t.add("note", n)
     return Group(Text.from_markup(f"[bold]{title} summary[/bold]"), t.render())
+
+
+def drive_progress_line(
+    done: int, ok: int, failed: int, in_flight: int, total: int, peers: list[Any]
+) -> str:
+    """One progress line for stderr when it is not a terminal (every few seconds)."""
+    down = [f"{addr} ({role}) down" for addr, role, up, _why, _n in peers if not up]
+    tail = f"; {', '.join(down)}" if down else ""
+    return f"drive: {done}/{total} done, {ok} ok, {failed} failed, {in_flight} in flight{tail}"
 
 
 def demo_summary(r: Any) -> RenderableType:
@@ -175,7 +190,12 @@ def demo_summary(r: Any) -> RenderableType:
     lines += [Text(f"  {e}", style="dim") for e in r.events]
     if r.kept_logs:
         lines.append(Text(f"  logs kept in {r.workdir}"))
-    lines.append(Text.from_markup("[green]demo ok[/green]" if r.ok else "[red]demo FAILED[/red]"))
+    if getattr(r, "interrupted", False):
+        lines.append(Text.from_markup("[yellow]demo interrupted[/yellow]"))
+    else:
+        lines.append(
+            Text.from_markup("[green]demo ok[/green]" if r.ok else "[red]demo FAILED[/red]")
+        )
     return Group(*lines)
 
 

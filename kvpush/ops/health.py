@@ -1,0 +1,224 @@
+"""Which of drive's peers are up: the peer table, round robin over the healthy ones, liveness.
+
+Owns ``Health``: one row per P and D endpoint (up or down, why, the requests in flight there,
+when it last answered) and the *monitor* thread that keeps it true. The monitor
+
+* connects (plain TCP) every ``TCP_EVERY_S`` to each peer that has requests in flight, and at
+  once to a peer a worker reported trouble with: a refused connection marks the peer down as
+  *dead* -- nothing in flight there can still succeed, so ``on_down`` fails those requests now;
+* sends a peer whose requests have had no reply for ``stall_s`` a ``get_meta_msg`` that must be
+  answered within ``liveness_s``, else marks it down as *silent* (frozen, partitioned): no new
+  request goes there, and the ones already sent wait for their own deadline (they may still
+  finish when it thaws);
+* re-checks a down peer every ``recheck_s`` (TCP, then ``get_meta_msg``) and brings it back.
+
+Threads: workers call ``pick``/``sent``/``replied``/``finished``/``suspect`` (under the lock);
+the monitor thread owns its one side-channel client per peer and is the only one that changes a
+peer's state. ``on_down``/``on_event`` are called on the monitor thread, outside the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.errors import KvpushError
+from kvpush.ops import control
+from kvpush.ops.reasons import Leg
+
+log = logging.getLogger(__name__)
+
+TCP_EVERY_S = 0.5
+TICK_S = 0.1
+
+
+@dataclass
+class Peer:
+    address: str
+    role: Leg
+    up: bool = True
+    why: str = ""
+    inflight: set[int] = field(default_factory=set)
+    last_reply: float = 0.0
+    last_tcp: float = 0.0
+    last_liveness: float = 0.0
+    last_recheck: float = 0.0
+    suspect: bool = False
+    downs: int = 0
+
+
+OnDown = Callable[[Peer, bool, list[int]], None]
+
+
+class Health:
+    def __init__(
+        self,
+        token: bytes | None,
+        *,
+        liveness_s: float,
+        stall_s: float,
+        recheck_s: float,
+        on_down: OnDown,
+        on_event: Callable[[str], None],
+    ) -> None:
+        self._token = token
+        self._liveness = liveness_s
+        self._stall = stall_s
+        self._recheck = recheck_s
+        self._on_down = on_down
+        self._on_event = on_event
+        self._lock = threading.Lock()
+        self._peers: dict[str, Peer] = {}
+        self._order: dict[str, list[str]] = {"prefill": [], "decode": []}
+        self._rr: dict[str, int] = {"prefill": 0, "decode": 0}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._clients: dict[str, Any] = {}  # monitor thread only
+        self._thread = threading.Thread(target=self._run, name="drive-monitor", daemon=True)
+
+    # ------------------------------------------------------------------ workers (any thread)
+    def add(self, address: str, role: Leg) -> None:
+        with self._lock:
+            if address not in self._peers:
+                self._peers[address] = Peer(address, role, last_reply=time.monotonic())
+                self._order[role].append(address)
+
+    def pick(self, role: Leg) -> str | None:
+        """The next up peer of ``role`` in round-robin order; None when none is up."""
+        with self._lock:
+            order = self._order[role]
+            for _ in range(len(order)):
+                addr = order[self._rr[role] % len(order)]
+                self._rr[role] += 1
+                if self._peers[addr].up:
+                    return addr
+            return None
+
+    def any_up(self, role: Leg) -> bool:
+        """Whether some peer of ``role`` is up (does not move the round robin)."""
+        with self._lock:
+            return any(self._peers[a].up for a in self._order[role])
+
+    def down_reason(self, role: Leg) -> str:
+        with self._lock:
+            whys = [f"{a}: {self._peers[a].why}" for a in self._order[role]]
+        return f"no {role} endpoint is up ({'; '.join(whys)})"
+
+    def sent(self, address: str, index: int) -> bool:
+        """Count ``index`` in flight at ``address``; False if the peer went down meanwhile."""
+        with self._lock:
+            p = self._peers[address]
+            if not p.up:
+                return False
+            if not p.inflight:
+                p.last_reply = time.monotonic()  # the stall clock starts with the first request
+            p.inflight.add(index)
+            return True
+
+    def replied(self, address: str) -> None:
+        with self._lock:
+            self._peers[address].last_reply = time.monotonic()
+
+    def finished(self, address: str, index: int) -> None:
+        with self._lock:
+            self._peers[address].inflight.discard(index)
+
+    def suspect(self, address: str) -> None:
+        """A worker could not reach ``address``: check it now."""
+        with self._lock:
+            self._peers[address].suspect = True
+        self._wake.set()
+
+    def rows(self) -> list[tuple[str, str, bool, str, int]]:
+        """(address, role, up, why, in flight) of every peer."""
+        with self._lock:
+            return [(p.address, p.role, p.up, p.why, len(p.inflight)) for p in self._peers.values()]
+
+    # ------------------------------------------------------------------ monitor thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(self._liveness + 2.0)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._wake.wait(TICK_S)
+                self._wake.clear()
+                with self._lock:
+                    peers = list(self._peers.values())
+                for p in peers:
+                    if self._stop.is_set():
+                        break
+                    self._check(p, time.monotonic())
+        except BaseException:  # the monitor must not die silently: peers would never go down
+            log.exception("drive monitor failed")
+            self._on_event("peer monitor failed: peers are no longer checked (see the log)")
+        finally:
+            for c in self._clients.values():
+                c.close()
+
+    def _check(self, p: Peer, now: float) -> None:
+        with self._lock:
+            up, suspect, busy = p.up, p.suspect, bool(p.inflight)
+            stalled = busy and now - p.last_reply >= self._stall
+            p.suspect = False
+        if up:
+            if (suspect or busy) and (suspect or now - p.last_tcp >= TCP_EVERY_S):
+                p.last_tcp = now
+                c = control.tcp_contact(p.address, self._liveness, look=False)
+                if not c.is_zmq:
+                    self._mark_down(p, f"{c.detail}", dead=c.kind == "refused")
+                    return
+            if (suspect or stalled) and now - p.last_liveness >= self._stall:
+                p.last_liveness = now
+                if not self._answers(p):
+                    self._mark_down(
+                        p, f"no answer to a liveness check within {self._liveness:g}s", dead=False
+                    )
+                    return
+                self.replied(p.address)
+            return
+        if now - p.last_recheck >= self._recheck:
+            p.last_recheck = now
+            c = control.tcp_contact(p.address, self._liveness, look=False)
+            if c.is_zmq and self._answers(p):
+                with self._lock:
+                    p.up, p.why, p.last_reply = True, "", time.monotonic()
+                self._on_event(f"{p.role} {p.address} is back up: it takes requests again")
+
+    def _answers(self, p: Peer) -> bool:
+        c = self._clients.get(p.address)
+        if c is None:
+            c = self._clients[p.address] = control.connect(p.address, self._token, self._liveness)
+        try:
+            c.identify(timeout_s=self._liveness)
+            return True
+        except KvpushError:
+            return False
+
+    def _mark_down(self, p: Peer, why: str, dead: bool) -> None:
+        with self._lock:
+            if not p.up:
+                return
+            p.up, p.why = False, why
+            p.downs += 1
+            p.last_recheck = time.monotonic()
+            inflight = sorted(p.inflight) if dead else []
+            if dead:
+                p.inflight.clear()
+        fate = (
+            f"{len(inflight)} requests in flight there failed"
+            if dead
+            else "requests already sent there wait for their deadline"
+        )
+        self._on_event(f"{p.role} {p.address} is down ({why}): {fate}; new requests avoid it")
+        self._on_down(p, dead, inflight)

@@ -1,0 +1,66 @@
+"""Drive's preflight: every endpoint answers, has the role it was given as, and P and D match.
+
+Owns ``check_peers``: before the first request, each P and D is looked at over raw TCP
+(``control.first_contact``: a closed port is "connection refused" at once, an HTTP server is
+named as such), then asked for its metadata; a wrong role, a ``--blocks`` larger than a pool, or
+a D whose geometry differs from P's (dtype, layout, block size, layers) is refused with the
+fields that differ, before any request could fail for it. Runs on the caller's thread; each
+client is closed before it returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpush.errors import ConfigError, IncompatiblePeerError, PeerError
+from kvpush.ops import control
+from kvpush.ops.results import DriveConfig
+from kvpush.wire import protocol
+
+PREFLIGHT_TIMEOUT_S = 5.0
+
+
+def peer_metadata(address: str, token: bytes | None, timeout_s: float) -> dict[str, Any]:
+    """The endpoint metadata of a kvpush peer (raises the typed error of what it found)."""
+    control.first_contact(address, timeout_s)
+    with control.connect(address, token, timeout_s) as c:
+        rep = control.call(c, protocol.HandshakeReq(mode="notif", requester="kvpush-drive"))
+    if not isinstance(rep, protocol.HandshakeRep):
+        raise PeerError(f"{address} answered a handshake request with {type(rep).__name__}")
+    return protocol.decode_metadata_loose(rep.metadata)
+
+
+def check_peers(cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
+    """Fail fast, in this order: reachability, roles, pool sizes, P/D compatibility."""
+    wait = min(timeout_s, cfg.timeout_s)
+    meta: dict[str, dict[str, Any]] = {}
+    for role, addrs in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+        for addr in addrs:
+            md = meta[addr] = peer_metadata(addr, cfg.auth_token, wait)
+            if md.get("role") != role:
+                flag = "--prefill" if role == "prefill" else "--decode"
+                raise ConfigError(
+                    f"{addr} is a {md.get('role')} endpoint, not {role}",
+                    f"give {flag} only {role} endpoints",
+                )
+    for addr in (*cfg.prefill, *cfg.decode):
+        pool = meta[addr].get("num_blocks")
+        if isinstance(pool, int) and cfg.blocks > pool:
+            raise ConfigError(
+                f"--blocks {cfg.blocks} exceeds the pool of {addr} ({pool} blocks)",
+                f"use --blocks {pool} or fewer",
+            )
+    ref = cfg.prefill[0]
+    ref_fields = {f: meta[ref].get(f) for f in protocol.COMPAT_FIELDS}
+    for addr in (*cfg.prefill[1:], *cfg.decode):
+        remote = {f: meta[addr].get(f) for f in protocol.COMPAT_FIELDS}
+        diffs = protocol.compat_differences(ref_fields, remote)
+        if diffs:
+            kind = meta[addr].get("role")
+            named = ", ".join(f"{f} {theirs} vs {ours}" for f, ours, theirs in diffs)
+            raise IncompatiblePeerError(
+                f"{addr} ({kind}) is incompatible with {ref} (prefill): {named}",
+                diffs,
+                "P and D must agree on dtype, kv layout, block size and layers: start them "
+                "with the same geometry options",
+            )

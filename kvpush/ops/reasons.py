@@ -1,0 +1,75 @@
+"""Why a request failed, as one ``Failure`` value (the closed set) and free-text detail beside it.
+
+Owns the mapping of everything that can end a request in the tools -- an error a client raised,
+a peer's ``DecodeRep``/``PrefillRep`` reason, a bug in kvpush itself -- to
+``kvpush.telemetry.names.Failure``, so that drive's summary groups failures by reason only and
+the text that varies (addresses, counts, messages) stays in the detail. Pure functions; any
+thread.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from kvpush.errors import (
+    AuthError,
+    IncompatiblePeerError,
+    KvpushError,
+    NoFreeBlocksError,
+    PeerError,
+    PeerUnreachableError,
+    ProtocolError,
+    ShuttingDownError,
+)
+from kvpush.telemetry.names import Failure
+
+Leg = Literal["prefill", "decode"]
+
+UNREACHABLE: dict[str, Failure] = {
+    "prefill": Failure.PREFILL_UNREACHABLE,
+    "decode": Failure.DECODE_UNREACHABLE,
+}
+
+# Reasons P's PrefillRep carries today: a Failure value, an exception's class name, or
+# "internal_error: <text>" (the core's PrefillRep has no detail field yet).
+_PREFILL_CLASS_NAMES: dict[str, Failure] = {
+    "ShuttingDownError": Failure.SHUTTING_DOWN,
+    "NoFreeBlocksError": Failure.NO_FREE_BLOCKS,
+    "KvpushError": Failure.BAD_REQUEST,  # P refused the request itself (e.g. an empty id)
+}
+
+
+def from_error(e: BaseException, leg: Leg) -> tuple[Failure, str]:
+    """The reason and detail of an exception raised while sending ``leg``."""
+    if isinstance(e, PeerUnreachableError):
+        return UNREACHABLE[leg], e.message
+    if isinstance(e, AuthError):
+        return Failure.AUTH_REJECTED, e.message
+    if isinstance(e, IncompatiblePeerError):
+        return Failure.INCOMPATIBLE, e.message
+    if isinstance(e, ShuttingDownError):
+        return Failure.SHUTTING_DOWN, e.message
+    if isinstance(e, NoFreeBlocksError):
+        return Failure.NO_FREE_BLOCKS, e.message
+    if isinstance(e, PeerError):
+        # An ErrorRep: the client does not pass its code on yet, only the message.
+        if "shutting down" in e.message:
+            return Failure.SHUTTING_DOWN, e.message
+        return Failure.BAD_REQUEST, e.message
+    if isinstance(e, ProtocolError):
+        return Failure.MALFORMED_FRAME, e.message
+    if isinstance(e, KvpushError):
+        return Failure.INTERNAL_ERROR, e.message
+    return Failure.INTERNAL_ERROR, f"{type(e).__name__}: {e}"
+
+
+def from_peer(reason: str, detail: str = "") -> tuple[Failure, str]:
+    """A reason a peer named on the wire (a newer peer's unknown name keeps it in the detail)."""
+    known = Failure.parse(reason) or _PREFILL_CLASS_NAMES.get(reason)
+    if known is not None:
+        return known, detail
+    head, sep, rest = reason.partition(":")
+    known = Failure.parse(head.strip()) if sep else None
+    if known is not None:
+        return known, "; ".join(x for x in (rest.strip(), detail) if x)
+    return Failure.INTERNAL_ERROR, "; ".join(x for x in (f"peer reason {reason!r}", detail) if x)

@@ -1,0 +1,208 @@
+"""``kvpush drive`` you can trust when peers die: real P and D processes on 127.0.0.1.
+
+Every test checks the invariants: every request accounted for (the summary has exactly
+``--requests`` results, ok + failed), every failure with a reason from the closed set
+(``Failure``), pools back to their start counts, no leftover process. No timing is asserted:
+where a run must not wait out a request timeout, the timeout given to drive is longer than the
+test waits for the whole run, so waiting it out would fail the test.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvpush.telemetry.names import Failure
+from tests.support.legs import stats
+from tests.support.procs import KVPUSH, Proc, clean_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+
+REASONS = {f.value for f in Failure}
+POOL = ["--num-blocks", "256", "--layers", "1", "--block-bytes", "4096"]
+# P gives up a request's finished blocks 3 s after its last news (its D died), so pools settle.
+P_FAST = ["--lease", "3", "--heartbeat", "0.5"]
+
+
+def _until(what: str, cond: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _counter(p: Proc, name: str) -> int:
+    c = stats(p.address)["counters"]
+    assert isinstance(c, dict)
+    return int(c.get(name, 0))
+
+
+def _pool_free(p: Proc) -> tuple[int, int]:
+    g = stats(p.address)["gauges"]
+    assert isinstance(g, dict)
+    return int(g["pool_free"]), int(g["pool_total"])
+
+
+def _all_free(p: Proc) -> bool:
+    free, total = _pool_free(p)
+    return free == total
+
+
+def _settled(*procs: Proc) -> None:
+    for p in procs:
+        _until(f"{p.address}'s pool back to its start", functools.partial(_all_free, p))
+
+
+def _accounted(out: dict[str, Any], n: int) -> None:
+    assert out["requests"] == n
+    assert out["ok"] + out["failed"] == n
+    assert sum(out["failures_by_reason"].values()) == out["failed"]
+    assert set(out["failures_by_reason"]) <= REASONS, out["failures_by_reason"]
+
+
+def _drive(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*KVPUSH, "drive", "--json", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_concurrency_2000_accounts_for_every_request(serve, kvpush_run) -> None:
+    big = ["--num-blocks", "2048", "--layers", "1", "--block-bytes", "4096"]
+    p = serve.start("prefill", *big)
+    d = serve.start("decode", *big)
+    r = kvpush_run(
+        "drive", "-p", p.address, "-d", d.address, "-n", "2000", "-c", "2000", "--blocks", "1",
+        "--json", timeout=600,
+    )  # fmt: skip
+    out = json.loads(r.stdout)
+    _accounted(out, 2000)
+    assert r.returncode == (0 if out["all_verified"] else 1), r.stderr
+    assert 0 < out["concurrency"] < 2000
+    assert out["notes"][0].startswith("--concurrency 2000 is more side-channel connections")
+    assert out["ok"] == 2000, out["failures_by_reason"]
+    _settled(p, d)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_dying_decode_costs_only_its_own_requests(serve, sig: int) -> None:
+    p = serve.start("prefill", *POOL, *P_FAST)
+    d1 = serve.start("decode", *POOL)
+    d2 = serve.start("decode", *POOL)
+    drive = _drive(
+        "-p", p.address, "-d", d1.address, "-d", d2.address, "-n", "800", "-c", "8",
+        "--blocks", "1", "--timeout", "300",
+    )  # fmt: skip
+    try:
+        _until("D1 taking traffic", lambda: _counter(d1, "requests_ok") >= 20)
+        d1.proc.send_signal(sig)
+        before = _counter(d2, "requests_ok")
+        stdout, stderr = drive.communicate(timeout=200)  # << --timeout 300
+    finally:
+        drive.kill()
+    out = json.loads(stdout)
+    _accounted(out, 800)
+    assert drive.returncode == (0 if out["failed"] == 0 else 1), stderr
+    assert _counter(d2, "requests_ok") > before  # the healthy D kept serving
+    assert out["by_decode"][d2.address] > out["by_decode"][d1.address]
+    assert f"decode {d1.address} is down" in stderr
+    assert "Traceback" not in stderr
+    d1.proc.wait(30)
+    _settled(p, d2)
+
+
+@pytest.mark.slow
+def test_a_frozen_decode_is_routed_around(serve) -> None:
+    p = serve.start("prefill", *POOL, *P_FAST)
+    d1 = serve.start("decode", *POOL)
+    d2 = serve.start("decode", *POOL)
+    drive = _drive(
+        "-p", p.address, "-d", d1.address, "-d", d2.address, "-n", "100000", "-c", "8",
+        "--blocks", "1", "--timeout", "20",
+    )  # fmt: skip
+    try:
+        _until("D1 taking traffic", lambda: _counter(d1, "requests_ok") >= 20)
+        d1.proc.send_signal(signal.SIGSTOP)
+        try:
+            before = _counter(d2, "requests_ok")
+            # While D1 is frozen, D2 goes on: drive marked D1 down and sends everything to D2.
+            _until(
+                "D2 serving while D1 is frozen", lambda: _counter(d2, "requests_ok") > before + 200
+            )
+        finally:
+            d1.proc.send_signal(signal.SIGCONT)
+        thawed = _counter(d1, "requests_ok")
+        _until("D1 back in the rotation", lambda: _counter(d1, "requests_ok") > thawed + 20)
+        drive.send_signal(signal.SIGINT)  # the partial summary of an interrupted run
+        stdout, stderr = drive.communicate(timeout=120)
+    finally:
+        drive.kill()
+    out = json.loads(stdout)
+    _accounted(out, 100000)
+    assert drive.returncode == 130
+    assert out["interrupted"] is True
+    assert f"decode {d1.address} is down (no answer to a liveness check" in stderr
+    assert f"decode {d1.address} is back up" in stderr
+    assert "drive: interrupted (SIGINT)" in stderr
+    assert "Traceback" not in stderr
+    _settled(p, d1, d2)
+
+
+def test_no_decode_left_fails_the_rest_at_once(serve) -> None:
+    p = serve.start("prefill", *POOL, *P_FAST)
+    d = serve.start("decode", *POOL)
+    drive = _drive(
+        "-p", p.address, "-d", d.address, "-n", "100000", "-c", "4", "--blocks", "1",
+        "--timeout", "300",
+    )  # fmt: skip
+    try:
+        _until("D taking traffic", lambda: _counter(d, "requests_ok") >= 20)
+        d.proc.send_signal(signal.SIGKILL)
+        stdout, stderr = drive.communicate(timeout=200)  # 100000 requests, no D: milliseconds
+    finally:
+        drive.kill()
+    out = json.loads(stdout)
+    _accounted(out, 100000)
+    assert drive.returncode == 1
+    assert set(out["failures_by_reason"]) == {"decode_unreachable"}
+    assert out["failed"] > 90000
+    assert f"decode {d.address} is down (connection refused)" in stderr
+    _settled(p)
+
+
+@pytest.mark.slow
+def test_a_dying_prefill_ends_the_run_without_waiting_out_timeouts(serve) -> None:
+    # D learns that P is gone from its own heartbeats (the endpoint's part); drive marks P down
+    # at once and fails what is left with prefill_unreachable.
+    p = serve.start("prefill", *POOL, *P_FAST)
+    d1 = serve.start("decode", *POOL, "--heartbeat", "0.5")
+    d2 = serve.start("decode", *POOL, "--heartbeat", "0.5")
+    drive = _drive(
+        "-p", p.address, "-d", d1.address, "-d", d2.address, "-n", "100000", "-c", "8",
+        "--blocks", "1", "--timeout", "300",
+    )  # fmt: skip
+    try:
+        _until("P taking traffic", lambda: _counter(d1, "requests_ok") >= 20)
+        p.proc.send_signal(signal.SIGKILL)
+        stdout, stderr = drive.communicate(timeout=200)  # << --timeout 300
+    finally:
+        drive.kill()
+    out = json.loads(stdout)
+    _accounted(out, 100000)
+    assert drive.returncode == 1
+    assert out["failures_by_reason"]["prefill_unreachable"] > 90000
+    assert f"prefill {p.address} is down (connection refused)" in stderr
+    assert "Traceback" not in stderr
+    _settled(d1, d2)
