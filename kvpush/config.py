@@ -6,6 +6,7 @@ them. Every invalid value raises ``ConfigError`` with a hint, before any resourc
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import re
 import socket
@@ -110,9 +111,18 @@ TIMEOUT_FLAGS: dict[str, str] = {
 }
 
 
+MLA_LAYOUT = "MLA"  # one latent "head" per token, the same on every rank (DeepSeek-style)
+
+
 @dataclass(frozen=True)
 class PoolConfig:
-    """Geometry of the registered KV pool: regions (layers x K/V) x blocks x block_bytes."""
+    """Geometry of one rank's registered KV pool: regions (layers x K/V) x blocks x block_bytes.
+
+    ``block_bytes`` is one rank's page of one region. With tensor parallelism the model's
+    ``kv_heads`` are split evenly over ``tp_size`` ranks (heads outermost in a page, so a rank's
+    share is a contiguous slice of the model's page), or -- one head only, e.g. an MLA latent --
+    replicated on every rank. A page is ``heads_per_rank`` head slices of ``head_bytes`` each.
+    """
 
     num_blocks: int = 1024
     layers: int = 4
@@ -121,8 +131,28 @@ class PoolConfig:
     dtype: str = "bfloat16"
     kv_layout: str = "NHD"
     kv_regions: KvRegions = KvRegions.PER_KV
+    kv_heads: int = 1  # the model's KV heads per layer (all ranks together)
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
+        _positive("--kv-heads", self.kv_heads)
+        _positive("--tp", self.tp_size)
+        if self.kv_layout.upper() == MLA_LAYOUT and self.kv_heads != 1:
+            raise ConfigError(
+                f"--kv-layout {self.kv_layout} has one latent head per token, not {self.kv_heads}",
+                "drop --kv-heads for an MLA-style layout",
+            )
+        if self.kv_heads > 1 and self.kv_heads % self.tp_size:
+            raise ConfigError(
+                f"--tp {self.tp_size} does not divide --kv-heads {self.kv_heads}",
+                "kvpush shards KV heads evenly over the ranks (a single head is replicated); "
+                "pick a TP size that divides the model's KV heads",
+            )
+        if self.block_bytes % self.heads_per_rank:
+            raise ConfigError(
+                f"--block-bytes {self.block_bytes} is not {self.heads_per_rank} whole heads",
+                "give the geometry as --block-tokens, --kv-heads and --head-dim",
+            )
         for name in ("num_blocks", "layers", "block_bytes"):
             _positive(POOL_FLAGS[name], getattr(self, name))
         if self.num_blocks > 2**31 - 1:
@@ -147,6 +177,23 @@ class PoolConfig:
         return self.layers * (2 if self.kv_regions == KvRegions.PER_KV else 1)
 
     @property
+    def replicated(self) -> bool:
+        """Every rank holds the whole (single-head) page, as vLLM does for MLA."""
+        return self.kv_heads == 1
+
+    @property
+    def heads_per_rank(self) -> int:
+        return 1 if self.replicated else self.kv_heads // self.tp_size
+
+    @property
+    def head_bytes(self) -> int:
+        return self.block_bytes // self.heads_per_rank
+
+    def first_head(self, rank: int) -> int:
+        """The model head a rank's page starts with (0 on every rank when replicated)."""
+        return 0 if self.replicated else rank * self.heads_per_rank
+
+    @property
     def total_bytes(self) -> int:
         return self.regions * self.num_blocks * self.block_bytes
 
@@ -164,8 +211,12 @@ class PoolConfig:
         head_dim: int,
         dtype: str,
         device: str = "cpu",
+        tp_size: int = 1,
+        kv_layout: str = "NHD",
+        kv_regions: KvRegions = KvRegions.PER_KV,
     ) -> PoolConfig:
-        """Geometry from model-like parameters: a block holds block_tokens x kv_heads x head_dim."""
+        """Geometry from the model: ``kv_heads`` is the model's total; one rank's page holds
+        block_tokens x (its share of the heads) x head_dim elements."""
         for name, v in (
             ("--block-tokens", block_tokens),
             ("--kv-heads", kv_heads),
@@ -176,13 +227,23 @@ class PoolConfig:
             raise ConfigError(
                 f"unknown dtype {dtype!r}", f"choose one of {', '.join(sorted(DTYPE_SIZES))}"
             )
-        block_bytes = block_tokens * kv_heads * head_dim * DTYPE_SIZES[dtype]
+        share = kv_heads if kv_heads == 1 else kv_heads // max(1, tp_size)
+        if kv_heads > 1 and kv_heads % max(1, tp_size):
+            raise ConfigError(
+                f"--tp {tp_size} does not divide --kv-heads {kv_heads}",
+                "kvpush shards KV heads evenly over the ranks (a single head is replicated); "
+                "pick a TP size that divides the model's KV heads",
+            )
         return PoolConfig(
             num_blocks=num_blocks,
             layers=layers,
-            block_bytes=block_bytes,
+            block_bytes=block_tokens * share * head_dim * DTYPE_SIZES[dtype],
             device=device,
             dtype=dtype,
+            kv_layout=kv_layout,
+            kv_regions=kv_regions,
+            kv_heads=kv_heads,
+            tp_size=tp_size,
         )
 
 
@@ -335,7 +396,10 @@ class EndpointConfig:
                 f"invalid engine id {self.engine_id!r}",
                 "use up to 128 letters, digits and . _ : @ -",
             )
-        _positive("--tp-size", self.tp_size)
+        _positive("--tp", self.tp_size)
+        if self.pool.tp_size != self.tp_size:
+            # One geometry: the pool's share of the model's heads follows the endpoint's TP.
+            object.__setattr__(self, "pool", dataclasses.replace(self.pool, tp_size=self.tp_size))
         if not (0 <= self.tp_rank < self.tp_size):
             raise ConfigError(
                 f"--tp-rank {self.tp_rank} is outside 0..{self.tp_size - 1}",

@@ -385,6 +385,16 @@ class StubPeer:
     def agent_name(self) -> str:
         return self.metadata.agent_name
 
+    def agent_of(self, rank: int) -> str:
+        """The agent name rank ``rank`` of this stub announces (rank 0: ``agent_name``)."""
+        return self.metadata_of(rank).agent_name
+
+    def metadata_of(self, rank: int) -> protocol.EndpointMetadata:
+        md = self.metadata
+        if rank == 0:
+            return md
+        return msgspec.structs.replace(md, tp_rank=rank, agent_name=f"{md.agent_name}.r{rank}")
+
     @property
     def key(self) -> tuple[str, int, int]:
         return ("127.0.0.1", self.server.port, 0)
@@ -412,7 +422,10 @@ class StubPeer:
         if code is not None:
             reply(protocol.ErrorRep(rid=req.rid, code=code, message=f"stub refuses: {code}"))
             return
-        md = self.metadata
+        if req.tp_rank >= self.tp_size:
+            reply(protocol.ErrorRep(rid=req.rid, code="no_such_rank", message="stub"))
+            return
+        md = self.metadata_of(req.tp_rank)
         rep = protocol.HandshakeRep(
             rid=req.rid,
             compat_hash=self.forced_hash or protocol.compat_hash(md),

@@ -182,7 +182,7 @@ def test_endpoint_defaults() -> None:
             "use up to 128 letters, digits and . _ : @ -",
         ),
         ({"engine_id": "x" * 129}, f"invalid engine id '{'x' * 129}'", None),
-        ({"tp_size": 0}, "--tp-size must be positive, got 0", "pass --tp-size > 0"),
+        ({"tp_size": 0}, "--tp must be positive, got 0", "pass --tp > 0"),
         (
             {"tp_size": 2, "tp_rank": 2},
             "--tp-rank 2 is outside 0..1",

@@ -128,7 +128,13 @@ def test_d_killed_before_and_during_pushes(tmp_path: Path) -> None:
         f = snap["failures"]
         print("P failures:", f, "P peers:", rows)
         assert f.get("lease_expired", 0) >= 3, f  # the orphans (and die3 legs D never sent)
-        dead_kinds = ("peer_dead", "write_post_failed", "write_error", "handshake_failed")
+        dead_kinds = (
+            "peer_dead",
+            "write_post_failed",
+            "write_error",
+            "handshake_failed",
+            "decode_unreachable",
+        )
         assert sum(f.get(k, 0) for k in dead_kinds) >= 4, f  # the pre-registered pushes
         fresh_batch(p.address, [d2.address], n=16)
         settle(d2.address, quarantine_clears=True)

@@ -115,19 +115,22 @@ class Rig:
         self.role.receiver.housekeeping(t)
 
 
-def _make_rig(handshake: HandshakeMode = HandshakeMode.NOTIF) -> Rig:
+def _make_rig(handshake: HandshakeMode = HandshakeMode.NOTIF, tp_size: int = 1) -> Rig:
     cfg = EndpointConfig(
         role="decode",
         engine_id="d-test",
         pool=D_POOL,
         timeouts=Timeouts(side_channel_s=5, handshake_s=5, heartbeat_s=5),
         handshake_mode=handshake,
+        tp_size=tp_size,
     )
     agent = FakeAgent(name="d-test#fake")
     pool = KvPool(D_POOL)
     tm = Telemetry("decode", "d-test")
     auth = Authenticator(None)
-    md = make_metadata("decode", D_POOL, engine_id="d-test", incarnation=uuid.uuid4().hex)
+    md = make_metadata(
+        "decode", D_POOL, engine_id="d-test", incarnation=uuid.uuid4().hex, tp_size=tp_size
+    )
     hs = HandshakeManager(agent, md, auth, cfg.timeouts, tm)  # type: ignore[arg-type]
     codec = NotifCodec(auth)
     control = ThreadPoolExecutor(1)
@@ -151,8 +154,8 @@ def _make_rig(handshake: HandshakeMode = HandshakeMode.NOTIF) -> Rig:
 def make_rig() -> Iterator[Callable[..., Rig]]:
     rigs: list[Rig] = []
 
-    def make(handshake: HandshakeMode = HandshakeMode.NOTIF) -> Rig:
-        r = _make_rig(handshake)
+    def make(handshake: HandshakeMode = HandshakeMode.NOTIF, tp_size: int = 1) -> Rig:
+        r = _make_rig(handshake, tp_size)
         rigs.append(r)
         return r
 
@@ -248,16 +251,33 @@ def test_one_completion_completes_and_verifies(rig: Rig) -> None:
 
 
 def test_completions_counted_per_p_rank(rig: Rig) -> None:
-    p = rig.stub(tp_size=2)  # P at TP 2, D at TP 1: two completions make the request whole
+    p = rig.stub(tp_size=2)  # P at TP 2, D at TP 1: one completion from each P rank
     fut = rig.decode(p, "t1")
     rig.registered(p, "t1")
+    rig.steps_until(lambda: rig.agent.sent_to(p.agent_of(1)), "the PUSH_REG to P rank 1")
     rig.land("t1")
-    rig.from_p(p, protocol.Completion(request_id="t1", transfer_id="t1", p_tp_size=2))
+    done = protocol.Completion(request_id="t1", transfer_id="t1", p_tp_size=2)
+    rig.from_p(p, done)
     rig.step()
     rig.step()
     assert not fut.done()
-    rig.from_p(p, protocol.Completion(request_id="t1", transfer_id="t1", p_tp_size=2))
+    rig.from_p(p, done)  # rank 0 again: refused, counted
+    rig.step()
+    rig.step()
+    assert not fut.done() and rig.failures()["duplicate_completion"] == 1
+    rig.from_p(p, done, sender=p.agent_of(1))
     assert rig.result(fut).outcome == "ok"
+
+
+def test_p_at_tp_that_does_not_fit_is_refused_naming_both_sizes(
+    make_rig: Callable[..., Rig],
+) -> None:
+    rig = make_rig(tp_size=2)
+    p = rig.stub(tp_size=3)
+    rep = rig.result(rig.decode(p, "t1"))
+    assert rep.outcome == "failed" and rep.reason == "incompatible"
+    assert "P has 3 ranks, D has 2" in rep.detail
+    assert rig.free() == D_POOL.num_blocks
 
 
 def test_wrong_bytes_fail_verification(rig: Rig) -> None:

@@ -199,7 +199,7 @@ def decode_many(
 
 def set_verify(state: Any, verify: bool) -> None:
     """Turn D's content verification on or off (timed parts run without it, then verify)."""
-    state.endpoint.role.completer.verify = verify
+    state.endpoint.group.set_verify(verify)
 
 
 # --------------------------------------------------------------------------- P side
@@ -262,7 +262,7 @@ def finish_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) ->
 
     ep = state.endpoint
     alloc = ep.pool.allocator
-    writer = ep.role.writer
+    writer = ep.roles[0].writer
     waited = 0
     t0 = time.time()
     i, end = start, start + n
@@ -330,9 +330,9 @@ def metadata_sizes(state: Any) -> dict[str, int]:
     and kvpush's own endpoint metadata."""
     ep = state.endpoint
     return {
-        "agent_full": len(ep._agent_md_full),
-        "agent_conn_only": len(ep._agent_md_conn),
-        "endpoint": len(ep._md_bytes),
+        "agent_full": len(ep.ranks[0].agent_md_full),
+        "agent_conn_only": len(ep.ranks[0].agent_md_conn),
+        "endpoint": len(ep.ranks[0].md_bytes),
     }
 
 

@@ -188,8 +188,13 @@ _OPTS: list[Opt] = [
         show_default=False),
     Opt("block_tokens", ("--block-tokens",), int | None,
         "Tokens per block (model-like geometry).", None, PANEL_GEOM),
-    Opt("kv_heads", ("--kv-heads",), int | None, "KV heads per layer (model-like geometry).",
+    Opt("kv_heads", ("--kv-heads",), int | None,
+        "The model's KV heads per layer, all ranks together (model-like geometry): each of the "
+        "--tp ranks holds kv_heads/tp of them; a single head (MLA's latent) is replicated.",
         None, PANEL_GEOM),
+    Opt("tp", ("--tp",), int,
+        "Tensor-parallel ranks: each has its own NIXL agent, KV pool (cuda:r with --device "
+        "cuda) and writer/receiver, behind this one side channel.", 1, PANEL_GEOM),
     Opt("head_dim", ("--head-dim",), int | None, "Head dimension (model-like geometry).", None,
         PANEL_GEOM),
     Opt("dtype", (POOL_FLAGS["dtype"],), str, "Element type of the KV cache.", _pool("dtype"),
@@ -410,7 +415,7 @@ SERVE: list[tuple[str, frozenset[str]]] = [
         ("num_blocks", "prefill decode"), ("layers", "prefill decode"),
         ("block_bytes", "prefill decode"), ("block_tokens", "prefill decode"),
         ("kv_heads", "prefill decode"), ("head_dim", "prefill decode"),
-        ("dtype", "prefill decode"), ("kv_layout", "prefill decode"),
+        ("tp", "prefill decode"), ("dtype", "prefill decode"), ("kv_layout", "prefill decode"),
         ("backends", "prefill decode"), ("progress_thread", "prefill decode"),
         ("nixl_threads", "prefill decode"), ("idle_poll_max_us", "prefill decode"),
         ("busy_spin_us", "prefill decode"), ("writer", "prefill"), ("handshake", "decode"),

@@ -57,7 +57,7 @@ def pool_config(p: Mapping[str, Any], num_blocks: int | None = None) -> PoolConf
                 f"{given[0]} needs {' and '.join(missing)} too",
                 "model-like geometry takes --block-tokens, --kv-heads and --head-dim together",
             )
-        pool = PoolConfig.from_model(
+        return PoolConfig.from_model(
             num_blocks=blocks,
             layers=p["layers"],
             block_tokens=int(model["--block-tokens"] or 0),
@@ -65,13 +65,7 @@ def pool_config(p: Mapping[str, Any], num_blocks: int | None = None) -> PoolConf
             head_dim=int(model["--head-dim"] or 0),
             dtype=p["dtype"],
             device=p["device"],
-        )
-        return PoolConfig(
-            num_blocks=pool.num_blocks,
-            layers=pool.layers,
-            block_bytes=pool.block_bytes,
-            device=pool.device,
-            dtype=pool.dtype,
+            tp_size=int(p.get("tp") or 1),
             kv_layout=layout,
             kv_regions=p.get("kv_regions") or PoolConfig.kv_regions,
         )
@@ -84,6 +78,7 @@ def pool_config(p: Mapping[str, Any], num_blocks: int | None = None) -> PoolConf
         dtype=p["dtype"],
         kv_layout=layout,
         kv_regions=p.get("kv_regions") or PoolConfig.kv_regions,
+        tp_size=int(p.get("tp") or 1),
     )
 
 
@@ -187,6 +182,7 @@ def endpoint_config(role: Role, p: Mapping[str, Any]) -> EndpointConfig:
     vllm, pool = vllm_wire(p, pool_config(p))
     return EndpointConfig(
         role=role,
+        tp_size=pool.tp_size,
         host=bare_host(p["host"]),
         port=p["port"],
         engine_id=p.get("engine_id") or "",

@@ -20,12 +20,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from kvpush.config import EndpointConfig, HandshakeMode
+from kvpush.config import EndpointConfig, HandshakeMode, format_address
 from kvpush.decode.completer import Completer
 from kvpush.decode.requests import DRequest, DState, RequestTable
-from kvpush.errors import NoFreeBlocksError
+from kvpush.errors import IncompatiblePeerError, NoFreeBlocksError
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
+from kvpush.peers.tp import check_ratio, sources
 from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
 from kvpush.ratelog import RateLimitedLog
@@ -54,8 +55,11 @@ class Receiver:
         completer: Completer,
         owner: OwnerThread,
         on_ping: Callable[[str, protocol.Ping], None] | None = None,
+        peer_tp: dict[tuple[str, int], int] | None = None,
     ) -> None:
         self.cfg = cfg
+        # P's TP size by side-channel address, shared by this endpoint's ranks.
+        self._peer_tp: dict[tuple[str, int], int] = {} if peer_tp is None else peer_tp
         self._agent = agent
         self._pool = pool
         self._hs = handshakes
@@ -136,19 +140,76 @@ class Receiver:
             self._finish_failed(req, Failure.CANCELLED, "cancelled by D", notify_p=True)
 
     def _connect_and_register(self, req: DRequest) -> None:
-        conn = self._hs.get(req.p_key)
+        """Connect to every P rank the request draws from, then register with each.
+
+        Re-entered after each handshake this request waited for; every step is idempotent.
+        P's TP size comes from the request (a vLLM P's kv_transfer_params), from an earlier
+        handshake with that P, or from P's rank 0 (which this D rank's rank-0 sibling draws
+        from anyway)."""
+        if not req.sources:
+            tp = req.p_tp or self._peer_tp.get(req.p_addr, 0)
+            if not tp:
+                conn = self._conn_or_wait(req, req.key(0))
+                if conn is None:
+                    return  # waiting for the handshake, or failed
+                tp = conn.metadata.tp_size
+                req.p_conns.setdefault(0, conn)
+            try:
+                check_ratio(tp, self.cfg.tp_size, format_address(*req.p_addr))
+            except IncompatiblePeerError as e:
+                self._finish_failed(req, Failure.INCOMPATIBLE, str(e))
+                return
+            req.p_tp = tp
+            req.sources = tuple(sources(self.cfg.tp_rank, self.cfg.tp_size, tp))
+            for s in list(req.p_conns):
+                if s not in req.sources:
+                    del req.p_conns[s]  # the discovery connection to rank 0 is not a source
+        waiting = False
+        for s in req.sources:
+            if s not in req.p_conns:
+                conn = self._conn_or_wait(req, req.key(s), attach=not waiting)
+                if conn is None:
+                    if req.state in (DState.DONE, DState.ABANDONED):
+                        return
+                    waiting = True
+                    continue
+                req.p_conns[s] = conn
+        if waiting:
+            return
+        stale = [s for s, c in req.p_conns.items() if c.metadata.tp_size != req.p_tp]
+        if stale:
+            # P restarted at another TP size: learn it afresh once.
+            self._peer_tp.pop(req.p_addr, None)
+            if req.attempts < 1 and not req.registered:
+                req.attempts += 1
+                req.p_tp, req.sources = 0, ()
+                req.p_conns.clear()
+                self._connect_and_register(req)
+                return
+            got = req.p_conns[stale[0]].metadata.tp_size
+            self._finish_failed(
+                req, Failure.INCOMPATIBLE, f"P's TP size changed from {req.p_tp} to {got}"
+            )
+            return
+        self._peer_tp[req.p_addr] = req.p_tp
+        self._register(req)
+
+    def _conn_or_wait(self, req: DRequest, key: PeerKey, attach: bool = True) -> PeerConn | None:
+        """The connection to ``key``, or None: a handshake is under way (the request comes back
+        through ``ready`` when it ends, if ``attach``) or it failed (the request is failed)."""
+        conn = self._hs.get(key)
         mode = self.cfg.handshake_mode
         if conn is None or (mode == HandshakeMode.FULL and conn.mode != HandshakeMode.FULL):
-            fut = self._hs.ensure(req.p_key, mode, PeerHint(req.p_engine_id, req.p_tp_size))
+            fut = self._hs.ensure(key, mode, PeerHint(req.p_engine_id, req.p_tp_size))
             if fut is not None:
                 req.state = DState.HANDSHAKING
-                fut.add_done_callback(lambda f: self._handshake_done(req, f))
-                return
-            conn = self._hs.get(req.p_key)
+                if attach:
+                    fut.add_done_callback(lambda f: self._handshake_done(req, f))
+                return None
+            conn = self._hs.get(key)
         if conn is None:
             self._finish_failed(req, Failure.HANDSHAKE_FAILED, "P not connected after handshake")
-            return
-        self._register(req, conn)
+        return conn
 
     def _handshake_done(self, req: DRequest, fut: Future[PeerConn]) -> None:
         """Runs on the handshake thread: hand the request back; never lose it."""
@@ -173,7 +234,6 @@ class Receiver:
 
     def _allocate_and_register(self, req: DRequest) -> None:
         """A held-back request's time has come: allocate its blocks, then register them."""
-        assert req.p_conn is not None
         try:
             req.block_ids = self._pool.allocator.allocate(req.request_id, req.num_blocks)
         except NoFreeBlocksError as e:
@@ -181,57 +241,72 @@ class Receiver:
             self._finish_failed(req, Failure.NO_FREE_BLOCKS, str(e), notify_p=False)
             return
         req.alloc_at = 0.0
-        self._register(req, req.p_conn)
+        self._register(req)
 
-    def _register(self, req: DRequest, conn: PeerConn) -> None:
+    def _register(self, req: DRequest) -> None:
+        """PUSH_REG to every source P rank not registered with yet."""
         md = self._md
-        req.p_conn = conn
         if req.alloc_at > 0.0:
             # Held in D's queue: P's lease is heartbeated meanwhile, blocks come later.
             req.state = DState.WAITING_BLOCKS
             return
-        # One completion per contributing P rank and pipeline stage (vLLM's rule).
-        req.expected = req.p_pp_size * max(1, conn.metadata.tp_size // max(1, self.cfg.tp_size))
-        reg = protocol.PushReg(
-            request_id=req.request_id,
-            transfer_id=req.transfer_id,
-            decode_engine_id=md.engine_id,
-            decode_host=md.host,
-            decode_port=md.port,
-            decode_tp_size=md.tp_size,
-            local_block_ids=[req.block_ids.tolist()],
-            remote_engine_id=conn.metadata.engine_id,
-            remote_host=req.p_key[0],
-            remote_port=req.p_key[1],
-            remote_tp_size=conn.metadata.tp_size,
-            remote_pp_size=req.p_pp_size,
-            decode_incarnation=md.incarnation,
-            decode_tp_rank=md.tp_rank,
-        )
-        try:
-            self._agent.send_notif(conn.agent_name, self._codec.encode(reg))
-        except TransferError as e:
-            if e.kind in ("peer_dead", "peer_unknown") and req.attempts < 1:
-                # P restarted or vanished: forget it and handshake afresh once.
-                req.attempts += 1
-                self._evict(req.p_key, f"PUSH_REG failed: {e.kind}", keep=req.request_id)
-                self._connect_and_register(req)
+        ids = [req.block_ids.tolist()]
+        for s in req.sources:
+            if s in req.registered:
+                continue
+            conn = req.p_conns[s]
+            reg = protocol.PushReg(
+                request_id=req.request_id,
+                transfer_id=req.transfer_id,
+                decode_engine_id=md.engine_id,
+                decode_host=md.host,
+                decode_port=md.port,
+                decode_tp_size=md.tp_size,
+                local_block_ids=ids,
+                remote_engine_id=conn.metadata.engine_id,
+                remote_host=req.p_addr[0],
+                remote_port=req.p_addr[1],
+                remote_tp_size=req.p_tp,
+                remote_pp_size=req.p_pp_size,
+                decode_incarnation=md.incarnation,
+                decode_tp_rank=md.tp_rank,
+            )
+            try:
+                self._agent.send_notif(conn.agent_name, self._codec.encode(reg))
+            except TransferError as e:
+                if e.kind in ("peer_dead", "peer_unknown") and req.attempts < 1:
+                    # P restarted or vanished: forget that rank and handshake afresh once.
+                    req.attempts += 1
+                    del req.p_conns[s]
+                    self._evict(req.key(s), f"PUSH_REG failed: {e.kind}", keep=req.request_id)
+                    self._connect_and_register(req)
+                    return
+                self._finish_failed(req, Failure.PREFILL_UNREACHABLE, str(e))
                 return
-            self._finish_failed(req, Failure.PREFILL_UNREACHABLE, str(e))
-            return
+            req.registered.add(s)
+            self._tm.inc(Counter.PUSH_REGS_SENT)
         req.state = DState.REGISTERED
-        self._tm.inc(Counter.PUSH_REGS_SENT)
 
     # ------------------------------------------------------------------ notifications
-    def _from_p(self, req: DRequest, sender: str) -> bool:
-        """Only the P agent a request registered with may complete or fail it."""
-        if req.p_conn is not None and req.p_conn.agent_name == sender:
-            return True
-        self._tm.fail(Failure.FORGED_NOTIF)
-        self._rl.warning(
-            "forged", "ignored a notification for %s from %s (not its P)", req.request_id, sender
+    def _source(self, req: DRequest, sender: str) -> int | None:
+        """The source P rank ``sender`` is; anyone else may not complete or fail ``req``:
+        counted (another rank of the same P: ``unexpected_rank``; else ``forged_notif``)."""
+        s = req.source_of(sender)
+        if s is not None:
+            return s
+        other = any(
+            (c := self._hs.get(req.key(r))) is not None and c.agent_name == sender
+            for r in range(max(req.p_tp, 1))
         )
-        return False
+        self._tm.fail(Failure.UNEXPECTED_RANK if other else Failure.FORGED_NOTIF)
+        self._rl.warning(
+            "forged",
+            "ignored a notification for %s from %s (%s)",
+            req.request_id,
+            sender,
+            "a P rank that does not write into this D rank" if other else "not its P",
+        )
+        return None
 
     def _on_notif(self, sender: str, msg: protocol.Notif) -> None:
         if isinstance(msg, protocol.Completion):
@@ -242,8 +317,10 @@ class Receiver:
             self._tm.inc(Counter.FENCES_RECEIVED)
             for rid in msg.request_ids:
                 ab = self.table.abandoned(rid)
-                if ab is not None and self._from_p(ab, sender):
-                    self._release_abandoned(ab, "fenced")
+                if ab is not None:
+                    s = self._source(ab, sender)
+                    if s is not None:
+                        self._settle_abandoned(ab, s, "fenced")
         elif isinstance(msg, protocol.Ping):
             if self._on_ping is not None:
                 self._on_ping(sender, msg)
@@ -253,17 +330,31 @@ class Receiver:
     def _on_completion(self, sender: str, msg: protocol.Completion) -> None:
         req = self.table.waiting(msg.request_id)
         if req is not None:
-            if not self._from_p(req, sender):
+            s = self._source(req, sender)
+            if s is None:
                 return
-            req.received += 1
+            n = req.completions.get(s, 0)
+            if n >= req.p_pp_size or s not in req.registered:
+                # A P rank completing twice (or unasked) would hand D bytes it cannot trust.
+                self._tm.fail(Failure.DUPLICATE_COMPLETION)
+                self._rl.warning(
+                    "dupcompl",
+                    "refused a second completion of %s from P rank %d",
+                    req.request_id,
+                    s,
+                )
+                return
+            req.completions[s] = n + 1
             if req.received >= req.expected:
                 self.table.finish(req)
                 self._completer.submit(req)
             return
         ab = self.table.abandoned(msg.request_id)
-        if ab is not None and self._from_p(ab, sender):
-            # The abandoned WRITE completed: its bytes have landed, the blocks are safe.
-            self._release_abandoned(ab, "completed late")
+        if ab is not None:
+            s = self._source(ab, sender)
+            if s is not None:
+                # That rank's abandoned WRITE completed: its bytes have landed.
+                self._settle_abandoned(ab, s, "completed late")
             return
         self._tm.fail(Failure.UNKNOWN_COMPLETION)
 
@@ -271,19 +362,24 @@ class Receiver:
         req = self.table.waiting(msg.request_id)
         if req is None:
             ab = self.table.abandoned(msg.request_id)
-            if ab is not None and not msg.may_have_written and self._from_p(ab, sender):
-                self._release_abandoned(ab, f"P: {msg.reason}")  # e.g. cancel acknowledged
+            if ab is not None and not msg.may_have_written:
+                s = self._source(ab, sender)
+                if s is not None:
+                    self._settle_abandoned(ab, s, f"P: {msg.reason}")  # e.g. cancel acknowledged
             return
-        if not self._from_p(req, sender):
+        s = self._source(req, sender)
+        if s is None:
             return
         reason = Failure.parse(msg.reason)
         detail = msg.detail if reason is not None else f"{msg.reason}: {msg.detail}"
+        if len(req.sources) > 1:
+            detail = f"P rank {s}: {detail}"
         self._finish_failed(
             req,
             reason or Failure.PREFILL_FAILED,
             detail,
-            quarantine=msg.may_have_written,
-            notify_p=False,
+            settled=set() if msg.may_have_written else {s},
+            told={s},
         )
 
     # ------------------------------------------------------------------ outcomes
@@ -293,14 +389,18 @@ class Receiver:
         reason: Failure,
         detail: str,
         *,
-        quarantine: bool = False,
         notify_p: bool = True,
+        settled: set[int] | None = None,
+        told: set[int] | None = None,
     ) -> None:
-        """Fail a request now. Blocks are quarantined when bytes may still land."""
-        was_registered = req.state is DState.REGISTERED
+        """Fail a request now. Its blocks stay quarantined while a P rank it registered with
+        may still write (``settled``: ranks known to write nothing more; ``told``: ranks that
+        need no Cancel); every other registered rank is told to drop it."""
         self._tm.fail(reason)
         self._rl.warning(str(reason), "request %s failed (%s): %s", req.request_id, reason, detail)
-        if was_registered and notify_p and req.p_conn is not None:
+        done = {s for s, n in req.completions.items() if n >= req.p_pp_size}
+        live = req.registered - done - (settled or set())
+        if live:
             cancel = protocol.Cancel(
                 request_id=req.request_id,
                 transfer_id=req.transfer_id,
@@ -310,21 +410,31 @@ class Receiver:
             )
             if self._codec.carries(cancel):
                 # Tell P to drop it; P's WRITE completion (or fence) tells us when bytes stop.
-                with contextlib.suppress(TransferError):
-                    self._agent.send_notif(req.p_conn.agent_name, self._codec.encode(cancel))
+                if notify_p:
+                    data = self._codec.encode(cancel)
+                    for s in live - (told or set()):
+                        with contextlib.suppress(TransferError):
+                            self._agent.send_notif(req.p_conns[s].agent_name, data)
             else:
                 # vLLM's wire has no cancel and no fence: P may still WRITE until its lease,
                 # no longer renewed, runs out; only then are these blocks anybody's again.
                 t = self.cfg.timeouts
                 req.quarantine_until = time.monotonic() + t.lease_s + t.write_base_s
-            quarantine = True
-        if quarantine and req.p_conn is not None:
+        if live:
+            req.outstanding = set(live)
             self._pool.allocator.quarantine(req.request_id, reason)
             self.table.abandon(req)
         else:
             self.table.finish(req)
             self._pool.allocator.release(req.request_id)
         req.future.set_result(failed_rep(self._tm, req, reason, detail))
+
+    def _settle_abandoned(self, req: DRequest, source: int, why: str) -> None:
+        """P rank ``source`` can write nothing more into an abandoned request's blocks; the
+        last such rank frees them."""
+        req.outstanding.discard(source)
+        if not req.outstanding:
+            self._release_abandoned(req, why)
 
     def _release_abandoned(self, req: DRequest, why: str) -> None:
         self.table.release_abandoned(req)
@@ -350,15 +460,17 @@ class Receiver:
                         break
 
     def _evict(self, key: PeerKey, reason: str, keep: str = "") -> None:
-        """P is gone (or restarted): fail its requests, free its quarantined blocks."""
+        """A P rank is gone (or restarted): fail the requests it writes for (the other ranks
+        are told to drop them), settle what it left quarantined."""
         conn = self._hs.evict(key, reason)
+        rank = key[2]
         waiting, abandoned = self.table.of_peer(key)
         for r in waiting:
-            if r.state is DState.REGISTERED and r.request_id != keep:
-                r.p_conn = None  # P is gone: nothing can land any more
-                self._finish_failed(r, Failure.PREFILL_DEAD, reason, notify_p=False)
+            if rank in r.registered and r.request_id != keep:
+                r.p_conns.pop(rank, None)
+                self._finish_failed(r, Failure.PREFILL_DEAD, reason, settled={rank})
         for ab in abandoned:
-            self._release_abandoned(ab, "P removed")
+            self._settle_abandoned(ab, rank, "P removed")
         if conn is not None:
             self._hs.release_conn(conn)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,17 +38,24 @@ class DState(StrEnum):
 class DRequest:
     request_id: str
     transfer_id: str
-    p_key: PeerKey
+    p_addr: tuple[str, int]  # P's side channel
     block_ids: np.ndarray
     future: Future[protocol.DecodeRep]
     t_start: float
     deadline: float
     nbytes: int
     state: DState = DState.NEW
-    expected: int = 1  # completion notifications that make the request whole
-    received: int = 0
-    p_conn: PeerConn | None = None
-    attempts: int = 0  # re-handshakes after P vanished
+    # Tensor parallelism: P's TP size (0 until known: from the request or P's handshake) and
+    # the P ranks that write into this D rank (``kvpush.peers.tp.sources``), each connected,
+    # registered with, and completing at most ``p_pp_size`` times.
+    p_tp: int = 0
+    sources: tuple[int, ...] = ()
+    p_conns: dict[int, PeerConn] = field(default_factory=dict)
+    registered: set[int] = field(default_factory=set)  # PUSH_REG sent to these P ranks
+    completions: dict[int, int] = field(default_factory=dict)
+    # An abandoned request: the P ranks that may still write into its blocks.
+    outstanding: set[int] = field(default_factory=set)
+    attempts: int = 0  # re-handshakes after P vanished or changed
     # vLLM's wire: P's coordinates from its kv_transfer_params (the router contract).
     p_engine_id: str = ""
     p_tp_size: int = 1
@@ -60,6 +67,30 @@ class DRequest:
     # allocate ``num_blocks`` at ``alloc_at``; P's lease is heartbeated meanwhile.
     num_blocks: int = 0
     alloc_at: float = 0.0
+
+    def key(self, p_rank: int) -> PeerKey:
+        return (self.p_addr[0], self.p_addr[1], p_rank)
+
+    @property
+    def p_keys(self) -> list[PeerKey]:
+        """The P ranks this request draws from (P's rank 0 while P's TP size is unknown)."""
+        return [self.key(s) for s in self.sources] if self.sources else [self.key(0)]
+
+    @property
+    def expected(self) -> int:
+        """Completions that make the request whole: per source rank, one per pipeline stage."""
+        return len(self.sources) * self.p_pp_size
+
+    @property
+    def received(self) -> int:
+        return sum(self.completions.values())
+
+    def source_of(self, agent_name: str) -> int | None:
+        """The source rank whose P agent is ``agent_name`` (None: not one of them)."""
+        for s, conn in self.p_conns.items():
+            if conn.agent_name == agent_name:
+                return s
+        return None
 
 
 class RequestTable:
@@ -103,23 +134,25 @@ class RequestTable:
         return [r for r in self._abandoned.values() if now > r.quarantine_until]
 
     def of_peer(self, key: PeerKey) -> tuple[list[DRequest], list[DRequest]]:
-        """(waiting, abandoned) requests drawing from P at ``key``."""
+        """(waiting, abandoned) requests drawing from the P rank at ``key``."""
         return (
-            [r for r in self._waiting.values() if r.p_key == key],
-            [r for r in self._abandoned.values() if r.p_key == key],
+            [r for r in self._waiting.values() if key in r.p_keys],
+            [r for r in self._abandoned.values() if key in r.p_keys],
         )
 
     def busy_peers(self) -> set[PeerKey]:
-        return {r.p_key for r in self._waiting.values()} | {
-            r.p_key for r in self._abandoned.values()
-        }
+        busy: set[PeerKey] = set()
+        for r in (*self._waiting.values(), *self._abandoned.values()):
+            busy.update(r.p_keys)
+        return busy
 
     def heartbeat_groups(self) -> Iterator[tuple[PeerConn, list[str]]]:
         """Per P agent, the transfer ids of the requests registered with it."""
         by_p: dict[str, tuple[PeerConn, list[str]]] = {}
         for r in self._waiting.values():
-            if r.state in (DState.REGISTERED, DState.WAITING_BLOCKS) and r.p_conn is not None:
-                by_p.setdefault(r.p_conn.agent_name, (r.p_conn, []))[1].append(r.transfer_id)
+            if r.state in (DState.REGISTERED, DState.WAITING_BLOCKS):
+                for conn in r.p_conns.values():
+                    by_p.setdefault(conn.agent_name, (conn, []))[1].append(r.transfer_id)
         return iter(by_p.values())
 
     # ------------------------------------------------------------------ transitions

@@ -15,10 +15,9 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import msgspec
 import numpy as np
 
-from kvpush.config import Wire, format_address, parse_address
+from kvpush.config import Wire, parse_address
 from kvpush.decode.completer import Completer
 from kvpush.decode.receiver import Receiver, failed_rep
 from kvpush.decode.requests import DRequest
@@ -26,7 +25,6 @@ from kvpush.errors import KvpushError, NoFreeBlocksError
 from kvpush.runtime.context import EndpointContext
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.names import Failure
-from kvpush.transport.sidechannel import ReplyFn
 from kvpush.wire import protocol, vllm
 
 
@@ -58,38 +56,13 @@ class DecodeRole:
             self.completer,
             self.owner,
             on_ping=ctx.on_ping,
+            peer_tp=ctx.peer_tp,
         )
         self._stopping = threading.Event()
 
     # ------------------------------------------------------------------ Role
     def start(self) -> None:
         self.owner.start()
-
-    def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
-        if not isinstance(req, protocol.DecodeReq):
-            return False
-        addr = format_address(req.prefill_host, req.prefill_port)
-        fut = self.decode(
-            req.transfer_id,
-            addr,
-            req.num_blocks,
-            req.deadline_s,
-            req.request_id,
-            vllm_params=VllmLeg(
-                req.remote_engine_id, req.remote_request_id, req.remote_tp_size, req.remote_pp_size
-            )
-            if req.remote_engine_id
-            else None,
-            digest=req.digest,
-            alloc_delay_s=req.alloc_delay_s,
-        )
-        rid = req.rid
-
-        def done(f: Future[protocol.DecodeRep]) -> None:
-            reply(msgspec.structs.replace(f.result(), rid=rid))
-
-        fut.add_done_callback(done)
-        return True
 
     def stop_intake(self, drain_s: float) -> None:
         self._stopping.set()
@@ -133,8 +106,7 @@ class DecodeRole:
 
         ``alloc_delay_s``: hold the request that long before it gets blocks, as a vLLM request
         waits in D's scheduler queue; D connects to P and heartbeats its lease meanwhile."""
-        host, port = parse_address(prefill_address)
-        p_key = (host, port, 0)
+        p_addr = parse_address(prefill_address)
         if vllm_params is not None:
             if self.ctx.cfg.wire != Wire.VLLM:
                 fut0: Future[protocol.DecodeRep] = Future()
@@ -159,7 +131,7 @@ class DecodeRole:
         req = DRequest(
             request_id=rid,
             transfer_id=transfer_id,
-            p_key=p_key,
+            p_addr=p_addr,
             block_ids=np.empty(0, dtype=np.int64),
             future=fut,
             t_start=t0,
@@ -169,7 +141,7 @@ class DecodeRole:
         )
         if vllm_params is not None:
             req.p_engine_id = vllm_params.remote_engine_id
-            req.p_tp_size = vllm_params.remote_tp_size
+            req.p_tp_size = req.p_tp = max(1, vllm_params.remote_tp_size)
             req.p_pp_size = vllm_params.remote_pp_size
 
         def refuse(reason: Failure, detail: str) -> Future[protocol.DecodeRep]:

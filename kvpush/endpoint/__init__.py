@@ -5,22 +5,24 @@ from __future__ import annotations
 from typing import Any
 
 from kvpush.config import EndpointConfig
+from kvpush.decode.group import DecodeGroup
 from kvpush.decode.role import DecodeRole
-from kvpush.endpoint.core import Endpoint
+from kvpush.endpoint.core import Endpoint, RankFailure
+from kvpush.prefill.group import PrefillGroup
 from kvpush.prefill.role import PrefillRole
 
 
-def open_prefill(cfg: EndpointConfig) -> Endpoint[PrefillRole]:
-    return Endpoint(cfg, PrefillRole)
+def open_prefill(cfg: EndpointConfig) -> Endpoint[PrefillRole, PrefillGroup]:
+    return Endpoint(cfg, PrefillRole, PrefillGroup)
 
 
-def open_decode(cfg: EndpointConfig) -> Endpoint[DecodeRole]:
-    return Endpoint(cfg, DecodeRole)
+def open_decode(cfg: EndpointConfig) -> Endpoint[DecodeRole, DecodeGroup]:
+    return Endpoint(cfg, DecodeRole, DecodeGroup)
 
 
-def open_endpoint(cfg: EndpointConfig) -> Endpoint[Any]:
-    """A started endpoint of ``cfg.role``; ``stop()`` it when done."""
+def open_endpoint(cfg: EndpointConfig) -> Endpoint[Any, Any]:
+    """A started endpoint of ``cfg.role`` (``cfg.tp_size`` ranks); ``stop()`` it when done."""
     return open_prefill(cfg) if cfg.role == "prefill" else open_decode(cfg)
 
 
-__all__ = ["Endpoint", "open_decode", "open_endpoint", "open_prefill"]
+__all__ = ["Endpoint", "RankFailure", "open_decode", "open_endpoint", "open_prefill"]

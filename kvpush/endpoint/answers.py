@@ -28,7 +28,7 @@ def _identity(md: protocol.EndpointMetadata, wire: Wire, error: str = "") -> vll
         engine_id=md.engine_id,
         incarnation=md.incarnation,
         tp_size=md.tp_size,
-        ranks=[(0, md.tp_rank)],
+        ranks=[(0, r) for r in range(md.tp_size)],
         error=error,
     )
 
@@ -78,11 +78,11 @@ def refuse_handshake(cfg: EndpointConfig, req: protocol.HandshakeReq) -> protoco
             message="this endpoint speaks vLLM's push wire (--wire vllm)",
             hint="handshake with it as a vLLM peer: start the other side with --wire vllm",
         )
-    if req.tp_rank != cfg.tp_rank:
+    if req.tp_rank >= cfg.tp_size:
         return protocol.ErrorRep(
             rid=req.rid,
             code="no_such_rank",
-            message=f"rank {req.tp_rank} is not served here",
+            message=f"rank {req.tp_rank} is not served here (ranks 0..{cfg.tp_size - 1})",
             hint="ask for a rank the endpoint serves ('kvpush probe' lists them)",
         )
     return None

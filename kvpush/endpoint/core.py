@@ -1,89 +1,104 @@
-"""The endpoint core: builds the shared resources complete, hands them to a role, stops them.
+"""The endpoint core: builds the shared resources complete, hands them to its ranks, stops them.
 
-Composition: an ``Endpoint`` owns what P and D share -- KV pool, NIXL agent, side-channel server,
-handshake manager, codec, telemetry, pinger -- and is handed a *role* factory (P's
-``PrefillRole``, D's ``DecodeRole``) that it calls with the finished ``EndpointContext``. The
-constructor does everything; when it returns the endpoint serves (there is no half-built,
-Optional-until-start state); when it raises, what it had built is undone in reverse order.
+Composition: an ``Endpoint`` owns what every rank shares -- the side-channel server, the
+authenticator, the control executor, its identity (engine id, incarnation) -- and one ``Rank``
+per tensor-parallel rank (``kvpush.endpoint.rank``: its own KV pool, NIXL agent, handshake
+manager, pinger, telemetry and role -- P's ``PrefillRole`` or D's ``DecodeRole``, each on its own
+owner thread). A *group* (P's ``PrefillGroup``, D's ``DecodeGroup``) serves the side-channel
+requests for all ranks at once. The constructor does everything; when it returns the endpoint
+serves (there is no half-built, Optional-until-start state); when it raises, what it had built
+is undone in reverse order.
 
-Start order: pool -> NIXL agent (+ register the pool once) -> side channel (bound; answers "not
-ready" until the end) -> metadata -> handshake manager -> role (its owner thread runs) -> ready.
+Process model: ranks are threads of one process (README, "Tensor parallelism", has the
+measurement). A rank whose owner thread dies is contained like any thread failure: its
+requests fail with a reason, ``failure()`` names the rank, the other ranks keep serving.
+
+Start order: side channel (bound; answers "not ready" until the end) -> per rank: pool -> NIXL
+agent (+ register the pool once) -> metadata -> handshake manager -> role -> every role's owner
+thread -> ready.
 
 Stop order (written down once, here): stop intake -> stop the side channel (D first finishes or
-fails its waiting requests so their replies still go out) -> drain in-flight WRITEs (the role's
+fails its waiting requests so their replies still go out) -> drain in-flight WRITEs (each role's
 owner thread) -> release transfer and descriptor handles -> remove remote agents -> deregister
 memory.
-
-Threads owned: the side-channel server thread, the role's owner thread, short-lived handshake
-threads and a small control executor for slow control requests (P fills blocks).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import dataclasses
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
-from kvpush import PROTOCOL_VERSION, __version__
-from kvpush.config import EndpointConfig, HandshakeMode, Wire, format_address, parse_address
+from kvpush.config import EndpointConfig, HandshakeMode, format_address, parse_address
 from kvpush.endpoint import answers
-from kvpush.endpoint.ping import Pinger
+from kvpush.endpoint.rank import Rank
 from kvpush.errors import PeerUnreachableError
-from kvpush.memory.allocator import BlockAllocator
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn
 from kvpush.runtime.context import EndpointContext, Role
-from kvpush.telemetry.names import Counter, Gauge
+from kvpush.telemetry.merge import merge
+from kvpush.telemetry.names import Counter, Hist
 from kvpush.telemetry.snapshot import Snapshot
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import NixlAgent, nixl_version
 from kvpush.transport.sidechannel import ReplyFn, SideChannelServer
 from kvpush.wire import protocol, vllm
 from kvpush.wire.auth import Authenticator
-from kvpush.wire.notifs import Codec, NotifCodec, VllmNotifCodec
 
 log = logging.getLogger(__name__)
 
-R = TypeVar("R", bound=Role)
 
-_POOL_GAUGES = {
-    Gauge.POOL_FREE: "free",
-    Gauge.POOL_ALLOCATED: "allocated",
-    Gauge.POOL_INFLIGHT: "inflight",
-    Gauge.POOL_QUARANTINED: "quarantined",
-    Gauge.POOL_TOTAL: "total",
+class Group(Protocol):
+    """Serves an endpoint's side-channel requests for all of its ranks."""
+
+    def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
+        """Serve a role request (True), or leave it to the endpoint (False)."""
+        ...
+
+
+# What a multi-rank endpoint counts once per request (its ranks count their shares).
+REQUEST_COUNTERS = {
+    "prefill": (Counter.PREFILLS,),
+    "decode": (Counter.REQUESTS_OK, Counter.REQUESTS_FAILED),
 }
+REQUEST_HISTS = {"prefill": (), "decode": (Hist.DECODE_LATENCY,)}
+
+R = TypeVar("R", bound=Role)
+G = TypeVar("G", bound=Group)
 
 
-class Endpoint(Generic[R]):
-    def __init__(self, cfg: EndpointConfig, make_role: Callable[[EndpointContext], R]) -> None:
+class Endpoint(Generic[R, G]):
+    def __init__(
+        self,
+        cfg: EndpointConfig,
+        make_role: Callable[[EndpointContext], R],
+        make_group: Callable[[list[Any], Telemetry | None], G],
+    ) -> None:
         self.cfg = cfg
         self.incarnation = uuid.uuid4().hex
-        self.agent_name = f"{cfg.engine_id}#{self.incarnation[:12]}"
-        self.telemetry = Telemetry(cfg.role, cfg.engine_id, self.incarnation)
         self.auth = Authenticator(cfg.auth_token)
-        self.codec: Codec = (
-            VllmNotifCodec(cfg.max_notif_bytes)
-            if cfg.wire == Wire.VLLM
-            else NotifCodec(self.auth, cfg.max_notif_bytes)
-        )
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._stopped = False
         self._lock = threading.Lock()
         self._control = ThreadPoolExecutor(max_workers=2, thread_name_prefix="control")
+        # Request-level counts of a multi-rank endpoint (each rank counts its own share).
+        self._group_tm = (
+            Telemetry(cfg.role, cfg.engine_id, self.incarnation) if cfg.tp_size > 1 else None
+        )
+        if self._group_tm is not None:
+            self._group_tm.declare(
+                counters=REQUEST_COUNTERS[cfg.role], histograms=REQUEST_HISTS[cfg.role]
+            )
+        peer_tp: dict[tuple[str, int], int] = {}
+        self.ranks: list[Rank[R]] = []
         with contextlib.ExitStack() as undo:
             undo.callback(self._control.shutdown, wait=False, cancel_futures=True)
-            self.pool = KvPool(cfg.pool)
-            self.agent = NixlAgent(self.agent_name, cfg.agent)
-            undo.callback(self.agent.close)
-            self.agent.register(self.pool.tensor)
             self.server = SideChannelServer(
                 cfg.host,
                 cfg.port,
@@ -91,108 +106,75 @@ class Endpoint(Generic[R]):
                 self.auth,
                 max_frame_bytes=cfg.max_frame_bytes,
                 vllm_handler=self._answer_get_meta,
-                on_reject=lambda kind: self.telemetry.fail(kind),
+                on_reject=self._rejected,
                 name=f"sidechannel-{cfg.role}",
             )
             self.server.start()
             undo.callback(self.server.stop)
-            self.metadata = self._build_metadata()
-            self._md_bytes = protocol.encode_metadata(self.metadata)
-            self._agent_md_full = self.agent.metadata_full()
-            self._agent_md_conn = self.agent.metadata_conn_only()
-            self.handshakes = HandshakeManager(
-                self.agent,
-                self.metadata,
-                self.auth,
-                cfg.timeouts,
-                self.telemetry,
-                wire=cfg.wire,
-                vllm_wire=cfg.vllm,
-            )
-            undo.callback(self._release_peers)
-            self.pinger = Pinger(
-                self.agent,
-                self.handshakes,
-                self.codec,
-                (cfg.host, self.server.port, cfg.tp_rank),
-                cfg.timeouts.handshake_s + 2,
-            )
-            self.ctx = EndpointContext(
-                cfg=cfg,
-                agent=self.agent,
-                pool=self.pool,
-                handshakes=self.handshakes,
-                codec=self.codec,
-                telemetry=self.telemetry,
-                metadata=self.metadata,
-                on_ping=self.pinger.on_ping,
-                control=self._control,
-            )
-            self.role: R = make_role(self.ctx)
-            self._wire_telemetry()
-            self.role.start()
+            for r in range(cfg.tp_size):
+                rank = Rank(
+                    dataclasses.replace(cfg, tp_rank=r),
+                    self.incarnation,
+                    self.server.port,
+                    self.auth,
+                    self._control,
+                    make_role,
+                    peer_tp,
+                )
+                undo.callback(rank.close)
+                self.ranks.append(rank)
+            self.group: G = make_group([rk.role for rk in self.ranks], self._group_tm)
+            for rk in self.ranks:
+                rk.telemetry.info(address=self.address)
+                rk.role.start()
+                undo.callback(rk.role.stop, 1.0)
             undo.pop_all()
         self._ready.set()
+        pc = cfg.pool
         log.info(
-            "%s endpoint %s (%s) ready on %s: %d blocks x %d regions x %d B on %s",
+            "%s endpoint %s (%s) ready on %s: %d rank(s) x %d blocks x %d regions x %d B on %s",
             cfg.role,
             cfg.engine_id,
             self.agent_name,
             self.address,
-            cfg.pool.num_blocks,
-            cfg.pool.regions,
-            cfg.pool.block_bytes,
-            cfg.pool.device,
+            cfg.tp_size,
+            pc.num_blocks,
+            pc.regions,
+            pc.block_bytes,
+            pc.device,
         )
 
-    def _build_metadata(self) -> protocol.EndpointMetadata:
-        cfg, pool = self.cfg, self.pool
-        return protocol.EndpointMetadata(
-            protocol_version=PROTOCOL_VERSION,
-            kvpush_version=__version__,
-            engine_id=cfg.engine_id,
-            role=cfg.role,
-            incarnation=self.incarnation,
-            agent_name=self.agent_name,
-            host=cfg.host,
-            port=self.server.port,
-            tp_rank=cfg.tp_rank,
-            tp_size=cfg.tp_size,
-            device_kind=pool.device_kind,  # type: ignore[arg-type]
-            device_id=pool.device_id,
-            num_blocks=cfg.pool.num_blocks,
-            layers=cfg.pool.layers,
-            regions=cfg.pool.regions,
-            block_bytes=cfg.pool.block_bytes,
-            dtype=cfg.pool.dtype,
-            kv_layout=cfg.pool.kv_layout,
-            region_base_addrs=pool.region_base_addrs(),
-            backends=list(cfg.agent.backends),
-            nixl_version=nixl_version(),
-            auth=self.auth.enabled,
-        )
+    def _rejected(self, kind: str) -> None:
+        """A side-channel frame was refused (counted on rank 0, whose telemetry is the
+        endpoint's first)."""
+        if self.ranks:
+            self.ranks[0].telemetry.fail(kind)
 
-    def _wire_telemetry(self) -> None:
-        cfg, tm = self.cfg, self.telemetry
-        info: dict[str, str | int | float] = {
-            "address": self.address,
-            "device": cfg.pool.device,
-            "backends": ",".join(cfg.agent.backends),
-            "version": __version__,
-            "agent": self.agent_name,
-            "auth": "on" if self.auth.enabled else "off",
-            "progress_thread": "on" if cfg.agent.progress_thread else "off",
-        }
-        if cfg.role == "prefill":
-            info["writer"] = cfg.writer_mode.value
-        else:
-            info["handshake"] = cfg.handshake_mode.value
-        tm.info(**info)
-        tm.peers_fn(self.handshakes.rows)
-        allocator = self.pool.allocator
-        for gauge, key in _POOL_GAUGES.items():
-            tm.gauge_fn(gauge, functools.partial(_count, allocator, key))
-        self.role.owner.export_gauges(tm)
+    # Rank 0's resources, for tools and tests that look at one rank.
+    @property
+    def agent_name(self) -> str:
+        return self.ranks[0].agent_name
+
+    @property
+    def pool(self) -> KvPool:
+        return self.ranks[0].pool
+
+    @property
+    def handshakes(self) -> HandshakeManager:
+        return self.ranks[0].handshakes
+
+    @property
+    def metadata(self) -> protocol.EndpointMetadata:
+        return self.ranks[0].metadata
+
+    @property
+    def role(self) -> G:
+        """The group serving every rank (``prefill``/``decode`` as one endpoint)."""
+        return self.group
+
+    @property
+    def roles(self) -> list[R]:
+        return [rk.role for rk in self.ranks]
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -207,25 +189,34 @@ class Endpoint(Generic[R]):
             self._stopped = True
         drain = self.cfg.timeouts.drain_s if timeout_s is None else timeout_s
         self._stopping.set()
-        self.role.stop_intake(drain)
+        for rk in self.ranks:
+            rk.role.stop_intake(drain)
         self.server.stop()
-        self.role.stop(drain)
+        for rk in self.ranks:
+            rk.role.stop(drain)
         self._control.shutdown(wait=False, cancel_futures=True)
-        self._release_peers()
-        self.agent.close()
+        for rk in self.ranks:
+            rk.close()
         log.info("%s endpoint %s stopped", self.cfg.role, self.cfg.engine_id)
 
-    def _release_peers(self) -> None:
-        for conn in self.handshakes.close():
-            self.handshakes.release_conn(conn)
-
     def failure(self) -> BaseException | None:
+        """The first failure of the side channel's or a rank's threads (the rank named)."""
         if self.server.failure is not None:
             return self.server.failure
-        return self.role.failure()
+        for rk in self.ranks:
+            f = rk.role.failure()
+            if f is not None:
+                return f if len(self.ranks) == 1 else RankFailure(rk.rank, f)
+        return None
 
     def snapshot(self) -> Snapshot:
-        return self.telemetry.snapshot()
+        """The endpoint's telemetry: one rank's, or every rank's merged (each kept under
+        ``ranks``)."""
+        snaps = [rk.telemetry.snapshot() for rk in self.ranks]
+        if len(snaps) == 1:
+            return snaps[0]
+        top = self._group_tm.snapshot() if self._group_tm is not None else None
+        return merge(snaps, top)
 
     # ------------------------------------------------------------------ side channel
     def _handle_request(self, req: protocol.SideRequest, reply: ReplyFn) -> None:
@@ -252,7 +243,7 @@ class Endpoint(Generic[R]):
                 )
             )
             return
-        if not self.role.handle(req, reply):
+        if not self.group.handle(req, reply):
             reply(
                 protocol.ErrorRep(
                     rid=req.rid,
@@ -267,12 +258,13 @@ class Endpoint(Generic[R]):
         if refusal is not None:
             reply(refusal)
             return
-        self.telemetry.inc(Counter.HANDSHAKES_SERVED)
-        agent_md = self._agent_md_full if req.mode == "full" else self._agent_md_conn
+        rk = self.ranks[req.tp_rank]
+        rk.telemetry.inc(Counter.HANDSHAKES_SERVED)
+        agent_md = rk.agent_md_full if req.mode == "full" else rk.agent_md_conn
         rep = protocol.HandshakeRep(
             rid=req.rid,
-            compat_hash=protocol.compat_hash(self.metadata),
-            metadata=self._md_bytes,
+            compat_hash=protocol.compat_hash(rk.metadata),
+            metadata=rk.md_bytes,
             agent_metadata=agent_md,
             server_clock=0.0,
         )
@@ -292,17 +284,24 @@ class Endpoint(Generic[R]):
 
     def _answer_get_meta(self, pp_rank: int, tp_rank: int) -> list[bytes]:
         """Answer vLLM's ``get_meta_msg`` (every client's first contact) in vLLM's form."""
-        md = self.metadata if self._ready.is_set() else None
+        ready = self._ready.is_set()
+        rk = self.ranks[tp_rank] if ready and 0 <= tp_rank < len(self.ranks) else None
+        md = (rk or self.ranks[0]).metadata if ready else None
         payload = answers.get_meta_payload(
-            md, self.cfg, self.auth.enabled, self._agent_md_full, (pp_rank, tp_rank)
+            md,
+            self.cfg,
+            self.auth.enabled,
+            rk.agent_md_full if rk is not None else b"",
+            (pp_rank, tp_rank),
         )
         return vllm.encode_get_meta_reply(payload, time.perf_counter())
 
     # ------------------------------------------------------------------ probes
-    def handshake_to(self, address: str, mode: HandshakeMode) -> PeerConn:
-        """A real NIXL handshake to another endpoint (used by ``kvpush probe --handshake``)."""
+    def handshake_to(self, address: str, mode: HandshakeMode, rank: int = 0) -> PeerConn:
+        """A real NIXL handshake from rank 0 to ``rank`` of another endpoint (used by
+        ``kvpush probe --handshake``)."""
         host, port = parse_address(address)
-        key = (host, port, 0)
+        key = (host, port, rank)
         t = self.cfg.timeouts.handshake_s + 1
         try:
             return self.handshakes.handshake_sync(key, mode, t)
@@ -314,8 +313,14 @@ class Endpoint(Generic[R]):
     def ping(self, address: str, count: int) -> list[float]:
         """NIXL notification round trips to ``address`` (the first, warm-up trip excluded)."""
         conn = self.handshake_to(address, HandshakeMode.NOTIF)
-        return self.pinger.ping(conn, count, self.role.poke)
+        rk = self.ranks[0]
+        return rk.pinger.ping(conn, count, rk.role.poke)
 
 
-def _count(allocator: BlockAllocator, key: str) -> float:
-    return allocator.counts()[key]
+class RankFailure(RuntimeError):
+    """A rank's owner thread failed (the other ranks serve on)."""
+
+    def __init__(self, rank: int, error: BaseException) -> None:
+        super().__init__(f"rank {rank}: {error!r}")
+        self.rank = rank
+        self.error = error

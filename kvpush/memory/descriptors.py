@@ -18,14 +18,16 @@ def block_descs(
     block_bytes: int,
     device_id: int,
     strides: Sequence[int] | None = None,
+    offset: int = 0,
 ) -> np.ndarray:
     """``(R*num_blocks, 3)`` int64 rows ``(addr, len, device_id)``, region-major.
 
-    Row ``r*num_blocks + b`` is block ``b`` of region ``r``, at ``base[r] + b*stride[r]`` (the
-    stride is ``block_bytes`` unless a peer announced padded blocks). Region-major order
-    matters: NIXL's ``prep_xfer_dlist`` on a million descriptors took 41 ms region-major and
-    ~200 ms interleaved (DESIGN.md section 3). Built with int64 broadcasting (uint64 ``//``/``%``
-    is far slower).
+    Row ``r*num_blocks + b`` is block ``b`` of region ``r``, at ``base[r] + b*stride[r] +
+    offset``, ``block_bytes`` long (the stride is ``block_bytes`` unless given: a peer's padded
+    blocks, or a slice of each block -- one rank's heads -- with its own ``offset``).
+    Region-major order matters: NIXL's ``prep_xfer_dlist`` on a million descriptors took 41 ms
+    region-major and ~200 ms interleaved (DESIGN.md section 3). Built with int64 broadcasting
+    (uint64 ``//``/``%`` is far slower).
     """
     bases = np.asarray(region_base_addrs, dtype=np.int64).reshape(-1)
     if num_blocks < 0 or block_bytes <= 0:
@@ -33,12 +35,12 @@ def block_descs(
     step = np.full(bases.size, block_bytes, dtype=np.int64)
     if strides is not None:
         step = np.asarray(strides, dtype=np.int64).reshape(-1)
-        if step.size != bases.size or bool(np.any(step < block_bytes)):
-            raise ValueError("one stride per region, each at least the block length")
+        if step.size != bases.size or bool(np.any(step < block_bytes + offset)):
+            raise ValueError("one stride per region, each at least the slice's end")
     out = np.empty((bases.size * num_blocks, 3), dtype=np.int64)
     grid = out.reshape(bases.size, num_blocks, 3)
     blocks = np.arange(num_blocks, dtype=np.int64)
-    np.add(bases[:, None], blocks[None, :] * step[:, None], out=grid[:, :, 0])
+    np.add(bases[:, None] + offset, blocks[None, :] * step[:, None], out=grid[:, :, 0])
     out[:, 1] = block_bytes
     out[:, 2] = device_id
     return out

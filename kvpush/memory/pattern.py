@@ -15,6 +15,13 @@ A block's bytes are ``base + offset`` (wrapping uint8 add), where
   region or another position (a misaligned prefix trim, DESIGN.md C3) or a stale block always
   fails, not merely with probability 255/256.
 
+Head by head. With tensor parallelism a page is ``heads`` head slices (heads outermost), and
+the pattern is defined per *model* head: the slice of head ``h`` (a global head index; a rank's
+page starts at ``first_head``) has its own offset byte and its own tag, whose region word carries
+``h`` in its high 16 bits (``region | h << 16``; head 0 is the whole-block pattern above). So a
+head landing at another head's place, from the wrong rank, or a page written twice over the
+wrong one, fails verification, and the tag found there tells which head it was.
+
 Generation is one broadcast add per call (memory bandwidth for MB-sized blocks when written into
 warm memory, see ``write_expected``) plus a vectorized tag write; there is no loop over blocks.
 """
@@ -68,12 +75,19 @@ def base_row(block_bytes: int, device: torch.device | str = "cpu") -> torch.Tens
         return _base_cache.setdefault(key, row)
 
 
-def _offsets(seed: int, regions: int, first_j: int, nblocks: int) -> np.ndarray:
-    """(regions, nblocks) uint8 offsets: splitmix64 of (seed, region, j), low byte."""
-    r = np.arange(regions, dtype=np.uint64)[:, None]
-    j = np.arange(first_j, first_j + nblocks, dtype=np.uint64)[None, :]
+_HEAD_MUL = np.uint64(0xA24BAED4963EE407)
+
+
+def _offsets(
+    seed: int, regions: int, first_j: int, nblocks: int, heads: int = 1, first_head: int = 0
+) -> np.ndarray:
+    """(regions, nblocks, heads) uint8 offsets: splitmix64 of (seed, region, j, head)."""
+    r = np.arange(regions, dtype=np.uint64)[:, None, None]
+    j = np.arange(first_j, first_j + nblocks, dtype=np.uint64)[None, :, None]
+    h = np.arange(first_head, first_head + heads, dtype=np.uint64)[None, None, :]
     # Arrays only: numpy wraps uint64 array arithmetic silently (scalars would warn).
-    x = np.full((1, 1), seed, dtype=np.uint64) + r * _REGION_MUL + (j + np.uint64(1)) * _GOLDEN
+    x = np.full((1, 1, 1), seed, dtype=np.uint64) + r * _REGION_MUL + (j + np.uint64(1)) * _GOLDEN
+    x = x + h * _HEAD_MUL
     x = (x ^ (x >> np.uint64(30))) * _MIX1
     x = (x ^ (x >> np.uint64(27))) * _MIX2
     x = x ^ (x >> np.uint64(31))
@@ -81,14 +95,25 @@ def _offsets(seed: int, regions: int, first_j: int, nblocks: int) -> np.ndarray:
     return low
 
 
-def _tags(transfer_id: str, regions: int, first_j: int, nblocks: int) -> np.ndarray:
-    """(regions, nblocks, 16) uint8 tags: digest, uint32 region LE, uint32 j LE."""
-    tags = np.empty((regions, nblocks, TAG_BYTES), dtype=np.uint8)
-    tags[:, :, :8] = np.frombuffer(transfer_digest(transfer_id), dtype=np.uint8)
-    words = tags[:, :, 8:].view("<u4")  # (regions, nblocks, 2) little-endian uint32 view
-    words[:, :, 0] = np.arange(regions, dtype=np.uint32)[:, None]
-    words[:, :, 1] = np.arange(first_j, first_j + nblocks, dtype=np.uint32)[None, :]
+def _tags(
+    transfer_id: str, regions: int, first_j: int, nblocks: int, heads: int = 1, first_head: int = 0
+) -> np.ndarray:
+    """(regions, nblocks, heads, 16) uint8 tags: digest, uint32 (region | head << 16) LE,
+    uint32 j LE."""
+    tags = np.empty((regions, nblocks, heads, TAG_BYTES), dtype=np.uint8)
+    tags[..., :8] = np.frombuffer(transfer_digest(transfer_id), dtype=np.uint8)
+    words = tags[..., 8:].view("<u4")  # (regions, nblocks, heads, 2) little-endian uint32
+    region = np.arange(regions, dtype=np.uint32)[:, None, None]
+    head = np.arange(first_head, first_head + heads, dtype=np.uint32)[None, None, :]
+    words[..., 0] = region | (head << np.uint32(16))
+    words[..., 1] = np.arange(first_j, first_j + nblocks, dtype=np.uint32)[None, :, None]
     return tags
+
+
+def read_tag(head_slice: np.ndarray) -> tuple[bytes, int, int, int]:
+    """(digest, region, head, j) of a head slice's first 16 bytes (what was found there)."""
+    words = head_slice[8:TAG_BYTES].view("<u4")
+    return bytes(head_slice[:8]), int(words[0]) & 0xFFFF, int(words[0]) >> 16, int(words[1])
 
 
 def expected_blocks(
@@ -99,39 +124,50 @@ def expected_blocks(
     device: torch.device | str = "cpu",
     *,
     first_j: int = 0,
+    heads: int = 1,
+    first_head: int = 0,
 ) -> torch.Tensor:
     """A new uint8 ``(regions, nblocks, block_bytes)`` tensor holding a request's blocks.
 
     Block ``j`` of the result is the block at position ``first_j + j`` of the request; pass
-    ``first_j`` to generate a slice of a large request without generating the rest.
+    ``first_j`` to generate a slice of a large request without generating the rest. ``heads``
+    head slices per block, the first being model head ``first_head`` (a rank's share).
     """
     if regions < 0 or nblocks < 0 or block_bytes <= 0:
         raise ValueError(
             f"bad pattern geometry: regions={regions} nblocks={nblocks} block_bytes={block_bytes}"
         )
     out = torch.empty((regions, nblocks, block_bytes), dtype=torch.uint8, device=device)
-    return write_expected(out, transfer_id, first_j=first_j)
+    return write_expected(out, transfer_id, first_j=first_j, heads=heads, first_head=first_head)
 
 
-def write_expected(out: torch.Tensor, transfer_id: str, *, first_j: int = 0) -> torch.Tensor:
+def write_expected(
+    out: torch.Tensor, transfer_id: str, *, first_j: int = 0, heads: int = 1, first_head: int = 0
+) -> torch.Tensor:
     """Write the pattern into ``out`` (uint8, ``(regions, nblocks, block_bytes)``); return it.
 
     ``out`` may be a strided view, e.g. ``pool[:, start:stop]``, so contiguous blocks are
     filled in place and a caller can reuse a warm buffer: a fresh allocation pays its page
-    faults (~2 GB/s here), the broadcast add into warm memory runs at ~25 GB/s.
+    faults (~2 GB/s here), the broadcast add into warm memory runs at ~25 GB/s. Each block is
+    ``heads`` head slices of ``block_bytes // heads`` bytes, model heads ``first_head`` on.
     """
     if out.dtype != torch.uint8 or out.dim() != 3:
         raise ValueError(f"need a 3-d uint8 tensor, got {out.dtype} of shape {tuple(out.shape)}")
-    if first_j < 0:
-        raise ValueError(f"first_j must be >= 0, got {first_j}")
+    if first_j < 0 or first_head < 0 or heads < 1:
+        raise ValueError(f"bad pattern slice: first_j={first_j} heads={heads} first={first_head}")
     regions, nblocks, block_bytes = out.shape
+    if block_bytes % heads:
+        raise ValueError(f"a block of {block_bytes} bytes is not {heads} whole heads")
     if out.numel() == 0:
         return out
+    hb = block_bytes // heads
+    view = out.unflatten(2, (heads, hb))  # type: ignore[no-untyped-call]  # same memory
     dev = out.device
-    base = base_row(block_bytes, dev).view(1, 1, block_bytes)
-    offsets = torch.from_numpy(_offsets(transfer_seed(transfer_id), regions, first_j, nblocks))
-    torch.add(base, offsets.to(dev).view(regions, nblocks, 1), out=out)  # uint8 add wraps
-    if block_bytes >= TAG_BYTES:
-        tags = torch.from_numpy(_tags(transfer_id, regions, first_j, nblocks))
-        out[:, :, :TAG_BYTES] = tags.to(dev)
+    base = base_row(hb, dev).view(1, 1, 1, hb)
+    seed = transfer_seed(transfer_id)
+    offsets = torch.from_numpy(_offsets(seed, regions, first_j, nblocks, heads, first_head))
+    torch.add(base, offsets.to(dev).view(regions, nblocks, heads, 1), out=view)  # wraps
+    if hb >= TAG_BYTES:
+        tags = _tags(transfer_id, regions, first_j, nblocks, heads, first_head)
+        view[..., :TAG_BYTES] = torch.from_numpy(tags).to(dev)
     return out

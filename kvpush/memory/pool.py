@@ -19,13 +19,22 @@ from kvpush.config import PoolConfig
 from kvpush.errors import ConfigError, DeviceError
 from kvpush.memory.allocator import BlockAllocator
 from kvpush.memory.descriptors import block_descs
-from kvpush.memory.pattern import write_expected
+from kvpush.memory.pattern import TAG_BYTES, read_tag, transfer_digest, write_expected
 
 POISON_BYTE = 0xA5
 """What ``scrub`` writes: neither zero nor a likely pattern byte run, easy to spot in a dump."""
 _POISON_WORD = int.from_bytes(bytes([POISON_BYTE]) * 8, "little", signed=True)  # as int64 words
 
 _CHUNK_BYTES = 16 * 1024 * 1024  # fill/verify/scrub work in slices of this size (scratch x 2)
+
+
+def rank_device(spec: str, rank: int) -> str:
+    """Where rank ``rank`` keeps its pool: ``cuda`` -> ``cuda:rank``, ``cuda:N`` ->
+    ``cuda:N+rank`` (one GPU per rank, as vLLM's workers), ``cpu`` -> ``cpu``."""
+    if spec == "cpu" or not spec.startswith("cuda") or (rank == 0 and spec == "cuda"):
+        return spec
+    base = int(spec.partition(":")[2]) if ":" in spec else 0
+    return f"cuda:{base + rank}"
 
 
 def _resolve_device(spec: str) -> tuple[torch.device, str, int]:
@@ -78,9 +87,14 @@ class KvPool:
     the first call and run at several GB/s.
     """
 
-    def __init__(self, cfg: PoolConfig) -> None:
+    def __init__(self, cfg: PoolConfig, rank: int = 0) -> None:
         self.cfg = cfg
-        self.device, self.device_kind, self.device_id = _resolve_device(cfg.device)
+        self.rank = rank
+        # The model heads this rank's pages hold (all of them when replicated).
+        self._pat = {"heads": cfg.heads_per_rank, "first_head": cfg.first_head(rank)}
+        self.device, self.device_kind, self.device_id = _resolve_device(
+            rank_device(cfg.device, rank)
+        )
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # fill/verify are many small ops: torch's intra-op thread pool only fights the
             # endpoint's owner threads for cores (measured: a 64 KiB verify took tens of ms
@@ -104,6 +118,14 @@ class KvPool:
     def region_base_addrs(self) -> list[int]:
         return [self.base_addr + r * self.region_stride for r in range(self.cfg.regions)]
 
+    def slice_descs(self, offset: int, length: int) -> np.ndarray:
+        """Descriptors of ``length`` bytes at ``offset`` in every block of every region (a
+        chunk of each page: what one D rank of a larger TP gets), region-major."""
+        stride = [self.cfg.block_bytes] * self.cfg.regions
+        return block_descs(
+            self.region_base_addrs(), self.cfg.num_blocks, length, self.device_id, stride, offset
+        )
+
     def all_block_descs(self) -> np.ndarray:
         """Descriptors of every block of every region (region-major), for registration/handshake."""
         return block_descs(
@@ -115,15 +137,21 @@ class KvPool:
         for j0, ids in self._chunks(block_ids):
             start = _run_start(ids)
             if start is not None:
-                write_expected(self.tensor[:, start : start + ids.size], transfer_id, first_j=j0)
+                write_expected(
+                    self.tensor[:, start : start + ids.size], transfer_id, first_j=j0, **self._pat
+                )
                 continue
-            exp = write_expected(self._scratch_view(0, ids.size), transfer_id, first_j=j0)
+            exp = write_expected(
+                self._scratch_view(0, ids.size), transfer_id, first_j=j0, **self._pat
+            )
             _as_words(self.tensor).index_copy_(1, self._index(ids), _as_words(exp))
 
     def verify(self, transfer_id: str, block_ids: np.ndarray) -> bool:
         """True iff every byte of these blocks, in every region, equals the pattern."""
         for j0, ids in self._chunks(block_ids):
-            exp = write_expected(self._scratch_view(0, ids.size), transfer_id, first_j=j0)
+            exp = write_expected(
+                self._scratch_view(0, ids.size), transfer_id, first_j=j0, **self._pat
+            )
             start = _run_start(ids)
             if start is not None:
                 got = self.tensor[:, start : start + ids.size]
@@ -134,6 +162,33 @@ class KvPool:
             if not _equal(got, exp):
                 return False
         return True
+
+    def explain(self, transfer_id: str, block_ids: np.ndarray) -> str:
+        """Why ``verify`` failed: the first head slice that differs, and what its tag says is
+        there instead (which transfer, region, model head, position) -- so a head at the wrong
+        offset, from the wrong rank or a stale block is named, not just "bytes differ"."""
+        heads, first = self._pat["heads"], self._pat["first_head"]
+        hb = self.cfg.block_bytes // heads
+        ids = np.ascontiguousarray(block_ids, dtype=np.int64).reshape(-1)
+        for j, b in enumerate(ids.tolist()):
+            exp = write_expected(
+                self._scratch_view(0, 1), transfer_id, first_j=j, **self._pat
+            ).view(self.cfg.regions, heads, hb)
+            got = self.tensor[:, b].view(self.cfg.regions, heads, hb)
+            for r in range(self.cfg.regions):
+                for h in range(heads):
+                    if _equal(got[r, h], exp[r, h]):
+                        continue
+                    where = (
+                        f"rank {self.rank}, region {r}, block {b} (position {j}), head {first + h}"
+                    )
+                    if hb < TAG_BYTES:
+                        return f"{where}: bytes differ"
+                    digest, fr, fh, fj = read_tag(got[r, h].cpu().numpy())
+                    if digest != transfer_digest(transfer_id):
+                        return f"{where}: holds bytes of another transfer (or none)"
+                    return f"{where}: holds region {fr}, head {fh}, position {fj} instead"
+        return "every head slice matches"
 
     def digest(self, block_ids: np.ndarray) -> str:
         """sha256 (hex) of these blocks' bytes: region by region in region order, each region's

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from kvpush.endpoint.core import Endpoint
 
 
-def open_endpoint(cfg: EndpointConfig) -> Endpoint[Any]:
+def open_endpoint(cfg: EndpointConfig) -> Endpoint[Any, Any]:
     """A started endpoint for ``cfg``."""
     from kvpush import endpoint
 

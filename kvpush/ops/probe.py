@@ -122,9 +122,10 @@ def local_compat_fields(pool: PoolConfig) -> dict[str, object]:
         "protocol_version": PROTOCOL_VERSION,
         "dtype": pool.dtype,
         "kv_layout": pool.kv_layout,
-        "block_bytes": pool.block_bytes,
+        "block_bytes": pool.head_bytes * pool.kv_heads,  # the model's page, all ranks' shares
         "layers": pool.layers,
         "regions": pool.regions,
+        "kv_heads": pool.kv_heads,
     }
 
 
@@ -235,7 +236,7 @@ def _probe_kvpush(
     meta.pop("region_base_addrs", None)
     meta["wire"] = kv.wire
     meta["ranks"] = [list(r) for r in kv.ranks]
-    remote_fields = {f: meta.get(f) for f in protocol.COMPAT_FIELDS}
+    remote_fields = protocol.compat_fields_loose(meta)
     diffs: list[tuple[str, object, object]]
     if local is None:
         local_fields = {"protocol_version": PROTOCOL_VERSION}

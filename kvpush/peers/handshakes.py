@@ -23,6 +23,8 @@ import threading
 import time
 from concurrent.futures import Future
 
+import msgspec
+
 from kvpush.config import HandshakeMode, Timeouts, VllmWireConfig, Wire
 from kvpush.errors import (
     HandshakeError,
@@ -34,6 +36,7 @@ from kvpush.errors import (
 )
 from kvpush.memory.descriptors import block_descs
 from kvpush.peers.state import PeerConn, PeerEntry, PeerKey, peer_key, peer_name
+from kvpush.peers.tp import check_ratio, write_slice
 from kvpush.peers.validation import check_reply, mode_satisfies
 from kvpush.peers.vllm_peer import PeerHint, check_vllm_answer
 from kvpush.ratelog import RateLimitedLog
@@ -270,6 +273,7 @@ class HandshakeManager:
                     role = "decode" if self._local.role == "prefill" else "prefill"
                     vp = check_vllm_answer(peer, ident.payload, self._local, self._vllm, hint, role)
                     md, agent_md, strides = vp.metadata, vp.agent_metadata, vp.block_strides
+                    md = msgspec.structs.replace(md, tp_rank=rank)
                     server_clock = time.time() - (time.perf_counter() - ident.remote_clock)
                 else:
                     client.identify(0, 0)
@@ -288,11 +292,19 @@ class HandshakeManager:
                     if not isinstance(rep, protocol.HandshakeRep):
                         raise HandshakeError(peer, f"unexpected reply {type(rep).__name__}")
                     md = check_reply(self._local, self._local_hash, rep, peer)
+                    if md.tp_rank != rank:
+                        raise HandshakeError(peer, f"asked for rank {rank}, got rank {md.tp_rank}")
                     agent_md, server_clock = rep.agent_metadata, rep.server_clock
             except PeerUnreachableError as e:
                 raise PeerUnreachableError(f"handshake with {peer} failed: {e}") from None
         t1 = time.perf_counter()
         w1 = time.time()
+        p_tp, d_tp = (
+            (self._local.tp_size, md.tp_size)
+            if self._local.role == "prefill"
+            else (md.tp_size, self._local.tp_size)
+        )
+        check_ratio(p_tp, d_tp, peer)
         if time.monotonic() > deadline:
             raise HandshakeError(peer, f"deadline of {self._timeouts.handshake_s:g}s passed")
         name = self._agent.add_remote(agent_md)
@@ -304,8 +316,27 @@ class HandshakeManager:
                     peer, f"NIXL agent name {name!r} differs from the announced {md.agent_name!r}"
                 )
             if mode == HandshakeMode.FULL:
+                # P writes its share (or a chunk) of each page at an offset in D's page; any
+                # other full handshake (D measuring one, kvpush probe) covers whole pages.
+                offset, length = 0, md.block_bytes
+                if self._local.role == "prefill" and md.role == "decode":
+                    sl = write_slice(
+                        self._local.tp_rank,
+                        md.tp_rank,
+                        p_tp,
+                        d_tp,
+                        self._local.block_bytes,
+                        md.block_bytes,
+                        self._local.kv_heads == 1,
+                    )
+                    offset, length = sl.remote_offset, sl.length
                 descs = block_descs(
-                    md.region_base_addrs, md.num_blocks, md.block_bytes, md.device_id, strides
+                    md.region_base_addrs,
+                    md.num_blocks,
+                    length,
+                    md.device_id,
+                    strides or [md.block_bytes] * md.regions,
+                    offset,
                 )
                 dlist = self._agent.prep_remote(name, descs, md.device_kind)
             t3 = time.perf_counter()
@@ -318,7 +349,7 @@ class HandshakeManager:
             self._agent.remove_remote(name)
             raise
         rtt = t1 - t0
-        offset = server_clock - (w0 + w1) / 2
+        clock_offset = server_clock - (w0 + w1) / 2
         timings = {
             "side_channel_s": t1 - t0,
             "load_s": t2 - t1,
@@ -334,7 +365,7 @@ class HandshakeManager:
             remote_dlist=dlist,
             timings=timings,
             rtt_s=rtt,
-            clock_offset_s=offset,
+            clock_offset_s=clock_offset,
         )
 
     # ------------------------------------------------------------------ eviction

@@ -42,7 +42,9 @@ def check_reply(
     """The peer's metadata, checked: compatibility hash *before* decoding, then every field."""
     if rep.compat_hash != local_hash:
         # Name the differing fields without trusting the metadata's schema.
-        check_compat(local, protocol.decode_metadata_loose(rep.metadata), peer)
+        check_compat(
+            local, protocol.compat_fields_loose(protocol.decode_metadata_loose(rep.metadata)), peer
+        )
         raise HandshakeError(peer, "compatibility hash differs (no field differs: bad hash)")
     md = protocol.decode_metadata(rep.metadata)
     check_compat(local, protocol.compat_fields(md), peer)

@@ -20,6 +20,7 @@ from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
 from kvpush.prefill.table import (
     AwaitingHandshake,
     CancelledEarly,
+    Leg,
     Push,
     PushOutcome,
     PushTable,
@@ -27,6 +28,7 @@ from kvpush.prefill.table import (
     Registration,
     Waiting,
     Writing,
+    peer_of,
 )
 from kvpush.ratelog import RateLimitedLog
 from kvpush.runtime.inbox import Inbox
@@ -66,35 +68,50 @@ class Outcomes:
         self._on_outcome = on_outcome
         self._rl = RateLimitedLog(log)
 
-    def fail(
-        self,
-        push: Push,
-        reason: Failure,
-        detail: str,
-        *,
-        conn: PeerConn | None = None,
-        may_have_written: bool = False,
-    ) -> None:
+    def fail(self, push: Push, reason: Failure, detail: str) -> None:
+        """A push that fails before any of its WRITEs was posted: every target D rank is told,
+        P's blocks go back (nothing can have moved)."""
         st = self.table.get(push.key)
         if isinstance(st, AwaitingHandshake) and st.push.finished is push.finished:
             self.table.pop(push.key)
         self._tm.fail(reason)
+        self._rl.warning(str(reason), "push %s failed (%s): %s", push.key, reason, detail)
+        for r in push.registrations:
+            self.tell(r, None, reason, detail, may_have_written=False)
+        self.settle(push, reason, detail, quarantine=False)
+
+    def fail_leg(self, leg: Leg, reason: Failure, detail: str, may_have_written: bool) -> None:
+        """One WRITE of a push will not complete normally: its D rank is told; the push's
+        blocks are settled when its last leg ends (``settle``)."""
+        self._tm.fail(reason)
+        self._rl.warning(str(reason), "push %s failed (%s): %s", leg.push.key, reason, detail)
+        leg.writing.failed[leg.d_rank] = (reason, may_have_written)
+        self.tell(leg.registration, leg.conn, reason, detail, may_have_written)
+
+    def settle(self, push: Push, reason: str, detail: str, *, quarantine: bool) -> None:
+        """A failed push is over: count it once, report it, quarantine or free its blocks."""
         self._tm.inc(Counter.PUSHES_FAILED)
         self._on_outcome(PushOutcome(push.finished.transfer_id, False, reason, detail))
-        self._rl.warning(str(reason), "push %s failed (%s): %s", push.key, reason, detail)
-        if may_have_written:
+        if quarantine:
             self._pool.allocator.quarantine(push.key, reason)
         else:
             self._pool.allocator.release(push.key)
-        reg = push.registration.reg
-        if conn is None:
-            conn = self._hs.get(push.peer)
+
+    def tell(
+        self,
+        r: Registration,
+        conn: PeerConn | None,
+        reason: Failure,
+        detail: str,
+        may_have_written: bool,
+    ) -> None:
+        conn = conn or self._hs.get(peer_of(r))
         if conn is not None:
             self.notify(
                 conn,
                 protocol.Failure(
-                    request_id=reg.request_id,
-                    transfer_id=reg.transfer_id,
+                    request_id=r.reg.request_id,
+                    transfer_id=r.reg.transfer_id,
                     reason=reason,
                     detail=detail[:1000],
                     may_have_written=may_have_written,
@@ -115,7 +132,7 @@ class Outcomes:
     def refuse_registration(self, r: Registration, reason: Failure, detail: str) -> None:
         """Tell D (when connected) that a registration that never met its blocks is dropped;
         nothing was written, so D can free its blocks at once."""
-        conn = self._hs.get((r.reg.decode_host, r.reg.decode_port, r.reg.decode_tp_rank))
+        conn = self._hs.get(peer_of(r))
         if conn is not None:
             self.notify(
                 conn,
@@ -137,13 +154,18 @@ class Outcomes:
         Cancel on the same connection): a Cancel from anyone else is counted as forged."""
         key = msg.transfer_id or msg.request_id
         st = self.table.get(key)
-        owner = self.table.sender(key)
-        if (owner is not None and owner != sender) or (owner is None and isinstance(st, Waiting)):
+        owners = self.table.senders(key)
+        if (owners and sender not in owners) or (not owners and isinstance(st, Waiting)):
             # Not its D, or blocks waiting that nobody registered.
             self._tm.fail(Failure.FORGED_NOTIF)
             self._rl.warning("forged", "ignored a Cancel for %s from %s (not its D)", key, sender)
             return
-        if isinstance(st, Registered):
+        if isinstance(st, Waiting):
+            # Some of its D ranks registered, P's blocks are here, nothing was written yet.
+            self.table.pop(key)
+            self._pool.allocator.release(key)
+            self.ack_cancel(msg, sender)
+        elif isinstance(st, Registered):
             # P has not finished its blocks yet: free them when they do, instead of holding
             # them until their lease lapses (a burst of aborts exhausted P).
             if self.table.count(CancelledEarly) < MAX_EARLY_CANCELS:

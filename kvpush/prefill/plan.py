@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpush.memory.descriptors import xfer_indices
+from kvpush.peers.tp import Slice
 from kvpush.telemetry.names import Failure
 from kvpush.wire import protocol
 
@@ -45,7 +46,10 @@ def plan_write(
     reg: protocol.PushReg,
     remote: protocol.EndpointMetadata,
     local: LocalGeometry,
+    sl: Slice | None = None,
 ) -> WritePlan:
+    """``sl``: the part of each page this WRITE moves (whole pages when None); the descriptor
+    lists it indexes into carry the slice's offsets."""
     if len(reg.local_block_ids) != 1:
         raise PlanError(Failure.BAD_REGISTRATION, "only one block group is supported")
     remote_ids = np.asarray(reg.local_block_ids[0], dtype=np.int64)
@@ -61,7 +65,7 @@ def plan_write(
     return WritePlan(
         local_idx=xfer_indices(local_ids, local.num_blocks, local.regions),
         remote_idx=xfer_indices(remote_ids, remote.num_blocks, remote.regions),
-        nbytes=len(local_ids) * local.regions * local.block_bytes,
+        nbytes=len(local_ids) * local.regions * (local.block_bytes if sl is None else sl.length),
     )
 
 

@@ -1,13 +1,12 @@
 """P's role: fill blocks for a transfer and push them with the writer.
 
-``prefill(transfer_id, num_blocks)`` stands in for the model: it allocates blocks, writes the
-transfer's deterministic pattern into them and hands them to the writer as *finished*; the
-writer (``kvpush.prefill.writer``, on this role's owner thread) does everything else. Prefill
-requests arrive on the side channel and run on the endpoint's control executor, because filling
-blocks takes a while. ``watch(transfer_id)`` resolves when that transfer's push ends (WRITE
-done, failed, or lease lapsed): the writer reports every outcome here, and the last few thousand
-are kept for a ``PushWaitReq`` that comes late. On vLLM's wire the prefill answer also carries
-the ``kv_transfer_params`` a vLLM D needs (what a vLLM P's ``request_finished`` returns).
+One ``PrefillRole`` per tensor-parallel rank. ``reserve`` + ``finish`` (or ``prefill``) stand in
+for the model: allocate this rank's blocks, write its share of the transfer's deterministic
+pattern (its heads) into them and hand them to the writer as *finished*; the writer
+(``kvpush.prefill.writer``, on this rank's owner thread) does everything else.
+``watch(transfer_id)`` resolves when that transfer's push ends on this rank (WRITE done, failed,
+or lease lapsed); the last few thousand outcomes are kept for a wait that comes late. Side-channel
+requests are served for all ranks at once by ``kvpush.prefill.group``.
 """
 
 from __future__ import annotations
@@ -19,6 +18,8 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import TypeVar
 
+import numpy as np
+
 from kvpush.config import Wire
 from kvpush.errors import KvpushError, NoFreeBlocksError, ShuttingDownError
 from kvpush.prefill.table import Finished, PushOutcome, transfer_key
@@ -26,8 +27,6 @@ from kvpush.prefill.writer import PushWriter
 from kvpush.runtime.context import EndpointContext
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.names import Counter, Failure
-from kvpush.transport.sidechannel import ReplyFn
-from kvpush.wire import protocol
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +53,10 @@ class PrefillRole:
         self._lock = threading.Lock()
         self._watches: dict[str, Future[PushOutcome]] = {}
         self._recent: OrderedDict[str, PushOutcome] = OrderedDict()
-        self._digests: OrderedDict[str, str] = OrderedDict()
 
     # ------------------------------------------------------------------ Role
     def start(self) -> None:
         self.owner.start()
-
-    def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
-        if isinstance(req, protocol.PrefillReq):
-            self.ctx.control.submit(self._serve_prefill, req, reply)
-            return True
-        if isinstance(req, protocol.PushWaitReq):
-            self._serve_wait(req, reply)
-            return True
-        return False
 
     def stop_intake(self, drain_s: float) -> None:
         self._stopping.set()
@@ -82,38 +71,56 @@ class PrefillRole:
         self.owner.wake.set()
 
     # ------------------------------------------------------------------ API (any thread)
-    def prefill(
-        self, transfer_id: str, num_blocks: int, request_id: str = "", digest: bool = False
-    ) -> tuple[list[int], str]:
-        """Fill ``num_blocks`` blocks with the transfer's pattern and mark them finished; return
-        the block ids and the sha256 of the filled bytes when ``digest`` (else "")."""
+    def reserve(self, transfer_id: str, num_blocks: int) -> np.ndarray:
+        """Allocate this rank's blocks for ``transfer_id`` (all or nothing)."""
         if self._stopping.is_set():
             raise ShuttingDownError("prefill endpoint is shutting down")
         if not transfer_id:
             raise KvpushError("transfer id is empty", "pass a non-empty transfer id")
-        pool, tm = self.ctx.pool, self.ctx.telemetry
-        key = transfer_key(transfer_id, self._vllm)  # the writer's table key owns the blocks
         try:
-            ids = pool.allocator.allocate(key, num_blocks)
+            return self.ctx.pool.allocator.allocate(self.key(transfer_id), num_blocks)
         except NoFreeBlocksError:
-            tm.fail(Failure.NO_FREE_BLOCKS)
+            self.ctx.telemetry.fail(Failure.NO_FREE_BLOCKS)
             raise
         except ValueError as e:
             raise KvpushError(f"cannot prefill {transfer_id}: {e}") from None
-        sha = ""
+
+    def unreserve(self, transfer_id: str) -> None:
+        self.ctx.pool.allocator.release(self.key(transfer_id))
+
+    def fill(self, transfer_id: str, ids: np.ndarray) -> None:
+        """This rank's share of the transfer's pattern into reserved blocks."""
+        self.ctx.pool.fill(transfer_id, ids)
+
+    def finish(self, transfer_id: str, ids: np.ndarray, request_id: str = "") -> None:
+        """Hand filled blocks to the writer as finished (released again if that fails)."""
+        key = self.key(transfer_id)
         try:
-            pool.fill(transfer_id, ids)
-            if digest:
-                sha = pool.digest(ids)
-                with self._lock:
-                    _remember(self._digests, transfer_id, sha)
             rid = request_id or transfer_id
             self.writer.finished.put(Finished(key, transfer_id, rid, ids, time.monotonic()))
         except BaseException:
-            pool.allocator.release(key)
+            self.ctx.pool.allocator.release(key)
             raise
-        tm.inc(Counter.PREFILLS)
+        self.ctx.telemetry.inc(Counter.PREFILLS)
+
+    def prefill(
+        self, transfer_id: str, num_blocks: int, request_id: str = "", digest: bool = False
+    ) -> tuple[list[int], str]:
+        """One rank's prefill: reserve, fill, finish; return the block ids and, when asked,
+        the sha256 of the filled bytes (else "")."""
+        ids = self.reserve(transfer_id, num_blocks)
+        try:
+            self.fill(transfer_id, ids)
+            sha = self.ctx.pool.digest(ids) if digest else ""
+        except BaseException:
+            self.unreserve(transfer_id)
+            raise
+        self.finish(transfer_id, ids, request_id)
         return ids.tolist(), sha
+
+    def key(self, transfer_id: str) -> str:
+        """The writer's table key, which also owns the blocks."""
+        return transfer_key(transfer_id, self._vllm)
 
     # ------------------------------------------------------------------ outcomes
     def watch(self, transfer_id: str) -> Future[PushOutcome]:
@@ -134,42 +141,6 @@ class PrefillRole:
         if fut is not None and not fut.done():
             fut.set_result(outcome)
 
-    def _serve_wait(self, req: protocol.PushWaitReq, reply: ReplyFn) -> None:
-        fut = self.watch(req.transfer_id)
-        timer = threading.Timer(max(0.0, req.timeout_s), lambda: answer(None))
-        timer.daemon = True
-        sent = threading.Event()
-
-        def answer(f: Future[PushOutcome] | None) -> None:
-            if sent.is_set():
-                return
-            sent.set()
-            timer.cancel()
-            with self._lock:
-                sha = self._digests.get(req.transfer_id, "")
-            if f is None or not f.done():
-                reply(
-                    protocol.PushWaitRep(
-                        rid=req.rid, transfer_id=req.transfer_id, outcome="pending"
-                    )
-                )
-                return
-            o = f.result()
-            reply(
-                protocol.PushWaitRep(
-                    rid=req.rid,
-                    transfer_id=req.transfer_id,
-                    outcome="ok" if o.ok else "failed",
-                    reason=o.reason,
-                    detail=o.detail[:1000],
-                    nbytes=o.nbytes,
-                    sha256=sha if o.ok else "",
-                )
-            )
-
-        timer.start()
-        fut.add_done_callback(answer)
-
     def kv_transfer_params(
         self, request_id: str, block_ids: list[int]
     ) -> dict[str, str | int | bool | list[list[int]]]:
@@ -188,45 +159,9 @@ class PrefillRole:
             "transfer_mode": "push",
         }
 
-    def _serve_prefill(self, req: protocol.PrefillReq, reply: ReplyFn) -> None:
-        t0 = time.perf_counter()
-        try:
-            ids, sha = self.prefill(req.transfer_id, req.num_blocks, req.request_id, req.digest)
-        except KvpushError as e:
-            reason = "no_free_blocks" if isinstance(e, NoFreeBlocksError) else type(e).__name__
-            reply(
-                protocol.PrefillRep(
-                    rid=req.rid, transfer_id=req.transfer_id, outcome="failed", reason=reason[:256]
-                )
-            )
-            return
-        except Exception as e:
-            log.exception("prefill %s failed", req.transfer_id)
-            reply(
-                protocol.PrefillRep(
-                    rid=req.rid,
-                    transfer_id=req.transfer_id,
-                    outcome="failed",
-                    reason=f"internal_error: {e}"[:256],
-                )
-            )
-            return
-        reply(
-            protocol.PrefillRep(
-                rid=req.rid,
-                transfer_id=req.transfer_id,
-                outcome="ok",
-                latency_s=time.perf_counter() - t0,
-                sha256=sha,
-                kv_transfer_params=(
-                    self.kv_transfer_params(req.transfer_id, ids) if self._vllm else {}
-                ),
-            )
-        )
-
 
 _V = TypeVar("_V")
-RECENT = 4096  # outcomes and digests kept for late PushWaitReqs
+RECENT = 4096  # outcomes kept for late PushWaitReqs
 
 
 def _remember(d: OrderedDict[str, _V], key: str, value: _V) -> None:

@@ -7,6 +7,10 @@ the request id when a PUSH_REG carries none) is in exactly one typed state::
     Registered ──blocks──▶ (matched) ──▶ Writing ──▶ gone            (P->D peer already connected)
     Registered ──Cancel──▶ CancelledEarly ──blocks──▶ gone (blocks freed at once)
 
+A push may need several registrations: when D has k times P's ranks, each of P's pages is
+written in k chunks to k D ranks, each of which registers; the push is matched once all k are
+here, and its WRITEs are its *legs*, one per D rank.
+
 Either side may arrive first. A finished transfer holds P's blocks under a lease that starts when
 its blocks finish; D's heartbeats renew it while D waits; an expired lease gives the blocks back.
 A registration that never meets its blocks is dropped after ``reg_ttl_s`` (D's own deadline fails
@@ -51,10 +55,11 @@ class Registration:
 
 @dataclass(frozen=True)
 class Push:
-    """A matched pair: P's blocks and D's registration, ready to be written."""
+    """P's blocks matched with every registration they are written to: one per target D rank
+    (more than one when D has more ranks than P: each gets its chunk of P's page)."""
 
     finished: Finished
-    registration: Registration
+    registrations: tuple[Registration, ...]
     attempt: int = 0
 
     @property
@@ -62,12 +67,20 @@ class Push:
         return self.finished.key
 
     @property
+    def registration(self) -> Registration:
+        return self.registrations[0]
+
+    @property
     def peer(self) -> PeerKey:
-        reg = self.registration.reg
-        return (reg.decode_host, reg.decode_port, reg.decode_tp_rank)
+        return peer_of(self.registration)
 
     def retry(self) -> Push:
-        return Push(self.finished, self.registration, self.attempt + 1)
+        return Push(self.finished, self.registrations, self.attempt + 1)
+
+
+def peer_of(r: Registration) -> PeerKey:
+    reg = r.reg
+    return (reg.decode_host, reg.decode_port, reg.decode_tp_rank)
 
 
 def reg_key(reg: protocol.PushReg) -> str:
@@ -96,37 +109,65 @@ def transfer_key(transfer_id: str, vllm_ids: bool) -> str:
 
 @dataclass
 class Waiting:
-    """Finished blocks awaiting D's PUSH_REG, under a lease."""
+    """Finished blocks awaiting D's PUSH_REGs (``regs`` has those already here), under a lease."""
 
     finished: Finished
     lease_until: float
+    regs: dict[int, Registration] = field(default_factory=dict)  # by D rank
+    expected: int = 0  # registrations the push needs; 0 until the first one says
 
 
 @dataclass
 class Registered:
-    """A PUSH_REG awaiting P's blocks."""
+    """PUSH_REGs (one per target D rank, ``expected`` of them) awaiting P's blocks."""
 
-    registration: Registration
+    regs: dict[int, Registration]
+    expected: int = 1
+
+    @property
+    def registration(self) -> Registration:
+        return next(iter(self.regs.values()))
 
 
 @dataclass
 class AwaitingHandshake:
-    """Matched; the P->D handshake runs in the background. ``cancelled``: D cancelled meanwhile."""
+    """Matched; P->D handshakes run in the background. ``cancelled``: D cancelled meanwhile."""
 
     push: Push
     cancelled: bool = False
 
 
 @dataclass
-class Writing:
-    """A posted WRITE of one push."""
+class Leg:
+    """One posted WRITE of a push: P's share (or chunk) into one D rank."""
 
-    push: Push
+    writing: Writing
+    registration: Registration
     xfer: Xfer
     conn: PeerConn
     t_post: float
     deadline: float
     nbytes: int
+
+    @property
+    def push(self) -> Push:
+        return self.writing.push
+
+    @property
+    def d_rank(self) -> int:
+        return self.registration.reg.decode_tp_rank
+
+
+@dataclass
+class Writing:
+    """A push whose WRITEs are posted: legs still in flight, and how the others ended."""
+
+    push: Push
+    legs: dict[int, Leg] = field(default_factory=dict)  # in flight, by D rank
+    failed: dict[int, tuple[str, bool]] = field(default_factory=dict)  # reason, may_have_written
+    nbytes: int = 0  # of the legs that completed
+    unposted: int = 0  # legs not posted yet (the push is not over while any is left)
+    settled: bool = False
 
 
 @dataclass
@@ -159,7 +200,7 @@ class FenceWrite:
 
 
 State = Waiting | Registered | AwaitingHandshake | Writing | CancelledEarly
-InFlight = Writing | FenceWrite
+InFlight = Leg | FenceWrite
 
 
 class DuplicateError(ValueError):
@@ -186,14 +227,14 @@ class PushTable:
     def __len__(self) -> int:
         return len(self._states)
 
-    def sender(self, key: str) -> str | None:
-        """The NIXL agent whose PUSH_REG P holds for ``key`` (registered, matched, writing)."""
+    def senders(self, key: str) -> set[str]:
+        """The NIXL agents whose PUSH_REGs P holds for ``key`` (registered, matched, writing)."""
         st = self._states.get(key)
-        if isinstance(st, Registered):
-            return st.registration.sender
+        if isinstance(st, (Registered, Waiting)):
+            return {r.sender for r in st.regs.values()}
         if isinstance(st, (AwaitingHandshake, Writing)):
-            return st.push.registration.sender
-        return None
+            return {r.sender for r in st.push.registrations}
+        return set()
 
     def inflight(self) -> list[InFlight]:
         """A copy: the caller may complete or abandon entries while iterating."""
@@ -204,6 +245,9 @@ class PushTable:
 
     def peers_in_flight(self) -> set[PeerKey]:
         return {w.conn.key for w in self._inflight.values()}
+
+    def legs_to(self, peer: PeerKey) -> list[InFlight]:
+        return [e for e in self._inflight.values() if e.conn.key == peer]
 
     def waiting_keys(self) -> list[str]:
         """Keys of finished transfers still waiting for their PUSH_REG."""
@@ -233,8 +277,11 @@ class PushTable:
             self.pop(f.key)
             return st
         if isinstance(st, Registered):
-            self.pop(f.key)
-            return Push(f, st.registration)
+            if len(st.regs) >= st.expected:
+                self.pop(f.key)
+                return Push(f, _in_rank_order(st.regs))
+            self._set(f.key, Waiting(f, now + self.lease_s, st.regs, st.expected))
+            return None
         if isinstance(st, Waiting):
             raise DuplicateError(f"transfer {f.key} already finished and waiting")
         if st is not None:
@@ -242,20 +289,26 @@ class PushTable:
         self._set(f.key, Waiting(f, now + self.lease_s))
         return None
 
-    def add_registration(self, r: Registration) -> Push | CancelledEarly | None:
-        """D's PUSH_REG: the matched push, an early cancel it meets, or None (wait for blocks)."""
+    def add_registration(self, r: Registration, expected: int = 1) -> Push | CancelledEarly | None:
+        """D's PUSH_REG (from one D rank; ``expected`` of them make the push): the matched
+        push, an early cancel it meets, or None (wait for blocks or the other D ranks)."""
         st = self._states.get(r.key)
+        rank = r.reg.decode_tp_rank
         if isinstance(st, CancelledEarly):
             self.pop(r.key)
             return st
-        if isinstance(st, Waiting):
-            self.pop(r.key)
-            return Push(st.finished, r)
-        if isinstance(st, Registered):
-            raise DuplicateError(f"transfer {r.key} already registered")
+        if isinstance(st, (Waiting, Registered)):
+            if rank in st.regs:
+                raise DuplicateError(f"transfer {r.key} already registered (D rank {rank})")
+            st.regs[rank] = r
+            st.expected = max(st.expected, expected)
+            if isinstance(st, Waiting) and len(st.regs) >= st.expected:
+                self.pop(r.key)
+                return Push(st.finished, _in_rank_order(st.regs))
+            return None
         if st is not None:
             raise DuplicateError(f"transfer {r.key} already matched ({type(st).__name__})")
-        self._set(r.key, Registered(r))
+        self._set(r.key, Registered({rank: r}, expected))
         return None
 
     def await_handshake(self, push: Push) -> None:
@@ -263,16 +316,32 @@ class PushTable:
 
     def writing(self, w: Writing) -> None:
         self._set(w.push.key, w)
-        self._inflight[id(w.xfer)] = w
+
+    def leg_posted(self, leg: Leg) -> None:
+        leg.writing.legs[leg.d_rank] = leg
+        self._inflight[id(leg.xfer)] = leg
+
+    def forget(self, w: Writing) -> None:
+        """A push none of whose WRITEs could be posted."""
+        if self._states.get(w.push.key) is w:
+            self.pop(w.push.key)
 
     def fence_posted(self, fw: FenceWrite) -> None:
         self._inflight[id(fw.xfer)] = fw
 
-    def done(self, entry: InFlight) -> None:
-        """A WRITE or fence completed or was abandoned: forget it."""
+    def done(self, entry: InFlight) -> Writing | None:
+        """A WRITE leg or a fence completed or was abandoned: forget it. Returns the push's
+        Writing once its last leg is gone (the caller then settles the push), else None."""
         self._inflight.pop(id(entry.xfer), None)
-        if isinstance(entry, Writing) and self._states.get(entry.push.key) is entry:
-            self.pop(entry.push.key)
+        if isinstance(entry, FenceWrite):
+            return None
+        w = entry.writing
+        w.legs.pop(entry.d_rank, None)
+        if w.legs or w.unposted:
+            return None
+        if self._states.get(w.push.key) is w:
+            self.pop(w.push.key)
+        return w
 
     def cancel_early(self, key: str, now: float) -> None:
         self._set(key, CancelledEarly(now))
@@ -301,9 +370,10 @@ class PushTable:
             if isinstance(st, Waiting) and st.lease_until <= now:
                 self.pop(k)
                 fins.append(st.finished)
+                regs.extend(st.regs.values())  # D ranks that registered: the push is off
             elif isinstance(st, Registered) and now - st.registration.t_arrived > self.reg_ttl_s:
                 self.pop(k)
-                regs.append(st.registration)
+                regs.extend(st.regs.values())
             elif isinstance(st, CancelledEarly) and now - st.since > self.reg_ttl_s:
                 self.pop(k)
         return fins, regs
@@ -315,10 +385,15 @@ class PushTable:
         for k, st in list(self._states.items()):
             if isinstance(st, Waiting):
                 fins.append(st.finished)
+                regs.extend(st.regs.values())
                 self.pop(k)
             elif isinstance(st, Registered):
-                regs.append(st.registration)
+                regs.extend(st.regs.values())
                 self.pop(k)
             elif isinstance(st, CancelledEarly):
                 self.pop(k)
         return fins, regs
+
+
+def _in_rank_order(regs: dict[int, Registration]) -> tuple[Registration, ...]:
+    return tuple(regs[r] for r in sorted(regs))

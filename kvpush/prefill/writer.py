@@ -20,19 +20,24 @@ moving quarantines P's blocks and tells D ``may_have_written``; a fence
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+
+import msgspec
 
 from kvpush.config import EndpointConfig, HandshakeMode, Wire, WriterMode
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
+from kvpush.peers.tp import Slice, targets, write_slice
 from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
 from kvpush.prefill.fences import Fences
 from kvpush.prefill.outcomes import Outcomes
-from kvpush.prefill.plan import LocalGeometry, PlanError, plan_write
+from kvpush.prefill.plan import LocalGeometry, PlanError, WritePlan, plan_write
 from kvpush.prefill.strategy import BlockingWait, Deferred, DeferredWait, HandshakeWait
 from kvpush.prefill.table import (
     AwaitingHandshake,
@@ -42,6 +47,7 @@ from kvpush.prefill.table import (
     FenceWrite,
     Finished,
     InFlight,
+    Leg,
     Push,
     PushOutcome,
     PushTable,
@@ -49,6 +55,7 @@ from kvpush.prefill.table import (
     Registration,
     Waiting,
     Writing,
+    peer_of,
     reg_key,
     transfer_key,
 )
@@ -115,6 +122,7 @@ class PushWriter:
         )
         self._rl = RateLimitedLog(log)
         self._local_dlist: DList | None = None
+        self._chunk_dlists: dict[tuple[int, int], DList] = {}  # (offset, length) of each page
         owner.attach(self)
 
     # ------------------------------------------------------------------ OwnerLoop
@@ -183,8 +191,40 @@ class PushWriter:
             self._start_push(got)
 
     def _on_registration(self, r: Registration) -> None:
+        reg = r.reg
+        d_tp, d_rank = max(1, reg.decode_tp_size), reg.decode_tp_rank
+        p_tp, p_rank = self.cfg.tp_size, self.cfg.tp_rank
+        if self._vllm and not (p_tp % d_tp and d_tp % p_tp):
+            # vLLM's PUSH_REG does not name D's rank; with P_tp >= D_tp only one D rank can
+            # register with this P rank. (D_tp > P_tp on vLLM's wire would need the sender's
+            # rank from its handshake: not supported, refused below.)
+            only = targets(p_rank, p_tp, d_tp)
+            if len(only) == 1:
+                d_rank = only[0]
+                r = dataclasses.replace(r, reg=msgspec.structs.replace(reg, decode_tp_rank=d_rank))
+            else:
+                d_rank = -1
+        if (
+            (p_tp % d_tp and d_tp % p_tp)
+            or d_rank >= d_tp
+            or d_rank not in targets(p_rank, p_tp, d_tp)
+        ):
+            # D registers with exactly the P ranks that write into it (VLLM_INTEROP.md 4):
+            # anything else would write another rank's heads, or write twice.
+            self._tm.fail(Failure.UNEXPECTED_RANK)
+            self._rl.warning(
+                "rank",
+                "writer: dropped PUSH_REG for %s from D rank %d of %d: P rank %d of %d "
+                "does not write it",
+                r.key,
+                d_rank,
+                d_tp,
+                p_rank,
+                p_tp,
+            )
+            return
         try:
-            got = self.table.add_registration(r)
+            got = self.table.add_registration(r, expected=len(targets(p_rank, p_tp, d_tp)))
         except DuplicateError as e:
             self._tm.fail(Failure.DUPLICATE_REGISTRATION)
             self._rl.warning("dupreg", "writer: %s", e)
@@ -212,69 +252,127 @@ class PushWriter:
 
     # ------------------------------------------------------------------ pushing
     def _start_push(self, push: Push) -> None:
-        reg = push.registration.reg
-        key = push.peer
-        conn = self._hs.get(key)
-        if (
-            conn is not None
-            and reg.decode_incarnation
-            and conn.metadata.incarnation != reg.decode_incarnation
-        ):
-            arrived_wall = time.time() - (time.monotonic() - push.registration.t_arrived)
-            if conn.connected_at > arrived_wall:
-                # We connected to this incarnation after the PUSH_REG arrived: it comes from
-                # an incarnation that has since died. Evicting the live one would fail its
-                # pushes; writing would hit blocks that now belong to someone else.
+        """Make sure every target D rank is connected (full handshake), then post the legs."""
+        conns: dict[int, PeerConn] = {}
+        pending: Future[PeerConn] | None = None
+        for r in push.registrations:
+            reg, key = r.reg, peer_of(r)
+            conn = self._hs.get(key)
+            if (
+                conn is not None
+                and reg.decode_incarnation
+                and conn.metadata.incarnation != reg.decode_incarnation
+            ):
+                arrived_wall = time.time() - (time.monotonic() - r.t_arrived)
+                if conn.connected_at > arrived_wall:
+                    # We connected to this incarnation after the PUSH_REG arrived: it comes
+                    # from an incarnation that has since died. Evicting the live one would
+                    # fail its pushes; writing would hit blocks that belong to someone else.
+                    self._out.fail(
+                        push, Failure.STALE_REGISTRATION, "D restarted after this PUSH_REG"
+                    )
+                    return
+                # D restarted at the same address: forget the old incarnation first.
+                self._evict(key, f"new incarnation {reg.decode_incarnation}")
+                conn = None
+            if conn is None or conn.remote_dlist is None:
+                hint = PeerHint(reg.decode_engine_id, reg.decode_tp_size)
+                fut = self._hs.ensure(key, HandshakeMode.FULL, hint)
+                if fut is not None:
+                    pending = pending or fut
+                    continue
+                conn = self._hs.get(key)
+                if conn is None or conn.remote_dlist is None:
+                    self._out.fail(push, Failure.HANDSHAKE_FAILED, "peer not connected")
+                    return
+            conns[reg.decode_tp_rank] = conn
+        if pending is not None:
+            if push.attempt >= 3 + len(push.registrations):
+                self._out.fail(push, Failure.HANDSHAKE_FAILED, "peer kept disconnecting")
+                return
+            try:
+                if not self._wait.pending(push, pending):
+                    return  # parked: it comes back through the deferred inbox
+            except BaseException as e:
+                self._out.fail(push, handshake_failure(e, "decode"), str(e))
+                return
+            self._start_push(push.retry())  # blocking wait: another target may be pending
+            return
+        self._post(push, conns)
+
+    def _post(self, push: Push, conns: dict[int, PeerConn]) -> None:
+        """One WRITE (a leg) per target D rank: this rank's page, or its chunk for that rank."""
+        plans: list[tuple[Registration, PeerConn, WritePlan, DList]] = []
+        for r in push.registrations:
+            reg, conn = r.reg, conns[r.reg.decode_tp_rank]
+            if reg.decode_incarnation and conn.metadata.incarnation != reg.decode_incarnation:
+                # Reconnected to a newer incarnation than the one that registered.
                 self._out.fail(push, Failure.STALE_REGISTRATION, "D restarted after this PUSH_REG")
                 return
-            # D restarted at the same address: forget the old incarnation first.
-            self._evict(key, f"new incarnation {reg.decode_incarnation}")
-            conn = None
-        if conn is None or conn.remote_dlist is None:
-            hint = PeerHint(reg.decode_engine_id, reg.decode_tp_size)
-            fut = self._hs.ensure(key, HandshakeMode.FULL, hint)
-            if fut is not None:
-                if push.attempt >= 3:
-                    self._out.fail(push, Failure.HANDSHAKE_FAILED, "peer kept disconnecting")
-                    return
-                try:
-                    if not self._wait.pending(push, fut):
-                        return  # parked: it comes back through the deferred inbox
-                except BaseException as e:
-                    self._out.fail(push, handshake_failure(e, "decode"), str(e))
-                    return
-            conn = self._hs.get(key)
-            if conn is None or conn.remote_dlist is None:
-                self._out.fail(push, Failure.HANDSHAKE_FAILED, "peer not connected after handshake")
+            if r.sender and r.sender != conn.agent_name:
+                # The PUSH_REG did not come from the D it names: a third agent trying to
+                # redirect this WRITE into someone else's blocks. Refuse it (no Failure to the
+                # real D) and let the blocks wait for the real registration.
+                self._tm.fail(Failure.FORGED_NOTIF)
+                self._rl.warning(
+                    "forged",
+                    "PUSH_REG for %s from %s, not from %s: ignored",
+                    push.key,
+                    r.sender,
+                    conn.agent_name,
+                )
+                self._on_finished(push.finished)
                 return
-        self._post(push, conn)
+            try:
+                sl = self._slice(conn)
+                plan = plan_write(push.finished.block_ids, reg, conn.metadata, self._geom, sl)
+            except PlanError as e:
+                self._out.fail(push, e.reason, e.detail)
+                return
+            plans.append((r, conn, plan, self._local_slice(sl)))
+        # INFLIGHT before the first post: from the moment bytes may move, nothing frees these
+        # blocks except the completions, a fence or the peers' death.
+        self._pool.allocator.mark_inflight(push.key)
+        w = Writing(push, unposted=len(plans))
+        self.table.writing(w)
+        for r, conn, plan, local in plans:
+            w.unposted -= 1
+            self._post_leg(w, r, conn, plan, local)
+        if not w.legs and not w.settled:  # every leg failed at post, or the last one did
+            self.table.forget(w)
+            self._settle(w)
 
-    def _post(self, push: Push, conn: PeerConn) -> None:
-        reg = push.registration.reg
-        if reg.decode_incarnation and conn.metadata.incarnation != reg.decode_incarnation:
-            # Reconnected to a newer incarnation than the one that registered.
-            self._out.fail(push, Failure.STALE_REGISTRATION, "D restarted after this PUSH_REG")
-            return
-        sender = push.registration.sender
-        if sender and sender != conn.agent_name:
-            # The PUSH_REG did not come from the D it names: a third agent trying to redirect
-            # this WRITE into someone else's blocks. Refuse it (no Failure to the real D) and
-            # let the blocks wait for the real registration.
-            self._tm.fail(Failure.FORGED_NOTIF)
-            self._rl.warning(
-                "forged",
-                "PUSH_REG for %s from %s, not from %s: ignored",
-                push.key,
-                sender,
-                conn.agent_name,
-            )
-            self._on_finished(push.finished)
-            return
+    def _slice(self, conn: PeerConn) -> Slice:
+        md = conn.metadata
         try:
-            plan = plan_write(push.finished.block_ids, reg, conn.metadata, self._geom)
-        except PlanError as e:
-            self._out.fail(push, e.reason, e.detail)
-            return
+            return write_slice(
+                self.cfg.tp_rank,
+                md.tp_rank,
+                self.cfg.tp_size,
+                md.tp_size,
+                self._geom.block_bytes,
+                md.block_bytes,
+                self._pool.cfg.replicated,
+            )
+        except ValueError as e:
+            raise PlanError(Failure.INCOMPATIBLE, f"{conn.address}: {e}") from None
+
+    def _local_slice(self, sl: Slice) -> DList:
+        """The local descriptor list of a chunk of every page (prepared once per chunk)."""
+        assert self._local_dlist is not None
+        if sl.local_offset == 0 and sl.length == self._geom.block_bytes:
+            return self._local_dlist
+        dl = self._chunk_dlists.get((sl.local_offset, sl.length))
+        if dl is None:
+            descs = self._pool.slice_descs(sl.local_offset, sl.length)
+            dl = self._agent.prep_local(descs, self._pool.device_kind)
+            self._chunk_dlists[(sl.local_offset, sl.length)] = dl
+        return dl
+
+    def _post_leg(
+        self, w: Writing, r: Registration, conn: PeerConn, plan: WritePlan, local: DList
+    ) -> None:
+        reg = r.reg
         notif = self._codec.encode(
             protocol.Completion(
                 request_id=reg.request_id,
@@ -284,29 +382,28 @@ class PushWriter:
                 nbytes=plan.nbytes,
             )
         )
-        assert self._local_dlist is not None and conn.remote_dlist is not None
-        # INFLIGHT before the post: from the moment bytes may move, nothing frees these blocks
-        # except a completion, a fence or the peer's death.
-        self._pool.allocator.mark_inflight(push.key)
+        assert conn.remote_dlist is not None
         t_post = time.monotonic()
         try:
             xfer, state = self._agent.post_write(
-                self._local_dlist, plan.local_idx, conn.remote_dlist, plan.remote_idx, notif
+                local, plan.local_idx, conn.remote_dlist, plan.remote_idx, notif
             )
         except TransferError as e:
-            self._out.fail(push, Failure.WRITE_POST_FAILED, str(e), conn=conn)
+            w.failed[reg.decode_tp_rank] = (Failure.WRITE_POST_FAILED, False)
+            self._out.tell(r, conn, Failure.WRITE_POST_FAILED, str(e), may_have_written=False)
+            self._tm.fail(Failure.WRITE_POST_FAILED)
             if e.kind in ("peer_dead", "peer_unknown"):
                 self._evict(conn.key, f"WRITE post failed: {e.kind}")
             return
         deadline = (
             math.inf if self._vllm else t_post + self.cfg.timeouts.write_deadline_s(plan.nbytes)
         )
-        w = Writing(push, xfer, conn, t_post, deadline, plan.nbytes)
-        self.table.writing(w)
+        leg = Leg(w, r, xfer, conn, t_post, deadline, plan.nbytes)
+        self.table.leg_posted(leg)
         if state == "DONE":
-            self._complete(w)
+            self._complete(leg)
         elif state == "ERR":
-            self._abandon(w, Failure.WRITE_ERROR, "transfer() returned ERR")
+            self._abandon(leg, Failure.WRITE_ERROR, "transfer() returned ERR")
 
     def _poll_inflight(self) -> int:
         if not self.table.has_inflight():
@@ -339,40 +436,60 @@ class PushWriter:
         return n
 
     def _complete(self, entry: InFlight) -> None:
-        self.table.done(entry)
         self._agent.release(entry.xfer)
         if isinstance(entry, FenceWrite):
+            self.table.done(entry)
             self._fences.completed(entry)
             return
-        now = time.monotonic()
-        push = entry.push
-        self._pool.allocator.release(push.key)
-        self._tm.inc(Counter.PUSHES_OK)
-        self._on_outcome(PushOutcome(push.finished.transfer_id, True, nbytes=entry.nbytes))
-        self._tm.inc(Counter.BYTES_PUSHED, entry.nbytes)
-        self._tm.observe(Hist.WRITE_DURATION, now - entry.t_post)
-        t_match = max(push.finished.t_finished, push.registration.t_arrived)
-        self._tm.observe(Hist.PUSH_LATENCY, now - t_match)
+        entry.writing.nbytes += entry.nbytes
+        self._tm.observe(Hist.WRITE_DURATION, time.monotonic() - entry.t_post)
+        w = self.table.done(entry)
+        if w is not None:
+            self._settle(w)
 
     def _abandon(self, entry: InFlight, reason: Failure, detail: str) -> None:
-        """A WRITE (or fence) that will not complete normally."""
-        self.table.done(entry)
+        """A WRITE leg (or fence) that will not complete normally."""
         released = self._agent.release(entry.xfer)
         dead = reason == Failure.PEER_DEAD
         if isinstance(entry, FenceWrite):
+            self.table.done(entry)
             self._fences.failed(entry, peer_dead=dead)
             return
-        push = entry.push
         # Bytes may still be moving unless the peer is gone: quarantine until a fence.
         may_have_written = not dead
         if not released:
-            log.warning("writer: NIXL could not cancel the WRITE of %s; fencing", push.key)
-        self._out.fail(push, reason, detail, conn=entry.conn, may_have_written=may_have_written)
+            log.warning("writer: NIXL could not cancel the WRITE of %s; fencing", entry.push.key)
+        self._out.fail_leg(entry, reason, detail, may_have_written)
         if may_have_written:
-            reg = push.registration.reg
+            reg = entry.registration.reg
             self._fences.add(
-                entry.conn.key, FenceEntry(push.key, int(reg.local_block_ids[0][0]), reg.request_id)
+                entry.conn.key,
+                FenceEntry(entry.push.key, int(reg.local_block_ids[0][0]), reg.request_id),
             )
+        w = self.table.done(entry)
+        if w is not None:
+            self._settle(w)
+
+    def _settle(self, w: Writing) -> None:
+        """Every leg of a push ended: the blocks go back (or wait for a fence). Once."""
+        if w.settled:
+            return
+        w.settled = True
+        push = w.push
+        if w.failed:
+            reason, _ = next(iter(w.failed.values()))
+            quarantine = any(may for _, may in w.failed.values())
+            self._out.settle(
+                push, reason, f"{len(w.failed)} of its WRITEs failed", quarantine=quarantine
+            )
+            return
+        now = time.monotonic()
+        self._pool.allocator.release(push.key)
+        self._tm.inc(Counter.PUSHES_OK)
+        self._tm.inc(Counter.BYTES_PUSHED, w.nbytes)
+        self._on_outcome(PushOutcome(push.finished.transfer_id, True, nbytes=w.nbytes))
+        t_match = max(push.finished.t_finished, max(r.t_arrived for r in push.registrations))
+        self._tm.observe(Hist.PUSH_LATENCY, now - t_match)
 
     # ------------------------------------------------------------------ notifications
     def _on_notif(self, sender: str, msg: protocol.Notif) -> None:
@@ -398,14 +515,16 @@ class PushWriter:
     # ------------------------------------------------------------------ peers and shutdown
     def _evict(self, key: PeerKey, reason: str) -> None:
         conn = self._hs.evict(key, reason)
-        for entry in self.table.inflight():
-            if entry.conn.key != key:
-                continue
-            self.table.done(entry)
+        for entry in self.table.legs_to(key):
             self._agent.release(entry.xfer)
-            if isinstance(entry, Writing):
-                self._out.fail(entry.push, Failure.PEER_DEAD, reason)
+            if isinstance(entry, Leg):
+                # The peer is gone: nothing of this leg can land any more.
+                self._out.fail_leg(entry, Failure.PEER_DEAD, reason, may_have_written=False)
+                w = self.table.done(entry)
+                if w is not None:
+                    self._settle(w)
             else:
+                self.table.done(entry)
                 for e in entry.entries:
                     self._pool.allocator.release_quarantined(e.key)
         self._fences.forget_peer(key)
@@ -439,6 +558,9 @@ class PushWriter:
                 st.push, Failure.SHUTTING_DOWN, "P stopped while the handshake was pending"
             )
         self.tasks.close()
+        for dl in self._chunk_dlists.values():
+            self._agent.release_dlist(dl)
+        self._chunk_dlists.clear()
         if self._local_dlist is not None:
             self._agent.release_dlist(self._local_dlist)
             self._local_dlist = None

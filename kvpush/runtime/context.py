@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvpush.config import EndpointConfig
@@ -20,7 +20,6 @@ from kvpush.peers.handshakes import HandshakeManager
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import NixlAgent
-from kvpush.transport.sidechannel import ReplyFn
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -38,6 +37,8 @@ class EndpointContext:
     on_ping: Callable[[str, protocol.Ping], None]
     # Slow control requests (P fills blocks) run here, never on the side-channel thread.
     control: ThreadPoolExecutor
+    # Peers' TP sizes by side-channel address, shared by an endpoint's ranks (D learns P's once).
+    peer_tp: dict[tuple[str, int], int] = field(default_factory=dict)
 
     @property
     def incarnation(self) -> str:
@@ -51,9 +52,6 @@ class Role(Protocol):
 
     def start(self) -> None:
         """Start the owner thread; return once it runs, or raise."""
-
-    def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
-        """Serve a role request (True), or leave it to the endpoint (False)."""
 
     def stop_intake(self, drain_s: float) -> None:
         """Refuse new work (D also finishes or fails its waiting requests)."""

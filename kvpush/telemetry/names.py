@@ -79,6 +79,9 @@ class Failure(StrEnum):
     CANCELLED = "cancelled"
     VERIFY_FAILED = "verify_failed"
     UNKNOWN_COMPLETION = "unknown_completion"
+    DUPLICATE_COMPLETION = "duplicate_completion"  # a P rank completed the same request twice
+    UNEXPECTED_RANK = "unexpected_rank"  # a rank that should not write/register for it did
+    RANK_FAILED = "rank_failed"  # another tensor-parallel rank of this endpoint failed it
     CANCEL_UNACKNOWLEDGED = "cancel_unacknowledged"
     # input refused
     AUTH_REJECTED = "auth_rejected"

@@ -97,6 +97,7 @@ class Snapshot(msgspec.Struct, frozen=True):
     rates: dict[str, float]  # per second, over the last few seconds; keys as in RATE_COUNTERS
     histograms: dict[str, HistSnapshot]
     peers: list[dict[str, object]]
+    ranks: list[Snapshot] = []  # per tensor-parallel rank (``kvpush.telemetry.merge``)
 
     def to_dict(self) -> dict[str, object]:
         """Plain JSON types, exactly what a JSON or msgpack peer decodes (tuples become lists).

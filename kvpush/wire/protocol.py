@@ -90,6 +90,17 @@ class EndpointMetadata(Struct, frozen=True, kw_only=True):
     backends: Annotated[list[Str128], Meta(max_length=16)]
     nixl_version: Str128 = ""
     auth: bool = False
+    kv_heads: Pos = 1  # the model's KV heads; 1: a single head replicated on every rank
+    tp_ranks: Annotated[list[NonNeg], Meta(max_length=1 << 12)] = []  # ranks the endpoint serves
+
+    @property
+    def heads_per_rank(self) -> int:
+        return 1 if self.kv_heads == 1 else self.kv_heads // max(1, self.tp_size)
+
+    @property
+    def model_block_bytes(self) -> int:
+        """One region's page of the whole model (all ranks' shares): what both sides share."""
+        return self.block_bytes * (self.kv_heads // self.heads_per_rank)
 
 
 COMPAT_FIELDS: tuple[str, ...] = (
@@ -99,11 +110,26 @@ COMPAT_FIELDS: tuple[str, ...] = (
     "block_bytes",
     "layers",
     "regions",
+    "kv_heads",
 )
 
 
 def compat_fields(md: EndpointMetadata) -> dict[str, object]:
-    return {f: getattr(md, f) for f in COMPAT_FIELDS}
+    """What must match for P to WRITE into D. ``block_bytes`` is the *model's* page of a region
+    (every rank's share together), so endpoints with different TP sizes of one model agree."""
+    out: dict[str, object] = {f: getattr(md, f) for f in COMPAT_FIELDS}
+    out["block_bytes"] = md.model_block_bytes
+    return out
+
+
+def compat_fields_loose(md: dict[str, object]) -> dict[str, object]:
+    """``compat_fields`` of metadata decoded as a plain map (a peer of another version)."""
+    out = {f: md.get(f) for f in COMPAT_FIELDS}
+    heads, tp, bb = md.get("kv_heads", 1), md.get("tp_size", 1), md.get("block_bytes")
+    out["kv_heads"] = heads
+    if isinstance(heads, int) and isinstance(tp, int) and isinstance(bb, int) and heads > 1:
+        out["block_bytes"] = bb * tp
+    return out
 
 
 def compat_hash(md: EndpointMetadata) -> str:
@@ -168,6 +194,7 @@ class PrefillRep(Struct, tag="prefill", frozen=True, kw_only=True):
     reason: Str256 = ""
     latency_s: float = 0.0
     sha256: Str128 = ""
+    detail: Str1k = ""
     # On vLLM's wire: the kv_transfer_params a vLLM D needs to pull this request's KV in.
     kv_transfer_params: dict[Str128, str | int | bool | list[list[int]]] = {}
 

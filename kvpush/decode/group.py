@@ -1,0 +1,167 @@
+"""D's side-channel requests, served for every tensor-parallel rank at once.
+
+A decode request names one transfer; each D rank receives its share of it (its heads, or the
+whole latent when replicated) from the P ranks that write into it. ``DecodeGroup`` starts the
+request on every rank under one request id (vLLM's workers share their engine's), and answers
+once: ok when every rank's share landed and verified; at the first rank that fails, failed with
+that rank's reason (named) -- the other ranks' shares are cancelled at once, so their P ranks
+stop and their blocks come back (quarantined until P says no byte can land, as for any cancel).
+
+Request-level counters (requests ok/failed, decode latency) are counted here, once per request;
+each rank's own telemetry counts its share. Holds no request state beyond the futures it joins.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from concurrent.futures import Future
+
+import msgspec
+
+from kvpush.config import format_address
+from kvpush.decode.role import DecodeRole, VllmLeg
+from kvpush.telemetry.names import Counter, Failure, Hist
+from kvpush.telemetry.store import Telemetry
+from kvpush.transport.sidechannel import ReplyFn
+from kvpush.wire import protocol, vllm
+
+
+class DecodeGroup:
+    def __init__(self, roles: list[DecodeRole], telemetry: Telemetry | None = None) -> None:
+        self.roles = roles
+        self.telemetry = telemetry  # request-level counts when there is more than one rank
+
+    def set_verify(self, on: bool) -> None:
+        for role in self.roles:
+            role.completer.verify = on
+
+    def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
+        if not isinstance(req, protocol.DecodeReq):
+            return False
+        fut = self.decode(
+            req.transfer_id,
+            format_address(req.prefill_host, req.prefill_port),
+            req.num_blocks,
+            req.deadline_s,
+            req.request_id,
+            vllm_params=VllmLeg(
+                req.remote_engine_id, req.remote_request_id, req.remote_tp_size, req.remote_pp_size
+            )
+            if req.remote_engine_id
+            else None,
+            digest=req.digest,
+            alloc_delay_s=req.alloc_delay_s,
+        )
+        rid = req.rid
+        fut.add_done_callback(lambda f: reply(msgspec.structs.replace(f.result(), rid=rid)))
+        return True
+
+    def cancel(self, request_id: str) -> None:
+        for role in self.roles:
+            role.cancel(request_id)
+
+    def decode(
+        self,
+        transfer_id: str,
+        prefill_address: str,
+        num_blocks: int,
+        deadline_s: float = 0.0,
+        request_id: str = "",
+        vllm_params: VllmLeg | None = None,
+        digest: bool = False,
+        alloc_delay_s: float = 0.0,
+    ) -> Future[protocol.DecodeRep]:
+        """``DecodeRole.decode`` on every rank; one answer (see the module docstring)."""
+        if len(self.roles) == 1:
+            return self.roles[0].decode(
+                transfer_id,
+                prefill_address,
+                num_blocks,
+                deadline_s,
+                request_id,
+                vllm_params,
+                digest,
+                alloc_delay_s,
+            )
+        if vllm_params is not None and not request_id:
+            base = vllm.base_request_id(vllm_params.remote_request_id or transfer_id)
+            request_id = f"{base}-{secrets.token_hex(4)}"
+        t0 = time.monotonic()
+        subs = [
+            role.decode(
+                transfer_id,
+                prefill_address,
+                num_blocks,
+                deadline_s,
+                request_id,
+                vllm_params,
+                False,  # a digest of the whole model page needs every rank's bytes at once
+                alloc_delay_s,
+            )
+            for role in self.roles
+        ]
+        out: Future[protocol.DecodeRep] = Future()
+        lock = threading.Lock()
+
+        def joined(_f: Future[protocol.DecodeRep]) -> None:
+            with lock:
+                if out.done():
+                    return
+                reps = [f.result() for f in subs if f.done()]
+                failed = next(
+                    (
+                        (r, rep)
+                        for r, f in enumerate(subs)
+                        if f.done() and (rep := f.result()).outcome != "ok"
+                    ),
+                    None,
+                )
+                if failed is None and len(reps) < len(subs):
+                    return
+                if failed is not None:
+                    rank, rep = failed
+                    res = msgspec.structs.replace(
+                        rep,
+                        reason=rep.reason or Failure.RANK_FAILED,
+                        detail=f"D rank {rank}: {rep.detail}"[:1000],
+                        latency_s=time.monotonic() - t0,
+                    )
+                else:
+                    res = protocol.DecodeRep(
+                        transfer_id=reps[0].transfer_id,
+                        request_id=reps[0].request_id,
+                        outcome="ok",
+                        latency_s=max(r.latency_s for r in reps),
+                        nbytes=sum(r.nbytes for r in reps),
+                        verified=(
+                            None
+                            if any(r.verified is None for r in reps)
+                            else all(bool(r.verified) for r in reps)
+                        ),
+                    )
+                out.set_result(res)
+            if failed is not None:
+                # The other ranks' shares cannot make a whole request any more.
+                for r, f in enumerate(subs):
+                    if r != failed[0] and not f.done():
+                        self.roles[r].cancel(res.request_id or request_id or transfer_id)
+            self._count(res)
+
+        for f in subs:
+            f.add_done_callback(joined)
+        return out
+
+    def _count(self, rep: protocol.DecodeRep) -> None:
+        tm = self.telemetry
+        if tm is None:
+            return
+        if rep.outcome == "ok":
+            tm.inc(Counter.REQUESTS_OK)
+            tm.observe(Hist.DECODE_LATENCY, rep.latency_s)
+        else:
+            tm.inc(Counter.REQUESTS_FAILED)
+
+
+__all__ = ["DecodeGroup"]

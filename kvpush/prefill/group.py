@@ -1,0 +1,185 @@
+"""P's side-channel requests, served for every tensor-parallel rank at once.
+
+A prefill leg names one transfer; each rank holds its share of it (its heads). ``PrefillGroup``
+reserves blocks on every rank first (all or nothing: a rank without room frees the others' at
+once), then fills and finishes each rank's share, and answers once all are handed to their
+writers. A push wait answers when every rank's push of the transfer ended: ok only when all are
+ok, else the first failed rank's reason, named. Runs on the control executor (prefill) or the
+side-channel thread and the writers' threads (waits); holds no state of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from kvpush.errors import KvpushError, NoFreeBlocksError, ShuttingDownError
+from kvpush.prefill.role import PrefillRole
+from kvpush.prefill.table import PushOutcome
+from kvpush.telemetry.names import Counter, Failure
+from kvpush.telemetry.store import Telemetry
+from kvpush.transport.sidechannel import ReplyFn
+from kvpush.wire import protocol
+
+log = logging.getLogger(__name__)
+
+
+class PrefillGroup:
+    def __init__(self, roles: list[PrefillRole], telemetry: Telemetry | None = None) -> None:
+        self.roles = roles
+        self.telemetry = telemetry  # request-level counts when there is more than one rank
+        self._lock = threading.Lock()
+        self._digests: OrderedDict[str, str] = OrderedDict()
+
+    def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
+        if isinstance(req, protocol.PrefillReq):
+            self.roles[0].ctx.control.submit(self._serve_prefill, req, reply)
+            return True
+        if isinstance(req, protocol.PushWaitReq):
+            self._serve_wait(req, reply)
+            return True
+        return False
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(
+        self, transfer_id: str, num_blocks: int, request_id: str = "", digest: bool = False
+    ) -> tuple[list[int], str]:
+        """Every rank's share of a transfer, reserved all or nothing, filled and finished.
+        Returns rank 0's block ids and the sha256 of the filled bytes when ``digest``: over
+        region, then block, then rank order -- the model's page, whatever the TP size."""
+        reserved: list[tuple[PrefillRole, np.ndarray]] = []
+        try:
+            for role in self.roles:
+                reserved.append((role, role.reserve(transfer_id, num_blocks)))
+            for role, ids in reserved:
+                role.fill(transfer_id, ids)
+            sha = self._digest(reserved) if digest else ""
+        except BaseException:
+            for role, _ in reserved:
+                role.unreserve(transfer_id)
+            raise
+        for role, ids in reserved:
+            role.finish(transfer_id, ids, request_id)
+        if self.telemetry is not None:
+            self.telemetry.inc(Counter.PREFILLS)
+        if sha:
+            with self._lock:
+                self._digests[transfer_id] = sha
+                while len(self._digests) > 4096:
+                    self._digests.popitem(last=False)
+        return reserved[0][1].tolist(), sha
+
+    def _digest(self, reserved: list[tuple[PrefillRole, np.ndarray]]) -> str:
+        role0 = reserved[0][0]
+        if len(reserved) == 1:
+            return role0.ctx.pool.digest(reserved[0][1])
+        h = hashlib.sha256()
+        cfg = role0.ctx.cfg.pool
+        sharers = reserved[:1] if cfg.replicated else reserved  # replicated: one copy
+        for r in range(cfg.regions):
+            for j in range(len(reserved[0][1])):
+                for role, ids in sharers:
+                    page = role.ctx.pool.tensor[r, int(ids[j])]
+                    h.update(np.ascontiguousarray(page.cpu().numpy()).data)
+        return h.hexdigest()
+
+    def _serve_prefill(self, req: protocol.PrefillReq, reply: ReplyFn) -> None:
+        t0 = time.perf_counter()
+        try:
+            ids, sha = self.prefill(req.transfer_id, req.num_blocks, req.request_id, req.digest)
+        except KvpushError as e:
+            reason = (
+                Failure.NO_FREE_BLOCKS
+                if isinstance(e, NoFreeBlocksError)
+                else Failure.SHUTTING_DOWN
+                if isinstance(e, ShuttingDownError)
+                else Failure.BAD_REQUEST
+            )
+            reply(_failed(req, reason, e.message))
+            return
+        except Exception as e:
+            log.exception("prefill %s failed", req.transfer_id)
+            reply(_failed(req, Failure.INTERNAL_ERROR, f"{type(e).__name__}: {e}"))
+            return
+        role0 = self.roles[0]
+        vllm_wire = role0.ctx.cfg.wire.value == "vllm"
+        reply(
+            protocol.PrefillRep(
+                rid=req.rid,
+                transfer_id=req.transfer_id,
+                outcome="ok",
+                latency_s=time.perf_counter() - t0,
+                sha256=sha,
+                kv_transfer_params=(
+                    role0.kv_transfer_params(req.transfer_id, ids) if vllm_wire else {}
+                ),
+            )
+        )
+
+    # ------------------------------------------------------------------ push waits
+    def _serve_wait(self, req: protocol.PushWaitReq, reply: ReplyFn) -> None:
+        futs = [role.watch(req.transfer_id) for role in self.roles]
+        sent = threading.Event()
+        lock = threading.Lock()
+
+        def answer(timed_out: bool) -> None:
+            with lock:
+                if sent.is_set() or (not timed_out and not all(f.done() for f in futs)):
+                    return
+                sent.set()
+            timer.cancel()
+            if not all(f.done() for f in futs):
+                reply(
+                    protocol.PushWaitRep(
+                        rid=req.rid, transfer_id=req.transfer_id, outcome="pending"
+                    )
+                )
+                return
+            outs: list[PushOutcome] = [f.result() for f in futs]
+            bad = [(r, o) for r, o in enumerate(outs) if not o.ok]
+            with self._lock:
+                sha = self._digests.get(req.transfer_id, "")
+            if bad:
+                r, o = bad[0]
+                detail = o.detail if len(outs) == 1 else f"rank {r}: {o.detail}"
+                rep = protocol.PushWaitRep(
+                    rid=req.rid,
+                    transfer_id=req.transfer_id,
+                    outcome="failed",
+                    reason=o.reason,
+                    detail=detail[:1000],
+                    nbytes=sum(o.nbytes for o in outs),
+                )
+            else:
+                rep = protocol.PushWaitRep(
+                    rid=req.rid,
+                    transfer_id=req.transfer_id,
+                    outcome="ok",
+                    nbytes=sum(o.nbytes for o in outs),
+                    sha256=sha,
+                )
+            reply(rep)
+
+        timer = threading.Timer(max(0.0, req.timeout_s), lambda: answer(True))
+        timer.daemon = True
+        timer.start()
+        for f in futs:
+            f.add_done_callback(lambda _f: answer(False))
+
+
+def _failed(req: protocol.PrefillReq, reason: Failure, detail: str) -> protocol.PrefillRep:
+    return protocol.PrefillRep(
+        rid=req.rid,
+        transfer_id=req.transfer_id,
+        outcome="failed",
+        reason=reason,
+        detail=detail[:1000],
+    )
+
+
+__all__ = ["PrefillGroup"]
