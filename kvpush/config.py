@@ -383,6 +383,9 @@ class EndpointConfig:
     max_notif_bytes: int = 64 * 1024
     # Test/benchmark hook: delay this endpoint's handshake replies (simulates a slow new peer).
     handshake_reply_delay_s: float = 0.0
+    # Fault hook (tests): (rank, n): that rank's owner loop dies after its n-th request, as a
+    # bug would kill it. (-1, 0): off.
+    crash_rank_after: tuple[int, int] = (-1, 0)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):

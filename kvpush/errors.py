@@ -123,3 +123,7 @@ class WrongWireError(IncompatiblePeerError):
             message, [("wire", "kvpush" if peer_kind == "vllm" else "vllm", peer_kind)], hint
         )
         self.peer_kind = peer_kind
+
+
+class RankFailedError(KvpushError):
+    """A tensor-parallel rank of this endpoint has failed: it serves no request any more."""

@@ -74,6 +74,21 @@ class DecodeGroup:
         alloc_delay_s: float = 0.0,
     ) -> Future[protocol.DecodeRep]:
         """``DecodeRole.decode`` on every rank; one answer (see the module docstring)."""
+        for r, role in enumerate(self.roles):
+            err = role.failure()
+            if err is not None and len(self.roles) > 1:
+                dead: Future[protocol.DecodeRep] = Future()
+                rep = protocol.DecodeRep(
+                    transfer_id=transfer_id,
+                    request_id=request_id,
+                    outcome="failed",
+                    reason=Failure.RANK_FAILED,
+                    detail=f"D rank {r} failed ({type(err).__name__}: {err}): this endpoint "
+                    "serves no request any more; restart it",
+                )
+                dead.set_result(rep)
+                self._count(rep)
+                return dead
         if len(self.roles) == 1:
             return self.roles[0].decode(
                 transfer_id,
@@ -125,7 +140,11 @@ class DecodeGroup:
                     res = msgspec.structs.replace(
                         rep,
                         reason=rep.reason or Failure.RANK_FAILED,
-                        detail=f"D rank {rank}: {rep.detail}"[:1000],
+                        detail=(
+                            rep.detail
+                            if rep.detail.startswith(f"D rank {rank} ")
+                            else f"D rank {rank}: {rep.detail}"
+                        )[:1000],
                         latency_s=time.monotonic() - t0,
                     )
                 else:

@@ -30,7 +30,7 @@ from kvpush.peers.tp import check_ratio, sources
 from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
 from kvpush.ratelog import RateLimitedLog
-from kvpush.runtime.owner import OwnerThread, drain_notifications
+from kvpush.runtime.owner import OwnerThread, RankCrash, drain_notifications
 from kvpush.telemetry.names import Counter, Failure, Gauge
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import NixlAgent, TransferError
@@ -75,6 +75,7 @@ class Receiver:
         self.cancels = owner.inbox("decode-cancel", 1 << 16, self._on_cancel, self._item_failed)
         self._rl = RateLimitedLog(log)
         self._next_hb = 0.0
+        self._n_new = 0
         owner.attach(self)
 
     # ------------------------------------------------------------------ OwnerLoop
@@ -113,14 +114,29 @@ class Receiver:
 
     def drain(self, deadline: float) -> None:
         """Stop: fail what is still waiting (P is told), fail what never reached this thread."""
+        self._fail_all(*(self._owner.stop_reason or (Failure.SHUTTING_DOWN, "D stopped")))
+
+    def abort(self, error: BaseException) -> None:
+        self._fail_all(
+            Failure.RANK_FAILED,
+            f"D rank {self.cfg.tp_rank} failed: {type(error).__name__}: {error}",
+        )
+
+    def _fail_all(self, reason: Failure, detail: str) -> None:
         for req in self.table.all_waiting():
-            self._finish_failed(req, Failure.SHUTTING_DOWN, "D stopped", notify_p=True)
+            self._finish_failed(req, reason, detail, notify_p=True)
         for item in self._owner.close_inboxes():
-            if isinstance(item, DRequest) and item.state is DState.NEW:
-                self._pool.allocator.release(item.request_id)
-                item.future.set_result(
-                    failed_rep(self._tm, item, Failure.SHUTTING_DOWN, "D stopped")
-                )
+            req = item[0] if isinstance(item, tuple) else item
+            live = isinstance(req, DRequest) and req.state in (DState.NEW, DState.HANDSHAKING)
+            if live and not req.future.done():
+                self._pool.allocator.release(req.request_id)
+                req.future.set_result(failed_rep(self._tm, req, reason, detail))
+
+    def _crash_check(self) -> None:
+        """Fault hook (tests): this rank's loop dies after its Nth request."""
+        rank, after = self.cfg.crash_rank_after
+        if rank == self.cfg.tp_rank and 0 < after <= self._n_new:
+            raise RankCrash(f"fault injection: rank {rank} crashed after {after} requests")
 
     # ------------------------------------------------------------------ inbox handlers
     def _item_failed(self, item: object, e: Exception) -> None:
@@ -131,8 +147,10 @@ class Receiver:
             self._finish_failed(req, Failure.INTERNAL_ERROR, repr(e))
 
     def _on_new(self, req: DRequest) -> None:
+        self._n_new += 1
         self.table.add(req)
         self._connect_and_register(req)
+        self._crash_check()
 
     def _on_cancel(self, request_id: str) -> None:
         req = self.table.waiting(request_id)

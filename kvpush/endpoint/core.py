@@ -43,7 +43,7 @@ from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn
 from kvpush.runtime.context import EndpointContext, Role
 from kvpush.telemetry.merge import merge
-from kvpush.telemetry.names import Counter, Hist
+from kvpush.telemetry.names import Counter, Failure, Hist
 from kvpush.telemetry.snapshot import Snapshot
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.sidechannel import ReplyFn, SideChannelServer
@@ -189,6 +189,16 @@ class Endpoint(Generic[R, G]):
             self._stopped = True
         drain = self.cfg.timeouts.drain_s if timeout_s is None else timeout_s
         self._stopping.set()
+        dead = self.failure()
+        if isinstance(dead, RankFailure):
+            # The others' work ends with the reason that stopped them, not "shutting down".
+            why = (
+                Failure.RANK_FAILED,
+                f"{'P' if self.cfg.role == 'prefill' else 'D'} rank {dead.rank} failed: "
+                f"{type(dead.error).__name__}: {dead.error}",
+            )
+            for rk in self.ranks:
+                rk.role.owner.stop_reason = why
         for rk in self.ranks:
             rk.role.stop_intake(drain)
         self.server.stop()

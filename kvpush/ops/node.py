@@ -37,6 +37,8 @@ def build_config(d: dict[str, Any]) -> EndpointConfig:
         d["handshake_mode"] = HandshakeMode(d["handshake_mode"])
     if "writer_mode" in d:
         d["writer_mode"] = WriterMode(d["writer_mode"])
+    if "crash_rank_after" in d:
+        d["crash_rank_after"] = tuple(d["crash_rank_after"])
     if "auth_token" in d and d["auth_token"] is not None:
         d["auth_token"] = d["auth_token"].encode()
     return EndpointConfig(pool=pool, timeouts=timeouts, agent=agent, **d)

@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvpush.errors import KvpushError, NoFreeBlocksError, ShuttingDownError
+from kvpush.errors import KvpushError, NoFreeBlocksError, RankFailedError, ShuttingDownError
 from kvpush.prefill.role import PrefillRole
 from kvpush.prefill.table import PushOutcome
 from kvpush.telemetry.names import Counter, Failure
@@ -52,6 +52,14 @@ class PrefillGroup:
         """Every rank's share of a transfer, reserved all or nothing, filled and finished.
         Returns rank 0's block ids and the sha256 of the filled bytes when ``digest``: over
         region, then block, then rank order -- the model's page, whatever the TP size."""
+        for r, role in enumerate(self.roles):
+            err = role.failure()
+            if err is not None:
+                raise RankFailedError(
+                    f"P rank {r} failed ({type(err).__name__}: {err}): this endpoint serves "
+                    "no request any more",
+                    "restart it; its log has the failure",
+                )
         reserved: list[tuple[PrefillRole, np.ndarray]] = []
         try:
             for role in self.roles:
@@ -98,6 +106,8 @@ class PrefillGroup:
                 if isinstance(e, NoFreeBlocksError)
                 else Failure.SHUTTING_DOWN
                 if isinstance(e, ShuttingDownError)
+                else Failure.RANK_FAILED
+                if isinstance(e, RankFailedError)
                 else Failure.BAD_REQUEST
             )
             reply(_failed(req, reason, e.message))

@@ -60,7 +60,7 @@ from kvpush.prefill.table import (
     transfer_key,
 )
 from kvpush.ratelog import RateLimitedLog
-from kvpush.runtime.owner import OwnerThread, drain_notifications
+from kvpush.runtime.owner import OwnerThread, RankCrash, drain_notifications
 from kvpush.telemetry.names import Counter, Failure, Gauge, Hist
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import DList, NixlAgent, TransferError
@@ -123,6 +123,7 @@ class PushWriter:
         self._rl = RateLimitedLog(log)
         self._local_dlist: DList | None = None
         self._chunk_dlists: dict[tuple[int, int], DList] = {}  # (offset, length) of each page
+        self._n_finished = 0
         owner.attach(self)
 
     # ------------------------------------------------------------------ OwnerLoop
@@ -179,6 +180,7 @@ class PushWriter:
         self._out.fail(push, Failure.CALLBACK_ERROR, f"handshake callback failed: {e!r}")
 
     def _on_finished(self, f: Finished) -> None:
+        self._n_finished += 1
         try:
             got = self.table.add_finished(f, time.monotonic())
         except DuplicateError as e:
@@ -189,6 +191,7 @@ class PushWriter:
             self._pool.allocator.release(f.key)
         elif got is not None:
             self._start_push(got)
+        self._crash_check()
 
     def _on_registration(self, r: Registration) -> None:
         reg = r.reg
@@ -531,15 +534,27 @@ class PushWriter:
         if conn is not None:
             self._hs.release_conn(conn)
 
-    def drain(self, deadline: float) -> None:
-        """Stop intake, fail what cannot finish, wait for in-flight WRITEs until the deadline."""
+    def drain(self, deadline: float, why: tuple[Failure, str] | None = None) -> None:
+        """Stop intake, fail what cannot finish, wait for in-flight WRITEs until the deadline.
+        Every transfer still held ends in an outcome (``why``: the owner's stop reason, else
+        ``shutting_down``); every D that registered is told, so it frees its blocks at once."""
+        reason, detail = (
+            why
+            or self._owner.stop_reason
+            or (
+                Failure.SHUTTING_DOWN,
+                "P is shutting down",
+            )
+        )
         for f in self.finished.close():
             self._pool.allocator.release(f.key)
+            self._on_outcome(PushOutcome(f.transfer_id, False, reason, detail))
         fins, regs = self.table.drain_waiting()
         for f in fins:
             self._pool.allocator.release(f.key)
+            self._on_outcome(PushOutcome(f.transfer_id, False, reason, detail))
         for r in regs:
-            self._out.refuse_registration(r, Failure.SHUTTING_DOWN, "P is shutting down")
+            self._out.refuse_registration(r, reason, detail)
         while (
             self.table.has_inflight() or self.table.count(AwaitingHandshake) or len(self.deferred)
         ) and time.monotonic() < deadline:
@@ -552,11 +567,9 @@ class PushWriter:
             time.sleep(0.0005 if not self.table.has_inflight() else 0)
         self.deferred.close()
         for entry in self.table.inflight():
-            self._abandon(entry, Failure.SHUTTING_DOWN, "P stopped before the WRITE completed")
+            self._abandon(entry, reason, f"{detail}: the WRITE did not complete")
         for st in self.table.waiting_handshake():
-            self._out.fail(
-                st.push, Failure.SHUTTING_DOWN, "P stopped while the handshake was pending"
-            )
+            self._out.fail(st.push, reason, f"{detail}: the handshake was pending")
         self.tasks.close()
         for dl in self._chunk_dlists.values():
             self._agent.release_dlist(dl)
@@ -564,6 +577,21 @@ class PushWriter:
         if self._local_dlist is not None:
             self._agent.release_dlist(self._local_dlist)
             self._local_dlist = None
+
+    def abort(self, error: BaseException) -> None:
+        """This rank's loop died: fail every push now (in-flight WRITEs get a short grace to
+        land, so D is told a clear outcome rather than left quarantined)."""
+        rank = self.cfg.tp_rank
+        self.drain(
+            time.monotonic() + 1.0,
+            (Failure.RANK_FAILED, f"P rank {rank} failed: {type(error).__name__}: {error}"),
+        )
+
+    def _crash_check(self) -> None:
+        """Fault hook (tests): this rank's loop dies after its Nth finished transfer."""
+        rank, after = self.cfg.crash_rank_after
+        if rank == self.cfg.tp_rank and 0 < after <= self._n_finished:
+            raise RankCrash(f"fault injection: rank {rank} crashed after {after} transfers")
 
 
 def _call(task: Callable[[], None]) -> None:

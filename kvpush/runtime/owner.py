@@ -19,7 +19,8 @@ reads from any thread: readers never iterate the owner's live containers.
 Lifecycle: ``start()`` runs the role's ``on_start`` on the new thread and returns once the loop
 runs, or re-raises its start-up error. ``stop(drain_s)`` stops intake and lets the role ``drain``
 (finish or fail in-flight work) until the deadline; the first failure of the loop is kept in
-``failure`` for the endpoint to surface.
+``failure`` for the endpoint to surface, after the role's ``abort`` failed everything it held
+(its requests answered at once, with the reason) -- a dead loop never leaves a request waiting.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ T = TypeVar("T")
 HOUSEKEEPING_S = 0.02
 
 
+class RankCrash(BaseException):
+    """Raised by the fault hook ``EndpointConfig.crash_rank_after`` (tests only). Not an
+    ``Exception``: the per-item handlers that keep the loop alive must not catch it."""
+
+
 class OwnerLoop(Protocol):
     """What a role gives the owner thread."""
 
@@ -71,6 +77,10 @@ class OwnerLoop(Protocol):
 
     def drain(self, deadline: float) -> None:
         """After stop: finish or fail in-flight work until ``deadline`` (monotonic)."""
+
+    def abort(self, error: BaseException) -> None:
+        """The loop died of ``error`` (on the owner thread, which ends after this): fail
+        everything the role holds, at once, with a reason that names the failure."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,9 @@ class OwnerThread:
         self._drain_deadline = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.failure: BaseException | None = None
+        # Why the loop is being stopped, when not a plain shutdown (the role's drain fails its
+        # work with this reason): e.g. another rank of the endpoint failed.
+        self.stop_reason: tuple[Failure, str] | None = None
         self.gauge_names: tuple[str, ...] = ()
         self.published: Mapping[str, float] = MappingProxyType({})
 
@@ -190,6 +203,11 @@ class OwnerThread:
         except BaseException as e:  # surfaced through Endpoint.failure()
             self.failure = e
             log.exception("%s failed", self.name)
+            self._stopping.set()
+            try:
+                loop.abort(e)  # nothing it held may wait for a thread that is gone
+            except BaseException:
+                log.exception("%s: failing its work after the failure failed too", self.name)
 
     def run_once(self) -> bool:
         """One pass; True when anything was handled. Tests step the loop with it."""
