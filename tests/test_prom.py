@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -174,7 +175,7 @@ def decode_rank(rank: int) -> Telemetry:
     tel.info(device=f"cuda:{rank}", agent=f"p-abc#inc.r{rank}", version="0.1.0", rank=rank,
              tp_size=2, handshake="notif")  # fmt: skip
     for name, value in {"d_waiting": 3 + rank, "pool_free": 60 - rank, "pool_total": 64}.items():
-        tel.gauge_fn(name, lambda v=value: v)
+        tel.gauge_fn(name, functools.partial(float, value))
     tel.peers_fn(lambda: [{"peer": "127.0.0.1:5600", "mode": "notif", "state": "connected",
                            "failures": rank, "duration_s": 0.01}])  # fmt: skip
     tel.inc("requests_ok", 4)  # its share of each of the 4 requests
