@@ -6,11 +6,14 @@ import json
 import re
 import threading
 import time
+import urllib.request
 
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.wire import vllm
+from tests.conftest import unused_port
 from tests.support.procs import Launcher
 
 pytestmark = pytest.mark.integration
@@ -305,10 +308,11 @@ TP_GEOMETRY = ["--layers", "2", "--block-tokens", "16", "--kv-heads", "2", "--he
 @pytest.fixture(scope="module")
 def tp_prefill(tmp_path_factory):
     """A prefill endpoint at TP 2 (each rank holds one of the two KV heads), served by the CLI
-    with -o json lines."""
+    with -o json lines and /metrics."""
     f = Launcher(tmp_path_factory.mktemp("tp"))
     try:
-        yield f.serve("prefill", "--tp", "2", "--num-blocks", "16", *TP_GEOMETRY)
+        metrics = ["--metrics-port", str(unused_port())]
+        yield f.serve("prefill", "--tp", "2", "--num-blocks", "16", *metrics, *TP_GEOMETRY)
     finally:
         f.close()
 
@@ -361,7 +365,7 @@ def test_tp_peer_refuses_a_rank_it_lacks(tp_prefill, kvpush_run) -> None:
     ]
 
 
-def test_tp_peer_stats_and_json_lines_show_each_rank(tp_prefill, kvpush_run) -> None:
+def test_tp_peer_stats_json_lines_and_metrics_show_each_rank(tp_prefill, kvpush_run) -> None:
     r = kvpush_run("probe", tp_prefill.address, "--stats", "--json")
     stats = json.loads(r.stdout)["stats"]
     assert [s["info"]["rank"] for s in stats["ranks"]] == [0, 1]
@@ -378,3 +382,13 @@ def test_tp_peer_stats_and_json_lines_show_each_rank(tp_prefill, kvpush_run) -> 
         time.sleep(0.2)
     assert lines and [len(d["ranks"]) for d in lines][-1] == 2
     assert lines[-1]["ranks"][1]["info"]["rank"] == 1
+    # And its /metrics: rank-level series per rank, the request-level count once.
+    with urllib.request.urlopen(tp_prefill.info["metrics"], timeout=5) as resp:
+        page = resp.read().decode()
+    samples = [s for f in text_string_to_metric_families(page) for s in f.samples]
+    pool = {s.labels["rank"]: s.value for s in samples if s.name == "kvpush_pool_capacity_blocks"}
+    assert pool == {"0": 16, "1": 16}
+    (prefills,) = [s for s in samples if s.name == "kvpush_prefills_total"]
+    assert "rank" not in prefills.labels
+    served = [s for s in samples if s.name == "kvpush_handshakes_served_total"]
+    assert sorted(s.labels["rank"] for s in served) == ["0", "1"]
