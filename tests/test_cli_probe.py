@@ -6,11 +6,15 @@ import json
 import re
 import threading
 import time
+import urllib.request
 
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.wire import vllm
+from tests.conftest import unused_port
+from tests.support.procs import Launcher
 
 pytestmark = pytest.mark.integration
 
@@ -294,3 +298,97 @@ def test_auth_token(serve, kvpush_run, tmp_path) -> None:
         f"error: {s.address} is a kvpush endpoint that requires an auth token",
         "hint: pass --auth-token-file with the token the peer uses",
     ]
+
+
+# --- tensor-parallel peers --------------------------------------------------------------------
+
+TP_GEOMETRY = ["--layers", "2", "--block-tokens", "16", "--kv-heads", "2", "--head-dim", "64"]
+
+
+@pytest.fixture(scope="module")
+def tp_prefill(tmp_path_factory):
+    """A prefill endpoint at TP 2 (each rank holds one of the two KV heads), served by the CLI
+    with -o json lines and /metrics."""
+    f = Launcher(tmp_path_factory.mktemp("tp"))
+    try:
+        metrics = ["--metrics-port", str(unused_port())]
+        yield f.serve("prefill", "--tp", "2", "--num-blocks", "16", *metrics, *TP_GEOMETRY)
+    finally:
+        f.close()
+
+
+def test_tp_peer_lists_its_ranks(tp_prefill, kvpush_run) -> None:
+    r = kvpush_run("probe", tp_prefill.address, "--json", "--count", "2")
+    assert r.returncode == 0, r.stderr
+    md = json.loads(r.stdout)["metadata"]
+    assert md["ranks"] == [[0, 0], [0, 1]] and md["tp_size"] == 2 and md["tp_rank"] == 0
+    assert md["block_bytes"] == 2048  # one head of the model's two: rank 0's share
+    r = kvpush_run("probe", tp_prefill.address, *TP_GEOMETRY)
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split()[0]: ln for ln in r.stdout.splitlines()[1:] if ln.strip()}
+    assert lines["ranks"].split(None, 1)[1] == "0..1 (tp 2), describing rank 0"
+    assert lines["compatible"].split()[1] == "yes"  # the model's page: 4096 B on both sides
+
+
+def test_tp_peer_probed_at_another_rank(tp_prefill, kvpush_run) -> None:
+    r = kvpush_run("probe", tp_prefill.address, "--ranks", "0,1", "--json", "--count", "2")
+    assert r.returncode == 0, r.stderr
+    md = json.loads(r.stdout)["metadata"]
+    assert md["tp_rank"] == 1 and md["agent_name"].endswith(".r1")
+    # A real handshake (its geometry read from the peer) and NIXL pings, with rank 1.
+    r = kvpush_run(
+        "probe", tp_prefill.address, "--ranks", "0,1", "--handshake", "full", "--ping", "2",
+        "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["handshake_mode"] == "full" and out["handshake_timings_s"]["total_s"] > 0
+    assert len(out["ping_s"]) == 2
+    r = kvpush_run("probe", tp_prefill.address, "--ranks", "0,1", "--handshake", "notif",
+                   *TP_GEOMETRY)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "describing rank 1" in r.stdout and "handshake (notif)" in r.stdout
+    # All of it reached rank 1: it served the handshakes and answered the pings (after a
+    # handshake of its own back to the probe); rank 0 did neither.
+    r = kvpush_run("probe", tp_prefill.address, "--stats", "--json", "--count", "1")
+    rank0, rank1 = (s["counters"] for s in json.loads(r.stdout)["stats"]["ranks"])
+    assert rank1["handshakes_served"] >= 2 + 2 + 1 and rank1["handshakes_started"] >= 1
+    assert rank0.get("handshakes_started", 0) == 0
+
+
+def test_tp_peer_refuses_a_rank_it_lacks(tp_prefill, kvpush_run) -> None:
+    r = kvpush_run("probe", tp_prefill.address, "--ranks", "0,2")
+    assert r.returncode == 3
+    assert r.err_lines == [
+        f"error: {tp_prefill.address} does not serve rank 0,2: it serves ranks 0..1 (tp 2)",
+        "hint: ask for a rank it serves, e.g. --ranks 0,1",
+    ]
+
+
+def test_tp_peer_stats_json_lines_and_metrics_show_each_rank(tp_prefill, kvpush_run) -> None:
+    r = kvpush_run("probe", tp_prefill.address, "--stats", "--json")
+    stats = json.loads(r.stdout)["stats"]
+    assert [s["info"]["rank"] for s in stats["ranks"]] == [0, 1]
+    assert [s["gauges"]["pool_total"] for s in stats["ranks"]] == [16, 16]
+    assert stats["gauges"]["pool_total"] == 32
+    r = kvpush_run("probe", tp_prefill.address, "--stats")
+    assert "Ranks" in r.stdout and "tp 2" in r.stdout
+    # serve's own -o json lines carry the ranks too.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [json.loads(ln) for ln in tp_prefill.log_text().splitlines() if ln.startswith("{")]
+        if lines:
+            break
+        time.sleep(0.2)
+    assert lines and [len(d["ranks"]) for d in lines][-1] == 2
+    assert lines[-1]["ranks"][1]["info"]["rank"] == 1
+    # And its /metrics: rank-level series per rank, the request-level count once.
+    with urllib.request.urlopen(tp_prefill.info["metrics"], timeout=5) as resp:
+        page = resp.read().decode()
+    samples = [s for f in text_string_to_metric_families(page) for s in f.samples]
+    pool = {s.labels["rank"]: s.value for s in samples if s.name == "kvpush_pool_capacity_blocks"}
+    assert pool == {"0": 16, "1": 16}
+    (prefills,) = [s for s in samples if s.name == "kvpush_prefills_total"]
+    assert "rank" not in prefills.labels
+    served = [s for s in samples if s.name == "kvpush_handshakes_served_total"]
+    assert sorted(s.labels["rank"] for s in served) == ["0", "1"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -10,7 +11,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.errors import BindError
-from kvpush.telemetry.prom import PrometheusExporter, metric_name, snapshot_families
+from kvpush.telemetry.merge import merge
+from kvpush.telemetry.prom import (
+    ENDPOINT_COUNTERS,
+    ENDPOINT_HISTS,
+    PrometheusExporter,
+    metric_name,
+    snapshot_families,
+)
 from kvpush.telemetry.store import Telemetry
 
 
@@ -156,3 +164,105 @@ def test_family_names_are_sanitised_and_unique() -> None:
     assert len(names) == len(set(names))
     assert {"kvpush_weird_name_x", "kvpush_already", "kvpush_rtt_seconds"} <= set(names)
     assert metric_name("9lives") == "_9lives"
+
+
+# --- tensor-parallel ranks --------------------------------------------------------------------
+
+
+def decode_rank(rank: int) -> Telemetry:
+    """Rank ``rank`` of a TP-2 decode endpoint: its own queue, pool, peers and shares."""
+    tel = Telemetry("decode", "p-abc", "inc-1")
+    tel.info(device=f"cuda:{rank}", agent=f"p-abc#inc.r{rank}", version="0.1.0", rank=rank,
+             tp_size=2, handshake="notif")  # fmt: skip
+    for name, value in {"d_waiting": 3 + rank, "pool_free": 60 - rank, "pool_total": 64}.items():
+        tel.gauge_fn(name, functools.partial(float, value))
+    tel.peers_fn(lambda: [{"peer": "127.0.0.1:5600", "mode": "notif", "state": "connected",
+                           "failures": rank, "duration_s": 0.01}])  # fmt: skip
+    tel.inc("requests_ok", 4)  # its share of each of the 4 requests
+    tel.inc("notifs_received", 4 + rank)
+    tel.inc("bytes_received", 4 * 8192)
+    tel.fail("deadline", rank)
+    tel.observe("decode_latency", 1e-3)
+    tel.observe("handshake_duration", 0.01)
+    return tel
+
+
+def test_ranks_have_a_rank_label_and_sums_count_once() -> None:
+    ranks = [decode_rank(0), decode_rank(1)]
+    top = Telemetry("decode", "p-abc", "inc-1")
+    top.inc("requests_ok", 4)
+    top.declare(counters=["requests_failed"])
+    for _ in range(4):
+        top.observe("decode_latency", 2e-3)
+    exp = PrometheusExporter(lambda: merge([r.snapshot() for r in ranks], top.snapshot()))
+    exp.start()
+    try:
+        m = scrape(exp.url)
+    finally:
+        exp.stop()
+    base = (("engine_id", "p-abc"), ("role", "decode"))
+
+    def lab(**kv: str) -> tuple[tuple[str, str], ...]:
+        return tuple(sorted([*base, *kv.items()]))
+
+    # Rank-level: one series per rank, never also the total.
+    assert m["kvpush_notifs_received_total"] == {lab(rank="0"): 4, lab(rank="1"): 5}
+    assert m["kvpush_received_bytes_total"] == {lab(rank="0"): 32768, lab(rank="1"): 32768}
+    assert m["kvpush_failures_total"] == {
+        lab(rank="0", kind="deadline"): 0,
+        lab(rank="1", kind="deadline"): 1,
+    }
+    assert m["kvpush_queue_depth"] == {
+        lab(rank="0", queue="d_waiting"): 3,
+        lab(rank="1", queue="d_waiting"): 4,
+    }
+    assert m["kvpush_pool_blocks"] == {
+        lab(rank="0", state="free"): 60,
+        lab(rank="1", state="free"): 59,
+    }
+    assert m["kvpush_pool_capacity_blocks"] == {lab(rank="0"): 64, lab(rank="1"): 64}
+    assert m["kvpush_handshake_duration_seconds_count"] == {lab(rank="0"): 1, lab(rank="1"): 1}
+    assert m["kvpush_peer_handshake_state"] == {
+        lab(rank=r, peer="127.0.0.1:5600", mode="notif", state="connected"): 1 for r in "01"
+    }
+    assert m["kvpush_peer_handshake_failures"] == {
+        lab(rank="0", peer="127.0.0.1:5600"): 0,
+        lab(rank="1", peer="127.0.0.1:5600"): 1,
+    }
+    # Request-level: the endpoint's count, once, without rank (the ranks' shares left out).
+    assert m["kvpush_requests_ok_total"] == {lab(): 4}
+    assert m["kvpush_requests_failed_total"] == {lab(): 0}
+    assert m["kvpush_decode_latency_seconds_count"] == {lab(): 4}
+    assert m["kvpush_decode_latency_seconds_sum"][lab()] == pytest.approx(8e-3)
+    # The endpoint's own facts once; what differs between ranks per rank.
+    assert list(m["kvpush_uptime_seconds"]) == [lab()]
+    assert m["kvpush_info"] == {
+        lab(version="0.1.0", tp_size="2", handshake="notif", incarnation="inc-1"): 1
+    }
+    assert m["kvpush_rank_info"] == {
+        lab(rank="0", device="cuda:0", agent="p-abc#inc.r0"): 1,
+        lab(rank="1", device="cuda:1", agent="p-abc#inc.r1"): 1,
+    }
+    # No sample carries both a rank and a total of the same name: sum() never counts twice.
+    for name, series in m.items():
+        ranked = {dict(k).get("rank") is not None for k in series}
+        assert len(ranked) <= 1, name
+
+
+def test_one_rank_keeps_its_series_without_a_rank_label() -> None:
+    tel = decode_rank(0)
+    tel.info(tp_size=1)
+    names = snapshot_families(merge([tel.snapshot()]))
+    assert all("rank" not in s.labels for f in names for s in f.samples)
+    (info,) = [f for f in names if f.name == "kvpush"]
+    assert info.samples[0].labels["tp_size"] == "1" and "device" in info.samples[0].labels
+    assert "kvpush_rank" not in {f.name for f in names}
+    requests = next(f for f in names if f.name == "kvpush_requests_ok")
+    assert [s.value for s in requests.samples] == [4]  # one rank: its own count
+
+
+def test_endpoint_level_names_are_the_cores() -> None:
+    from kvpush.endpoint.core import REQUEST_COUNTERS, REQUEST_HISTS
+
+    assert {c for cs in REQUEST_COUNTERS.values() for c in cs} == ENDPOINT_COUNTERS
+    assert {h for hs in REQUEST_HISTS.values() for h in hs} == ENDPOINT_HISTS

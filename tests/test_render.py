@@ -15,6 +15,7 @@ from kvpush.cli.views.live import (
     render_plain,
     render_summary_table,
 )
+from kvpush.telemetry.merge import merge
 from kvpush.telemetry.snapshot import Snapshot, snapshot_from_dict
 from kvpush.telemetry.store import Telemetry
 
@@ -149,3 +150,128 @@ def test_formatters() -> None:
         "0", "0.047", "1.23", "41.0", "1234"
     ]  # fmt: skip
     assert [fmt_uptime(s) for s in (5, 65, 3725, 90061)] == ["5s", "1m05s", "1h02m05s", "1d01h01m"]
+
+
+# --- tensor-parallel ranks --------------------------------------------------------------------
+
+
+def rank_snapshot(rank: int, role: str = "prefill") -> Snapshot:
+    """Rank ``rank`` of a TP-2 endpoint at a fixed instant: its own queues, pool and peers."""
+    now = [0.0]
+    tel = Telemetry(
+        role, "p-7f3a9c21", "inc-1a2b", clock=lambda: now[0], wall_clock=lambda: T0 + now[0]
+    )
+    tel.info(
+        address="127.0.0.1:5600", device=f"cuda:{rank}", writer="deferred", handshake="notif",
+        version="0.1.0", rank=rank, tp_size=2,
+    )  # fmt: skip
+    gauges = {
+        "pool_free": 1000 - rank,
+        "pool_allocated": 20,
+        "pool_inflight": 3 + rank,
+        "pool_quarantined": rank,
+        "pool_total": 1024,
+    }
+    if role == "prefill":
+        gauges |= {"finished_waiting_reg": 4 * rank, "regs_waiting_blocks": 0,
+                   "deferred": rank, "inflight_writes": 17 + rank}  # fmt: skip
+    else:
+        gauges |= {"d_waiting": 5 + rank}
+    for name, value in gauges.items():
+        tel.gauge_fn(name, functools.partial(float, value))
+    peers: list[dict[str, object]] = [
+        {"peer": "127.0.0.1:5700", "engine_id": "d-11aa22bb", "mode": "full",
+         "state": "connected", "duration_s": 0.041, "failures": 0, "last_error": None},
+    ]  # fmt: skip
+    if rank == 1:
+        peers.append({"peer": "10.0.0.12:5701", "engine_id": "d-99ff", "mode": "full",
+                      "state": "failed", "duration_s": 5.0, "failures": 3,
+                      "last_error": "deadline"})  # fmt: skip
+    tel.peers_fn(lambda: peers)
+    tel.inc("pushes_ok", 1000 * (rank + 1))
+    tel.inc("bytes_pushed", 1000 * (rank + 1) * 1_000_000)
+    tel.inc("requests_ok", 300 * (rank + 1))
+    tel.inc("notifs_received", 200 * (rank + 1))
+    tel.observe("push_latency", 1e-4 * (rank + 1))
+    tel.fail("deadline", rank)
+    now[0] = 2.0
+    return tel.snapshot()
+
+
+def tp_snapshot(role: str = "prefill") -> Snapshot:
+    return merge([rank_snapshot(0, role), rank_snapshot(1, role)])
+
+
+def test_live_view_with_ranks_adds_a_rank_table_under_the_totals() -> None:
+    text = rendered(tp_snapshot())
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert text.index("Pool") < text.index("Ranks") and "of 2,048 blocks" in text  # totals
+    assert "device cuda:0,cuda:1" in text and "tp 2" in text
+    head = lines.index(next(ln for ln in lines if ln.startswith("Ranks"))) + 1
+    assert lines[head].split() == [
+        "rank", "finished", "regs", "deferred", "writes", "free", "inflight", "quar.",
+        "ok/conn/fail", "pushes/s", "GB/s",
+    ]  # fmt: skip
+    assert [lines[head + 2].split(), lines[head + 3].split()] == [
+        ["0", "0", "0", "0", "17", "1,000", "3", "0", "1/0/0", "500", "0.50"],
+        ["1", "4", "0", "1", "18", "999", "4", "1", "1/0/1", "1,000", "1.00"],
+    ]
+    # The handshake table names the rank that holds each peer (one row per rank and peer).
+    assert "Handshakes  2/3 ready" in text
+    rows = [ln.split()[:4] for ln in lines if "127.0.0.1:5700" in ln or "10.0.0.12" in ln]
+    assert rows == [
+        ["1", "10.0.0.12:5701", "d-99ff", "full"],
+        ["0", "127.0.0.1:5700", "d-11aa22bb", "full"],
+        ["1", "127.0.0.1:5700", "d-11aa22bb", "full"],
+    ]
+
+
+def test_rank_table_of_a_decode_endpoint_shows_its_queue_and_receive_rates() -> None:
+    lines = rendered(tp_snapshot("decode")).splitlines()
+    head = lines.index(next(ln for ln in lines if ln.startswith("Ranks"))) + 1
+    assert lines[head].split() == [
+        "rank", "waiting", "free", "inflight", "quar.", "ok/conn/fail", "req/s", "notifs/s",
+    ]  # fmt: skip
+    assert lines[head + 3].split() == ["1", "6", "999", "4", "1", "1/0/1", "300", "200"]
+
+
+def test_one_rank_looks_as_it_always_did() -> None:
+    snap = sample_snapshot()
+    assert merge([snap]) is snap and not snap.ranks
+    text = rendered(snap)
+    assert "Ranks" not in text and "tp " not in text and "rank" not in text
+    assert "\n" not in render_plain(snap)
+    assert "ranks" not in json.loads(render_json(snap))
+
+
+def test_plain_with_ranks_is_the_totals_line_then_a_line_per_rank() -> None:
+    assert render_plain(tp_snapshot()).splitlines() == [
+        "2026-11-18T11:06:42Z prefill p-7f3a9c21 pushes/s=1500 req/s=450 GB/s=1.50 finished=4 "
+        "regs=0 deferred=1 inflight=35 p99=0.199ms fail=1[deadline:1] pool_free=1999/2048 "
+        "peers=2/3",
+        "2026-11-18T11:06:42Z prefill p-7f3a9c21 rank=0/2 pushes/s=500 GB/s=0.50 finished=0 "
+        "regs=0 deferred=0 inflight=17 fail=0 pool_free=1000/1024 peers=1/1",
+        "2026-11-18T11:06:42Z prefill p-7f3a9c21 rank=1/2 pushes/s=1000 GB/s=1.00 finished=4 "
+        "regs=0 deferred=1 inflight=18 fail=1 pool_free=999/1024 peers=1/2",
+    ]
+    assert render_plain(tp_snapshot("decode")).splitlines()[2] == (
+        "2026-11-18T11:06:42Z decode p-7f3a9c21 rank=1/2 req/s=300 notifs/s=200 waiting=6 "
+        "fail=1 pool_free=999/1024 peers=1/2"
+    )
+
+
+def test_json_with_ranks_carries_each_rank_and_round_trips() -> None:
+    snap = tp_snapshot()
+    line = render_json(snap)
+    assert "\n" not in line
+    d = json.loads(line)
+    assert snapshot_from_dict(d) == snap
+    assert d["info"]["rank"] == "all" and d["gauges"]["inflight_writes"] == 35
+    assert [r["info"]["rank"] for r in d["ranks"]] == [0, 1]
+    one = d["ranks"][1]
+    assert one["gauges"]["inflight_writes"] == 18 and one["gauges"]["pool_free"] == 999
+    assert one["counters"]["pushes_ok"] == 2000 and one["rates"]["pushes_ok"] == 1000
+    assert [p["state"] for p in one["peers"]] == ["connected", "failed"]
+    assert "ranks" not in one  # a rank has no ranks of its own
+    assert [p["rank"] for p in d["peers"]] == [0, 1, 1]

@@ -9,11 +9,13 @@ import math
 import subprocess
 import sys
 import threading
+from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 
+from kvpush.telemetry.merge import merge
 from kvpush.telemetry.names import RATE_COUNTERS
 from kvpush.telemetry.snapshot import (
     BUCKET_BOUNDS,
@@ -308,6 +310,22 @@ def test_snapshot_round_trips_through_dict_json_and_msgpack() -> None:
     assert snapshot_from_dict(d) == s
     assert snapshot_from_dict(msgspec.msgpack.decode(msgspec.msgpack.encode(s))) == s
     assert isinstance(snapshot_from_dict(d).histograms["push_latency"].buckets[0], tuple)
+
+
+def test_ranks_round_trip_and_one_rank_encodes_as_before() -> None:
+    one = sample_telemetry().snapshot()
+    assert "ranks" not in one.to_dict()  # the form of a one-rank endpoint did not change
+    other = sample_telemetry()
+    other.inc("pushes_ok", 5)
+    merged = merge([one, other.snapshot()])
+    d = merged.to_dict()
+    assert d == json.loads(json.dumps(d))
+    ranks: Any = d["ranks"]
+    assert [r["counters"]["pushes_ok"] for r in ranks] == [10, 15]
+    assert d["counters"] == {"pushes_ok": 25, "bytes_pushed": 2 * 163840}
+    assert snapshot_from_dict(d) == merged
+    assert snapshot_from_dict(msgspec.msgpack.decode(msgspec.msgpack.encode(merged))) == merged
+    assert snapshot_from_dict(d).ranks[1].histograms["push_latency"].count == 4
 
 
 def test_snapshot_from_dict_rejects_a_bad_dict() -> None:

@@ -12,6 +12,11 @@ kvpush endpoint answers it with its identity under an extra key; a vLLM engine's
 decoded with kvpush's bounded, typed decoders (the compatibility hash first, then
 ``NixlAgentMetadata``) and it is sent nothing else. The agent metadata bytes are reported by
 size only and never handed to NIXL.
+
+Ranks: a kvpush peer's identity lists every (pp, tp) rank it serves and its ``tp_size``
+(``served_ranks`` reads it as "0..N-1"). Any other rank than 0,0 is asked for only when it is
+known to be served, and then everything the probe does -- the metadata, the handshake, the
+pings -- is with that rank.
 """
 
 from __future__ import annotations
@@ -23,7 +28,14 @@ from typing import Any, Literal
 import msgspec
 
 from kvpush import PROTOCOL_VERSION
-from kvpush.config import EndpointConfig, HandshakeMode, PoolConfig, format_address, parse_address
+from kvpush.config import (
+    EndpointConfig,
+    HandshakeMode,
+    KvRegions,
+    PoolConfig,
+    format_address,
+    parse_address,
+)
 from kvpush.errors import (
     ConfigError,
     ExitStatus,
@@ -132,6 +144,16 @@ def local_compat_fields(pool: PoolConfig) -> dict[str, object]:
 UNREACHABLE_HINT = control.UNREACHABLE_HINT
 
 
+def served_ranks(ranks: list[Any], tp_size: object = None) -> str:
+    """A peer's ranks for a person: ``0..3 (tp 4)`` for pipeline rank 0 and tensor ranks
+    0..N-1 (what kvpush serves), else every ``pp,tp`` pair."""
+    pairs = [(int(r[0]), int(r[1])) for r in ranks]
+    tp = f" (tp {tp_size})" if tp_size is not None else ""
+    if pairs and pairs == [(0, t) for t in range(len(pairs))]:
+        return (f"0..{len(pairs) - 1}" if len(pairs) > 1 else "0") + tp
+    return (", ".join(f"{p},{t}" for p, t in pairs) or "none listed") + tp
+
+
 def _incompatible_protocol(address: str, e: ProtocolError) -> IncompatiblePeerError:
     return IncompatiblePeerError(
         f"{address} answered, but its reply cannot be read: {e}",
@@ -191,7 +213,7 @@ def probe(
                 if kv is not None and stats and not kv.auth:
                     report = _with_stats(report, client)
                 return report
-            return _probe_kvpush(addr, client, ident, count, local, stats)
+            return _probe_kvpush(addr, client, ident, count, local, stats, ranks[1])
         except PeerUnreachableError as e:
             raise PeerUnreachableError(e.message, UNREACHABLE_HINT) from None
 
@@ -203,16 +225,18 @@ def _probe_kvpush(
     count: int,
     local: dict[str, object] | None,
     want_stats: bool,
+    tp_rank: int = 0,
 ) -> ProbeReport:
     kv = ident.kvpush
     if kv.error:
         raise PeerError(f"{addr} is a kvpush endpoint: {kv.error}", "ask for rank 0,0")
     samples: list[tuple[float, float, float]] = []
     rep: protocol.HandshakeRep | None = None
+    req = protocol.HandshakeReq(mode="notif", requester="kvpush-probe", tp_rank=tp_rank)
     for _ in range(count):
         t0 = _KVPUSH_CLOCK()
         try:
-            r = control.call(client, protocol.HandshakeReq(mode="notif", requester="kvpush-probe"))
+            r = control.call(client, req)
         except ProtocolError as e:
             raise _incompatible_protocol(addr, e) from None
         t1 = _KVPUSH_CLOCK()
@@ -234,6 +258,8 @@ def _probe_kvpush(
         # Not our schema (another version): decode loosely only to name what differs.
         meta = protocol.decode_metadata_loose(rep.metadata)
     meta.pop("region_base_addrs", None)
+    if meta.get("tp_rank", tp_rank) != tp_rank:
+        raise PeerError(f"{addr} was asked for rank {tp_rank} and described rank {meta['tp_rank']}")
     meta["wire"] = kv.wire
     meta["ranks"] = [list(r) for r in kv.ranks]
     remote_fields = protocol.compat_fields_loose(meta)
@@ -265,10 +291,11 @@ def _check_rank(addr: str, ident: Any, ranks: tuple[int, int], peer_tp: int | No
     if kv is not None:
         served = [tuple(r) for r in kv.ranks]
         if served and ranks not in served:
+            last = served[-1]
             raise PeerError(
-                f"{addr} does not serve rank {ranks[0]},{ranks[1]}: it serves "
-                + ", ".join(f"{p},{t}" for p, t in served),
-                "ask for one of the ranks it serves",
+                f"{addr} does not serve rank {ranks[0]},{ranks[1]}: it serves ranks "
+                f"{served_ranks(list(served), kv.tp_size)}",
+                f"ask for a rank it serves, e.g. --ranks {last[0]},{last[1]}",
             )
         return
     if ranks[0] != 0 or peer_tp is None or not 0 <= ranks[1] < peer_tp:
@@ -372,8 +399,10 @@ def handshake_probe(
     local: EndpointConfig,
     mode: HandshakeMode | None,
     ping_count: int = 0,
+    rank: int = 0,
 ) -> HandshakeProbe:
-    """Start a tiny local decode endpoint, do a real NIXL handshake (and pings) to ``address``.
+    """Start a tiny local decode endpoint, do a real NIXL handshake (and pings) to ``address``'s
+    tensor-parallel rank ``rank`` (the caller checked that the peer serves it).
 
     ``mode`` None with ``ping_count`` > 0 handshakes notif-only, which notifications need.
     """
@@ -383,8 +412,13 @@ def handshake_probe(
     addr = format_address(host, port)
     ep = open_endpoint(local)
     try:
-        res = ep.handshake_to(addr, mode or HandshakeMode.NOTIF)
-        pings = list(ep.ping(addr, ping_count)) if ping_count > 0 else []
+        res = ep.handshake_to(addr, mode or HandshakeMode.NOTIF, rank)
+        pings: list[float] = []
+        if ping_count > 0:
+            # Endpoint.ping pings rank 0; the asked rank is pinged by the probe's one rank.
+            conn = ep.handshake_to(addr, HandshakeMode.NOTIF, rank)
+            own = ep.ranks[0]
+            pings = list(own.pinger.ping(conn, ping_count, own.role.poke))
         return HandshakeProbe(
             mode=(mode or HandshakeMode.NOTIF).value, timings_s=dict(res.timings), ping_s=pings
         )
@@ -423,24 +457,25 @@ def tiny_vllm_config(address: str, base: EndpointConfig) -> EndpointConfig:
 def tiny_local_config(
     remote: dict[str, Any], given: PoolConfig | None, token: bytes | None, base: EndpointConfig
 ) -> EndpointConfig:
-    """The probe's own decode endpoint: the peer's geometry (or the given one), 4 blocks."""
+    """The probe's own decode endpoint: the peer's geometry (or the given one), 4 blocks, one
+    rank -- so its page is the model's page (every rank's share of a TP peer together), as the
+    compatibility check compares it."""
     if given is not None:
-        pool = PoolConfig(
-            num_blocks=4,
-            layers=given.layers,
-            block_bytes=given.block_bytes,
-            device=given.device,
-            dtype=given.dtype,
-            kv_layout=given.kv_layout,
-        )
+        pool = replace(given, num_blocks=4, tp_size=1)
     else:
+        layers = int(remote.get("layers") or 1)
+        kv_heads = int(remote.get("kv_heads") or 1)
+        tp_size = int(remote.get("tp_size") or 1)
+        block_bytes = int(remote.get("block_bytes") or 4096)
         pool = PoolConfig(
             num_blocks=4,
-            layers=int(remote.get("layers") or 1),
-            block_bytes=int(remote.get("block_bytes") or 4096),
+            layers=layers,
+            block_bytes=block_bytes * tp_size if kv_heads > 1 else block_bytes,
             device=base.pool.device,
             dtype=str(remote.get("dtype") or "bfloat16"),
             kv_layout=str(remote.get("kv_layout") or "NHD"),
+            kv_regions=KvRegions.PER_LAYER if remote.get("regions") == layers else KvRegions.PER_KV,
+            kv_heads=kv_heads,
         )
     return EndpointConfig(
         role="decode",

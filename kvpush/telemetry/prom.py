@@ -18,6 +18,25 @@ registry. A custom collector calls ``source()`` on the scrape thread and transla
 Every series carries ``role`` and ``engine_id``. Rates are left to PromQL ``rate()``. Binds
 127.0.0.1 unless told otherwise: the side-channel advisories in this space are about services
 bound to all interfaces.
+
+Tensor-parallel ranks (a snapshot with ``ranks``): a series carries ``rank`` exactly when it
+is one rank's, so that ``sum()`` over any metric never counts a thing twice:
+
+- rank-level data -- every counter, failure, queue, pool, other gauge, histogram and peer row
+  that the ranks keep themselves -- is exported once per rank, from the rank's own snapshot,
+  with ``rank="0"``, ``"1"``, ... and never also as the endpoint's total (the total is
+  ``sum without (rank) (...)``);
+- what the endpoint counts once per request (``ENDPOINT_COUNTERS``, ``ENDPOINT_HISTS``:
+  prefills, requests_ok/failed, decode_latency) is exported once, without ``rank``; the
+  ranks' own shares of those names are left out (each rank completes its part of every
+  request: summed they would count a request once per rank);
+- ``kvpush_uptime_seconds`` and ``kvpush_info`` are the endpoint's (no ``rank``);
+  ``kvpush_info`` keeps the facts every rank shares (``tp_size`` among them) and
+  ``kvpush_rank_info{rank,...}`` = 1 per rank holds those that differ (agent, device).
+
+One rank exports exactly the series it did before ranks existed (no ``rank`` label, not even
+``rank="0"``): dashboards and alerts of one-rank endpoints keep working, the request-level
+series keep one identity at every TP size, and ``sum by (...)`` reads the same either way.
 """
 
 from __future__ import annotations
@@ -40,14 +59,26 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvpush.errors import BindError
-from kvpush.telemetry.names import POOL_GAUGES, QUEUE_GAUGES
-from kvpush.telemetry.snapshot import Snapshot, expand_buckets
+from kvpush.telemetry.names import POOL_GAUGES, QUEUE_GAUGES, Counter, Hist
+from kvpush.telemetry.snapshot import HistSnapshot, Snapshot, expand_buckets
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PrometheusExporter", "metric_name", "snapshot_families"]
+__all__ = [
+    "ENDPOINT_COUNTERS",
+    "ENDPOINT_HISTS",
+    "PrometheusExporter",
+    "metric_name",
+    "snapshot_families",
+]
 
 _BASE = ("role", "engine_id")
+
+#: What a multi-rank endpoint counts once per request (``kvpush.endpoint.core``'s
+#: REQUEST_COUNTERS and REQUEST_HISTS, all roles; a test keeps the two lists equal). Their
+#: ranks' own shares (each rank completes its part of every request) are left out of the page.
+ENDPOINT_COUNTERS = frozenset({Counter.PREFILLS, Counter.REQUESTS_OK, Counter.REQUESTS_FAILED})
+ENDPOINT_HISTS = frozenset({Hist.DECODE_LATENCY})
 _INVALID = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -82,82 +113,110 @@ def snapshot_families(snap: Snapshot) -> list[Metric]:
 
 
 def _families(snap: Snapshot) -> Iterator[Metric]:
+    ranked = bool(snap.ranks)
     base = [snap.role, snap.engine_id]
+    # The series of rank-level data: one part per rank (rank label) or the one snapshot.
+    parts: list[tuple[list[str], Snapshot]] = (
+        [([*base, str(r.info.get("rank", i))], r) for i, r in enumerate(snap.ranks)]
+        if ranked
+        else [(base, snap)]
+    )
+    lab = [*_BASE, "rank"] if ranked else list(_BASE)
+    once_counters = ENDPOINT_COUNTERS if ranked else frozenset()
+    once_hists = ENDPOINT_HISTS if ranked else frozenset()
 
-    for counter, value in sorted(snap.counters.items()):
-        c = CounterMetricFamily(_counter_base(counter), f"kvpush counter {counter}", labels=_BASE)
-        c.add_metric(base, value)
+    names = {c for _, s in parts for c in s.counters if c not in once_counters}
+    names |= {c for c in snap.counters if c in once_counters}
+    for counter in sorted(names):
+        doc = f"kvpush counter {counter}"
+        if counter in once_counters:
+            c = CounterMetricFamily(_counter_base(counter), doc, labels=_BASE)
+            c.add_metric(base, snap.counters[counter])
+        else:
+            c = CounterMetricFamily(_counter_base(counter), doc, labels=lab)
+            for key, s in parts:
+                if counter in s.counters:
+                    c.add_metric(key, s.counters[counter])
         yield c
 
     fails = CounterMetricFamily(
         "kvpush_failures",
         "Failures by kind (each counted once, where handled)",
-        labels=[*_BASE, "kind"],
+        labels=[*lab, "kind"],
     )
-    for kind, value in sorted(snap.failures.items()):
-        fails.add_metric([*base, kind], value)
+    for key, s in parts:
+        for kind, value in sorted(s.failures.items()):
+            fails.add_metric([*key, kind], value)
     yield fails
 
     queues = GaugeMetricFamily(
-        "kvpush_queue_depth", "Items waiting in each queue", labels=[*_BASE, "queue"]
+        "kvpush_queue_depth", "Items waiting in each queue", labels=[*lab, "queue"]
     )
     pool = GaugeMetricFamily(
-        "kvpush_pool_blocks", "KV blocks of the pool by state", labels=[*_BASE, "state"]
+        "kvpush_pool_blocks", "KV blocks of the pool by state", labels=[*lab, "state"]
     )
-    others: list[GaugeMetricFamily] = []
-    for gauge, level in sorted(snap.gauges.items()):
-        if gauge in QUEUE_GAUGES:
-            queues.add_metric([*base, gauge], level)
-        elif gauge == "pool_total":
-            g = GaugeMetricFamily(
-                "kvpush_pool_capacity_blocks", "KV blocks in the pool", labels=_BASE
-            )
-            g.add_metric(base, level)
-            others.append(g)
-        elif gauge in POOL_GAUGES:
-            pool.add_metric([*base, gauge.removeprefix("pool_")], level)
-        else:
-            g = GaugeMetricFamily(
-                f"kvpush_{metric_name(gauge)}", f"kvpush gauge {gauge}", labels=_BASE
-            )
-            g.add_metric(base, level)
-            others.append(g)
+    others: dict[str, GaugeMetricFamily] = {}
+    for key, s in parts:
+        for gauge, level in sorted(s.gauges.items()):
+            if gauge in QUEUE_GAUGES:
+                queues.add_metric([*key, gauge], level)
+            elif gauge in POOL_GAUGES and gauge != "pool_total":
+                pool.add_metric([*key, gauge.removeprefix("pool_")], level)
+            else:
+                g = others.get(gauge)
+                if g is None:
+                    g = others[gauge] = (
+                        GaugeMetricFamily(
+                            "kvpush_pool_capacity_blocks", "KV blocks in the pool", labels=lab
+                        )
+                        if gauge == "pool_total"
+                        else GaugeMetricFamily(
+                            f"kvpush_{metric_name(gauge)}", f"kvpush gauge {gauge}", labels=lab
+                        )
+                    )
+                g.add_metric(key, level)
     yield queues
     yield pool
-    yield from others
+    yield from (others[g] for g in sorted(others))
 
-    for hist, h in sorted(snap.histograms.items()):
-        fam = HistogramMetricFamily(_hist_name(hist), f"kvpush {hist} in seconds", labels=_BASE)
-        buckets: list[tuple[str, float]] = [
-            (repr(le), cum)
-            for le, cum in expand_buckets(h)  # repr: '5.01e-05', as Go writes it
-        ]
-        buckets.append(("+Inf", h.count))
-        fam.add_metric(base, buckets, h.sum)
+    hist_names = {h for _, s in parts for h in s.histograms if h not in once_hists}
+    hist_names |= {h for h in snap.histograms if h in once_hists}
+    for hist in sorted(hist_names):
+        doc = f"kvpush {hist} in seconds"
+        if hist in once_hists:
+            fam = HistogramMetricFamily(_hist_name(hist), doc, labels=_BASE)
+            _add_hist(fam, base, snap.histograms[hist])
+        else:
+            fam = HistogramMetricFamily(_hist_name(hist), doc, labels=lab)
+            for key, s in parts:
+                if hist in s.histograms:
+                    _add_hist(fam, key, s.histograms[hist])
         yield fam
 
     state = GaugeMetricFamily(
         "kvpush_peer_handshake_state",
         "1 for each peer, labelled with its handshake mode and state",
-        labels=[*_BASE, "peer", "mode", "state"],
+        labels=[*lab, "peer", "mode", "state"],
     )
     failures = GaugeMetricFamily(
-        "kvpush_peer_handshake_failures", "Failed handshakes per peer", labels=[*_BASE, "peer"]
+        "kvpush_peer_handshake_failures", "Failed handshakes per peer", labels=[*lab, "peer"]
     )
     duration = GaugeMetricFamily(
         "kvpush_peer_handshake_duration_seconds",
         "Duration of the last handshake per peer",
-        labels=[*_BASE, "peer"],
+        labels=[*lab, "peer"],
     )
-    for row in snap.peers:
-        peer = str(row.get("peer", ""))
-        state.add_metric([*base, peer, str(row.get("mode", "")), str(row.get("state", ""))], 1)
-        n = row.get("failures")
-        if isinstance(n, int | float):
-            failures.add_metric([*base, peer], n)
-        d = row.get("duration_s")
-        if isinstance(d, int | float):
-            duration.add_metric([*base, peer], d)
+    for key, s in parts:
+        for row in s.peers:
+            peer = str(row.get("peer", ""))
+            mode, st = str(row.get("mode", "")), str(row.get("state", ""))
+            state.add_metric([*key, peer, mode, st], 1)
+            n = row.get("failures")
+            if isinstance(n, int | float):
+                failures.add_metric([*key, peer], n)
+            d = row.get("duration_s")
+            if isinstance(d, int | float):
+                duration.add_metric([*key, peer], d)
     yield state
     yield failures
     yield duration
@@ -168,13 +227,43 @@ def _families(snap: Snapshot) -> Iterator[Metric]:
     up.add_metric(base, snap.uptime_s)
     yield up
 
-    labels = {metric_name(k): str(v) for k, v in sorted(snap.info.items()) if k}
-    labels.pop("role", None)
-    labels.pop("engine_id", None)
+    yield from _info(snap, parts)
+
+
+def _add_hist(fam: HistogramMetricFamily, key: list[str], h: HistSnapshot) -> None:
+    buckets: list[tuple[str, float]] = [
+        (repr(le), cum)
+        for le, cum in expand_buckets(h)  # repr: '5.01e-05', as Go writes it
+    ]
+    buckets.append(("+Inf", h.count))
+    fam.add_metric(key, buckets, h.sum)
+
+
+def _info_labels(info: dict[str, str | int | float]) -> dict[str, str]:
+    labels = {metric_name(k): str(v) for k, v in sorted(info.items()) if k}
+    for k in ("role", "engine_id", "rank"):
+        labels.pop(k, None)
+    return labels
+
+
+def _info(snap: Snapshot, parts: list[tuple[list[str], Snapshot]]) -> Iterator[Metric]:
+    """``kvpush_info``: what the endpoint's ranks share; ``kvpush_rank_info``: what differs."""
+    base = [snap.role, snap.engine_id]
+    ranks = [_info_labels(s.info) for _, s in parts] if snap.ranks else []
+    labels = _info_labels(snap.info)
+    varying = {k for k in labels if any(r.get(k) != labels[k] for r in ranks)}
+    labels = {k: v for k, v in labels.items() if k not in varying}
     labels["incarnation"] = snap.incarnation
     info = InfoMetricFamily("kvpush", "Static facts about this endpoint", labels=_BASE)
     info.add_metric(base, labels)
     yield info
+    if ranks:
+        per_rank = InfoMetricFamily(
+            "kvpush_rank", "Static facts that differ between the ranks", labels=[*_BASE, "rank"]
+        )
+        for (key, _), r in zip(parts, ranks, strict=True):
+            per_rank.add_metric(key, {k: v for k, v in r.items() if k in varying})
+        yield per_rank
 
 
 class _SnapshotCollector(Collector):

@@ -82,8 +82,14 @@ class HistSnapshot(msgspec.Struct, frozen=True):
     buckets: list[tuple[float, int]]
 
 
-class Snapshot(msgspec.Struct, frozen=True):
-    """Everything one endpoint's telemetry says at one instant; build it with ``snapshot()``."""
+class Snapshot(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Everything one endpoint's telemetry says at one instant; build it with ``snapshot()``.
+
+    ``ranks``: with more than one tensor-parallel rank, each rank's own snapshot (its queues,
+    pool, handshakes and throughput; ``kvpush.telemetry.merge``). Empty -- and then left out of
+    the encoded form, so a one-rank endpoint's ``-o json`` line and stats reply read as before
+    ranks existed -- for one rank.
+    """
 
     ts: float  # wall clock, seconds since the epoch
     role: str

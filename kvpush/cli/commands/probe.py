@@ -105,13 +105,14 @@ def _probe(
         raise ConfigError(f"--ping must be >= 0, got {ping}", "pass --ping N with N >= 1")
     if not timeout > 0:
         raise ConfigError(f"--timeout must be positive, got {timeout:g}", "pass --timeout > 0")
+    asked = translate.parse_ranks(ranks)
     report = core.probe(
         address,
         count=count,
         timeout_s=timeout,
         local=local,
         token=token,
-        ranks=translate.parse_ranks(ranks),
+        ranks=asked,
         stats=stats,
         peer_tp=peer_tp,
     )
@@ -139,7 +140,7 @@ def _probe(
                 cfg = core.tiny_vllm_config(report.address, base)
             else:
                 cfg = core.tiny_local_config(report.metadata, local_pool, token, base)
-            hp = core.handshake_probe(report.address, cfg, handshake, ping)
+            hp = core.handshake_probe(report.address, cfg, handshake, ping, rank=asked[1])
             report = dataclasses.replace(
                 report,
                 handshake_mode=hp.mode if handshake is not None else None,

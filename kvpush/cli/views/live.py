@@ -7,6 +7,11 @@ threads, no clocks, no I/O -- so the three outputs cannot disagree and each is t
 rendering a hand-built snapshot. The ``Live`` loop that calls ``render_live`` once per refresh,
 and the choice between the views (``isatty()``, ``--json``), belong to the command that owns
 the console (on the main thread). The dashboard fits 100 columns.
+
+Tensor parallelism: a snapshot with ``ranks`` (``kvpush.telemetry.merge``) is drawn as the
+endpoint's totals, as for one rank, plus a ``Ranks`` table (each rank's queues, pool, handshakes
+and throughput) and a ``rank`` column in the handshake table; its plain form is the totals line
+followed by one ``rank=R/N`` line per rank. A one-rank snapshot draws exactly as it always did.
 """
 
 from __future__ import annotations
@@ -67,6 +72,19 @@ THROUGHPUT = {
         ("notifs/s", Counter.NOTIFS_RECEIVED),
     ),
 }
+#: The per-rank throughput by role: label, counter whose rate it shows.
+RANK_THROUGHPUT = {
+    "prefill": (("pushes/s", Counter.PUSHES_OK), ("GB/s", Counter.BYTES_PUSHED)),
+    "decode": (("req/s", Counter.REQUESTS_OK), ("notifs/s", Counter.NOTIFS_RECEIVED)),
+}
+#: The queue columns of the ``Ranks`` table (``writes``: "inflight" names pool blocks there).
+_RANK_QUEUE_COLUMNS = {**_PLAIN_QUEUE_KEYS, Gauge.INFLIGHT_WRITES: "writes"}
+_RANK_POOL_COLUMNS = (
+    (Gauge.POOL_FREE, "free"),
+    (Gauge.POOL_INFLIGHT, "inflight"),
+    (Gauge.POOL_QUARANTINED, "quar."),
+)
+_BYTE_COUNTERS = frozenset({Counter.BYTES_PUSHED, Counter.BYTES_RECEIVED})
 _BAR_WIDTH = 60
 _MAX_PEER_ROWS = 12
 
@@ -149,6 +167,45 @@ def _cell(value: object, empty: str = "-") -> str:
     return empty if value is None or value == "" else str(value)
 
 
+def _rank_name(snap: Snapshot, index: int) -> str:
+    """A rank snapshot's rank: its own ``info["rank"]``, else its place in ``ranks``."""
+    return str(snap.info.get("rank", index))
+
+
+def handshake_counts(peers: Iterable[dict[str, object]]) -> tuple[int, int, int]:
+    """(connected, connecting, failed) peer rows; a state this version does not know counts
+    as connecting (drawn yellow, as in the handshake table)."""
+    ok = bad = other = 0
+    for row in peers:
+        state = str(row.get("state", ""))
+        if state in OK_STATES:
+            ok += 1
+        elif state in BAD_STATES:
+            bad += 1
+        else:
+            other += 1
+    return ok, other, bad
+
+
+def _rank_rate(snap: Snapshot, name: str) -> str:
+    if name not in snap.rates:
+        return "-"
+    rate = snap.rates[name]
+    return f"{rate / 1e9:.2f}" if name in _BYTE_COUNTERS else fmt_rate(rate)
+
+
+def _devices(snap: Snapshot) -> str:
+    """The ranks' devices: one, two joined, or the first and last of more."""
+    seen: list[str] = []
+    for r in snap.ranks:
+        d = str(r.info.get("device", "?"))
+        if d not in seen:
+            seen.append(d)
+    if len(seen) > 2:
+        return f"{seen[0]}..{seen[-1]}"
+    return ",".join(seen)
+
+
 # --- the live view ----------------------------------------------------------------------------
 
 
@@ -174,7 +231,10 @@ def _header(snap: Snapshot) -> Text:
     for key in HEADER_INFO.get(snap.role, HEADER_INFO["prefill"]):
         if key in info:
             text.append(f"  {key} ", style="dim")
-            text.append(str(info[key]))
+            text.append(_devices(snap) if key == "device" and snap.ranks else str(info[key]))
+    if snap.ranks:
+        text.append("  tp ", style="dim")
+        text.append(str(len(snap.ranks)))
     text.append("  up ", style="dim")
     text.append(fmt_uptime(snap.uptime_s))
     text.append("  at ", style="dim")
@@ -185,6 +245,9 @@ def _header(snap: Snapshot) -> Text:
 def _handshakes(snap: Snapshot) -> Table:
     ok = sum(1 for r in snap.peers if _peer_ok(r))
     t = _section(f"Handshakes  {ok}/{len(snap.peers)} ready", expand=True)
+    ranked = bool(snap.ranks)  # merged rows name the rank that holds the peer
+    if ranked:
+        t.add_column("rank", justify="right", no_wrap=True)
     t.add_column("peer", no_wrap=True, max_width=24, overflow="ellipsis")
     t.add_column("engine id", no_wrap=True, max_width=14, overflow="ellipsis")
     t.add_column("mode", no_wrap=True)
@@ -193,12 +256,15 @@ def _handshakes(snap: Snapshot) -> Table:
     t.add_column("fails", justify="right", no_wrap=True)
     t.add_column("last error", no_wrap=True, overflow="ellipsis", ratio=1)
     # Unhealthy peers first: they are what an operator looks for.
-    rows = sorted(snap.peers, key=lambda r: (_peer_ok(r), str(r.get("peer", ""))))
+    rows = sorted(
+        snap.peers, key=lambda r: (_peer_ok(r), str(r.get("peer", "")), str(r.get("rank", "")))
+    )
     for row in rows[:_MAX_PEER_ROWS]:
         state = str(row.get("state", ""))
         duration = row.get("duration_s")
         failures = row.get("failures") or 0
         t.add_row(
+            *([_cell(row.get("rank"))] if ranked else []),
             _cell(row.get("peer")),
             _cell(row.get("engine_id")),
             _cell(row.get("mode")),
@@ -300,6 +366,33 @@ def _pool(snap: Snapshot) -> RenderableType:
     return t
 
 
+def _ranks(snap: Snapshot) -> Table:
+    """One row per rank: queue depths, pool blocks, handshakes, throughput now."""
+    ranks = snap.ranks
+    # ok/conn/fail: the rank's handshake peers connected, connecting, failed.
+    t = _section("Ranks", collapse_padding=True)
+    queues = [(g, k) for g, k in _RANK_QUEUE_COLUMNS.items() if any(g in r.gauges for r in ranks)]
+    pool = [(g, k) for g, k in _RANK_POOL_COLUMNS if any(g in r.gauges for r in ranks)]
+    rates = RANK_THROUGHPUT.get(snap.role, RANK_THROUGHPUT["prefill"])
+    t.add_column("rank", justify="right", no_wrap=True)
+    for _, label in (*queues, *pool):
+        t.add_column(label, justify="right", no_wrap=True)
+    t.add_column("ok/conn/fail", justify="right", no_wrap=True)
+    for label, _ in rates:
+        t.add_column(label, justify="right", no_wrap=True)
+    for i, r in enumerate(ranks):
+        depths = [_int_gauge(r, g) for g, _ in queues]
+        ok, connecting, failed = handshake_counts(r.peers)
+        t.add_row(
+            _rank_name(r, i),
+            *(Text(f"{n:,}", style="bold" if n else "dim") for n in depths),
+            *(f"{_int_gauge(r, g):,}" if g in r.gauges else "-" for g, _ in pool),
+            Text(f"{ok}/{connecting}/{failed}", style="red" if failed else ""),
+            *(_rank_rate(r, name) for _, name in rates),
+        )
+    return t
+
+
 def _side_by_side(*parts: RenderableType) -> Table:
     grid = Table.grid(padding=(0, 4))
     for _ in parts:
@@ -309,22 +402,55 @@ def _side_by_side(*parts: RenderableType) -> Table:
 
 
 def render_live(snap: Snapshot) -> RenderableType:
-    """The dashboard: header, handshakes, queues, throughput, latency, failures, pool."""
-    return Group(
+    """The dashboard: header, handshakes, queues, throughput, latency, failures, pool; and with
+    ranks, the per-rank table under these totals."""
+    parts: list[RenderableType] = [
         _header(snap),
         Text(),
         _handshakes(snap),
         _side_by_side(_queues(snap), _throughput(snap)),
         _side_by_side(_latency(snap), _failures(snap)),
         _pool(snap),
-    )
+    ]
+    if snap.ranks:
+        parts.append(_ranks(snap))
+    return Group(*parts)
 
 
 # --- one-line forms ---------------------------------------------------------------------------
 
 
 def render_plain(snap: Snapshot) -> str:
-    """One ``key=value`` line for logs and pipes (no colour, no newline)."""
+    """One ``key=value`` line for logs and pipes (no colour, no trailing newline); with ranks,
+    the totals line and then one ``rank_line`` per rank, ``\n``-separated."""
+    lines = [_plain_totals(snap)]
+    n = len(snap.ranks)
+    lines += [rank_line(r, _rank_name(r, i), n) for i, r in enumerate(snap.ranks)]
+    return "\n".join(lines)
+
+
+def rank_line(snap: Snapshot, rank: str, tp: int) -> str:
+    """One rank's short line: its throughput, queues, free blocks, peers and failures."""
+    parts = [fmt_ts(snap.ts), _token(snap.role), _token(snap.engine_id), f"rank={rank}/{tp}"]
+    for label, name in RANK_THROUGHPUT.get(snap.role, RANK_THROUGHPUT["prefill"]):
+        rate = snap.rates.get(name, 0.0)
+        value = f"{rate / 1e9:.2f}" if name in _BYTE_COUNTERS else f"{rate:.0f}"
+        parts.append(f"{label}={value}")
+    parts += [
+        f"{key}={_int_gauge(snap, name)}"
+        for name, key in _PLAIN_QUEUE_KEYS.items()
+        if name in snap.gauges
+    ]
+    parts.append(f"fail={sum(snap.failures.values())}")
+    if Gauge.POOL_TOTAL in snap.gauges:
+        free, total = _int_gauge(snap, Gauge.POOL_FREE), _int_gauge(snap, Gauge.POOL_TOTAL)
+        parts.append(f"pool_free={free}/{total}")
+    ok = sum(1 for row in snap.peers if _peer_ok(row))
+    parts.append(f"peers={ok}/{len(snap.peers)}")
+    return " ".join(parts)
+
+
+def _plain_totals(snap: Snapshot) -> str:
     r = snap.rates
     parts = [
         fmt_ts(snap.ts),
@@ -354,7 +480,11 @@ def render_plain(snap: Snapshot) -> str:
 
 
 def render_json(snap: Snapshot) -> str:
-    """One compact JSON object (``Snapshot.to_dict`` form); newlines only escaped inside."""
+    """One compact JSON object (``Snapshot.to_dict`` form); newlines only escaped inside.
+
+    With ranks it holds ``ranks``: every rank's own snapshot, in the same form (its gauges --
+    the queues and the pool --, counters, failures, rates, histograms and peer rows). One rank:
+    no ``ranks`` key, the line it always was."""
     return msgspec.json.encode(snap).decode()
 
 

@@ -50,6 +50,8 @@ def ibytes(n: float) -> str:
 
 
 def _kvpush_rows(t: Rows, md: dict[str, Any]) -> None:
+    from kvpush.ops.probe import served_ranks  # here: kvpush.ops imports zmq (drive, demo)
+
     t.add("role", md.get("role"))
     t.add("engine id", md.get("engine_id"))
     t.add("incarnation", md.get("incarnation"))
@@ -70,7 +72,9 @@ def _kvpush_rows(t: Rows, md: dict[str, Any]) -> None:
         )
     except (KeyError, TypeError, ValueError):
         t.add("geometry", "?")
-    t.add("tp", f"rank {md.get('tp_rank')} of {md.get('tp_size')}")
+    ranks = served_ranks(md.get("ranks") or [], md.get("tp_size"))
+    tp_size = md.get("tp_size")
+    t.add("ranks", ranks if tp_size == 1 else f"{ranks}, describing rank {md.get('tp_rank')}")
     t.add("backends", ",".join(md.get("backends") or []))
     t.add("auth", "on" if md.get("auth") else "off")
 
