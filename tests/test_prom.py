@@ -13,8 +13,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpush.errors import BindError
 from kvpush.telemetry.merge import merge
 from kvpush.telemetry.prom import (
-    ENDPOINT_COUNTERS,
-    ENDPOINT_HISTS,
     PrometheusExporter,
     metric_name,
     snapshot_families,
@@ -259,10 +257,3 @@ def test_one_rank_keeps_its_series_without_a_rank_label() -> None:
     assert "kvpush_rank" not in {f.name for f in names}
     requests = next(f for f in names if f.name == "kvpush_requests_ok")
     assert [s.value for s in requests.samples] == [4]  # one rank: its own count
-
-
-def test_endpoint_level_names_are_the_cores() -> None:
-    from kvpush.endpoint.core import REQUEST_COUNTERS, REQUEST_HISTS
-
-    assert {c for cs in REQUEST_COUNTERS.values() for c in cs} == ENDPOINT_COUNTERS
-    assert {h for hs in REQUEST_HISTS.values() for h in hs} == ENDPOINT_HISTS

@@ -43,7 +43,7 @@ from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn
 from kvpush.runtime.context import EndpointContext, Role
 from kvpush.telemetry.merge import merge
-from kvpush.telemetry.names import Counter, Failure, Hist
+from kvpush.telemetry.names import REQUEST_COUNTERS, REQUEST_HISTS, Counter, Failure
 from kvpush.telemetry.snapshot import Snapshot
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.sidechannel import ReplyFn, SideChannelServer
@@ -60,13 +60,6 @@ class Group(Protocol):
         """Serve a role request (True), or leave it to the endpoint (False)."""
         ...
 
-
-# What a multi-rank endpoint counts once per request (its ranks count their shares).
-REQUEST_COUNTERS = {
-    "prefill": (Counter.PREFILLS,),
-    "decode": (Counter.REQUESTS_OK, Counter.REQUESTS_FAILED),
-}
-REQUEST_HISTS = {"prefill": (), "decode": (Hist.DECODE_LATENCY,)}
 
 R = TypeVar("R", bound=Role)
 G = TypeVar("G", bound=Group)
@@ -320,9 +313,10 @@ class Endpoint(Generic[R, G]):
                 f"handshake with {address} did not finish in {t:g}s"
             ) from None
 
-    def ping(self, address: str, count: int) -> list[float]:
-        """NIXL notification round trips to ``address`` (the first, warm-up trip excluded)."""
-        conn = self.handshake_to(address, HandshakeMode.NOTIF)
+    def ping(self, address: str, count: int, rank: int = 0) -> list[float]:
+        """NIXL notification round trips from rank 0 to ``rank`` of the endpoint at
+        ``address`` (the first, warm-up trip excluded)."""
+        conn = self.handshake_to(address, HandshakeMode.NOTIF, rank)
         rk = self.ranks[0]
         return rk.pinger.ping(conn, count, rk.role.poke)
 

@@ -415,10 +415,7 @@ def handshake_probe(
         res = ep.handshake_to(addr, mode or HandshakeMode.NOTIF, rank)
         pings: list[float] = []
         if ping_count > 0:
-            # Endpoint.ping pings rank 0; the asked rank is pinged by the probe's one rank.
-            conn = ep.handshake_to(addr, HandshakeMode.NOTIF, rank)
-            own = ep.ranks[0]
-            pings = list(own.pinger.ping(conn, ping_count, own.role.poke))
+            pings = ep.ping(addr, ping_count, rank)
         return HandshakeProbe(
             mode=(mode or HandshakeMode.NOTIF).value, timings_s=dict(res.timings), ping_s=pings
         )

@@ -140,7 +140,16 @@ RATE_COUNTERS: tuple[Counter, ...] = (
     Counter.BYTES_PUSHED,
     Counter.REQUESTS_OK,
     Counter.NOTIFS_RECEIVED,
+    Counter.BYTES_RECEIVED,
 )
+
+#: What a multi-rank endpoint counts once per request, by role (each of its ranks counts its
+#: own share of every request in its own telemetry).
+REQUEST_COUNTERS: dict[str, tuple[Counter, ...]] = {
+    "prefill": (Counter.PREFILLS,),
+    "decode": (Counter.REQUESTS_OK, Counter.REQUESTS_FAILED),
+}
+REQUEST_HISTS: dict[str, tuple[Hist, ...]] = {"prefill": (), "decode": (Hist.DECODE_LATENCY,)}
 
 #: Gauges that are queue depths, with the words the live view shows for them.
 QUEUE_GAUGES: dict[Gauge, str] = {

@@ -59,7 +59,12 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvpush.errors import BindError
-from kvpush.telemetry.names import POOL_GAUGES, QUEUE_GAUGES, Counter, Hist
+from kvpush.telemetry.names import (
+    POOL_GAUGES,
+    QUEUE_GAUGES,
+    REQUEST_COUNTERS,
+    REQUEST_HISTS,
+)
 from kvpush.telemetry.snapshot import HistSnapshot, Snapshot, expand_buckets
 
 logger = logging.getLogger(__name__)
@@ -74,11 +79,11 @@ __all__ = [
 
 _BASE = ("role", "engine_id")
 
-#: What a multi-rank endpoint counts once per request (``kvpush.endpoint.core``'s
-#: REQUEST_COUNTERS and REQUEST_HISTS, all roles; a test keeps the two lists equal). Their
-#: ranks' own shares (each rank completes its part of every request) are left out of the page.
-ENDPOINT_COUNTERS = frozenset({Counter.PREFILLS, Counter.REQUESTS_OK, Counter.REQUESTS_FAILED})
-ENDPOINT_HISTS = frozenset({Hist.DECODE_LATENCY})
+#: What a multi-rank endpoint counts once per request (``names.REQUEST_COUNTERS`` and
+#: ``REQUEST_HISTS``, all roles). Their ranks' own shares (each rank completes its part of every
+#: request) are left out of the page.
+ENDPOINT_COUNTERS = frozenset(c for cs in REQUEST_COUNTERS.values() for c in cs)
+ENDPOINT_HISTS = frozenset(h for hs in REQUEST_HISTS.values() for h in hs)
 _INVALID = re.compile(r"[^a-zA-Z0-9_]")
 
 
