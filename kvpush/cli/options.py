@@ -323,6 +323,9 @@ _OPTS: list[Opt] = [
     Opt("json_out", ("--json",), bool, "One JSON summary on stdout.", False, key="drive.json"),
     Opt("requests", ("--requests", "-n"), int, "Requests to drive.", 300, key="demo.requests"),
     Opt("decoders", ("--decoders",), int, "Decode endpoints at start.", 2),
+    Opt("tp_shape", ("--tp",), str,
+        "Tensor-parallel ranks of P and of each D: N for both, or P,D (e.g. 4,2 or 1,4; the "
+        "demo model has 4 KV heads, so 1, 2 or 4).", "1", key="demo.tp", metavar="N|P,D"),
     Opt("live", ("--live/--no-live",), bool | None,
         "Show P's live telemetry while driving (default: when stderr is a terminal).", None,
         show_default=False),
@@ -457,7 +460,8 @@ DRIVE: list[Entry] = [
     "drive.json", "auth_token_file",
 ]  # fmt: skip
 DEMO: list[Entry] = [
-    "demo.requests", "blocks", "decoders", "concurrency", "live", "demo.json", "keep_logs",
+    "demo.requests", "blocks", "decoders", "demo.tp", "concurrency", "live", "demo.json",
+    "keep_logs",
 ]  # fmt: skip
 BENCH: list[Entry] = ["scenario", "quick", "bench.json", "out_dir"]
 COMPLETION: list[Entry] = ["shell"]

@@ -65,7 +65,7 @@ def pool_config(p: Mapping[str, Any], num_blocks: int | None = None) -> PoolConf
             head_dim=int(model["--head-dim"] or 0),
             dtype=p["dtype"],
             device=p["device"],
-            tp_size=int(p.get("tp") or 1),
+            tp_size=int(p.get("tp", 1)),
             kv_layout=layout,
             kv_regions=p.get("kv_regions") or PoolConfig.kv_regions,
         )
@@ -78,7 +78,7 @@ def pool_config(p: Mapping[str, Any], num_blocks: int | None = None) -> PoolConf
         dtype=p["dtype"],
         kv_layout=layout,
         kv_regions=p.get("kv_regions") or PoolConfig.kv_regions,
-        tp_size=int(p.get("tp") or 1),
+        tp_size=int(p.get("tp", 1)),
     )
 
 

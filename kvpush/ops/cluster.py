@@ -72,7 +72,7 @@ class Cluster:
         self._lock = threading.Lock()
         self.cancelled = threading.Event()
 
-    def spawn(self, role: str, name: str) -> Child:
+    def spawn(self, role: str, name: str, tp: int = 1) -> Child:
         ready = self.workdir / f"{name}.ready.json"
         log_path = self.workdir / f"{name}.log"
         cmd = [
@@ -88,8 +88,16 @@ class Cluster:
             str(self.cfg.num_blocks),
             "--layers",
             str(self.cfg.layers),
-            "--block-bytes",
-            str(self.cfg.block_bytes),
+            "--block-tokens",
+            str(self.cfg.block_tokens),
+            "--kv-heads",
+            str(self.cfg.kv_heads),
+            "--head-dim",
+            str(self.cfg.head_dim),
+            "--dtype",
+            "bfloat16",
+            "--tp",
+            str(tp),
             "--ready-file",
             str(ready),
             "--output",

@@ -37,10 +37,16 @@ class DemoConfig:
     decoders: int = 2
     concurrency: int = 8
     extra_decoder: bool = True
-    # A small geometry: the pool of each endpoint is layers*2*num_blocks*block_bytes = 8 MiB.
+    # A small model: 2 layers x (K, V) x 256 blocks of 16 tokens x 4 KV heads x 64 x bf16 (8 KiB
+    # per region of a block, the whole model) = 8 MiB per endpoint, split over its ranks.
     num_blocks: int = 256
     layers: int = 2
-    block_bytes: int = 8192
+    block_tokens: int = 16
+    kv_heads: int = 4
+    head_dim: int = 64
+    # Tensor parallelism of P and of every D (their ratio follows VLLM_INTEROP.md section 4).
+    p_tp: int = 1
+    d_tp: int = 1
     timeout_s: float = 30.0
     start_timeout_s: float = 90.0
     python: str = sys.executable
@@ -57,6 +63,17 @@ class DemoConfig:
         ):
             if v < 1:
                 raise ConfigError(f"{name} must be positive, got {v}", f"pass {name} 1 or more")
+        for flag, tp in (("--tp (P)", self.p_tp), ("--tp (D)", self.d_tp)):
+            if tp < 1 or self.kv_heads % tp:
+                raise ConfigError(
+                    f"{flag} {tp} does not divide the demo model's {self.kv_heads} KV heads",
+                    "use --tp 1, 2 or 4 (or P,D, e.g. --tp 4,2)",
+                )
+        if self.p_tp % self.d_tp and self.d_tp % self.p_tp:
+            raise ConfigError(
+                f"--tp {self.p_tp},{self.d_tp}: P's and D's TP sizes must divide one another",
+                "e.g. --tp 4,2 or --tp 2,4",
+            )
         if self.blocks * self.concurrency > self.num_blocks:
             raise ConfigError(
                 f"--blocks {self.blocks} x --concurrency {self.concurrency} exceeds the demo "
@@ -123,15 +140,17 @@ class Demo:
     # ------------------------------------------------------------------ cluster
     def start(self) -> None:
         """Spawn P and the decoders in parallel and wait until all are ready."""
-        self.prefill = self.cluster.spawn("prefill", "p0")
-        self.decoders = [self.cluster.spawn("decode", f"d{i}") for i in range(self.cfg.decoders)]
+        self.prefill = self.cluster.spawn("prefill", "p0", self.cfg.p_tp)
+        self.decoders = [
+            self.cluster.spawn("decode", f"d{i}", self.cfg.d_tp) for i in range(self.cfg.decoders)
+        ]
         for c in [self.prefill, *self.decoders]:
             self.cluster.wait_ready(c)
             self._event(f"{c.name} ({c.role}) ready on {c.address}")
 
     def _spawn_extra(self) -> None:
         try:
-            child = self.cluster.spawn("decode", f"d{self.cfg.decoders}")
+            child = self.cluster.spawn("decode", f"d{self.cfg.decoders}", self.cfg.d_tp)
             self.extra = child
             self._event(f"{child.name} starting (mid-run)")
             self.cluster.wait_ready(child)

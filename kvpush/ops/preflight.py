@@ -51,9 +51,10 @@ def check_peers(cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Non
                 f"use --blocks {pool} or fewer",
             )
     ref = cfg.prefill[0]
-    ref_fields = {f: meta[ref].get(f) for f in protocol.COMPAT_FIELDS}
+    # The model's page (every rank's share together) is what P and D share, whatever their TP.
+    ref_fields = protocol.compat_fields_loose(meta[ref])
     for addr in (*cfg.prefill[1:], *cfg.decode):
-        remote = {f: meta[addr].get(f) for f in protocol.COMPAT_FIELDS}
+        remote = protocol.compat_fields_loose(meta[addr])
         diffs = protocol.compat_differences(ref_fields, remote)
         if diffs:
             kind = meta[addr].get("role")
@@ -64,3 +65,13 @@ def check_peers(cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Non
                 "P and D must agree on dtype, kv layout, block size and layers: start them "
                 "with the same geometry options",
             )
+    for p_addr in cfg.prefill:
+        for d_addr in cfg.decode:
+            p_tp, d_tp = meta[p_addr].get("tp_size", 1), meta[d_addr].get("tp_size", 1)
+            if isinstance(p_tp, int) and isinstance(d_tp, int) and p_tp % d_tp and d_tp % p_tp:
+                raise IncompatiblePeerError(
+                    f"{d_addr} (decode, tp {d_tp}) cannot draw from {p_addr} (prefill, tp "
+                    f"{p_tp}): P has {p_tp} ranks, D has {d_tp}; one must divide the other",
+                    [("tp_size", p_tp, d_tp)],
+                    "run P and D at TP sizes that divide one another (e.g. 8 and 4)",
+                )

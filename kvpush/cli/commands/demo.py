@@ -20,7 +20,7 @@ from rich.console import Console
 from kvpush.cli import options, stdio
 from kvpush.cli.signals import StopFlag
 from kvpush.cli.views import reports
-from kvpush.errors import ExitStatus
+from kvpush.errors import ConfigError, ExitStatus
 
 DOC = """Start one P and two D endpoints on loopback, push a few hundred requests through them.
 
@@ -29,6 +29,16 @@ The endpoints run as separate processes. Midway a third D starts and joins the r
 verified; the endpoints are stopped with SIGTERM. SIGINT, SIGTERM or SIGHUP stop the demo
 early: intake stops, every endpoint is stopped, the work directory is removed (unless
 --keep-logs) and the exit status is 130. Exit status 0 when everything succeeded."""
+
+
+def parse_tp_shape(text: str) -> tuple[int, int]:
+    """``--tp N`` (P and D) or ``--tp P,D``."""
+    parts = [t.strip() for t in text.split(",")]
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ConfigError(f"invalid --tp {text!r}", "give N (P and D) or P,D, e.g. --tp 2,1")
+    return int(parts[0]), int(parts[1])
 
 
 def register(app: typer.Typer) -> None:
@@ -40,6 +50,7 @@ def demo(
     requests: int,
     blocks: int,
     decoders: int,
+    tp_shape: str,
     concurrency: int,
     live: bool | None,
     json_out: bool,
@@ -47,7 +58,15 @@ def demo(
 ) -> None:
     from kvpush.ops.demo import Demo, DemoConfig
 
-    cfg = DemoConfig(requests=requests, blocks=blocks, decoders=decoders, concurrency=concurrency)
+    p_tp, d_tp = parse_tp_shape(tp_shape)
+    cfg = DemoConfig(
+        requests=requests,
+        blocks=blocks,
+        decoders=decoders,
+        concurrency=concurrency,
+        p_tp=p_tp,
+        d_tp=d_tp,
+    )
     show_live = (sys.stderr.isatty() and not json_out) if live is None else live
     d = Demo(cfg)
     stop = StopFlag(on_signal=d.cancel).install()
