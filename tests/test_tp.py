@@ -3,14 +3,16 @@ model, the replicated latent (MLA), refused ratios, and head-by-head verificatio
 
 Integration tests run real endpoint processes (``kvpush.ops.node``) over real NIXL (UCX, DRAM)
 and ZMQ on 127.0.0.1. To keep the matrix to seconds, each group of tests starts its processes
-once, in parallel (module-scoped fixtures), and every test measures what it changed: counters
-as deltas, pools against their counts before the test. The last tests are component tests of
-``KvPool`` and ``kvpush.peers.tp`` (no processes).
+once, in parallel (a class-scoped fixture per group), and every test measures what it changed:
+counters as deltas, pools against their counts before the test. The last tests are component
+tests of ``KvPool`` and ``kvpush.peers.tp`` (no processes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,7 @@ import pytest
 from kvpush.config import PoolConfig
 from kvpush.memory.pool import KvPool
 from kvpush.peers.tp import sources, targets, write_slice
+from tests.support.faults import free_port
 from tests.support.legs import Outcome, run_many, run_request, stats
 from tests.support.procs import Proc, launch, node_cmd, wait_ready
 
@@ -43,15 +46,19 @@ def _pairs(pairs: list[tuple[int, int]]) -> list[Any]:
     return [pytest.param(p, d, id=f"P{p}-D{d}") for p, d in pairs]
 
 
-def _pool(kv_heads: int, tp: int, layout: str = "NHD") -> dict[str, object]:
-    per_rank = 1 if kv_heads == 1 else kv_heads // tp
+def _page(kv_heads: int, tp: int) -> int:
+    """One rank's page of one region: its share of the heads (all of a single head)."""
+    return HEAD * (1 if kv_heads == 1 else kv_heads // tp)
+
+
+def _pool(kv_heads: int, tp: int, layout: str = "NHD") -> dict[str, Any]:
     return {
         "num_blocks": NUM_BLOCKS,
         "layers": LAYERS,
-        "block_bytes": HEAD * per_rank,
+        "block_bytes": _page(kv_heads, tp),
         "kv_heads": kv_heads,
         "tp_size": tp,
-        "kv_layout": layout,
+        "kv_layout": "MLA" if kv_heads == 1 else layout,
     }
 
 
@@ -72,7 +79,17 @@ def _started(cfgs: dict[str, dict[str, Any]], tmp: Path) -> Iterator[dict[str, P
             wait_ready(p, 90)
         yield procs
     finally:
-        rcs = {name: p.stop() for name, p in procs.items()}
+        # All drain at once. One SIGTERM each: a second one may land after the node's handler is
+        # gone (interpreter shutdown) and kill it with -15.
+        for p in procs.values():
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        rcs: dict[str, int | None] = {}
+        for name, p in procs.items():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(20)
+            p.kill()  # only if it is still running
+            rcs[name] = p.popen.returncode
     bad = {name: rc for name, rc in rcs.items() if rc != 0}
     assert not bad, "\n".join(f"{n} exited {rc}:\n{procs[n].log_text()}" for n, rc in bad.items())
 
@@ -106,7 +123,9 @@ def _idle(tp: int) -> list[tuple[float, float, float, float]]:
     return [(whole, whole, 0.0, 0.0)] + ([(rank, rank, 0.0, 0.0)] * tp if tp > 1 else [])
 
 
-def _wait_pools(addr: str, want: list[tuple[float, float, float, float]], timeout: float = 10.0):
+def _wait_pools(
+    addr: str, want: list[tuple[float, float, float, float]], timeout: float = 10.0
+) -> dict[str, Any]:
     """Poll until ``addr``'s pool counts are ``want`` (D frees after its reply; P after the
     WRITE's completion), at most ``timeout`` s; return the last snapshot."""
     deadline = time.monotonic() + timeout
@@ -118,10 +137,9 @@ def _wait_pools(addr: str, want: list[tuple[float, float, float, float]], timeou
         time.sleep(0.05)
 
 
-def _push_matrix(p: Proc, d: Proc, p_tp: int, d_tp: int, d_page: int, tag: str) -> float:
+def _push_matrix(p: Proc, d: Proc, p_tp: int, d_tp: int, kv_heads: int, tag: str) -> None:
     """``REQUESTS`` requests of 1..8 blocks P -> D, every one ok and verified; counters move by
-    what the ratio implies; pools end where they started (``d_page``: one D rank's page of one
-    region, in bytes). Returns the wall time."""
+    what the ratio implies; pools end where they started."""
     _wait_pools(p.address, _idle(p_tp))
     _wait_pools(d.address, _idle(d_tp))
     p0, d0 = stats(p.address), stats(d.address)
@@ -134,7 +152,7 @@ def _push_matrix(p: Proc, d: Proc, p_tp: int, d_tp: int, d_page: int, tag: str) 
 
     # D's ranks together receive their whole pages of every block of every region.
     for o, (_, _, _, blocks) in zip(out, items, strict=True):
-        assert o.rep.nbytes == blocks * LAYERS * 2 * d_page * d_tp, o
+        assert o.rep.nbytes == blocks * LAYERS * 2 * _page(kv_heads, d_tp) * d_tp, o
 
     p1 = _wait_pools(p.address, _idle(p_tp))
     d1 = _wait_pools(d.address, _idle(d_tp))
@@ -152,7 +170,6 @@ def _push_matrix(p: Proc, d: Proc, p_tp: int, d_tp: int, d_page: int, tag: str) 
         assert _counter(r1, "push_regs_sent") - _counter(r0, "push_regs_sent") == want, r
     assert p1["failures"] == p0["failures"] and d1["failures"] == d0["failures"]
     print(f"\nP tp {p_tp} -> D tp {d_tp}: {REQUESTS} requests in {elapsed:.2f}s")
-    return elapsed
 
 
 # ------------------------------------------------------------------------ sharded: 3 x 3 pairs
@@ -171,8 +188,7 @@ class TestSharded:
 
     @pytest.mark.parametrize(("p_tp", "d_tp"), _pairs(PAIRS))
     def test_every_ratio(self, eps, p_tp: int, d_tp: int) -> None:
-        d_page = HEAD * HEADS // d_tp
-        _push_matrix(eps[f"p{p_tp}"], eps[f"d{d_tp}"], p_tp, d_tp, d_page, f"s{p_tp}{d_tp}")
+        _push_matrix(eps[f"p{p_tp}"], eps[f"d{d_tp}"], p_tp, d_tp, HEADS, f"s{p_tp}{d_tp}")
 
     def test_one_d_draws_from_three_p_sizes_at_once(self, eps) -> None:
         """D's ranks learn each P's TP size separately (a cache shared by its ranks, keyed by
@@ -200,14 +216,14 @@ class TestLatent:
     def eps(cls, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
         p_tps = sorted({p for p, _ in MLA_PAIRS})
         d_tps = sorted({d for _, d in MLA_PAIRS})
-        cfgs = {f"p{tp}": _cfg("prefill", tp, 1, "MLA") for tp in p_tps}
-        cfgs.update({f"d{tp}": _cfg("decode", tp, 1, "MLA") for tp in d_tps})
+        cfgs = {f"p{tp}": _cfg("prefill", tp, 1) for tp in p_tps}
+        cfgs.update({f"d{tp}": _cfg("decode", tp, 1) for tp in d_tps})
         with _started(cfgs, tmp_path_factory.mktemp("tp-latent")) as procs:
             yield procs
 
     @pytest.mark.parametrize(("p_tp", "d_tp"), _pairs(MLA_PAIRS))
     def test_replicated(self, eps, p_tp: int, d_tp: int) -> None:
-        _push_matrix(eps[f"p{p_tp}"], eps[f"d{d_tp}"], p_tp, d_tp, HEAD, f"m{p_tp}{d_tp}")
+        _push_matrix(eps[f"p{p_tp}"], eps[f"d{d_tp}"], p_tp, d_tp, 1, f"m{p_tp}{d_tp}")
 
 
 # ------------------------------------------------------------------------ refused ratios
@@ -256,7 +272,14 @@ class TestRefused:
         assert all(f.get("incompatible", 0) + f.get("cancelled", 0) == 5 for f in shares), shares
         assert sum(f.get("incompatible", 0) for f in shares) >= 5, shares
         # D never loaded P as a peer; P never heard of D (no PUSH_REG, no P->D handshake).
-        rows = [row for row in d1["peers"] if row["peer"] == p.address]
+        # (A sibling rank cancelled mid-handshake finishes that handshake a moment later.)
+        deadline = time.monotonic() + 5.0
+        while True:
+            peers: list[dict[str, Any]] = stats(d.address)["peers"]  # type: ignore[assignment]
+            rows = [row for row in peers if row["peer"] == p.address]
+            if {row["state"] for row in rows} == {"failed"} or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert rows and {row["state"] for row in rows} == {"failed"}, rows
         assert stats(p.address)["peers"] == []
         assert first is not None
@@ -264,7 +287,40 @@ class TestRefused:
         # P filled its share and was never told (D sent no PUSH_REG): its lease gives it back.
         _wait_pools(p.address, _idle(p_tp), timeout=LEASE_S + 5.0)
         # The same P serves a fitting D afterwards, every byte verified.
-        _push_matrix(p, eps[f"d{p_tp}"], p_tp, p_tp, HEAD * 6 // p_tp, f"f{p_tp}")
+        _push_matrix(p, eps[f"d{p_tp}"], p_tp, p_tp, 6, f"f{p_tp}")
+
+
+# ------------------------------------------------------------------------ P restarted
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="kvpush bug: after P restarts at another TP size at the same address, D keeps the "
+    "dead incarnation's connection to a P rank (receiver._connect_and_register's stale-TP "
+    "retry clears req.p_conns but evicts nothing, so the retry meets the same connection): "
+    "every request fails 'P's TP size changed from 4 to 2' until it is evicted otherwise",
+)
+def test_p_restarted_at_another_tp_size_is_learnt_afresh(tmp_path: Path) -> None:
+    """D (TP 1) draws from P ranks 0 and 1; P restarts at TP 4 on the same address. D's
+    receiver means to learn the new size once; at most the first request may fail."""
+    port = free_port()
+    short = {"lease_s": LEASE_S, "heartbeat_s": 0.5}
+
+    def p_cfg(tp: int) -> dict[str, Any]:
+        return _cfg("prefill", tp, HEADS, port=port, engine_id="p-fixed", timeouts=short)
+
+    with _started({"p2": p_cfg(2), "d": _cfg("decode", 1, HEADS)}, tmp_path) as eps:
+        d = eps["d"]
+        before = run_request("before", eps["p2"].address, d.address, 2)
+        assert before.rep.outcome == "ok" and before.rep.verified, before.rep
+        assert eps["p2"].stop() == 0
+        with _started({"p4": p_cfg(4)}, tmp_path) as again:
+            p = again["p4"]
+            out = [run_request(f"after-{i}", p.address, d.address, 2) for i in range(5)]
+            late = [(o.transfer_id, o.rep.reason, o.rep.detail) for o in out[1:]]
+            assert all(o.rep.outcome == "ok" and o.rep.verified for o in out[1:]), late
+            _wait_pools(d.address, _idle(1))
+            _wait_pools(p.address, _idle(4), timeout=LEASE_S + 5.0)
 
 
 # ------------------------------------------------------------------ head-by-head verification
@@ -312,15 +368,8 @@ def _compose(p_tp: int, d_tp: int, kv_heads: int, swap: bool = False) -> list[Kv
     """Fill every P rank's share, copy it into D's ranks as ``write_slice`` says (P ranks 0 and 1
     exchanged when ``swap``); return D's pools. Checks the copies per D rank against
     ``sources``: what D counts as completions."""
-    per = 1 if kv_heads == 1 else kv_heads
-    p_cfg = PoolConfig(
-        num_blocks=8, layers=1, block_bytes=HEAD * max(1, per // p_tp), kv_heads=kv_heads,
-        tp_size=p_tp, kv_layout="MLA" if kv_heads == 1 else "NHD",
-    )  # fmt: skip
-    d_cfg = PoolConfig(
-        num_blocks=8, layers=1, block_bytes=HEAD * max(1, per // d_tp), kv_heads=kv_heads,
-        tp_size=d_tp, kv_layout=p_cfg.kv_layout,
-    )  # fmt: skip
+    p_cfg = PoolConfig(**{**_pool(kv_heads, p_tp), "num_blocks": 8, "layers": 1})
+    d_cfg = PoolConfig(**{**_pool(kv_heads, d_tp), "num_blocks": 8, "layers": 1})
     p_ids, d_ids = [1, 3, 4], [6, 0, 2]
     ps = [KvPool(p_cfg, r) for r in range(p_tp)]
     ds = [KvPool(d_cfg, r) for r in range(d_tp)]
@@ -351,9 +400,11 @@ def test_write_slices_compose_every_page(p_tp: int, d_tp: int, kv_heads: int) ->
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), _pairs([(2, 1), (2, 2), (2, 4), (4, 2)]))
 def test_two_p_ranks_exchanged_is_caught_head_by_head(p_tp: int, d_tp: int) -> None:
+    """P ranks 0 and 1 writing each other's share: D rank 0's first head slice holds P rank 1's
+    first head (model head ``HEADS // p_tp``)."""
     ds = _compose(p_tp, d_tp, HEADS, swap=True)
-    bad = [d for d in ds if not d.verify("t", np.array([6, 0, 2]))]
-    assert bad
-    why = bad[0].explain("t", np.array([6, 0, 2]))
-    assert why.startswith(f"rank {bad[0].rank}, region 0, block 6 (position 0), head "), why
-    assert why.endswith("position 0 instead"), why
+    assert not ds[0].verify("t", np.array([6, 0, 2]))
+    assert ds[0].explain("t", np.array([6, 0, 2])) == (
+        f"rank 0, region 0, block 6 (position 0), head 0: "
+        f"holds region 0, head {HEADS // p_tp}, position 0 instead"
+    )
