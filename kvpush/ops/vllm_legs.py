@@ -81,7 +81,7 @@ def load_params(text: str) -> dict[str, Any]:
     if raw == "-":
         raw = sys.stdin.read()
         where = "--kv-transfer-params from stdin"
-    elif not raw.startswith("{"):
+    elif not raw.startswith(("{", "[")):  # JSON given inline
         path = Path(raw)
         try:
             raw = path.read_text(encoding="utf-8")
