@@ -25,7 +25,7 @@ import msgspec
 import pytest
 
 from tests.conftest import Done, Served, ServeFactory, run_cli
-from tests.support.procs import KVPUSH, clean_env
+from tests.support.procs import KVPUSH, clean_env, wait_ready
 
 USAGE, ERROR, NOT_READY, UNREACHABLE = 2, 1, 3, 69
 HASH = "5" * 64
@@ -355,8 +355,6 @@ def vllm_wire_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S
         common = [*GEOM, "--wire", "vllm", "--compat-hash", HASH, "--lease", "6"]
         p = f.start("prefill", *common, wait=False)
         d = f.start("decode", *common, "--heartbeat", "1", wait=False)
-        from tests.support.procs import wait_ready
-
         wait_ready(p)
         wait_ready(d)
         yield p, d

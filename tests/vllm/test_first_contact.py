@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 from harness import Untouched, VllmPeer, start_many, stop_many
 
-from tests.conftest import SMALL, Done, Served, ServeFactory, wait_ready
+from tests.conftest import SMALL, Done, Served, ServeFactory
+from tests.support.procs import wait_ready
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]  # the first test starts the peers
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from harness import VllmPeer, pattern_sha256
 
-from tests.conftest import Served, ServeFactory, run_cli, wait_ready
+from tests.conftest import Served, ServeFactory, run_cli
+from tests.support.procs import wait_ready
 
 TP = 2
 LEASE_S = 8

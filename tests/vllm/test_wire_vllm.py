@@ -34,8 +34,8 @@ import pytest
 from harness import Untouched, VllmPeer, pattern_sha256, start_many, stop_many
 
 from kvpush.ops.vllm_legs import LegReport, decode_leg, prefill_leg
-from tests.conftest import Served, ServeFactory, run_cli, wait_ready
-from tests.support.procs import KVPUSH, clean_env
+from tests.conftest import Served, ServeFactory, run_cli
+from tests.support.procs import KVPUSH, clean_env, wait_ready
 
 LEASE_S = 6
 
