@@ -310,17 +310,44 @@ _OPTS: list[Opt] = [
         show_default=False),
     # --------------------------------------------------------------------- drive, demo
     Opt("prefill", ("--prefill", "-p"), list[str],
-        "A prefill endpoint HOST:PORT (repeatable).", REQUIRED),
-    Opt("decode", ("--decode", "-d"), list[str], "A decode endpoint HOST:PORT (repeatable).",
-        REQUIRED),
+        "A prefill endpoint HOST:PORT (repeatable). With --request-id: the one kvpush P "
+        "(--wire vllm) that fills a request for a vLLM D.", None, metavar="HOST:PORT",
+        show_default=False),
+    Opt("decode", ("--decode", "-d"), list[str],
+        "A decode endpoint HOST:PORT (repeatable). With --kv-transfer-params: the one kvpush D "
+        "that receives a vLLM P's push.", None, metavar="HOST:PORT", show_default=False),
     Opt("requests", ("--requests", "-n"), int, "Requests to send.", 100),
     Opt("concurrency", ("--concurrency", "-c"), int, "Requests in flight at once.", 8),
     Opt("rate", ("--rate",), float | None, "Start at most this many requests per second.", None,
         show_default=False),
     Opt("blocks", ("--blocks",), int, "Blocks per request.", 4),
+    Opt("blocks", ("--blocks",), int,
+        "Blocks per request (default 4). With --request-id (required): the blocks P fills. With "
+        "--kv-transfer-params: the blocks D allocates, by default as many as P holds "
+        "(remote_block_ids); vLLM refuses any other count.", 4, show_default=False,
+        key="drive.blocks"),
     Opt("timeout", ("--timeout",), float,
-        "Seconds a request may take before it fails.", 30.0, seconds=True, key="drive.timeout"),
-    Opt("json_out", ("--json",), bool, "One JSON summary on stdout.", False, key="drive.json"),
+        "Seconds a request may take before it fails. A vLLM leg: D's wait for the push once it "
+        "has blocks, or P's wait for a D to take it.", 30.0, seconds=True, key="drive.timeout"),
+    Opt("kv_transfer_params", ("--kv-transfer-params",), str | None,
+        "Drive the decode leg of one request a vLLM P holds, as a router would: the "
+        "kv_transfer_params its request_finished returned (a JSON object, a file holding it, or "
+        "- for stdin; a whole response with a kv_transfer_params key also works). The one "
+        "--decode allocates, registers with that P, waits for its push and reports outcome, "
+        "bytes and sha256.", None, PANEL_VLLM, metavar="FILE|JSON", show_default=False),
+    Opt("request_id", ("--request-id",), str | None,
+        "Drive the prefill leg of one request for a vLLM D: the one --prefill (a kvpush P, "
+        "--wire vllm) fills --blocks blocks for this request id, prints at once the "
+        "kv_transfer_params to hand the vLLM D (one JSON line), then waits for the push (or "
+        "its lease) and reports outcome and sha256.", None, PANEL_VLLM, metavar="ID",
+        show_default=False),
+    Opt("alloc_delay", ("--alloc-delay",), float,
+        "With --kv-transfer-params: D holds the request this long before it gets blocks, as a "
+        "request queued in a vLLM D would, heartbeating P's lease meanwhile (longer than P's "
+        "lease shows the heartbeats work).", 0.0, PANEL_VLLM, seconds=True),
+    Opt("json_out", ("--json",), bool,
+        "One JSON summary on stdout (--request-id: the kv_transfer_params line first).", False,
+        key="drive.json"),
     Opt("requests", ("--requests", "-n"), int, "Requests to drive.", 300, key="demo.requests"),
     Opt("decoders", ("--decoders",), int, "Decode endpoints at start.", 2),
     Opt("tp_shape", ("--tp",), str,
@@ -456,8 +483,8 @@ PROBE: list[Entry] = [
     "backends", "progress_thread",
 ]  # fmt: skip
 DRIVE: list[Entry] = [
-    "prefill", "decode", "requests", "concurrency", "rate", "blocks", "drive.timeout",
-    "drive.json", "auth_token_file",
+    "prefill", "decode", "requests", "concurrency", "rate", "drive.blocks", "drive.timeout",
+    "drive.json", "kv_transfer_params", "request_id", "alloc_delay", "auth_token_file",
 ]  # fmt: skip
 DEMO: list[Entry] = [
     "demo.requests", "blocks", "decoders", "demo.tp", "concurrency", "live", "demo.json",

@@ -8,6 +8,11 @@
   with the ``kv_transfer_params`` a vLLM D needs (shown to the operator at once), then the
   outcome of the push -- WRITE done, or its lease lapsed -- and the sha256 of what it pushed.
 
+Before a leg is sent, its endpoint is looked at (raw TCP first, then vLLM's ``get_meta_msg``
+on the leg's own connection, no extra round trip): a vLLM engine, an endpoint of the other role,
+or -- for a prefill leg -- a P on kvpush's own wire is refused with a typed error before
+anything else is sent, so a vLLM peer named by mistake gets nothing but ``get_meta_msg``.
+
 The digest is sha256 over the request's bytes region by region in region order, each region's
 blocks in the request's block order: the same on both sides when the bytes are the same.
 Runs on the caller's thread; one side-channel connection per leg.
@@ -16,16 +21,20 @@ Runs on the caller's thread; one side-channel connection per leg.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpush.config import format_address, parse_address
-from kvpush.errors import ConfigError, KvpushError, PeerError
+from kvpush.errors import ConfigError, KvpushError, PeerError, WrongWireError
 from kvpush.ops import control
 from kvpush.wire import protocol
+
+if TYPE_CHECKING:
+    from kvpush.transport.client import SideChannelClient
 
 REQUIRED_PARAMS = (
     "remote_engine_id",
@@ -34,6 +43,12 @@ REQUIRED_PARAMS = (
     "remote_port",
     "tp_size",
 )
+#: The contact check (raw TCP, then ``get_meta_msg``) waits at most this long.
+CONTACT_S = 5.0
+#: The most blocks one leg may carry (``DecodeReq`` / ``PrefillReq`` bound).
+MAX_BLOCKS = 1 << 16
+#: The longest a D may hold a request before it gets blocks (``DecodeReq`` bound).
+MAX_ALLOC_DELAY_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -58,40 +73,73 @@ class LegReport:
 
 
 def load_params(text: str) -> dict[str, Any]:
-    """``--kv-transfer-params``: a JSON object, or the path of a file holding one."""
+    """``--kv-transfer-params``: a JSON object, the path of a file holding one, or ``-`` for
+    stdin. A whole vLLM response that carries the map under ``kv_transfer_params`` is taken
+    too. The keys D needs are checked here, types included, so a bad map is refused before
+    any peer is contacted."""
     raw = text.strip()
-    if not raw.startswith("{"):
+    if raw == "-":
+        raw = sys.stdin.read()
+        where = "--kv-transfer-params from stdin"
+    elif not raw.startswith(("{", "[")):  # JSON given inline
         path = Path(raw)
         try:
             raw = path.read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(
                 f"cannot read --kv-transfer-params file {path}: {e.strerror}",
-                "pass the JSON object itself, or the path of a file holding it",
+                "pass the JSON object itself, the path of a file holding it, or - for stdin",
             ) from None
         except UnicodeDecodeError:
             raise ConfigError(f"--kv-transfer-params file {path} is not UTF-8 text") from None
+        where = f"--kv-transfer-params file {path}"
+    else:
+        where = "--kv-transfer-params"
     try:
         params = json.loads(raw)
     except json.JSONDecodeError as e:
         raise ConfigError(
-            f"--kv-transfer-params is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
-            "pass the map a vLLM P's request_finished returns, e.g. from its response",
+            f"{where} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+            "pass the map a vLLM P's request_finished returns (the kv_transfer_params of its "
+            'response), e.g. \'{"remote_engine_id": ..., "remote_host": ...}\'',
         ) from None
+    if isinstance(params, dict) and isinstance(params.get("kv_transfer_params"), dict):
+        params = params["kv_transfer_params"]  # a whole vLLM response
     if not isinstance(params, dict):
-        raise ConfigError("--kv-transfer-params must be a JSON object")
+        raise ConfigError(
+            f"{where} must be a JSON object, not {type(params).__name__}",
+            "pass the map a vLLM P's request_finished returns",
+        )
+    return check_params(params, where)
+
+
+def check_params(params: dict[str, Any], where: str = "--kv-transfer-params") -> dict[str, Any]:
+    """The router contract a decode leg needs: keys present, each of the right type."""
     missing = [k for k in REQUIRED_PARAMS if k not in params]
     if missing:
         raise ConfigError(
-            f"--kv-transfer-params lacks {', '.join(missing)}",
+            f"{where} lacks {', '.join(missing)}",
             "a push-mode vLLM P returns remote_engine_id, remote_request_id, remote_host, "
-            "remote_port, tp_size and pp_size",
+            "remote_port, tp_size and pp_size: pass its kv_transfer_params unchanged",
         )
     if params.get("transfer_mode", "push") != "push":
         raise ConfigError(
-            f"--kv-transfer-params are for transfer_mode {params['transfer_mode']!r}",
+            f"{where} are for transfer_mode {params['transfer_mode']!r}",
             "kvpush speaks vLLM's push mode (NixlPushConnector)",
         )
+    for key in ("remote_engine_id", "remote_request_id", "remote_host"):
+        if not isinstance(params[key], str) or not params[key]:
+            raise ConfigError(
+                f"{where}: {key} must be a non-empty string, got {params[key]!r}",
+                "pass the kv_transfer_params a vLLM P returned, unchanged",
+            )
+    for key, lo, hi in (("remote_port", 1, 65535), ("tp_size", 1, 4096), ("pp_size", 1, 4096)):
+        value = params.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ConfigError(
+                f"{where}: {key} must be an integer in {lo}..{hi}, got {value!r}",
+                "pass the kv_transfer_params a vLLM P returned, unchanged",
+            )
     return params
 
 
@@ -100,6 +148,11 @@ def blocks_of(params: Mapping[str, Any], blocks: int | None) -> int:
     remote = params.get("remote_block_ids")
     if isinstance(remote, list) and remote and isinstance(remote[0], list):
         n = len(remote[0])
+        if n == 0:
+            raise ConfigError(
+                "these kv_transfer_params say P holds no blocks for this request",
+                "nothing to receive: P finished the request without KV blocks to push",
+            )
         if blocks is not None and blocks != n:
             raise ConfigError(
                 f"--blocks {blocks} but P holds {n} blocks for this request",
@@ -111,7 +164,52 @@ def blocks_of(params: Mapping[str, Any], blocks: int | None) -> int:
             "these kv_transfer_params do not say how many blocks P holds",
             "pass --blocks N (the request's prompt blocks)",
         )
+    return check_blocks(blocks)
+
+
+def check_blocks(blocks: int) -> int:
+    if not 1 <= blocks <= MAX_BLOCKS:
+        raise ConfigError(
+            f"--blocks must be in 1..{MAX_BLOCKS}, got {blocks}",
+            f"pass --blocks between 1 and {MAX_BLOCKS}",
+        )
     return blocks
+
+
+def check_timeout(timeout_s: float) -> None:
+    if not timeout_s > 0:
+        raise ConfigError(f"--timeout must be positive, got {timeout_s:g}", "pass --timeout > 0")
+
+
+def _contact(client: SideChannelClient, role: str, timeout_s: float) -> None:
+    """Identify the leg's endpoint on the leg's own connection (``get_meta_msg``: safe for a
+    vLLM engine) and refuse one that cannot serve this leg, before anything else is sent."""
+    addr = client.address
+    wait = min(CONTACT_S, timeout_s)
+    control.first_contact(addr, wait)
+    kv = client.identify(timeout_s=wait).kvpush
+    flag = "--decode" if role == "decode" else "--prefill"
+    if kv is None:
+        raise WrongWireError(
+            f"{addr} is a vLLM engine's side channel, not a kvpush {role} endpoint; nothing "
+            "but get_meta_msg was sent to it",
+            "vllm",
+            "a vLLM D gets kv_transfer_params from its router: give --decode a kvpush D "
+            "(serve-decode --wire vllm --like <vLLM P>)"
+            if role == "decode"
+            else "a vLLM P hands out its own kv_transfer_params: give them to 'kvpush drive "
+            "--decode D --kv-transfer-params', and --prefill a kvpush P (serve-prefill --wire "
+            "vllm --like <vLLM D>)",
+        )
+    if kv.role and kv.role != role:
+        raise ConfigError(
+            f"{addr} is a {kv.role} endpoint, not {role}", f"give {flag} a {role} endpoint"
+        )
+    if role == "prefill" and (kv.auth or (kv.wire and kv.wire != "vllm")):
+        raise PeerError(
+            f"{addr} is a kvpush P on kvpush's own wire: it cannot push into a vLLM D",
+            "start it with serve-prefill --wire vllm --like <vLLM D>",
+        )
 
 
 def decode_leg(
@@ -124,7 +222,14 @@ def decode_leg(
 ) -> LegReport:
     """``alloc_delay_s``: D holds the request that long before it gets blocks (as a queued
     vLLM request does), heartbeating P's lease meanwhile."""
+    params = check_params(dict(params))
     n = blocks_of(params, blocks)
+    check_timeout(timeout_s)
+    if not 0 <= alloc_delay_s <= MAX_ALLOC_DELAY_S:
+        raise ConfigError(
+            f"--alloc-delay must be in 0..{MAX_ALLOC_DELAY_S:g} seconds, got {alloc_delay_s:g}",
+            "pass how long D should hold the request before it gets blocks",
+        )
     host, port = parse_address(d_address)
     addr = format_address(host, port)
     req = protocol.DecodeReq(
@@ -142,6 +247,7 @@ def decode_leg(
     )
     t0 = time.monotonic()
     with control.connect(addr, token, timeout_s) as client:
+        _contact(client, "decode", timeout_s)
         rep = client.request(req, timeout_s=timeout_s + alloc_delay_s + 5)
     if not isinstance(rep, protocol.DecodeRep):
         raise PeerError(f"{addr} answered a decode leg with {type(rep).__name__}")
@@ -169,10 +275,15 @@ def prefill_leg(
 ) -> LegReport:
     if not request_id:
         raise ConfigError("--request-id is empty", "pass the request id the vLLM D will use")
+    if len(request_id.encode()) > 256:
+        raise ConfigError("--request-id is longer than 256 bytes", "pass a shorter request id")
+    check_blocks(blocks)
+    check_timeout(timeout_s)
     host, port = parse_address(p_address)
     addr = format_address(host, port)
     t0 = time.monotonic()
     with control.connect(addr, token, timeout_s) as client:
+        _contact(client, "prefill", timeout_s)
         rep = client.request(
             protocol.PrefillReq(
                 transfer_id=request_id, num_blocks=blocks, request_id=request_id, digest=True
@@ -181,7 +292,18 @@ def prefill_leg(
         if not isinstance(rep, protocol.PrefillRep):
             raise PeerError(f"{addr} answered a prefill leg with {type(rep).__name__}")
         if rep.outcome != "ok":
-            return LegReport("prefill", addr, request_id, "failed", rep.reason, "", 0, "", 0.0, {})
+            return LegReport(
+                leg="prefill",
+                address=addr,
+                request_id=request_id,
+                outcome="failed",
+                reason=rep.reason,
+                detail=rep.detail,
+                nbytes=0,
+                sha256="",
+                seconds=time.monotonic() - t0,
+                kv_transfer_params={},
+            )
         params = dict(rep.kv_transfer_params)
         if not params:
             raise PeerError(

@@ -9,6 +9,11 @@ to it through files in its work directory (see ``peer.py``): ``info.json`` once 
 Every wait has a deadline and fails with the peer's status and log tail. ``stop`` always ends
 the process: the ``stop`` command, then SIGTERM, then SIGKILL. The peer also asks the kernel for
 SIGTERM when this process exits (``PR_SET_PDEATHSIG``), so a crashed test run leaves no engine.
+
+``tp_size=N`` (a P) starts N processes, one per TP rank, as vLLM's multiprocess executor does:
+rank 0 is the peer the test talks to (commands, ``info.json``, its listener serves every rank);
+ranks 1.. are ``followers`` in lockstep with it over a gloo group (see ``peer.py``'s ``Engine``).
+A peer is alive only while every rank is; stopping it stops them all.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,6 +108,7 @@ class VllmPeer:
     args: tuple[str, ...]
     info: dict[str, Any] = field(default_factory=dict)
     returncode: int | None = None
+    followers: list[subprocess.Popen[bytes]] = field(default_factory=list)  # TP ranks 1..
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
     # ------------------------------------------------------------------ lifecycle
@@ -117,10 +124,15 @@ class VllmPeer:
         engine_id: str | None = None,
         extra: Sequence[str] = (),
         nice: int = 10,
+        tp_size: int = 1,
     ) -> VllmPeer:
-        """Start the process (not waiting for it: see ``wait_ready``)."""
+        """Start the process (not waiting for it: see ``wait_ready``); at ``tp_size`` > 1, one
+        per rank."""
         workdir.mkdir(parents=True, exist_ok=True)
         port = free_port()
+        if tp_size > 1:  # every rank is one engine: one engine id, one gloo store
+            engine_id = engine_id or f"vllm-{role}-tp{tp_size}-{uuid.uuid4().hex[:8]}"
+            extra = [*extra, "--tp-size", str(tp_size), "--dist-port", str(free_port())]
         args = [
             "--role",
             role,
@@ -154,6 +166,21 @@ class VllmPeer:
             )
         peer = cls(role, workdir, port, proc, log, tuple(args))
         _live.append(peer)
+        for rank in range(1, tp_size):
+            rdir = workdir / f"rank{rank}"
+            rdir.mkdir(exist_ok=True)
+            with open(rdir / "peer.log", "ab") as f:
+                peer.followers.append(
+                    subprocess.Popen(
+                        [python, str(PEER), *args, "--tp-rank", str(rank)],
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env=peer_env(),
+                        cwd=str(workdir),
+                        start_new_session=True,
+                    )
+                )
         return peer
 
     @classmethod
@@ -190,15 +217,22 @@ class VllmPeer:
                 except subprocess.TimeoutExpired:
                     self.proc.kill()
                     self.proc.wait(15)
+        for f in self.followers:  # they stop with the lead's stop; a dead lead leaves them stuck
+            try:
+                f.wait(10)
+            except subprocess.TimeoutExpired:
+                f.kill()
+                f.wait(15)
         self.returncode = self.proc.returncode
         if self in _live:
             _live.remove(self)
         return self.returncode
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(15)
+        for p in (self.proc, *self.followers):
+            if p.poll() is None:
+                p.kill()
+                p.wait(15)
         self.stop()
 
     # ------------------------------------------------------------------ identity
@@ -243,6 +277,14 @@ class VllmPeer:
         age = time.time() - float(st.get("time", 0))
         if age > STATUS_STALE_S:
             return f"status not refreshed for {age:.0f}s (engine loop stuck)"
+        for rank, f in enumerate(self.followers, start=1):
+            rst = read_json(self.workdir / f"rank{rank}" / "status.json")
+            if isinstance(rst, dict) and rst.get("engine_error"):
+                return f"rank {rank}: engine error: {rst['engine_error']}"
+            if f.poll() is not None:
+                return f"rank {rank} exited with {f.returncode}"
+            if not isinstance(rst, dict) or not rst.get("writer_alive"):
+                return f"rank {rank}: nixl-push-writer thread is dead (or no status)"
         return None
 
     def alive(self) -> bool:
@@ -302,17 +344,19 @@ class VllmPeer:
         )
 
     # ------------------------------------------------------------------ wire log
-    def wire(self, since: int = 0) -> list[dict[str, Any]]:
-        """Records of ``wire.jsonl`` from line ``since`` on (a trailing partial line is left)."""
+    def wire(self, since: int = 0, rank: int = 0) -> list[dict[str, Any]]:
+        """Records of ``wire.jsonl`` (of TP ``rank``) from line ``since`` on (a trailing partial
+        line is left)."""
+        wd = self.workdir if rank == 0 else self.workdir / f"rank{rank}"
         try:
-            text = (self.workdir / "wire.jsonl").read_text()
+            text = (wd / "wire.jsonl").read_text()
         except FileNotFoundError:
             return []
         lines = text.split("\n")[:-1]  # the last element is "" or a line still being written
         return [json.loads(ln) for ln in lines[since:] if ln]
 
-    def wire_mark(self) -> int:
-        return len(self.wire())
+    def wire_mark(self, rank: int = 0) -> int:
+        return len(self.wire(rank=rank))
 
     def nixl_activity(self, since: int) -> list[dict[str, Any]]:
         return [r for r in self.wire(since) if r.get("kind") in NIXL_ACTIVITY]

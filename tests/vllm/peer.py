@@ -30,11 +30,15 @@ Files in ``--workdir`` W (every JSON file is written to a temporary name and ren
   run concurrently: each is a generator advanced once per engine step.
 - ``W/wire.jsonl``: every NIXL notification, transfer and agent load (``wiretap``), plus
   ``push_write`` (P posts a request's WRITE) and ``lease_expired`` records.
+- At ``--tp-size`` N > 1 (a P only): one process per rank, all given the same ``--engine-id``,
+  ``--port`` and ``--dist-port``; rank 0 is the engine above, rank r > 0 keeps its
+  ``status.json`` and ``wire.jsonl`` in ``W/rank<r>/`` (see ``Engine``).
 
 sha256 of a request (P: what it filled, D: what landed), the definition kvpush shares: over the
 bytes of the request's blocks, region by region in region (= layer) order, and within a region
 the blocks in the request's ``blocks`` order, each block's bytes as laid out in memory
-(``cache[layer][block]``, contiguous).
+(``cache[layer][block]``, contiguous). A P at TP > 1 reports the digest of its pattern over all
+heads: what a TP-1 D holds once every rank has written its heads.
 
 Exit status: 0 after ``stop`` or SIGTERM/SIGINT (an orderly vLLM shutdown, then ``os._exit``),
 3 after an engine error, 4 when ``--port`` is taken, 2 on bad arguments.
@@ -94,17 +98,26 @@ class Geometry:
 
 @dataclass(frozen=True)
 class Parallel:
-    """This process's rank. Only TP=1/PP=1 is wired up today; the fields keep the places that
-    depend on the rank explicit (gloo group, handshake metadata key, listener port)."""
+    """This process's rank. PP is 1; a P may run at TP > 1 (one process per rank, see
+    ``Engine``); a D runs at TP 1 only (its side of the TP fan-out is not wired up here)."""
 
     tp_size: int = 1
     tp_rank: int = 0
     pp_size: int = 1
     pp_rank: int = 0
 
-    def check(self) -> None:
-        if (self.tp_size, self.pp_size) != (1, 1):
-            raise SystemExit("peer.py: only --tp-size 1 --pp-size 1 is supported so far")
+    @property
+    def lead(self) -> bool:
+        """Rank 0: the one with the scheduler, the listener and the commands."""
+        return self.tp_rank == 0
+
+    def check(self, role: str, kv_heads: int) -> None:
+        if self.pp_size != 1:
+            raise SystemExit("peer.py: only --pp-size 1 is supported")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise SystemExit(f"peer.py: --tp-rank {self.tp_rank} not in 0..{self.tp_size - 1}")
+        if self.tp_size > 1 and (role != "P" or kv_heads % self.tp_size):
+            raise SystemExit("peer.py: --tp-size > 1 needs --role P and kv_heads % tp == 0")
 
 
 def model_dir_for(geo: Geometry, given: str | None) -> str:
@@ -135,7 +148,19 @@ def model_dir_for(geo: Geometry, given: str | None) -> str:
 
 
 class Engine:
-    """vLLM's scheduler- and worker-side connector of one rank, stepped by ``run``."""
+    """vLLM's scheduler- and worker-side connector of one rank, stepped by ``run``.
+
+    At TP > 1 there is one process per rank, as vLLM's multiprocess executor has one worker per
+    rank: rank 0 (the lead) also owns the scheduler connector (its listener serves every rank's
+    handshake metadata, gathered from the ranks over the gloo world group at start) and the
+    commands; every engine step it broadcasts the connector metadata (and the per-rank work of
+    the commands, e.g. filling a prefill's blocks) to the other ranks, each rank runs its
+    worker connector, and the lead aggregates their ``KVConnectorOutput`` s with vLLM's own
+    ``KVOutputAggregator`` (a request is finished when every rank says so). Rank r > 0 writes
+    ``status.json`` and ``wire.jsonl`` into ``W/rank<r>/`` and runs ``follow``. Each rank holds
+    ``kv_heads / tp`` heads; the prefill pattern is defined over all heads, rank r holding heads
+    ``[r*h, (r+1)*h)``, so a TP-1 D that receives from every rank holds the TP-1 pattern.
+    """
 
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
@@ -150,9 +175,15 @@ class Engine:
             dtype=a.dtype,
         )
         self.par = Parallel(tp_size=a.tp_size, tp_rank=a.tp_rank)
-        self.par.check()
+        self.par.check(self.role, self.geo.kv_heads)
+        self.heads = self.geo.kv_heads // self.par.tp_size  # this rank's
+        if not self.par.lead and not a.engine_id:
+            raise SystemExit("peer.py: --tp-rank > 0 needs the lead's --engine-id")
         self.engine_id: str = a.engine_id or f"vllm-{a.role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        for d in ("cmd", "out", os.path.join("cmd", "taken")):
+        # This rank's files: the lead's are W itself, another rank's W/rank<r>/.
+        self.rwd = self.wd if self.par.lead else os.path.join(self.wd, f"rank{self.par.tp_rank}")
+        os.makedirs(self.rwd, exist_ok=True)
+        for d in ("cmd", "out", os.path.join("cmd", "taken")) if self.par.lead else ():
             os.makedirs(os.path.join(self.wd, d), exist_ok=True)
 
         import torch
@@ -173,23 +204,33 @@ class Engine:
         kvcfg = self._kv_cache_config()
         self._cfg_ctx = set_current_vllm_config(self.vc)
         self._cfg_ctx.__enter__()
-        self.sched = NixlPushConnector(self.vc, KVConnectorRole.SCHEDULER, kvcfg)
+        self.sched: Any = (
+            NixlPushConnector(self.vc, KVConnectorRole.SCHEDULER, kvcfg) if self.par.lead else None
+        )
         self.work = NixlPushConnector(self.vc, KVConnectorRole.WORKER, kvcfg)
         self.w: Any = self.work.connector_worker
-        self.s: Any = self.sched.connector_scheduler
-        self.tap = wiretap.install(self.w, os.path.join(self.wd, "wire.jsonl"), self.role)
+        self.s: Any = self.sched.connector_scheduler if self.sched is not None else None
+        self.tap = wiretap.install(self.w, os.path.join(self.rwd, "wire.jsonl"), self.role)
         self._observe_vllm_state()
         g = self.geo
         self.caches = {
             n: torch.zeros(
-                g.num_blocks, g.kv_heads, g.block_size, 2 * g.head_size, dtype=self.dtype
+                g.num_blocks, self.heads, g.block_size, 2 * g.head_size, dtype=self.dtype
             )
             for n in g.layer_names
         }
         self.work.register_kv_caches(self.caches)
-        self.sched.set_xfer_handshake_metadata_pp_aware(
-            {(self.par.pp_rank, self.par.tp_rank): self.work.get_handshake_metadata()}
-        )
+        rank_md = self.gather(self.work.get_handshake_metadata())  # every rank's, on the lead
+        if self.sched is not None:
+            self.sched.set_xfer_handshake_metadata_pp_aware(
+                {(self.par.pp_rank, r): md for r, md in enumerate(rank_md)}
+            )
+        self.rank_work: list[tuple[Any, ...]] = []  # the lead's: for the other ranks, next step
+        self.aggregator: Any = None
+        if self.par.tp_size > 1:
+            from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+            self.aggregator = KVOutputAggregator(expected_finished_count=self.par.tp_size)
         # Results of engine steps not yet consumed by a command, by request id.
         self.sent: set[str] = set()
         self.recvd: set[str] = set()
@@ -209,6 +250,7 @@ class Engine:
             DeviceConfig,
             KVTransferConfig,
             ModelConfig,
+            ParallelConfig,
             SchedulerConfig,
             VllmConfig,
         )
@@ -240,6 +282,9 @@ class Engine:
             cache_config=cc,
             kv_transfer_config=kvt,
             device_config=DeviceConfig("cpu"),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.par.tp_size, pipeline_parallel_size=self.par.pp_size
+            ),
         )
         # Normally resolved by the engine core (resolve_kv_cache_layout); vLLM's own unit
         # tests set it by hand the same way.
@@ -250,14 +295,20 @@ class Engine:
         from vllm.config import set_current_vllm_config
         from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-        init_file = os.path.join(self.wd, "dist_init")
-        if os.path.exists(init_file):
-            os.remove(init_file)
+        if self.par.tp_size > 1:
+            # Ranks in several processes meet at the lead's TCP store (the harness picks
+            # the port); a file store would race with its own clean-up.
+            method = f"tcp://127.0.0.1:{self.a.dist_port}"
+        else:
+            init_file = os.path.join(self.wd, "dist_init")
+            if os.path.exists(init_file):
+                os.remove(init_file)
+            method = f"file://{init_file}"
         with set_current_vllm_config(self.vc):
             init_distributed_environment(
                 world_size=self.par.tp_size * self.par.pp_size,
                 rank=self.par.pp_rank * self.par.tp_size + self.par.tp_rank,
-                distributed_init_method=f"file://{init_file}",
+                distributed_init_method=method,
                 local_rank=self.par.tp_rank,
                 backend="gloo",
             )
@@ -269,7 +320,7 @@ class Engine:
         g = self.geo
         spec = FullAttentionSpec(
             block_size=g.block_size,
-            num_kv_heads=g.kv_heads,
+            num_kv_heads=self.heads,
             head_size=g.head_size,
             dtype=self.dtype,
         )
@@ -340,7 +391,8 @@ class Engine:
             "kv_cache_layout": w.kv_cache_layout,
             "backend": w.backend_name,
             "lease": self.a.lease,
-            "heartbeat_interval": self.s._heartbeat_interval,
+            "heartbeat_interval": self.s._heartbeat_interval if self.s is not None else None,
+            "heads_per_rank": self.heads,
             "tp_size": self.par.tp_size,
             "tp_rank": self.par.tp_rank,
             "pp_size": self.par.pp_size,
@@ -354,32 +406,103 @@ class Engine:
 
     # ------------------------------------------------------------------ engine
     def step(self) -> None:
-        """One engine step, as KVConnectorModelRunnerMixin and the Scheduler do it."""
+        """One engine step, as KVConnectorModelRunnerMixin and the Scheduler do it (the lead;
+        at TP > 1 every other rank runs its worker half in ``follow``)."""
+        meta = self.sched.build_connector_meta(None)
+        work, self.rank_work = self.rank_work, []
+        self.broadcast([meta, work])
+        out = self.worker_step(meta)
+        outs = self.gather(out)
+        if self.aggregator is not None:
+            from vllm.v1.outputs import ModelRunnerOutput
+
+            for r, o in enumerate(outs):
+                if isinstance(o, str):
+                    raise RuntimeError(f"rank {r}: {o}")
+            agg = self.aggregator.aggregate(
+                [
+                    ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=o)
+                    for o in outs
+                ]
+            )
+            out = agg.kv_connector_output
+        self.sched.update_connector_output(out)
+        self.steps += 1
+        self.sent |= set(out.finished_sending or ())
+        self.recvd |= set(out.finished_recving or ())
+        self.failed |= set(out.failed_recving or ())
+
+    def worker_step(self, meta: Any) -> Any:
+        """This rank's worker half of an engine step: its ``KVConnectorOutput``."""
         from vllm.v1.outputs import KVConnectorOutput
 
-        meta = self.sched.build_connector_meta(None)
         self.work.bind_connector_metadata(meta)
         self.work.start_load_kv(None)
         res = self.work.get_transfer_results(set())
         self.work.clear_connector_metadata()
-        self.sched.update_connector_output(
-            KVConnectorOutput(
-                finished_sending=res.finished_sending,
-                finished_recving=res.finished_recving,
-                failed_recving=res.failed_recving,
-            )
+        return KVConnectorOutput(
+            finished_sending=res.finished_sending,
+            finished_recving=res.finished_recving,
+            failed_recving=res.failed_recving,
         )
-        self.steps += 1
-        self.sent |= set(res.finished_sending or ())
-        self.recvd |= set(res.finished_recving or ())
-        self.failed |= set(res.failed_recving or ())
+
+    # ------------------------------------------------------------------ TP > 1
+    def broadcast(self, obj: list[Any]) -> list[Any]:
+        """The lead's ``obj`` on every rank (gloo world group); a no-op at TP 1."""
+        if self.par.tp_size > 1:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(obj, src=0)
+        return obj
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on the lead (``[]`` elsewhere); ``[obj]`` at TP 1."""
+        if self.par.tp_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.par.tp_size if self.par.lead else None
+        dist.gather_object(obj, out, dst=0)
+        return out or []
+
+    def follow(self) -> int:
+        """Rank r > 0: the worker half of every engine step the lead broadcasts, until it
+        says stop. An error is handed to the lead (whose engine then dies) before exiting 3."""
+        self.write_status()
+        while True:
+            got: list[Any] = self.broadcast([None, None])
+            meta, work = got
+            if any(w[0] == "stop" for w in work):
+                break
+            try:
+                for w in work:
+                    if w[0] == "fill":
+                        self.fill(int(w[1]), list(w[2]))
+                out: Any = self.worker_step(meta)
+            except Exception as e:
+                traceback.print_exc()
+                self.engine_error = repr(e)
+                out = repr(e)
+            self.gather(out)
+            self.steps += 1
+            if self.engine_error is not None:
+                self.write_status(final=True)
+                os._exit(3)
+            if time.monotonic() - self._last_status >= STATUS_INTERVAL_S:
+                self.write_status()
+        self.work.shutdown()
+        self.write_status(final=True)
+        self.tap.close()
+        print(f"[{self.role} rank {self.par.tp_rank}] shut down after {self.steps} steps")
+        return 0
 
     def status(self, final: bool = False) -> dict[str, Any]:
-        lt = self.s._nixl_handshake_listener_t
+        lt = self.s._nixl_handshake_listener_t if self.s is not None else None
         wt = self.w._push_writer_thread
         return {
             "pid": os.getpid(),
-            "listener_alive": bool(lt is not None and lt.is_alive()),
+            "tp_rank": self.par.tp_rank,
+            "listener_alive": bool(lt is not None and lt.is_alive()) or not self.par.lead,
             "writer_alive": bool(wt is not None and wt.is_alive()),
             "steps": self.steps,
             "engine_error": self.engine_error,
@@ -389,10 +512,12 @@ class Engine:
         }
 
     def write_status(self, final: bool = False) -> None:
-        write_json(os.path.join(self.wd, "status.json"), self.status(final))
+        write_json(os.path.join(self.rwd, "status.json"), self.status(final))
         self._last_status = time.monotonic()
 
     def run(self) -> int:
+        if not self.par.lead:
+            return self.follow()
         write_json(os.path.join(self.wd, "info.json"), self.info())
         self.write_status()
         while not self.stopping:
@@ -427,6 +552,7 @@ class Engine:
         for cid in list(self.jobs):
             self.answer(cid, {"ok": False, "finished": False, "error": "peer stopped"})
         self.jobs.clear()
+        self.broadcast([None, [("stop",)]])
         t0 = time.monotonic()
         self.work.shutdown()
         t1 = time.monotonic()
@@ -505,8 +631,26 @@ class Engine:
             raise ValueError(f"blocks must be distinct ids in [0, {self.geo.num_blocks}): {blocks}")
         return list(blocks)
 
+    def fill(self, seed: int, blocks: list[int]) -> None:
+        """The "prefill": this rank's heads of the seed's pattern into every layer's blocks."""
+        h0 = self.par.tp_rank * self.heads
+        for li, name in enumerate(self.geo.layer_names):
+            for b in blocks:
+                self.caches[name][b].copy_(self.pattern(seed, li, b)[h0 : h0 + self.heads])
+
+    def pattern_sha256(self, seed: int, blocks: list[int]) -> str:
+        """``sha256`` of the pattern over all heads: what a TP-1 D holds once every rank wrote."""
+        h = hashlib.sha256()
+        for li in range(len(self.geo.layer_names)):
+            for b in blocks:
+                h.update(
+                    self.pattern(seed, li, b).contiguous().view(self.torch.uint8).numpy().tobytes()
+                )
+        return h.hexdigest()
+
     def pattern(self, seed: int, layer: int, block: int) -> Any:
-        """Integer-valued floats below ``modulus``: bit-exact in any implementation."""
+        """Integer-valued floats below ``modulus``, over all the model's heads: bit-exact in any
+        implementation."""
         g, torch = self.geo, self.torch
         shape = (g.kv_heads, g.block_size, 2 * g.head_size)
         base = (seed * 1_000_003 + layer * 65_537 + block * 4_099) % self.modulus
@@ -578,10 +722,10 @@ class Engine:
         n_ext, _ = self.sched.get_num_new_matched_tokens(req, 0)
         self.sched.update_state_after_alloc(req, self.kv_blocks(blocks), n_ext)
         yield  # the worker learns reqs_in_batch from the next step's metadata
-        for li, name in enumerate(self.geo.layer_names):  # the "prefill"
-            for b in blocks:
-                self.caches[name][b].copy_(self.pattern(seed, li, b))
-        digest = self.sha256(blocks)
+        self.fill(seed, blocks)  # the "prefill"; the other ranks' before the next step's WRITEs
+        if self.par.tp_size > 1:
+            self.rank_work.append(("fill", seed, blocks))
+        digest = self.sha256(blocks) if self.par.tp_size == 1 else self.pattern_sha256(seed, blocks)
         if order == "d_first":
             base = get_base_request_id(rid)
             while not any(
@@ -714,6 +858,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-dir", default=None, help="needed for a non-default geometry")
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--tp-rank", type=int, default=0)
+    ap.add_argument("--dist-port", type=int, default=0, help="the lead's TCP store (tp > 1)")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this parent is gone")
     ap.add_argument("--nice", type=int, default=0, help="lower this process's priority by N")
     a = ap.parse_args(argv)
@@ -727,7 +872,7 @@ def main() -> int:
     die_with_parent()
     if a.nice:
         os.nice(a.nice)
-    if not port_free(a.port):
+    if a.tp_rank == 0 and not port_free(a.port):
         print(f"peer.py: port {a.port} is taken", file=sys.stderr)
         return 4
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
@@ -741,8 +886,9 @@ def main() -> int:
     def on_signal(signum: int, frame: Any) -> None:
         eng.stopping = True
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    if eng.par.lead:  # another rank ends with the lead's stop, or dies of the signal
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
     return eng.run()
 
 

@@ -11,6 +11,9 @@
   the WRITE and its completion, and the bytes that landed hash like what kvpush filled.
 * a compatibility-hash mismatch fails the decode leg with ``incompatible``, naming both hashes,
   and sends vLLM's P nothing but ``get_meta_msg``.
+* the same two flows through the CLI, as an operator runs them: ``kvpush drive --decode
+  <kvpush D> --kv-transfer-params <what vLLM's P returned>`` and ``kvpush drive --prefill
+  <kvpush P> --request-id ID --blocks N``, whose first stdout line is handed to vLLM's D.
 
 After each, the vLLM peers are alive (process, listener, writer, no engine error) and every
 notification they received was one of vLLM's three forms. The module's vLLM peers run with a
@@ -19,6 +22,8 @@ notification they received was one of vLLM's three forms. The module's vLLM peer
 
 from __future__ import annotations
 
+import json
+import subprocess
 import threading
 import uuid
 from collections.abc import Iterator
@@ -29,7 +34,8 @@ import pytest
 from harness import Untouched, VllmPeer, pattern_sha256, start_many, stop_many
 
 from kvpush.ops.vllm_legs import LegReport, decode_leg, prefill_leg
-from tests.conftest import Served, ServeFactory, wait_ready
+from tests.conftest import Served, ServeFactory, run_cli
+from tests.support.procs import KVPUSH, clean_env, wait_ready
 
 LEASE_S = 6
 
@@ -232,3 +238,54 @@ def test_kvpush_p_to_vllm_d(vllm_d: VllmPeer, kvpush_p: Served) -> None:
     loads = [r for r in vllm_d.wire(mark) if r["kind"] == "add_remote_agent"]
     assert loads, "vLLM's D loaded kvpush's agent (its handshake passed full validation)"
     vllm_d.assert_alive("kvpush P -> vLLM D")
+
+
+# ------------------------------------------------------------------ the same through the CLI
+
+
+def test_cli_decode_leg_from_vllm_p(vllm_p: VllmPeer, kvpush_d: Served, tmp_path: Path) -> None:
+    """What a router does with a vLLM P's answer, by hand: the params as vLLM returned them."""
+    p_id, _ = request_ids("cli-v2k")
+    blocks = [2, 6]
+    mark = vllm_p.wire_mark()
+    cid = vllm_p.prefill(p_id, blocks)
+    f = tmp_path / "params.json"
+    f.write_text(json.dumps(vllm_p.result(cid, suffix=".params")["params"]))
+    r = run_cli("drive", "--decode", kvpush_d.address, "--kv-transfer-params", str(f), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    pres = vllm_p.result(cid)
+    assert out["outcome"] == "ok" and out["leg"] == "decode", out
+    assert out["sha256"] == pres["sha256"] == pattern_sha256(vllm_p.info, pres["seed"], blocks)
+    assert out["nbytes"] == len(blocks) * sum(vllm_p.info["block_lens"])
+    vllm_forms_only(vllm_p, mark)
+    vllm_p.assert_alive("kvpush drive --decode")
+
+
+def test_cli_prefill_leg_into_vllm_d(vllm_d: VllmPeer, kvpush_p: Served) -> None:
+    """The first stdout line of ``drive --prefill`` is what vLLM's D is given, unchanged."""
+    p_id, d_id = request_ids("cli-k2v")
+    d_blocks = [11, 4]
+    mark = vllm_d.wire_mark()
+    proc = subprocess.Popen(
+        [*KVPUSH, "drive", "--prefill", kvpush_p.address, "--request-id", p_id, "--blocks", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=clean_env(),
+    )
+    assert proc.stdout is not None
+    params = json.loads(proc.stdout.readline())
+    dres = vllm_d.command(
+        {"op": "decode", "request_id": d_id, "params": params, "blocks": d_blocks}
+    )
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out + err
+    assert dres["ok"] is True and dres["failed"] is False, dres
+    sha = next(ln.split()[1] for ln in out.splitlines() if ln.startswith("sha256"))
+    assert out.splitlines()[0] == "prefill leg  ok"
+    assert dres["sha256"] == sha
+    recv = [r for r in vllm_d.wire(mark) if r["kind"] == "recv_notif"]
+    assert [r["msg"]["raw"] for r in recv] == [f"{d_id}:1"], recv
+    vllm_d.assert_alive("kvpush drive --prefill")

@@ -7,6 +7,13 @@ or SIGHUP stops intake and gives in-flight requests a short grace, a second ends
 the partial summary is printed (every request accounted for) and the exit status is 130.
 Otherwise 0 only when every request succeeded and verified, else 1. Runs on the main thread;
 the driver owns its worker threads.
+
+With ``--kv-transfer-params`` or ``--request-id`` it drives one leg of a vLLM push deployment
+instead (``kvpush.ops.vllm_legs``): the flags are checked together first (one ``error:`` /
+``hint:`` for a wrong combination, before any peer is contacted), then one leg runs on the
+main thread and its report is printed (``views.reports.leg_report``) or, with ``--json``, one
+JSON object; a prefill leg prints the ``kv_transfer_params`` line before it waits. Exit status
+0 when the leg's push completed, 1 when it failed or lapsed.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from rich.console import Console
 from kvpush.cli import options, stdio, translate
 from kvpush.cli.signals import StopFlag
 from kvpush.cli.views import reports
-from kvpush.errors import ExitStatus
+from kvpush.errors import ConfigError, ExitStatus
 
 DOC = """Act as the router: send both legs of N requests to running P and D endpoints.
 
@@ -31,7 +38,14 @@ liveness check is marked down at once and traffic goes to the others; it is re-c
 comes back. Ends with ok/failed counts, failures by reason, latency percentiles, throughput
 and whether every byte verified; every request is accounted for. Ctrl-C stops intake, waits
 briefly for requests in flight and prints the partial summary (exit 130). Exit status 0 when
-all requests succeeded and verified, 1 otherwise."""
+all requests succeeded and verified, 1 otherwise.
+
+One leg of a vLLM push deployment, with no router: 'drive --decode D --kv-transfer-params
+FILE|JSON' has a kvpush D (serve-decode --wire vllm) receive one request a vLLM P holds;
+'drive --prefill P --request-id ID --blocks N' has a kvpush P (serve-prefill --wire vllm)
+fill N blocks, prints the kv_transfer_params to hand a vLLM D as one JSON line, and waits
+for its push. Both report outcome, bytes and the sha256 of the KV; exit status 0 when the
+push completed, 1 otherwise."""
 
 PROGRESS_EVERY_S = 3.0
 
@@ -40,18 +54,119 @@ def register(app: typer.Typer) -> None:
     options.register(app, "drive", drive, options.DRIVE, DOC)
 
 
-def drive(
+LEG_HINT = (
+    "a vLLM leg is 'drive --decode D --kv-transfer-params FILE|JSON' or "
+    "'drive --prefill P --request-id ID --blocks N'"
+)
+#: Options of a load run that mean nothing for one leg.
+LOAD_ONLY = (("requests", "--requests"), ("concurrency", "--concurrency"), ("rate", "--rate"))
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    src = ctx.get_parameter_source(name)
+    return src is not None and src.name != "DEFAULT"
+
+
+def leg_of(
     ctx: typer.Context,
     prefill: list[str],
     decode: list[str],
+    kv_transfer_params: str | None,
+    request_id: str | None,
+) -> str | None:
+    """Which vLLM leg these flags ask for ("decode", "prefill"), or None for a load run;
+    a wrong combination is refused here, before any peer is contacted."""
+    if kv_transfer_params is not None and request_id is not None:
+        raise ConfigError("--kv-transfer-params and --request-id are two different legs", LEG_HINT)
+    if kv_transfer_params is None and request_id is None:
+        if _given(ctx, "alloc_delay"):
+            raise ConfigError(
+                "--alloc-delay needs --kv-transfer-params",
+                "it delays the decode leg of one vLLM request: " + LEG_HINT,
+            )
+        return None
+    leg, flag = (
+        ("decode", "--kv-transfer-params") if request_id is None else ("prefill", "--request-id")
+    )
+    ours, other = (decode, prefill) if leg == "decode" else (prefill, decode)
+    own_flag, other_flag = (
+        ("--decode", "--prefill") if leg == "decode" else ("--prefill", "--decode")
+    )
+    if other:
+        hint = (
+            "the P is the one the kv_transfer_params name (remote_host, remote_port): drop "
+            "--prefill"
+            if leg == "decode"
+            else "hand the kv_transfer_params it prints to the vLLM D (what a router does): "
+            "drop --decode"
+        )
+        raise ConfigError(f"{flag} goes with {own_flag} only, not {other_flag}", hint)
+    if not ours:
+        what = (
+            "the kvpush D (serve-decode --wire vllm) that receives the vLLM P's push"
+            if leg == "decode"
+            else "the kvpush P (serve-prefill --wire vllm) that fills the request"
+        )
+        raise ConfigError(
+            f"{flag} needs {own_flag} HOST:PORT", f"pass {own_flag} HOST:PORT of {what}"
+        )
+    if len(ours) > 1:
+        raise ConfigError(
+            f"{flag} drives one request through one endpoint, got {len(ours)} {own_flag}",
+            f"pass a single {own_flag}",
+        )
+    for name, opt in LOAD_ONLY:
+        if _given(ctx, name):
+            raise ConfigError(f"{opt} applies to a load run, not to one vLLM leg", f"drop {opt}")
+    if leg == "prefill" and not _given(ctx, "blocks"):
+        raise ConfigError(
+            "--request-id needs --blocks N",
+            "pass the request's prompt blocks: the vLLM D must allocate as many",
+        )
+    if leg == "prefill" and _given(ctx, "alloc_delay"):
+        raise ConfigError(
+            "--alloc-delay applies to the decode leg (--kv-transfer-params)",
+            "a vLLM D decides itself when it allocates: drop --alloc-delay",
+        )
+    return leg
+
+
+def drive(
+    ctx: typer.Context,
+    prefill: list[str] | None,
+    decode: list[str] | None,
     requests: int,
     concurrency: int,
     rate: float | None,
     blocks: int,
     timeout: float,
     json_out: bool,
+    kv_transfer_params: str | None,
+    request_id: str | None,
+    alloc_delay: float,
     auth_token_file: str | None,
 ) -> None:
+    prefill, decode = list(prefill or ()), list(decode or ())
+    leg = leg_of(ctx, prefill, decode, kv_transfer_params, request_id)
+    token = translate.auth_token(auth_token_file)
+    if leg == "decode":
+        _decode_leg(
+            decode[0],
+            str(kv_transfer_params),
+            blocks if _given(ctx, "blocks") else None,
+            timeout,
+            alloc_delay,
+            token,
+            json_out,
+        )
+    if leg == "prefill":
+        _prefill_leg(prefill[0], str(request_id), blocks, timeout, token, json_out)
+    if not prefill or not decode:
+        missing = "--prefill" if not prefill else "--decode"
+        raise ConfigError(
+            f"drive needs {missing} HOST:PORT",
+            "a load run takes --prefill and --decode endpoints; " + LEG_HINT,
+        )
     from kvpush.ops.driver import DriveConfig, Driver
 
     cfg = DriveConfig(
@@ -62,7 +177,7 @@ def drive(
         rate=rate,
         blocks=blocks,
         timeout_s=timeout,
-        auth_token=translate.auth_token(auth_token_file),
+        auth_token=token,
     )
     err = Console(stderr=True, highlight=False)
 
@@ -123,3 +238,50 @@ def drive(
     if report.interrupted:
         raise typer.Exit(int(ExitStatus.INTERRUPTED))
     raise typer.Exit(0 if report.all_verified else 1)
+
+
+# ------------------------------------------------------------------------------ vLLM legs
+
+
+def _finish_leg(report: Any, json_out: bool) -> None:
+    if json_out:
+        stdio.out(json.dumps(report.to_dict()))
+    else:
+        Console().print(reports.leg_report(report), soft_wrap=True)
+    raise typer.Exit(0 if report.ok else 1)
+
+
+def _decode_leg(
+    address: str,
+    params_arg: str,
+    blocks: int | None,
+    timeout: float,
+    alloc_delay: float,
+    token: bytes | None,
+    json_out: bool,
+) -> None:
+    from kvpush.ops import vllm_legs
+
+    params = vllm_legs.load_params(params_arg)
+    report = vllm_legs.decode_leg(address, params, blocks, timeout, token, alloc_delay)
+    _finish_leg(report, json_out)
+
+
+def _prefill_leg(
+    address: str, request_id: str, blocks: int, timeout: float, token: bytes | None, json_out: bool
+) -> None:
+    from kvpush.ops import vllm_legs
+
+    err = Console(stderr=True, highlight=False)
+
+    def hand_out(params: dict[str, Any]) -> None:
+        stdio.out(json.dumps(params))  # at once: the vLLM D needs it before the push can run
+        if not json_out:
+            err.print(
+                f"drive: hand these kv_transfer_params to the vLLM D; waiting up to {timeout:g}s "
+                "for its push",
+                soft_wrap=True,
+            )
+
+    report = vllm_legs.prefill_leg(address, request_id, blocks, timeout, token, on_params=hand_out)
+    _finish_leg(report, json_out)

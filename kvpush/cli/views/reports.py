@@ -179,6 +179,35 @@ def drive_progress_line(
     return f"drive: {done}/{total} done, {ok} ok, {failed} failed, {in_flight} in flight{tail}"
 
 
+def leg_report(r: Any) -> RenderableType:
+    """The human form of a ``vllm_legs.LegReport`` (one decode or prefill leg)."""
+    t = Rows()
+    if r.ok:
+        state = Text.from_markup("[green]ok[/green]")
+    else:
+        state = Text.from_markup(f"[red]{r.outcome}[/red]: {r.reason or 'no reason given'}")
+    t.add(f"{r.leg} leg", state)
+    params = r.kv_transfer_params or {}
+    peer = (
+        f"{params.get('remote_engine_id', '?')} at {params.get('remote_host', '?')}:"
+        f"{params.get('remote_port', '?')} (tp {params.get('tp_size', 1)})"
+    )
+    if r.leg == "decode":
+        t.add("D", r.address)
+        t.add("P", peer)
+        t.add("request", f"{r.request_id or '?'} (P's {params.get('remote_request_id', '?')})")
+    else:
+        t.add("P", r.address)
+        t.add("request", r.request_id)
+    if r.detail:
+        t.add("detail", r.detail)
+    moved = "received" if r.leg == "decode" else "pushed"
+    t.add(moved, f"{fmt_bytes(r.nbytes)} ({r.nbytes} bytes) in {r.seconds:.2f} s")
+    if r.sha256:
+        t.add("sha256", r.sha256)
+    return t.render()
+
+
 def demo_summary(r: Any) -> RenderableType:
     """The human form of a ``DemoReport``: the drive summary, the children, the events."""
     lines: list[RenderableType] = [drive_summary(r.drive, title="demo")]
