@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpush import PROTOCOL_VERSION
-from kvpush.config import VllmWireConfig
+from kvpush.config import MLA_LAYOUT, VllmWireConfig
 from kvpush.errors import HandshakeError, IncompatiblePeerError, WrongWireError
 from kvpush.wire import protocol, vllm
 
@@ -81,7 +81,7 @@ def check_vllm_answer(
             diffs.append((field, ours, theirs))
 
     differ("regions", local.regions, regions)
-    differ("block_lens", [local.block_bytes] * local.regions, list(md.block_lens))
+    differ("block_lens", [_peer_page(local, hint)] * local.regions, list(md.block_lens))
     differ("kv_cache_layout", local.kv_layout, md.kv_cache_layout)
     differ("block_size", wire.block_size, md.block_size)
     differ("attn_backend_name", wire.attn_backend_name, md.attn_backend_name)
@@ -122,3 +122,14 @@ def check_vllm_answer(
         backends=["UCX"],
     )
     return VllmPeer(meta, md.agent_metadata, strides)
+
+
+def _peer_page(local: protocol.EndpointMetadata, hint: PeerHint) -> int:
+    """The page length a vLLM peer at ``hint.tp_size`` ranks has per region: ours when the TP
+    sizes match or the one latent head is replicated (MLA); else the model's page, which our
+    ranks split, split over its ranks instead (heads outermost, VLLM_INTEROP.md section 4)."""
+    peer_tp = max(1, hint.tp_size)
+    if peer_tp == local.tp_size or local.kv_layout.upper() == MLA_LAYOUT:
+        return local.block_bytes
+    return local.block_bytes * local.tp_size // peer_tp
+

@@ -5,8 +5,7 @@ against kvpush.
   rank 1 (its own agent, its own memory, the same engine id), and both ranks stay alive.
 * vLLM P (TP 2) -> kvpush D (TP 1), through ``kvpush drive --decode``: D registers with both
   P ranks, each rank WRITEs its heads into D's page and sends its completion, and D holds the
-  pattern over all heads -- the digest a TP-1 P of that seed reports. Expected to fail today:
-  kvpush's D refuses P's metadata (see ``CORE_BLOCKER``); ``strict`` makes the fix visible.
+  pattern over all heads -- the digest a TP-1 P of that seed reports.
 
 The D's geometry is given by flags, not ``--like``: ``--like`` copies P's per-rank page, and a
 TP-1 D of a TP-2 P holds the whole model's page (``tp x`` P's ``block_lens``).
@@ -29,12 +28,6 @@ LEASE_S = 8
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(480)]
 
-CORE_BLOCKER = (
-    "kvpush/peers/vllm_peer.py check_vllm_answer compares P's per-rank block_lens with D's "
-    "whole page ('block_lens: local=[8192, 8192] remote=[4096, 4096]'); vLLM's own rule "
-    "(base_worker._validate_remote_agent_handshake) is remote_len == local_len * remote_heads "
-    "// local_heads, and with D's page = P's (block-bytes 4096) vLLM's P rejects D instead"
-)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +65,6 @@ def test_listener_serves_both_ranks(tp2: tuple[VllmPeer, Served]) -> None:
     p.assert_alive("probe of rank 1")
 
 
-@pytest.mark.xfail(strict=True, reason=CORE_BLOCKER)
 def test_vllm_p_tp2_to_kvpush_d(tp2: tuple[VllmPeer, Served], tmp_path: Path) -> None:
     p, d = tp2
     blocks = [2, 5, 7]
