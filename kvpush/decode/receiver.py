@@ -196,10 +196,12 @@ class Receiver:
             return
         stale = [s for s, c in req.p_conns.items() if c.metadata.tp_size != req.p_tp]
         if stale:
-            # P restarted at another TP size: learn it afresh once.
+            # P restarted at another TP size: forget what we knew of it, learn it afresh once.
             self._peer_tp.pop(req.p_addr, None)
-            if req.attempts < 1 and not req.registered:
-                req.attempts += 1
+            if not req.relearned and not req.registered:
+                req.relearned = True
+                for s in list(req.p_conns):
+                    self._evict(req.key(s), "P's TP size changed", keep=req.request_id)
                 req.p_tp, req.sources = 0, ()
                 req.p_conns.clear()
                 self._connect_and_register(req)

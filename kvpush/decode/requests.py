@@ -55,7 +55,8 @@ class DRequest:
     completions: dict[int, int] = field(default_factory=dict)
     # An abandoned request: the P ranks that may still write into its blocks.
     outstanding: set[int] = field(default_factory=set)
-    attempts: int = 0  # re-handshakes after P vanished or changed
+    attempts: int = 0  # re-handshakes after P vanished
+    relearned: bool = False  # P's TP size learnt afresh (it restarted at another one)
     # vLLM's wire: P's coordinates from its kv_transfer_params (the router contract).
     p_engine_id: str = ""
     p_tp_size: int = 1

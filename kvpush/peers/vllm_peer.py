@@ -132,4 +132,3 @@ def _peer_page(local: protocol.EndpointMetadata, hint: PeerHint) -> int:
     if peer_tp == local.tp_size or local.kv_layout.upper() == MLA_LAYOUT:
         return local.block_bytes
     return local.block_bytes * local.tp_size // peer_tp
-

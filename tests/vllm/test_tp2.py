@@ -29,7 +29,6 @@ LEASE_S = 8
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(480)]
 
 
-
 @pytest.fixture(scope="module")
 def tp2(vllm_py: str, vllm_tmp: Path) -> Iterator[tuple[VllmPeer, Served]]:
     serve = ServeFactory(vllm_tmp)
