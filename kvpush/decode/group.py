@@ -13,6 +13,7 @@ each rank's own telemetry counts its share. Holds no request state beyond the fu
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
@@ -22,10 +23,24 @@ import msgspec
 
 from kvpush.config import format_address
 from kvpush.decode.role import DecodeRole, VllmLeg
+from kvpush.errors import KvpushError
 from kvpush.telemetry.names import Counter, Failure, Hist
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.sidechannel import ReplyFn
 from kvpush.wire import protocol, vllm
+
+#: D's own reasons for failing a request before its KV could land: P is told (``_declined``).
+DECLINED = frozenset(
+    {
+        Failure.NO_FREE_BLOCKS,
+        Failure.INCOMPATIBLE,
+        Failure.DEADLINE,
+        Failure.SHUTTING_DOWN,
+        Failure.OVERLOADED,
+        Failure.RANK_FAILED,
+        Failure.HANDSHAKE_FAILED,
+    }
+)
 
 
 class DecodeGroup:
@@ -38,6 +53,13 @@ class DecodeGroup:
             role.completer.verify = on
 
     def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
+        if isinstance(req, protocol.DeclineReq) and req.origin == "prefill":
+            for role in self.roles:
+                role.ctx.telemetry.inc(Counter.DECLINES_RECEIVED)
+                with contextlib.suppress(KvpushError):  # a closed inbox: the rank is stopping
+                    role.receiver.declines.put(req)
+            reply(protocol.DeclineRep(rid=req.rid, ended=len(self.roles)))
+            return True
         if not isinstance(req, protocol.DecodeReq):
             return False
         fut = self.decode(
@@ -90,7 +112,7 @@ class DecodeGroup:
                 self._count(rep)
                 return dead
         if len(self.roles) == 1:
-            return self.roles[0].decode(
+            fut = self.roles[0].decode(
                 transfer_id,
                 prefill_address,
                 num_blocks,
@@ -100,6 +122,8 @@ class DecodeGroup:
                 digest,
                 alloc_delay_s,
             )
+            fut.add_done_callback(lambda f: self._declined(prefill_address, f.result()))
+            return fut
         if vllm_params is not None and not request_id:
             base = vllm.base_request_id(vllm_params.remote_request_id or transfer_id)
             request_id = f"{base}-{secrets.token_hex(4)}"
@@ -167,10 +191,30 @@ class DecodeGroup:
                     if r != failed[0] and not f.done():
                         self.roles[r].cancel(res.request_id or request_id or transfer_id)
             self._count(res)
+            self._declined(prefill_address, res)
 
         for f in subs:
             f.add_done_callback(joined)
         return out
+
+    def _declined(self, prefill_address: str, rep: protocol.DecodeRep) -> None:
+        """A request D failed for a reason of its own (P did not fail it, nothing landed):
+        tell P over its side channel, so P frees the transfer's blocks now instead of at the
+        end of their lease. A request that registered also sent its Cancel notification; P
+        treats the two alike."""
+        decliner = self.roles[0].ctx.decliner
+        if decliner is None or rep.outcome == "ok" or rep.reason not in DECLINED:
+            return
+        decliner.decline(
+            prefill_address,
+            protocol.DeclineReq(
+                transfer_id=rep.transfer_id,
+                request_id=rep.request_id,
+                reason=rep.reason,
+                detail=rep.detail,
+                origin="decode",
+            ),
+        )
 
     def _count(self, rep: protocol.DecodeRep) -> None:
         tm = self.telemetry

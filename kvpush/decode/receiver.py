@@ -73,6 +73,7 @@ class Receiver:
         self.new = owner.inbox("decode-new", 1 << 16, self._on_new, self._item_failed)
         self.ready = owner.inbox("decode-ready", 1 << 16, self._on_ready, self._item_failed)
         self.cancels = owner.inbox("decode-cancel", 1 << 16, self._on_cancel, self._item_failed)
+        self.declines = owner.inbox("decode-decline", 1 << 16, self._on_decline, self._item_failed)
         self._rl = RateLimitedLog(log)
         self._next_hb = 0.0
         self._n_new = 0
@@ -156,6 +157,17 @@ class Receiver:
         req = self.table.waiting(request_id)
         if req is not None:
             self._finish_failed(req, Failure.CANCELLED, "cancelled by D", notify_p=True)
+
+    def _on_decline(self, msg: protocol.DeclineReq) -> None:
+        """P will not serve this request (it said so over the side channel): fail it now with
+        P's reason; P wrote nothing for it, so its blocks are free at once."""
+        req = self.table.waiting(msg.request_id) if msg.request_id else None
+        if req is None or req.transfer_id != msg.transfer_id:
+            return
+        reason = Failure.parse(msg.reason) or Failure.PREFILL_FAILED
+        self._finish_failed(
+            req, reason, f"P declined: {msg.detail}", settled=set(req.registered), notify_p=False
+        )
 
     def _connect_and_register(self, req: DRequest) -> None:
         """Connect to every P rank the request draws from, then register with each.

@@ -35,13 +35,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, Protocol, TypeVar
 
-from kvpush.config import EndpointConfig, HandshakeMode, format_address, parse_address
+from kvpush.config import EndpointConfig, HandshakeMode, Wire, format_address, parse_address
 from kvpush.endpoint import answers
 from kvpush.endpoint.rank import Rank
 from kvpush.errors import PeerUnreachableError
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn
 from kvpush.runtime.context import EndpointContext, Role
+from kvpush.runtime.decline import Decliner
 from kvpush.telemetry.merge import merge
 from kvpush.telemetry.names import REQUEST_COUNTERS, REQUEST_HISTS, Counter, Failure
 from kvpush.telemetry.snapshot import Snapshot
@@ -90,8 +91,12 @@ class Endpoint(Generic[R, G]):
             )
         peer_tp: dict[tuple[str, int], int] = {}
         self.ranks: list[Rank[R]] = []
+        # vLLM's wire has no such message: a vLLM peer would drop the connection on it.
+        self.decliner = Decliner(self.auth, cfg.timeouts) if cfg.wire == Wire.KVPUSH else None
         with contextlib.ExitStack() as undo:
             undo.callback(self._control.shutdown, wait=False, cancel_futures=True)
+            if self.decliner is not None:
+                undo.callback(self.decliner.close)
             self.server = SideChannelServer(
                 cfg.host,
                 cfg.port,
@@ -113,9 +118,12 @@ class Endpoint(Generic[R, G]):
                     self._control,
                     make_role,
                     peer_tp,
+                    self.decliner,
                 )
                 undo.callback(rank.close)
                 self.ranks.append(rank)
+            if self.decliner is not None:
+                self.decliner.telemetry = self.ranks[0].telemetry
             self.group: G = make_group([rk.role for rk in self.ranks], self._group_tm)
             for rk in self.ranks:
                 rk.telemetry.info(address=self.address)
@@ -198,6 +206,8 @@ class Endpoint(Generic[R, G]):
         for rk in self.ranks:
             rk.role.stop(drain)
         self._control.shutdown(wait=False, cancel_futures=True)
+        if self.decliner is not None:
+            self.decliner.close()  # what the drains declined reaches the peers
         for rk in self.ranks:
             rk.close()
         log.info("%s endpoint %s stopped", self.cfg.role, self.cfg.engine_id)

@@ -26,6 +26,7 @@ from kvpush.memory.allocator import BlockAllocator
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager
 from kvpush.runtime.context import EndpointContext, Role
+from kvpush.runtime.decline import Decliner
 from kvpush.telemetry.names import Gauge
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import NixlAgent, nixl_version
@@ -62,6 +63,7 @@ class Rank(Generic[R]):
         control: ThreadPoolExecutor,
         make_role: Callable[[EndpointContext], R],
         peer_tp: dict[tuple[str, int], int] | None = None,
+        decliner: Decliner | None = None,
     ) -> None:
         self.cfg = cfg
         self.rank = cfg.tp_rank
@@ -109,6 +111,7 @@ class Rank(Generic[R]):
                 on_ping=self.pinger.on_ping,
                 control=control,
                 peer_tp={} if peer_tp is None else peer_tp,
+                decliner=decliner,
             )
             self.role: R = make_role(self.ctx)
             self._wire_telemetry(auth)

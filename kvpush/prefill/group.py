@@ -10,6 +10,8 @@ side-channel thread and the writers' threads (waits); holds no state of its own.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
 import threading
@@ -43,7 +45,25 @@ class PrefillGroup:
         if isinstance(req, protocol.PushWaitReq):
             self._serve_wait(req, reply)
             return True
+        if isinstance(req, protocol.DeclineReq) and req.origin == "decode":
+            for role in self.roles:
+                role.ctx.telemetry.inc(Counter.DECLINES_RECEIVED)
+                role.writer.tasks.put(
+                    functools.partial(
+                        role.writer.declined_by_d, req.transfer_id, req.reason, req.detail
+                    )
+                )
+            reply(protocol.DeclineRep(rid=req.rid, ended=len(self.roles)))
+            return True
         return False
+
+    def _refuse(self, transfer_id: str, reason: Failure, detail: str) -> None:
+        """P will not serve ``transfer_id``: every rank tells the D ranks that registered."""
+        for role in self.roles:
+            with contextlib.suppress(KvpushError):  # a closed inbox: that rank is stopping
+                role.writer.tasks.put(
+                    functools.partial(role.writer.refused_by_p, transfer_id, reason, detail)
+                )
 
     # ------------------------------------------------------------------ prefill
     def prefill(
@@ -51,7 +71,18 @@ class PrefillGroup:
     ) -> tuple[list[int], str]:
         """Every rank's share of a transfer, reserved all or nothing, filled and finished.
         Returns rank 0's block ids and the sha256 of the filled bytes when ``digest``: over
-        region, then block, then rank order -- the model's page, whatever the TP size."""
+        region, then block, then rank order -- the model's page, whatever the TP size.
+        A refusal (no free blocks, stopping, a failed rank) is told to the D ranks that
+        registered for the transfer, or will, at once (``_refuse``)."""
+        try:
+            return self._prefill(transfer_id, num_blocks, request_id, digest)
+        except (NoFreeBlocksError, ShuttingDownError, RankFailedError) as e:
+            self._refuse(transfer_id, _reason(e), e.message)
+            raise
+
+    def _prefill(
+        self, transfer_id: str, num_blocks: int, request_id: str, digest: bool
+    ) -> tuple[list[int], str]:
         for r, role in enumerate(self.roles):
             err = role.failure()
             if err is not None:
@@ -101,20 +132,13 @@ class PrefillGroup:
         try:
             ids, sha = self.prefill(req.transfer_id, req.num_blocks, req.request_id, req.digest)
         except KvpushError as e:
-            reason = (
-                Failure.NO_FREE_BLOCKS
-                if isinstance(e, NoFreeBlocksError)
-                else Failure.SHUTTING_DOWN
-                if isinstance(e, ShuttingDownError)
-                else Failure.RANK_FAILED
-                if isinstance(e, RankFailedError)
-                else Failure.BAD_REQUEST
-            )
-            reply(_failed(req, reason, e.message))
+            reply(_failed(req, _reason(e), e.message))
             return
         except Exception as e:
             log.exception("prefill %s failed", req.transfer_id)
-            reply(_failed(req, Failure.INTERNAL_ERROR, f"{type(e).__name__}: {e}"))
+            detail = f"{type(e).__name__}: {e}"
+            reply(_failed(req, Failure.INTERNAL_ERROR, detail))
+            self._refuse(req.transfer_id, Failure.INTERNAL_ERROR, detail)
             return
         role0 = self.roles[0]
         vllm_wire = role0.ctx.cfg.wire.value == "vllm"
@@ -180,6 +204,16 @@ class PrefillGroup:
         timer.start()
         for f in futs:
             f.add_done_callback(lambda _f: answer(False))
+
+
+def _reason(e: KvpushError) -> Failure:
+    if isinstance(e, NoFreeBlocksError):
+        return Failure.NO_FREE_BLOCKS
+    if isinstance(e, ShuttingDownError):
+        return Failure.SHUTTING_DOWN
+    if isinstance(e, RankFailedError):
+        return Failure.RANK_FAILED
+    return Failure.BAD_REQUEST
 
 
 def _failed(req: protocol.PrefillReq, reason: Failure, detail: str) -> protocol.PrefillRep:

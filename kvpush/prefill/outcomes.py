@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from kvpush.config import HandshakeMode
+from kvpush.config import HandshakeMode, format_address
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
 from kvpush.prefill.table import (
@@ -31,6 +31,7 @@ from kvpush.prefill.table import (
     peer_of,
 )
 from kvpush.ratelog import RateLimitedLog
+from kvpush.runtime.decline import Decliner
 from kvpush.runtime.inbox import Inbox
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.names import Counter, Failure
@@ -56,6 +57,7 @@ class Outcomes:
         owner: OwnerThread,
         tasks: Inbox[Callable[[], None]],
         on_outcome: Callable[[PushOutcome], None],
+        decliner: Decliner | None = None,
     ) -> None:
         self._agent = agent
         self._pool = pool
@@ -66,6 +68,7 @@ class Outcomes:
         self._owner = owner
         self._tasks = tasks
         self._on_outcome = on_outcome
+        self._decliner = decliner
         self._rl = RateLimitedLog(log)
 
     def fail(self, push: Push, reason: Failure, detail: str) -> None:
@@ -133,16 +136,34 @@ class Outcomes:
         """Tell D (when connected) that a registration that never met its blocks is dropped;
         nothing was written, so D can free its blocks at once."""
         conn = self._hs.get(peer_of(r))
-        if conn is not None:
-            self.notify(
-                conn,
-                protocol.Failure(
-                    request_id=r.reg.request_id,
-                    transfer_id=r.reg.transfer_id,
-                    reason=reason,
-                    detail=detail,
-                ),
-            )
+        told = conn is not None and self.notify(
+            conn,
+            protocol.Failure(
+                request_id=r.reg.request_id,
+                transfer_id=r.reg.transfer_id,
+                reason=reason,
+                detail=detail,
+            ),
+        )
+        if not told:
+            self.decline(r, reason, detail)
+
+    def decline(self, r: Registration, reason: str, detail: str) -> None:
+        """Tell a registration's D over its side channel (no NIXL connection needed) that P
+        will not serve it, so D fails the request at once instead of at its deadline."""
+        if self._decliner is None:
+            return
+        reg = r.reg
+        self._decliner.decline(
+            format_address(reg.decode_host, reg.decode_port),
+            protocol.DeclineReq(
+                transfer_id=reg.transfer_id or reg.request_id,
+                request_id=reg.request_id,
+                reason=reason,
+                detail=detail[:1000],
+                origin="prefill",
+            ),
+        )
 
     # ------------------------------------------------------------------ cancels
     def on_cancel(self, msg: protocol.Cancel, sender: str) -> None:
@@ -164,6 +185,9 @@ class Outcomes:
             # Some of its D ranks registered, P's blocks are here, nothing was written yet.
             self.table.pop(key)
             self._pool.allocator.release(key)
+            self._on_outcome(
+                PushOutcome(st.finished.transfer_id, False, Failure.CANCELLED, "cancelled by D")
+            )
             self.ack_cancel(msg, sender)
         elif isinstance(st, Registered):
             # P has not finished its blocks yet: free them when they do, instead of holding

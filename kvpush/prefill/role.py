@@ -47,6 +47,7 @@ class PrefillRole:
             self.owner,
             on_ping=ctx.on_ping,
             on_outcome=self._outcome,
+            decliner=ctx.decliner,
         )
         self._stopping = threading.Event()
         self._vllm = ctx.cfg.wire == Wire.VLLM

@@ -172,9 +172,14 @@ class Writing:
 
 @dataclass
 class CancelledEarly:
-    """D cancelled before P's blocks finished: free them the moment they do."""
+    """D cancelled or declined before P's blocks finished: free them the moment they do (the
+    push ends with ``reason``). ``refused``: P itself refused the transfer: a registration that
+    arrives is declined back to its D at once."""
 
     since: float
+    reason: str = "cancelled"
+    detail: str = "cancelled by D"
+    refused: bool = False
 
 
 @dataclass(frozen=True)
@@ -275,7 +280,9 @@ class PushTable:
         st = self._states.get(f.key)
         if isinstance(st, CancelledEarly):
             self.pop(f.key)
-            return st
+            if not st.refused:
+                return st
+            st = None  # P refused it earlier; these blocks are a new prefill of the transfer
         if isinstance(st, Registered):
             if len(st.regs) >= st.expected:
                 self.pop(f.key)
@@ -295,8 +302,11 @@ class PushTable:
         st = self._states.get(r.key)
         rank = r.reg.decode_tp_rank
         if isinstance(st, CancelledEarly):
+            if st.refused:
+                return st
+            # D cancelled or declined it before; this registration is D trying it again.
             self.pop(r.key)
-            return st
+            st = None
         if isinstance(st, (Waiting, Registered)):
             if rank in st.regs:
                 raise DuplicateError(f"transfer {r.key} already registered (D rank {rank})")
@@ -343,8 +353,15 @@ class PushTable:
             self.pop(w.push.key)
         return w
 
-    def cancel_early(self, key: str, now: float) -> None:
-        self._set(key, CancelledEarly(now))
+    def cancel_early(
+        self,
+        key: str,
+        now: float,
+        reason: str = "cancelled",
+        detail: str = "cancelled by D",
+        refused: bool = False,
+    ) -> None:
+        self._set(key, CancelledEarly(now, reason, detail, refused))
 
     # ------------------------------------------------------------------ leases and expiry
     def renew(self, keys: list[str], now: float) -> int:

@@ -36,7 +36,7 @@ from kvpush.peers.tp import Slice, targets, write_slice
 from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
 from kvpush.prefill.fences import Fences
-from kvpush.prefill.outcomes import Outcomes
+from kvpush.prefill.outcomes import MAX_EARLY_CANCELS, Outcomes
 from kvpush.prefill.plan import LocalGeometry, PlanError, WritePlan, plan_write
 from kvpush.prefill.strategy import BlockingWait, Deferred, DeferredWait, HandshakeWait
 from kvpush.prefill.table import (
@@ -60,6 +60,7 @@ from kvpush.prefill.table import (
     transfer_key,
 )
 from kvpush.ratelog import RateLimitedLog
+from kvpush.runtime.decline import Decliner
 from kvpush.runtime.owner import OwnerThread, RankCrash, drain_notifications
 from kvpush.telemetry.names import Counter, Failure, Gauge, Hist
 from kvpush.telemetry.store import Telemetry
@@ -82,6 +83,7 @@ class PushWriter:
         owner: OwnerThread,
         on_ping: Callable[[str, protocol.Ping], None] | None = None,
         on_outcome: Callable[[PushOutcome], None] | None = None,
+        decliner: Decliner | None = None,
     ) -> None:
         self.cfg = cfg
         self._agent = agent
@@ -116,6 +118,7 @@ class PushWriter:
             owner,
             self.tasks,
             self._on_outcome,
+            decliner,
         )
         self._fences = Fences(
             agent, pool, self.table, handshakes, codec, telemetry, self._geom, t.fence_s
@@ -189,6 +192,7 @@ class PushWriter:
             return
         if isinstance(got, CancelledEarly):
             self._pool.allocator.release(f.key)
+            self._on_outcome(PushOutcome(f.transfer_id, False, got.reason, got.detail))
         elif got is not None:
             self._start_push(got)
         self._crash_check()
@@ -234,6 +238,40 @@ class PushWriter:
             return
         if isinstance(got, Push):
             self._start_push(got)
+        elif isinstance(got, CancelledEarly) and got.refused:
+            self._out.decline(r, got.reason, got.detail)  # P refused it before D registered
+
+    # ------------------------------------------------------------------ declines (tasks)
+    def declined_by_d(self, transfer_id: str, reason: str, detail: str) -> None:
+        """D cannot take ``transfer_id`` (it said so over the side channel, before any
+        registration of it could be served): free its finished blocks now, or the moment they
+        finish, instead of holding them until the lease lapses."""
+        key = transfer_key(transfer_id, self._vllm)
+        st = self.table.get(key)
+        detail = f"D declined: {detail}"
+        if isinstance(st, Waiting):
+            self.table.pop(key)
+            self._pool.allocator.release(key)
+            self._on_outcome(PushOutcome(st.finished.transfer_id, False, reason, detail))
+        elif (st is None or isinstance(st, Registered)) and self.table.count(
+            CancelledEarly
+        ) < MAX_EARLY_CANCELS:
+            self.table.cancel_early(key, time.monotonic(), reason, detail)
+        # Handshaking or writing: D registered, and its Cancel notification covers it.
+
+    def refused_by_p(self, transfer_id: str, reason: str, detail: str) -> None:
+        """P refused the prefill of ``transfer_id``: every D rank that registered (or will) is
+        told at once, so D fails the request now instead of at its deadline."""
+        key = transfer_key(transfer_id, self._vllm)
+        st = self.table.get(key)
+        if isinstance(st, Registered):
+            self.table.pop(key)
+            for r in st.regs.values():
+                self._out.decline(r, reason, detail)
+        if (st is None or isinstance(st, Registered)) and self.table.count(
+            CancelledEarly
+        ) < MAX_EARLY_CANCELS:
+            self.table.cancel_early(key, time.monotonic(), reason, detail, refused=True)
 
     def _on_deferred(self, d: Deferred) -> None:
         st = self.table.get(d.push.key)

@@ -17,6 +17,7 @@ from typing import Protocol
 from kvpush.config import EndpointConfig
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager
+from kvpush.runtime.decline import Decliner
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import NixlAgent
@@ -39,6 +40,8 @@ class EndpointContext:
     control: ThreadPoolExecutor
     # Peers' TP sizes by side-channel address, shared by an endpoint's ranks (D learns P's once).
     peer_tp: dict[tuple[str, int], int] = field(default_factory=dict)
+    # Tells a peer over its side channel that a transfer is declined (None: not on this wire).
+    decliner: Decliner | None = None
 
     @property
     def incarnation(self) -> str:

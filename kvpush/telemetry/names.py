@@ -32,6 +32,9 @@ class Counter(StrEnum):
     HEARTBEATS_SENT = "heartbeats_sent"
     HEARTBEATS_RECEIVED = "heartbeats_received"
     CANCELS_RECEIVED = "cancels_received"
+    DECLINES_SENT = "declines_sent"  # told a peer over its side channel: cannot take a transfer
+    DECLINES_DROPPED = "declines_dropped"  # ... and could not tell it (its lease bounds it)
+    DECLINES_RECEIVED = "declines_received"
     FENCES_SENT = "fences_sent"
     FENCES_OK = "fences_ok"
     FENCES_RECEIVED = "fences_received"

@@ -264,8 +264,34 @@ class ErrorRep(Struct, tag="error", frozen=True, kw_only=True):
     hint: Str1k = ""
 
 
-SideRequest: TypeAlias = HandshakeReq | StatsReq | PrefillReq | DecodeReq | PingReq | PushWaitReq
-SideReply: TypeAlias = HandshakeRep | StatsRep | PrefillRep | DecodeRep | ErrorRep | PushWaitRep
+class DeclineReq(Struct, tag="decline", frozen=True, kw_only=True):
+    """One side cannot take a transfer: the other frees what it holds for it at once.
+
+    D -> P (D refused the request or failed it before registering: no free blocks,
+    incompatible, deadline): P frees the transfer's finished blocks, or frees them the moment
+    they finish. P -> D (P refused the prefill, or stops with the registration unserved): D
+    fails the request at once with P's reason. Sent over the side channel, so it also reaches a
+    peer no NIXL connection was made with; answered with how many entries it ended."""
+
+    rid: NonNeg = 0
+    transfer_id: Str256
+    request_id: Str256 = ""  # D's request id (P -> D)
+    reason: Str128
+    detail: Str1k = ""
+    origin: Literal["prefill", "decode"]
+
+
+class DeclineRep(Struct, tag="decline", frozen=True, kw_only=True):
+    rid: NonNeg = 0
+    ended: NonNeg = 0
+
+
+SideRequest: TypeAlias = (
+    HandshakeReq | StatsReq | PrefillReq | DecodeReq | PingReq | PushWaitReq | DeclineReq
+)
+SideReply: TypeAlias = (
+    HandshakeRep | StatsRep | PrefillRep | DecodeRep | ErrorRep | PushWaitRep | DeclineRep
+)
 
 # ----------------------------------------------------------------------------------- notifications
 
