@@ -17,7 +17,7 @@ from kvpush.errors import ExitStatus
 
 pytestmark = pytest.mark.integration
 
-CHARTS = {"hol", "handshake", "bandwidth", "scale"}
+CHARTS = {"hol", "handshake", "bandwidth", "scale", "tp"}
 
 
 def _check_result(r: dict[str, object], name: str, out: Path) -> None:

@@ -257,27 +257,28 @@ def finish_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) ->
     """Mark ``n`` transfers' blocks finished *without* writing the pattern, as fast as the pool
     allows: the stand-in for a model that has just computed its KV, for timed parts whose D
     does not verify (content is checked in a separate, verified pass). Costs an allocation and
-    an inbox put, where ``prefill`` also writes every byte."""
+    an inbox put per rank, where ``prefill`` also writes every byte."""
     from kvpush.prefill.table import Finished
 
     ep = state.endpoint
-    alloc = ep.pool.allocator
-    writer = ep.roles[0].writer
+    roles = ep.roles
+    allocs = [r.ctx.pool.allocator for r in roles]
     waited = 0
     t0 = time.time()
     i, end = start, start + n
     while i < end:
         # In batches, sleeping 1 ms when the pool is full: a tight retry loop would fight the
         # writer for the GIL and slow the very thing being measured.
-        k = min(alloc.counts()["free"] // blocks, end - i)
+        k = min(min(a.counts()["free"] for a in allocs) // blocks, end - i)
         if k == 0:
             waited += 1
             time.sleep(0.001)
             continue
         for _ in range(k):
             tid = f"{prefix}{i}"
-            ids = alloc.allocate(tid, blocks)
-            writer.finished.put(Finished(tid, tid, tid, ids, time.monotonic()))
+            for role, alloc in zip(roles, allocs, strict=True):
+                ids = alloc.allocate(tid, blocks)
+                role.writer.finished.put(Finished(tid, tid, tid, ids, time.monotonic()))
             i += 1
     return {"elapsed_s": time.time() - t0, "waits": waited}
 
@@ -287,7 +288,8 @@ def wait_idle(state: Any, timeout_s: float = 30.0) -> dict[str, Any]:
     ep = state.endpoint
     deadline = time.monotonic() + timeout_s
     while True:
-        c: dict[str, Any] = ep.pool.allocator.counts()
+        counts = [r.ctx.pool.allocator.counts() for r in ep.roles]
+        c: dict[str, Any] = {k: sum(x[k] for x in counts) for k in counts[0]}
         if c["free"] + c["quarantined"] == c["total"] or time.monotonic() > deadline:
             return c
         time.sleep(0.01)
