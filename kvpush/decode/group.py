@@ -111,36 +111,28 @@ class DecodeGroup:
                 dead.set_result(rep)
                 self._count(rep)
                 return dead
-        if len(self.roles) == 1:
-            fut = self.roles[0].decode(
+        def start(role: DecodeRole, rid: str, dig: bool) -> Future[protocol.DecodeRep]:
+            return role.decode(
                 transfer_id,
                 prefill_address,
                 num_blocks,
                 deadline_s,
-                request_id,
+                rid,
                 vllm_params,
-                digest,
+                dig,
                 alloc_delay_s,
             )
+
+        if len(self.roles) == 1:
+            fut = start(self.roles[0], request_id, digest)
             fut.add_done_callback(lambda f: self._declined(prefill_address, f.result()))
             return fut
         if vllm_params is not None and not request_id:
             base = vllm.base_request_id(vllm_params.remote_request_id or transfer_id)
             request_id = f"{base}-{secrets.token_hex(4)}"
         t0 = time.monotonic()
-        subs = [
-            role.decode(
-                transfer_id,
-                prefill_address,
-                num_blocks,
-                deadline_s,
-                request_id,
-                vllm_params,
-                False,  # a digest of the whole model page needs every rank's bytes at once
-                alloc_delay_s,
-            )
-            for role in self.roles
-        ]
+        # No digest per rank: a digest of the whole model page needs every rank's bytes at once.
+        subs = [start(role, request_id, False) for role in self.roles]
         out: Future[protocol.DecodeRep] = Future()
         lock = threading.Lock()
 

@@ -442,12 +442,18 @@ def rank_line(snap: Snapshot, rank: str, tp: int) -> str:
         if name in snap.gauges
     ]
     parts.append(f"fail={sum(snap.failures.values())}")
+    return " ".join(parts + _pool_and_peers(snap))
+
+
+def _pool_and_peers(snap: Snapshot) -> list[str]:
+    """The last words of a plain line: free blocks of the pool, healthy peers."""
+    parts = []
     if Gauge.POOL_TOTAL in snap.gauges:
         free, total = _int_gauge(snap, Gauge.POOL_FREE), _int_gauge(snap, Gauge.POOL_TOTAL)
         parts.append(f"pool_free={free}/{total}")
     ok = sum(1 for row in snap.peers if _peer_ok(row))
     parts.append(f"peers={ok}/{len(snap.peers)}")
-    return " ".join(parts)
+    return parts
 
 
 def _plain_totals(snap: Snapshot) -> str:
@@ -471,12 +477,7 @@ def _plain_totals(snap: Snapshot) -> str:
     top = sorted(((n, k) for k, n in snap.failures.items() if n), reverse=True)[:3]
     detail = f"[{','.join(f'{k}:{n}' for n, k in top)}]" if top else ""
     parts.append(f"fail={failed}{detail}")
-    if Gauge.POOL_TOTAL in snap.gauges:
-        free, total = _int_gauge(snap, Gauge.POOL_FREE), _int_gauge(snap, Gauge.POOL_TOTAL)
-        parts.append(f"pool_free={free}/{total}")
-    ok = sum(1 for row in snap.peers if _peer_ok(row))
-    parts.append(f"peers={ok}/{len(snap.peers)}")
-    return " ".join(parts)
+    return " ".join(parts + _pool_and_peers(snap))
 
 
 def render_json(snap: Snapshot) -> str:
