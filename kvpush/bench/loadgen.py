@@ -32,10 +32,22 @@ _SC_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def start_endpoint(state: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """Start one endpoint from an ``EndpointConfig`` JSON map. A bench-only
+    ``pool.regions_per_layer`` key (``kvpush bench model``'s MLA shape: 1) builds the pool
+    with that many regions per layer (``modelgen.ShapedPoolConfig``)."""
+    import dataclasses
+
     from kvpush.endpoint.core import create_endpoint
     from kvpush.ops.node import build_config
 
+    config = {**config, "pool": dict(config.get("pool", {}))}
+    per_layer = int(config["pool"].pop("regions_per_layer", 2))
     cfg = build_config(config)
+    if per_layer != 2:
+        from kvpush.bench.modelgen import ShapedPoolConfig
+
+        pool = ShapedPoolConfig(**dataclasses.asdict(cfg.pool), regions_per_layer=per_layer)
+        cfg = dataclasses.replace(cfg, pool=pool)
     ep = create_endpoint(cfg)
     ep.start()
     state.endpoint = ep
@@ -340,8 +352,8 @@ def metadata_sizes(state: Any) -> dict[str, int]:
 
 
 def process_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
+    """CPU seconds of this process (all threads), ns resolution (``os.times`` ticks 10 ms)."""
+    return time.process_time()
 
 
 def _thread_cpu_s(tid: int) -> float | None:

@@ -21,7 +21,8 @@ from kvpush.errors import ExitStatus, KvpushError
 SCENARIO_HELP = (
     "hol (head-of-line behind a slow new peer, deferred vs blocking writer), handshake "
     "(notif-only vs full), bandwidth (push GB/s vs raw NIXL, process_vm_writev, memcpy), rate "
-    "(small pushes/s vs raw NIXL), scale (many new peers at once), or all."
+    "(small pushes/s vs raw NIXL), scale (many new peers at once), model (real model shapes, "
+    "block ids contiguous, shuffled and after churn, vs raw NIXL), or all."
 )
 
 

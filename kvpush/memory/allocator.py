@@ -116,9 +116,10 @@ class _Allocator:
     caller (a transition from the wrong state, an unknown owner for a transition) raises
     ``ValueError``: it is a bug in kvpush, not an operator error.
 
-    Subclasses implement, called under the lock: ``_take(n)`` (remove ``n`` <= free blocks from
-    the free space, return their ids and the number of runs they form), ``_give(owner, ids)``
-    (put an owner's blocks back) and ``_free_summary()`` (free runs, largest, histogram).
+    Subclasses implement, called under the lock: ``_take(owner, n)`` (remove ``n`` <= free
+    blocks from the free space for ``owner``, return their ids and the number of runs they
+    form), ``_give(owner, ids)`` (put the owner's blocks back) and ``_free_summary()`` (free
+    runs, largest, histogram).
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -151,7 +152,7 @@ class _Allocator:
                 raise NoFreeBlocksError(
                     f"no_free_blocks: need {n}, {nfree} free of {self.num_blocks}"
                 )
-            ids, runs = self._take(n)
+            ids, runs = self._take(owner, n)
             self._blocks[owner] = ids
             self._owner_state[owner] = BlockState.ALLOCATED
             self._owner_runs[owner] = runs
@@ -263,15 +264,15 @@ class _Allocator:
         state = self._owner_state.pop(owner)
         self._held_runs -= self._owner_runs.pop(owner)
         n = int(ids.size)
-        self._give(ids)
+        self._give(owner, ids)
         self._counts[state] -= n
         self._counts[BlockState.FREE] += n
         return n
 
-    def _take(self, n: int) -> tuple[np.ndarray, int]:  # pragma: no cover - abstract
+    def _take(self, owner: str, n: int) -> tuple[np.ndarray, int]:  # pragma: no cover
         raise NotImplementedError
 
-    def _give(self, ids: np.ndarray) -> None:  # pragma: no cover - abstract
+    def _give(self, owner: str, ids: np.ndarray) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def _free_summary(self) -> tuple[int, int, list[int]]:  # pragma: no cover - abstract
@@ -299,6 +300,7 @@ class BlockAllocator(_Allocator):
         self._len_at: dict[int, int] = {}  # free run start -> length
         self._start_at_end: dict[int, int] = {}  # free run end (exclusive) -> start
         self._hist = [0] * _HIST_BUCKETS
+        self._pieces: dict[str, list[tuple[int, int]]] = {}  # owner -> its runs (start, len)
         self._add_run(0, num_blocks)
 
     def free_runs(self) -> list[tuple[int, int]]:
@@ -318,7 +320,7 @@ class BlockAllocator(_Allocator):
         del self._start_at_end[start + length]
         self._hist[length.bit_length() - 1] -= 1
 
-    def _take(self, n: int) -> tuple[np.ndarray, int]:
+    def _take(self, owner: str, n: int) -> tuple[np.ndarray, int]:
         pieces: list[tuple[int, int]] = []
         left = n
         while True:
@@ -337,6 +339,7 @@ class BlockAllocator(_Allocator):
             self._del_run(start, length)
             pieces.append((start, length))
             left -= length
+        self._pieces[owner] = pieces
         if len(pieces) == 1:
             s, k = pieces[0]
             return np.arange(s, s + k, dtype=np.int64), 1
@@ -344,16 +347,8 @@ class BlockAllocator(_Allocator):
         ids = np.concatenate([np.arange(s, s + k, dtype=np.int64) for s, k in pieces])
         return ids, len(pieces)
 
-    def _give(self, ids: np.ndarray) -> None:
-        # The owner's ids are ascending runs (as _take built them): free each, coalescing.
-        if ids.size == 1:
-            bounds = [(int(ids[0]), 1)]
-        else:
-            cut = np.flatnonzero(np.diff(ids) != 1) + 1
-            starts = np.concatenate(([0], cut))
-            lens = np.diff(np.append(starts, ids.size))
-            bounds = list(zip(ids[starts].tolist(), lens.tolist(), strict=True))
-        for start, length in bounds:
+    def _give(self, owner: str, ids: np.ndarray) -> None:
+        for start, length in self._pieces.pop(owner):
             s, k = start, length
             left_start = self._start_at_end.get(s)
             if left_start is not None:
@@ -401,13 +396,13 @@ class FreeListAllocator(_Allocator):
         self._free = first[::-1].copy()
         self._nfree = num_blocks
 
-    def _take(self, n: int) -> tuple[np.ndarray, int]:
+    def _take(self, owner: str, n: int) -> tuple[np.ndarray, int]:
         top = self._nfree
         ids = self._free[top - n : top][::-1].copy()
         self._nfree = top - n
         return ids, runs_in(ids)
 
-    def _give(self, ids: np.ndarray) -> None:
+    def _give(self, owner: str, ids: np.ndarray) -> None:
         n = int(ids.size)
         self._free[self._nfree : self._nfree + n] = ids[::-1]
         self._nfree += n
