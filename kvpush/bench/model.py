@@ -9,7 +9,7 @@ pattern, in the same rounds:
   timed part, then a verified pass (P writes the pattern, D checks every byte);
 * **raw NIXL**, merge on and merge off (``skip_desc_merge``): a second agent in each endpoint
   process registering the same pool memory, replaying the exact (P ids, D ids) pairs kvpush's
-  previous pass used (``raw.raw_pairs_loop``);
+  previous pass used (``raw.raw_pairs_loop``), its target polling like kvpush's D receiver;
 * **process_vm_writev** of the same bytes: one iovec per merged run per region.
 
 Id patterns: ``contiguous`` (fresh pools, kvpush's extent allocator), ``shuffled`` (the plain
@@ -53,7 +53,7 @@ QUICK_TOKENS = (512,)
 FULL_POOL_BLOCKS = {"llama-8b": 1536, "llama-70b-tp8": 4096, "mla": 640}
 QUICK_POOL_BLOCKS = 1024
 QUICK_LAYERS = 2
-FULL_BUDGET = 1 << 30  # bytes per measurement
+FULL_BUDGET = 512 << 20  # bytes per measurement (at least 2 x in flight requests)
 QUICK_BUDGET = 16 << 20
 FULL_CHURN = ChurnSpec(seed=1, steps=4000, occupancy=0.9, min_tokens=64, max_tokens=8192)
 QUICK_CHURN = ChurnSpec(seed=1, steps=600, occupancy=0.9, min_tokens=64, max_tokens=2048)
@@ -213,7 +213,9 @@ def _shape(
     specs = _specs(shape, plan)
     ws = started if started is not None else cl.endpoints(specs, timeout_s=180.0)
     pw, dw = (ws[name] for name in specs)
-    target = dw.call("raw_pool_node", poll="spin", paused=True, call_timeout=300)
+    # The raw target polls like kvpush's D receiver (spin 2 ms after activity, then sleep up
+    # to 1 ms): at these sizes polling back to back was no faster and takes a core.
+    target = dw.call("raw_pool_node", poll="backoff", paused=True, call_timeout=300)
     pw.call("raw_pool_node", poll="none", paused=True, call_timeout=300)
     pw.call("raw_prepare", target=target, call_timeout=300)
     cells = []
