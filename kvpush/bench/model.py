@@ -55,6 +55,7 @@ QUICK_POOL_BLOCKS = 1024
 QUICK_LAYERS = 2
 FULL_BUDGET = 512 << 20  # bytes per measurement (at least 2 x in flight requests)
 QUICK_BUDGET = 16 << 20
+FULL_ROUNDS = 5
 FULL_CHURN = ChurnSpec(seed=1, steps=4000, occupancy=0.9, min_tokens=64, max_tokens=8192)
 QUICK_CHURN = ChurnSpec(seed=1, steps=600, occupancy=0.9, min_tokens=64, max_tokens=2048)
 COST_POOLS_FULL = (1, 16, 256, 4096, 65536)
@@ -109,7 +110,7 @@ class _Plan:
             FULL_TOKENS,
             dict(FULL_POOL_BLOCKS),
             FULL_BUDGET,
-            3,
+            FULL_ROUNDS,
             FULL_CHURN,
         )
 
@@ -218,11 +219,13 @@ def _shape(
     target = dw.call("raw_pool_node", poll="backoff", paused=True, call_timeout=300)
     pw.call("raw_pool_node", poll="none", paused=True, call_timeout=300)
     pw.call("raw_prepare", target=target, call_timeout=300)
+    # Warm the P->D path once (handshake, UCX wire-up) before anything is timed.
+    _setup(pw, dw, shape, "contiguous", nb, plan)
+    t0 = plan.tokens[0]
+    _kvpush(pw, dw, f"{shape.name}.warm.", 8, shape, shape.blocks_for(t0), 4)
     cells = []
     for tokens in plan.tokens:
-        for pattern in PATTERNS:
-            progress(f"model: {shape.name}, {tokens} tokens, {pattern} ids")
-            cells.append(_cell(pw, dw, target, shape, nb, tokens, pattern, plan))
+        cells.extend(_size(pw, dw, target, shape, nb, tokens, plan, progress))
     for w in (pw, dw):
         w.call("raw_close")
     for w in (pw, dw):  # both stop (and drain) at once
@@ -232,28 +235,18 @@ def _shape(
     return cells
 
 
-def _cell(
-    pw: Worker,
-    dw: Worker,
-    target: dict[str, Any],
-    shape: Shape,
-    nb: int,
-    tokens: int,
-    pattern: str,
-    plan: _Plan,
+def _setup(
+    pw: Worker, dw: Worker, shape: Shape, pattern: str, need: int, plan: _Plan
 ) -> dict[str, Any]:
-    blocks = shape.blocks_for(tokens)
-    req_bytes = shape.request_bytes(tokens)
-    inflight = inflight_for(req_bytes)
-    n = max(2 * inflight, math.ceil(plan.budget / req_bytes))
+    """Fresh allocators of the pattern's policy on P and D, churned if the pattern says so
+    (seeded: the same pools every time). Returns what each side's pool looks like."""
     kind, shuffled, do_churn = _PATTERN[pattern]
-    need = min(nb, (inflight + 1) * blocks)
-    churned: dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for side, w, seed in (("p", pw, SEED_P), ("d", dw, SEED_D)):
         w.call("model_pool", kind=kind, order_seed=seed if shuffled else None, call_timeout=60)
         if do_churn:
             spec = {**asdict(plan.churn), "seed": plan.churn.seed + seed}
-            churned[side] = w.call(
+            out[side] = w.call(
                 "model_churn",
                 spec=spec,
                 block_tokens=shape.block_tokens,
@@ -261,63 +254,104 @@ def _cell(
                 call_timeout=300,
             )
         else:
-            churned[side] = {"fragmentation": w.call("model_frag")}
-    prefix = f"{shape.name}.{tokens}.{pattern}."
-    regions = shape.regions
-    warm = _kvpush(pw, dw, prefix + "w.", max(2 * inflight, n // 2), shape, blocks, inflight)
-    pairs = warm["pairs"]
-    kv: list[dict[str, Any]] = []
-    raw_on: list[float] = []
-    raw_off: list[float] = []
-    pvw: list[float] = []
-    raw_cpu: list[float] = []
-    for k in range(plan.rounds):
-        dw.call("raw_poll", on=True)
-        try:
-            r_on = pw.call(
-                "raw_pairs_loop", pairs=pairs, n=n, inflight=inflight, merge=True, call_timeout=900
-            )
-            r_off = pw.call(
-                "raw_pairs_loop", pairs=pairs, n=n, inflight=inflight, merge=False, call_timeout=900
-            )
-        finally:
-            dw.call("raw_poll", on=False)
-        raw_on.append(r_on["gbps"])
-        raw_cpu.append(r_on["thread_cpu_s"] / r_on["n"])
-        raw_off.append(r_off["gbps"])
-        pvw.append(pw.call("pvw_pairs", target=target, pairs=pairs, n=n, call_timeout=900)["gbps"])
-        r = _kvpush(pw, dw, f"{prefix}r{k}.", n, shape, blocks, inflight)
-        kv.append(r)
-        pairs = r["pairs"]
-    verified, nv = _verified_pass(pw, dw, prefix + "v.", inflight, blocks)
-    return {
-        "shape": shape.name,
-        "tokens": tokens,
-        "pattern": pattern,
-        "blocks": blocks,
-        "regions": regions,
-        "request_bytes": req_bytes,
-        "inflight": inflight,
-        "requests": n,
-        "descs_unmerged": blocks * regions,
-        "descs_per_write": median([r["descs_mean"] for r in kv]),
-        "descs_max": max(r["descs_max"] for r in kv),
-        "kvpush_gbps": [r["gbps"] for r in kv],
-        "kvpush_per_s": [r["per_s"] for r in kv],
-        "kvpush_failed": sum(r["failed"] for r in kv),
-        "writer_cpu_per_req_s": [r["writer_cpu_per_req_s"] for r in kv],
-        "p_cpu_per_req_s": [r["p_cpu_per_req_s"] for r in kv],
-        "d_cpu_per_req_s": [r["d_cpu_per_req_s"] for r in kv],
-        "raw_gbps": raw_on,
-        "raw_nomerge_gbps": raw_off,
-        "raw_cpu_per_req_s": raw_cpu,
-        "pvw_gbps": pvw,
-        "verified": verified,
-        "verify_requests": nv,
-        "pool": churned,
-        "run_len_p": median([r["run_len_p"] for r in kv]),
-        "run_len_d": median([r["run_len_d"] for r in kv]),
+            out[side] = {"fragmentation": w.call("model_frag")}
+    return out
+
+
+def _size(
+    pw: Worker,
+    dw: Worker,
+    target: dict[str, Any],
+    shape: Shape,
+    nb: int,
+    tokens: int,
+    plan: _Plan,
+    progress: Progress,
+) -> list[dict[str, Any]]:
+    """One request size, every pattern. Each round measures all four patterns back to back
+    (in a rotating order), each as: pools set up, a kvpush pass, then raw NIXL (merge on,
+    merge off) and process_vm_writev replaying the ids that pass got -- so that every ratio
+    is taken between measurements seconds apart, round by round."""
+    blocks = shape.blocks_for(tokens)
+    req_bytes = shape.request_bytes(tokens)
+    inflight = inflight_for(req_bytes)
+    n = max(2 * inflight, math.ceil(plan.budget / req_bytes))
+    need = min(nb, (inflight + 1) * blocks)
+    acc: dict[str, dict[str, Any]] = {
+        p: {"kv": [], "raw_on": [], "raw_off": [], "pvw": [], "raw_cpu": []} for p in PATTERNS
     }
+    pools: dict[str, Any] = {}
+    for k in range(plan.rounds):
+        progress(f"model: {shape.name}, {tokens} tokens, round {k + 1}/{plan.rounds}")
+        order = PATTERNS[k % len(PATTERNS) :] + PATTERNS[: k % len(PATTERNS)]
+        for pattern in order:
+            a = acc[pattern]
+            pools[pattern] = _setup(pw, dw, shape, pattern, need, plan)
+            r = _kvpush(
+                pw, dw, f"{shape.name}.{tokens}.{pattern}.r{k}.", n, shape, blocks, inflight
+            )
+            a["kv"].append(r)
+            pairs = r["pairs"]
+            dw.call("raw_poll", on=True)
+            try:
+                r_on, r_off = (
+                    pw.call(
+                        "raw_pairs_loop",
+                        pairs=pairs,
+                        n=n,
+                        inflight=inflight,
+                        merge=merge,
+                        call_timeout=900,
+                    )
+                    for merge in (True, False)
+                )
+            finally:
+                dw.call("raw_poll", on=False)
+            a["raw_on"].append(r_on["gbps"])
+            a["raw_cpu"].append(r_on["thread_cpu_s"] / r_on["n"])
+            a["raw_off"].append(r_off["gbps"])
+            a["pvw"].append(
+                pw.call("pvw_pairs", target=target, pairs=pairs, n=n, call_timeout=900)["gbps"]
+            )
+    cells = []
+    for pattern in PATTERNS:
+        _setup(pw, dw, shape, pattern, need, plan)
+        verified, nv = _verified_pass(
+            pw, dw, f"{shape.name}.{tokens}.{pattern}.v.", inflight, blocks
+        )
+        a = acc[pattern]
+        kv = a["kv"]
+        cells.append(
+            {
+                "shape": shape.name,
+                "tokens": tokens,
+                "pattern": pattern,
+                "blocks": blocks,
+                "regions": shape.regions,
+                "request_bytes": req_bytes,
+                "inflight": inflight,
+                "requests": n,
+                "descs_unmerged": blocks * shape.regions,
+                "descs_per_write": median([r["descs_mean"] for r in kv]),
+                "descs_max": max(r["descs_max"] for r in kv),
+                "kvpush_gbps": [r["gbps"] for r in kv],
+                "kvpush_per_s": [r["per_s"] for r in kv],
+                "kvpush_failed": sum(r["failed"] for r in kv),
+                "writer_cpu_per_req_s": [r["writer_cpu_per_req_s"] for r in kv],
+                "p_cpu_per_req_s": [r["p_cpu_per_req_s"] for r in kv],
+                "d_cpu_per_req_s": [r["d_cpu_per_req_s"] for r in kv],
+                "raw_gbps": a["raw_on"],
+                "raw_nomerge_gbps": a["raw_off"],
+                "raw_cpu_per_req_s": a["raw_cpu"],
+                "pvw_gbps": a["pvw"],
+                "verified": verified,
+                "verify_requests": nv,
+                "pool": pools[pattern],
+                "run_len_p": median([r["run_len_p"] for r in kv]),
+                "run_len_d": median([r["run_len_d"] for r in kv]),
+            }
+        )
+    return cells
 
 
 def _kvpush(
@@ -403,6 +437,12 @@ def _mean_run_len(id_lists: list[list[int]]) -> float:
 # --------------------------------------------------------------------------- report
 
 
+def _per_round(a: list[float], b: list[float]) -> float:
+    """Median over rounds of ``a[k] / b[k]``: measurements of the same round were taken
+    seconds apart, so a noisy minute on a shared host hits both sides of each ratio."""
+    return median([ratio(x, y) for x, y in zip(a, b, strict=True)])
+
+
 def _pct(x: float) -> str:
     return f"{x * 100:.0f}%" if math.isfinite(x) else "-"
 
@@ -429,7 +469,7 @@ def _report(
                 "raw_median_gbps": raw,
                 "raw_nomerge_median_gbps": median(c["raw_nomerge_gbps"]),
                 "pvw_median_gbps": median(c["pvw_gbps"]),
-                "kvpush_over_raw": ratio(kv, raw),
+                "kvpush_over_raw": _per_round(c["kvpush_gbps"], c["raw_gbps"]),
                 "writer_ms_per_req": median(c["writer_cpu_per_req_s"]) * 1e3,
                 "p_ms_per_req": median(c["p_cpu_per_req_s"]) * 1e3,
                 "d_ms_per_req": median(c["d_cpu_per_req_s"]) * 1e3,
@@ -479,7 +519,8 @@ def _report(
                 "verified",
             ],
             rows,
-            note="desc/WRITE = descriptors a WRITE needs once runs of consecutive P *and* D ids "
+            note="kvpush/raw = median over rounds of the ratio within each round. "
+            "desc/WRITE = descriptors a WRITE needs once runs of consecutive P *and* D ids "
             "merge (mean over the requests of a round, median of rounds), beside one per block "
             "per region. raw NIXL replays the same (P ids, D ids) pairs kvpush's previous pass "
             "got, from a second agent registering the same pools; process_vm_writev copies "
@@ -562,7 +603,8 @@ def _cost_table(rep: Report, cost: list[dict[str, Any]]) -> None:
                 ]
             )
     rep.table(
-        "allocation cost (us per call, median of rounds), steady churn at 50% occupancy",
+        "allocation cost (us per call: median of 100-call batch means, median of rounds), "
+        "steady churn at 50% occupancy",
         [
             "requests",
             "pool blocks",
@@ -575,7 +617,10 @@ def _cost_table(rep: Report, cost: list[dict[str, Any]]) -> None:
         rows,
         note="In the orchestrator process, one thread: a seeded churn of random-lifetime "
         "requests; each call timed on its own (perf_counter_ns), after a warm-up that fills "
-        "and churns the pool once. Includes returning a fresh numpy array of the ids.",
+        "and churns the pool once; the median of 100-call batch means keeps a preemption by "
+        "another process from deciding the figure. Includes returning a fresh numpy array of "
+        "the ids. 'max free runs': the most free runs the extent allocator held (its "
+        "SortedList size).",
     )
 
 
@@ -585,6 +630,11 @@ def _targets(
     by: dict[tuple[str, int, str], dict[str, Any]],
     cost: list[dict[str, Any]],
 ) -> None:
+    rep.notes.append(
+        "each ratio in the targets is the median over rounds of the ratio within a round (all "
+        "four id patterns, raw NIXL and process_vm_writev are measured seconds apart in every "
+        "round); the GB/s beside it are the medians of rounds"
+    )
     for shape in plan.shapes:
         for t in plan.tokens:
             f = by[(shape.name, t, "contiguous")]
@@ -599,7 +649,7 @@ def _targets(
     for shape in plan.shapes:
         for t in plan.tokens:
             c, fresh = by[(shape.name, t, "churn")], by[(shape.name, t, "contiguous")]
-            r = ratio(c["kvpush_median_gbps"], fresh["kvpush_median_gbps"])
+            r = _per_round(c["kvpush_gbps"], fresh["kvpush_gbps"])
             rep.target(
                 f"after churn, {shape.name}, {t:,} tokens: kvpush / kvpush on a fresh pool",
                 ">= 80%",
@@ -612,7 +662,7 @@ def _targets(
             continue
         for t in plan.tokens:
             c, fl = by[(shape.name, t, "churn")], by[(shape.name, t, "churn-freelist")]
-            r = ratio(c["kvpush_median_gbps"], fl["kvpush_median_gbps"])
+            r = _per_round(c["kvpush_gbps"], fl["kvpush_gbps"])
             rep.target(
                 f"4 KiB pages ({shape.name}) after churn, {t:,} tokens: kvpush's allocator / "
                 "the same churn on a plain free list",
@@ -637,6 +687,16 @@ def _targets(
             f"{spread:.2f}x ({fmt_num(hi['allocate_ns'] / 1e3)} us at {hi['num_blocks']:,} "
             f"blocks, {fmt_num(lo['allocate_ns'] / 1e3)} us at {lo['num_blocks']:,})",
             spread <= 2.0,
+        )
+        rlo = min(ext, key=lambda c: c["release_ns"])
+        rhi = max(ext, key=lambda c: c["release_ns"])
+        rep.target(
+            f"release cost, same pools, requests of {series}: largest / smallest us per release",
+            "(no target set; shown beside allocate)",
+            f"{rhi['release_ns'] / rlo['release_ns']:.2f}x ({fmt_num(rhi['release_ns'] / 1e3)} us "
+            f"at {rhi['num_blocks']:,} blocks, {fmt_num(rlo['release_ns'] / 1e3)} us at "
+            f"{rlo['num_blocks']:,})",
+            None,
         )
     bad = [f for f in by.values() if f["verified"] != f["verify_requests"] or f["kvpush_failed"]]
     for f in bad:
