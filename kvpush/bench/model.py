@@ -72,13 +72,10 @@ COLORS = {
 
 
 def inflight_for(request_bytes: int) -> int:
-    """Requests D keeps outstanding: enough to keep a WRITE always posted, few enough that big
-    requests leave room for churn residents in the pools."""
-    if request_bytes <= 64 << 20:
-        return 4
-    if request_bytes <= 256 << 20:
-        return 2
-    return 1
+    """Requests D keeps outstanding: at least 2, so that the next WRITE is always posted while
+    one completes (with 1, every request would also time D's completion -> next PUSH_REG round
+    trip, which raw NIXL's back-to-back loop never waits for); 4 for requests up to 64 MiB."""
+    return 4 if request_bytes <= 64 << 20 else 2
 
 
 @dataclass(frozen=True)
@@ -275,8 +272,8 @@ def _size(
     blocks = shape.blocks_for(tokens)
     req_bytes = shape.request_bytes(tokens)
     inflight = inflight_for(req_bytes)
-    n = max(2 * inflight, math.ceil(plan.budget / req_bytes))
-    need = min(nb, (inflight + 1) * blocks)
+    n = max(3 * inflight, math.ceil(plan.budget / req_bytes))
+    need = min(nb, inflight * blocks)  # what the in-flight requests hold, on either side
     acc: dict[str, dict[str, Any]] = {
         p: {"kv": [], "raw_on": [], "raw_off": [], "pvw": [], "raw_cpu": []} for p in PATTERNS
     }
@@ -567,7 +564,7 @@ def _report(
             note=f"churn: {plan.churn.steps} requests of {plan.churn.min_tokens}-"
             f"{plan.churn.max_tokens} tokens (log-uniform), exponential lifetimes for "
             f"{plan.churn.occupancy:.0%} occupancy, then residents finished in seeded order "
-            "until (in flight + 1) measured requests fit. 'churn alloc run len' = mean run "
+            "until the in-flight measured requests fit. 'churn alloc run len' = mean run "
             "length of churn's own allocations; 'measured run len' = of the measured requests.",
         )
     _cost_table(rep, cost)
