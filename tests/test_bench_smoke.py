@@ -17,7 +17,7 @@ from kvpush.errors import ExitStatus
 
 pytestmark = pytest.mark.integration
 
-CHARTS = {"hol", "handshake", "bandwidth", "scale", "tp"}
+CHARTS = {"hol", "handshake", "bandwidth", "scale", "tp", "model"}
 
 
 def _check_result(r: dict[str, object], name: str, out: Path) -> None:
@@ -49,6 +49,40 @@ def _check_result(r: dict[str, object], name: str, out: Path) -> None:
     for c in charts:
         root = ET.parse(c).getroot()
         assert root.tag.endswith("svg")
+
+
+def _check_model(r: dict[str, object]) -> None:
+    """Every shape x size x id pattern measured with every method; ids recorded; verified."""
+    params = r["params"]
+    figures = r["figures"]
+    assert isinstance(params, dict) and isinstance(figures, dict)
+    shapes = [s["name"] for s in params["shapes"]]
+    assert [s.split("/")[0] for s in shapes] == ["llama-8b", "llama-70b-tp8", "mla"]
+    cells = {(c["shape"], c["tokens"], c["pattern"]): c for c in figures["cells"]}
+    assert set(cells) == {
+        (s, t, p) for s in shapes for t in params["tokens"] for p in params["patterns"]
+    }
+    assert set(params["patterns"]) == {"contiguous", "shuffled", "churn", "churn-freelist"}
+    for c in cells.values():
+        for key in ("kvpush_gbps", "raw_gbps", "raw_nomerge_gbps", "pvw_gbps"):
+            assert len(c[key]) == params["rounds"] and all(x > 0 for x in c[key]), key
+        assert c["kvpush_failed"] == 0
+        assert c["verified"] == c["verify_requests"] > 0
+        # merged descriptors: at least one per region, at most one per block per region
+        assert c["regions"] <= c["descs_per_write"] <= c["descs_unmerged"]
+        assert c["descs_unmerged"] == c["blocks"] * c["regions"]
+        if c["pattern"] == "contiguous":
+            assert c["descs_per_write"] == c["regions"]  # a fresh pool: one run per request
+        if c["pattern"].startswith("churn"):
+            assert c["pool"]["d"]["resident_blocks"] > 0
+    mla = next(s for s in params["shapes"] if s["name"].startswith("mla"))
+    assert mla["regions"] == mla["layers"]  # one latent region per layer
+    cost = figures["alloc_cost"]
+    assert {c["allocator"] for c in cost} == {"extent", "freelist"}
+    assert all(c["allocate_ns"] > 0 for c in cost)
+    names = [t["name"] for t in r["targets"]]
+    for claim in ("kvpush / raw NIXL", "kvpush on a fresh pool", "plain free list", "allocation"):
+        assert any(claim in n for n in names), claim
 
 
 def _my_workers() -> list[int]:
@@ -87,6 +121,8 @@ def test_scenario_quick(name: str, tmp_path: Path) -> None:
         )
     if name in ("bandwidth", "rate"):
         assert "verified" in json.dumps(r["tables"]) or r["notes"]
+    if name == "model":
+        _check_model(r)
     # every worker wrote its log, and none outlives its scenario
     assert list((tmp_path / "logs").iterdir())
     assert _my_workers() == []
@@ -96,4 +132,4 @@ def test_unknown_scenario_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -
     assert run_bench("nope", quick=True, json_out=False, out_dir=None) == ExitStatus.USAGE
     err = capsys.readouterr().err
     assert "error: unknown benchmark scenario 'nope'" in err
-    assert "hint: choose one of hol, handshake, bandwidth, rate, scale, or all" in err
+    assert "hint: choose one of hol, handshake, bandwidth, rate, scale, model, or all" in err

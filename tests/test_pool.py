@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -20,22 +21,35 @@ from kvpush.memory.pool import POISON_BYTE, KvPool
 
 
 def _check_invariants(a: BlockAllocator) -> None:
-    """Counters, state array, owner map and free stack all agree."""
+    """Counters, owner states, held ids and the free runs all agree (public readings only)."""
     counts = a.counts()
-    by_state = np.bincount(a._state, minlength=4)
+    by_state = dict.fromkeys(BlockState, 0)
+    held = []
+    for o in a.owners():
+        state = a.state_of(o)
+        assert state is not None and state is not BlockState.FREE
+        ids = a.blocks_of(o)
+        by_state[state] += ids.size
+        held.append(ids)
     assert counts == {
         "total": a.num_blocks,
-        "free": by_state[BlockState.FREE],
+        "free": a.num_blocks - sum(by_state.values()),
         "allocated": by_state[BlockState.ALLOCATED],
         "inflight": by_state[BlockState.INFLIGHT],
         "quarantined": by_state[BlockState.QUARANTINED],
     }
-    free = a._free[: a._nfree]
-    assert len(np.unique(free)) == free.size == counts["free"]
-    assert np.all(a._state[free] == BlockState.FREE)
-    held = [a.blocks_of(o) for o in a.owners()]
+    assert set(a.quarantined()) == {
+        o for o in a.owners() if a.state_of(o) is BlockState.QUARANTINED
+    }
     all_held = np.concatenate(held) if held else np.empty(0, dtype=np.int64)
     assert len(np.unique(all_held)) == all_held.size == a.num_blocks - counts["free"]
+    # The free runs are exactly the blocks nobody holds, each once, neighbours coalesced.
+    runs = a.free_runs()
+    free = np.concatenate([np.arange(s, s + n) for s, n in runs]) if runs else np.empty(0)
+    assert len(np.unique(free)) == free.size == counts["free"]
+    assert np.array_equal(np.sort(free), np.setdiff1d(np.arange(a.num_blocks), all_held))
+    assert all(s1 + n1 < s2 for (s1, n1), (s2, _) in itertools.pairwise(runs))
+    assert a.fragmentation().free_runs == len(runs)
 
 
 def test_allocate_gives_ascending_ids_and_counts() -> None:

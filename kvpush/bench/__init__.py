@@ -9,7 +9,10 @@ Scenarios (one module each; every one starts real P and D processes on 127.0.0.1
 - ``bandwidth``: end-to-end push GB/s vs a raw NIXL WRITE loop, ``process_vm_writev`` and memcpy;
 - ``rate``: small pushes per second vs a raw pipelined NIXL WRITE+notif loop;
 - ``scale``: a storm of new D endpoints joining while established pushes continue;
-- ``tp``: aggregate push bandwidth of N tensor-parallel ranks vs N x one rank (and N processes).
+- ``tp``: aggregate push bandwidth of N tensor-parallel ranks vs N x one rank (and N processes);
+- ``model``: pushes at real model geometry (``kvpush.memory.shapes``) with block ids contiguous,
+  shuffled and as churn leaves a pool (kvpush's extent allocator vs a plain free list), beside
+  raw NIXL (merge on and off) and ``process_vm_writev`` of the same ids; allocation cost.
 
 ``run(name, quick, out_dir, progress)`` returns one scenario's result as a JSON-able dict
 (``kvpush.bench.report``); ``run_all`` runs every scenario. Importing this package is cheap: the
@@ -24,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SCENARIOS: tuple[str, ...] = ("hol", "handshake", "bandwidth", "rate", "scale", "tp")
+SCENARIOS: tuple[str, ...] = ("hol", "handshake", "bandwidth", "rate", "scale", "tp", "model")
 
 DEFAULT_OUT_DIR = Path("bench-out")
 

@@ -12,7 +12,7 @@ from kvpush.bench.console import run_bench
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvpush.bench")
-    ap.add_argument("scenario", help="hol, handshake, bandwidth, rate, scale or all")
+    ap.add_argument("scenario", help="hol, handshake, bandwidth, rate, scale, model or all")
     ap.add_argument("--quick", action="store_true", help="short smoke version")
     ap.add_argument("--json", action="store_true", help="JSON on stdout instead of tables")
     ap.add_argument("--out-dir", type=Path, default=None, help="results, charts and logs")

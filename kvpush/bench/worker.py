@@ -51,7 +51,7 @@ class WorkerState:
 
 
 def _commands(state: WorkerState) -> dict[str, Callable[..., Any]]:
-    from kvpush.bench import loadgen, raw
+    from kvpush.bench import loadgen, modelgen, raw
 
     return {
         "start_endpoint": lambda **a: loadgen.start_endpoint(state, **a),
@@ -59,6 +59,7 @@ def _commands(state: WorkerState) -> dict[str, Callable[..., Any]]:
         "sleep": lambda s: time.sleep(s),
         **{name: _bind(fn, state) for name, fn in loadgen.COMMANDS.items()},
         **{name: _bind(fn, state) for name, fn in raw.COMMANDS.items()},
+        **{name: _bind(fn, state) for name, fn in modelgen.COMMANDS.items()},
     }
 
 

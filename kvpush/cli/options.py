@@ -364,7 +364,8 @@ _OPTS: list[Opt] = [
         "hol (head-of-line behind a slow new peer, deferred vs blocking writer), handshake "
         "(notif-only vs full), bandwidth (push GB/s vs raw NIXL, process_vm_writev, memcpy), "
         "rate (small pushes/s vs raw NIXL), scale (many new peers at once), tp (N ranks vs N "
-        "x one rank), or all.", REQUIRED,
+        "x one rank), model (real model shapes, block ids contiguous, shuffled and after "
+        "churn, vs raw NIXL), or all.", REQUIRED,
         argument=True, show_default=False),
     Opt("quick", ("--quick",), bool, "Short smoke version (what CI runs); figures are rough.",
         False),

@@ -111,6 +111,7 @@ class DecodeGroup:
                 dead.set_result(rep)
                 self._count(rep)
                 return dead
+
         def start(role: DecodeRole, rid: str, dig: bool) -> Future[protocol.DecodeRep]:
             return role.decode(
                 transfer_id,

@@ -8,19 +8,41 @@ Block states (``BlockState``)::
 
 QUARANTINED exists because releasing an in-flight NIXL transfer does not stop its bytes
 (DESIGN.md section 3): blocks of a cancelled push may be reused only after a fence, so they stay
-out of the free stack, still listed under their owner, until ``release_quarantined``.
+out of the free space, still listed under their owner, until ``release_quarantined``.
+
+Two free-space policies share that state machine (``_Allocator``):
+
+* ``BlockAllocator`` (the pool's, the default): an **extent free list** that keeps runs of
+  consecutive ids together. Freed runs coalesce with free neighbours; a request of ``n`` blocks
+  takes the smallest free run of at least ``n`` (best fit by run length, lowest id on ties) and,
+  when no run is long enough, the fewest runs (the longest ones, the last piece best fit).
+  Why: NIXL merges descriptors of consecutive blocks (local *and* remote), and a descriptor
+  costs a fixed few us; at 4 KiB pages shuffled ids ran 5x slower than contiguous ones
+  (DESIGN.md section 3, issue 10). O(log R) per allocate/release in the number R of free runs
+  (a ``SortedList`` of ``(length, start)`` keys, dicts of run starts and ends).
+* ``FreeListAllocator``: the plain LIFO stack of block ids kvpush used before -- a baseline for
+  ``kvpush bench model`` only, so that the same churn can be compared on both.
+
+``fragmentation()`` is a pure reading (``Fragmentation``) for telemetry: mean run length of the
+current allocations, number and largest of the free runs, a free-run-length histogram.
 """
 
 from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
+from sortedcontainers import SortedList
 
 from kvpush.errors import NoFreeBlocksError
 
 _INT32_MAX = 2**31 - 1
+_HIST_BUCKETS = 32  # power-of-two buckets: run lengths 1 .. 2^32-1 (num_blocks < 2^31)
+_START_BITS = 32
+_START_MASK = (1 << _START_BITS) - 1
 
 
 class BlockState(enum.IntEnum):
@@ -38,16 +60,66 @@ _COUNT_KEYS = {
 }
 
 
-class BlockAllocator:
-    """Pure block ownership bookkeeping; thread-safe (one lock); numpy state array + free stack.
+@dataclass(frozen=True)
+class Fragmentation:
+    """How fragmented a pool is, read in one consistent snapshot.
 
-    An owner (a request id) holds one set of blocks, all in the same state. The free stack is
-    LIFO and hands out ascending ids from a fresh pool and ids in their original order after a
-    release, so requests tend to get contiguous runs (fewer NIXL descriptors, see
-    ``contiguous_runs``).
+    ``free_run_hist[k]`` counts free runs whose length is in ``[2**k, 2**(k+1))`` (trailing
+    empty buckets dropped). ``alloc_mean_run_len`` is held blocks / held runs over every owner
+    (quarantined included): the mean length of the runs a WRITE of a current allocation
+    can merge on this side (0.0 when nothing is held).
+    """
 
-    Misuse by the caller (a transition from the wrong state, an unknown owner for a
-    transition) raises ``ValueError``: it is a bug in kvpush, not an operator error.
+    total: int
+    free: int
+    free_runs: int
+    largest_free_run: int
+    free_run_hist: tuple[int, ...]
+    alloc_blocks: int
+    alloc_runs: int
+
+    @property
+    def alloc_mean_run_len(self) -> float:
+        return self.alloc_blocks / self.alloc_runs if self.alloc_runs else 0.0
+
+    def gauges(self) -> dict[str, float]:
+        """The proposed telemetry gauges (names as in the snapshot's ``gauges`` map)."""
+        return {
+            "pool_free_runs": float(self.free_runs),
+            "pool_largest_free_run": float(self.largest_free_run),
+            "alloc_mean_run_len": self.alloc_mean_run_len,
+        }
+
+    def histogram(self) -> list[tuple[int, int, int]]:
+        """``(min_len, max_len, runs)`` per power-of-two bucket, empty trailing ones dropped."""
+        return [(1 << k, (2 << k) - 1, c) for k, c in enumerate(self.free_run_hist)]
+
+
+def runs_in(ids: np.ndarray) -> int:
+    """Number of maximal runs of consecutive ascending ids (1 for ``[4, 5, 6]``, 0 if empty)."""
+    if ids.size == 0:
+        return 0
+    return 1 + int(np.count_nonzero(np.diff(ids) != 1))
+
+
+def _trim(hist: Sequence[int]) -> tuple[int, ...]:
+    k = len(hist)
+    while k and not hist[k - 1]:
+        k -= 1
+    return tuple(hist[:k])
+
+
+class _Allocator:
+    """The owner state machine shared by both policies; subclasses own the free space.
+
+    An owner (a request id) holds one set of blocks, all in the same state. Misuse by the
+    caller (a transition from the wrong state, an unknown owner for a transition) raises
+    ``ValueError``: it is a bug in kvpush, not an operator error.
+
+    Subclasses implement, called under the lock: ``_take(owner, n)`` (remove ``n`` <= free
+    blocks from the free space for ``owner``, return their ids and the number of runs they
+    form), ``_give(owner, ids)`` (put the owner's blocks back) and ``_free_summary()`` (free
+    runs, largest, histogram).
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -55,16 +127,15 @@ class BlockAllocator:
             raise ValueError(f"num_blocks must be in 1..{_INT32_MAX}, got {num_blocks}")
         self.num_blocks = num_blocks
         self._lock = threading.Lock()
-        self._state = np.zeros(num_blocks, dtype=np.int8)  # BlockState per block id
-        # Free stack: _free[:_nfree] are free ids, the top at the end; reversed so that
-        # popping n gives 0..n-1 first.
-        self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int64)
-        self._nfree = num_blocks
         self._blocks: dict[str, np.ndarray] = {}
         self._owner_state: dict[str, BlockState] = {}
+        self._owner_runs: dict[str, int] = {}
         self._reasons: dict[str, str] = {}
         self._counts = dict.fromkeys(BlockState, 0)
         self._counts[BlockState.FREE] = num_blocks
+        self._held_runs = 0
+
+    # -- public API -----------------------------------------------------------------------
 
     def allocate(self, owner: str, n: int) -> np.ndarray:
         """Give ``owner`` ``n`` free blocks (int64 ids), all or nothing."""
@@ -76,16 +147,16 @@ class BlockAllocator:
                     f"owner {owner!r} already holds {self._blocks[owner].size} blocks "
                     f"({self._owner_state[owner].name})"
                 )
-            if n > self._nfree:
+            nfree = self._counts[BlockState.FREE]
+            if n > nfree:
                 raise NoFreeBlocksError(
-                    f"no_free_blocks: need {n}, {self._nfree} free of {self.num_blocks}"
+                    f"no_free_blocks: need {n}, {nfree} free of {self.num_blocks}"
                 )
-            top = self._nfree
-            ids = self._free[top - n : top][::-1].copy()
-            self._nfree = top - n
-            self._state[ids] = BlockState.ALLOCATED
+            ids, runs = self._take(owner, n)
             self._blocks[owner] = ids
             self._owner_state[owner] = BlockState.ALLOCATED
+            self._owner_runs[owner] = runs
+            self._held_runs += runs
             self._counts[BlockState.FREE] -= n
             self._counts[BlockState.ALLOCATED] += n
             return ids.copy()
@@ -159,6 +230,21 @@ class BlockAllocator:
             out.update({_COUNT_KEYS[s]: c for s, c in self._counts.items()})
             return out
 
+    def fragmentation(self) -> Fragmentation:
+        """Consistent snapshot of how fragmented the pool is (see ``Fragmentation``)."""
+        with self._lock:
+            runs, largest, hist = self._free_summary()
+            free = self._counts[BlockState.FREE]
+            return Fragmentation(
+                total=self.num_blocks,
+                free=free,
+                free_runs=runs,
+                largest_free_run=largest,
+                free_run_hist=_trim(hist),
+                alloc_blocks=self.num_blocks - free,
+                alloc_runs=self._held_runs,
+            )
+
     # -- under the lock -------------------------------------------------------------------
 
     def _transition(self, owner: str, allowed: tuple[BlockState, ...], to: BlockState) -> int:
@@ -167,21 +253,174 @@ class BlockAllocator:
             raise ValueError(f"owner {owner!r} holds no blocks (cannot move them to {to.name})")
         if state not in allowed:
             raise ValueError(f"owner {owner!r} blocks are {state.name}, cannot move to {to.name}")
-        ids = self._blocks[owner]
-        self._state[ids] = to
+        n = int(self._blocks[owner].size)
         self._owner_state[owner] = to
-        self._counts[state] -= ids.size
-        self._counts[to] += ids.size
-        return int(ids.size)
+        self._counts[state] -= n
+        self._counts[to] += n
+        return n
 
     def _free_owner(self, owner: str) -> int:
         ids = self._blocks.pop(owner)
         state = self._owner_state.pop(owner)
+        self._held_runs -= self._owner_runs.pop(owner)
         n = int(ids.size)
-        self._state[ids] = BlockState.FREE
-        # Push reversed so the next allocate of the same size gets the same ids, same order.
-        self._free[self._nfree : self._nfree + n] = ids[::-1]
-        self._nfree += n
+        self._give(owner, ids)
         self._counts[state] -= n
         self._counts[BlockState.FREE] += n
         return n
+
+    def _take(self, owner: str, n: int) -> tuple[np.ndarray, int]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _give(self, owner: str, ids: np.ndarray) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _free_summary(self) -> tuple[int, int, list[int]]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class BlockAllocator(_Allocator):
+    """The pool's allocator: an extent free list, best fit by run length, coalescing on free.
+
+    Free space is a set of maximal runs ``[start, start+length)`` (neighbouring free runs are
+    always merged). ``allocate(owner, n)``:
+
+    1. the smallest free run with ``length >= n`` (lowest start among equals) gives its first
+       ``n`` ids; the rest of it stays a free run;
+    2. if no run is that long: the longest runs are taken whole until what is left fits in
+       one run, which is then chosen by rule 1 -- the fewest runs that can hold ``n``.
+
+    Ids come back ascending (pieces in address order), so a fresh pool hands out 0, 1, 2, ...
+    and a released request's run is the first candidate for the next request of its size.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self._by_len = SortedList()  # (length << 32) | start of every free run
+        self._len_at: dict[int, int] = {}  # free run start -> length
+        self._start_at_end: dict[int, int] = {}  # free run end (exclusive) -> start
+        self._hist = [0] * _HIST_BUCKETS
+        self._pieces: dict[str, list[tuple[int, int]]] = {}  # owner -> its runs (start, len)
+        self._add_run(0, num_blocks)
+
+    def free_runs(self) -> list[tuple[int, int]]:
+        """``(start, length)`` of every free run, by start (a reading for tests and benches)."""
+        with self._lock:
+            return sorted(self._len_at.items())
+
+    def _add_run(self, start: int, length: int) -> None:
+        self._by_len.add((length << _START_BITS) | start)
+        self._len_at[start] = length
+        self._start_at_end[start + length] = start
+        self._hist[length.bit_length() - 1] += 1
+
+    def _del_run(self, start: int, length: int) -> None:
+        self._by_len.remove((length << _START_BITS) | start)
+        del self._len_at[start]
+        del self._start_at_end[start + length]
+        self._hist[length.bit_length() - 1] -= 1
+
+    def _take(self, owner: str, n: int) -> tuple[np.ndarray, int]:
+        pieces: list[tuple[int, int]] = []
+        left = n
+        while True:
+            i = self._by_len.bisect_left(left << _START_BITS)
+            if i < len(self._by_len):  # best fit for what is left
+                key = int(self._by_len[i])
+                start, length = key & _START_MASK, key >> _START_BITS
+                self._del_run(start, length)
+                if length > left:
+                    self._add_run(start + left, length - left)
+                pieces.append((start, left))
+                break
+            # No run holds the rest: take the longest whole (the caller checked n <= free).
+            key = int(self._by_len[-1])
+            start, length = key & _START_MASK, key >> _START_BITS
+            self._del_run(start, length)
+            pieces.append((start, length))
+            left -= length
+        self._pieces[owner] = pieces
+        if len(pieces) == 1:
+            s, k = pieces[0]
+            return np.arange(s, s + k, dtype=np.int64), 1
+        pieces.sort()
+        ids = np.concatenate([np.arange(s, s + k, dtype=np.int64) for s, k in pieces])
+        return ids, len(pieces)
+
+    def _give(self, owner: str, ids: np.ndarray) -> None:
+        for start, length in self._pieces.pop(owner):
+            s, k = start, length
+            left_start = self._start_at_end.get(s)
+            if left_start is not None:
+                left_len = s - left_start
+                self._del_run(left_start, left_len)
+                s, k = left_start, k + left_len
+            right_len = self._len_at.get(s + k)
+            if right_len is not None:
+                self._del_run(s + k, right_len)
+                k += right_len
+            self._add_run(s, k)
+
+    def _free_summary(self) -> tuple[int, int, list[int]]:
+        largest = int(self._by_len[-1]) >> _START_BITS if self._by_len else 0
+        return len(self._by_len), largest, list(self._hist)
+
+
+#: The pool's allocator under the name of its policy.
+ExtentAllocator = BlockAllocator
+
+
+class FreeListAllocator(_Allocator):
+    """Baseline only (``kvpush bench model``): the plain LIFO stack of free ids.
+
+    Hands out the top ``n`` ids of the stack and pushes an owner's ids back in reverse on
+    release, so the next request of the same size gets the same ids; a fresh pool hands out
+    ``order`` (default ``0, 1, 2, ...``). Under churn of mixed sizes the stack interleaves
+    ids of many past requests, and runs shrink. ``fragmentation()`` sorts the free ids
+    (O(F log F)): fine for a benchmark, not for a hot telemetry path.
+    """
+
+    def __init__(self, num_blocks: int, order: Sequence[int] | np.ndarray | None = None) -> None:
+        super().__init__(num_blocks)
+        first = (
+            np.arange(num_blocks, dtype=np.int64)
+            if order is None
+            else np.asarray(order, dtype=np.int64).reshape(-1)
+        )
+        if first.size != num_blocks or not np.array_equal(
+            np.sort(first), np.arange(num_blocks, dtype=np.int64)
+        ):
+            raise ValueError("order must be a permutation of range(num_blocks)")
+        # _free[:_nfree] are free ids, the top at the end; reversed so that popping n gives
+        # order[0..n-1] first.
+        self._free = first[::-1].copy()
+        self._nfree = num_blocks
+
+    def _take(self, owner: str, n: int) -> tuple[np.ndarray, int]:
+        top = self._nfree
+        ids = self._free[top - n : top][::-1].copy()
+        self._nfree = top - n
+        return ids, runs_in(ids)
+
+    def _give(self, owner: str, ids: np.ndarray) -> None:
+        n = int(ids.size)
+        self._free[self._nfree : self._nfree + n] = ids[::-1]
+        self._nfree += n
+
+    def _free_summary(self) -> tuple[int, int, list[int]]:
+        free = np.sort(self._free[: self._nfree])
+        hist = [0] * _HIST_BUCKETS
+        if free.size == 0:
+            return 0, 0, hist
+        cut = np.flatnonzero(np.diff(free) != 1) + 1
+        lens = np.diff(np.concatenate(([0], cut, [free.size])))
+        for length in lens.tolist():
+            hist[length.bit_length() - 1] += 1
+        return int(lens.size), int(lens.max()), hist
+
+
+#: Allocator classes by policy name (``kvpush bench model --allocator``-style selection).
+ALLOCATORS: dict[str, type[_Allocator]] = {
+    "extent": BlockAllocator,
+    "freelist": FreeListAllocator,
+}

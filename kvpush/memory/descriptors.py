@@ -82,3 +82,13 @@ def contiguous_runs(local_ids: np.ndarray, remote_ids: np.ndarray) -> np.ndarray
     starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
     lengths = np.diff(np.append(starts, local.size))
     return np.stack((local[starts], remote[starts], lengths), axis=1).astype(np.int64)
+
+
+def merged_descriptors(local_ids: np.ndarray, remote_ids: np.ndarray, regions: int) -> int:
+    """Descriptors a WRITE of these position-matched ids needs once consecutive blocks merge:
+    one per run of consecutive local *and* remote ids, in every region (``contiguous_runs``).
+
+    What NIXL's own merge of a prepped transfer can reach (``make_prepped_xfer`` without
+    ``skip_desc_merge``); without merging a WRITE has ``len(local_ids) * regions``.
+    """
+    return int(contiguous_runs(local_ids, remote_ids).shape[0]) * regions

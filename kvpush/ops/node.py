@@ -21,6 +21,7 @@ from kvpush.config import (
     AgentConfig,
     EndpointConfig,
     HandshakeMode,
+    KvRegions,
     PoolConfig,
     Timeouts,
     WriterMode,
@@ -30,7 +31,10 @@ from kvpush.ops.engine import open_endpoint
 
 def build_config(d: dict[str, Any]) -> EndpointConfig:
     d = dict(d)
-    pool = PoolConfig(**d.pop("pool", {}))
+    pool_d = dict(d.pop("pool", {}))
+    if "kv_regions" in pool_d:
+        pool_d["kv_regions"] = KvRegions(pool_d["kv_regions"])
+    pool = PoolConfig(**pool_d)
     timeouts = Timeouts(**d.pop("timeouts", {}))
     agent = AgentConfig(**d.pop("agent", {}))
     if "handshake_mode" in d:

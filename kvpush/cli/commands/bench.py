@@ -18,7 +18,7 @@ DOC = """Measure kvpush against its baselines, in one run, on this host.
 
 Every scenario starts real P and D endpoint processes on 127.0.0.1 (and raw NIXL baselines
 where it compares with one) and stops them when it ends. Compare the ratios it prints, not
-absolute times from different runs or hosts. 'kvpush bench all' takes about 5 minutes here;
+absolute times from different runs or hosts. 'kvpush bench all' takes about 15 minutes here;
 BENCHMARKS.md explains each scenario and holds a full run."""
 
 
