@@ -22,7 +22,6 @@ from typing import Generic, TypeVar
 from kvpush import PROTOCOL_VERSION, __version__
 from kvpush.config import EndpointConfig, Wire
 from kvpush.endpoint.ping import Pinger
-from kvpush.memory.allocator import BlockAllocator
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager
 from kvpush.runtime.context import EndpointContext, Role
@@ -168,7 +167,9 @@ class Rank(Generic[R]):
         tm.info(**info)
         tm.peers_fn(self.handshakes.rows)
         for gauge, key in _POOL_GAUGES.items():
-            tm.gauge_fn(gauge, functools.partial(_count, self.pool.allocator, key))
+            tm.gauge_fn(gauge, functools.partial(_count, self.pool, key))
+        for gauge in (Gauge.POOL_FREE_RUNS, Gauge.POOL_LARGEST_FREE_RUN, Gauge.ALLOC_MEAN_RUN_LEN):
+            tm.gauge_fn(gauge, functools.partial(_fragmentation, self.pool, gauge))
         self.role.owner.export_gauges(tm)
 
     def release_peers(self) -> None:
@@ -181,5 +182,9 @@ class Rank(Generic[R]):
         self.agent.close()
 
 
-def _count(allocator: BlockAllocator, key: str) -> float:
-    return allocator.counts()[key]
+def _count(pool: KvPool, key: str) -> float:
+    return pool.allocator.counts()[key]
+
+
+def _fragmentation(pool: KvPool, gauge: Gauge) -> float:
+    return pool.allocator.fragmentation().gauges()[gauge]

@@ -38,6 +38,7 @@ import numpy as np
 from sortedcontainers import SortedList
 
 from kvpush.errors import NoFreeBlocksError
+from kvpush.telemetry.names import Gauge
 
 _INT32_MAX = 2**31 - 1
 _HIST_BUCKETS = 32  # power-of-two buckets: run lengths 1 .. 2^32-1 (num_blocks < 2^31)
@@ -83,11 +84,11 @@ class Fragmentation:
         return self.alloc_blocks / self.alloc_runs if self.alloc_runs else 0.0
 
     def gauges(self) -> dict[str, float]:
-        """The proposed telemetry gauges (names as in the snapshot's ``gauges`` map)."""
+        """Its telemetry gauges (``Gauge.POOL_FREE_RUNS`` ...)."""
         return {
-            "pool_free_runs": float(self.free_runs),
-            "pool_largest_free_run": float(self.largest_free_run),
-            "alloc_mean_run_len": self.alloc_mean_run_len,
+            Gauge.POOL_FREE_RUNS: float(self.free_runs),
+            Gauge.POOL_LARGEST_FREE_RUN: float(self.largest_free_run),
+            Gauge.ALLOC_MEAN_RUN_LEN: self.alloc_mean_run_len,
         }
 
     def histogram(self) -> list[tuple[int, int, int]]:

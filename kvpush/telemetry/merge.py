@@ -10,6 +10,7 @@ One rank: its snapshot, unchanged (``ranks`` empty).
 
 from __future__ import annotations
 
+from kvpush.telemetry.names import Gauge
 from kvpush.telemetry.snapshot import (
     _NB,
     BUCKET_BOUNDS,
@@ -53,6 +54,20 @@ def _sum(dicts: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+# Gauges that are not additive over ranks: the largest of them, or their mean.
+_MAX_GAUGES = frozenset({Gauge.POOL_LARGEST_FREE_RUN})
+_MEAN_GAUGES = frozenset({Gauge.ALLOC_MEAN_RUN_LEN})
+
+
+def _merge_gauges(gs: list[dict[str, float]]) -> dict[str, float]:
+    out = _sum(gs)
+    for name in _MAX_GAUGES & out.keys():
+        out[name] = max(g.get(name, 0.0) for g in gs)
+    for name in _MEAN_GAUGES & out.keys():
+        out[name] = out[name] / len(gs)
+    return out
+
+
 def merge(snaps: list[Snapshot], top: Snapshot | None = None) -> Snapshot:
     """``top``: the endpoint's own request-level counts (a request spans every rank: counted
     once there); its counters and histograms replace the ranks' sums of the same names."""
@@ -83,7 +98,7 @@ def merge(snaps: list[Snapshot], top: Snapshot | None = None) -> Snapshot:
         info={**first.info, "rank": "all"},
         counters=counters,
         failures={k: int(v) for k, v in _sum([dict(s.failures) for s in snaps]).items()},
-        gauges=_sum([s.gauges for s in snaps]),
+        gauges=_merge_gauges([s.gauges for s in snaps]),
         rates=rates,
         histograms=hists,
         peers=peers,

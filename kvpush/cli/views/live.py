@@ -363,6 +363,16 @@ def _pool(snap: Snapshot) -> RenderableType:
     legend.append(f"of {total:,} blocks", style="dim")
     t.add_row(bar)
     t.add_row(legend)
+    if Gauge.POOL_FREE_RUNS in snap.gauges:
+        g = snap.gauges
+        t.add_row(
+            Text(
+                f"free runs {int(g[Gauge.POOL_FREE_RUNS]):,}, largest "
+                f"{int(g.get(Gauge.POOL_LARGEST_FREE_RUN, 0)):,} blocks; allocations "
+                f"{g.get(Gauge.ALLOC_MEAN_RUN_LEN, 0.0):.1f} blocks per run",
+                style="dim",
+            )
+        )
     return t
 
 
