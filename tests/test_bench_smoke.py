@@ -119,6 +119,9 @@ def test_scenario_quick(name: str, tmp_path: Path) -> None:
         assert len(sizes) >= 2 and all(
             s["notif_total_s"] > 0 and s["full_total_s"] > 0 for s in sizes
         )
+        # Each handshake starts from nothing (not the last one's connection, reused): only a
+        # full one prepares the remote descriptor list.
+        assert all(s["notif_prep_s"] < s["full_prep_s"] for s in sizes), sizes
     if name in ("bandwidth", "rate"):
         assert "verified" in json.dumps(r["tables"]) or r["notes"]
     if name == "model":

@@ -310,7 +310,7 @@ def handshake_series(
     """Handshake to ``p_addr`` ``repeats`` times per mode (interleaved), forgetting the peer
     after each so the next one starts from nothing. Returns phase timings per mode."""
     ep = state.endpoint
-    key = parse_address(p_addr)
+    key = (*parse_address(p_addr), 0)  # the handshake manager's key: P's rank 0
     out: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for _ in range(repeats):
         for m in modes:
