@@ -348,6 +348,13 @@ _OPTS: list[Opt] = [
     Opt("json_out", ("--json",), bool,
         "One JSON summary on stdout (--request-id: the kv_transfer_params line first).", False,
         key="drive.json"),
+    Opt("shape", ("--shape",), str | None,
+        "A real model's KV geometry: llama-8b, llama-70b-tp8 (one rank of TP 8) or mla. drive "
+        "checks that the endpoints have it (and sizes --tokens in its blocks); demo starts its "
+        "endpoints with it.", None, show_default=False),
+    Opt("tokens", ("--tokens",), int | None,
+        "Tokens per request (with --shape): --blocks becomes ceil(tokens / the shape's block "
+        "tokens).", None, show_default=False),
     Opt("requests", ("--requests", "-n"), int, "Requests to drive.", 300, key="demo.requests"),
     Opt("decoders", ("--decoders",), int, "Decode endpoints at start.", 2),
     Opt("tp_shape", ("--tp",), str,
@@ -485,12 +492,13 @@ PROBE: list[Entry] = [
     "backends", "progress_thread",
 ]  # fmt: skip
 DRIVE: list[Entry] = [
-    "prefill", "decode", "requests", "concurrency", "rate", "drive.blocks", "drive.timeout",
-    "drive.json", "kv_transfer_params", "request_id", "alloc_delay", "auth_token_file",
+    "prefill", "decode", "requests", "concurrency", "rate", "drive.blocks", "shape", "tokens",
+    "drive.timeout", "drive.json", "kv_transfer_params", "request_id", "alloc_delay",
+    "auth_token_file",
 ]  # fmt: skip
 DEMO: list[Entry] = [
-    "demo.requests", "blocks", "decoders", "demo.tp", "concurrency", "live", "demo.json",
-    "keep_logs",
+    "demo.requests", "blocks", "decoders", "demo.tp", "shape", "concurrency", "live",
+    "demo.json", "keep_logs",
 ]  # fmt: skip
 BENCH: list[Entry] = ["scenario", "quick", "bench.json", "out_dir"]
 COMPLETION: list[Entry] = ["shell"]

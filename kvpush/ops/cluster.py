@@ -72,6 +72,16 @@ class Cluster:
         self._lock = threading.Lock()
         self.cancelled = threading.Event()
 
+    def _layout_flags(self) -> list[str]:
+        """A latent (MLA) shape: one region per layer, the latent replicated on every rank."""
+        if not self.cfg.shape:
+            return []
+        from kvpush.memory.shapes import get_shape
+
+        if get_shape(self.cfg.shape).layout != "latent":
+            return []
+        return ["--kv-layout", "MLA", "--kv-regions", "per-layer"]
+
     def spawn(self, role: str, name: str, tp: int = 1) -> Child:
         ready = self.workdir / f"{name}.ready.json"
         log_path = self.workdir / f"{name}.log"
@@ -98,6 +108,7 @@ class Cluster:
             "bfloat16",
             "--tp",
             str(tp),
+            *self._layout_flags(),
             "--ready-file",
             str(ready),
             "--output",

@@ -47,6 +47,9 @@ class DemoConfig:
     # Tensor parallelism of P and of every D (their ratio follows VLLM_INTEROP.md section 4).
     p_tp: int = 1
     d_tp: int = 1
+    # A named model shape (``kvpush.memory.shapes``) instead of the small model above; the
+    # pools then hold just what the requests in flight need.
+    shape: str = ""
     timeout_s: float = 30.0
     start_timeout_s: float = 90.0
     python: str = sys.executable
@@ -63,11 +66,23 @@ class DemoConfig:
         ):
             if v < 1:
                 raise ConfigError(f"{name} must be positive, got {v}", f"pass {name} 1 or more")
+        if self.shape:
+            from kvpush.memory.shapes import get_shape
+
+            sh = get_shape(self.shape)
+            for name, v in (
+                ("layers", sh.layers),
+                ("block_tokens", sh.block_tokens),
+                ("kv_heads", sh.kv_heads),
+                ("head_dim", sh.head_dim),
+                ("num_blocks", max(self.blocks * self.concurrency * 2, 16)),
+            ):
+                object.__setattr__(self, name, v)
         for flag, tp in (("--tp (P)", self.p_tp), ("--tp (D)", self.d_tp)):
-            if tp < 1 or self.kv_heads % tp:
+            if tp < 1 or (self.kv_heads > 1 and self.kv_heads % tp):
                 raise ConfigError(
                     f"{flag} {tp} does not divide the demo model's {self.kv_heads} KV heads",
-                    "use --tp 1, 2 or 4 (or P,D, e.g. --tp 4,2)",
+                    "use a --tp that divides them (or P,D, e.g. --tp 4,2)",
                 )
         if self.p_tp % self.d_tp and self.d_tp % self.p_tp:
             raise ConfigError(

@@ -65,6 +65,8 @@ def check_peers(cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Non
                 "P and D must agree on dtype, kv layout, block size and layers: start them "
                 "with the same geometry options",
             )
+    if cfg.shape:
+        _check_shape(cfg.shape, ref, meta[ref])
     for p_addr in cfg.prefill:
         for d_addr in cfg.decode:
             p_tp, d_tp = meta[p_addr].get("tp_size", 1), meta[d_addr].get("tp_size", 1)
@@ -75,3 +77,27 @@ def check_peers(cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Non
                     [("tp_size", p_tp, d_tp)],
                     "run P and D at TP sizes that divide one another (e.g. 8 and 4)",
                 )
+
+
+def _check_shape(name: str, address: str, md: dict[str, Any]) -> None:
+    """``--shape``: P serves that model's geometry (its whole page, every rank together)."""
+    from kvpush.memory.shapes import get_shape
+
+    shape = get_shape(name)
+    want = {
+        "layers": shape.layers,
+        "regions": shape.regions,
+        "block_bytes": shape.page_bytes,
+        "dtype": shape.dtype,
+    }
+    have = protocol.compat_fields_loose(md)
+    diffs = [(f, v, have.get(f)) for f, v in want.items() if have.get(f) != v]
+    if diffs:
+        named = ", ".join(f"{f} {theirs} vs {ours}" for f, ours, theirs in diffs)
+        raise IncompatiblePeerError(
+            f"{address} (prefill) is not shape {name}: {named}",
+            diffs,
+            f"start the endpoints with {shape.name}'s geometry ({shape.describe()}), or drop "
+            "--shape",
+        )
+

@@ -39,12 +39,19 @@ class DriveConfig:
     stall_s: float = 3.0
     recheck_s: float = 1.0
     grace_s: float = 3.0  # after Ctrl-C: how long in-flight requests may still finish
+    # A named model shape (``kvpush.memory.shapes``): the preflight checks that P's geometry
+    # is that shape (one rank of it), and ``--tokens`` sizes requests in its blocks.
+    shape: str = ""
 
     def __post_init__(self) -> None:
         if not self.prefill:
             raise ConfigError("no prefill endpoint given", "pass --prefill HOST:PORT")
         if not self.decode:
             raise ConfigError("no decode endpoint given", "pass --decode HOST:PORT")
+        if self.shape:
+            from kvpush.memory.shapes import get_shape
+
+            get_shape(self.shape)  # an unknown name: refused before anything is sent
         for name in ("prefill", "decode"):
             norm = tuple(
                 dict.fromkeys(format_address(*parse_address(a)) for a in getattr(self, name))

@@ -51,6 +51,7 @@ def demo(
     blocks: int,
     decoders: int,
     tp_shape: str,
+    shape: str | None,
     concurrency: int,
     live: bool | None,
     json_out: bool,
@@ -66,6 +67,7 @@ def demo(
         concurrency=concurrency,
         p_tp=p_tp,
         d_tp=d_tp,
+        shape=shape or "",
     )
     show_live = (sys.stderr.isatty() and not json_out) if live is None else live
     d = Demo(cfg)

@@ -141,6 +141,8 @@ def drive(
     blocks: int,
     timeout: float,
     json_out: bool,
+    shape: str | None,
+    tokens: int | None,
     kv_transfer_params: str | None,
     request_id: str | None,
     alloc_delay: float,
@@ -169,6 +171,7 @@ def drive(
         )
     from kvpush.ops.driver import DriveConfig, Driver
 
+    blocks = _shaped_blocks(ctx, shape, tokens, blocks)
     cfg = DriveConfig(
         prefill=tuple(prefill),
         decode=tuple(decode),
@@ -178,6 +181,7 @@ def drive(
         blocks=blocks,
         timeout_s=timeout,
         auth_token=token,
+        shape=shape or "",
     )
     err = Console(stderr=True, highlight=False)
 
@@ -285,3 +289,21 @@ def _prefill_leg(
 
     report = vllm_legs.prefill_leg(address, request_id, blocks, timeout, token, on_params=hand_out)
     _finish_leg(report, json_out)
+
+
+def _shaped_blocks(ctx: typer.Context, shape: str | None, tokens: int | None, blocks: int) -> int:
+    """``--tokens`` in the blocks of ``--shape`` (refused without one, or with --blocks)."""
+    if tokens is None:
+        return blocks
+    if not shape:
+        raise ConfigError("--tokens needs --shape", "name the model, e.g. --shape llama-8b")
+    if _given(ctx, "blocks"):
+        raise ConfigError(
+            "--tokens and --blocks both size the requests", "give one of them, not both"
+        )
+    if tokens < 1:
+        raise ConfigError(f"--tokens must be positive, got {tokens}", "pass --tokens 1 or more")
+    from kvpush.memory.shapes import get_shape
+
+    return get_shape(shape).blocks_for(tokens)
+
