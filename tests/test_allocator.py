@@ -21,6 +21,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvpush.config import PoolConfig
 from kvpush.errors import NoFreeBlocksError
 from kvpush.memory.allocator import (
     ALLOCATORS,
@@ -403,9 +404,11 @@ def test_fragmentation_reading_and_gauges() -> None:
 def test_extent_is_the_pool_allocator() -> None:
     assert ExtentAllocator is BlockAllocator
     assert ALLOCATORS["extent"] is BlockAllocator
-    from kvpush.memory import pool
+    from kvpush.memory.pool import KvPool
 
-    assert pool.BlockAllocator is BlockAllocator
+    assert isinstance(
+        KvPool(PoolConfig(num_blocks=4, layers=1, block_bytes=64)).allocator, BlockAllocator
+    )
 
 
 def test_free_list_order_and_lifo() -> None:

@@ -80,7 +80,9 @@ def _check_model(r: dict[str, object]) -> None:
     cost = figures["alloc_cost"]
     assert {c["allocator"] for c in cost} == {"extent", "freelist"}
     assert all(c["allocate_ns"] > 0 for c in cost)
-    names = [t["name"] for t in r["targets"]]
+    targets = r["targets"]
+    assert isinstance(targets, list)
+    names = [t["name"] for t in targets]
     for claim in ("kvpush / raw NIXL", "kvpush on a fresh pool", "plain free list", "allocation"):
         assert any(claim in n for n in names), claim
 

@@ -46,7 +46,7 @@ def _p_back(address: str, free: float, timeout_s: float) -> float:
 def test_a_refusing_d_beside_a_healthy_one_never_pins_p(tmp_path: Path) -> None:
     with cluster_ctx(tmp_path) as c:
         p = c.start("prefill", "p")
-        tiny = {"num_blocks": 8, "layers": 2, "block_bytes": 16384}
+        tiny: dict[str, object] = {"num_blocks": 8, "layers": 2, "block_bytes": 16384}
         small = c.start("decode", "small", pool=tiny)
         ok = c.start("decode", "ok")
         p_free = gauges(p.address)["pool_free"]

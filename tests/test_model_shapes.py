@@ -3,6 +3,8 @@ descriptor counts."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -68,7 +70,7 @@ def test_shape_validation_and_lookup() -> None:
 class _Log:
     """An allocator wrapper that logs every call, to compare the churn sequences."""
 
-    def __init__(self, inner: BlockAllocator | FreeListAllocator) -> None:
+    def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.num_blocks = inner.num_blocks
         self.calls: list[tuple[str, str, int]] = []

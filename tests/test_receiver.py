@@ -10,6 +10,7 @@ quarantine until a fence, heartbeats and P's death.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -150,6 +151,10 @@ def _make_rig(handshake: HandshakeMode = HandshakeMode.NOTIF, tp_size: int = 1) 
     return Rig(agent, pool, tm, hs, role, codec, control)
 
 
+def _settled(hs: HandshakeManager) -> bool:
+    return hs.counts()["connecting"] == 0
+
+
 @pytest.fixture
 def make_rig() -> Iterator[Callable[..., Rig]]:
     rigs: list[Rig] = []
@@ -165,7 +170,7 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
         r.control.shutdown()
         for s in r.stubs:
             s.stop()
-        wait_until(lambda r=r: r.hs.counts()["connecting"] == 0, 10, "handshakes to settle")
+        wait_until(functools.partial(_settled, r.hs), 10, "handshakes to settle")
         r.hs.close()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -361,11 +362,11 @@ def test_core_layer_imports_no_ui_or_native_modules() -> None:
 def test_merged_fragmentation_gauges_are_not_summed() -> None:
     """Free blocks add up over ranks; the largest free run and the mean run length do not."""
     snaps = []
-    for free, largest, mean in ((10, 8, 4.0), (6, 3, 2.0)):
+    for values in ((10.0, 8.0, 4.0), (6.0, 3.0, 2.0)):
         t = Telemetry("decode", "d-x")
-        t.gauge_fn("pool_free", lambda v=free: v)
-        t.gauge_fn("pool_largest_free_run", lambda v=largest: v)
-        t.gauge_fn("alloc_mean_run_len", lambda v=mean: v)
+        names = ("pool_free", "pool_largest_free_run", "alloc_mean_run_len")
+        for name, v in zip(names, values, strict=True):
+            t.gauge_fn(name, functools.partial(float, v))
         snaps.append(t.snapshot())
     g = merge(snaps).gauges
     assert (g["pool_free"], g["pool_largest_free_run"], g["alloc_mean_run_len"]) == (16, 8, 3.0)

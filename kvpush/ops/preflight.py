@@ -100,4 +100,3 @@ def _check_shape(name: str, address: str, md: dict[str, Any]) -> None:
             f"start the endpoints with {shape.name}'s geometry ({shape.describe()}), or drop "
             "--shape",
         )
-

@@ -306,4 +306,3 @@ def _shaped_blocks(ctx: typer.Context, shape: str | None, tokens: int | None, bl
     from kvpush.memory.shapes import get_shape
 
     return get_shape(shape).blocks_for(tokens)
-
