@@ -477,7 +477,7 @@ class Receiver:
     # ------------------------------------------------------------------ heartbeats and peers
     def _heartbeat(self) -> None:
         for conn, tids in self.table.heartbeat_groups():
-            for i in range(0, len(tids), HEARTBEAT_BATCH):
+            for i in range(0, max(len(tids), 1), HEARTBEAT_BATCH):
                 try:
                     self._agent.send_notif(
                         conn.agent_name,

@@ -148,12 +148,23 @@ class RequestTable:
         return busy
 
     def heartbeat_groups(self) -> Iterator[tuple[PeerConn, list[str]]]:
-        """Per P agent, the transfer ids of the requests registered with it."""
+        """Per P agent, the transfer ids of the requests registered with it.
+
+        A P rank that only holds abandoned requests' blocks (waiting on its fence) is in it
+        too, with no ids: the heartbeat is then only a liveness check, so that a P that died
+        with nothing else registered still frees those blocks when the send fails."""
         by_p: dict[str, tuple[PeerConn, list[str]]] = {}
         for r in self._waiting.values():
             if r.state in (DState.REGISTERED, DState.WAITING_BLOCKS):
                 for conn in r.p_conns.values():
                     by_p.setdefault(conn.agent_name, (conn, []))[1].append(r.transfer_id)
+        for r in self._abandoned.values():
+            if r.quarantine_until != math.inf:
+                continue  # vLLM's wire: its lease bounds it, and vLLM gets no empty "HB:"
+            for rank in r.outstanding:
+                conn = r.p_conns.get(rank)
+                if conn is not None:
+                    by_p.setdefault(conn.agent_name, (conn, []))
         return iter(by_p.values())
 
     # ------------------------------------------------------------------ transitions
