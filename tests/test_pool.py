@@ -8,6 +8,8 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvpush.memory.pool as pool_mod
 from kvpush.config import PoolConfig
@@ -219,6 +221,29 @@ def test_xfer_indices_match_reference() -> None:
     assert descs[xfer_indices(ids, 10, 2), 0].tolist() == [
         base + b * 8 for base in (1000, 5000) for b in ids.tolist()
     ]
+
+
+@given(
+    ids=st.lists(st.integers(0, 199), max_size=90),
+    regions=st.integers(1, 4),
+    as_array=st.booleans(),
+)
+def test_xfer_indices_small_and_large_paths_agree(
+    ids: list[int], regions: int, as_array: bool
+) -> None:
+    """Short lists take a plain-Python path, long ones numpy's: the same indices either way."""
+    arg = np.array(ids, dtype=np.int64) if as_array else ids
+    got = xfer_indices(arg, 200, regions)
+    assert got.dtype == np.int32
+    assert got.tolist() == [r * 200 + b for r in range(regions) for b in ids]
+
+
+@pytest.mark.parametrize("as_array", [True, False])
+@pytest.mark.parametrize("n", [1, 40])  # the plain-Python path and numpy's
+def test_xfer_indices_rejects_out_of_range_both_paths(n: int, as_array: bool) -> None:
+    ids = [0] * (n - 1) + [10]
+    with pytest.raises(ValueError, match="out of range"):
+        xfer_indices(np.array(ids) if as_array else ids, 10, 2)
 
 
 def test_xfer_indices_rejects_out_of_range() -> None:

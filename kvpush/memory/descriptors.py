@@ -11,6 +11,10 @@ import numpy as np
 
 _INT32_MAX = 2**31 - 1
 
+#: Index lists up to this long are built with plain Python: numpy's fixed cost per call (~1-2 us
+#: for ``min``/``max``/``arange`` each) is most of a small push's planning otherwise (issue 10).
+SMALL_XFER = 64
+
 
 def block_descs(
     region_base_addrs: np.ndarray | Sequence[int],
@@ -46,22 +50,38 @@ def block_descs(
     return out
 
 
-def xfer_indices(block_ids: np.ndarray, num_blocks: int, regions: int) -> np.ndarray:
+def xfer_indices(
+    block_ids: np.ndarray | Sequence[int], num_blocks: int, regions: int
+) -> np.ndarray:
     """int32 indices into the region-major descriptor list of ``block_ids`` in every region.
 
     Order: for each region ``r``, for each id ``b`` in ``block_ids``: ``r*num_blocks + b``; so
     local and remote index lists built from position-matched block ids pair up row by row.
+    Short lists (``SMALL_XFER`` indices or fewer) take a plain-Python path with the same result.
     """
-    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
     if regions * num_blocks - 1 > _INT32_MAX:
         raise ValueError(
             f"{regions} regions x {num_blocks} blocks exceed the int32 descriptor index range"
         )
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-        raise ValueError(
-            f"block ids out of range 0..{num_blocks - 1}: min {ids.min()}, max {ids.max()}"
+    if isinstance(block_ids, np.ndarray):
+        n, seq = block_ids.size, None
+    else:
+        n, seq = len(block_ids), block_ids
+    if n * regions <= SMALL_XFER:
+        ids: list[int] = list(seq) if seq is not None else np.ravel(block_ids).tolist()
+        if ids and (min(ids) < 0 or max(ids) >= num_blocks):
+            raise ValueError(
+                f"block ids out of range 0..{num_blocks - 1}: min {min(ids)}, max {max(ids)}"
+            )
+        return np.array(
+            [r * num_blocks + b for r in range(regions) for b in ids], dtype=np.int32
         )
-    idx = np.arange(regions, dtype=np.int64)[:, None] * num_blocks + ids[None, :]
+    arr = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= num_blocks):
+        raise ValueError(
+            f"block ids out of range 0..{num_blocks - 1}: min {arr.min()}, max {arr.max()}"
+        )
+    idx = np.arange(regions, dtype=np.int64)[:, None] * num_blocks + arr[None, :]
     return idx.reshape(-1).astype(np.int32)
 
 

@@ -52,15 +52,13 @@ def plan_write(
     lists it indexes into carry the slice's offsets."""
     if len(reg.local_block_ids) != 1:
         raise PlanError(Failure.BAD_REGISTRATION, "only one block group is supported")
-    remote_ids = np.asarray(reg.local_block_ids[0], dtype=np.int64)
+    remote_ids = reg.local_block_ids[0]  # a list, as decoded
     if len(remote_ids) != len(local_ids):
         raise PlanError(
             Failure.BLOCK_COUNT_MISMATCH,
             f"P finished {len(local_ids)} blocks, D registered {len(remote_ids)}",
         )
-    if len(remote_ids) and (
-        int(remote_ids.max()) >= remote.num_blocks or int(remote_ids.min()) < 0
-    ):
+    if len(remote_ids) and (min(remote_ids) < 0 or max(remote_ids) >= remote.num_blocks):
         raise PlanError(Failure.BAD_REGISTRATION, "D block id outside D's pool")
     return WritePlan(
         local_idx=xfer_indices(local_ids, local.num_blocks, local.regions),
@@ -73,8 +71,6 @@ def fence_plan(
     src_block: int, remote_block: int, remote: protocol.EndpointMetadata, local: LocalGeometry
 ) -> WritePlan:
     """A fence: one block of region 0, P's ``src_block`` onto D's ``remote_block``."""
-    lidx = xfer_indices(np.asarray([src_block], dtype=np.int64), local.num_blocks, local.regions)
-    ridx = xfer_indices(
-        np.asarray([remote_block], dtype=np.int64), remote.num_blocks, remote.regions
-    )
+    lidx = xfer_indices([src_block], local.num_blocks, local.regions)
+    ridx = xfer_indices([remote_block], remote.num_blocks, remote.regions)
     return WritePlan(local_idx=lidx[:1], remote_idx=ridx[:1], nbytes=local.block_bytes)

@@ -16,12 +16,14 @@ its blocks finish; D's heartbeats renew it while D waits; an expired lease gives
 A registration that never meets its blocks is dropped after ``reg_ttl_s`` (D's own deadline fails
 the request on D's side). Matching is O(1) per arrival; expiry scans the waiting states only.
 
-In-flight WRITEs and fences are also indexed by their NIXL handle here (``inflight``), so the
-writer polls one map and a cancel or a sender lookup is one dict access.
+In-flight WRITEs and fences are also indexed here, by NIXL handle and per peer in posting order
+(``queues``): WRITEs on one connection complete in order, so the writer polls each peer's oldest
+first and stops at the first one still in progress; a periodic sweep (``inflight``) polls all.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -218,6 +220,8 @@ class PushTable:
         self.reg_ttl_s = reg_ttl_s
         self._states: dict[str, State] = {}
         self._inflight: dict[int, InFlight] = {}
+        # Per peer, its in-flight entries in posting order (the oldest first).
+        self._queues: dict[PeerKey, OrderedDict[int, InFlight]] = {}
         self._counts: dict[type, int] = dict.fromkeys(
             (Waiting, Registered, AwaitingHandshake, Writing, CancelledEarly), 0
         )
@@ -245,14 +249,23 @@ class PushTable:
         """A copy: the caller may complete or abandon entries while iterating."""
         return list(self._inflight.values())
 
+    def tracks(self, entry: InFlight) -> bool:
+        """Whether ``entry`` is still in flight here."""
+        return self._inflight.get(id(entry.xfer)) is entry
+
     def has_inflight(self) -> bool:
         return bool(self._inflight)
 
+    def queues(self) -> list[OrderedDict[int, InFlight]]:
+        """Each peer's in-flight entries, oldest first (live: ``done`` removes from them)."""
+        return list(self._queues.values())
+
     def peers_in_flight(self) -> set[PeerKey]:
-        return {w.conn.key for w in self._inflight.values()}
+        return set(self._queues)
 
     def legs_to(self, peer: PeerKey) -> list[InFlight]:
-        return [e for e in self._inflight.values() if e.conn.key == peer]
+        q = self._queues.get(peer)
+        return list(q.values()) if q else []
 
     def waiting_keys(self) -> list[str]:
         """Keys of finished transfers still waiting for their PUSH_REG."""
@@ -329,7 +342,15 @@ class PushTable:
 
     def leg_posted(self, leg: Leg) -> None:
         leg.writing.legs[leg.d_rank] = leg
-        self._inflight[id(leg.xfer)] = leg
+        self._track(leg)
+
+    def _track(self, entry: InFlight) -> None:
+        k = id(entry.xfer)
+        self._inflight[k] = entry
+        q = self._queues.get(entry.conn.key)
+        if q is None:
+            q = self._queues[entry.conn.key] = OrderedDict()
+        q[k] = entry
 
     def forget(self, w: Writing) -> None:
         """A push none of whose WRITEs could be posted."""
@@ -337,12 +358,19 @@ class PushTable:
             self.pop(w.push.key)
 
     def fence_posted(self, fw: FenceWrite) -> None:
-        self._inflight[id(fw.xfer)] = fw
+        self._track(fw)
 
     def done(self, entry: InFlight) -> Writing | None:
         """A WRITE leg or a fence completed or was abandoned: forget it. Returns the push's
         Writing once its last leg is gone (the caller then settles the push), else None."""
-        self._inflight.pop(id(entry.xfer), None)
+        k = id(entry.xfer)
+        if self._inflight.get(k) is entry:
+            del self._inflight[k]
+            peer = entry.conn.key
+            q = self._queues[peer]
+            del q[k]
+            if not q:
+                del self._queues[peer]
         if isinstance(entry, FenceWrite):
             return None
         w = entry.writing

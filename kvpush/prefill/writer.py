@@ -3,8 +3,9 @@
 Wake model. The owner thread sleeps on one event shared by the writer's inboxes: *finished* (P's
 blocks are ready), *deferred* (pushes whose P->D handshake completed) and *tasks* (small jobs
 other threads hand over, e.g. a cancel acknowledgement once its handshake is up). Each pass
-drains them, polls NIXL notifications (PUSH_REG, heartbeat, cancel, ping), polls in-flight WRITEs
-and, every few milliseconds, expires leases and deadlines and sends fences. It spins while WRITEs
+drains them, polls NIXL notifications (PUSH_REG, heartbeat, cancel, ping), polls each peer's
+in-flight WRITEs oldest first up to the first still in progress and, every few milliseconds,
+polls every in-flight WRITE, expires leases and deadlines and sends fences. It spins while WRITEs
 are in flight and backs off when idle: with NIXL's progress thread off, this polling *is* progress.
 
 Never blocking on the network. When the P->D handshake is not ready, the handshake-wait strategy
@@ -153,6 +154,8 @@ class PushWriter:
         }
 
     def housekeeping(self, now: float) -> None:
+        if self.table.has_inflight():
+            self._sweep(now)
         fins, regs = self.table.expire(now)
         for f in fins:
             self._tm.fail(Failure.LEASE_EXPIRED)
@@ -371,15 +374,18 @@ class PushWriter:
                 self._out.fail(push, e.reason, e.detail)
                 return
             plans.append((r, conn, plan, self._local_slice(sl)))
-        # INFLIGHT before the first post: from the moment bytes may move, nothing frees these
-        # blocks except the completions, a fence or the peers' death.
-        self._pool.allocator.mark_inflight(push.key)
+        # From the first post on, nothing frees these blocks except the completions, a fence
+        # or the peers' death (``Writing`` in the table says so); the pool shows them INFLIGHT
+        # while a WRITE is still in progress after its post -- a WRITE done at post (small CMA
+        # WRITEs often are) goes straight back to free, without the state flip.
         w = Writing(push, unposted=len(plans))
         self.table.writing(w)
         for r, conn, plan, local in plans:
             w.unposted -= 1
             self._post_leg(w, r, conn, plan, local)
-        if not w.legs and not w.settled:  # every leg failed at post, or the last one did
+        if w.legs and not w.settled:
+            self._pool.allocator.mark_inflight(push.key)
+        elif not w.legs and not w.settled:  # every leg failed at post, or the last one did
             self.table.forget(w)
             self._settle(w)
 
@@ -447,34 +453,55 @@ class PushWriter:
             self._abandon(leg, Failure.WRITE_ERROR, "transfer() returned ERR")
 
     def _poll_inflight(self) -> int:
+        """Each peer's WRITEs oldest first, up to the first one still in progress: WRITEs on one
+        connection complete in order, so a pass costs one ``check_xfer_state`` per busy peer,
+        not one per WRITE (the raw loop's way). ``_sweep`` (housekeeping) polls them all, so an
+        out-of-order completion waits at most one housekeeping period, and every deadline is
+        enforced there; the oldest one's deadline here too."""
         if not self.table.has_inflight():
             return 0
         n = 0
         now = time.monotonic()
-        for entry in self.table.inflight():
-            try:
-                st = self._agent.state(entry.xfer)
-            except TransferError as e:
-                dead = e.kind == "peer_dead"
-                self._abandon(entry, Failure.PEER_DEAD if dead else Failure.WRITE_ERROR, str(e))
-                if dead:
-                    self._evict(entry.conn.key, "transfer failed: peer disconnected")
-                n += 1
-                continue
-            if st == "DONE":
-                self._complete(entry)
-                n += 1
-            elif st == "ERR":
-                self._abandon(entry, Failure.WRITE_ERROR, "transfer state ERR")
-                n += 1
-            elif now > entry.deadline:
-                self._abandon(
-                    entry,
-                    Failure.WRITE_TIMEOUT,
-                    f"WRITE of {entry.nbytes} bytes not done after {now - entry.t_post:.1f}s",
-                )
+        for q in self.table.queues():
+            while q:
+                entry = next(iter(q.values()))
+                if not self._check(entry, now) or (q and next(iter(q.values())) is entry):
+                    break
                 n += 1
         return n
+
+    def _sweep(self, now: float) -> int:
+        """Poll every in-flight WRITE and fence, and enforce every deadline."""
+        n = 0
+        for entry in self.table.inflight():
+            # (an earlier entry's eviction may have ended this one meanwhile)
+            if self.table.tracks(entry) and self._check(entry, now):
+                n += 1
+        return n
+
+    def _check(self, entry: InFlight, now: float) -> bool:
+        """Poll one WRITE (or fence); True when it ended: completed, failed or timed out."""
+        try:
+            st = self._agent.state(entry.xfer)
+        except TransferError as e:
+            dead = e.kind == "peer_dead"
+            self._abandon(entry, Failure.PEER_DEAD if dead else Failure.WRITE_ERROR, str(e))
+            if dead:
+                self._evict(entry.conn.key, "transfer failed: peer disconnected")
+            return True
+        if st == "DONE":
+            self._complete(entry)
+        elif st == "ERR":
+            self._abandon(entry, Failure.WRITE_ERROR, "transfer state ERR")
+        elif now > entry.deadline:
+            self._abandon(
+                entry,
+                Failure.WRITE_TIMEOUT,
+                f"WRITE of {entry.nbytes} bytes not done after {now - entry.t_post:.1f}s",
+            )
+        else:
+            return False
+        return True
 
     def _complete(self, entry: InFlight) -> None:
         self._agent.release(entry.xfer)
