@@ -15,7 +15,7 @@ import kvpush.memory.pool as pool_mod
 from kvpush.config import PoolConfig
 from kvpush.errors import ConfigError, DeviceError, NoFreeBlocksError
 from kvpush.memory.allocator import BlockAllocator, BlockState
-from kvpush.memory.descriptors import block_descs, contiguous_runs, xfer_indices
+from kvpush.memory.descriptors import block_descs, contiguous_runs, xfer_index_list, xfer_indices
 from kvpush.memory.pattern import write_expected
 from kvpush.memory.pool import POISON_BYTE, KvPool
 
@@ -233,9 +233,13 @@ def test_xfer_indices_small_and_large_paths_agree(
 ) -> None:
     """Short lists take a plain-Python path, long ones numpy's: the same indices either way."""
     arg = np.array(ids, dtype=np.int64) if as_array else ids
+    want = [r * 200 + b for r in range(regions) for b in ids]
     got = xfer_indices(arg, 200, regions)
     assert got.dtype == np.int32
-    assert got.tolist() == [r * 200 + b for r in range(regions) for b in ids]
+    assert got.tolist() == want
+    short = xfer_index_list(arg, 200, regions)  # what a WRITE's plan hands NIXL
+    assert isinstance(short, list) == (len(want) <= 64)
+    assert list(short) == want
 
 
 @pytest.mark.parametrize("as_array", [True, False])
@@ -244,6 +248,8 @@ def test_xfer_indices_rejects_out_of_range_both_paths(n: int, as_array: bool) ->
     ids = [0] * (n - 1) + [10]
     with pytest.raises(ValueError, match="out of range"):
         xfer_indices(np.array(ids) if as_array else ids, 10, 2)
+    with pytest.raises(ValueError, match="out of range"):
+        xfer_index_list(np.array(ids) if as_array else ids, 10, 2)
 
 
 def test_xfer_indices_rejects_out_of_range() -> None:

@@ -1,11 +1,13 @@
 """Block -> NIXL descriptor arithmetic: pure and vectorized (numpy; no loop per block).
 
-Handshakes build a million rows; every WRITE maps its block ids to descriptor indices here.
+Handshakes build a million rows; every WRITE maps its block ids to descriptor indices here
+(a short push's as a plain list: numpy's fixed cost per call would be most of its plan).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import numpy as np
 
@@ -50,6 +52,10 @@ def block_descs(
     return out
 
 
+#: What NIXL's ``make_prepped_xfer`` takes as descriptor indices: an int32 array or a list.
+Indices: TypeAlias = np.ndarray | list[int]
+
+
 def xfer_indices(
     block_ids: np.ndarray | Sequence[int], num_blocks: int, regions: int
 ) -> np.ndarray:
@@ -57,25 +63,29 @@ def xfer_indices(
 
     Order: for each region ``r``, for each id ``b`` in ``block_ids``: ``r*num_blocks + b``; so
     local and remote index lists built from position-matched block ids pair up row by row.
-    Short lists (``SMALL_XFER`` indices or fewer) take a plain-Python path with the same result.
     """
+    got = xfer_index_list(block_ids, num_blocks, regions)
+    return got if isinstance(got, np.ndarray) else np.array(got, dtype=np.int32)
+
+
+def xfer_index_list(
+    block_ids: np.ndarray | Sequence[int], num_blocks: int, regions: int
+) -> Indices:
+    """``xfer_indices``, except that a short result (``SMALL_XFER`` indices or fewer) is a plain
+    list: NIXL takes either, and for a 1-block push building small numpy arrays costs more than
+    the rest of its plan."""
     if regions * num_blocks - 1 > _INT32_MAX:
         raise ValueError(
             f"{regions} regions x {num_blocks} blocks exceed the int32 descriptor index range"
         )
-    if isinstance(block_ids, np.ndarray):
-        n, seq = block_ids.size, None
-    else:
-        n, seq = len(block_ids), block_ids
+    n = block_ids.size if isinstance(block_ids, np.ndarray) else len(block_ids)
     if n * regions <= SMALL_XFER:
-        ids: list[int] = list(seq) if seq is not None else np.ravel(block_ids).tolist()
-        if ids and (min(ids) < 0 or max(ids) >= num_blocks):
+        ids = block_ids.ravel().tolist() if isinstance(block_ids, np.ndarray) else block_ids
+        if n and (min(ids) < 0 or max(ids) >= num_blocks):
             raise ValueError(
                 f"block ids out of range 0..{num_blocks - 1}: min {min(ids)}, max {max(ids)}"
             )
-        return np.array(
-            [r * num_blocks + b for r in range(regions) for b in ids], dtype=np.int32
-        )
+        return [r * num_blocks + int(b) for r in range(regions) for b in ids]
     arr = np.asarray(block_ids, dtype=np.int64).reshape(-1)
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= num_blocks):
         raise ValueError(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpush.memory.descriptors import xfer_indices
+from kvpush.memory.descriptors import Indices, xfer_index_list
 from kvpush.peers.tp import Slice
 from kvpush.telemetry.names import Failure
 from kvpush.wire import protocol
@@ -20,8 +20,8 @@ from kvpush.wire import protocol
 
 @dataclass(frozen=True)
 class WritePlan:
-    local_idx: np.ndarray  # int32 indices into P's local descriptor list
-    remote_idx: np.ndarray  # int32 indices into D's remote descriptor list
+    local_idx: Indices  # indices into P's local descriptor list
+    remote_idx: Indices  # indices into D's remote descriptor list
     nbytes: int
 
 
@@ -61,8 +61,8 @@ def plan_write(
     if len(remote_ids) and (min(remote_ids) < 0 or max(remote_ids) >= remote.num_blocks):
         raise PlanError(Failure.BAD_REGISTRATION, "D block id outside D's pool")
     return WritePlan(
-        local_idx=xfer_indices(local_ids, local.num_blocks, local.regions),
-        remote_idx=xfer_indices(remote_ids, remote.num_blocks, remote.regions),
+        local_idx=xfer_index_list(local_ids, local.num_blocks, local.regions),
+        remote_idx=xfer_index_list(remote_ids, remote.num_blocks, remote.regions),
         nbytes=len(local_ids) * local.regions * (local.block_bytes if sl is None else sl.length),
     )
 
@@ -71,6 +71,6 @@ def fence_plan(
     src_block: int, remote_block: int, remote: protocol.EndpointMetadata, local: LocalGeometry
 ) -> WritePlan:
     """A fence: one block of region 0, P's ``src_block`` onto D's ``remote_block``."""
-    lidx = xfer_indices([src_block], local.num_blocks, local.regions)
-    ridx = xfer_indices([remote_block], remote.num_blocks, remote.regions)
+    lidx = xfer_index_list([src_block], local.num_blocks, local.regions)
+    ridx = xfer_index_list([remote_block], remote.num_blocks, remote.regions)
     return WritePlan(local_idx=lidx[:1], remote_idx=ridx[:1], nbytes=local.block_bytes)

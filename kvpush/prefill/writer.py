@@ -127,6 +127,7 @@ class PushWriter:
         self._rl = RateLimitedLog(log)
         self._local_dlist: DList | None = None
         self._chunk_dlists: dict[tuple[int, int], DList] = {}  # (offset, length) of each page
+        self._slices: dict[tuple[int, int, int], Slice] = {}  # D's (rank, TP, page) -> slice
         self._n_finished = 0
         owner.attach(self)
 
@@ -204,11 +205,12 @@ class PushWriter:
         reg = r.reg
         d_tp, d_rank = max(1, reg.decode_tp_size), reg.decode_tp_rank
         p_tp, p_rank = self.cfg.tp_size, self.cfg.tp_rank
+        mine = targets(p_rank, p_tp, d_tp)
         if self._vllm and not (p_tp % d_tp and d_tp % p_tp):
             # vLLM's PUSH_REG does not name D's rank; with P_tp >= D_tp only one D rank can
             # register with this P rank. (D_tp > P_tp on vLLM's wire would need the sender's
             # rank from its handshake: not supported, refused below.)
-            only = targets(p_rank, p_tp, d_tp)
+            only = mine
             if len(only) == 1:
                 d_rank = only[0]
                 r = dataclasses.replace(r, reg=msgspec.structs.replace(reg, decode_tp_rank=d_rank))
@@ -217,7 +219,7 @@ class PushWriter:
         if (
             (p_tp % d_tp and d_tp % p_tp)
             or d_rank >= d_tp
-            or d_rank not in targets(p_rank, p_tp, d_tp)
+            or d_rank not in mine
         ):
             # D registers with exactly the P ranks that write into it (VLLM_INTEROP.md 4):
             # anything else would write another rank's heads, or write twice.
@@ -234,7 +236,7 @@ class PushWriter:
             )
             return
         try:
-            got = self.table.add_registration(r, expected=len(targets(p_rank, p_tp, d_tp)))
+            got = self.table.add_registration(r, expected=len(mine))
         except DuplicateError as e:
             self._tm.fail(Failure.DUPLICATE_REGISTRATION)
             self._rl.warning("dupreg", "writer: %s", e)
@@ -390,6 +392,16 @@ class PushWriter:
             self._settle(w)
 
     def _slice(self, conn: PeerConn) -> Slice:
+        """What this rank writes of each page of ``conn``'s D rank (cached per D geometry:
+        a push should not redo the TP arithmetic)."""
+        md = conn.metadata
+        key = (md.tp_rank, md.tp_size, md.block_bytes)
+        sl = self._slices.get(key)
+        if sl is None:
+            sl = self._slices[key] = self._compute_slice(conn)
+        return sl
+
+    def _compute_slice(self, conn: PeerConn) -> Slice:
         md = conn.metadata
         try:
             return write_slice(

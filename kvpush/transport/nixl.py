@@ -201,9 +201,9 @@ class NixlAgent:
     def post_write(
         self,
         local: DList,
-        local_idx: np.ndarray,
+        local_idx: np.ndarray | list[int],
         remote: DList,
-        remote_idx: np.ndarray,
+        remote_idx: np.ndarray | list[int],
         notif: bytes,
     ) -> tuple[Xfer, str]:
         """Create and post a WRITE; returns the handle and its first state (DONE/PROC/ERR)."""
