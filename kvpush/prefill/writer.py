@@ -216,11 +216,7 @@ class PushWriter:
                 r = dataclasses.replace(r, reg=msgspec.structs.replace(reg, decode_tp_rank=d_rank))
             else:
                 d_rank = -1
-        if (
-            (p_tp % d_tp and d_tp % p_tp)
-            or d_rank >= d_tp
-            or d_rank not in mine
-        ):
+        if (p_tp % d_tp and d_tp % p_tp) or d_rank >= d_tp or d_rank not in mine:
             # D registers with exactly the P ranks that write into it (VLLM_INTEROP.md 4):
             # anything else would write another rank's heads, or write twice.
             self._tm.fail(Failure.UNEXPECTED_RANK)
