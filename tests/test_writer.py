@@ -216,7 +216,7 @@ def test_handshake_completion_queues_wakes_and_writes_on_next_pass(rig: Rig) -> 
     wr = rig.agent.writes[0]
     conn = rig.hs.get(d.key)
     assert conn is not None and wr.remote is conn.remote_dlist
-    assert wr.local is w._local_dlist
+    assert wr.local is w._legs.local_dlist
     np.testing.assert_array_equal(wr.local_idx, xfer_indices(f.block_ids, 32, P_POOL.regions))
     np.testing.assert_array_equal(
         wr.remote_idx, xfer_indices(np.array([5, 6, 7]), 48, P_POOL.regions)
@@ -264,7 +264,7 @@ def test_handshake_failure_drops_push_counted_blocks_released(rig: Rig) -> None:
 def test_writer_thread_drains_deferred_inbox(rig: Rig) -> None:
     d = rig.stub(hold=True)
     w = rig.writer
-    w._local_dlist = None
+    w._legs.local_dlist = None
     rig.owner.start()  # the real thread from here on
     w.finished.put(rig.finished("t1", 2))
     rig.register(rig.registration(d, rig.reg(d, "t1", [3, 4])))

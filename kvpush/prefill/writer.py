@@ -10,7 +10,9 @@ are in flight and backs off when idle: with NIXL's progress thread off, this pol
 
 Never blocking on the network. When the P->D handshake is not ready, the handshake-wait strategy
 (``kvpush.prefill.strategy``) parks the push and returns; ``--writer blocking`` waits instead,
-for comparison only. A transfer's whole state is one typed entry of the ``PushTable``.
+for comparison only. A transfer's whole state is one typed entry of the ``PushTable``. This
+module decides *what* to write and when (matching, TP ranks, handshakes, declines, shutdown);
+posting the WRITEs, polling them and ending each exactly once is ``kvpush.prefill.legs``.
 
 Every failure goes through ``Outcomes.fail`` (``kvpush.prefill.outcomes``: count, rate-limited
 log, Failure notification to D, blocks released or quarantined). P's blocks return to the pool
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -33,22 +34,19 @@ import msgspec
 from kvpush.config import EndpointConfig, HandshakeMode, Wire, WriterMode
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
-from kvpush.peers.tp import Slice, targets, write_slice
+from kvpush.peers.tp import targets
 from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
 from kvpush.prefill.fences import Fences
+from kvpush.prefill.legs import Legs
 from kvpush.prefill.outcomes import MAX_EARLY_CANCELS, Outcomes
-from kvpush.prefill.plan import LocalGeometry, PlanError, WritePlan, plan_write
+from kvpush.prefill.plan import LocalGeometry
 from kvpush.prefill.strategy import BlockingWait, Deferred, DeferredWait, HandshakeWait
 from kvpush.prefill.table import (
     AwaitingHandshake,
     CancelledEarly,
     DuplicateError,
-    FenceEntry,
-    FenceWrite,
     Finished,
-    InFlight,
-    Leg,
     Push,
     PushOutcome,
     PushTable,
@@ -63,9 +61,9 @@ from kvpush.prefill.table import (
 from kvpush.ratelog import RateLimitedLog
 from kvpush.runtime.decline import Decliner
 from kvpush.runtime.owner import OwnerThread, RankCrash, drain_notifications
-from kvpush.telemetry.names import Counter, Failure, Gauge, Hist
+from kvpush.telemetry.names import Counter, Failure, Gauge
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import DList, NixlAgent, TransferError
+from kvpush.transport.nixl import NixlAgent
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -125,21 +123,32 @@ class PushWriter:
             agent, pool, self.table, handshakes, codec, telemetry, self._geom, t.fence_s
         )
         self._rl = RateLimitedLog(log)
-        self._local_dlist: DList | None = None
-        self._chunk_dlists: dict[tuple[int, int], DList] = {}  # (offset, length) of each page
-        self._slices: dict[tuple[int, int, int], Slice] = {}  # D's (rank, TP, page) -> slice
+        self._legs = Legs(
+            cfg,
+            agent,
+            pool,
+            self.table,
+            codec,
+            telemetry,
+            self._out,
+            self._fences,
+            self._on_outcome,
+            self._evict,
+            self._on_finished,
+            self._geom,
+            self._rl,
+            self._vllm,
+        )
         self._n_finished = 0
         owner.attach(self)
 
     # ------------------------------------------------------------------ OwnerLoop
     def on_start(self) -> None:
-        self._local_dlist = self._agent.prep_local(
-            self._pool.all_block_descs(), self._pool.device_kind
-        )
+        self._legs.open()
 
     def poll(self) -> int:
         n = drain_notifications(self._agent, self._codec, self._tm, self._rl, self._on_notif)
-        return n + self._poll_inflight()
+        return n + self._legs.poll()
 
     def pending(self) -> bool:
         return self.table.has_inflight()
@@ -156,7 +165,7 @@ class PushWriter:
 
     def housekeeping(self, now: float) -> None:
         if self.table.has_inflight():
-            self._sweep(now)
+            self._legs.sweep(now)
         fins, regs = self.table.expire(now)
         for f in fins:
             self._tm.fail(Failure.LEASE_EXPIRED)
@@ -166,9 +175,9 @@ class PushWriter:
         for r in regs:
             self._tm.fail(Failure.REGISTRATION_EXPIRED)
             self._out.refuse_registration(r, Failure.NO_BLOCKS, "P never finished blocks for it")
-        if self._fences and self._local_dlist is not None:
-            for fw in self._fences.send(self._local_dlist):
-                self._complete(fw)
+        if self._fences and self._legs.local_dlist is not None:
+            for fw in self._fences.send(self._legs.local_dlist):
+                self._legs.complete(fw)
         busy = self.table.peers_in_flight()
         for key in self._hs.idle(self.cfg.timeouts.peer_idle_ttl_s):
             if key not in busy:
@@ -340,232 +349,7 @@ class PushWriter:
                 return
             self._start_push(push.retry())  # blocking wait: another target may be pending
             return
-        self._post(push, conns)
-
-    def _post(self, push: Push, conns: dict[int, PeerConn]) -> None:
-        """One WRITE (a leg) per target D rank: this rank's page, or its chunk for that rank."""
-        plans: list[tuple[Registration, PeerConn, WritePlan, DList]] = []
-        for r in push.registrations:
-            reg, conn = r.reg, conns[r.reg.decode_tp_rank]
-            if reg.decode_incarnation and conn.metadata.incarnation != reg.decode_incarnation:
-                # Reconnected to a newer incarnation than the one that registered.
-                self._out.fail(push, Failure.STALE_REGISTRATION, "D restarted after this PUSH_REG")
-                return
-            if r.sender and r.sender != conn.agent_name:
-                # The PUSH_REG did not come from the D it names: a third agent trying to
-                # redirect this WRITE into someone else's blocks. Refuse it (no Failure to the
-                # real D) and let the blocks wait for the real registration.
-                self._tm.fail(Failure.FORGED_NOTIF)
-                self._rl.warning(
-                    "forged",
-                    "PUSH_REG for %s from %s, not from %s: ignored",
-                    push.key,
-                    r.sender,
-                    conn.agent_name,
-                )
-                self._on_finished(push.finished)
-                return
-            try:
-                sl = self._slice(conn)
-                plan = plan_write(push.finished.block_ids, reg, conn.metadata, self._geom, sl)
-            except PlanError as e:
-                self._out.fail(push, e.reason, e.detail)
-                return
-            plans.append((r, conn, plan, self._local_slice(sl)))
-        # From the first post on, nothing frees these blocks except the completions, a fence
-        # or the peers' death (``Writing`` in the table says so); the pool shows them INFLIGHT
-        # while a WRITE is still in progress after its post -- a WRITE done at post (small CMA
-        # WRITEs often are) goes straight back to free, without the state flip.
-        w = Writing(push, unposted=len(plans))
-        self.table.writing(w)
-        for r, conn, plan, local in plans:
-            w.unposted -= 1
-            self._post_leg(w, r, conn, plan, local)
-        if w.legs and not w.settled:
-            self._pool.allocator.mark_inflight(push.key)
-        elif not w.legs and not w.settled:  # every leg failed at post, or the last one did
-            self.table.forget(w)
-            self._settle(w)
-
-    def _slice(self, conn: PeerConn) -> Slice:
-        """What this rank writes of each page of ``conn``'s D rank (cached per D geometry:
-        a push should not redo the TP arithmetic)."""
-        md = conn.metadata
-        key = (md.tp_rank, md.tp_size, md.block_bytes)
-        sl = self._slices.get(key)
-        if sl is None:
-            sl = self._slices[key] = self._compute_slice(conn)
-        return sl
-
-    def _compute_slice(self, conn: PeerConn) -> Slice:
-        md = conn.metadata
-        try:
-            return write_slice(
-                self.cfg.tp_rank,
-                md.tp_rank,
-                self.cfg.tp_size,
-                md.tp_size,
-                self._geom.block_bytes,
-                md.block_bytes,
-                self._pool.cfg.replicated,
-            )
-        except ValueError as e:
-            raise PlanError(Failure.INCOMPATIBLE, f"{conn.address}: {e}") from None
-
-    def _local_slice(self, sl: Slice) -> DList:
-        """The local descriptor list of a chunk of every page (prepared once per chunk)."""
-        assert self._local_dlist is not None
-        if sl.local_offset == 0 and sl.length == self._geom.block_bytes:
-            return self._local_dlist
-        dl = self._chunk_dlists.get((sl.local_offset, sl.length))
-        if dl is None:
-            descs = self._pool.slice_descs(sl.local_offset, sl.length)
-            dl = self._agent.prep_local(descs, self._pool.device_kind)
-            self._chunk_dlists[(sl.local_offset, sl.length)] = dl
-        return dl
-
-    def _post_leg(
-        self, w: Writing, r: Registration, conn: PeerConn, plan: WritePlan, local: DList
-    ) -> None:
-        reg = r.reg
-        notif = self._codec.encode(
-            protocol.Completion(
-                request_id=reg.request_id,
-                transfer_id=reg.transfer_id,
-                p_tp_size=self.cfg.tp_size,
-                p_tp_rank=self.cfg.tp_rank,
-                nbytes=plan.nbytes,
-            )
-        )
-        assert conn.remote_dlist is not None
-        t_post = time.monotonic()
-        try:
-            xfer, state = self._agent.post_write(
-                local, plan.local_idx, conn.remote_dlist, plan.remote_idx, notif
-            )
-        except TransferError as e:
-            w.failed[reg.decode_tp_rank] = (Failure.WRITE_POST_FAILED, False)
-            self._out.tell(r, conn, Failure.WRITE_POST_FAILED, str(e), may_have_written=False)
-            self._tm.fail(Failure.WRITE_POST_FAILED)
-            if e.kind in ("peer_dead", "peer_unknown"):
-                self._evict(conn.key, f"WRITE post failed: {e.kind}")
-            return
-        deadline = (
-            math.inf if self._vllm else t_post + self.cfg.timeouts.write_deadline_s(plan.nbytes)
-        )
-        leg = Leg(w, r, xfer, conn, t_post, deadline, plan.nbytes)
-        self.table.leg_posted(leg)
-        if state == "DONE":
-            self._complete(leg)
-        elif state == "ERR":
-            self._abandon(leg, Failure.WRITE_ERROR, "transfer() returned ERR")
-
-    def _poll_inflight(self) -> int:
-        """Each peer's WRITEs oldest first, up to the first one still in progress: WRITEs on one
-        connection complete in order, so a pass costs one ``check_xfer_state`` per busy peer,
-        not one per WRITE (the raw loop's way). ``_sweep`` (housekeeping) polls them all, so an
-        out-of-order completion waits at most one housekeeping period, and every deadline is
-        enforced there; the oldest one's deadline here too."""
-        if not self.table.has_inflight():
-            return 0
-        n = 0
-        now = time.monotonic()
-        for q in self.table.queues():
-            while q:
-                entry = next(iter(q.values()))
-                if not self._check(entry, now) or (q and next(iter(q.values())) is entry):
-                    break
-                n += 1
-        return n
-
-    def _sweep(self, now: float) -> int:
-        """Poll every in-flight WRITE and fence, and enforce every deadline."""
-        n = 0
-        for entry in self.table.inflight():
-            # (an earlier entry's eviction may have ended this one meanwhile)
-            if self.table.tracks(entry) and self._check(entry, now):
-                n += 1
-        return n
-
-    def _check(self, entry: InFlight, now: float) -> bool:
-        """Poll one WRITE (or fence); True when it ended: completed, failed or timed out."""
-        try:
-            st = self._agent.state(entry.xfer)
-        except TransferError as e:
-            dead = e.kind == "peer_dead"
-            self._abandon(entry, Failure.PEER_DEAD if dead else Failure.WRITE_ERROR, str(e))
-            if dead:
-                self._evict(entry.conn.key, "transfer failed: peer disconnected")
-            return True
-        if st == "DONE":
-            self._complete(entry)
-        elif st == "ERR":
-            self._abandon(entry, Failure.WRITE_ERROR, "transfer state ERR")
-        elif now > entry.deadline:
-            self._abandon(
-                entry,
-                Failure.WRITE_TIMEOUT,
-                f"WRITE of {entry.nbytes} bytes not done after {now - entry.t_post:.1f}s",
-            )
-        else:
-            return False
-        return True
-
-    def _complete(self, entry: InFlight) -> None:
-        self._agent.release(entry.xfer)
-        if isinstance(entry, FenceWrite):
-            self.table.done(entry)
-            self._fences.completed(entry)
-            return
-        entry.writing.nbytes += entry.nbytes
-        self._tm.observe(Hist.WRITE_DURATION, time.monotonic() - entry.t_post)
-        w = self.table.done(entry)
-        if w is not None:
-            self._settle(w)
-
-    def _abandon(self, entry: InFlight, reason: Failure, detail: str) -> None:
-        """A WRITE leg (or fence) that will not complete normally."""
-        released = self._agent.release(entry.xfer)
-        dead = reason == Failure.PEER_DEAD
-        if isinstance(entry, FenceWrite):
-            self.table.done(entry)
-            self._fences.failed(entry, peer_dead=dead)
-            return
-        # Bytes may still be moving unless the peer is gone: quarantine until a fence.
-        may_have_written = not dead
-        if not released:
-            log.warning("writer: NIXL could not cancel the WRITE of %s; fencing", entry.push.key)
-        self._out.fail_leg(entry, reason, detail, may_have_written)
-        if may_have_written:
-            reg = entry.registration.reg
-            self._fences.add(
-                entry.conn.key,
-                FenceEntry(entry.push.key, int(reg.local_block_ids[0][0]), reg.request_id),
-            )
-        w = self.table.done(entry)
-        if w is not None:
-            self._settle(w)
-
-    def _settle(self, w: Writing) -> None:
-        """Every leg of a push ended: the blocks go back (or wait for a fence). Once."""
-        if w.settled:
-            return
-        w.settled = True
-        push = w.push
-        if w.failed:
-            reason, _ = next(iter(w.failed.values()))
-            quarantine = any(may for _, may in w.failed.values())
-            self._out.settle(
-                push, reason, f"{len(w.failed)} of its WRITEs failed", quarantine=quarantine
-            )
-            return
-        now = time.monotonic()
-        self._pool.allocator.release(push.key)
-        self._tm.inc(Counter.PUSHES_OK)
-        self._tm.inc(Counter.BYTES_PUSHED, w.nbytes)
-        self._on_outcome(PushOutcome(push.finished.transfer_id, True, nbytes=w.nbytes))
-        t_match = max(push.finished.t_finished, max(r.t_arrived for r in push.registrations))
-        self._tm.observe(Hist.PUSH_LATENCY, now - t_match)
+        self._legs.start(push, conns)
 
     # ------------------------------------------------------------------ notifications
     def _on_notif(self, sender: str, msg: protocol.Notif) -> None:
@@ -591,18 +375,7 @@ class PushWriter:
     # ------------------------------------------------------------------ peers and shutdown
     def _evict(self, key: PeerKey, reason: str) -> None:
         conn = self._hs.evict(key, reason)
-        for entry in self.table.legs_to(key):
-            self._agent.release(entry.xfer)
-            if isinstance(entry, Leg):
-                # The peer is gone: nothing of this leg can land any more.
-                self._out.fail_leg(entry, Failure.PEER_DEAD, reason, may_have_written=False)
-                w = self.table.done(entry)
-                if w is not None:
-                    self._settle(w)
-            else:
-                self.table.done(entry)
-                for e in entry.entries:
-                    self._pool.allocator.release_quarantined(e.key)
+        self._legs.peer_gone(key, reason)
         self._fences.forget_peer(key)
         if conn is not None:
             self._hs.release_conn(conn)
@@ -640,16 +413,11 @@ class PushWriter:
             time.sleep(0.0005 if not self.table.has_inflight() else 0)
         self.deferred.close()
         for entry in self.table.inflight():
-            self._abandon(entry, reason, f"{detail}: the WRITE did not complete")
+            self._legs.abandon(entry, reason, f"{detail}: the WRITE did not complete")
         for st in self.table.waiting_handshake():
             self._out.fail(st.push, reason, f"{detail}: the handshake was pending")
         self.tasks.close()
-        for dl in self._chunk_dlists.values():
-            self._agent.release_dlist(dl)
-        self._chunk_dlists.clear()
-        if self._local_dlist is not None:
-            self._agent.release_dlist(self._local_dlist)
-            self._local_dlist = None
+        self._legs.close()
 
     def abort(self, error: BaseException) -> None:
         """This rank's loop died: fail every push now (in-flight WRITEs get a short grace to

@@ -1,0 +1,344 @@
+"""P's WRITEs in flight: post a push's legs, poll them, end each one exactly once.
+
+A push becomes one WRITE per target D rank (a *leg*: this rank's page, or its chunk for that
+rank), each carrying its completion notification. ``Legs`` posts them, polls them and ends
+them -- completed, failed at post, failed or timed out while polling, or abandoned when the
+peer dies -- and settles the push once its last leg is over: blocks back to the pool, or
+quarantined until a fence when bytes may still be moving (``kvpush.prefill.fences``). Fences
+are in-flight WRITEs too and end here. State lives in the ``PushTable`` (``Writing``, ``Leg``,
+``FenceWrite``); this object only acts on it.
+
+Thread: the writer's owner thread, only (``PushWriter`` calls it from its passes and
+housekeeping); nothing here blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from kvpush.config import EndpointConfig
+from kvpush.memory.pool import KvPool
+from kvpush.peers.handshakes import PeerConn, PeerKey
+from kvpush.peers.tp import Slice, write_slice
+from kvpush.prefill.fences import Fences
+from kvpush.prefill.outcomes import Outcomes
+from kvpush.prefill.plan import LocalGeometry, PlanError, WritePlan, plan_write
+from kvpush.prefill.table import (
+    FenceEntry,
+    FenceWrite,
+    Finished,
+    InFlight,
+    Leg,
+    Push,
+    PushOutcome,
+    PushTable,
+    Registration,
+    Writing,
+)
+from kvpush.ratelog import RateLimitedLog
+from kvpush.telemetry.names import Counter, Failure, Hist
+from kvpush.telemetry.store import Telemetry
+from kvpush.transport.nixl import DList, NixlAgent, TransferError
+from kvpush.wire import protocol
+from kvpush.wire.notifs import Codec
+
+log = logging.getLogger("kvpush.prefill.writer")
+
+
+class Legs:
+    def __init__(
+        self,
+        cfg: EndpointConfig,
+        agent: NixlAgent,
+        pool: KvPool,
+        table: PushTable,
+        codec: Codec,
+        telemetry: Telemetry,
+        out: Outcomes,
+        fences: Fences,
+        on_outcome: Callable[[PushOutcome], None],
+        evict_peer: Callable[[PeerKey, str], None],
+        rewait: Callable[[Finished], None],
+        geom: LocalGeometry,
+        rl: RateLimitedLog,
+        vllm: bool,
+    ) -> None:
+        self.cfg = cfg
+        self._agent = agent
+        self._pool = pool
+        self._table = table
+        self._codec = codec
+        self._tm = telemetry
+        self._out = out
+        self._fences = fences
+        self._on_outcome = on_outcome
+        self._evict_peer = evict_peer  # the writer's: forget the peer, end its legs (peer_gone)
+        self._vllm = vllm  # vLLM's wire: no WRITE deadline (no fence could end a late one)
+        self._rewait = rewait  # a push whose PUSH_REG was forged: its blocks wait again
+        self._geom = geom
+        self._rl = rl
+        self.local_dlist: DList | None = None  # the whole pool's, from open() on
+        self._chunk_dlists: dict[tuple[int, int], DList] = {}  # (offset, length) of each page
+        self._slices: dict[tuple[int, int, int], Slice] = {}  # D's (rank, TP, page) -> slice
+
+    # ------------------------------------------------------------------ descriptor lists
+    def open(self) -> None:
+        """Prepare the local descriptor list of the whole pool (the owner thread, at start)."""
+        self.local_dlist = self._agent.prep_local(
+            self._pool.all_block_descs(), self._pool.device_kind
+        )
+
+    def close(self) -> None:
+        """Release every local descriptor list (after the last WRITE ended)."""
+        for dl in self._chunk_dlists.values():
+            self._agent.release_dlist(dl)
+        self._chunk_dlists.clear()
+        if self.local_dlist is not None:
+            self._agent.release_dlist(self.local_dlist)
+            self.local_dlist = None
+
+    # ------------------------------------------------------------------ posting
+    def start(self, push: Push, conns: dict[int, PeerConn]) -> None:
+        """One WRITE (a leg) per target D rank: this rank's page, or its chunk for that rank."""
+        plans: list[tuple[Registration, PeerConn, WritePlan, DList]] = []
+        for r in push.registrations:
+            reg, conn = r.reg, conns[r.reg.decode_tp_rank]
+            if reg.decode_incarnation and conn.metadata.incarnation != reg.decode_incarnation:
+                # Reconnected to a newer incarnation than the one that registered.
+                self._out.fail(push, Failure.STALE_REGISTRATION, "D restarted after this PUSH_REG")
+                return
+            if r.sender and r.sender != conn.agent_name:
+                # The PUSH_REG did not come from the D it names: a third agent trying to
+                # redirect this WRITE into someone else's blocks. Refuse it (no Failure to the
+                # real D) and let the blocks wait for the real registration.
+                self._tm.fail(Failure.FORGED_NOTIF)
+                self._rl.warning(
+                    "forged",
+                    "PUSH_REG for %s from %s, not from %s: ignored",
+                    push.key,
+                    r.sender,
+                    conn.agent_name,
+                )
+                self._rewait(push.finished)
+                return
+            try:
+                sl = self._slice(conn)
+                plan = plan_write(push.finished.block_ids, reg, conn.metadata, self._geom, sl)
+            except PlanError as e:
+                self._out.fail(push, e.reason, e.detail)
+                return
+            plans.append((r, conn, plan, self._local_slice(sl)))
+        # From the first post on, nothing frees these blocks except the completions, a fence
+        # or the peers' death (``Writing`` in the table says so); the pool shows them INFLIGHT
+        # while a WRITE is still in progress after its post -- a WRITE done at post (small CMA
+        # WRITEs often are) goes straight back to free, without the state flip.
+        w = Writing(push, unposted=len(plans))
+        self._table.writing(w)
+        for r, conn, plan, local in plans:
+            w.unposted -= 1
+            self.post(w, r, conn, plan, local)
+        if w.legs and not w.settled:
+            self._pool.allocator.mark_inflight(push.key)
+        elif not w.legs and not w.settled:  # every leg failed at post, or the last one did
+            self._table.forget(w)
+            self.settle(w)
+
+    def _slice(self, conn: PeerConn) -> Slice:
+        """What this rank writes of each page of ``conn``'s D rank (cached per D geometry:
+        a push should not redo the TP arithmetic)."""
+        md = conn.metadata
+        key = (md.tp_rank, md.tp_size, md.block_bytes)
+        sl = self._slices.get(key)
+        if sl is None:
+            sl = self._slices[key] = self._compute_slice(conn)
+        return sl
+
+    def _compute_slice(self, conn: PeerConn) -> Slice:
+        md = conn.metadata
+        try:
+            return write_slice(
+                self.cfg.tp_rank,
+                md.tp_rank,
+                self.cfg.tp_size,
+                md.tp_size,
+                self._geom.block_bytes,
+                md.block_bytes,
+                self._pool.cfg.replicated,
+            )
+        except ValueError as e:
+            raise PlanError(Failure.INCOMPATIBLE, f"{conn.address}: {e}") from None
+
+    def _local_slice(self, sl: Slice) -> DList:
+        """The local descriptor list of a chunk of every page (prepared once per chunk)."""
+        assert self.local_dlist is not None
+        if sl.local_offset == 0 and sl.length == self._geom.block_bytes:
+            return self.local_dlist
+        dl = self._chunk_dlists.get((sl.local_offset, sl.length))
+        if dl is None:
+            descs = self._pool.slice_descs(sl.local_offset, sl.length)
+            dl = self._agent.prep_local(descs, self._pool.device_kind)
+            self._chunk_dlists[(sl.local_offset, sl.length)] = dl
+        return dl
+
+    def post(
+        self, w: Writing, r: Registration, conn: PeerConn, plan: WritePlan, local: DList
+    ) -> None:
+        """Post one leg of ``w`` (its completion notification attached); a WRITE done or
+        failed at post ends here and then."""
+        reg = r.reg
+        notif = self._codec.encode(
+            protocol.Completion(
+                request_id=reg.request_id,
+                transfer_id=reg.transfer_id,
+                p_tp_size=self.cfg.tp_size,
+                p_tp_rank=self.cfg.tp_rank,
+                nbytes=plan.nbytes,
+            )
+        )
+        assert conn.remote_dlist is not None
+        t_post = time.monotonic()
+        try:
+            xfer, state = self._agent.post_write(
+                local, plan.local_idx, conn.remote_dlist, plan.remote_idx, notif
+            )
+        except TransferError as e:
+            w.failed[reg.decode_tp_rank] = (Failure.WRITE_POST_FAILED, False)
+            self._out.tell(r, conn, Failure.WRITE_POST_FAILED, str(e), may_have_written=False)
+            self._tm.fail(Failure.WRITE_POST_FAILED)
+            if e.kind in ("peer_dead", "peer_unknown"):
+                self._evict_peer(conn.key, f"WRITE post failed: {e.kind}")
+            return
+        deadline = (
+            math.inf if self._vllm else t_post + self.cfg.timeouts.write_deadline_s(plan.nbytes)
+        )
+        leg = Leg(w, r, xfer, conn, t_post, deadline, plan.nbytes)
+        self._table.leg_posted(leg)
+        if state == "DONE":
+            self.complete(leg)
+        elif state == "ERR":
+            self.abandon(leg, Failure.WRITE_ERROR, "transfer() returned ERR")
+
+    def poll(self) -> int:
+        """Each peer's WRITEs oldest first, up to the first one still in progress: WRITEs on one
+        connection complete in order, so a pass costs one ``check_xfer_state`` per busy peer,
+        not one per WRITE (the raw loop's way). ``sweep`` (housekeeping) polls them all, so an
+        out-of-order completion waits at most one housekeeping period, and every deadline is
+        enforced there; the oldest one's deadline here too."""
+        if not self._table.has_inflight():
+            return 0
+        n = 0
+        now = time.monotonic()
+        for q in self._table.queues():
+            while q:
+                entry = next(iter(q.values()))
+                if not self._check(entry, now) or (q and next(iter(q.values())) is entry):
+                    break
+                n += 1
+        return n
+
+    def sweep(self, now: float) -> int:
+        """Poll every in-flight WRITE and fence, and enforce every deadline."""
+        n = 0
+        for entry in self._table.inflight():
+            # (an earlier entry's eviction may have ended this one meanwhile)
+            if self._table.tracks(entry) and self._check(entry, now):
+                n += 1
+        return n
+
+    def _check(self, entry: InFlight, now: float) -> bool:
+        """Poll one WRITE (or fence); True when it ended: completed, failed or timed out."""
+        try:
+            st = self._agent.state(entry.xfer)
+        except TransferError as e:
+            dead = e.kind == "peer_dead"
+            self.abandon(entry, Failure.PEER_DEAD if dead else Failure.WRITE_ERROR, str(e))
+            if dead:
+                self._evict_peer(entry.conn.key, "transfer failed: peer disconnected")
+            return True
+        if st == "DONE":
+            self.complete(entry)
+        elif st == "ERR":
+            self.abandon(entry, Failure.WRITE_ERROR, "transfer state ERR")
+        elif now > entry.deadline:
+            self.abandon(
+                entry,
+                Failure.WRITE_TIMEOUT,
+                f"WRITE of {entry.nbytes} bytes not done after {now - entry.t_post:.1f}s",
+            )
+        else:
+            return False
+        return True
+
+    def complete(self, entry: InFlight) -> None:
+        self._agent.release(entry.xfer)
+        if isinstance(entry, FenceWrite):
+            self._table.done(entry)
+            self._fences.completed(entry)
+            return
+        entry.writing.nbytes += entry.nbytes
+        self._tm.observe(Hist.WRITE_DURATION, time.monotonic() - entry.t_post)
+        w = self._table.done(entry)
+        if w is not None:
+            self.settle(w)
+
+    def abandon(self, entry: InFlight, reason: Failure, detail: str) -> None:
+        """A WRITE leg (or fence) that will not complete normally."""
+        released = self._agent.release(entry.xfer)
+        dead = reason == Failure.PEER_DEAD
+        if isinstance(entry, FenceWrite):
+            self._table.done(entry)
+            self._fences.failed(entry, peer_dead=dead)
+            return
+        # Bytes may still be moving unless the peer is gone: quarantine until a fence.
+        may_have_written = not dead
+        if not released:
+            log.warning("writer: NIXL could not cancel the WRITE of %s; fencing", entry.push.key)
+        self._out.fail_leg(entry, reason, detail, may_have_written)
+        if may_have_written:
+            reg = entry.registration.reg
+            self._fences.add(
+                entry.conn.key,
+                FenceEntry(entry.push.key, int(reg.local_block_ids[0][0]), reg.request_id),
+            )
+        w = self._table.done(entry)
+        if w is not None:
+            self.settle(w)
+
+    def settle(self, w: Writing) -> None:
+        """Every leg of a push ended: the blocks go back (or wait for a fence). Once."""
+        if w.settled:
+            return
+        w.settled = True
+        push = w.push
+        if w.failed:
+            reason, _ = next(iter(w.failed.values()))
+            quarantine = any(may for _, may in w.failed.values())
+            self._out.settle(
+                push, reason, f"{len(w.failed)} of its WRITEs failed", quarantine=quarantine
+            )
+            return
+        now = time.monotonic()
+        self._pool.allocator.release(push.key)
+        self._tm.inc(Counter.PUSHES_OK)
+        self._tm.inc(Counter.BYTES_PUSHED, w.nbytes)
+        self._on_outcome(PushOutcome(push.finished.transfer_id, True, nbytes=w.nbytes))
+        t_match = max(push.finished.t_finished, max(r.t_arrived for r in push.registrations))
+        self._tm.observe(Hist.PUSH_LATENCY, now - t_match)
+
+    def peer_gone(self, key: PeerKey, reason: str) -> None:
+        """The peer at ``key`` is gone: nothing of its legs can land any more; its fences'
+        quarantined blocks come back."""
+        for entry in self._table.legs_to(key):
+            self._agent.release(entry.xfer)
+            if isinstance(entry, Leg):
+                self._out.fail_leg(entry, Failure.PEER_DEAD, reason, may_have_written=False)
+                w = self._table.done(entry)
+                if w is not None:
+                    self.settle(w)
+            else:
+                self._table.done(entry)
+                for e in entry.entries:
+                    self._pool.allocator.release_quarantined(e.key)
