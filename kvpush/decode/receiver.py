@@ -6,7 +6,8 @@ it sends PUSH_REG, counts completion notifications (expected = max(1, P_tp / D_t
 heartbeats for waiting requests and enforces each request's deadline. A whole request goes to
 the completer (verification off this thread). A request that fails after its PUSH_REG went out
 tells P (``Cancel``) and keeps its blocks quarantined until P's fence or the WRITE's own
-completion says no more bytes can land (vLLM's C1: never hand them to the next request before).
+completion says no more bytes can land (vLLM's C1: never hand them to the next request before);
+how a failed request ends and when its blocks come back is ``kvpush.decode.outcomes``.
 
 Seams: everything it touches is handed in (agent, pool, handshakes, codec, telemetry, the local
 metadata, the completer), so component tests drive it with the one fake agent.
@@ -14,14 +15,13 @@ metadata, the completer), so component tests drive it with the one fake agent.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvpush.config import EndpointConfig, HandshakeMode, format_address
 from kvpush.decode.completer import Completer
+from kvpush.decode.outcomes import Outcomes, failed_rep
 from kvpush.decode.requests import DRequest, DState, RequestTable
 from kvpush.errors import IncompatiblePeerError, NoFreeBlocksError
 from kvpush.memory.pool import KvPool
@@ -75,6 +75,7 @@ class Receiver:
         self.cancels = owner.inbox("decode-cancel", 1 << 16, self._on_cancel, self._item_failed)
         self.declines = owner.inbox("decode-decline", 1 << 16, self._on_decline, self._item_failed)
         self._rl = RateLimitedLog(log)
+        self._out = Outcomes(cfg, agent, pool, codec, telemetry, metadata, self.table, self._rl)
         self._next_hb = 0.0
         self._n_new = 0
         owner.attach(self)
@@ -98,11 +99,11 @@ class Receiver:
 
     def housekeeping(self, now: float) -> None:
         for ab in self.table.quarantine_over(now):
-            self._release_abandoned(ab, "P's lease is over: nothing can land any more")
+            self._out.release_abandoned(ab, "P's lease is over: nothing can land any more")
         for req in self.table.due_for_blocks(now):
             self._allocate_and_register(req)
         for req in self.table.expired(now):
-            self._finish_failed(
+            self._out.fail(
                 req, Failure.DEADLINE, f"no KV after {now - req.t_start:.1f}s", notify_p=True
             )
         if now >= self._next_hb:
@@ -125,7 +126,7 @@ class Receiver:
 
     def _fail_all(self, reason: Failure, detail: str) -> None:
         for req in self.table.all_waiting():
-            self._finish_failed(req, reason, detail, notify_p=True)
+            self._out.fail(req, reason, detail, notify_p=True)
         for item in self._owner.close_inboxes():
             req = item[0] if isinstance(item, tuple) else item
             live = isinstance(req, DRequest) and req.state in (DState.NEW, DState.HANDSHAKING)
@@ -145,7 +146,7 @@ class Receiver:
         log.exception("receiver: handling %r failed", item)
         req = item[0] if isinstance(item, tuple) else item
         if isinstance(req, DRequest) and req.state not in (DState.DONE, DState.ABANDONED):
-            self._finish_failed(req, Failure.INTERNAL_ERROR, repr(e))
+            self._out.fail(req, Failure.INTERNAL_ERROR, repr(e))
 
     def _on_new(self, req: DRequest) -> None:
         self._n_new += 1
@@ -156,7 +157,7 @@ class Receiver:
     def _on_cancel(self, request_id: str) -> None:
         req = self.table.waiting(request_id)
         if req is not None:
-            self._finish_failed(req, Failure.CANCELLED, "cancelled by D", notify_p=True)
+            self._out.fail(req, Failure.CANCELLED, "cancelled by D", notify_p=True)
 
     def _on_decline(self, msg: protocol.DeclineReq) -> None:
         """P will not serve this request (it said so over the side channel): fail it now with
@@ -165,7 +166,7 @@ class Receiver:
         if req is None or req.transfer_id != msg.transfer_id:
             return
         reason = Failure.parse(msg.reason) or Failure.PREFILL_FAILED
-        self._finish_failed(
+        self._out.fail(
             req, reason, f"P declined: {msg.detail}", settled=set(req.registered), notify_p=False
         )
 
@@ -187,7 +188,7 @@ class Receiver:
             try:
                 check_ratio(tp, self.cfg.tp_size, format_address(*req.p_addr))
             except IncompatiblePeerError as e:
-                self._finish_failed(req, Failure.INCOMPATIBLE, str(e))
+                self._out.fail(req, Failure.INCOMPATIBLE, str(e))
                 return
             req.p_tp = tp
             req.sources = tuple(sources(self.cfg.tp_rank, self.cfg.tp_size, tp))
@@ -219,7 +220,7 @@ class Receiver:
                 self._connect_and_register(req)
                 return
             got = req.p_conns[stale[0]].metadata.tp_size
-            self._finish_failed(
+            self._out.fail(
                 req, Failure.INCOMPATIBLE, f"P's TP size changed from {req.p_tp} to {got}"
             )
             return
@@ -240,7 +241,7 @@ class Receiver:
                 return None
             conn = self._hs.get(key)
         if conn is None:
-            self._finish_failed(req, Failure.HANDSHAKE_FAILED, "P not connected after handshake")
+            self._out.fail(req, Failure.HANDSHAKE_FAILED, "P not connected after handshake")
         return conn
 
     def _handshake_done(self, req: DRequest, fut: Future[PeerConn]) -> None:
@@ -252,7 +253,7 @@ class Receiver:
         self._owner.hand_off(
             self.ready,
             item,
-            lambda e: self._finish_failed(req, Failure.CALLBACK_ERROR, repr(e)),
+            lambda e: self._out.fail(req, Failure.CALLBACK_ERROR, repr(e)),
         )
 
     def _on_ready(self, item: tuple[DRequest, BaseException | None]) -> None:
@@ -260,7 +261,7 @@ class Receiver:
         if req.state in (DState.DONE, DState.ABANDONED):
             return
         if error is not None:
-            self._finish_failed(req, handshake_failure(error, "prefill"), str(error))
+            self._out.fail(req, handshake_failure(error, "prefill"), str(error))
             return
         self._connect_and_register(req)
 
@@ -270,7 +271,7 @@ class Receiver:
             req.block_ids = self._pool.allocator.allocate(req.request_id, req.num_blocks)
         except NoFreeBlocksError as e:
             self._tm.fail(Failure.NO_FREE_BLOCKS)
-            self._finish_failed(req, Failure.NO_FREE_BLOCKS, str(e), notify_p=False)
+            self._out.fail(req, Failure.NO_FREE_BLOCKS, str(e), notify_p=False)
             return
         req.alloc_at = 0.0
         self._register(req)
@@ -313,7 +314,7 @@ class Receiver:
                     self._evict(req.key(s), f"PUSH_REG failed: {e.kind}", keep=req.request_id)
                     self._connect_and_register(req)
                     return
-                self._finish_failed(req, Failure.PREFILL_UNREACHABLE, str(e))
+                self._out.fail(req, Failure.PREFILL_UNREACHABLE, str(e))
                 return
             req.registered.add(s)
             self._tm.inc(Counter.PUSH_REGS_SENT)
@@ -352,7 +353,7 @@ class Receiver:
                 if ab is not None:
                     s = self._source(ab, sender)
                     if s is not None:
-                        self._settle_abandoned(ab, s, "fenced")
+                        self._out.settle_abandoned(ab, s, "fenced")
         elif isinstance(msg, protocol.Ping):
             if self._on_ping is not None:
                 self._on_ping(sender, msg)
@@ -386,7 +387,7 @@ class Receiver:
             s = self._source(ab, sender)
             if s is not None:
                 # That rank's abandoned WRITE completed: its bytes have landed.
-                self._settle_abandoned(ab, s, "completed late")
+                self._out.settle_abandoned(ab, s, "completed late")
             return
         self._tm.fail(Failure.UNKNOWN_COMPLETION)
 
@@ -397,7 +398,9 @@ class Receiver:
             if ab is not None and not msg.may_have_written:
                 s = self._source(ab, sender)
                 if s is not None:
-                    self._settle_abandoned(ab, s, f"P: {msg.reason}")  # e.g. cancel acknowledged
+                    self._out.settle_abandoned(
+                        ab, s, f"P: {msg.reason}"
+                    )  # e.g. cancel acknowledged
             return
         s = self._source(req, sender)
         if s is None:
@@ -406,73 +409,13 @@ class Receiver:
         detail = msg.detail if reason is not None else f"{msg.reason}: {msg.detail}"
         if len(req.sources) > 1:
             detail = f"P rank {s}: {detail}"
-        self._finish_failed(
+        self._out.fail(
             req,
             reason or Failure.PREFILL_FAILED,
             detail,
             settled=set() if msg.may_have_written else {s},
             told={s},
         )
-
-    # ------------------------------------------------------------------ outcomes
-    def _finish_failed(
-        self,
-        req: DRequest,
-        reason: Failure,
-        detail: str,
-        *,
-        notify_p: bool = True,
-        settled: set[int] | None = None,
-        told: set[int] | None = None,
-    ) -> None:
-        """Fail a request now. Its blocks stay quarantined while a P rank it registered with
-        may still write (``settled``: ranks known to write nothing more; ``told``: ranks that
-        need no Cancel); every other registered rank is told to drop it."""
-        self._tm.fail(reason)
-        self._rl.warning(str(reason), "request %s failed (%s): %s", req.request_id, reason, detail)
-        done = {s for s, n in req.completions.items() if n >= req.p_pp_size}
-        live = req.registered - done - (settled or set())
-        if live:
-            cancel = protocol.Cancel(
-                request_id=req.request_id,
-                transfer_id=req.transfer_id,
-                decode_host=self.cfg.host,
-                decode_port=self._md.port,
-                decode_tp_rank=self._md.tp_rank,
-            )
-            if self._codec.carries(cancel):
-                # Tell P to drop it; P's WRITE completion (or fence) tells us when bytes stop.
-                if notify_p:
-                    data = self._codec.encode(cancel)
-                    for s in live - (told or set()):
-                        with contextlib.suppress(TransferError):
-                            self._agent.send_notif(req.p_conns[s].agent_name, data)
-            else:
-                # vLLM's wire has no cancel and no fence: P may still WRITE until its lease,
-                # no longer renewed, runs out; only then are these blocks anybody's again.
-                t = self.cfg.timeouts
-                req.quarantine_until = time.monotonic() + t.lease_s + t.write_base_s
-        if live:
-            req.outstanding = set(live)
-            self._pool.allocator.quarantine(req.request_id, reason)
-            self.table.abandon(req)
-        else:
-            self.table.finish(req)
-            self._pool.allocator.release(req.request_id)
-        req.future.set_result(failed_rep(self._tm, req, reason, detail))
-
-    def _settle_abandoned(self, req: DRequest, source: int, why: str) -> None:
-        """P rank ``source`` can write nothing more into an abandoned request's blocks; the
-        last such rank frees them."""
-        req.outstanding.discard(source)
-        if not req.outstanding:
-            self._release_abandoned(req, why)
-
-    def _release_abandoned(self, req: DRequest, why: str) -> None:
-        self.table.release_abandoned(req)
-        self._pool.allocator.release_quarantined(req.request_id)
-        self._tm.inc(Counter.QUARANTINE_RELEASED)
-        log.debug("blocks of %s released (%s)", req.request_id, why)
 
     # ------------------------------------------------------------------ heartbeats and peers
     def _heartbeat(self) -> None:
@@ -500,23 +443,8 @@ class Receiver:
         for r in waiting:
             if rank in r.registered and r.request_id != keep:
                 r.p_conns.pop(rank, None)
-                self._finish_failed(r, Failure.PREFILL_DEAD, reason, settled={rank})
+                self._out.fail(r, Failure.PREFILL_DEAD, reason, settled={rank})
         for ab in abandoned:
-            self._settle_abandoned(ab, rank, "P removed")
+            self._out.settle_abandoned(ab, rank, "P removed")
         if conn is not None:
             self._hs.release_conn(conn)
-
-
-def failed_rep(
-    telemetry: Telemetry, req: DRequest, reason: Failure, detail: str
-) -> protocol.DecodeRep:
-    """The answer of a failed request (counted once here)."""
-    telemetry.inc(Counter.REQUESTS_FAILED)
-    return protocol.DecodeRep(
-        transfer_id=req.transfer_id,
-        request_id=req.request_id,
-        outcome="failed",
-        reason=reason,
-        detail=detail[:1000],
-        latency_s=time.monotonic() - req.t_start,
-    )

@@ -162,9 +162,9 @@ class RequestTable:
             if r.quarantine_until != math.inf:
                 continue  # vLLM's wire: its lease bounds it, and vLLM gets no empty "HB:"
             for rank in r.outstanding:
-                conn = r.p_conns.get(rank)
-                if conn is not None:
-                    by_p.setdefault(conn.agent_name, (conn, []))
+                held = r.p_conns.get(rank)
+                if held is not None:
+                    by_p.setdefault(held.agent_name, (held, []))
         return iter(by_p.values())
 
     # ------------------------------------------------------------------ transitions

@@ -19,7 +19,8 @@ import numpy as np
 
 from kvpush.config import Wire, parse_address
 from kvpush.decode.completer import Completer
-from kvpush.decode.receiver import Receiver, failed_rep
+from kvpush.decode.outcomes import failed_rep
+from kvpush.decode.receiver import Receiver
 from kvpush.decode.requests import DRequest
 from kvpush.errors import KvpushError, NoFreeBlocksError
 from kvpush.runtime.context import EndpointContext

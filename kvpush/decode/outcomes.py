@@ -1,0 +1,125 @@
+"""D's outcomes: how a request ends when it fails, and when its quarantined blocks come back.
+
+A failed request answers its caller at once (``failed_rep``). Its blocks go back to the pool
+only when no P rank it registered with can still write into them: P ranks known to write
+nothing more are *settled*; every other one is told (``Cancel``) and the blocks stay
+quarantined (never handed to another request: vLLM's C1) until each has fenced, completed late
+or is gone. On vLLM's wire there is no cancel and no fence: the blocks wait for P's lease,
+no longer renewed, to run out.
+
+Thread: the receiver's owner thread (``Receiver`` calls it); ``failed_rep`` from any thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from kvpush.config import EndpointConfig
+from kvpush.decode.requests import DRequest, RequestTable
+from kvpush.memory.pool import KvPool
+from kvpush.ratelog import RateLimitedLog
+from kvpush.telemetry.names import Counter, Failure
+from kvpush.telemetry.store import Telemetry
+from kvpush.transport.nixl import NixlAgent, TransferError
+from kvpush.wire import protocol
+from kvpush.wire.notifs import Codec
+
+log = logging.getLogger("kvpush.decode.receiver")
+
+
+class Outcomes:
+    def __init__(
+        self,
+        cfg: EndpointConfig,
+        agent: NixlAgent,
+        pool: KvPool,
+        codec: Codec,
+        telemetry: Telemetry,
+        metadata: protocol.EndpointMetadata,
+        table: RequestTable,
+        rl: RateLimitedLog,
+    ) -> None:
+        self.cfg = cfg
+        self._agent = agent
+        self._pool = pool
+        self._codec = codec
+        self._tm = telemetry
+        self._md = metadata
+        self._table = table
+        self._rl = rl
+
+    def fail(
+        self,
+        req: DRequest,
+        reason: Failure,
+        detail: str,
+        *,
+        notify_p: bool = True,
+        settled: set[int] | None = None,
+        told: set[int] | None = None,
+    ) -> None:
+        """Fail a request now. Its blocks stay quarantined while a P rank it registered with
+        may still write (``settled``: ranks known to write nothing more; ``told``: ranks that
+        need no Cancel); every other registered rank is told to drop it."""
+        self._tm.fail(reason)
+        self._rl.warning(str(reason), "request %s failed (%s): %s", req.request_id, reason, detail)
+        done = {s for s, n in req.completions.items() if n >= req.p_pp_size}
+        live = req.registered - done - (settled or set())
+        if live:
+            cancel = protocol.Cancel(
+                request_id=req.request_id,
+                transfer_id=req.transfer_id,
+                decode_host=self.cfg.host,
+                decode_port=self._md.port,
+                decode_tp_rank=self._md.tp_rank,
+            )
+            if self._codec.carries(cancel):
+                # Tell P to drop it; P's WRITE completion (or fence) tells us when bytes stop.
+                if notify_p:
+                    data = self._codec.encode(cancel)
+                    for s in live - (told or set()):
+                        with contextlib.suppress(TransferError):
+                            self._agent.send_notif(req.p_conns[s].agent_name, data)
+            else:
+                # vLLM's wire has no cancel and no fence: P may still WRITE until its lease,
+                # no longer renewed, runs out; only then are these blocks anybody's again.
+                t = self.cfg.timeouts
+                req.quarantine_until = time.monotonic() + t.lease_s + t.write_base_s
+        if live:
+            req.outstanding = set(live)
+            self._pool.allocator.quarantine(req.request_id, reason)
+            self._table.abandon(req)
+        else:
+            self._table.finish(req)
+            self._pool.allocator.release(req.request_id)
+        req.future.set_result(failed_rep(self._tm, req, reason, detail))
+
+    def settle_abandoned(self, req: DRequest, source: int, why: str) -> None:
+        """P rank ``source`` can write nothing more into an abandoned request's blocks; the
+        last such rank frees them."""
+        req.outstanding.discard(source)
+        if not req.outstanding:
+            self.release_abandoned(req, why)
+
+    def release_abandoned(self, req: DRequest, why: str) -> None:
+        self._table.release_abandoned(req)
+        self._pool.allocator.release_quarantined(req.request_id)
+        self._tm.inc(Counter.QUARANTINE_RELEASED)
+        log.debug("blocks of %s released (%s)", req.request_id, why)
+
+
+def failed_rep(
+    telemetry: Telemetry, req: DRequest, reason: Failure, detail: str
+) -> protocol.DecodeRep:
+    """The answer of a failed request (counted once here)."""
+    telemetry.inc(Counter.REQUESTS_FAILED)
+    return protocol.DecodeRep(
+        transfer_id=req.transfer_id,
+        request_id=req.request_id,
+        outcome="failed",
+        reason=reason,
+        detail=detail[:1000],
+        latency_s=time.monotonic() - req.t_start,
+    )
