@@ -1,8 +1,10 @@
 """D's completer thread: verify a finished request's bytes, give its blocks back, answer it.
 
 Verification reads every byte of the request's blocks; it runs here, on one executor thread, so
-it never delays the receiver's notification polling. ``complete`` is called by the receiver
-thread after it removed the request from its table; no other thread touches those blocks.
+it never delays the receiver's notification polling. A request with nothing to read (no
+verification, no digest) is answered on the receiver's thread instead. ``submit`` is called by
+the receiver thread after it removed the request from its table; no other thread touches
+those blocks.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ class Completer:
         self._ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="completer")
 
     def submit(self, req: DRequest) -> None:
-        self._ex.submit(self.complete, req)
+        """Complete ``req``: on the executor when its bytes are to be read (verify, digest),
+        else at once on the caller's thread -- the receiver's, which fails requests and
+        answers them the same way; a thread hop per request is most of a small one's cost."""
+        if req.digest or (self.verify and not req.p_engine_id):
+            self._ex.submit(self.complete, req)
+        else:
+            self.complete(req)
 
     def close(self) -> None:
         self._ex.shutdown(wait=True)
