@@ -216,7 +216,9 @@ class PoolConfig:
         kv_regions: KvRegions = KvRegions.PER_KV,
     ) -> PoolConfig:
         """Geometry from the model: ``kv_heads`` is the model's total; one rank's page holds
-        block_tokens x (its share of the heads) x head_dim elements."""
+        block_tokens x (its share of the heads) x head_dim elements -- of K or of V in their own
+        regions, of both with one region per layer (K|V inside each block, vLLM's CPU layout;
+        an MLA latent has no separate V)."""
         for name, v in (
             ("--block-tokens", block_tokens),
             ("--kv-heads", kv_heads),
@@ -234,10 +236,12 @@ class PoolConfig:
                 "kvpush shards KV heads evenly over the ranks (a single head is replicated); "
                 "pick a TP size that divides the model's KV heads",
             )
+        both = kv_regions == KvRegions.PER_LAYER and kv_layout.upper() != MLA_LAYOUT
+        kv_in_page = 2 if both else 1
         return PoolConfig(
             num_blocks=num_blocks,
             layers=layers,
-            block_bytes=block_tokens * share * head_dim * DTYPE_SIZES[dtype],
+            block_bytes=block_tokens * share * head_dim * DTYPE_SIZES[dtype] * kv_in_page,
             device=device,
             dtype=dtype,
             kv_layout=kv_layout,

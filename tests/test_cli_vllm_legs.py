@@ -25,6 +25,7 @@ import msgspec
 import pytest
 
 from tests.conftest import Done, Served, ServeFactory, run_cli
+from tests.support.faults import counters, failures
 from tests.support.procs import KVPUSH, clean_env, wait_ready
 
 USAGE, ERROR, NOT_READY, UNREACHABLE = 2, 1, 3, 69
@@ -433,3 +434,34 @@ def test_prefill_leg_nobody_takes_is_pending(vllm_wire_pair: tuple[Served, Serve
     assert pr.returncode == ERROR
     assert pr.stdout.splitlines()[1] == "prefill leg  pending: deadline"
     assert "detail       no D wrote it in time" in pr.stdout
+
+
+@pytest.mark.integration
+def test_prefill_leg_into_a_d_of_twice_the_tp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """vLLM's wire, D_tp = 2 x P_tp: both D ranks send a PUSH_REG that names no rank; P's
+    first stands for both (a full handshake of each rank, then each its half of every page,
+    as vLLM's own P does) and the second is absorbed -- no duplicate, nothing refused."""
+    f = ServeFactory(tmp_path_factory.mktemp("fanout"))
+    model = ["--block-tokens", "16", "--kv-heads", "2", "--head-dim", "16", "--dtype", "fp16"]
+    common = [*model, "--num-blocks", "16", "--layers", "2", "--kv-regions", "per-layer"]
+    common += ["--wire", "vllm", "--compat-hash", HASH, "--lease", "6"]
+    try:
+        p = f.start("prefill", *common, wait=False)
+        d = f.start("decode", *common, "--tp", "2", wait=False)
+        wait_ready(p)
+        wait_ready(d)
+        proc, first = _prefill_leg(p, "cmpl-fan-00000000", "--blocks", "3", "--json")
+        dr = run_cli("drive", "-d", d.address, "--kv-transfer-params", first, "--json")
+        pr = _finish(proc, first)
+        assert dr.returncode == 0 and pr.returncode == 0, dr.stdout + dr.stderr + pr.stderr
+        dec = json.loads(dr.stdout)
+        pushed = json.loads(pr.stdout.splitlines()[1])
+        page = 16 * 2 * 16 * 2 * 2  # tokens x heads x head dim x (K, V) x fp16: the model's
+        assert dec["outcome"] == "ok" and pushed["outcome"] == "ok", (dec, pushed)
+        assert dec["nbytes"] == pushed["nbytes"] == 3 * 2 * page
+        c = counters(p.address)
+        assert c["push_regs_received"] == 2 and c["pushes_ok"] == 1, c
+        assert c["handshakes_ok"] == 2, c  # a full handshake of each D rank
+        assert failures(p.address) == {} and failures(d.address) == {}
+    finally:
+        f.close()

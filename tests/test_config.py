@@ -10,6 +10,7 @@ import pytest
 from kvpush.config import (
     AgentConfig,
     EndpointConfig,
+    KvRegions,
     PoolConfig,
     Timeouts,
     format_address,
@@ -83,6 +84,28 @@ def test_pool_from_model() -> None:
         num_blocks=8, layers=2, block_tokens=16, kv_heads=4, head_dim=64, dtype="bf16"
     )
     assert p.block_bytes == 16 * 4 * 64 * 2 and p.dtype == "bf16" and p.regions == 4
+    # one region per layer holds K and V in each block (an MLA latent only itself)
+    both = PoolConfig.from_model(
+        num_blocks=8,
+        layers=2,
+        block_tokens=16,
+        kv_heads=4,
+        head_dim=64,
+        dtype="bf16",
+        kv_regions=KvRegions.PER_LAYER,
+    )
+    assert both.block_bytes == 2 * p.block_bytes and both.regions == 2
+    mla = PoolConfig.from_model(
+        num_blocks=8,
+        layers=2,
+        block_tokens=16,
+        kv_heads=1,
+        head_dim=576,
+        dtype="bf16",
+        kv_regions=KvRegions.PER_LAYER,
+        kv_layout="MLA",
+    )
+    assert mla.block_bytes == 16 * 576 * 2 and mla.regions == 2
     kw: dict[str, object] = {"num_blocks": 8, "layers": 2, "kv_heads": 4, "head_dim": 64}
     e = err(PoolConfig.from_model, block_tokens=0, dtype="bf16", **kw)
     assert str(e) == "--block-tokens must be positive, got 0"

@@ -320,15 +320,23 @@ class HandshakeManager:
                 # other full handshake (D measuring one, kvpush probe) covers whole pages.
                 offset, length = 0, md.block_bytes
                 if self._local.role == "prefill" and md.role == "decode":
-                    sl = write_slice(
-                        self._local.tp_rank,
-                        md.tp_rank,
-                        p_tp,
-                        d_tp,
-                        self._local.block_bytes,
-                        md.block_bytes,
-                        self._local.kv_heads == 1,
-                    )
+                    try:
+                        sl = write_slice(
+                            self._local.tp_rank,
+                            md.tp_rank,
+                            p_tp,
+                            d_tp,
+                            self._local.block_bytes,
+                            md.block_bytes,
+                            self._local.kv_heads == 1,
+                        )
+                    except ValueError as e:
+                        raise IncompatiblePeerError(
+                            f"{peer} is incompatible: {e}",
+                            [],
+                            "give --kv-heads as the model's KV heads over all ranks, and check "
+                            "--block-bytes on both sides",
+                        ) from None
                     offset, length = sl.remote_offset, sl.length
                 descs = block_descs(
                     md.region_base_addrs,

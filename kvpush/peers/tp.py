@@ -72,7 +72,10 @@ def write_slice(
         raise ValueError(f"P rank {p_rank} of {p_tp} does not write D rank {d_rank} of {d_tp}")
     if replicated or p_tp == d_tp:
         if p_len != d_len:
-            raise ValueError(f"whole pages of {p_len} and {d_len} bytes")
+            why = "one KV head, replicated on every rank" if replicated else "the same TP"
+            raise ValueError(
+                f"whole pages are written ({why}), but P's is {p_len} bytes and D's {d_len}"
+            )
         return Slice(0, 0, p_len)
     if p_tp > d_tp:
         k = p_tp // d_tp

@@ -110,7 +110,11 @@ class Legs:
                 # Reconnected to a newer incarnation than the one that registered.
                 self._out.fail(push, Failure.STALE_REGISTRATION, "D restarted after this PUSH_REG")
                 return
-            if r.sender and r.sender != conn.agent_name:
+            if (
+                r.sender
+                and r.sender != conn.agent_name
+                and not (r.any_rank and r.sender in {c.agent_name for c in conns.values()})
+            ):
                 # The PUSH_REG did not come from the D it names: a third agent trying to
                 # redirect this WRITE into someone else's blocks. Refuse it (no Failure to the
                 # real D) and let the blocks wait for the real registration.

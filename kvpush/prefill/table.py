@@ -53,6 +53,9 @@ class Registration:
     reg: protocol.PushReg
     sender: str  # NIXL agent name the PUSH_REG came from
     t_arrived: float
+    # vLLM's wire at D_tp > P_tp: one PUSH_REG stands for every target D rank (the writer's
+    # _fan_out), so its sender may be the agent of any of them.
+    any_rank: bool = False
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -68,6 +69,8 @@ from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
+
+MAX_FANNED = 1 << 16  # requests remembered by _fan_out (each for reg_ttl_s at most)
 
 
 class PushWriter:
@@ -140,6 +143,8 @@ class PushWriter:
             self._vllm,
         )
         self._n_finished = 0
+        # vLLM's wire at D_tp > P_tp: requests whose first PUSH_REG stood for every D rank.
+        self._fanned: OrderedDict[str, float] = OrderedDict()
         owner.attach(self)
 
     # ------------------------------------------------------------------ OwnerLoop
@@ -216,15 +221,13 @@ class PushWriter:
         p_tp, p_rank = self.cfg.tp_size, self.cfg.tp_rank
         mine = targets(p_rank, p_tp, d_tp)
         if self._vllm and not (p_tp % d_tp and d_tp % p_tp):
-            # vLLM's PUSH_REG does not name D's rank; with P_tp >= D_tp only one D rank can
-            # register with this P rank. (D_tp > P_tp on vLLM's wire would need the sender's
-            # rank from its handshake: not supported, refused below.)
-            only = mine
-            if len(only) == 1:
-                d_rank = only[0]
-                r = dataclasses.replace(r, reg=msgspec.structs.replace(reg, decode_tp_rank=d_rank))
-            else:
-                d_rank = -1
+            # vLLM's PUSH_REG does not name D's rank. With P_tp >= D_tp only one D rank can
+            # register with this P rank; with D_tp = k * P_tp see _fan_out.
+            if len(mine) > 1:
+                self._fan_out(r, mine)
+                return
+            d_rank = mine[0]
+            r = dataclasses.replace(r, reg=msgspec.structs.replace(reg, decode_tp_rank=d_rank))
         if (p_tp % d_tp and d_tp % p_tp) or d_rank >= d_tp or d_rank not in mine:
             # D registers with exactly the P ranks that write into it (VLLM_INTEROP.md 4):
             # anything else would write another rank's heads, or write twice.
@@ -240,8 +243,11 @@ class PushWriter:
                 p_tp,
             )
             return
+        self._register(r, len(mine))
+
+    def _register(self, r: Registration, expected: int) -> None:
         try:
-            got = self.table.add_registration(r, expected=len(mine))
+            got = self.table.add_registration(r, expected=expected)
         except DuplicateError as e:
             self._tm.fail(Failure.DUPLICATE_REGISTRATION)
             self._rl.warning("dupreg", "writer: %s", e)
@@ -250,6 +256,27 @@ class PushWriter:
             self._start_push(got)
         elif isinstance(got, CancelledEarly) and got.refused:
             self._out.decline(r, got.reason, got.detail)  # P refused it before D registered
+
+    def _fan_out(self, r: Registration, ranks: list[int]) -> None:
+        """vLLM's wire, D_tp = k * P_tp: every one of the k D ranks sends a PUSH_REG that does
+        not say which rank it is, and vLLM's D allocates the same block ids on every rank. As
+        vLLM's own P does, the first PUSH_REG of a request stands for all k ranks (a full
+        handshake of each, then each rank its chunk of P's page); the other ranks' PUSH_REGs
+        of that request are absorbed. Only an agent of one of those D ranks may send it
+        (checked when the WRITEs are posted)."""
+        now = time.monotonic()
+        fanned = self._fanned
+        while fanned and next(iter(fanned.values())) < now - self.table.reg_ttl_s:
+            fanned.popitem(last=False)
+        if r.key in fanned:
+            log.debug("writer: PUSH_REG of %s from another D rank: already fanned out", r.key)
+            return
+        fanned[r.key] = now
+        if len(fanned) > MAX_FANNED:
+            fanned.popitem(last=False)
+        for rank in ranks:
+            reg = msgspec.structs.replace(r.reg, decode_tp_rank=rank)
+            self._register(dataclasses.replace(r, reg=reg, any_rank=True), len(ranks))
 
     # ------------------------------------------------------------------ declines (tasks)
     def declined_by_d(self, transfer_id: str, reason: str, detail: str) -> None:

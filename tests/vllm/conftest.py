@@ -4,8 +4,8 @@
 started together (their slow vLLM imports overlap) and stopped at the module's end, whatever
 happened. A module sets their lease by overriding the ``vllm_lease`` fixture, or starts more
 processes alongside them by overriding ``vllm_pair``. Work directories live in one temporary
-directory per module (``vllm_tmp``), removed at teardown; a failing assertion carries the
-peer's status and log tail instead.
+directory per module (``vllm_tmp``), removed at teardown (kept with KVPUSH_KEEP_VLLM_TMP=1); a
+failing assertion carries the peer's status and log tail instead.
 
 The suite needs the vLLM virtualenv (``scripts/vllm-venv.sh``), so a run that did not select
 the marker (``-m vllm``, or ``KVPUSH_RUN_VLLM=1``) skips it: ``make test`` deselects it anyway.
@@ -51,7 +51,10 @@ def vllm_tmp() -> Iterator[Path]:
     try:
         yield d
     finally:
-        shutil.rmtree(d, ignore_errors=True)
+        if os.environ.get("KVPUSH_KEEP_VLLM_TMP"):  # debugging: keep logs, wire taps, status
+            print(f"\nkept {d}")
+        else:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

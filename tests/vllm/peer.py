@@ -30,15 +30,16 @@ Files in ``--workdir`` W (every JSON file is written to a temporary name and ren
   run concurrently: each is a generator advanced once per engine step.
 - ``W/wire.jsonl``: every NIXL notification, transfer and agent load (``wiretap``), plus
   ``push_write`` (P posts a request's WRITE) and ``lease_expired`` records.
-- At ``--tp-size`` N > 1 (a P only): one process per rank, all given the same ``--engine-id``,
-  ``--port`` and ``--dist-port``; rank 0 is the engine above, rank r > 0 keeps its
-  ``status.json`` and ``wire.jsonl`` in ``W/rank<r>/`` (see ``Engine``).
+- At ``--tp-size`` N > 1 (a P or a D): one process per rank, all given the same
+  ``--engine-id``, ``--port`` and ``--dist-port``; rank 0 is the engine above, rank r > 0 keeps
+  its ``status.json`` and ``wire.jsonl`` in ``W/rank<r>/`` (see ``Engine``).
 
 sha256 of a request (P: what it filled, D: what landed), the definition kvpush shares: over the
 bytes of the request's blocks, region by region in region (= layer) order, and within a region
 the blocks in the request's ``blocks`` order, each block's bytes as laid out in memory
 (``cache[layer][block]``, contiguous). A P at TP > 1 reports the digest of its pattern over all
-heads: what a TP-1 D holds once every rank has written its heads.
+heads: what a TP-1 D holds once every rank has written its heads; a D at TP > 1 reports the
+digest of what all its ranks hold together (each block's heads in rank order), the same bytes.
 
 Exit status: 0 after ``stop`` or SIGTERM/SIGINT (an orderly vLLM shutdown, then ``os._exit``),
 3 after an engine error, 4 when ``--port`` is taken, 2 on bad arguments.
@@ -98,8 +99,8 @@ class Geometry:
 
 @dataclass(frozen=True)
 class Parallel:
-    """This process's rank. PP is 1; a P may run at TP > 1 (one process per rank, see
-    ``Engine``); a D runs at TP 1 only (its side of the TP fan-out is not wired up here)."""
+    """This process's rank. PP is 1; a P or a D may run at TP > 1 (one process per rank, see
+    ``Engine``)."""
 
     tp_size: int = 1
     tp_rank: int = 0
@@ -116,8 +117,8 @@ class Parallel:
             raise SystemExit("peer.py: only --pp-size 1 is supported")
         if not 0 <= self.tp_rank < self.tp_size:
             raise SystemExit(f"peer.py: --tp-rank {self.tp_rank} not in 0..{self.tp_size - 1}")
-        if self.tp_size > 1 and (role != "P" or kv_heads % self.tp_size):
-            raise SystemExit("peer.py: --tp-size > 1 needs --role P and kv_heads % tp == 0")
+        if self.tp_size > 1 and kv_heads % self.tp_size:
+            raise SystemExit("peer.py: --tp-size > 1 needs kv_heads % tp == 0")
 
 
 def model_dir_for(geo: Geometry, given: str | None) -> str:
@@ -478,6 +479,10 @@ class Engine:
                 for w in work:
                     if w[0] == "fill":
                         self.fill(int(w[1]), list(w[2]))
+                    elif w[0] == "clear":
+                        self.clear(list(w[1]))
+                    elif w[0] == "dump":
+                        self.dump(str(w[1]), list(w[2]))
                 out: Any = self.worker_step(meta)
             except Exception as e:
                 traceback.print_exc()
@@ -666,6 +671,44 @@ class Engine:
                 h.update(t[b].contiguous().view(self.torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
+    def clear(self, blocks: list[int]) -> None:
+        """D: this rank's blocks to the sentinel before they are registered."""
+        for name in self.geo.layer_names:
+            for b in blocks:
+                self.caches[name][b].fill_(SENTINEL)
+
+    def dump_path(self, rank: int, rid: str) -> str:
+        safe = hashlib.sha256(rid.encode()).hexdigest()[:16]
+        return os.path.join(self.wd, f"rank{rank}", f"dump-{safe}.bin")
+
+    def dump(self, rid: str, blocks: list[int]) -> None:
+        """Rank r > 0 of a D: its bytes of a received request, layer by layer, block by block,
+        for the lead's digest (written to a temporary name, then renamed)."""
+        path = self.dump_path(self.par.tp_rank, rid)
+        with open(path + ".tmp", "wb") as f:
+            for name in self.geo.layer_names:
+                for b in blocks:
+                    f.write(self.caches[name][b].contiguous().view(self.torch.uint8).numpy())
+        os.replace(path + ".tmp", path)
+
+    def rank_sha256(self, blocks: list[int], paths: list[str]) -> str:
+        """The lead of a D at TP > 1: ``sha256`` over what all ranks hold, each block's heads
+        in rank order -- the bytes a TP-1 D of the same model holds."""
+        per = self.heads * self.geo.block_size * 2 * self.geo.head_size * self.dtype.itemsize
+        others = []
+        for p in paths:
+            with open(p, "rb") as f:
+                others.append(f.read())
+            os.unlink(p)
+        h = hashlib.sha256()
+        for li, name in enumerate(self.geo.layer_names):
+            for bi, b in enumerate(blocks):
+                h.update(self.caches[name][b].contiguous().view(self.torch.uint8).numpy())
+                at = (li * len(blocks) + bi) * per
+                for data in others:
+                    h.update(data[at : at + per])
+        return h.hexdigest()
+
     def make_request(
         self, req_id: str, params: dict[str, Any], n_blocks: int, max_tokens: int
     ) -> Any:
@@ -792,9 +835,9 @@ class Engine:
         while time.monotonic() < t0 + delay:
             yield  # queued, not yet scheduled: only heartbeats flow
         n_ext, is_async = self.sched.get_num_new_matched_tokens(req, 0)
-        for name in self.geo.layer_names:
-            for b in blocks:
-                self.caches[name][b].fill_(SENTINEL)
+        self.clear(blocks)
+        if self.par.tp_size > 1:  # before the step that has their workers send PUSH_REG
+            self.rank_work.append(("clear", blocks))
         self.sched.update_state_after_alloc(req, self.kv_blocks(blocks), n_ext)
         t_alloc = time.monotonic()
         deadline = t_alloc + timeout
@@ -810,13 +853,23 @@ class Engine:
         done = rid in self.recvd and not failed
         self.recvd.discard(rid)
         self.failed.discard(rid)
+        if self.par.tp_size == 1:
+            digest = self.sha256(blocks)
+        else:  # every rank's heads, once they have all dumped them
+            self.rank_work.append(("dump", rid, blocks))
+            paths = [self.dump_path(r, rid) for r in range(1, self.par.tp_size)]
+            while not all(os.path.exists(p) for p in paths):
+                if time.monotonic() > deadline + 30:
+                    raise TimeoutError(f"ranks did not dump {rid}: {paths}")
+                yield
+            digest = self.rank_sha256(blocks, paths)
         return {
             "ok": done,
             "failed": failed,
             "timed_out": timed_out,
             "request_id": rid,
             "blocks": blocks,
-            "sha256": self.sha256(blocks),
+            "sha256": digest,
             "matched_tokens": n_ext,
             "async": is_async,
             "seconds": time.monotonic() - t0,

@@ -1,0 +1,95 @@
+"""kvpush P (TP 1) -> vLLM's own D at TP 2 (two worker processes in a gloo TP group, see
+``peer.py``), the ratio D_tp = 2 x P_tp of VLLM_INTEROP.md 4.
+
+vLLM's ``PUSH_REG`` does not name D's rank, and both D ranks send one. kvpush's P does what
+vLLM's own P does: the first ``PUSH_REG`` of a request stands for both ranks (vLLM's D
+allocates the same block ids on every rank), P does a full handshake of each rank (vLLM's
+listener serves both ranks' metadata) and WRITEs each rank its half of every page -- rank r
+the heads ``[r*h, (r+1)*h)`` -- with one completion ``"<D request id>:1"`` per rank; the other
+rank's ``PUSH_REG`` is absorbed. vLLM's D finishes the request once both ranks report it, and
+the bytes its two ranks hold together hash like the pages kvpush's P pushed.
+
+P's geometry is given by flags (``--like`` would copy one D rank's page: a TP-1 P holds
+``tp x`` D's ``block_lens``): the model's page from its tokens, KV heads (2: one per D rank)
+and head size.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import VllmPeer
+
+from kvpush.ops.vllm_legs import prefill_leg
+from tests.conftest import Served, ServeFactory
+from tests.support.procs import wait_ready
+
+TP = 2
+LEASE_S = 8
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(480)]
+
+
+@pytest.fixture(scope="module")
+def d_tp2(vllm_py: str, vllm_tmp: Path) -> Iterator[tuple[VllmPeer, Served]]:
+    serve = ServeFactory(vllm_tmp)
+    d = VllmPeer.start("D", vllm_tmp / "vllm-D-tp2", python=vllm_py, tp_size=TP, lease=LEASE_S)
+    try:
+        i = d.info
+        g = i["geometry"]
+        p = serve.start(
+            "prefill",
+            *("--wire", "vllm", "--compat-hash", i["compat_hash"]),
+            *("--vllm-block-size", str(i["block_size"]), "--attn-backend", i["backend"]),
+            *("--kv-layout", i["kv_cache_layout"], "--kv-regions", "per-layer"),
+            *("--layers", str(len(i["layer_names"])), "--num-blocks", "16"),
+            # the whole model's page: every head (block_lens is one D rank's share)
+            *("--block-tokens", str(g["block_size"]), "--kv-heads", str(g["kv_heads"])),
+            *("--head-dim", str(g["head_size"]), "--dtype", g["dtype"]),
+            *("--lease", str(LEASE_S)),
+            wait=False,
+        )
+        wait_ready(p, 120)
+        yield d, p
+    finally:
+        serve.close()
+        d.stop()
+
+
+def test_kvpush_p_tp1_to_vllm_d_tp2(d_tp2: tuple[VllmPeer, Served]) -> None:
+    d, p = d_tp2
+    base = f"cmpl-k2v-tp2-{uuid.uuid4().hex[:12]}"
+    p_id, d_id = f"{base}-0000aaaa", f"{base}-1111bbbb"
+    d_blocks = [9, 2, 5]
+    marks = [d.wire_mark(rank=r) for r in range(TP)]
+    dres: dict[str, Any] = {}
+    runner: list[threading.Thread] = []
+
+    def hand_to_d(params: dict[str, Any]) -> None:
+        dres.update(
+            d.command({"op": "decode", "request_id": d_id, "params": params, "blocks": d_blocks})
+        )
+
+    def on_params(params: dict[str, Any]) -> None:
+        t = threading.Thread(target=hand_to_d, args=(params,))
+        t.start()
+        runner.append(t)
+
+    rep = prefill_leg(p.address, p_id, len(d_blocks), 90, on_params=on_params)
+    runner[0].join(150)
+    d.assert_alive("kvpush P (TP 1) -> vLLM D (TP 2)")
+    assert rep.outcome == "ok", (rep.reason, rep.detail, dres)
+    assert dres["ok"] is True and dres["failed"] is False, dres
+    assert dres["sha256"] == rep.sha256, (dres, rep)
+    assert rep.nbytes == len(d_blocks) * TP * sum(d.info["block_lens"])
+    for rank, mark in enumerate(marks):
+        wire = d.wire(mark, rank=rank)
+        sent = [r for r in wire if r["kind"] == "send_notif"]
+        assert any(r["msg"]["type"] == "PUSH_REG" for r in sent), (rank, wire)
+        recv = [r["msg"]["raw"] for r in wire if r["kind"] == "recv_notif"]
+        assert recv == [f"{d_id}:1"], (rank, recv)  # each rank: one completion, vLLM's form
