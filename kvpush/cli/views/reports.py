@@ -15,7 +15,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from kvpush.cli.views.live import fmt_bytes, fmt_ms, render_live
+from kvpush.cli.views.live import render_live
+from kvpush.cli.views.readings import fmt_bytes, fmt_ms
 from kvpush.telemetry.snapshot import snapshot_from_dict
 
 
