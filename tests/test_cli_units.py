@@ -13,7 +13,7 @@ from kvpush.cli.options import OutputMode
 from kvpush.config import PoolConfig
 from kvpush.errors import ConfigError
 from kvpush.ops.driver import DriveConfig, RequestResult, summarize
-from kvpush.ops.probe import local_compat_fields, rtt_stats
+from kvpush.ops.probe_report import local_compat_fields, rtt_stats
 from kvpush.ops.stats import percentile
 from kvpush.wire.protocol import COMPAT_FIELDS
 

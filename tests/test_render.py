@@ -7,14 +7,9 @@ import json
 
 from rich.console import Console
 
-from kvpush.cli.views.live import (
-    fmt_ms,
-    fmt_uptime,
-    render_json,
-    render_live,
-    render_plain,
-    render_summary_table,
-)
+from kvpush.cli.views.lines import render_json, render_plain
+from kvpush.cli.views.live import render_live, render_summary_table
+from kvpush.cli.views.readings import fmt_ms, fmt_uptime
 from kvpush.telemetry.merge import merge
 from kvpush.telemetry.snapshot import Snapshot, snapshot_from_dict
 from kvpush.telemetry.store import Telemetry

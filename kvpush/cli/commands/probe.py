@@ -95,12 +95,14 @@ def _probe(
 ) -> None:
     from kvpush.config import AgentConfig, EndpointConfig, Timeouts
     from kvpush.ops import probe as core
+    from kvpush.ops import probe_kvpush, probe_vllm
+    from kvpush.ops.probe_report import local_compat_fields
 
     p = ctx.params
     token = translate.auth_token(auth_token_file)
     given = [n for n in options.GEOMETRY if _given(ctx, n)]
     local_pool = translate.pool_config(p, num_blocks=4) if given else None
-    local = core.local_compat_fields(local_pool) if local_pool is not None else None
+    local = local_compat_fields(local_pool) if local_pool is not None else None
     if ping < 0:
         raise ConfigError(f"--ping must be >= 0, got {ping}", "pass --ping N with N >= 1")
     if not timeout > 0:
@@ -137,9 +139,9 @@ def _probe(
             )
             if vllm_wire:
                 # Loads the peer's agent (and, full, its descriptors); sends it nothing.
-                cfg = core.tiny_vllm_config(report.address, base)
+                cfg = probe_vllm.tiny_vllm_config(report.address, base)
             else:
-                cfg = core.tiny_local_config(report.metadata, local_pool, token, base)
+                cfg = probe_kvpush.tiny_local_config(report.metadata, local_pool, token, base)
             hp = core.handshake_probe(report.address, cfg, handshake, ping, rank=asked[1])
             report = dataclasses.replace(
                 report,

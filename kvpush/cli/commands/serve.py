@@ -116,7 +116,7 @@ def choose_output(requested: OutputMode | None) -> OutputMode:
 def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
     """Run one endpoint until SIGINT/SIGTERM/SIGHUP; return the exit status (raise typed
     errors)."""
-    from kvpush.cli.views import live as render
+    from kvpush.cli.views import lines, live
     from kvpush.ops.engine import open_endpoint
 
     output = choose_output(opts.output)
@@ -155,9 +155,9 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
             "%s endpoint ready on %s; Ctrl+C or SIGTERM drains and stops", cfg.role, ep.address
         )
         if output is OutputMode.LIVE:
-            failure = _loop_live(ep, stop, console, render)
+            failure = _loop_live(ep, stop, console, live)
         else:
-            failure = _loop_lines(ep, stop, output, opts.interval_s, render)
+            failure = _loop_lines(ep, stop, output, opts.interval_s, lines)
         if stop.signame:
             log.info("%s received: draining (up to %gs)", stop.signame, cfg.timeouts.drain_s)
     finally:

@@ -1,52 +1,53 @@
-"""Renderers of a telemetry ``Snapshot``: the live dashboard, a plain log line and a JSON line.
+"""The rich renderings of a telemetry ``Snapshot``: the live dashboard and the summary table.
 
-Owns the three views of one endpoint's telemetry (``kvpush serve-*``, ``probe --stats``, the
-demo). Every name comes from ``kvpush.telemetry.names`` (``Counter``, ``Gauge``, ``Hist``,
-``PeerState``), the same enums the endpoint bumps. Pure functions of one frozen snapshot -- no
-threads, no clocks, no I/O -- so the three outputs cannot disagree and each is tested by
-rendering a hand-built snapshot. The ``Live`` loop that calls ``render_live`` once per refresh,
-and the choice between the views (``isatty()``, ``--json``), belong to the command that owns
-the console (on the main thread). The dashboard fits 100 columns.
+Owns the dashboard of one endpoint's telemetry (``kvpush serve-*`` on a terminal, the demo):
+header, handshakes, queues, throughput, latency, failures and pool, each a small table built by
+a pure function of one frozen snapshot -- no threads, no clocks, no I/O -- tested by rendering a
+hand-built snapshot; and the summary table of a run's or a ``probe``'s endpoints. It reads the
+snapshot through ``kvpush.cli.views.readings``, as the one-line forms (``lines``) do, so the
+views cannot disagree. The ``Live`` loop that calls ``render_live`` once per refresh, and the
+choice between the views (``isatty()``, ``--json``), belong to the command that owns the console
+(on the main thread). The dashboard fits 100 columns.
 
 Tensor parallelism: a snapshot with ``ranks`` (``kvpush.telemetry.merge``) is drawn as the
 endpoint's totals, as for one rank, plus a ``Ranks`` table (each rank's queues, pool, handshakes
-and throughput) and a ``rank`` column in the handshake table; its plain form is the totals line
-followed by one ``rank=R/N`` line per rank. A one-rank snapshot draws exactly as it always did.
+and throughput) and a ``rank`` column in the handshake table. A one-rank snapshot draws exactly
+as it always did.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 from collections.abc import Iterable
 
-import msgspec
 from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvpush.telemetry.names import QUEUE_GAUGES, Counter, Gauge, Hist, PeerState
-from kvpush.telemetry.snapshot import HistSnapshot, Snapshot
+from kvpush.cli.views.readings import (
+    BAD_STATES,
+    BYTE_COUNTERS,
+    OK_STATES,
+    PLAIN_QUEUE_KEYS,
+    RANK_THROUGHPUT,
+    fmt_bytes,
+    fmt_ms,
+    fmt_rate,
+    fmt_ts,
+    fmt_uptime,
+    handshake_counts,
+    int_gauge,
+    peer_ok,
+    primary_latency,
+    rank_name,
+)
+from kvpush.telemetry.names import QUEUE_GAUGES, Counter, Gauge
+from kvpush.telemetry.snapshot import Snapshot
 
-__all__ = ["render_json", "render_live", "render_plain", "render_summary_table"]
+__all__ = ["render_live", "render_summary_table"]
 
 WIDTH = 100
 
-#: Peer states counted as healthy ("peers=2/2") and drawn green; these drawn red; others (a
-#: peer still connecting, or a state a newer endpoint reports) yellow.
-OK_STATES = frozenset({PeerState.CONNECTED})
-BAD_STATES = frozenset({PeerState.FAILED})
-
-#: The latency that the plain line reports as ``p99`` for each role (else the first histogram).
-PRIMARY_LATENCY = {"prefill": Hist.PUSH_LATENCY, "decode": Hist.DECODE_LATENCY}
-
-_PLAIN_QUEUE_KEYS = {
-    Gauge.FINISHED_WAITING_REG: "finished",
-    Gauge.REGS_WAITING_BLOCKS: "regs",
-    Gauge.DEFERRED: "deferred",
-    Gauge.INFLIGHT_WRITES: "inflight",
-    Gauge.D_WAITING: "waiting",
-}
 _POOL_STATES = (  # gauge, label, bar character, style
     (Gauge.POOL_ALLOCATED, "allocated", "█", "blue"),
     (Gauge.POOL_INFLIGHT, "inflight", "█", "magenta"),
@@ -72,67 +73,15 @@ THROUGHPUT = {
         ("notifs/s", Counter.NOTIFS_RECEIVED),
     ),
 }
-#: The per-rank throughput by role: label, counter whose rate it shows.
-RANK_THROUGHPUT = {
-    "prefill": (("pushes/s", Counter.PUSHES_OK), ("GB/s", Counter.BYTES_PUSHED)),
-    "decode": (("req/s", Counter.REQUESTS_OK), ("notifs/s", Counter.NOTIFS_RECEIVED)),
-}
 #: The queue columns of the ``Ranks`` table (``writes``: "inflight" names pool blocks there).
-_RANK_QUEUE_COLUMNS = {**_PLAIN_QUEUE_KEYS, Gauge.INFLIGHT_WRITES: "writes"}
+_RANK_QUEUE_COLUMNS = {**PLAIN_QUEUE_KEYS, Gauge.INFLIGHT_WRITES: "writes"}
 _RANK_POOL_COLUMNS = (
     (Gauge.POOL_FREE, "free"),
     (Gauge.POOL_INFLIGHT, "inflight"),
     (Gauge.POOL_QUARANTINED, "quar."),
 )
-_BYTE_COUNTERS = frozenset({Counter.BYTES_PUSHED, Counter.BYTES_RECEIVED})
 _BAR_WIDTH = 60
 _MAX_PEER_ROWS = 12
-
-
-# --- formatting helpers (pure) ----------------------------------------------------------------
-
-
-def fmt_ms(seconds: float) -> str:
-    """Milliseconds with about three significant digits: 0.047, 1.23, 41.0, 1230."""
-    ms = seconds * 1e3
-    if ms == 0:
-        return "0"
-    if ms < 1:
-        return f"{ms:.3f}"
-    if ms < 10:
-        return f"{ms:.2f}"
-    if ms < 100:
-        return f"{ms:.1f}"
-    return f"{ms:.0f}"
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def fmt_rate(per_s: float) -> str:
-    return f"{per_s:,.0f}" if per_s >= 100 else f"{per_s:.1f}"
-
-
-def fmt_uptime(seconds: float) -> str:
-    s = int(seconds)
-    d, s = divmod(s, 86400)
-    h, s = divmod(s, 3600)
-    m, s = divmod(s, 60)
-    if d:
-        return f"{d}d{h:02d}h{m:02d}m"
-    if h:
-        return f"{h}h{m:02d}m{s:02d}s"
-    return f"{m}m{s:02d}s" if m else f"{s}s"
-
-
-def fmt_ts(ts: float) -> str:
-    """UTC, to the second: the same line whatever the reader's time zone."""
-    t = _dt.datetime.fromtimestamp(ts, tz=_dt.timezone.utc)
-    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _state_style(state: str) -> str:
@@ -143,55 +92,15 @@ def _state_style(state: str) -> str:
     return "yellow"
 
 
-def _peer_ok(row: dict[str, object]) -> bool:
-    return str(row.get("state", "")) in OK_STATES
-
-
-def _primary_latency(snap: Snapshot) -> HistSnapshot | None:
-    name = PRIMARY_LATENCY.get(snap.role, Hist.PUSH_LATENCY)
-    if name in snap.histograms:
-        return snap.histograms[name]
-    return next(iter(snap.histograms.values()), None)
-
-
-def _int_gauge(snap: Snapshot, name: str) -> int:
-    return int(snap.gauges.get(name, 0))
-
-
-def _token(s: str) -> str:
-    """A peer-supplied string as one whitespace-free word of the plain line."""
-    return "_".join(s.split()) or "-"
-
-
 def _cell(value: object, empty: str = "-") -> str:
     return empty if value is None or value == "" else str(value)
-
-
-def _rank_name(snap: Snapshot, index: int) -> str:
-    """A rank snapshot's rank: its own ``info["rank"]``, else its place in ``ranks``."""
-    return str(snap.info.get("rank", index))
-
-
-def handshake_counts(peers: Iterable[dict[str, object]]) -> tuple[int, int, int]:
-    """(connected, connecting, failed) peer rows; a state this version does not know counts
-    as connecting (drawn yellow, as in the handshake table)."""
-    ok = bad = other = 0
-    for row in peers:
-        state = str(row.get("state", ""))
-        if state in OK_STATES:
-            ok += 1
-        elif state in BAD_STATES:
-            bad += 1
-        else:
-            other += 1
-    return ok, other, bad
 
 
 def _rank_rate(snap: Snapshot, name: str) -> str:
     if name not in snap.rates:
         return "-"
     rate = snap.rates[name]
-    return f"{rate / 1e9:.2f}" if name in _BYTE_COUNTERS else fmt_rate(rate)
+    return f"{rate / 1e9:.2f}" if name in BYTE_COUNTERS else fmt_rate(rate)
 
 
 def _devices(snap: Snapshot) -> str:
@@ -243,7 +152,7 @@ def _header(snap: Snapshot) -> Text:
 
 
 def _handshakes(snap: Snapshot) -> Table:
-    ok = sum(1 for r in snap.peers if _peer_ok(r))
+    ok = sum(1 for r in snap.peers if peer_ok(r))
     t = _section(f"Handshakes  {ok}/{len(snap.peers)} ready", expand=True)
     ranked = bool(snap.ranks)  # merged rows name the rank that holds the peer
     if ranked:
@@ -257,7 +166,7 @@ def _handshakes(snap: Snapshot) -> Table:
     t.add_column("last error", no_wrap=True, overflow="ellipsis", ratio=1)
     # Unhealthy peers first: they are what an operator looks for.
     rows = sorted(
-        snap.peers, key=lambda r: (_peer_ok(r), str(r.get("peer", "")), str(r.get("rank", "")))
+        snap.peers, key=lambda r: (peer_ok(r), str(r.get("peer", "")), str(r.get("rank", "")))
     )
     for row in rows[:_MAX_PEER_ROWS]:
         state = str(row.get("state", ""))
@@ -286,7 +195,7 @@ def _queues(snap: Snapshot) -> Table:
     t.add_column("depth", justify="right")
     shown = [(name, label) for name, label in QUEUE_GAUGES.items() if name in snap.gauges]
     for name, label in shown:
-        depth = _int_gauge(snap, name)
+        depth = int_gauge(snap, name)
         t.add_row(label, Text(f"{depth:,}", style="bold" if depth else "dim"))
     if not shown:
         t.add_row(Text("none reported", style="dim"), "")
@@ -339,7 +248,7 @@ def _failures(snap: Snapshot) -> Table:
 
 
 def _pool(snap: Snapshot) -> RenderableType:
-    total = _int_gauge(snap, Gauge.POOL_TOTAL)
+    total = int_gauge(snap, Gauge.POOL_TOTAL)
     t = _section("Pool", show_header=False)
     t.add_column("")
     if not total:
@@ -348,7 +257,7 @@ def _pool(snap: Snapshot) -> RenderableType:
     bar = Text()
     used = 0
     for i, (gauge, _, char, style) in enumerate(_POOL_STATES):
-        n = _int_gauge(snap, gauge)
+        n = int_gauge(snap, gauge)
         # A non-empty state shows at least one cell; free takes the remainder, so the bar
         # never overflows.
         want = max(round(_BAR_WIDTH * n / total), 1 if n else 0)
@@ -359,7 +268,7 @@ def _pool(snap: Snapshot) -> RenderableType:
     for gauge, label, _, style in _POOL_STATES:
         if gauge in snap.gauges:
             legend.append(f"{label} ", style=style)
-            legend.append(f"{_int_gauge(snap, gauge):,}  ")
+            legend.append(f"{int_gauge(snap, gauge):,}  ")
     legend.append(f"of {total:,} blocks", style="dim")
     t.add_row(bar)
     t.add_row(legend)
@@ -391,12 +300,12 @@ def _ranks(snap: Snapshot) -> Table:
     for label, _ in rates:
         t.add_column(label, justify="right", no_wrap=True)
     for i, r in enumerate(ranks):
-        depths = [_int_gauge(r, g) for g, _ in queues]
+        depths = [int_gauge(r, g) for g, _ in queues]
         ok, connecting, failed = handshake_counts(r.peers)
         t.add_row(
-            _rank_name(r, i),
+            rank_name(r, i),
             *(Text(f"{n:,}", style="bold" if n else "dim") for n in depths),
-            *(f"{_int_gauge(r, g):,}" if g in r.gauges else "-" for g, _ in pool),
+            *(f"{int_gauge(r, g):,}" if g in r.gauges else "-" for g, _ in pool),
             Text(f"{ok}/{connecting}/{failed}", style="red" if failed else ""),
             *(_rank_rate(r, name) for _, name in rates),
         )
@@ -427,78 +336,6 @@ def render_live(snap: Snapshot) -> RenderableType:
     return Group(*parts)
 
 
-# --- one-line forms ---------------------------------------------------------------------------
-
-
-def render_plain(snap: Snapshot) -> str:
-    """One ``key=value`` line for logs and pipes (no colour, no trailing newline); with ranks,
-    the totals line and then one ``rank_line`` per rank, ``\n``-separated."""
-    lines = [_plain_totals(snap)]
-    n = len(snap.ranks)
-    lines += [rank_line(r, _rank_name(r, i), n) for i, r in enumerate(snap.ranks)]
-    return "\n".join(lines)
-
-
-def rank_line(snap: Snapshot, rank: str, tp: int) -> str:
-    """One rank's short line: its throughput, queues, free blocks, peers and failures."""
-    parts = [fmt_ts(snap.ts), _token(snap.role), _token(snap.engine_id), f"rank={rank}/{tp}"]
-    for label, name in RANK_THROUGHPUT.get(snap.role, RANK_THROUGHPUT["prefill"]):
-        rate = snap.rates.get(name, 0.0)
-        value = f"{rate / 1e9:.2f}" if name in _BYTE_COUNTERS else f"{rate:.0f}"
-        parts.append(f"{label}={value}")
-    parts += [
-        f"{key}={_int_gauge(snap, name)}"
-        for name, key in _PLAIN_QUEUE_KEYS.items()
-        if name in snap.gauges
-    ]
-    parts.append(f"fail={sum(snap.failures.values())}")
-    return " ".join(parts + _pool_and_peers(snap))
-
-
-def _pool_and_peers(snap: Snapshot) -> list[str]:
-    """The last words of a plain line: free blocks of the pool, healthy peers."""
-    parts = []
-    if Gauge.POOL_TOTAL in snap.gauges:
-        free, total = _int_gauge(snap, Gauge.POOL_FREE), _int_gauge(snap, Gauge.POOL_TOTAL)
-        parts.append(f"pool_free={free}/{total}")
-    ok = sum(1 for row in snap.peers if _peer_ok(row))
-    parts.append(f"peers={ok}/{len(snap.peers)}")
-    return parts
-
-
-def _plain_totals(snap: Snapshot) -> str:
-    r = snap.rates
-    parts = [
-        fmt_ts(snap.ts),
-        _token(snap.role),
-        _token(snap.engine_id),
-        f"pushes/s={r.get(Counter.PUSHES_OK, 0.0):.0f}",
-        f"req/s={r.get(Counter.REQUESTS_OK, 0.0):.0f}",
-        f"GB/s={r.get(Counter.BYTES_PUSHED, 0.0) / 1e9:.2f}",
-    ]
-    parts += [
-        f"{key}={_int_gauge(snap, name)}"
-        for name, key in _PLAIN_QUEUE_KEYS.items()
-        if name in snap.gauges
-    ]
-    hist = _primary_latency(snap)
-    parts.append(f"p99={fmt_ms(hist.p99)}ms" if hist is not None and hist.count else "p99=-")
-    failed = sum(snap.failures.values())
-    top = sorted(((n, k) for k, n in snap.failures.items() if n), reverse=True)[:3]
-    detail = f"[{','.join(f'{k}:{n}' for n, k in top)}]" if top else ""
-    parts.append(f"fail={failed}{detail}")
-    return " ".join(parts + _pool_and_peers(snap))
-
-
-def render_json(snap: Snapshot) -> str:
-    """One compact JSON object (``Snapshot.to_dict`` form); newlines only escaped inside.
-
-    With ranks it holds ``ranks``: every rank's own snapshot, in the same form (its gauges --
-    the queues and the pool --, counters, failures, rates, histograms and peer rows). One rank:
-    no ``ranks`` key, the line it always was."""
-    return msgspec.json.encode(snap).decode()
-
-
 def render_summary_table(snaps: Iterable[Snapshot]) -> Table:
     """One row per endpoint: totals and latency, e.g. at the end of a run or a ``probe``."""
     t = Table(title="Summary", title_justify="left", box=box.SIMPLE_HEAD)
@@ -516,7 +353,7 @@ def render_summary_table(snaps: Iterable[Snapshot]) -> Table:
         t.add_column(col, justify="left" if col in ("role", "engine id") else "right", no_wrap=True)
     for snap in snaps:
         c = snap.counters
-        hist = _primary_latency(snap)
+        hist = primary_latency(snap)
         has = hist is not None and hist.count > 0
         t.add_row(
             snap.role,

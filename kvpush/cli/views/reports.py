@@ -15,7 +15,9 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from kvpush.cli.views.live import fmt_bytes, fmt_ms, render_live
+from kvpush.cli.views.live import render_live
+from kvpush.cli.views.readings import fmt_bytes, fmt_ms
+from kvpush.ops.probe_report import served_ranks  # pure: no sockets, safe for Tab completion
 from kvpush.telemetry.snapshot import snapshot_from_dict
 
 
@@ -50,8 +52,6 @@ def ibytes(n: float) -> str:
 
 
 def _kvpush_rows(t: Rows, md: dict[str, Any]) -> None:
-    from kvpush.ops.probe import served_ranks  # here: kvpush.ops imports zmq (drive, demo)
-
     t.add("role", md.get("role"))
     t.add("engine id", md.get("engine_id"))
     t.add("incarnation", md.get("incarnation"))

@@ -1,0 +1,233 @@
+"""The options of the endpoint commands (``serve-prefill``, ``serve-decode``), which ``probe``
+shares in part: side channel, security, KV geometry, vLLM wire, NIXL, timeouts and output.
+
+Owns their declarations (``ENDPOINT_OPTS``, indexed with the other commands' in
+``kvpush.cli.options.OPTIONS``) and ``SERVE``, the one list both endpoint commands are built
+from (a role set marks role-only options), so ``serve-prefill`` and ``serve-decode`` cannot
+drift apart. Defaults of these options are read from the configuration dataclasses
+(``PoolConfig``, ``AgentConfig``, ``Timeouts``) through the field<->flag tables of
+``kvpush.config``: a default lives in one place too.
+
+Imports typer and the configuration only (no torch, nixl or zmq: typer re-runs the program on
+every Tab press). Runs on the main thread at import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpush.cli.configfile import config_callback
+from kvpush.cli.optspec import (
+    PANEL_GEOM,
+    PANEL_NET,
+    PANEL_NIXL,
+    PANEL_OUT,
+    PANEL_SEC,
+    PANEL_TIME,
+    PANEL_VLLM,
+    Entry,
+    LogLevel,
+    Opt,
+    OutputMode,
+    param_name,
+)
+from kvpush.config import (
+    AGENT_FLAGS,
+    POOL_FLAGS,
+    TIMEOUT_FLAGS,
+    AgentConfig,
+    HandshakeMode,
+    KvRegions,
+    PoolConfig,
+    Timeouts,
+    Wire,
+    WriterMode,
+)
+
+
+def _pool(name: str) -> Any:
+    return getattr(PoolConfig, name)
+
+
+def _timeout(option: str) -> float:
+    fld = {param_name(flag): f for f, flag in TIMEOUT_FLAGS.items()}[option]
+    return float(getattr(Timeouts, fld))
+
+
+def _agent(option: str) -> Any:
+    fld = {param_name(flag): f for f, flag in AGENT_FLAGS.items()}[option]
+    value = getattr(AgentConfig, fld, None)
+    return value if value is not None else AgentConfig.__dataclass_fields__[fld].default
+
+
+#: The options of ``serve-*`` (and, in part, ``probe``), in declaration order.
+ENDPOINT_OPTS: list[Opt] = [
+    Opt("config", ("--config",), str | None,
+        "TOML file of settings: keys are option names with underscores (num_blocks = 2048); "
+        "tables prefill and decode apply to one role. Options and KVPUSH_* variables win.",
+        metavar="FILE", kw={"is_eager": True, "callback": config_callback}),
+    Opt("host", ("--host",), str,
+        "Side-channel address to bind. Loopback by default; all interfaces (0.0.0.0) also "
+        "needs --expose.", "127.0.0.1", PANEL_NET),
+    Opt("port", ("--port",), int, "Side-channel port (0 picks a free one).", 5600, PANEL_NET),
+    Opt("expose", ("--expose",), bool,
+        "Allow binding every interface (--host 0.0.0.0). Pair it with --auth-token-file.",
+        False, PANEL_NET),
+    Opt("engine_id", ("--engine-id",), str,
+        "Engine id announced to peers (generated when empty).", "", PANEL_NET),
+    Opt("auth_token_file", ("--auth-token-file",), str | None,
+        "File holding a shared secret (>= 16 bytes, mode 600): every side-channel message and "
+        "notification is then authenticated with HMAC-SHA256.", None, PANEL_SEC,
+        metavar="FILE"),
+    Opt("device", (POOL_FLAGS["device"],), str, "Where the KV pool lives: cpu, cuda or cuda:N.",
+        _pool("device"), PANEL_GEOM),
+    Opt("num_blocks", (POOL_FLAGS["num_blocks"],), int, "Blocks in the KV pool.",
+        _pool("num_blocks"), PANEL_GEOM),
+    Opt("layers", (POOL_FLAGS["layers"],), int, "Layers; each has a K and a V region.",
+        _pool("layers"), PANEL_GEOM),
+    Opt("block_bytes", (POOL_FLAGS["block_bytes"],), int | None,
+        f"Bytes per block per region (default {_pool('block_bytes')}). Or give the model-like "
+        "trio --block-tokens, --kv-heads, --head-dim instead.", None, PANEL_GEOM,
+        show_default=False),
+    Opt("block_tokens", ("--block-tokens",), int | None,
+        "Tokens per block (model-like geometry).", None, PANEL_GEOM),
+    Opt("kv_heads", ("--kv-heads",), int | None,
+        "The model's KV heads per layer, all ranks together (model-like geometry): each of the "
+        "--tp ranks holds kv_heads/tp of them; a single head (MLA's latent) is replicated.",
+        None, PANEL_GEOM),
+    Opt("tp", ("--tp",), int,
+        "Tensor-parallel ranks: each has its own NIXL agent, KV pool (cuda:r with --device "
+        "cuda) and writer/receiver, behind this one side channel.", 1, PANEL_GEOM),
+    Opt("head_dim", ("--head-dim",), int | None, "Head dimension (model-like geometry).", None,
+        PANEL_GEOM),
+    Opt("dtype", (POOL_FLAGS["dtype"],), str, "Element type of the KV cache.", _pool("dtype"),
+        PANEL_GEOM),
+    Opt("kv_layout", (POOL_FLAGS["kv_layout"],), str, "KV cache layout name; peers must agree.",
+        _pool("kv_layout"), PANEL_GEOM),
+    Opt("kv_regions", ("--kv-regions",), KvRegions,
+        "per-kv: a K and a V region per layer; per-layer: one region per layer with K|V inside "
+        "(vLLM's layout on CPU).", _pool("kv_regions"), PANEL_GEOM),
+    Opt("wire", ("--wire",), Wire,
+        "kvpush: kvpush's own framing (failures, cancels, fences, auth). vllm: vLLM 0.33's push "
+        "wire exactly, to stand in for a vLLM P or D (needs --like or --compat-hash).",
+        Wire.KVPUSH, PANEL_VLLM),
+    Opt("like", ("--like",), str | None,
+        "Take the geometry (regions, block length, layout, block size, attention backend, layer "
+        "names) and the compatibility hash from this running vLLM peer (--wire vllm).", None,
+        PANEL_VLLM, metavar="HOST:PORT"),
+    Opt("compat_hash", ("--compat-hash",), str | None,
+        "vLLM's compatibility hash both sides must share (--wire vllm; overrides --like's).",
+        None, PANEL_VLLM, metavar="HEX"),
+    Opt("vllm_block_size", ("--vllm-block-size",), int | None,
+        "Tokens per block vLLM announces (--wire vllm without --like; default 16).", None,
+        PANEL_VLLM, show_default=False),
+    Opt("attn_backend", ("--attn-backend",), str | None,
+        "vLLM's attention backend name, e.g. FLASH_ATTN, CPU_ATTN (--wire vllm without --like; "
+        "default FLASH_ATTN).", None, PANEL_VLLM, show_default=False),
+    Opt("backends", (AGENT_FLAGS["backends"],), str, "Comma-separated NIXL backends to create.",
+        ",".join(_agent("backends")), PANEL_NIXL),
+    Opt("progress_thread", ("--progress-thread/--no-progress-thread",), bool,
+        "Start NIXL's own progress thread. Off by default: it spins a whole core even when "
+        "idle (its delay is hard-coded to 0), which halves bandwidth on small hosts; kvpush's "
+        "threads poll NIXL themselves instead.", _agent("progress_thread"), PANEL_NIXL),
+    Opt("nixl_threads", (AGENT_FLAGS["num_threads"],), int,
+        "Backend worker threads (0 lets NIXL choose).", _agent("nixl_threads"), PANEL_NIXL),
+    Opt("idle_poll_max_us", (AGENT_FLAGS["idle_poll_max_us"],), int,
+        "Longest sleep between NIXL polls when idle, in microseconds.",
+        _agent("idle_poll_max_us"), PANEL_NIXL),
+    Opt("busy_spin_us", (AGENT_FLAGS["busy_spin_us"],), int,
+        "Keep polling without sleeping this long after activity, in microseconds.",
+        _agent("busy_spin_us"), PANEL_NIXL),
+    Opt("writer", ("--writer",), WriterMode,
+        "deferred (default): the writer never waits for a P->D handshake. blocking: the "
+        "writer waits, reproducing the old head-of-line behaviour; for comparison only.",
+        WriterMode.DEFERRED, PANEL_NIXL),
+    Opt("handshake", ("--handshake",), HandshakeMode,
+        "D->P handshake: notif loads P's agent only (enough to notify it, the default); full "
+        "also builds P's descriptor lists, to measure its cost.", HandshakeMode.NOTIF,
+        PANEL_NIXL),
+    Opt("verify", ("--verify/--no-verify",), bool,
+        "Check every landed byte against the transfer's pattern before reporting success.",
+        True, PANEL_NIXL),
+    Opt("side_channel_timeout", (TIMEOUT_FLAGS["side_channel_s"],), float,
+        "Deadline of one side-channel request.", _timeout("side_channel_timeout"), PANEL_TIME,
+        seconds=True),
+    Opt("handshake_timeout", (TIMEOUT_FLAGS["handshake_s"],), float,
+        "Deadline of one handshake with a peer.", _timeout("handshake_timeout"), PANEL_TIME,
+        seconds=True),
+    Opt("lease", (TIMEOUT_FLAGS["lease_s"],), float,
+        "P keeps a request's finished blocks this long without news.", _timeout("lease"),
+        PANEL_TIME, seconds=True),
+    Opt("heartbeat", (TIMEOUT_FLAGS["heartbeat_s"],), float,
+        "D renews the leases of waiting requests this often.", _timeout("heartbeat"),
+        PANEL_TIME, seconds=True),
+    Opt("request_deadline", (TIMEOUT_FLAGS["request_deadline_s"],), float,
+        "D fails a request not done by then.", _timeout("request_deadline"), PANEL_TIME,
+        seconds=True),
+    Opt("peer_idle_ttl", (TIMEOUT_FLAGS["peer_idle_ttl_s"],), float,
+        "Forget (remove) a peer agent idle this long.", _timeout("peer_idle_ttl"), PANEL_TIME,
+        seconds=True),
+    Opt("write_timeout", (TIMEOUT_FLAGS["write_base_s"],), float,
+        "Fixed part of a WRITE's deadline; the size-aware part is bytes / --write-min-gbps.",
+        _timeout("write_timeout"), PANEL_TIME, seconds=True),
+    Opt("write_min_gbps", (TIMEOUT_FLAGS["write_min_gbps"],), float,
+        "Slowest bandwidth (GB/s) a WRITE may run at.", _timeout("write_min_gbps"), PANEL_TIME),
+    Opt("fence_timeout", (TIMEOUT_FLAGS["fence_s"],), float,
+        "Deadline of a fence after a cancelled WRITE.", _timeout("fence_timeout"), PANEL_TIME,
+        seconds=True),
+    Opt("drain_timeout", (TIMEOUT_FLAGS["drain_s"],), float,
+        "On SIGINT/SIGTERM, wait this long for in-flight pushes.", _timeout("drain_timeout"),
+        PANEL_TIME, seconds=True),
+    Opt("metrics_port", ("--metrics-port",), int,
+        "Serve Prometheus /metrics on this port (0: off).", 0, PANEL_OUT),
+    Opt("metrics_host", ("--metrics-host",), str, "Address the /metrics server binds.",
+        "127.0.0.1", PANEL_OUT),
+    Opt("output", ("--output", "-o"), OutputMode | None,
+        "live: a refreshing view (default on a terminal); plain: one line per interval "
+        "(default otherwise); json: one JSON object per line.", None, PANEL_OUT,
+        show_default=False),
+    Opt("interval", ("--interval",), float, "Seconds between plain/json telemetry lines.", 1.0,
+        PANEL_OUT, seconds=True),
+    Opt("log_level", ("--log-level",), LogLevel, "Log level (logs go to stderr).",
+        LogLevel.INFO, PANEL_OUT),
+    Opt("ready_file", ("--ready-file",), str | None,
+        "Once started, write JSON {address, engine_id, incarnation, pid, role} to this file "
+        "(atomically), for scripts and tests.", None, PANEL_OUT, metavar="PATH"),
+]  # fmt: skip
+
+#: The options of each endpoint command, in help order; a role set marks role-only options.
+SERVE: list[tuple[str, frozenset[str]]] = [
+    (k, frozenset(r.split())) for k, r in (
+        ("config", "prefill decode"), ("host", "prefill decode"), ("port", "prefill decode"),
+        ("expose", "prefill decode"), ("engine_id", "prefill decode"),
+        ("auth_token_file", "prefill decode"), ("device", "prefill decode"),
+        ("num_blocks", "prefill decode"), ("layers", "prefill decode"),
+        ("block_bytes", "prefill decode"), ("block_tokens", "prefill decode"),
+        ("kv_heads", "prefill decode"), ("head_dim", "prefill decode"),
+        ("tp", "prefill decode"), ("dtype", "prefill decode"), ("kv_layout", "prefill decode"),
+        ("backends", "prefill decode"), ("progress_thread", "prefill decode"),
+        ("nixl_threads", "prefill decode"), ("idle_poll_max_us", "prefill decode"),
+        ("busy_spin_us", "prefill decode"), ("writer", "prefill"), ("handshake", "decode"),
+        ("verify", "decode"), ("side_channel_timeout", "prefill decode"),
+        ("handshake_timeout", "prefill decode"), ("lease", "prefill decode"),
+        ("heartbeat", "prefill decode"), ("request_deadline", "decode"),
+        ("peer_idle_ttl", "prefill decode"), ("write_timeout", "prefill"),
+        ("write_min_gbps", "prefill"), ("fence_timeout", "prefill decode"),
+        ("drain_timeout", "prefill decode"), ("metrics_port", "prefill decode"),
+        ("metrics_host", "prefill decode"), ("output", "prefill decode"),
+        ("interval", "prefill decode"), ("log_level", "prefill decode"),
+        ("ready_file", "prefill decode"), ("kv_regions", "prefill decode"),
+        ("wire", "prefill decode"), ("like", "prefill decode"),
+        ("compat_hash", "prefill decode"), ("vllm_block_size", "prefill decode"),
+        ("attn_backend", "prefill decode"),
+    )
+]  # fmt: skip
+SERVE_PORT = {"prefill": 5600, "decode": 5601}
+
+
+def serve_entries(role: str) -> list[Entry]:
+    return [
+        ("port", SERVE_PORT[role]) if key == "port" else key
+        for key, roles in SERVE
+        if role in roles
+    ]

@@ -1,0 +1,99 @@
+"""The NIXL notifications of kvpush's wire protocol (v1): registrations, completions and the rest.
+
+Owns the notification structs -- ``PushReg`` (D's blocks are ready), ``Completion`` (attached to
+P's WRITE), ``Heartbeat``, ``Failure``, ``Cancel``, ``Fence``, ``Ping`` -- and their union
+``Notif``. Declarations only (no I/O, no threads); framing, size checks and the reusable
+decoder are ``kvpush.wire.protocol``'s, which also keeps the version history; sealing and
+opening them per wire is ``kvpush.wire.notifs``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, TypeAlias
+
+from msgspec import Meta, Struct
+
+from kvpush.wire.fields import Groups, NonNeg, Port, SmallPos, Str1k, Str128, Str256
+
+# ----------------------------------------------------------------------------------- notifications
+
+
+class PushReg(Struct, tag="push_reg", frozen=True, kw_only=True):
+    """D -> every agent of P: D's blocks for a request are ready to be written into."""
+
+    request_id: Str256
+    transfer_id: Str256 = ""
+    decode_engine_id: Str128
+    decode_host: Str256
+    decode_port: Port
+    decode_tp_size: SmallPos = 1
+    local_block_ids: Groups
+    remote_engine_id: Str128
+    remote_host: Str256
+    remote_port: Port
+    remote_tp_size: SmallPos = 1
+    remote_pp_size: SmallPos = 1
+    decode_incarnation: Str128 = ""
+    decode_tp_rank: NonNeg = 0
+
+
+class Completion(Struct, tag="done", frozen=True, kw_only=True):
+    """Attached to P's WRITE: the blocks of ``request_id`` have landed."""
+
+    request_id: Str256
+    transfer_id: Str256 = ""
+    p_tp_size: SmallPos = 1
+    p_tp_rank: NonNeg = 0
+    nbytes: NonNeg = 0
+
+
+class Heartbeat(Struct, tag="hb", frozen=True, kw_only=True):
+    """D -> P: D still waits for these transfers; P extends their leases."""
+
+    transfer_ids: Annotated[list[Str256], Meta(max_length=4096)]
+
+
+class Failure(Struct, tag="fail", frozen=True, kw_only=True):
+    """P -> D: P cannot push this request; D fails it at once with the reason."""
+
+    request_id: Str256
+    transfer_id: Str256 = ""
+    reason: Str128
+    detail: Str1k = ""
+    may_have_written: bool = False  # True: bytes may still land; D quarantines until a Fence
+
+
+class Cancel(Struct, tag="cancel", frozen=True, kw_only=True):
+    """D -> P: D abandoned this request; P must not WRITE into its blocks, and fences.
+
+    Carries D's side-channel address so that P can acknowledge even before it ever connected
+    to D (the common case: D's deadline passes before P finished its blocks)."""
+
+    request_id: Str256
+    transfer_id: Str256 = ""
+    decode_host: Str256 = ""
+    decode_port: Port = 0
+    decode_tp_rank: NonNeg = 0
+
+
+class Fence(Struct, tag="fence", frozen=True, kw_only=True):
+    """P -> D, attached to a small WRITE into an abandoned request's (quarantined) block: every
+    earlier WRITE of P to D has landed, so D may reuse the blocks of ``request_ids``."""
+
+    fence_id: Str128
+    request_ids: Annotated[list[Str256], Meta(max_length=4096)] = []
+
+
+class Ping(Struct, tag="ping", frozen=True, kw_only=True):
+    """Notification round trip probe: the peer answers with ``reply=True`` to ``reply_host:port``
+    (handshaking back to it first if needed)."""
+
+    seq: NonNeg
+    reply: bool = False
+    reply_host: Str256 = ""
+    reply_port: Port = 0
+    sent_at: float = 0.0
+    reply_rank: NonNeg = 0
+
+
+Notif: TypeAlias = PushReg | Completion | Heartbeat | Failure | Cancel | Fence | Ping
