@@ -12,7 +12,8 @@ Never blocking on the network. When the P->D handshake is not ready, the handsha
 (``kvpush.prefill.strategy``) parks the push and returns; ``--writer blocking`` waits instead,
 for comparison only. A transfer's whole state is one typed entry of the ``PushTable``. This
 module decides *what* to write and when (matching, TP ranks, handshakes, declines, shutdown);
-posting the WRITEs, polling them and ending each exactly once is ``kvpush.prefill.legs``.
+posting the WRITEs, polling them and ending each exactly once is ``kvpush.prefill.legs``;
+which D ranks a PUSH_REG stands for is ``kvpush.prefill.ranks``.
 
 Every failure goes through ``Outcomes.fail`` (``kvpush.prefill.outcomes``: count, rate-limited
 log, Failure notification to D, blocks released or quarantined). P's blocks return to the pool
@@ -23,25 +24,21 @@ moving quarantines P's blocks and tells D ``may_have_written``; a fence
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-
-import msgspec
 
 from kvpush.config import EndpointConfig, HandshakeMode, Wire, WriterMode
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
-from kvpush.peers.tp import targets
 from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
 from kvpush.prefill.fences import Fences
 from kvpush.prefill.legs import Legs
 from kvpush.prefill.outcomes import MAX_EARLY_CANCELS, Outcomes
 from kvpush.prefill.plan import LocalGeometry
+from kvpush.prefill.ranks import RankRouter, Refused
 from kvpush.prefill.strategy import BlockingWait, Deferred, DeferredWait, HandshakeWait
 from kvpush.prefill.table import (
     AwaitingHandshake,
@@ -69,8 +66,6 @@ from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
-
-MAX_FANNED = 1 << 16  # requests remembered by _fan_out (each for reg_ttl_s at most)
 
 
 class PushWriter:
@@ -143,8 +138,7 @@ class PushWriter:
             self._vllm,
         )
         self._n_finished = 0
-        # vLLM's wire at D_tp > P_tp: requests whose first PUSH_REG stood for every D rank.
-        self._fanned: OrderedDict[str, float] = OrderedDict()
+        self._ranks = RankRouter(cfg.tp_rank, cfg.tp_size, self._vllm, t.request_deadline_s)
         owner.attach(self)
 
     # ------------------------------------------------------------------ OwnerLoop
@@ -216,34 +210,24 @@ class PushWriter:
         self._crash_check()
 
     def _on_registration(self, r: Registration) -> None:
-        reg = r.reg
-        d_tp, d_rank = max(1, reg.decode_tp_size), reg.decode_tp_rank
-        p_tp, p_rank = self.cfg.tp_size, self.cfg.tp_rank
-        mine = targets(p_rank, p_tp, d_tp)
-        if self._vllm and not (p_tp % d_tp and d_tp % p_tp):
-            # vLLM's PUSH_REG does not name D's rank. With P_tp >= D_tp only one D rank can
-            # register with this P rank; with D_tp = k * P_tp see _fan_out.
-            if len(mine) > 1:
-                self._fan_out(r, mine)
-                return
-            d_rank = mine[0]
-            r = dataclasses.replace(r, reg=msgspec.structs.replace(reg, decode_tp_rank=d_rank))
-        if (p_tp % d_tp and d_tp % p_tp) or d_rank >= d_tp or d_rank not in mine:
-            # D registers with exactly the P ranks that write into it (VLLM_INTEROP.md 4):
-            # anything else would write another rank's heads, or write twice.
+        got = self._ranks.route(r, time.monotonic())
+        if isinstance(got, Refused):
             self._tm.fail(Failure.UNEXPECTED_RANK)
             self._rl.warning(
                 "rank",
                 "writer: dropped PUSH_REG for %s from D rank %d of %d: P rank %d of %d "
                 "does not write it",
                 r.key,
-                d_rank,
-                d_tp,
-                p_rank,
-                p_tp,
+                got.d_rank,
+                got.d_tp,
+                self.cfg.tp_rank,
+                self.cfg.tp_size,
             )
             return
-        self._register(r, len(mine))
+        if not got.registrations:
+            log.debug("writer: PUSH_REG of %s from another D rank: already fanned out", r.key)
+        for one in got.registrations:
+            self._register(one, got.expected)
 
     def _register(self, r: Registration, expected: int) -> None:
         try:
@@ -256,27 +240,6 @@ class PushWriter:
             self._start_push(got)
         elif isinstance(got, CancelledEarly) and got.refused:
             self._out.decline(r, got.reason, got.detail)  # P refused it before D registered
-
-    def _fan_out(self, r: Registration, ranks: list[int]) -> None:
-        """vLLM's wire, D_tp = k * P_tp: every one of the k D ranks sends a PUSH_REG that does
-        not say which rank it is, and vLLM's D allocates the same block ids on every rank. As
-        vLLM's own P does, the first PUSH_REG of a request stands for all k ranks (a full
-        handshake of each, then each rank its chunk of P's page); the other ranks' PUSH_REGs
-        of that request are absorbed. Only an agent of one of those D ranks may send it
-        (checked when the WRITEs are posted)."""
-        now = time.monotonic()
-        fanned = self._fanned
-        while fanned and next(iter(fanned.values())) < now - self.table.reg_ttl_s:
-            fanned.popitem(last=False)
-        if r.key in fanned:
-            log.debug("writer: PUSH_REG of %s from another D rank: already fanned out", r.key)
-            return
-        fanned[r.key] = now
-        if len(fanned) > MAX_FANNED:
-            fanned.popitem(last=False)
-        for rank in ranks:
-            reg = msgspec.structs.replace(r.reg, decode_tp_rank=rank)
-            self._register(dataclasses.replace(r, reg=reg, any_rank=True), len(ranks))
 
     # ------------------------------------------------------------------ declines (tasks)
     def declined_by_d(self, transfer_id: str, reason: str, detail: str) -> None:
