@@ -10,7 +10,7 @@ a noisy neighbour hurts both alike; the median of the rounds is reported.
   pattern, D checks every byte) must come back fully verified.
 * **raw NIXL**: the same descriptor shape and pool sizes, WRITE + a short notification,
   ``INFLIGHT`` outstanding, best configuration found here: progress thread off on both agents,
-  the target polling ``get_new_notifs`` back to back (``raw.RawNode``).
+  the target polling ``get_new_notifs`` back to back (``raw_node.RawNode``).
 * **process_vm_writev** (the syscall UCX's CMA transport uses) with one iovec per descriptor, and
   single-threaded **memcpy** of the same shape: the machine's limits.
 * At 256 KiB (full run): kvpush and raw NIXL again with NIXL's progress thread *on*.
