@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.bench.loadgen import process_cpu_s
+from kvpush.bench.probes import process_cpu_s
 from kvpush.bench.raw_node import RawNode, block_starts, region_bases
 
 
