@@ -71,7 +71,7 @@ def run_all(
     on_result: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run every scenario in turn; also write ``<out_dir>/summary.md`` (markdown tables of all)."""
-    from kvpush.bench.report import render_summary
+    from kvpush.bench.render import render_summary
 
     out = out_dir if out_dir is not None else DEFAULT_OUT_DIR
     results = []

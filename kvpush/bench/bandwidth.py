@@ -10,24 +10,27 @@ a noisy neighbour hurts both alike; the median of the rounds is reported.
   pattern, D checks every byte) must come back fully verified.
 * **raw NIXL**: the same descriptor shape and pool sizes, WRITE + a short notification,
   ``INFLIGHT`` outstanding, best configuration found here: progress thread off on both agents,
-  the target polling ``get_new_notifs`` back to back (``raw.RawNode``).
+  the target polling ``get_new_notifs`` back to back (``raw_node.RawNode``).
 * **process_vm_writev** (the syscall UCX's CMA transport uses) with one iovec per descriptor, and
   single-threaded **memcpy** of the same shape: the machine's limits.
 * At 256 KiB (full run): kvpush and raw NIXL again with NIXL's progress thread *on*.
 * At 256 KiB and 1 MiB (full run): a second kvpush pair whose D has ``busy_spin_us=0`` (its
   receiver sleeps as soon as it is idle instead of polling on for 2 ms), in the same rounds.
+
+This module owns the parameters and the measurement (``run``, ``_size``); the tables, targets and
+chart are ``kvpush.bench.bandwidth_report``. Runs in the orchestrator process, on the thread that
+runs the scenario; the endpoints and the raw loops run in the workers.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
+from kvpush.bench.bandwidth_report import kib, report
 from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
 from kvpush.bench.procs import Cluster, Worker
-from kvpush.bench.report import Panel, Report, Series, fmt_num, line_chart
-from kvpush.bench.stats import median, ratio
+from kvpush.bench.report import Report
 
 BLOCKS = 4
 INFLIGHT = 8
@@ -39,10 +42,6 @@ PT_SIZE = 256 << 10
 #: Sizes at which a second kvpush pair runs with D's ``busy_spin_us`` = 0 (no spinning with
 #: ``sleep(0)`` after activity, which holds on to the GIL): same rounds, same raw baseline.
 NOSPIN_SIZES = (256 << 10, 1 << 20)
-
-
-def _kib(bs: int) -> str:
-    return f"{bs >> 20} MiB" if bs >= 1 << 20 else f"{bs >> 10} KiB"
 
 
 def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
@@ -68,7 +67,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         rt.wait_started()
         ri.wait_started()
         for bs in sizes:
-            progress(f"bandwidth: {_kib(bs)} blocks")
+            progress(f"bandwidth: {kib(bs)} blocks")
             res.append(
                 _size(
                     cl,
@@ -82,9 +81,9 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
                 )
             )
         if not quick:
-            progress(f"bandwidth: {_kib(PT_SIZE)} blocks with NIXL's progress thread on")
+            progress(f"bandwidth: {kib(PT_SIZE)} blocks with NIXL's progress thread on")
             pt = _size(cl, rt, ri, PT_SIZE, total, 2, progress_thread=True)
-    _report(rep, res, None if quick else pt, out_dir)
+    report(rep, res, None if quick else pt, out_dir)
     return rep.to_dict()
 
 
@@ -276,175 +275,3 @@ def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, blocks: int, bs: int) -
 def _write_time(pw: Worker) -> float:
     h = pw.call("stats")["histograms"].get("write_duration") or {}
     return float(h.get("sum", 0.0))
-
-
-def _report(
-    rep: Report, res: list[dict[str, Any]], pt: dict[str, Any] | None, out_dir: Path
-) -> None:
-    rows = []
-    figs = []
-    for e in res:
-        kv, raw = median(e["kvpush_gbps"]), median(e["raw_gbps"])
-        pv = median(e["pvw_gbps"]) if e["pvw_gbps"] else math.nan
-        mc = median(e["memcpy_gbps"]) if e["memcpy_gbps"] else math.nan
-        r = ratio(kv, raw)
-        rb = ratio(max(e["kvpush_gbps"]), max(e["raw_gbps"]))
-        rows.append(
-            [
-                _kib(e["block_bytes"]),
-                f"{e['request_bytes'] >> 10:,} KiB",
-                fmt_num(kv),
-                fmt_num(raw),
-                f"{r * 100:.0f}%" if math.isfinite(r) else "-",
-                f"{rb * 100:.0f}%" if math.isfinite(rb) else "-",
-                fmt_num(pv),
-                fmt_num(mc),
-                f"{median(e['kvpush_in_write']) * 100:.0f}%",
-                f"{median(e['kvpush_writer_cpu']) * 100:.0f}% / "
-                f"{median(e['kvpush_d_cpu']) * 100:.0f}%",
-                f"{e['verified']}/{e['verify_requests']}",
-            ]
-        )
-        figs.append(
-            {
-                **e,
-                "kvpush_median_gbps": kv,
-                "raw_median_gbps": raw,
-                "ratio": r,
-                "ratio_best": rb,
-                "pvw_median_gbps": pv,
-                "memcpy_median_gbps": mc,
-            }
-        )
-        if e["block_bytes"] >= 256 << 10:
-            rep.target(
-                f"kvpush / raw NIXL at {_kib(e['block_bytes'])} blocks",
-                ">= 90%",
-                f"{r * 100:.0f}% ({fmt_num(kv)} / {fmt_num(raw)} GB/s)",
-                r >= 0.9 if math.isfinite(r) else None,
-            )
-        if e["verified"] != e["verify_requests"] or e["kvpush_failed"]:
-            rep.target(
-                f"content verified at {_kib(e['block_bytes'])}",
-                "all",
-                f"{e['verified']}/{e['verify_requests']}, {e['kvpush_failed']} failed",
-                False,
-            )
-    rep.table(
-        f"GB/s (median of rounds), {BLOCKS} blocks x {REGIONS} regions per request, "
-        f"{INFLIGHT} in flight",
-        [
-            "block",
-            "request",
-            "kvpush",
-            "raw NIXL",
-            "kvpush/raw",
-            "best/best",
-            "process_vm_writev",
-            "memcpy",
-            "P WRITE time",
-            "P writer / D CPU",
-            "verified",
-        ],
-        rows,
-        note="best/best = best kvpush round / best raw round (the least disturbed rounds on a "
-        "shared host). kvpush timed without D's verification; 'verified' is a separate pass "
-        "in which P wrote the pattern and D checked every byte. 'P WRITE time' = P's "
-        "write_duration sum (telemetry) / elapsed: near 100% means a WRITE was always in "
-        "progress, above 100% that WRITEs overlapped; "
-        "CPU = share of one core used by P's writer thread and by D's process during the "
-        "kvpush rounds.",
-    )
-    ns = [e for e in res if e["kvpush_d_nospin_gbps"]]
-    if ns:
-        rep.table(
-            "D's receiver without spin-after-activity (busy_spin_us=0), same rounds (GB/s, median)",
-            [
-                "block",
-                "kvpush defaults",
-                "kvpush, D busy_spin_us=0",
-                "raw NIXL",
-                "D CPU default / 0",
-            ],
-            [
-                [
-                    _kib(e["block_bytes"]),
-                    fmt_num(median(e["kvpush_gbps"])),
-                    fmt_num(median(e["kvpush_d_nospin_gbps"])),
-                    fmt_num(median(e["raw_gbps"])),
-                    f"{median(e['kvpush_d_cpu']) * 100:.0f}% / "
-                    f"{median(e['kvpush_d_nospin_d_cpu']) * 100:.0f}%",
-                ]
-                for e in ns
-            ],
-            note="After any activity D's receiver keeps polling for busy_spin_us (default 2000 us) "
-            "before it sleeps; with a completion every millisecond or two it never sleeps, and on "
-            "a 2-core host that CPU is taken from P's writer, whose thread does the copy. A second "
-            "P/D pair with D at busy_spin_us=0 ran in the same rounds.",
-        )
-    if pt is not None:
-        kv, raw = median(pt["kvpush_gbps"]), median(pt["raw_gbps"])
-        base = next((f for f in figs if f["block_bytes"] == pt["block_bytes"]), None)
-        rep.table(
-            f"NIXL progress thread ON, {_kib(pt['block_bytes'])} blocks (GB/s)",
-            ["config", "kvpush", "raw NIXL", "kvpush/raw"],
-            [
-                ["progress thread on", fmt_num(kv), fmt_num(raw), f"{ratio(kv, raw) * 100:.0f}%"],
-                [
-                    "progress thread off (kvpush default)",
-                    fmt_num(base["kvpush_median_gbps"]) if base else "-",
-                    fmt_num(base["raw_median_gbps"]) if base else "-",
-                    f"{base['ratio'] * 100:.0f}%" if base else "-",
-                ],
-            ],
-            note="NIXL's Python agent starts a progress thread that spins a core; on a 2-core "
-            "host that "
-            "costs the WRITE its CPU. kvpush turns it off (--progress-thread to turn it on).",
-        )
-        rep.figures["progress_thread_on"] = {**pt, "kvpush_median_gbps": kv, "raw_median_gbps": raw}
-    rep.figures["sizes"] = figs
-    xs = [e["block_bytes"] >> 10 for e in res]
-    series = [
-        Series(
-            "kvpush end-to-end",
-            [(x, f["kvpush_median_gbps"]) for x, f in zip(xs, figs, strict=True)],
-            color="#1f77b4",
-        ),
-        Series(
-            "raw NIXL WRITE loop",
-            [(x, f["raw_median_gbps"]) for x, f in zip(xs, figs, strict=True)],
-            color="#d62728",
-        ),
-        Series(
-            "process_vm_writev",
-            [(x, f["pvw_median_gbps"]) for x, f in zip(xs, figs, strict=True)],
-            color="#2ca02c",
-            dash=True,
-        ),
-        Series(
-            "memcpy (1 thread)",
-            [(x, f["memcpy_median_gbps"]) for x, f in zip(xs, figs, strict=True)],
-            color="#7f7f7f",
-            dash=True,
-        ),
-    ]
-    if pt is not None:
-        x = pt["block_bytes"] >> 10
-        series.append(
-            Series("kvpush, progress thread on", [(x, median(pt["kvpush_gbps"]))], color="#9467bd")
-        )
-        series.append(
-            Series("raw NIXL, progress thread on", [(x, median(pt["raw_gbps"]))], color="#ff7f0e")
-        )
-    panel = Panel(
-        title=f"push bandwidth, {BLOCKS} blocks x {REGIONS} regions per request, "
-        f"{INFLIGHT} in flight",
-        series=series,
-        xlabel="block size (KiB, log)",
-        ylabel="GB/s",
-        logx=True,
-        xticks=[(x, _kib(x << 10)) for x in xs],
-    )
-    path = out_dir / "bandwidth.svg"
-    path.write_text(line_chart([panel], "bandwidth: kvpush vs raw NIXL vs the host's limits"))
-    rep.charts.append(str(path))

@@ -18,7 +18,7 @@ from kvpush.errors import ConfigError, ExitStatus, KvpushError
 
 def run_scenarios(scenario: str, quick: bool, json_out: bool, out_dir: Path | None) -> None:
     from kvpush import bench as b
-    from kvpush.bench.report import render_text
+    from kvpush.bench.render import render_text
 
     names = b.SCENARIOS if scenario == "all" else (scenario,)
     if scenario != "all" and scenario not in b.SCENARIOS:

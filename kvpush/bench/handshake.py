@@ -16,9 +16,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvpush.bench.chart import Panel, Series, line_chart
 from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
 from kvpush.bench.procs import Cluster
-from kvpush.bench.report import Panel, Report, Series, fmt_ms, fmt_x, line_chart
+from kvpush.bench.report import Report, fmt_ms, fmt_x
 from kvpush.bench.stats import median, percentile, ratio
 
 BLOCK_BYTES = 128  # small blocks: many descriptors without gigabytes of pool

@@ -1,4 +1,4 @@
-"""Load generators and probes that run *inside* an endpoint process (a bench worker).
+"""Load generators that run *inside* an endpoint process (a bench worker).
 
 Each command takes the worker state and JSON-able keyword arguments and returns a JSON-able
 result. P-side generators call ``PrefillEndpoint.prefill`` (fill + hand to the writer); D-side
@@ -13,6 +13,10 @@ Two shapes of load:
 * **closed loop** (``*_many``): D keeps ``inflight`` requests outstanding; P prefills ahead as far
   as its pool allows. Used for throughput.
 
+The endpoint itself is started here too (``start_endpoint``); what the scenarios read from it
+besides the generators' results (telemetry, handshake timings, CPU, GC pauses) is
+``kvpush.bench.probes``.
+
 Threads: the calling command thread, plus done-callbacks on D's completer thread.
 """
 
@@ -25,9 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from kvpush.config import HandshakeMode, parse_address
-
-_SC_CLK_TCK = os.sysconf("SC_CLK_TCK")
+from kvpush.bench.probes import process_cpu_s, threads_cpu_s
 
 
 def start_endpoint(state: Any, config: dict[str, Any]) -> dict[str, Any]:
@@ -296,134 +298,6 @@ def wait_idle(state: Any, timeout_s: float = 30.0) -> dict[str, Any]:
         time.sleep(0.01)
 
 
-# --------------------------------------------------------------------------- probes
-
-
-def stats(state: Any) -> dict[str, Any]:
-    snap: dict[str, Any] = state.endpoint.snapshot().to_dict()
-    return snap
-
-
-def handshake_series(
-    state: Any, p_addr: str, modes: list[str], repeats: int, settle_s: float = 0.0
-) -> dict[str, Any]:
-    """Handshake to ``p_addr`` ``repeats`` times per mode (interleaved), forgetting the peer
-    after each so the next one starts from nothing. Returns phase timings per mode."""
-    ep = state.endpoint
-    key = (*parse_address(p_addr), 0)  # the handshake manager's key: P's rank 0
-    out: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
-    for _ in range(repeats):
-        for m in modes:
-            t0 = time.perf_counter()
-            conn = ep.handshake_to(p_addr, HandshakeMode(m))
-            wall = time.perf_counter() - t0
-            row = dict(conn.timings)
-            row["call_s"] = wall
-            out[m].append(row)
-            old = ep.handshakes.evict(key, "bench: next round")
-            if old is not None:
-                ep.handshakes.release_conn(old)
-            if settle_s:
-                time.sleep(settle_s)
-    return out
-
-
-def metadata_sizes(state: Any) -> dict[str, int]:
-    """Bytes this endpoint sends in a handshake reply: its NIXL agent metadata in each mode
-    and kvpush's own endpoint metadata."""
-    ep = state.endpoint
-    return {
-        "agent_full": len(ep.ranks[0].agent_md_full),
-        "agent_conn_only": len(ep.ranks[0].agent_md_conn),
-        "endpoint": len(ep.ranks[0].md_bytes),
-    }
-
-
-def process_cpu_s() -> float:
-    """CPU seconds of this process (all threads), ns resolution (``os.times`` ticks 10 ms)."""
-    return time.process_time()
-
-
-def _thread_cpu_s(tid: int) -> float | None:
-    try:
-        with open(f"/proc/self/task/{tid}/schedstat") as f:
-            return int(f.read().split()[0]) / 1e9
-    except (OSError, ValueError, IndexError):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                parts = f.read().rsplit(")", 1)[1].split()
-            return (int(parts[11]) + int(parts[12])) / _SC_CLK_TCK
-        except (OSError, ValueError, IndexError):
-            return None
-
-
-def threads_cpu_s(state: Any) -> dict[str, float]:
-    """CPU seconds of the endpoint's owner threads (P's writer, D's receiver) and the process."""
-    out: dict[str, float] = {}
-    for t in threading.enumerate():
-        if t.name in (
-            "push-writer",
-            "decode-receiver",
-            "sidechannel-prefill",
-            "sidechannel-decode",
-        ):
-            v = _thread_cpu_s(t.native_id or 0)
-            if v is not None:
-                out[t.name] = v
-        elif t.name.startswith("completer"):
-            v = _thread_cpu_s(t.native_id or 0)
-            if v is not None:
-                out["completer"] = out.get("completer", 0.0) + v
-    out["process"] = process_cpu_s()
-    return out
-
-
-def cpu(state: Any) -> dict[str, float]:
-    return threads_cpu_s(state)
-
-
-# --------------------------------------------------------------------------- GC pauses
-
-_gc_log: list[tuple[int, float, float]] = []  # (generation, wall time, seconds)
-_gc_t0: list[float] = [0.0]
-
-
-def _gc_cb(phase: str, info: dict[str, Any]) -> None:
-    if phase == "start":
-        _gc_t0[0] = time.perf_counter()
-    elif len(_gc_log) < 100_000:
-        _gc_log.append(
-            (int(info.get("generation", -1)), time.time(), time.perf_counter() - _gc_t0[0])
-        )
-
-
-def gc_watch(state: Any) -> None:
-    """Start recording this process's garbage-collector pauses (they stop every thread)."""
-    import gc
-
-    _gc_log.clear()
-    if _gc_cb not in gc.callbacks:
-        gc.callbacks.append(_gc_cb)
-
-
-def gc_report(state: Any) -> dict[str, Any]:
-    """Pauses per generation since ``gc_watch``: count, total and max seconds, slowest times."""
-    import gc
-
-    out: dict[str, Any] = {"tracked_objects": len(gc.get_objects())}
-    for g in (0, 1, 2):
-        d = [x for x in _gc_log if x[0] == g]
-        out[f"gen{g}"] = {
-            "count": len(d),
-            "total_s": sum(x[2] for x in d),
-            "max_s": max((x[2] for x in d), default=0.0),
-        }
-    out["slowest"] = [
-        [round(t, 3), g, round(s, 4)] for g, t, s in sorted(_gc_log, key=lambda x: -x[2])[:10]
-    ]
-    return out
-
-
 COMMANDS: dict[str, Callable[..., Any]] = {
     "steady_decode": steady_decode,
     "decode_at": decode_at,
@@ -434,10 +308,4 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "prefill_many": prefill_many,
     "finish_many": finish_many,
     "wait_idle": wait_idle,
-    "stats": stats,
-    "handshake_series": handshake_series,
-    "cpu": cpu,
-    "metadata_sizes": metadata_sizes,
-    "gc_watch": gc_watch,
-    "gc_report": gc_report,
 }

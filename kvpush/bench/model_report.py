@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvpush.bench.report import Panel, Report, Series, fmt_num, line_chart
+from kvpush.bench.chart import Panel, Series, line_chart
+from kvpush.bench.report import Report, fmt_num
 from kvpush.bench.stats import median, ratio
 
 if TYPE_CHECKING:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench import noise
+from kvpush.bench.chart import Panel, Series, line_chart
 from kvpush.bench.common import (
     PREFILL_AHEAD_S,
     Progress,
@@ -25,7 +26,7 @@ from kvpush.bench.common import (
     warmup_s,
 )
 from kvpush.bench.procs import Cluster
-from kvpush.bench.report import Panel, Report, Series, fmt_ms, fmt_x, line_chart
+from kvpush.bench.report import Report, fmt_ms, fmt_x
 from kvpush.bench.stats import median, ratio, summary, window
 
 

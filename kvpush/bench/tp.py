@@ -22,9 +22,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvpush.bench.chart import Panel, Series, line_chart
 from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
 from kvpush.bench.procs import Cluster, Worker
-from kvpush.bench.report import Panel, Report, Series, fmt_num, line_chart
+from kvpush.bench.report import Report, fmt_num
 from kvpush.bench.stats import median, ratio
 
 PAGE = 256 << 10

@@ -51,14 +51,17 @@ class WorkerState:
 
 
 def _commands(state: WorkerState) -> dict[str, Callable[..., Any]]:
-    from kvpush.bench import loadgen, modelgen, raw
+    from kvpush.bench import host_limits, loadgen, modelgen, probes, raw, raw_node
 
     return {
         "start_endpoint": lambda **a: loadgen.start_endpoint(state, **a),
         "stop": lambda **a: _stop(state),
         "sleep": lambda s: time.sleep(s),
         **{name: _bind(fn, state) for name, fn in loadgen.COMMANDS.items()},
+        **{name: _bind(fn, state) for name, fn in probes.COMMANDS.items()},
+        **{name: _bind(fn, state) for name, fn in raw_node.COMMANDS.items()},
         **{name: _bind(fn, state) for name, fn in raw.COMMANDS.items()},
+        **{name: _bind(fn, state) for name, fn in host_limits.COMMANDS.items()},
         **{name: _bind(fn, state) for name, fn in modelgen.COMMANDS.items()},
     }
 

@@ -1,0 +1,223 @@
+"""Charts of scenario results: ``line_chart`` draws ``Panel``s of ``Series`` as one small,
+self-contained SVG document (no plotting dependency).
+
+A pure function: the scenario writes the returned text next to its JSON. Runs in the
+orchestrator process, on the thread that runs the scenario.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")
+
+
+@dataclass
+class Series:
+    name: str
+    points: list[tuple[float, float]]
+    color: str = ""
+    style: str = "line"  # "line" (with markers), "trace" (dense: no markers) or "dots"
+    dash: bool = False
+
+
+@dataclass
+class Panel:
+    title: str
+    series: list[Series]
+    xlabel: str
+    ylabel: str
+    logx: bool = False
+    logy: bool = False
+    spans: list[tuple[float, float, str]] = field(default_factory=list)  # shaded x ranges
+    hlines: list[tuple[float, str]] = field(default_factory=list)
+    marks: list[float] = field(default_factory=list)  # x positions of host stalls (red ticks)
+    marks_label: str = "red ticks: host stalls (a 5 ms timer in the bench woke > 20 ms late)"
+    xticks: list[tuple[float, str]] | None = None
+
+
+def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    if hi <= lo:
+        return [lo]
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = min((m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw), default=raw)
+    start = math.ceil(lo / step) * step
+    ticks = []
+    x = start
+    while x <= hi + step * 1e-9:
+        ticks.append(round(x, 10))
+        x += step
+    return ticks
+
+
+def _log_ticks(lo: float, hi: float) -> list[float]:
+    a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    return [10.0**k for k in range(a, b + 1)]
+
+
+def _tick_label(v: float) -> str:
+    if v == 0:
+        return "0"
+    if abs(v) >= 1e6 or abs(v) < 1e-3:
+        return f"{v:.0e}".replace("e+0", "e").replace("e-0", "e-")
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:g}"
+
+
+def line_chart(panels: Sequence[Panel], title: str, width: int = 900, panel_h: int = 260) -> str:
+    """A stack of panels sharing a width; returns SVG text."""
+    ml, mr, mt, mb = 70, 170, 30, 45
+    top = 34
+    h = top + len(panels) * (panel_h + mt + mb)
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" '
+        f'viewBox="0 0 {width} {h}" font-family="sans-serif" font-size="12">',
+        f'<rect width="{width}" height="{h}" fill="white"/>',
+        f'<text x="{width / 2}" y="20" text-anchor="middle" font-size="15" '
+        f'font-weight="bold">{html.escape(title)}</text>',
+    ]
+    for pi, p in enumerate(panels):
+        y0 = top + pi * (panel_h + mt + mb) + mt
+        parts.extend(_panel(p, ml, y0, width - ml - mr, panel_h, pi))
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+def _panel(p: Panel, x0: float, y0: float, w: float, h: float, idx: int) -> list[str]:
+    pts = [pt for s in p.series for pt in s.points if _ok(pt, p)]
+    if not pts:
+        pts = [(1.0, 1.0), (10.0, 10.0)]
+    xs = [x for x, _ in pts] + [a for a, _, _ in p.spans] + [b for _, b, _ in p.spans]
+    ys = [y for _, y in pts] + [y for y, _ in p.hlines]
+    xlo, xhi = min(xs), max(xs)
+    ylo, yhi = min(ys), max(ys)
+    if p.logy:
+        ylo, yhi = 10 ** math.floor(math.log10(ylo)), 10 ** math.ceil(math.log10(yhi))
+    else:
+        ylo = min(0.0, ylo)
+        yhi = yhi * 1.08 if yhi > 0 else 1.0
+    if p.logx:
+        xlo, xhi = xlo / 1.3, xhi * 1.3
+    elif xhi == xlo:
+        xlo, xhi = xlo - 1, xhi + 1
+
+    def sx(x: float) -> float:
+        if p.logx:
+            return x0 + (math.log10(x) - math.log10(xlo)) / (math.log10(xhi) - math.log10(xlo)) * w
+        return x0 + (x - xlo) / (xhi - xlo) * w
+
+    def sy(y: float) -> float:
+        if p.logy:
+            y = max(y, ylo)
+            return (
+                y0 + h - (math.log10(y) - math.log10(ylo)) / (math.log10(yhi) - math.log10(ylo)) * h
+            )
+        return y0 + h - (y - ylo) / (yhi - ylo) * h
+
+    out = [
+        f'<text x="{x0}" y="{y0 - 10}" font-size="13" font-weight="bold">'
+        f"{html.escape(p.title)}</text>",
+        f'<rect x="{x0}" y="{y0}" width="{w}" height="{h}" fill="none" stroke="#444"/>',
+    ]
+    clip = f"clip{idx}"
+    out.append(
+        f'<clipPath id="{clip}"><rect x="{x0}" y="{y0}" width="{w}" height="{h}"/></clipPath>'
+    )
+    for a, b, label in p.spans:
+        out.append(
+            f'<rect x="{sx(a):.1f}" y="{y0}" width="{max(1.0, sx(b) - sx(a)):.1f}" height="{h}" '
+            f'fill="#f4c542" fill-opacity="0.25"/>'
+        )
+        out.append(
+            f'<text x="{sx(a) + 3:.1f}" y="{y0 + 14}" font-size="11" fill="#8a6d00">'
+            f"{html.escape(label)}</text>"
+        )
+    yt = _log_ticks(ylo, yhi) if p.logy else _nice_ticks(ylo, yhi)
+    for v in yt:
+        if not (ylo <= v <= yhi):
+            continue
+        y = sy(v)
+        out.append(f'<line x1="{x0}" x2="{x0 + w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{x0 - 6}" y="{y + 4:.1f}" text-anchor="end">{_tick_label(v)}</text>')
+    xt = p.xticks or [
+        (v, _tick_label(v)) for v in (_log_ticks(xlo, xhi) if p.logx else _nice_ticks(xlo, xhi))
+    ]
+    for v, label in xt:
+        if not (xlo <= v <= xhi):
+            continue
+        x = sx(v)
+        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0}" y2="{y0 + h}" stroke="#eee"/>')
+        out.append(
+            f'<text x="{x:.1f}" y="{y0 + h + 16}" text-anchor="middle">{html.escape(label)}</text>'
+        )
+    for xm in p.marks:
+        if xlo <= xm <= xhi:
+            out.append(
+                f'<line x1="{sx(xm):.1f}" x2="{sx(xm):.1f}" y1="{y0 + h - 14}" y2="{y0 + h}" '
+                'stroke="#d00" stroke-width="2"/>'
+            )
+    if p.marks:
+        out.append(
+            f'<text x="{x0 + 4}" y="{y0 + h - 18}" font-size="10" fill="#d00">'
+            f"{html.escape(p.marks_label)}</text>"
+        )
+    for yv, label in p.hlines:
+        y = sy(yv)
+        out.append(
+            f'<line x1="{x0}" x2="{x0 + w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#888" '
+            'stroke-dasharray="4 3"/>'
+        )
+        out.append(
+            f'<text x="{x0 + w - 4}" y="{y - 4:.1f}" text-anchor="end" fill="#666" '
+            f'font-size="11">{html.escape(label)}</text>'
+        )
+    out.append(
+        f'<text x="{x0 + w / 2}" y="{y0 + h + 34}" text-anchor="middle">'
+        f"{html.escape(p.xlabel)}</text>"
+    )
+    out.append(
+        f'<text x="{x0 - 52}" y="{y0 + h / 2}" text-anchor="middle" '
+        f'transform="rotate(-90 {x0 - 52} {y0 + h / 2})">{html.escape(p.ylabel)}</text>'
+    )
+    for si, s in enumerate(p.series):
+        color = s.color or PALETTE[si % len(PALETTE)]
+        spts = [(sx(x), sy(y)) for x, y in s.points if _ok((x, y), p)]
+        g = [f'<g clip-path="url(#{clip})">']
+        if s.style == "dots":
+            r = "1.6" if len(spts) > 50 else "3.5"
+            g.extend(
+                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r}" fill="{color}" fill-opacity="0.7"/>'
+                for x, y in spts
+            )
+        elif spts:
+            d = " ".join(
+                f"{'M' if i == 0 else 'L'}{x:.1f},{y:.1f}" for i, (x, y) in enumerate(spts)
+            )
+            dash = ' stroke-dasharray="6 4"' if s.dash else ""
+            sw = "2" if s.style == "line" else "1"
+            g.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="{sw}"{dash}/>')
+            if s.style == "line":
+                g.extend(
+                    f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in spts
+                )
+        g.append("</g>")
+        out.extend(g)
+        ly = y0 + 12 + si * 18
+        lx = x0 + w + 12
+        out.append(f'<rect x="{lx}" y="{ly - 9}" width="12" height="12" fill="{color}"/>')
+        out.append(f'<text x="{lx + 18}" y="{ly + 1}">{html.escape(s.name)}</text>')
+    return out
+
+
+def _ok(pt: tuple[float, float], p: Panel) -> bool:
+    x, y = pt
+    if x is None or y is None or not (math.isfinite(x) and math.isfinite(y)):
+        return False
+    if p.logx and x <= 0:
+        return False
+    return not (p.logy and y <= 0)
