@@ -9,6 +9,7 @@ requests arrive on the side channel; their replies go out when the future resolv
 
 from __future__ import annotations
 
+import functools
 import secrets
 import threading
 import time
@@ -37,6 +38,10 @@ class VllmLeg:
     remote_request_id: str
     remote_tp_size: int = 1
     remote_pp_size: int = 1
+
+
+# A request names its P by address; parsing it once per address, not once per request.
+_parse_address = functools.lru_cache(maxsize=1024)(parse_address)
 
 
 class DecodeRole:
@@ -107,7 +112,7 @@ class DecodeRole:
 
         ``alloc_delay_s``: hold the request that long before it gets blocks, as a vLLM request
         waits in D's scheduler queue; D connects to P and heartbeats its lease meanwhile."""
-        p_addr = parse_address(prefill_address)
+        p_addr = _parse_address(prefill_address)
         if vllm_params is not None:
             if self.ctx.cfg.wire != Wire.VLLM:
                 fut0: Future[protocol.DecodeRep] = Future()
