@@ -13,6 +13,7 @@ import functools
 import json
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -132,28 +133,47 @@ def test_a_frozen_decode_is_routed_around(serve) -> None:
         "-p", p.address, "-d", d1.address, "-d", d2.address, "-n", "100000", "-c", "8",
         "--blocks", "1", "--timeout", "20",
     )  # fmt: skip
+    assert drive.stderr is not None and drive.stdout is not None
+    err = drive.stderr
+    err_lines: list[str] = []  # drive's stderr as it comes (peer events, progress)
+    reader = threading.Thread(target=lambda: err_lines.extend(iter(err.readline, "")))
+    reader.start()
+    down = f"decode {d1.address} is down (no answer to a liveness check"
     try:
         _until("D1 taking traffic", lambda: _counter(d1, "requests_ok") >= 20)
+        n0 = _counter(d2, "requests_ok")
+        time.sleep(2)
+        rate_before = _counter(d2, "requests_ok") - n0  # D2's requests in 2 s, D1 healthy
         d1.proc.send_signal(signal.SIGSTOP)
         try:
             before = _counter(d2, "requests_ok")
-            # While D1 is frozen, D2 goes on: drive marked D1 down and sends everything to D2.
+            # The first 2 s of the freeze, before drive can tell that D1 is frozen: D2 keeps
+            # its throughput (D1 holds only its own workers, not everyone's).
+            time.sleep(2)
+            rate_frozen = _counter(d2, "requests_ok") - before
+            assert rate_frozen >= rate_before / 4, (rate_before, rate_frozen)
+            # drive marks D1 down; D2 goes on, taking everything.
+            _until("drive to mark D1 down", lambda: any(down in ln for ln in err_lines))
+            marked = _counter(d2, "requests_ok")
             _until(
-                "D2 serving while D1 is frozen", lambda: _counter(d2, "requests_ok") > before + 200
+                "D2 serving while D1 is down", lambda: _counter(d2, "requests_ok") > marked + 100
             )
         finally:
             d1.proc.send_signal(signal.SIGCONT)
         thawed = _counter(d1, "requests_ok")
         _until("D1 back in the rotation", lambda: _counter(d1, "requests_ok") > thawed + 20)
         drive.send_signal(signal.SIGINT)  # the partial summary of an interrupted run
-        stdout, stderr = drive.communicate(timeout=120)
+        stdout = drive.stdout.read()
+        drive.wait(120)
+        reader.join(30)
     finally:
         drive.kill()
+    stderr = "".join(err_lines)
     out = json.loads(stdout)
     _accounted(out, 100000)
     assert drive.returncode == 130
     assert out["interrupted"] is True
-    assert f"decode {d1.address} is down (no answer to a liveness check" in stderr
+    assert down in stderr
     assert f"decode {d1.address} is back up" in stderr
     assert "drive: interrupted (SIGINT)" in stderr
     assert "Traceback" not in stderr

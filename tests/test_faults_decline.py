@@ -23,9 +23,11 @@ from tests.support.faults import (
     check_results,
     cluster_ctx,
     counters,
+    failures,
     gauges,
     request,
     run_leg,
+    run_legs,
     settle,
     wait_for,
 )
@@ -129,3 +131,80 @@ def test_p_stopping_gracefully_is_shutting_down_not_dead(tmp_path: Path) -> None
         assert time.monotonic() - t0 < DEADLINE_S / 2
         g = settle(d.address, quarantine_clears=True)
         assert g["pool_quarantined"] == 0, g
+
+
+def test_p_stopping_mid_load_is_shutting_down_for_every_request_in_flight(
+    tmp_path: Path,
+) -> None:
+    """P gets SIGTERM while two Ds pull steady load through it (every stage of a request in
+    flight: PUSH_REGs on their way, blocks finished or not, WRITEs posted). Every request that
+    was in flight ends with ``shutting_down`` -- P refuses the PUSH_REGs that reach it during
+    its drain, and tells each connected D at its end that it writes nothing more -- never with
+    ``prefill_dead``; requests started after P is gone find it unreachable."""
+    with cluster_ctx(tmp_path) as c:
+        p = c.start("prefill", "p")
+        ds = [c.start("decode", f"d{i}") for i in range(2)]
+        out: list[Result] = []
+        stop = threading.Event()
+
+        def worker(w: int) -> None:
+            i = 0
+            while not stop.is_set():
+                d = ds[(w + i) % 2]
+                out.append(run_leg(f"w{w}-{i}", p.address, d.address, 2, p_delay_s=0.002 * w))
+                i += 1
+
+        workers = [threading.Thread(target=worker, args=(w,)) for w in range(6)]
+        for t in workers:
+            t.start()
+        wait_for(lambda: sum(r.outcome == "ok" for r in out) >= 30, 30, "steady load")
+        c.stop("p")
+        stop.set()
+        for t in workers:
+            t.join(DEADLINE_S + 15)
+        reasons = check_results(out, allowed={"shutting_down", "prefill_unreachable"})
+        assert reasons["ok"] >= 30, reasons
+        assert reasons["shutting_down"] >= 1, reasons  # the requests in flight at the stop
+        for d in ds:
+            assert "prefill_dead" not in failures(d.address), failures(d.address)
+            settle(d.address, quarantine_clears=True)
+
+
+def test_a_burst_of_refusals_never_starves_a_healthy_d(tmp_path: Path) -> None:
+    """32 requests at a time into a D that refuses them all (as fast as it can refuse) beside
+    steady traffic to a healthy D through the same P: D's declines reach P in batches, so P's
+    pool never drains and the healthy D's requests all succeed."""
+    with cluster_ctx(tmp_path) as c:
+        p = c.start("prefill", "p")  # 256 blocks
+        small = c.start(
+            "decode", "small", pool={"num_blocks": 8, "layers": 2, "block_bytes": 16384}
+        )
+        ok = c.start("decode", "ok")
+        p_free = gauges(p.address)["pool_free"]
+        lowest = [p_free]
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                lowest[0] = min(lowest[0], gauges(p.address)["pool_free"])
+                time.sleep(0.01)
+
+        healthy: list[Result] = []
+
+        def load() -> None:
+            healthy.extend(run_legs([(f"h{i}", p.address, ok.address, 4) for i in range(120)], 4))
+
+        threads = [threading.Thread(target=watch), threading.Thread(target=load)]
+        for t in threads:
+            t.start()
+        refused = run_legs([(f"r{i}", p.address, small.address, 2) for i in range(600)], 32)
+        done.set()
+        for t in threads:
+            t.join(120)
+        assert check_results(healthy) == {"ok": 120}, check_results(healthy)
+        # (the small D serves what fits in its 8 blocks and refuses the rest)
+        reasons = check_results(refused, allowed={"no_free_blocks"})
+        assert reasons["no_free_blocks"] >= 300, reasons
+        print(f"P's free blocks: lowest {lowest[0]:.0f} of {p_free:.0f}")
+        assert _p_back(p.address, p_free, LEASE_S / 2) < LEASE_S / 2
+        assert counters(p.address).get("declines_received", 0) >= reasons["no_free_blocks"]

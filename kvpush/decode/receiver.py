@@ -392,6 +392,9 @@ class Receiver:
         self._tm.fail(Failure.UNKNOWN_COMPLETION)
 
     def _on_failure(self, sender: str, msg: protocol.Failure) -> None:
+        if not msg.request_id:
+            self._on_p_stopped(sender, msg)
+            return
         req = self.table.waiting(msg.request_id)
         if req is None:
             ab = self.table.abandoned(msg.request_id)
@@ -416,6 +419,21 @@ class Receiver:
             settled=set() if msg.may_have_written else {s},
             told={s},
         )
+
+    def _on_p_stopped(self, sender: str, msg: protocol.Failure) -> None:
+        """A P rank said it stopped (its drain is over: it writes nothing more): every request
+        still waiting on it ends now with P's reason, not when a heartbeat finds it gone."""
+        conn = self._hs.by_agent(sender)
+        if conn is None:
+            return  # not a P this D knows: nothing draws on it
+        reason = Failure.parse(msg.reason) or Failure.PREFILL_FAILED
+        rank = conn.key[2]
+        waiting, _ = self.table.of_peer(conn.key)
+        for r in waiting:
+            self._out.fail(r, reason, msg.detail or str(reason), settled={rank}, told={rank})
+        # Its connection is of no use any more: the next request to that address handshakes
+        # afresh (and finds P unreachable, or a new P there).
+        self._evict(conn.key, f"P stopped: {msg.reason}")
 
     # ------------------------------------------------------------------ heartbeats and peers
     def _heartbeat(self) -> None:

@@ -290,15 +290,21 @@ class Driver:
 
     def _one(self, i: int, wid: int) -> None:
         tried: set[str] = set()
+        # With a worker per D at least, each worker has a home D (worker w: D number w mod
+        # the Ds): a D that freezes holds only its own workers, in their requests already
+        # sent there, while the others keep every healthy D busy. Fewer workers than Ds go
+        # round robin.
+        home = wid if self.workers >= self.health.count("decode") else None
         while True:
             p = self.health.pick("prefill")
-            d = self.health.pick("decode")
+            d = self.health.pick("decode", home, tried)
             if p is None or d is None:
+                if p is not None and tried:  # every D that is up could not be reached just now
+                    last = sorted(tried)[-1]
+                    self._fail(i, reasons.UNREACHABLE["decode"], f"D {last}: no contact")
+                    return
                 role: reasons.Leg = "prefill" if p is None else "decode"
                 self._fail(i, reasons.UNREACHABLE[role], self.health.down_reason(role))
-                return
-            if d in tried:  # every D that is up could not be reached just now
-                self._fail(i, reasons.UNREACHABLE["decode"], f"D {d}: no contact")
                 return
             tried.add(d)
             with self._lock:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,16 +87,28 @@ class Health:
                 self._peers[address] = Peer(address, role, last_reply=time.monotonic())
                 self._order[role].append(address)
 
-    def pick(self, role: Leg) -> str | None:
-        """The next up peer of ``role`` in round-robin order; None when none is up."""
+    def pick(self, role: Leg, home: int | None = None, exclude: Collection[str] = ()) -> str | None:
+        """An up peer of ``role`` not in ``exclude``: the ``home``-th one when given and up
+        (a worker's own peer, so that a frozen peer holds only its own workers), else the next
+        in round-robin order; None when none is left."""
         with self._lock:
             order = self._order[role]
+            if not order:
+                return None
+            if home is not None:
+                addr = order[home % len(order)]
+                if self._peers[addr].up and addr not in exclude:
+                    return addr
             for _ in range(len(order)):
                 addr = order[self._rr[role] % len(order)]
                 self._rr[role] += 1
-                if self._peers[addr].up:
+                if self._peers[addr].up and addr not in exclude:
                     return addr
             return None
+
+    def count(self, role: Leg) -> int:
+        with self._lock:
+            return len(self._order[role])
 
     def any_up(self, role: Leg) -> bool:
         """Whether some peer of ``role`` is up (does not move the round robin)."""

@@ -99,6 +99,15 @@ class HandshakeManager:
                     return e.conn
         return None
 
+    def connected(self) -> list[PeerConn]:
+        """Every peer connected now."""
+        with self._lock:
+            return [
+                e.conn
+                for e in self._peers.values()
+                if e.state == PeerState.CONNECTED and e.conn is not None
+            ]
+
     def rows(self) -> list[dict[str, object]]:
         """Per-peer telemetry rows."""
         now = time.monotonic()

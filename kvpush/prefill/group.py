@@ -23,6 +23,7 @@ import numpy as np
 from kvpush.errors import KvpushError, NoFreeBlocksError, RankFailedError, ShuttingDownError
 from kvpush.prefill.role import PrefillRole
 from kvpush.prefill.table import PushOutcome
+from kvpush.prefill.writer import PushWriter
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.sidechannel import ReplyFn
@@ -46,14 +47,13 @@ class PrefillGroup:
             self._serve_wait(req, reply)
             return True
         if isinstance(req, protocol.DeclineReq) and req.origin == "decode":
+            tids = [req.transfer_id, *req.also]
             for role in self.roles:
-                role.ctx.telemetry.inc(Counter.DECLINES_RECEIVED)
+                role.ctx.telemetry.inc(Counter.DECLINES_RECEIVED, len(tids))
                 role.writer.tasks.put(
-                    functools.partial(
-                        role.writer.declined_by_d, req.transfer_id, req.reason, req.detail
-                    )
+                    functools.partial(_decline_all, role.writer, tids, req.reason, req.detail)
                 )
-            reply(protocol.DeclineRep(rid=req.rid, ended=len(self.roles)))
+            reply(protocol.DeclineRep(rid=req.rid, ended=len(self.roles) * len(tids)))
             return True
         return False
 
@@ -227,3 +227,9 @@ def _failed(req: protocol.PrefillReq, reason: Failure, detail: str) -> protocol.
 
 
 __all__ = ["PrefillGroup"]
+
+
+def _decline_all(writer: PushWriter, tids: list[str], reason: str, detail: str) -> None:
+    """On the writer's thread: D declined these transfers."""
+    for tid in tids:
+        writer.declined_by_d(tid, reason, detail)

@@ -132,6 +132,13 @@ class Outcomes:
             self._rl.warning("notify", "notification to %s failed: %s", conn.address, e)
             return False
 
+    def stopping(self, reason: Failure, detail: str) -> None:
+        """This P rank writes nothing more: a request-less ``Failure`` to every connected D
+        (kvpush's wire only; vLLM's has no such form and sees P's agent go)."""
+        note = protocol.Failure(request_id="", transfer_id="", reason=reason, detail=detail)
+        for conn in self._hs.connected():
+            self.notify(conn, note)
+
     def refuse_registration(self, r: Registration, reason: Failure, detail: str) -> None:
         """Tell D (when connected) that a registration that never met its blocks is dropped;
         nothing was written, so D can free its blocks at once."""

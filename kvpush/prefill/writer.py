@@ -345,9 +345,17 @@ class PushWriter:
     def _on_notif(self, sender: str, msg: protocol.Notif) -> None:
         if isinstance(msg, protocol.PushReg):
             self._tm.inc(Counter.PUSH_REGS_RECEIVED)
-            if not self._owner.stopping:
-                key = transfer_key(msg.request_id, True) if self._vllm else reg_key(msg)
-                self._on_registration(Registration(key, msg, sender, time.monotonic()))
+            key = transfer_key(msg.request_id, True) if self._vllm else reg_key(msg)
+            r = Registration(key, msg, sender, time.monotonic())
+            if self._owner.stopping:
+                # Too late to be served: D hears why now, not when P's agent is gone.
+                reason, detail = self._owner.stop_reason or (
+                    Failure.SHUTTING_DOWN,
+                    "P is shutting down",
+                )
+                self._out.refuse_registration(r, reason, detail)
+            else:
+                self._on_registration(r)
         elif isinstance(msg, protocol.Heartbeat):
             self._tm.inc(Counter.HEARTBEATS_RECEIVED)
             keys = [transfer_key(t, self._vllm) for t in msg.transfer_ids]
@@ -408,6 +416,10 @@ class PushWriter:
             self._out.fail(st.push, reason, f"{detail}: the handshake was pending")
         self.tasks.close()
         self._legs.close()
+        # Nothing more is written from here on: every D this rank is connected to hears it
+        # (and why), so requests that drew on this rank end with that reason at once --
+        # including the ones whose PUSH_REG is still on its way or not yet sent.
+        self._out.stopping(reason, detail)
 
     def abort(self, error: BaseException) -> None:
         """This rank's loop died: fail every push now (in-flight WRITEs get a short grace to

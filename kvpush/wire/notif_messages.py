@@ -54,7 +54,9 @@ class Heartbeat(Struct, tag="hb", frozen=True, kw_only=True):
 
 
 class Failure(Struct, tag="fail", frozen=True, kw_only=True):
-    """P -> D: P cannot push this request; D fails it at once with the reason."""
+    """P -> D: P cannot push this request; D fails it at once with the reason. With no
+    ``request_id``: this P rank stops and writes nothing more (sent at the end of its drain),
+    so D fails every request still drawing on it with the reason."""
 
     request_id: Str256
     transfer_id: Str256 = ""

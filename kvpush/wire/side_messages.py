@@ -26,6 +26,8 @@ from kvpush.wire.fields import (
     Str256,
 )
 
+MAX_DECLINE_BATCH = 1024  # transfers one DeclineReq may carry beyond its first
+
 # --------------------------------------------------------------------------- metadata / handshake
 
 
@@ -243,6 +245,10 @@ class DeclineReq(Struct, tag="decline", frozen=True, kw_only=True):
     reason: Str128
     detail: Str1k = ""
     origin: Literal["prefill", "decode"]
+    # D -> P: more transfers declined for the same reason (a refusing D under load batches
+    # what queued up while the last one was sent, so P frees blocks as fast as D refuses);
+    # ``request_id`` and ``detail`` are the first one's.
+    also: Annotated[list[Str256], Meta(max_length=MAX_DECLINE_BATCH)] = []
 
 
 class DeclineRep(Struct, tag="decline", frozen=True, kw_only=True):
