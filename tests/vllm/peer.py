@@ -688,7 +688,9 @@ class Engine:
         with open(path + ".tmp", "wb") as f:
             for name in self.geo.layer_names:
                 for b in blocks:
-                    f.write(self.caches[name][b].contiguous().view(self.torch.uint8).numpy())
+                    f.write(
+                        self.caches[name][b].contiguous().view(self.torch.uint8).numpy().tobytes()
+                    )
         os.replace(path + ".tmp", path)
 
     def rank_sha256(self, blocks: list[int], paths: list[str]) -> str:
@@ -703,7 +705,7 @@ class Engine:
         h = hashlib.sha256()
         for li, name in enumerate(self.geo.layer_names):
             for bi, b in enumerate(blocks):
-                h.update(self.caches[name][b].contiguous().view(self.torch.uint8).numpy())
+                h.update(self.caches[name][b].contiguous().view(self.torch.uint8).numpy().tobytes())
                 at = (li * len(blocks) + bi) * per
                 for data in others:
                     h.update(data[at : at + per])
