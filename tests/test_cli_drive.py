@@ -53,7 +53,10 @@ def test_drive_two_decoders_round_robin(pd_pair, serve, kvpush_run) -> None:
         "drive", "-p", p.address, "-d", d.address, "-d", d2.address, "-n", "40", "--json"
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    assert json.loads(r.stdout)["by_decode"] == {d.address: 20, d2.address: 20}
+    # The 8 workers are spread over the two Ds (4 each, closed loop): both take a share.
+    by = json.loads(r.stdout)["by_decode"]
+    assert set(by) == {d.address, d2.address} and sum(by.values()) == 40, by
+    assert min(by.values()) >= 8, by
 
 
 def test_drive_unverified_exits_1(pd_pair, serve, kvpush_run) -> None:

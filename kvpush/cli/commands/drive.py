@@ -32,8 +32,10 @@ from kvpush.errors import ConfigError, ExitStatus
 
 DOC = """Act as the router: send both legs of N requests to running P and D endpoints.
 
-For each request the decode leg goes to the next D that is up (round robin) and the prefill
-leg to the next P, both in flight together. A peer that refuses connections or misses a
+For each request the decode leg goes to a D that is up -- each of the --concurrency workers
+has its own (workers spread evenly over the Ds, so a frozen D holds only its own workers; with
+fewer workers than Ds, round robin) -- and the prefill leg to the next P, both in flight
+together. A peer that refuses connections or misses a
 liveness check is marked down at once and traffic goes to the others; it is re-checked and
 comes back. Ends with ok/failed counts, failures by reason, latency percentiles, throughput
 and whether every byte verified; every request is accounted for. Ctrl-C stops intake, waits
