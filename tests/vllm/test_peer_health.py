@@ -5,8 +5,9 @@ dead listener, a dead engine and a received notification are actually seen. A fr
 hurt with the two faults of VLLM_INTEROP.md section 1, by hand-made messages (not kvpush): a
 side-channel message that is not 3 frames kills its listener thread; a NIXL notification in
 none of vLLM's three forms kills its engine (``ValueError`` in ``_get_new_notifs``). Another
-fresh D meets a kvpush command known to kill its listener (strict xfail: it flips when kvpush
-is fixed). Each test gets its own engine; the module starts both at once.
+fresh D meets the kvpush command that would kill its listener (probe of a rank it does not
+serve): kvpush refuses to send it, and the listener lives. Each test gets its own engine; the
+module starts both at once.
 """
 
 from __future__ import annotations
