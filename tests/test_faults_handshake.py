@@ -151,6 +151,7 @@ def _named(text: str) -> dict[str, tuple[str, str]]:
     }
 
 
+@pytest.mark.slow  # ~20 s: in `make test-slow` (CI), keeps `make test` under 10 minutes
 def test_compat_mismatch_names_every_field_on_both_sides(tmp_path: Path) -> None:
     with cluster_ctx(tmp_path) as c:
         p = c.start("prefill", "p")

@@ -76,6 +76,7 @@ def _flood_side_channel(address: str, n: int, seed: int) -> int:
     return got
 
 
+@pytest.mark.slow  # ~20 s: in `make test-slow` (CI), keeps `make test` under 10 minutes
 def test_junk_flood_on_side_channel_and_notifications(tmp_path: Path) -> None:
     with cluster_ctx(tmp_path) as c:
         p = c.start("prefill", "p", max_frame_bytes=MAX_FRAME)
