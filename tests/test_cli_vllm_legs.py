@@ -25,7 +25,7 @@ import msgspec
 import pytest
 
 from tests.conftest import Done, Served, ServeFactory, run_cli
-from tests.support.faults import counters, failures
+from tests.support.faults import counters, failures, gauges
 from tests.support.procs import KVPUSH, clean_env, wait_ready
 
 USAGE, ERROR, NOT_READY, UNREACHABLE = 2, 1, 3, 69
@@ -459,9 +459,13 @@ def test_prefill_leg_into_a_d_of_twice_the_tp(tmp_path_factory: pytest.TempPathF
         page = 16 * 2 * 16 * 2 * 2  # tokens x heads x head dim x (K, V) x fp16: the model's
         assert dec["outcome"] == "ok" and pushed["outcome"] == "ok", (dec, pushed)
         assert dec["nbytes"] == pushed["nbytes"] == 3 * 2 * page
+        # D's two ranks together hold the model's page: the digest of what P pushed
+        assert dec["sha256"] == pushed["sha256"] and len(dec["sha256"]) == 64, (dec, pushed)
         c = counters(p.address)
         assert c["push_regs_received"] == 2 and c["pushes_ok"] == 1, c
         assert c["handshakes_ok"] == 2, c  # a full handshake of each D rank
         assert failures(p.address) == {} and failures(d.address) == {}
+        g = gauges(d.address)
+        assert g["pool_free"] == g["pool_total"], g  # the held shares were freed
     finally:
         f.close()

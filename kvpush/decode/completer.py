@@ -54,7 +54,8 @@ class Completer:
             log.exception("verification of %s failed", req.request_id)
             verified = False
         finally:
-            self._pool.allocator.release(req.request_id)
+            if not req.hold or verified is False:
+                self._pool.allocator.release(req.request_id)
         latency = time.monotonic() - req.t_start
         if verified is False:
             self._tm.fail(Failure.VERIFY_FAILED)

@@ -14,6 +14,7 @@ each rank's own telemetry counts its share. Holds no request state beyond the fu
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import secrets
 import threading
 import time
@@ -112,7 +113,9 @@ class DecodeGroup:
                 self._count(rep)
                 return dead
 
-        def start(role: DecodeRole, rid: str, dig: bool) -> Future[protocol.DecodeRep]:
+        def start(
+            role: DecodeRole, rid: str, dig: bool, hold: bool = False
+        ) -> Future[protocol.DecodeRep]:
             return role.decode(
                 transfer_id,
                 prefill_address,
@@ -122,6 +125,7 @@ class DecodeGroup:
                 vllm_params,
                 dig,
                 alloc_delay_s,
+                hold,
             )
 
         if len(self.roles) == 1:
@@ -132,14 +136,19 @@ class DecodeGroup:
             base = vllm.base_request_id(vllm_params.remote_request_id or transfer_id)
             request_id = f"{base}-{secrets.token_hex(4)}"
         t0 = time.monotonic()
-        # No digest per rank: a digest of the whole model page needs every rank's bytes at once.
-        subs = [start(role, request_id, False) for role in self.roles]
+        # A digest is of the whole model page: every rank keeps its blocks after its ok answer
+        # (``hold``) until the group has read them all, rank by rank within each block.
+        whole = digest or vllm_params is not None
+        subs = [start(role, request_id, False, whole) for role in self.roles]
         out: Future[protocol.DecodeRep] = Future()
         lock = threading.Lock()
 
         def joined(_f: Future[protocol.DecodeRep]) -> None:
             with lock:
                 if out.done():
+                    # A share that landed after the request failed: nobody digests it.
+                    if whole and _f.result().outcome == "ok":
+                        self.roles[subs.index(_f)].release_held(_f.result().request_id)
                     return
                 reps = [f.result() for f in subs if f.done()]
                 failed = next(
@@ -176,8 +185,13 @@ class DecodeGroup:
                             if any(r.verified is None for r in reps)
                             else all(bool(r.verified) for r in reps)
                         ),
+                        sha256=self._whole_digest([r.request_id for r in reps]) if whole else "",
                     )
                 out.set_result(res)
+            if whole:  # the shares held for the digest (a failed rank freed its own)
+                for role, f in zip(self.roles, subs, strict=True):
+                    if f.done() and f.result().outcome == "ok":
+                        role.release_held(f.result().request_id)
             if failed is not None:
                 # The other ranks' shares cannot make a whole request any more.
                 for r, f in enumerate(subs):
@@ -189,6 +203,22 @@ class DecodeGroup:
         for f in subs:
             f.add_done_callback(joined)
         return out
+
+    def _whole_digest(self, request_ids: list[str]) -> str:
+        """sha256 of the model's page of every block of the request, as a D at TP 1 holds it:
+        region by region, block by block, each block's heads in rank order (heads outermost in
+        a page, so rank r's page is the r-th slice); one rank's when the page is replicated."""
+        pools = [role.ctx.pool for role in self.roles]
+        ids = [p.allocator.blocks_of(rid) for p, rid in zip(pools, request_ids, strict=True)]
+        if pools[0].cfg.replicated:
+            return pools[0].digest(ids[0])
+        h = hashlib.sha256()
+        for region in range(pools[0].cfg.regions):
+            rows = [p.region_rows(region, i) for p, i in zip(pools, ids, strict=True)]
+            for b in range(len(ids[0])):
+                for share in rows:
+                    h.update(share[b].data)
+        return h.hexdigest()
 
     def _declined(self, prefill_address: str, rep: protocol.DecodeRep) -> None:
         """A request D failed for a reason of its own (P did not fail it, nothing landed):

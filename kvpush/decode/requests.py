@@ -62,6 +62,8 @@ class DRequest:
     p_tp_size: int = 1
     p_pp_size: int = 1
     digest: bool = False  # answer with the sha256 of the received bytes
+    # Keep the blocks after an ok answer (the rank group digests every rank's, then frees).
+    hold: bool = False
     # An abandoned request whose P cannot fence (vLLM's wire) is released after this time.
     quarantine_until: float = math.inf
     # A request held in D's queue before it gets blocks (as a scheduled vLLM request waits):

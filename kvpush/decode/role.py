@@ -102,6 +102,7 @@ class DecodeRole:
         vllm_params: VllmLeg | None = None,
         digest: bool = False,
         alloc_delay_s: float = 0.0,
+        hold: bool = False,
     ) -> Future[protocol.DecodeRep]:
         """Register ``num_blocks`` blocks with P for ``transfer_id``; the future resolves with a
         ``DecodeRep`` (ok, or failed with a reason).
@@ -111,7 +112,10 @@ class DecodeRole:
         ``transfer_id`` is P's request id (what heartbeats name).
 
         ``alloc_delay_s``: hold the request that long before it gets blocks, as a vLLM request
-        waits in D's scheduler queue; D connects to P and heartbeats its lease meanwhile."""
+        waits in D's scheduler queue; D connects to P and heartbeats its lease meanwhile.
+
+        ``hold``: an ok answer keeps the blocks (no digest here): the rank group digests
+        every rank's share, then frees them (``release_held``)."""
         p_addr = _parse_address(prefill_address)
         if vllm_params is not None:
             if self.ctx.cfg.wire != Wire.VLLM:
@@ -143,7 +147,8 @@ class DecodeRole:
             t_start=t0,
             deadline=t0 + dl,
             nbytes=num_blocks * cfg.pool.bytes_per_block_all_regions,
-            digest=digest or vllm_params is not None,
+            digest=(digest or vllm_params is not None) and not hold,
+            hold=hold,
         )
         if vllm_params is not None:
             req.p_engine_id = vllm_params.remote_engine_id
@@ -174,6 +179,14 @@ class DecodeRole:
                 return refuse(Failure.DUPLICATE_REQUEST, "request id in use")
             return refuse(Failure.BAD_REQUEST, str(e))
         return self._submit(req)
+
+    def held_blocks(self, request_id: str) -> np.ndarray:
+        """The blocks an ok request answered with ``hold`` still keeps (empty: none)."""
+        return self.ctx.pool.allocator.blocks_of(request_id)
+
+    def release_held(self, request_id: str) -> None:
+        """Free what ``hold`` kept (no-op when it holds nothing)."""
+        self.ctx.pool.allocator.release(request_id)
 
     def _submit(self, req: DRequest) -> Future[protocol.DecodeRep]:
         try:

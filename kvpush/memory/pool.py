@@ -201,6 +201,14 @@ class KvPool:
                 h.update(np.ascontiguousarray(rows.cpu().numpy()).data)
         return h.hexdigest()
 
+    def region_rows(self, region: int, block_ids: np.ndarray) -> np.ndarray:
+        """The bytes of these blocks of one region: uint8 ``(len(block_ids), block_bytes)``, a
+        copy (for a digest over several ranks' pools, block by block)."""
+        ids = np.ascontiguousarray(block_ids, dtype=np.int64).reshape(-1)
+        self._chunks(ids)  # validates the ids
+        rows = self.tensor[region].index_select(0, self._index(ids))
+        return np.ascontiguousarray(rows.cpu().numpy()).view(np.uint8).reshape(ids.size, -1)
+
     def scrub(self, block_ids: np.ndarray) -> None:
         """Overwrite these blocks in every region with ``POISON_BYTE``."""
         words = _as_words(self.tensor)
