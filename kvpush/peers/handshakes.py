@@ -36,7 +36,7 @@ from kvpush.errors import (
 )
 from kvpush.memory.descriptors import block_descs
 from kvpush.peers.state import PeerConn, PeerEntry, PeerKey, peer_key, peer_name
-from kvpush.peers.tp import check_ratio, write_slice
+from kvpush.peers.tp import Slice, check_ratio, write_slice
 from kvpush.peers.validation import check_reply, mode_satisfies
 from kvpush.peers.vllm_peer import PeerHint, check_vllm_answer
 from kvpush.ratelog import RateLimitedLog
@@ -319,6 +319,7 @@ class HandshakeManager:
         name = self._agent.add_remote(agent_md)
         t2 = time.perf_counter()
         dlist: DList | None = None
+        sl: Slice | None = None  # P -> D full: this rank's part of each of D's pages
         try:
             if md.agent_name and name != md.agent_name:
                 raise HandshakeError(
@@ -381,6 +382,7 @@ class HandshakeManager:
             mode=mode,
             remote_dlist=dlist,
             timings=timings,
+            write=sl,
             rtt_s=rtt,
             clock_offset_s=clock_offset,
         )

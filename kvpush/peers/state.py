@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvpush.config import HandshakeMode, format_address
+from kvpush.peers.tp import Slice
 from kvpush.peers.vllm_peer import PeerHint
 from kvpush.telemetry.names import PeerState
 from kvpush.transport.nixl import DList
@@ -39,6 +40,9 @@ class PeerConn:
     timings: dict[str, float]
     rtt_s: float
     clock_offset_s: float
+    # P -> D full handshake: what this P rank writes of each of that D rank's pages (the
+    # remote descriptor list covers just that); None for any other handshake.
+    write: Slice | None = None
     connected_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     released: bool = False

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from kvpush.config import EndpointConfig
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import PeerConn, PeerKey
-from kvpush.peers.tp import Slice, write_slice
+from kvpush.peers.tp import Slice
 from kvpush.prefill.fences import Fences
 from kvpush.prefill.outcomes import Outcomes
 from kvpush.prefill.plan import LocalGeometry, PlanError, WritePlan, plan_write
@@ -82,7 +82,6 @@ class Legs:
         self._rl = rl
         self.local_dlist: DList | None = None  # the whole pool's, from open() on
         self._chunk_dlists: dict[tuple[int, int], DList] = {}  # (offset, length) of each page
-        self._slices: dict[tuple[int, int, int], Slice] = {}  # D's (rank, TP, page) -> slice
 
     # ------------------------------------------------------------------ descriptor lists
     def open(self) -> None:
@@ -128,8 +127,9 @@ class Legs:
                 )
                 self._rewait(push.finished)
                 return
+            sl = conn.write  # computed (and checked) by the full handshake
+            assert sl is not None, "a WRITE needs a full P -> D handshake"
             try:
-                sl = self._slice(conn)
                 plan = plan_write(push.finished.block_ids, reg, conn.metadata, self._geom, sl)
             except PlanError as e:
                 self._out.fail(push, e.reason, e.detail)
@@ -149,31 +149,6 @@ class Legs:
         elif not w.legs and not w.settled:  # every leg failed at post, or the last one did
             self._table.forget(w)
             self.settle(w)
-
-    def _slice(self, conn: PeerConn) -> Slice:
-        """What this rank writes of each page of ``conn``'s D rank (cached per D geometry:
-        a push should not redo the TP arithmetic)."""
-        md = conn.metadata
-        key = (md.tp_rank, md.tp_size, md.block_bytes)
-        sl = self._slices.get(key)
-        if sl is None:
-            sl = self._slices[key] = self._compute_slice(conn)
-        return sl
-
-    def _compute_slice(self, conn: PeerConn) -> Slice:
-        md = conn.metadata
-        try:
-            return write_slice(
-                self.cfg.tp_rank,
-                md.tp_rank,
-                self.cfg.tp_size,
-                md.tp_size,
-                self._geom.block_bytes,
-                md.block_bytes,
-                self._pool.cfg.replicated,
-            )
-        except ValueError as e:
-            raise PlanError(Failure.INCOMPATIBLE, f"{conn.address}: {e}") from None
 
     def _local_slice(self, sl: Slice) -> DList:
         """The local descriptor list of a chunk of every page (prepared once per chunk)."""

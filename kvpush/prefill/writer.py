@@ -349,11 +349,7 @@ class PushWriter:
             r = Registration(key, msg, sender, time.monotonic())
             if self._owner.stopping:
                 # Too late to be served: D hears why now, not when P's agent is gone.
-                reason, detail = self._owner.stop_reason or (
-                    Failure.SHUTTING_DOWN,
-                    "P is shutting down",
-                )
-                self._out.refuse_registration(r, reason, detail)
+                self._out.refuse_registration(r, *self._stop_why())
             else:
                 self._on_registration(r)
         elif isinstance(msg, protocol.Heartbeat):
@@ -382,14 +378,7 @@ class PushWriter:
         """Stop intake, fail what cannot finish, wait for in-flight WRITEs until the deadline.
         Every transfer still held ends in an outcome (``why``: the owner's stop reason, else
         ``shutting_down``); every D that registered is told, so it frees its blocks at once."""
-        reason, detail = (
-            why
-            or self._owner.stop_reason
-            or (
-                Failure.SHUTTING_DOWN,
-                "P is shutting down",
-            )
-        )
+        reason, detail = why or self._stop_why()
         for f in self.finished.close():
             self._pool.allocator.release(f.key)
             self._on_outcome(PushOutcome(f.transfer_id, False, reason, detail))
@@ -420,6 +409,11 @@ class PushWriter:
         # (and why), so requests that drew on this rank end with that reason at once --
         # including the ones whose PUSH_REG is still on its way or not yet sent.
         self._out.stopping(reason, detail)
+
+    def _stop_why(self) -> tuple[Failure, str]:
+        """Why work this rank still holds ends now: the owner's stop reason (a failed rank),
+        else a graceful stop."""
+        return self._owner.stop_reason or (Failure.SHUTTING_DOWN, "P is shutting down")
 
     def abort(self, error: BaseException) -> None:
         """This rank's loop died: fail every push now (in-flight WRITEs get a short grace to
