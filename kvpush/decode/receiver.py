@@ -7,7 +7,8 @@ heartbeats for waiting requests and enforces each request's deadline. A whole re
 the completer (verification off this thread). A request that fails after its PUSH_REG went out
 tells P (``Cancel``) and keeps its blocks quarantined until P's fence or the WRITE's own
 completion says no more bytes can land (vLLM's C1: never hand them to the next request before);
-how a failed request ends and when its blocks come back is ``kvpush.decode.outcomes``.
+how a failed request ends and when its blocks come back is ``kvpush.decode.outcomes``;
+heartbeats and P ranks that are gone or stopped are ``kvpush.decode.peers``.
 
 Seams: everything it touches is handed in (agent, pool, handshakes, codec, telemetry, the local
 metadata, the completer), so component tests drive it with the one fake agent.
@@ -22,6 +23,7 @@ from concurrent.futures import Future
 from kvpush.config import EndpointConfig, HandshakeMode, format_address
 from kvpush.decode.completer import Completer
 from kvpush.decode.outcomes import Outcomes, failed_rep
+from kvpush.decode.peers import PrefillPeers
 from kvpush.decode.requests import DRequest, DState, RequestTable
 from kvpush.errors import IncompatiblePeerError, NoFreeBlocksError
 from kvpush.memory.pool import KvPool
@@ -38,8 +40,6 @@ from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
-
-HEARTBEAT_BATCH = 4096  # transfer ids per Heartbeat notification
 
 
 class Receiver:
@@ -76,6 +76,7 @@ class Receiver:
         self.declines = owner.inbox("decode-decline", 1 << 16, self._on_decline, self._item_failed)
         self._rl = RateLimitedLog(log)
         self._out = Outcomes(cfg, agent, pool, codec, telemetry, metadata, self.table, self._rl)
+        self._peers = PrefillPeers(agent, handshakes, codec, telemetry, self.table, self._out)
         self._next_hb = 0.0
         self._n_new = 0
         owner.attach(self)
@@ -108,11 +109,11 @@ class Receiver:
             )
         if now >= self._next_hb:
             self._next_hb = now + self.cfg.timeouts.heartbeat_s
-            self._heartbeat()
+            self._peers.heartbeat()
         busy = self.table.busy_peers()
         for key in self._hs.idle(self.cfg.timeouts.peer_idle_ttl_s):
             if key not in busy:
-                self._evict(key, "idle")
+                self._peers.evict(key, "idle")
 
     def drain(self, deadline: float) -> None:
         """Stop: fail what is still waiting (P is told), fail what never reached this thread."""
@@ -214,7 +215,7 @@ class Receiver:
             if not req.relearned and not req.registered:
                 req.relearned = True
                 for s in list(req.p_conns):
-                    self._evict(req.key(s), "P's TP size changed", keep=req.request_id)
+                    self._peers.evict(req.key(s), "P's TP size changed", keep=req.request_id)
                 req.p_tp, req.sources = 0, ()
                 req.p_conns.clear()
                 self._connect_and_register(req)
@@ -311,7 +312,7 @@ class Receiver:
                     # P restarted or vanished: forget that rank and handshake afresh once.
                     req.attempts += 1
                     del req.p_conns[s]
-                    self._evict(req.key(s), f"PUSH_REG failed: {e.kind}", keep=req.request_id)
+                    self._peers.evict(req.key(s), f"PUSH_REG failed: {e.kind}", keep=req.request_id)
                     self._connect_and_register(req)
                     return
                 self._out.fail(req, Failure.PREFILL_UNREACHABLE, str(e))
@@ -393,7 +394,7 @@ class Receiver:
 
     def _on_failure(self, sender: str, msg: protocol.Failure) -> None:
         if not msg.request_id:
-            self._on_p_stopped(sender, msg)
+            self._peers.stopped(sender, msg)
             return
         req = self.table.waiting(msg.request_id)
         if req is None:
@@ -419,50 +420,3 @@ class Receiver:
             settled=set() if msg.may_have_written else {s},
             told={s},
         )
-
-    def _on_p_stopped(self, sender: str, msg: protocol.Failure) -> None:
-        """A P rank said it stopped (its drain is over: it writes nothing more): every request
-        still waiting on it ends now with P's reason, not when a heartbeat finds it gone."""
-        conn = self._hs.by_agent(sender)
-        if conn is None:
-            return  # not a P this D knows: nothing draws on it
-        reason = Failure.parse(msg.reason) or Failure.PREFILL_FAILED
-        rank = conn.key[2]
-        waiting, _ = self.table.of_peer(conn.key)
-        for r in waiting:
-            self._out.fail(r, reason, msg.detail or str(reason), settled={rank}, told={rank})
-        # Its connection is of no use any more: the next request to that address handshakes
-        # afresh (and finds P unreachable, or a new P there).
-        self._evict(conn.key, f"P stopped: {msg.reason}")
-
-    # ------------------------------------------------------------------ heartbeats and peers
-    def _heartbeat(self) -> None:
-        for conn, tids in self.table.heartbeat_groups():
-            for i in range(0, max(len(tids), 1), HEARTBEAT_BATCH):
-                try:
-                    self._agent.send_notif(
-                        conn.agent_name,
-                        self._codec.encode(
-                            protocol.Heartbeat(transfer_ids=tids[i : i + HEARTBEAT_BATCH])
-                        ),
-                    )
-                    self._tm.inc(Counter.HEARTBEATS_SENT)
-                except TransferError as e:
-                    if e.kind == "peer_dead":
-                        self._evict(conn.key, "heartbeat failed: P disconnected")
-                        break
-
-    def _evict(self, key: PeerKey, reason: str, keep: str = "") -> None:
-        """A P rank is gone (or restarted): fail the requests it writes for (the other ranks
-        are told to drop them), settle what it left quarantined."""
-        conn = self._hs.evict(key, reason)
-        rank = key[2]
-        waiting, abandoned = self.table.of_peer(key)
-        for r in waiting:
-            if rank in r.registered and r.request_id != keep:
-                r.p_conns.pop(rank, None)
-                self._out.fail(r, Failure.PREFILL_DEAD, reason, settled={rank})
-        for ab in abandoned:
-            self._out.settle_abandoned(ab, rank, "P removed")
-        if conn is not None:
-            self._hs.release_conn(conn)
