@@ -7,14 +7,13 @@ them. Every invalid value raises ``ConfigError`` with a hint, before any resourc
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import re
-import socket
 import uuid
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
 
+from kvpush.address import binds_all_interfaces
 from kvpush.errors import ConfigError
 
 Role = Literal["prefill", "decode"]
@@ -345,20 +344,6 @@ class VllmWireConfig:
             )
 
 
-def _binds_all_interfaces(host: str) -> bool:
-    """True for every spelling of the unspecified address (0.0.0.0, ::, [::], 0, *)."""
-    h = host.strip().strip("[]")
-    if h in ("*", ""):
-        return True
-    try:
-        return ipaddress.ip_address(h).is_unspecified
-    except ValueError:
-        try:
-            return ipaddress.ip_address(socket.inet_ntoa(socket.inet_aton(h))).is_unspecified
-        except OSError:
-            return False
-
-
 def new_engine_id(role: Role) -> str:
     return f"{role[0]}-{uuid.uuid4().hex[:12]}"
 
@@ -412,7 +397,7 @@ class EndpointConfig:
                 f"--tp-rank {self.tp_rank} is outside 0..{self.tp_size - 1}",
                 "tp rank must be below tp size",
             )
-        if _binds_all_interfaces(self.host) and not self.allow_all_interfaces:
+        if binds_all_interfaces(self.host) and not self.allow_all_interfaces:
             raise ConfigError(
                 f"refusing to bind the side channel to all interfaces ({self.host})",
                 "pass --expose to bind every interface on purpose (and set --auth-token-file)",
@@ -435,31 +420,3 @@ class EndpointConfig:
                 "auth token is shorter than 16 bytes",
                 "generate one: head -c 32 /dev/urandom | xxd -p",
             )
-
-
-def parse_address(addr: str, default_port: int | None = None) -> tuple[str, int]:
-    """Parse ``HOST:PORT`` (or ``[V6]:PORT``, or ``HOST`` with a default port)."""
-    text = addr.strip()
-    if text.startswith("tcp://"):
-        text = text[len("tcp://") :]
-    host, sep, port_s = text.rpartition(":")
-    if text.startswith("[") and "]" in text:
-        close = text.index("]")
-        host = text[1:close]
-        rest = text[close + 1 :]
-        sep, port_s = (":", rest[1:]) if rest.startswith(":") else ("", "")
-    elif not sep:
-        host, port_s = text, ""
-    if not host or any(c.isspace() for c in host) or "/" in host:
-        raise ConfigError(f"invalid address {addr!r}", "use HOST:PORT, e.g. 127.0.0.1:5600")
-    if not port_s:
-        if default_port is None:
-            raise ConfigError(f"address {addr!r} has no port", "use HOST:PORT, e.g. 127.0.0.1:5600")
-        return host, default_port
-    if not port_s.isdigit() or not (1 <= int(port_s) <= 65535):
-        raise ConfigError(f"invalid port in address {addr!r}", "ports are 1-65535")
-    return host, int(port_s)
-
-
-def format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -35,7 +35,8 @@ import numpy as np
 import zmq
 
 from kvpush import PROTOCOL_VERSION, __version__
-from kvpush.config import PoolConfig, format_address
+from kvpush.address import format_address
+from kvpush.config import PoolConfig
 from kvpush.transport.nixl import DList, TransferError, Xfer
 from kvpush.transport.sidechannel import ReplyFn, SideChannelServer, context
 from kvpush.wire import protocol

@@ -7,15 +7,8 @@ import math
 
 import pytest
 
-from kvpush.config import (
-    AgentConfig,
-    EndpointConfig,
-    KvRegions,
-    PoolConfig,
-    Timeouts,
-    format_address,
-    parse_address,
-)
+from kvpush.address import format_address, parse_address
+from kvpush.config import AgentConfig, EndpointConfig, KvRegions, PoolConfig, Timeouts
 from kvpush.errors import ConfigError, ExitStatus
 
 

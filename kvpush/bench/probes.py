@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvpush.config import HandshakeMode, parse_address
+from kvpush.address import parse_address
+from kvpush.config import HandshakeMode
 
 _SC_CLK_TCK = os.sysconf("SC_CLK_TCK")
 

@@ -22,7 +22,7 @@ from concurrent.futures import Future
 
 import msgspec
 
-from kvpush.config import format_address
+from kvpush.address import format_address
 from kvpush.decode.role import DecodeRole, VllmLeg
 from kvpush.errors import KvpushError
 from kvpush.telemetry.names import Counter, Failure, Hist

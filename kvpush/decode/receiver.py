@@ -20,7 +20,8 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from kvpush.config import EndpointConfig, HandshakeMode, format_address
+from kvpush.address import format_address
+from kvpush.config import EndpointConfig, HandshakeMode
 from kvpush.decode.completer import Completer
 from kvpush.decode.outcomes import Outcomes, failed_rep
 from kvpush.decode.peers import PrefillPeers

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpush.config import Wire, parse_address
+from kvpush.address import parse_address
+from kvpush.config import Wire
 from kvpush.decode.completer import Completer
 from kvpush.decode.outcomes import failed_rep
 from kvpush.decode.receiver import Receiver

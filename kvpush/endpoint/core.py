@@ -35,7 +35,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, Protocol, TypeVar
 
-from kvpush.config import EndpointConfig, HandshakeMode, Wire, format_address, parse_address
+from kvpush.address import format_address, parse_address
+from kvpush.config import EndpointConfig, HandshakeMode, Wire
 from kvpush.endpoint import answers
 from kvpush.endpoint.rank import Rank
 from kvpush.errors import PeerUnreachableError

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpush.config import format_address, parse_address
+from kvpush.address import format_address, parse_address
 from kvpush.errors import AuthError, PeerError, PeerUnreachableError, ProtocolError
 
 if TYPE_CHECKING:

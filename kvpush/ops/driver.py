@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvpush.config import format_address, parse_address
+from kvpush.address import format_address, parse_address
 from kvpush.errors import KvpushError
 from kvpush.ops import control, reasons
 from kvpush.ops.health import Health, Peer

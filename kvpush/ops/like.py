@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpush.config import KvRegions, VllmWireConfig, format_address, parse_address
+from kvpush.address import format_address, parse_address
+from kvpush.config import KvRegions, VllmWireConfig
 from kvpush.errors import IncompatiblePeerError, PeerError
 from kvpush.transport.client import SideChannelClient
 from kvpush.wire import vllm

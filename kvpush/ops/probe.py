@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvpush.config import EndpointConfig, HandshakeMode, format_address, parse_address
+from kvpush.address import format_address, parse_address
+from kvpush.config import EndpointConfig, HandshakeMode
 from kvpush.errors import ConfigError, PeerError, PeerUnreachableError, ProtocolError
 from kvpush.ops import control, probe_kvpush, probe_vllm
 from kvpush.ops.probe_report import ProbeReport, served_ranks

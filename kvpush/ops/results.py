@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.config import format_address, parse_address
+from kvpush.address import format_address, parse_address
 from kvpush.errors import ConfigError
 from kvpush.ops.stats import percentile
 

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvpush.config import format_address, parse_address
+from kvpush.address import format_address, parse_address
 from kvpush.errors import ConfigError, KvpushError, PeerError, WrongWireError
 from kvpush.ops import control
 from kvpush.wire import protocol

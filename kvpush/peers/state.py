@@ -6,7 +6,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from kvpush.config import HandshakeMode, format_address
+from kvpush.address import format_address
+from kvpush.config import HandshakeMode
 from kvpush.peers.tp import Slice
 from kvpush.peers.vllm_peer import PeerHint
 from kvpush.telemetry.names import PeerState

@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from kvpush.config import HandshakeMode, format_address
+from kvpush.address import format_address
+from kvpush.config import HandshakeMode
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
 from kvpush.prefill.table import (

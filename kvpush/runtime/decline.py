@@ -22,7 +22,8 @@ import threading
 
 import msgspec
 
-from kvpush.config import Timeouts, parse_address
+from kvpush.address import parse_address
+from kvpush.config import Timeouts
 from kvpush.errors import KvpushError
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter

@@ -16,7 +16,7 @@ import msgspec
 import zmq
 
 from kvpush import PROTOCOL_VERSION
-from kvpush.config import format_address
+from kvpush.address import format_address
 from kvpush.errors import (
     AuthError,
     IncompatiblePeerError,

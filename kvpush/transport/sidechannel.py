@@ -22,7 +22,7 @@ from collections.abc import Callable
 import zmq
 
 from kvpush import PROTOCOL_VERSION
-from kvpush.config import format_address
+from kvpush.address import format_address
 from kvpush.errors import (
     AuthError,
     BindError,

@@ -15,8 +15,9 @@ from typing import Any
 
 import typer
 
+from kvpush.address import format_address, parse_address
 from kvpush.cli import options, stdio, translate
-from kvpush.config import HandshakeMode, format_address, parse_address
+from kvpush.config import HandshakeMode
 from kvpush.errors import (
     ConfigError,
     ExitStatus,

@@ -1,0 +1,88 @@
+"""D's view of the P ranks its requests draw on: heartbeats, a P that is gone, a P that stopped.
+
+Heartbeats renew P's leases of the requests D waits for and, sent to a P rank that only holds
+abandoned requests' blocks, check that it is alive. A P rank that is gone (a heartbeat or a
+PUSH_REG found it disconnected, it restarted, or it sat idle) is evicted: the requests it was
+to write fail with ``prefill_dead`` (its other ranks are told to drop them) and what it left
+quarantined is settled. A P rank that said it stopped (its drain is over) ends what still
+draws on it with its reason at once, and is evicted too.
+
+Thread: the receiver's owner thread (``Receiver`` calls it).
+"""
+
+from __future__ import annotations
+
+from kvpush.decode.outcomes import Outcomes
+from kvpush.decode.requests import RequestTable
+from kvpush.peers.handshakes import HandshakeManager, PeerKey
+from kvpush.telemetry.names import Counter, Failure
+from kvpush.telemetry.store import Telemetry
+from kvpush.transport.nixl import NixlAgent, TransferError
+from kvpush.wire import protocol
+from kvpush.wire.notifs import Codec
+
+HEARTBEAT_BATCH = 4096  # transfer ids per Heartbeat notification
+
+
+class PrefillPeers:
+    def __init__(
+        self,
+        agent: NixlAgent,
+        handshakes: HandshakeManager,
+        codec: Codec,
+        telemetry: Telemetry,
+        table: RequestTable,
+        out: Outcomes,
+    ) -> None:
+        self._agent = agent
+        self._hs = handshakes
+        self._codec = codec
+        self._tm = telemetry
+        self._table = table
+        self._out = out
+
+    def stopped(self, sender: str, msg: protocol.Failure) -> None:
+        """A P rank said it stopped (its drain is over: it writes nothing more): every request
+        still waiting on it ends now with P's reason, not when a heartbeat finds it gone."""
+        conn = self._hs.by_agent(sender)
+        if conn is None:
+            return  # not a P this D knows: nothing draws on it
+        reason = Failure.parse(msg.reason) or Failure.PREFILL_FAILED
+        rank = conn.key[2]
+        waiting, _ = self._table.of_peer(conn.key)
+        for r in waiting:
+            self._out.fail(r, reason, msg.detail or str(reason), settled={rank}, told={rank})
+        # Its connection is of no use any more: the next request to that address handshakes
+        # afresh (and finds P unreachable, or a new P there).
+        self.evict(conn.key, f"P stopped: {msg.reason}")
+
+    def heartbeat(self) -> None:
+        for conn, tids in self._table.heartbeat_groups():
+            for i in range(0, max(len(tids), 1), HEARTBEAT_BATCH):
+                try:
+                    self._agent.send_notif(
+                        conn.agent_name,
+                        self._codec.encode(
+                            protocol.Heartbeat(transfer_ids=tids[i : i + HEARTBEAT_BATCH])
+                        ),
+                    )
+                    self._tm.inc(Counter.HEARTBEATS_SENT)
+                except TransferError as e:
+                    if e.kind == "peer_dead":
+                        self.evict(conn.key, "heartbeat failed: P disconnected")
+                        break
+
+    def evict(self, key: PeerKey, reason: str, keep: str = "") -> None:
+        """A P rank is gone (or restarted): fail the requests it writes for (the other ranks
+        are told to drop them), settle what it left quarantined."""
+        conn = self._hs.evict(key, reason)
+        rank = key[2]
+        waiting, abandoned = self._table.of_peer(key)
+        for r in waiting:
+            if rank in r.registered and r.request_id != keep:
+                r.p_conns.pop(rank, None)
+                self._out.fail(r, Failure.PREFILL_DEAD, reason, settled={rank})
+        for ab in abandoned:
+            self._out.settle_abandoned(ab, rank, "P removed")
+        if conn is not None:
+            self._hs.release_conn(conn)
