@@ -376,6 +376,21 @@ class VllmPeer:
         )
 
 
+def model_page_args(info: dict[str, Any], num_blocks: int = 16) -> list[str]:
+    """``serve-*`` flags for a kvpush endpoint on vLLM's wire at a vLLM peer's *model*
+    geometry: every head in its page (from tokens, KV heads and head size), as a kvpush
+    endpoint at another TP size than the peer needs -- ``--like`` would copy one rank's page."""
+    g = info["geometry"]
+    return [
+        *("--wire", "vllm", "--compat-hash", info["compat_hash"]),
+        *("--vllm-block-size", str(info["block_size"]), "--attn-backend", info["backend"]),
+        *("--kv-layout", info["kv_cache_layout"], "--kv-regions", "per-layer"),
+        *("--layers", str(len(info["layer_names"])), "--num-blocks", str(num_blocks)),
+        *("--block-tokens", str(g["block_size"]), "--kv-heads", str(g["kv_heads"])),
+        *("--head-dim", str(g["head_size"]), "--dtype", g["dtype"]),
+    ]
+
+
 def pattern_sha256(info: dict[str, Any], seed: int, blocks: Sequence[int]) -> str:
     """The sha256 a P peer reports for ``prefill(seed=seed, blocks=blocks)``, computed here from
     the written-down definitions (pattern and digest, see ``peer.py``) without vLLM: a check

@@ -7,8 +7,9 @@ against kvpush.
   P ranks, each rank WRITEs its heads into D's page and sends its completion, and D holds the
   pattern over all heads -- the digest a TP-1 P of that seed reports.
 
-The D's geometry is given by flags, not ``--like``: ``--like`` copies P's per-rank page, and a
-TP-1 D of a TP-2 P holds the whole model's page (``tp x`` P's ``block_lens``).
+The D's geometry is the model's (``model_page_args``), not ``--like``: ``--like`` copies P's
+per-rank page, and a TP-1 D of a TP-2 P holds the whole model's page (``tp x`` P's
+``block_lens``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import VllmPeer, pattern_sha256
+from harness import VllmPeer, model_page_args, pattern_sha256
 
 from tests.conftest import Served, ServeFactory, run_cli
 from tests.support.procs import wait_ready
@@ -34,14 +35,9 @@ def tp2(vllm_py: str, vllm_tmp: Path) -> Iterator[tuple[VllmPeer, Served]]:
     serve = ServeFactory(vllm_tmp)
     p = VllmPeer.start("P", vllm_tmp / "vllm-P-tp2", python=vllm_py, tp_size=TP, lease=LEASE_S)
     try:
-        i = p.info
         d = serve.start(
             "decode",
-            *("--wire", "vllm", "--compat-hash", i["compat_hash"]),
-            *("--vllm-block-size", str(i["block_size"]), "--attn-backend", i["backend"]),
-            *("--kv-layout", i["kv_cache_layout"], "--kv-regions", "per-layer"),
-            *("--layers", str(len(i["layer_names"]))),
-            *("--block-bytes", str(TP * i["block_lens"][0]), "--num-blocks", "16"),
+            *model_page_args(p.info),
             *("--heartbeat", "1", "--lease", str(LEASE_S)),
             wait=False,
         )

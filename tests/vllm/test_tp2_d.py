@@ -9,9 +9,8 @@ the heads ``[r*h, (r+1)*h)`` -- with one completion ``"<D request id>:1"`` per r
 rank's ``PUSH_REG`` is absorbed. vLLM's D finishes the request once both ranks report it, and
 the bytes its two ranks hold together hash like the pages kvpush's P pushed.
 
-P's geometry is given by flags (``--like`` would copy one D rank's page: a TP-1 P holds
-``tp x`` D's ``block_lens``): the model's page from its tokens, KV heads (2: one per D rank)
-and head size.
+P's geometry is the model's (``model_page_args``: ``--like`` would copy one D rank's page, and
+a TP-1 P holds ``tp x`` D's ``block_lens``).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import VllmPeer
+from harness import VllmPeer, model_page_args
 
 from kvpush.ops.vllm_legs import prefill_leg
 from tests.conftest import Served, ServeFactory
@@ -40,17 +39,9 @@ def d_tp2(vllm_py: str, vllm_tmp: Path) -> Iterator[tuple[VllmPeer, Served]]:
     serve = ServeFactory(vllm_tmp)
     d = VllmPeer.start("D", vllm_tmp / "vllm-D-tp2", python=vllm_py, tp_size=TP, lease=LEASE_S)
     try:
-        i = d.info
-        g = i["geometry"]
         p = serve.start(
             "prefill",
-            *("--wire", "vllm", "--compat-hash", i["compat_hash"]),
-            *("--vllm-block-size", str(i["block_size"]), "--attn-backend", i["backend"]),
-            *("--kv-layout", i["kv_cache_layout"], "--kv-regions", "per-layer"),
-            *("--layers", str(len(i["layer_names"])), "--num-blocks", "16"),
-            # the whole model's page: every head (block_lens is one D rank's share)
-            *("--block-tokens", str(g["block_size"]), "--kv-heads", str(g["kv_heads"])),
-            *("--head-dim", str(g["head_size"]), "--dtype", g["dtype"]),
+            *model_page_args(d.info),
             *("--lease", str(LEASE_S)),
             wait=False,
         )
