@@ -376,6 +376,27 @@ class VllmPeer:
         )
 
 
+def request_ids(tag: str) -> tuple[str, str]:
+    """P's and D's ids: one base id, two of vLLM's ``-<8 hex>`` suffixes, as a router makes them."""
+    base = f"cmpl-{tag}-{uuid.uuid4().hex[:12]}"
+    return f"{base}-0000aaaa", f"{base}-1111bbbb"
+
+
+def router_params(p: VllmPeer, p_request_id: str) -> dict[str, Any]:
+    """What a push-mode router hands D before P has finished (no remote_block_ids yet)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": p.engine_id,
+        "remote_request_id": p_request_id,
+        "remote_host": p.host,
+        "remote_port": p.port,
+        "tp_size": 1,
+        "pp_size": 1,
+        "transfer_mode": "push",
+    }
+
+
 def model_page_args(info: dict[str, Any], num_blocks: int = 16) -> list[str]:
     """``serve-*`` flags for a kvpush endpoint on vLLM's wire at a vLLM peer's *model*
     geometry: every head in its page (from tokens, KV heads and head size), as a kvpush

@@ -11,11 +11,10 @@ extending the lease to now + 4 s).
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import pytest
-from harness import VllmPeer, pattern_sha256
+from harness import VllmPeer, pattern_sha256, request_ids, router_params
 
 LEASE_S = 6
 
@@ -25,27 +24,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]  # the first test star
 @pytest.fixture(scope="module")
 def vllm_lease() -> int:
     return LEASE_S
-
-
-def request_ids(tag: str) -> tuple[str, str]:
-    """P's and D's ids: one base id, two of vLLM's ``-<8 hex>`` suffixes, as a router makes them."""
-    base = f"cmpl-{tag}-{uuid.uuid4().hex[:12]}"
-    return f"{base}-0000aaaa", f"{base}-1111bbbb"
-
-
-def router_params(p: VllmPeer, p_request_id: str) -> dict[str, Any]:
-    """What a push-mode router hands D before P has finished (no remote_block_ids yet)."""
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": p.engine_id,
-        "remote_request_id": p_request_id,
-        "remote_host": p.host,
-        "remote_port": p.port,
-        "tp_size": 1,
-        "pp_size": 1,
-        "transfer_mode": "push",
-    }
 
 
 def check_push(

@@ -16,13 +16,12 @@ a TP-1 P holds ``tp x`` D's ``block_lens``).
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import VllmPeer, model_page_args
+from harness import VllmPeer, model_page_args, request_ids
 
 from kvpush.ops.vllm_legs import prefill_leg
 from tests.conftest import Served, ServeFactory
@@ -54,8 +53,7 @@ def d_tp2(vllm_py: str, vllm_tmp: Path) -> Iterator[tuple[VllmPeer, Served]]:
 
 def test_kvpush_p_tp1_to_vllm_d_tp2(d_tp2: tuple[VllmPeer, Served]) -> None:
     d, p = d_tp2
-    base = f"cmpl-k2v-tp2-{uuid.uuid4().hex[:12]}"
-    p_id, d_id = f"{base}-0000aaaa", f"{base}-1111bbbb"
+    p_id, d_id = request_ids("k2v-tp2")
     d_blocks = [9, 2, 5]
     marks = [d.wire_mark(rank=r) for r in range(TP)]
     dres: dict[str, Any] = {}

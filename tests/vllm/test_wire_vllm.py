@@ -25,13 +25,20 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Untouched, VllmPeer, pattern_sha256, start_many, stop_many
+from harness import (
+    Untouched,
+    VllmPeer,
+    pattern_sha256,
+    request_ids,
+    router_params,
+    start_many,
+    stop_many,
+)
 
 from kvpush.ops.vllm_legs import LegReport, decode_leg, prefill_leg
 from tests.conftest import Served, ServeFactory, run_cli
@@ -100,30 +107,11 @@ def kvpush_p(stand_ins: tuple[VllmPeer, VllmPeer, ServeFactory]) -> Served:
     return _kvpush(stand_ins[2], "prefill", stand_ins[1])
 
 
-def request_ids(tag: str) -> tuple[str, str]:
-    base = f"cmpl-{tag}-{uuid.uuid4().hex[:12]}"
-    return f"{base}-0000aaaa", f"{base}-1111bbbb"
-
-
 def vllm_forms_only(peer: VllmPeer, mark: int) -> None:
     """Every notification the vLLM peer received since ``mark`` is one of vLLM's forms."""
     for r in peer.wire(mark):
         if r["kind"] == "recv_notif":
             assert r["msg"]["type"] in ("PUSH_REG", "HB", "completion"), r
-
-
-def router_params(p: VllmPeer, p_request_id: str) -> dict[str, Any]:
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": p.engine_id,
-        "remote_request_id": p_request_id,
-        "remote_host": p.host,
-        "remote_port": p.port,
-        "tp_size": 1,
-        "pp_size": 1,
-        "transfer_mode": "push",
-    }
 
 
 def check_landed(rep: LegReport, pres: dict[str, Any], p: VllmPeer, blocks: list[int]) -> None:
