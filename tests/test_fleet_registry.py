@@ -350,6 +350,22 @@ def test_registry_option_errors(etcd, kvpush_run) -> None:
     assert r.returncode == 2 and r.err_lines[0].startswith("error: --registry-ttl must be")
 
 
+def test_tls_registry_with_a_client_certificate(tls_etcd, serve) -> None:
+    import certifi
+
+    pki = tls_etcd.pki
+    tls = ["--registry-ca", str(pki.ca), "--registry-cert", str(pki.client_cert),
+           "--registry-key", str(pki.client_key)]  # fmt: skip
+    # A CA bundle in the environment must not override --registry-ca (psf/requests #3829).
+    env = clean_env(REQUESTS_CA_BUNDLE=certifi.where())
+    p = serve.serve("prefill", *SMALL, *reg(tls_etcd), *tls, env=env)
+    e = Etcd(
+        [tls_etcd.url], ca_cert=str(pki.ca), cert=str(pki.client_cert), key=str(pki.client_key)
+    )
+    until("P registered over TLS", lambda: record_at(e, p.address))
+    assert p.stop() == 0 and record_at(e, p.address) is None
+
+
 def test_etcd_auth_works_and_the_password_is_never_logged(etcd, tmp_path, serve) -> None:
     secret = "sekrit-Pw-4711"
     for path, body in (
