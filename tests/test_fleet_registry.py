@@ -291,6 +291,13 @@ def test_a_registry_delete_makes_d_drop_its_p_at_once(etcd, serve) -> None:
     # P saw its own key go and wrote it again (its registrar); D talks to it again.
     until("P's key back", lambda: record_at(e, p.address), timeout=15)
     assert run_drive(p, d, 3)["ok"] == 3
+    # The other way round: D's key deleted -> P releases D's agent at once.
+    assert any(r["engine_id"] == d.engine_id for r in peers_of(p))
+    assert e.delete(endpoint_key("default", d.address))
+    until("P dropped D", lambda: not any(r["engine_id"] == d.engine_id for r in peers_of(p)), 15)
+    assert f"registry: {d.address} left" in p.log_text()  # not idle (600 s): the delete
+    until("D's key back", lambda: record_at(e, d.address), timeout=15)
+    assert run_drive(p, d, 3)["ok"] == 3
 
 
 # -- readiness ------------------------------------------------------------------------------
