@@ -133,7 +133,8 @@ class Pending:
 
 def test_graceful_stop_removes_the_key_first(etcd, serve) -> None:
     e = Etcd([etcd.url])
-    p = serve.serve("prefill", *SMALL, *reg(etcd))
+    # The registry from the environment (KVPUSH_REGISTRY), as a deployment would set it.
+    p = serve.serve("prefill", *SMALL, env=clean_env(KVPUSH_REGISTRY=etcd.url))
     rec = until("P registered", lambda: record_at(e, p.address))
     assert (rec.role, rec.incarnation, rec.address) == ("prefill", p.incarnation, p.address)
     assert rec.pid == p.popen.pid and rec.agent_names and rec.geometry.num_blocks == 64
@@ -143,13 +144,16 @@ def test_graceful_stop_removes_the_key_first(etcd, serve) -> None:
     assert log.index("registry: removed") < log.index("endpoint " + p.engine_id + " stopped")
 
 
-def test_sigkill_key_lapses_within_the_ttl(etcd, serve) -> None:
+def test_sigkill_key_lapses_within_the_ttl(etcd, serve, tmp_path) -> None:
     e = Etcd([etcd.url])
-    p = serve.serve("prefill", *SMALL, *reg(etcd, 2))
-    until("P registered", lambda: record_at(e, p.address))
+    conf = tmp_path / "kvpush.toml"  # the registry from a config file
+    conf.write_text(f'registry = "{etcd.url}"\nregistry_ttl = 2\n[prefill]\ncluster = "c-2"\n')
+    p = serve.serve("prefill", *SMALL, "--config", str(conf))
+    rec = until("P registered", lambda: record_at(e, p.address, "c-2"))
+    assert rec.role == "prefill"
     p.kill()
     # TTL 2 s plus one refresh period; the rest is slack for a loaded machine.
-    until("the key lapsed", lambda: record_at(e, p.address) is None, timeout=2 + 2 / 3 + 10)
+    until("the key lapsed", lambda: record_at(e, p.address, "c-2") is None, timeout=2 + 2 / 3 + 10)
 
 
 def test_sigstop_past_the_ttl_then_sigcont(etcd, serve) -> None:
@@ -169,6 +173,7 @@ def test_sigstop_past_the_ttl_then_sigcont(etcd, serve) -> None:
     )
 
 
+@pytest.mark.slow
 def test_restart_at_the_same_port_is_a_new_incarnation_and_ds_drop_the_old_agent(
     etcd, serve
 ) -> None:
@@ -273,6 +278,7 @@ def test_etcd_killed_20s_under_drive_loses_nothing(etcd, serve) -> None:
 # -- stale identities -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_registry_delete_makes_d_drop_its_p_at_once(etcd, serve) -> None:
     e = Etcd([etcd.url])
     p = serve.serve("prefill", *SMALL, *reg(etcd, 10))
@@ -303,11 +309,13 @@ def test_a_registry_delete_makes_d_drop_its_p_at_once(etcd, serve) -> None:
 # -- readiness ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_readyz_follows_the_data_path(serve) -> None:
     port = str(unused_port())
     mport = unused_port()
     p = serve.serve("prefill", *SMALL, "--port", port)
-    d = serve.serve("decode", *SMALL, "--metrics-port", str(mport))
+    fast = ["--side-channel-timeout", "1", "--handshake-timeout", "2"]  # a dead P fails fast
+    d = serve.serve("decode", *SMALL, *fast, "--metrics-port", str(mport))
     ready = f"http://127.0.0.1:{mport}/readyz"
     assert http(ready) == (200, "ok\n")  # idle: ready
     assert run_drive(p, d, 4)["ok"] == 4
@@ -361,11 +369,14 @@ def test_tls_registry_with_a_client_certificate(tls_etcd, serve) -> None:
     import certifi
 
     pki = tls_etcd.pki
-    tls = ["--registry-ca", str(pki.ca), "--registry-cert", str(pki.client_cert),
-           "--registry-key", str(pki.client_key)]  # fmt: skip
+    conf = pki.ca.parent / "kvpush.toml"  # TLS files relative to the config file
+    conf.write_text(
+        f'registry_ca = "{pki.ca.name}"\nregistry_cert = "{pki.client_cert.name}"\n'
+        f'registry_key = "{pki.client_key.name}"\n'
+    )
     # A CA bundle in the environment must not override --registry-ca (psf/requests #3829).
     env = clean_env(REQUESTS_CA_BUNDLE=certifi.where())
-    p = serve.serve("prefill", *SMALL, *reg(tls_etcd), *tls, env=env)
+    p = serve.serve("prefill", *SMALL, *reg(tls_etcd), "--config", str(conf), env=env)
     e = Etcd(
         [tls_etcd.url], ca_cert=str(pki.ca), cert=str(pki.client_cert), key=str(pki.client_key)
     )
@@ -373,6 +384,7 @@ def test_tls_registry_with_a_client_certificate(tls_etcd, serve) -> None:
     assert p.stop() == 0 and record_at(e, p.address) is None
 
 
+@pytest.mark.slow
 def test_etcd_auth_works_and_the_password_is_never_logged(etcd, tmp_path, serve) -> None:
     secret = "sekrit-Pw-4711"
     for path, body in (
