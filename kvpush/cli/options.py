@@ -22,6 +22,7 @@ from typing import Any
 
 import typer
 
+from kvpush.cli.fleet_options import FLEET_OPTS, REGISTRY, REGISTRY_OPTS
 from kvpush.cli.optspec import (
     PANEL_VLLM,
     REQUIRED,
@@ -161,6 +162,9 @@ _OPTS: list[Opt] = [
         "[default: ./bench-out]", None, kw={"file_okay": False}),
     Opt("shell", ("shell",), Shell, "The shell to print a completion script for.", REQUIRED,
         argument=True),
+    # --------------------------------------------------------------------- fleet
+    *FLEET_OPTS,
+    *(o for o in REGISTRY_OPTS if o.key not in {e.key for e in ENDPOINT_OPTS}),
 ]  # fmt: skip
 
 #: key -> option. The key is the parameter name, or ``command.param`` where two commands give
@@ -230,7 +234,7 @@ PROBE: list[Entry] = [
 DRIVE: list[Entry] = [
     "prefill", "decode", "requests", "concurrency", "rate", "drive.blocks", "shape", "tokens",
     "drive.timeout", "drive.json", "kv_transfer_params", "request_id", "alloc_delay",
-    "auth_token_file",
+    "auth_token_file", *REGISTRY,
 ]  # fmt: skip
 DEMO: list[Entry] = [
     "demo.requests", "blocks", "decoders", "demo.tp", "shape", "concurrency", "live",
