@@ -127,3 +127,31 @@ class WrongWireError(IncompatiblePeerError):
 
 class RankFailedError(KvpushError):
     """A tensor-parallel rank of this endpoint has failed: it serves no request any more."""
+
+
+class RegistryUnavailable(KvpushError):
+    """No etcd client URL of the registry answered within its deadline."""
+
+    exit_status = ExitStatus.UNREACHABLE
+    default_hint = (
+        "check --registry (etcd client URLs, e.g. http://10.0.0.5:2379,http://10.0.0.6:2379) "
+        "and that etcd runs and is reachable from this host"
+    )
+
+
+class RegistryError(KvpushError):
+    """etcd answered, with an error: refused credentials, no permission, a bad request."""
+
+    default_hint = "check --registry-user, the password file and the TLS options"
+
+
+class LeaseLost(RegistryError):
+    """The lease a key was written with is gone (expired or revoked): grant a new one."""
+
+    default_hint = "the endpoint grants a new lease and writes its key again by itself"
+
+
+class WatchCompacted(RegistryError):
+    """A watch asked for history etcd has compacted away: list again, then watch from there."""
+
+    default_hint = "list the prefix again and watch from the revision of that listing"

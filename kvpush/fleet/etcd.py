@@ -1,0 +1,468 @@
+"""etcd access for the fleet: failover across client URLs, bounded calls, typed errors.
+
+Owns the HTTP(S) sessions to etcd's JSON gateway (``/v3/``, etcd >= 3.4), spoken through
+``etcd3gw`` (no grpc, no protobuf: the ``etcd3`` 0.12 client fails to import with protobuf >= 4).
+``Etcd`` is called by whichever thread owns it (the registrar's, the watcher's, a CLI command's);
+unary calls are serialised by a lock, so sharing one between threads is safe but makes them wait
+on each other. A watch runs on a session of its own and is cancelled from any thread.
+
+Failure model (every call is bounded):
+- every request has a deadline (``timeout_s``); a URL that does not answer, refuses the
+  connection or answers 503 (no leader) is skipped and the next URL is tried; when none answers
+  the call raises ``RegistryUnavailable``. The URL that answered last is tried first next time.
+- etcd answering with an error raises ``RegistryError`` (``LeaseLost`` for a lease that is gone,
+  ``WatchCompacted`` for a watch from a compacted revision).
+- with ``user``/``password`` the client authenticates (``/v3/auth/authenticate``) per URL and
+  authenticates again once when etcd says the token is invalid (simple tokens expire). The
+  password is kept in this object only: never logged, never in ``repr``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
+
+import requests
+from etcd3gw import exceptions as etcd_exc
+from etcd3gw.client import Etcd3Client
+
+from kvpush.errors import (
+    ConfigError,
+    LeaseLost,
+    RegistryError,
+    RegistryUnavailable,
+    WatchCompacted,
+)
+
+log = logging.getLogger(__name__)
+
+API_PATH = "/v3/"
+DEFAULT_PORT = 2379
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """One change under a watched prefix. ``value`` is empty for a DELETE."""
+
+    kind: Literal["PUT", "DELETE"]
+    key: str
+    value: bytes
+    revision: int  # the etcd revision of this change (the key's mod_revision)
+
+
+def parse_urls(spec: str | list[str]) -> list[str]:
+    """The client URLs in ``spec`` (a comma-separated string or a list), normalised to
+    ``scheme://host:port``; ConfigError naming the bad one."""
+    items = spec.split(",") if isinstance(spec, str) else [u for s in spec for u in s.split(",")]
+    urls: list[str] = []
+    for raw in (s.strip() for s in items):
+        if not raw:
+            continue
+        text = raw if "://" in raw else "http://" + raw
+        u = urlsplit(text)
+        try:
+            port = u.port or DEFAULT_PORT
+        except ValueError:
+            port = -1
+        if (
+            u.scheme not in ("http", "https")
+            or not u.hostname
+            or port <= 0
+            or u.path not in ("", "/")
+        ):
+            raise ConfigError(
+                f"invalid etcd URL {raw!r}",
+                "give etcd client URLs as http://HOST:PORT or https://HOST:PORT, comma-separated",
+            )
+        host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname
+        urls.append(f"{u.scheme}://{host}:{port}")
+    if not urls:
+        raise ConfigError(
+            "no etcd URL given", "give --registry http://HOST:2379[,http://HOST2:2379]"
+        )
+    return urls
+
+
+def _b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def prefix_end(prefix: str) -> str:
+    """The range end that covers every key starting with ``prefix`` (last byte + 1)."""
+    raw = bytearray(prefix.encode())
+    while raw and raw[-1] == 0xFF:
+        raw.pop()
+    if not raw:
+        return "\0"
+    raw[-1] += 1
+    return raw.decode("latin-1")
+
+
+def _detail(e: etcd_exc.Etcd3Exception) -> str:
+    """etcd's own message out of a gateway error body (JSON with 'error'/'message')."""
+    text = e.detail_text or ""
+    try:
+        body = json.loads(text)
+        if isinstance(body, dict):
+            return str(body.get("message") or body.get("error") or text)
+    except ValueError:
+        pass
+    return text.strip().splitlines()[0] if text.strip() else type(e).__name__
+
+
+_UNAVAILABLE = (
+    etcd_exc.ConnectionFailedError,
+    etcd_exc.ConnectionTimeoutError,
+    requests.exceptions.RequestException,
+    OSError,
+)
+
+# etcd errors that mean "this member cannot serve now" (no leader, raft timeout): try the next URL
+_TRANSIENT = (
+    "no leader",
+    "request timed out",
+    "leader changed",
+    "too many requests",
+    "not capable",
+)
+
+
+class Etcd:
+    """An etcd client over one or more client URLs (see the module docstring)."""
+
+    def __init__(
+        self,
+        urls: list[str] | str,
+        *,
+        user: str | None = None,
+        password: str | None = None,
+        ca_cert: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        timeout_s: float = 2.0,
+    ) -> None:
+        if (cert is None) != (key is None):
+            raise ConfigError(
+                "a TLS client certificate needs its key (and the key its certificate)",
+                "give both --registry-cert and --registry-key",
+            )
+        if (user is None) != (password is None):
+            raise ConfigError(
+                "etcd authentication needs a user and a password",
+                "give both --registry-user and --registry-password-file",
+            )
+        self.urls = parse_urls(urls)
+        self.user = user
+        self._password = password
+        self._ca_cert = ca_cert
+        self._cert = cert
+        self._key = key
+        self.timeout_s = timeout_s
+        self._clients = [self._client(u) for u in self.urls]
+        self._authed = [False] * len(self._clients)
+        self._current = 0
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        who = f" user={self.user!r}" if self.user else ""
+        return f"Etcd({','.join(self.urls)}{who})"
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _client(self, url: str) -> Etcd3Client:
+        u = urlsplit(url)
+        assert u.hostname is not None and u.port is not None
+        return Etcd3Client(
+            host=u.hostname,
+            port=u.port,
+            protocol=u.scheme,
+            ca_cert=self._ca_cert,
+            cert_cert=self._cert,
+            cert_key=self._key,
+            timeout=self.timeout_s,
+            api_path=API_PATH,
+        )
+
+    def _authenticate(self, i: int) -> None:
+        c = self._clients[i]
+        c.session.headers.pop("Authorization", None)
+        try:
+            body = c.post(
+                c.get_url("/auth/authenticate"),
+                json={"name": self.user, "password": self._password},
+            )
+        except etcd_exc.Etcd3Exception as e:
+            if isinstance(e, _UNAVAILABLE):
+                raise
+            raise RegistryError(
+                f"etcd at {self.urls[i]} refused user {self.user!r}: {_detail(e)}",
+                "check --registry-user and the password in --registry-password-file",
+            ) from None
+        c.session.headers["Authorization"] = str(body["token"])
+        self._authed[i] = True
+
+    def _on(self, i: int, fn: Callable[[Etcd3Client], T]) -> T:
+        if self._password is not None and not self._authed[i]:
+            self._authenticate(i)
+        try:
+            return fn(self._clients[i])
+        except etcd_exc.Etcd3Exception as e:
+            if isinstance(e, _UNAVAILABLE) or self._password is None:
+                raise
+            if "token" not in _detail(e) and "user name is empty" not in _detail(e):
+                raise
+            self._authenticate(i)  # token expired: once more with a fresh one
+            return fn(self._clients[i])
+
+    def _call(self, what: str, fn: Callable[[Etcd3Client], T]) -> T:
+        """``fn`` on the first URL that answers, starting with the one that answered last."""
+        last = ""
+        with self._lock:
+            n = len(self._clients)
+            for step in range(n):
+                i = (self._current + step) % n
+                try:
+                    out = self._on(i, fn)
+                except _UNAVAILABLE as e:
+                    last = f"{self.urls[i]}: {_reason(e)}"
+                    continue
+                except etcd_exc.Etcd3Exception as e:
+                    detail = _detail(e)
+                    if any(k in detail for k in _TRANSIENT):
+                        last = f"{self.urls[i]}: {detail}"
+                        continue
+                    if "lease not found" in detail:
+                        raise LeaseLost(f"etcd {what}: {detail}") from None
+                    raise RegistryError(f"etcd {what} failed at {self.urls[i]}: {detail}") from None
+                self._current = i
+                return out
+        raise RegistryUnavailable(
+            f"registry unavailable: no etcd URL answered {what} within {self.timeout_s:g}s"
+            f" (last: {last})"
+        )
+
+    # -- key/value -----------------------------------------------------------------------
+
+    def get_prefix(self, prefix: str) -> tuple[list[tuple[str, bytes]], int]:
+        """Every (key, value) under ``prefix`` sorted by key, and the store's revision then."""
+
+        def rng(c: Etcd3Client) -> Any:
+            return c.post(
+                c.get_url("/kv/range"),
+                json={"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))},
+            )
+
+        body = self._call("range", rng)
+        kvs = [
+            (_unb64(kv["key"]).decode(errors="replace"), _unb64(kv.get("value", "")))
+            for kv in body.get("kvs", [])
+        ]
+        kvs.sort()
+        return kvs, int(body["header"]["revision"])
+
+    def get(self, key: str) -> bytes | None:
+        """The value of ``key``, None when absent."""
+
+        def rng(c: Etcd3Client) -> Any:
+            return c.post(c.get_url("/kv/range"), json={"key": _b64(key)})
+
+        kvs = self._call("get", rng).get("kvs", [])
+        return _unb64(kvs[0].get("value", "")) if kvs else None
+
+    def put(self, key: str, value: bytes, lease: int | None = None) -> int:
+        """Write ``key``; with ``lease`` the key goes when the lease does. The new revision."""
+        payload: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease is not None:
+            payload["lease"] = str(lease)
+        body = self._call("put", lambda c: c.post(c.get_url("/kv/put"), json=payload))
+        return int(body["header"]["revision"])
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; whether it was there."""
+        body = self._call(
+            "delete", lambda c: c.post(c.get_url("/kv/deleterange"), json={"key": _b64(key)})
+        )
+        return int(body.get("deleted", 0)) > 0
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Remove every key under ``prefix``; how many there were."""
+        payload = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
+        body = self._call("delete", lambda c: c.post(c.get_url("/kv/deleterange"), json=payload))
+        return int(body.get("deleted", 0))
+
+    # -- leases --------------------------------------------------------------------------
+
+    def grant(self, ttl: int) -> int:
+        """A new lease of ``ttl`` seconds; its id."""
+        body = self._call(
+            "lease grant",
+            lambda c: c.post(c.get_url("/lease/grant"), json={"TTL": int(ttl), "ID": 0}),
+        )
+        return int(body["ID"])
+
+    def refresh(self, lease: int) -> int:
+        """Keep ``lease`` alive; the TTL it has now, 0 when it is gone (expired or revoked)."""
+        body = self._call(
+            "lease keepalive",
+            lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": str(lease)}),
+        )
+        return max(0, int(body.get("result", {}).get("TTL", 0)))
+
+    def revoke(self, lease: int) -> bool:
+        """Revoke ``lease`` (its keys go at once); False when it was already gone."""
+        try:
+            self._call(
+                "lease revoke",
+                lambda c: c.post(c.get_url("/lease/revoke"), json={"ID": str(lease)}),
+            )
+        except LeaseLost:
+            return False
+        return True
+
+    def health(self) -> bool:
+        """Whether some URL answers (a range of one absent key); never raises."""
+        try:
+            self.get("/kvpush/health-probe")
+        except (RegistryUnavailable, RegistryError):
+            return False
+        return True
+
+    # -- watch ---------------------------------------------------------------------------
+
+    def watch_prefix(
+        self, prefix: str, start_revision: int | None = None
+    ) -> tuple[Iterator[WatchEvent], Callable[[], None]]:
+        """Changes under ``prefix`` from ``start_revision`` on (the revision after a listing's,
+        so nothing is missed between the two), and a ``cancel`` callable for any thread.
+
+        The iterator blocks for the next change; it ends after ``cancel()`` and raises
+        ``RegistryUnavailable`` when the stream breaks (etcd gone: list again and watch anew),
+        ``WatchCompacted`` when ``start_revision`` is history etcd no longer keeps. Opening the
+        watch is bounded by ``timeout_s`` per URL and fails over like every other call.
+        """
+        create: dict[str, Any] = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
+        if start_revision is not None:
+            create["start_revision"] = str(start_revision)
+        state: dict[str, Any] = {"cancelled": False, "resp": None}
+
+        def open_stream(c: Etcd3Client) -> requests.Response:
+            s = requests.Session()
+            s.verify = c.session.verify
+            s.cert = c.session.cert
+            s.headers.update(c.session.headers)
+            try:
+                # connect bounded; reads unbounded (a quiet cluster sends nothing for hours)
+                r = s.post(
+                    c.get_url("/watch"),
+                    json={"create_request": create},
+                    stream=True,
+                    timeout=(self.timeout_s, None),
+                )
+            except requests.exceptions.Timeout as e:
+                s.close()
+                raise etcd_exc.ConnectionTimeoutError(str(e)) from None
+            except requests.exceptions.ConnectionError as e:
+                s.close()
+                raise etcd_exc.ConnectionFailedError(str(e)) from None
+            if r.status_code != 200:
+                text = r.text
+                s.close()
+                if r.status_code == 503:
+                    raise etcd_exc.ConnectionFailedError(text)
+                raise etcd_exc.Etcd3Exception(text, r.reason)
+            return r
+
+        resp = self._call("watch", open_stream)
+        state["resp"] = resp
+
+        def cancel() -> None:
+            state["cancelled"] = True
+            _shutdown(resp)
+
+        def events() -> Iterator[WatchEvent]:
+            try:
+                yield from _read_watch(resp, prefix)
+            except (requests.exceptions.RequestException, OSError, ValueError) as e:
+                if not state["cancelled"]:
+                    raise RegistryUnavailable(
+                        f"registry watch of {prefix} broke: {_reason(e)}",
+                        "the watcher lists the prefix again and watches anew",
+                    ) from None
+            finally:
+                resp.close()
+            if not state["cancelled"]:
+                raise RegistryUnavailable(
+                    f"registry watch of {prefix} ended (etcd closed the stream)",
+                    "the watcher lists the prefix again and watches anew",
+                )
+
+        return events(), cancel
+
+
+def _read_watch(resp: requests.Response, prefix: str) -> Iterator[WatchEvent]:
+    """Events out of the gateway's stream: one JSON object per line, a line may arrive in
+    pieces or several in one chunk."""
+    buf = b""
+    for chunk in resp.iter_content(chunk_size=None):
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            if not line.strip():
+                continue
+            msg = json.loads(line)
+            if "error" in msg:
+                err = msg["error"]
+                raise OSError(str(err.get("message", err)) if isinstance(err, dict) else str(err))
+            result = msg.get("result", {})
+            if result.get("canceled"):
+                compact = int(result.get("compact_revision", 0) or 0)
+                if compact:
+                    raise WatchCompacted(
+                        f"watch of {prefix}: revisions before {compact} are compacted"
+                    )
+                raise OSError(f"watch canceled by etcd: {result.get('cancel_reason', '')}")
+            for ev in result.get("events", []):
+                kv = ev["kv"]
+                yield WatchEvent(
+                    kind="DELETE" if ev.get("type") == "DELETE" else "PUT",
+                    key=_unb64(kv["key"]).decode(errors="replace"),
+                    value=_unb64(kv.get("value", "")),
+                    revision=int(kv.get("mod_revision", 0)),
+                )
+
+
+def _shutdown(resp: requests.Response) -> None:
+    """Wake a thread blocked reading ``resp`` (closing the response alone does not)."""
+    try:
+        fd = resp.raw.fileno()
+        s = socket.socket(fileno=os.dup(fd))
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        finally:
+            s.close()
+    except (OSError, ValueError, AttributeError):
+        pass  # already closed: nothing blocks on it
+    resp.close()
+
+
+def _reason(e: BaseException) -> str:
+    """A short reason for an unreachable URL (requests' messages run to several lines)."""
+    text = (e.detail_text or "") if isinstance(e, etcd_exc.Etcd3Exception) else ""
+    text = text or str(e)
+    for key in ("Connection refused", "timed out", "Name or service not known", "No route to host"):
+        if key in text:
+            return key.lower()
+    return (text.strip().splitlines()[0] if text.strip() else type(e).__name__)[:200]
