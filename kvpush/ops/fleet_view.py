@@ -140,7 +140,7 @@ class FleetModel:
         for e in self.rows_by_address.values():
             r = e.record
             health = record_health(r, now)
-            if health == "ok" and e.failing:
+            if health != "stale" and e.failing:
                 health = "failing"
             age = max(0.0, now - r.started_at) if r.started_at else 0.0
             out.append(FleetRow(r, age, health, e.rate))
