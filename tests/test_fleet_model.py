@@ -41,9 +41,14 @@ def rec(
         tp_size=tp,
         wire=wire,
         geometry=Geometry(
-            num_blocks=64, layers=layers, regions=2 * layers, block_bytes=block_bytes,
-            dtype=dtype, kv_layout="NHD", kv_heads=kv_heads,
-        ),  # fmt: skip
+            num_blocks=64,
+            layers=layers,
+            regions=2 * layers,
+            block_bytes=block_bytes,
+            dtype=dtype,
+            kv_layout="NHD",
+            kv_heads=kv_heads,
+        ),
         compat_hash=compat,
         kvpush_version="0.1",
         started_at=T - 100,
@@ -92,7 +97,11 @@ def test_model_join_update_restart_leave_and_rate() -> None:
     assert m.put(rec(address=a, load=bad), T + 4) is None
     assert next(r for r in m.rows(T + 4) if r.address == a).health == "failing"
     ev = m.put(rec(address=a, incarnation="inc-2"), T + 5)
-    assert ev is not None and (ev.kind, ev.previous, ev.incarnation) == ("restart", "inc-1", "inc-2")
+    assert ev is not None and (ev.kind, ev.previous, ev.incarnation) == (
+        "restart",
+        "inc-1",
+        "inc-2",
+    )
     ev = m.delete(a, T + 6)
     assert ev is not None and ev.kind == "leave"
     assert m.delete(a, T + 7) is None

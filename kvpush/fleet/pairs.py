@@ -16,7 +16,7 @@ from kvpush.fleet.record import EndpointRecord
 
 #: A load summary older than this is "stale": the endpoint stopped refreshing it (frozen, or cut
 #: off from etcd while its lease still runs).
-STALE_S = 15.0
+STALE_S = 25.0
 
 Difference = tuple[str, object, object]  # (field, P's value, D's value)
 

@@ -29,7 +29,7 @@ LS_DOC = """List every endpoint registered in the cluster.
 
 One row per endpoint: role, side-channel address, host, engine id, incarnation (short), TP size,
 wire, age, free blocks of its pool, requests in flight and health as its record shows it (ok;
-stale: no load summary for 15 s; full: a D with no free block). --json prints the records
+stale: no load summary for 25 s; full: a D with no free block). --json prints the records
 whole. Exit status 0 (an empty cluster says so), 69 when etcd does not answer."""
 
 WATCH_DOC = """Follow the cluster live: every endpoint; joins, leaves and restarts as they happen.
