@@ -150,7 +150,8 @@ _OPTS: list[Opt] = [
         "(notif-only vs full), bandwidth (push GB/s vs raw NIXL, process_vm_writev, memcpy), "
         "rate (small pushes/s vs raw NIXL), scale (many new peers at once), tp (N ranks vs N "
         "x one rank), model (real model shapes, block ids contiguous, shuffled and after "
-        "churn, vs raw NIXL), or all.", REQUIRED,
+        "churn, vs raw NIXL), fleet (8 P x 16 D registered in etcd: fleet ls/watch/check, registry "
+        "load, p99 with registration on vs off), or all.", REQUIRED,
         argument=True, show_default=False),
     Opt("quick", ("--quick",), bool, "Short smoke version (what CI runs); figures are rough.",
         False),
