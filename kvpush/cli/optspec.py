@@ -30,6 +30,7 @@ PANEL_TIME = "Timeouts (seconds)"
 PANEL_OUT = "Output"
 PANEL_SEC = "Security"
 PANEL_VLLM = "vLLM wire"
+PANEL_REGISTRY = "Registry (etcd)"
 
 
 class OutputMode(str, Enum):

@@ -22,6 +22,7 @@ from kvpush.cli.optspec import (
     PANEL_NET,
     PANEL_NIXL,
     PANEL_OUT,
+    PANEL_REGISTRY,
     PANEL_SEC,
     PANEL_TIME,
     PANEL_VLLM,
@@ -43,6 +44,7 @@ from kvpush.config import (
     Wire,
     WriterMode,
 )
+from kvpush.fleet.config import DEFAULT_TTL_S
 
 
 def _pool(name: str) -> Any:
@@ -193,6 +195,34 @@ ENDPOINT_OPTS: list[Opt] = [
     Opt("ready_file", ("--ready-file",), str | None,
         "Once started, write JSON {address, engine_id, incarnation, pid, role} to this file "
         "(atomically), for scripts and tests.", None, PANEL_OUT, metavar="PATH"),
+    Opt("registry", ("--registry",), str | None,
+        "etcd client URLs of the fleet registry, comma-separated (http://HOST:2379,...). An "
+        "endpoint keeps one leased key there while it serves; etcd being down never stops it "
+        "serving.", None, PANEL_REGISTRY, metavar="URL[,URL]", show_default=False),
+    Opt("cluster", ("--cluster",), str, "The cluster's name in the registry.", "default",
+        PANEL_REGISTRY),
+    Opt("registry_ttl", ("--registry-ttl",), int,
+        "Lease TTL of the endpoint's key, in seconds (refreshed every TTL/3): a process that "
+        "dies or freezes drops out of the registry within it.", DEFAULT_TTL_S, PANEL_REGISTRY,
+        seconds=True),
+    Opt("advertise", ("--advertise",), str | None,
+        "The host peers and routers reach this endpoint by (the registry key's address); "
+        "needed when --host binds all interfaces.", None, PANEL_REGISTRY, metavar="HOST",
+        show_default=False),
+    Opt("registry_user", ("--registry-user",), str | None,
+        "etcd user (with --registry-password-file).", None, PANEL_REGISTRY, show_default=False),
+    Opt("registry_password_file", ("--registry-password-file",), str | None,
+        "File holding the etcd user's password (no access for other users; never logged).",
+        None, PANEL_REGISTRY, metavar="FILE", show_default=False),
+    Opt("registry_ca", ("--registry-ca",), str | None,
+        "CA bundle to verify etcd's TLS certificate (https:// URLs).", None, PANEL_REGISTRY,
+        metavar="FILE", show_default=False),
+    Opt("registry_cert", ("--registry-cert",), str | None,
+        "TLS client certificate for etcd (with --registry-key).", None, PANEL_REGISTRY,
+        metavar="FILE", show_default=False),
+    Opt("registry_key", ("--registry-key",), str | None,
+        "TLS client key for etcd (with --registry-cert).", None, PANEL_REGISTRY,
+        metavar="FILE", show_default=False),
 ]  # fmt: skip
 
 #: The options of each endpoint command, in help order; a role set marks role-only options.
@@ -220,6 +250,11 @@ SERVE: list[tuple[str, frozenset[str]]] = [
         ("wire", "prefill decode"), ("like", "prefill decode"),
         ("compat_hash", "prefill decode"), ("vllm_block_size", "prefill decode"),
         ("attn_backend", "prefill decode"),
+        ("registry", "prefill decode"), ("cluster", "prefill decode"),
+        ("registry_ttl", "prefill decode"), ("advertise", "prefill decode"),
+        ("registry_user", "prefill decode"), ("registry_password_file", "prefill decode"),
+        ("registry_ca", "prefill decode"), ("registry_cert", "prefill decode"),
+        ("registry_key", "prefill decode"),
     )
 ]  # fmt: skip
 SERVE_PORT = {"prefill": 5600, "decode": 5601}

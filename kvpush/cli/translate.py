@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvpush.address import binds_all_interfaces
 from kvpush.cli.options import LogLevel, OutputMode, param_name
 from kvpush.config import (
     AGENT_FLAGS,
@@ -30,6 +31,9 @@ from kvpush.config import (
     WriterMode,
 )
 from kvpush.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvpush.fleet.config import RegistryConfig
 
 MODEL_LIKE = ("--block-tokens", "--kv-heads", "--head-dim")
 
@@ -210,6 +214,7 @@ class ServeOptions:
     ready_file: str | None
     metrics_host: str
     metrics_port: int
+    registry: RegistryConfig | None = None
 
     @staticmethod
     def from_params(p: Mapping[str, Any]) -> ServeOptions:
@@ -227,7 +232,56 @@ class ServeOptions:
             ready_file=p["ready_file"],
             metrics_host=p["metrics_host"],
             metrics_port=p["metrics_port"],
+            registry=registry_config(p),
         )
+
+
+def registry_config(p: Mapping[str, Any]) -> RegistryConfig | None:
+    """``--registry`` and its companions -> RegistryConfig (None without ``--registry``).
+    Files are read and checked here, before the endpoint allocates anything."""
+    from kvpush.fleet.config import check_file, read_password_file
+
+    urls = p.get("registry")
+    if not urls:
+        given = [
+            f for f in ("advertise", "registry_user", "registry_password_file", "registry_ca",
+                        "registry_cert", "registry_key") if p.get(f)
+        ]  # fmt: skip
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ConfigError(f"{flag} needs --registry", "add --registry URL, or drop the option")
+        return None
+    from kvpush.fleet.config import RegistryConfig
+
+    pw_file = p.get("registry_password_file")
+    user = p.get("registry_user")
+    if bool(user) != bool(pw_file):
+        raise ConfigError(
+            "etcd authentication needs --registry-user and --registry-password-file together",
+            "give both, or neither",
+        )
+    if bool(p.get("registry_cert")) != bool(p.get("registry_key")):
+        raise ConfigError(
+            "a TLS client certificate needs its key", "give --registry-cert and --registry-key"
+        )
+    advertise = p.get("advertise") or None
+    if advertise is None and binds_all_interfaces(str(p.get("host", ""))):
+        raise ConfigError(
+            f"--registry with --host {p.get('host')} needs --advertise HOST",
+            "peers cannot reach the all-interfaces address: give the address they reach "
+            "this machine by (--advertise 10.0.0.7)",
+        )
+    return RegistryConfig(
+        urls=str(urls),
+        cluster=str(p.get("cluster") or "default"),
+        ttl_s=int(p.get("registry_ttl") or 10),
+        advertise=advertise,
+        user=user or None,
+        password=read_password_file(pw_file) if pw_file else None,
+        ca_cert=check_file("--registry-ca", p.get("registry_ca")),
+        cert=check_file("--registry-cert", p.get("registry_cert")),
+        key=check_file("--registry-key", p.get("registry_key")),
+    )
 
 
 def parse_ranks(text: str) -> tuple[int, int]:

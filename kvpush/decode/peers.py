@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from kvpush.decode.outcomes import Outcomes
 from kvpush.decode.requests import RequestTable
-from kvpush.peers.handshakes import HandshakeManager, PeerKey
+from kvpush.peers.handshakes import HandshakeManager, PeerGone, PeerKey
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import NixlAgent, TransferError
@@ -56,6 +56,11 @@ class PrefillPeers:
         # afresh (and finds P unreachable, or a new P there).
         self.evict(conn.key, f"P stopped: {msg.reason}")
 
+    def forget(self, g: PeerGone) -> None:
+        """The registry says a P is gone or restarted: drop every rank of it this D holds."""
+        for key in self._hs.gone(g):
+            self.evict(key, g.detail, why=g.reason)
+
     def heartbeat(self) -> None:
         for conn, tids in self._table.heartbeat_groups():
             for i in range(0, max(len(tids), 1), HEARTBEAT_BATCH):
@@ -72,16 +77,18 @@ class PrefillPeers:
                         self.evict(conn.key, "heartbeat failed: P disconnected")
                         break
 
-    def evict(self, key: PeerKey, reason: str, keep: str = "") -> None:
-        """A P rank is gone (or restarted): fail the requests it writes for (the other ranks
-        are told to drop them), settle what it left quarantined."""
+    def evict(
+        self, key: PeerKey, reason: str, keep: str = "", why: Failure = Failure.PREFILL_DEAD
+    ) -> None:
+        """A P rank is gone (or restarted): fail the requests it writes for with ``why`` (the
+        other ranks are told to drop them), settle what it left quarantined."""
         conn = self._hs.evict(key, reason)
         rank = key[2]
         waiting, abandoned = self._table.of_peer(key)
         for r in waiting:
             if rank in r.registered and r.request_id != keep:
                 r.p_conns.pop(rank, None)
-                self._out.fail(r, Failure.PREFILL_DEAD, reason, settled={rank})
+                self._out.fail(r, why, reason, settled={rank})
         for ab in abandoned:
             self._out.settle_abandoned(ab, rank, "P removed")
         if conn is not None:

@@ -28,7 +28,7 @@ from kvpush.decode.peers import PrefillPeers
 from kvpush.decode.requests import DRequest, DState, RequestTable
 from kvpush.errors import IncompatiblePeerError, NoFreeBlocksError
 from kvpush.memory.pool import KvPool
-from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
+from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone, PeerKey
 from kvpush.peers.tp import check_ratio, sources
 from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
@@ -75,6 +75,7 @@ class Receiver:
         self.ready = owner.inbox("decode-ready", 1 << 16, self._on_ready, self._item_failed)
         self.cancels = owner.inbox("decode-cancel", 1 << 16, self._on_cancel, self._item_failed)
         self.declines = owner.inbox("decode-decline", 1 << 16, self._on_decline, self._item_failed)
+        self.gone = owner.inbox("decode-gone", 1 << 10, self._on_gone, self._item_failed)
         self._rl = RateLimitedLog(log)
         self._out = Outcomes(cfg, agent, pool, codec, telemetry, metadata, self.table, self._rl)
         self._peers = PrefillPeers(agent, handshakes, codec, telemetry, self.table, self._out)
@@ -155,6 +156,9 @@ class Receiver:
         self.table.add(req)
         self._connect_and_register(req)
         self._crash_check()
+
+    def _on_gone(self, g: PeerGone) -> None:
+        self._peers.forget(g)
 
     def _on_cancel(self, request_id: str) -> None:
         req = self.table.waiting(request_id)

@@ -9,6 +9,7 @@ requests arrive on the side channel; their replies go out when the future resolv
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import secrets
 import threading
@@ -25,6 +26,7 @@ from kvpush.decode.outcomes import failed_rep
 from kvpush.decode.receiver import Receiver
 from kvpush.decode.requests import DRequest
 from kvpush.errors import KvpushError, NoFreeBlocksError
+from kvpush.peers.handshakes import PeerGone
 from kvpush.runtime.context import EndpointContext
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.names import Failure
@@ -91,6 +93,10 @@ class DecodeRole:
 
     def poke(self) -> None:
         self.owner.wake.set()
+
+    def forget_peer(self, gone: PeerGone) -> None:
+        with contextlib.suppress(KvpushError):  # closed: the receiver is stopping anyway
+            self.receiver.gone.put(gone)
 
     # ------------------------------------------------------------------ API (any thread)
     def decode(

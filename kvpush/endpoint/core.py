@@ -41,7 +41,7 @@ from kvpush.endpoint import answers
 from kvpush.endpoint.rank import Rank
 from kvpush.errors import PeerUnreachableError
 from kvpush.memory.pool import KvPool
-from kvpush.peers.handshakes import HandshakeManager, PeerConn
+from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone
 from kvpush.runtime.context import EndpointContext, Role
 from kvpush.runtime.decline import Decliner
 from kvpush.telemetry.merge import merge
@@ -212,6 +212,32 @@ class Endpoint(Generic[R, G]):
         for rk in self.ranks:
             rk.close()
         log.info("%s endpoint %s stopped", self.cfg.role, self.cfg.engine_id)
+
+    @property
+    def stopping(self) -> bool:
+        """True once ``stop()`` began (the endpoint refuses new work)."""
+        return self._stopping.is_set()
+
+    @property
+    def telemetry(self) -> Telemetry:
+        """Where endpoint-wide events are counted (rank 0's store, the endpoint's first)."""
+        return self.ranks[0].telemetry
+
+    def forget_peer(self, address: str, incarnation: str | None, reason: str) -> None:
+        """Any thread: the peer endpoint at ``address`` (of ``incarnation``) is gone
+        (``reason`` ``peer_left``) or restarted (``peer_restarted``), as the fleet registry
+        says. Every rank drops its connections to it at once, on its owner thread: the peer's
+        NIXL agent and descriptors are released, and the work in flight with it fails with
+        ``reason``. With an incarnation, connections are matched by it (whatever address they
+        were reached by); without one, by address."""
+        host, port = parse_address(address)
+        why = Failure.parse(reason) or Failure.PEER_LEFT
+        detail = f"{address} {'restarted' if why == Failure.PEER_RESTARTED else 'left'}"
+        if incarnation:
+            detail += f" (incarnation {incarnation[:12]})"
+        gone = PeerGone(host, port, incarnation, why, f"registry: {detail}")
+        for rk in self.ranks:
+            rk.role.forget_peer(gone)
 
     def failure(self) -> BaseException | None:
         """The first failure of the side channel's or a rank's threads (the rank named)."""

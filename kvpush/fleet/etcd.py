@@ -41,11 +41,11 @@ from kvpush.errors import (
     RegistryUnavailable,
     WatchCompacted,
 )
+from kvpush.fleet.config import parse_urls
 
 log = logging.getLogger(__name__)
 
 API_PATH = "/v3/"
-DEFAULT_PORT = 2379
 T = TypeVar("T")
 
 
@@ -57,39 +57,6 @@ class WatchEvent:
     key: str
     value: bytes
     revision: int  # the etcd revision of this change (the key's mod_revision)
-
-
-def parse_urls(spec: str | list[str]) -> list[str]:
-    """The client URLs in ``spec`` (a comma-separated string or a list), normalised to
-    ``scheme://host:port``; ConfigError naming the bad one."""
-    items = spec.split(",") if isinstance(spec, str) else [u for s in spec for u in s.split(",")]
-    urls: list[str] = []
-    for raw in (s.strip() for s in items):
-        if not raw:
-            continue
-        text = raw if "://" in raw else "http://" + raw
-        u = urlsplit(text)
-        try:
-            port = u.port or DEFAULT_PORT
-        except ValueError:
-            port = -1
-        if (
-            u.scheme not in ("http", "https")
-            or not u.hostname
-            or port <= 0
-            or u.path not in ("", "/")
-        ):
-            raise ConfigError(
-                f"invalid etcd URL {raw!r}",
-                "give etcd client URLs as http://HOST:PORT or https://HOST:PORT, comma-separated",
-            )
-        host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname
-        urls.append(f"{u.scheme}://{host}:{port}")
-    if not urls:
-        raise ConfigError(
-            "no etcd URL given", "give --registry http://HOST:2379[,http://HOST2:2379]"
-        )
-    return urls
 
 
 def _b64(data: str | bytes) -> str:

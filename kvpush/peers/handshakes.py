@@ -35,7 +35,7 @@ from kvpush.errors import (
     WrongWireError,
 )
 from kvpush.memory.descriptors import block_descs
-from kvpush.peers.state import PeerConn, PeerEntry, PeerKey, peer_key, peer_name
+from kvpush.peers.state import PeerConn, PeerEntry, PeerGone, PeerKey, peer_key, peer_name
 from kvpush.peers.tp import Slice, check_ratio, write_slice
 from kvpush.peers.validation import check_reply, mode_satisfies
 from kvpush.peers.vllm_peer import PeerHint, check_vllm_answer
@@ -98,6 +98,11 @@ class HandshakeManager:
                 if e.conn is not None and e.conn.agent_name == agent_name:
                     return e.conn
         return None
+
+    def gone(self, g: PeerGone) -> list[PeerKey]:
+        """The peers ``g`` names (connected, or connected before a handshake now running)."""
+        with self._lock:
+            return [k for k, e in self._peers.items() if e.conn is not None and g.matches(e.conn)]
 
     def connected(self) -> list[PeerConn]:
         """Every peer connected now."""
@@ -428,4 +433,4 @@ class HandshakeManager:
         return [e.conn for e in entries if e.conn is not None]
 
 
-__all__ = ["HandshakeManager", "PeerConn", "PeerKey", "peer_key", "peer_name"]
+__all__ = ["HandshakeManager", "PeerConn", "PeerGone", "PeerKey", "peer_key", "peer_name"]

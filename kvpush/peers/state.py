@@ -10,7 +10,7 @@ from kvpush.address import format_address
 from kvpush.config import HandshakeMode
 from kvpush.peers.tp import Slice
 from kvpush.peers.vllm_peer import PeerHint
-from kvpush.telemetry.names import PeerState
+from kvpush.telemetry.names import Failure, PeerState
 from kvpush.transport.nixl import DList
 from kvpush.wire import protocol
 
@@ -27,6 +27,24 @@ def peer_name(key: PeerKey) -> str:
     host, port, rank = key
     addr = format_address(host, port)
     return addr if rank == 0 else f"{addr} rank {rank}"
+
+
+@dataclass(frozen=True)
+class PeerGone:
+    """The registry says a peer endpoint is gone (``peer_left``) or restarted
+    (``peer_restarted``): every connection to ``incarnation`` goes at once, whatever address
+    it was reached by; without an incarnation, every connection to ``host:port`` goes."""
+
+    host: str
+    port: int
+    incarnation: str | None
+    reason: Failure
+    detail: str
+
+    def matches(self, conn: PeerConn) -> bool:
+        if self.incarnation:
+            return conn.metadata.incarnation == self.incarnation
+        return (conn.key[0], conn.key[1]) == (self.host, self.port)
 
 
 @dataclass

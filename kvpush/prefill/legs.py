@@ -307,13 +307,14 @@ class Legs:
         t_match = max(push.finished.t_finished, max(r.t_arrived for r in push.registrations))
         self._tm.observe(Hist.PUSH_LATENCY, now - t_match)
 
-    def peer_gone(self, key: PeerKey, reason: str) -> None:
+    def peer_gone(self, key: PeerKey, reason: str, why: Failure = Failure.PEER_DEAD) -> None:
         """The peer at ``key`` is gone: nothing of its legs can land any more; its fences'
-        quarantined blocks come back."""
+        quarantined blocks come back. Its legs fail with ``why`` (``peer_dead``, or the
+        registry's ``peer_left`` / ``peer_restarted``)."""
         for entry in self._table.legs_to(key):
             self._agent.release(entry.xfer)
             if isinstance(entry, Leg):
-                self._out.fail_leg(entry, Failure.PEER_DEAD, reason, may_have_written=False)
+                self._out.fail_leg(entry, why, reason, may_have_written=False)
                 w = self._table.done(entry)
                 if w is not None:
                     self.settle(w)

@@ -22,6 +22,7 @@ import numpy as np
 
 from kvpush.config import Wire
 from kvpush.errors import KvpushError, NoFreeBlocksError, ShuttingDownError
+from kvpush.peers.handshakes import PeerGone
 from kvpush.prefill.table import Finished, PushOutcome, transfer_key
 from kvpush.prefill.writer import PushWriter
 from kvpush.runtime.context import EndpointContext
@@ -70,6 +71,9 @@ class PrefillRole:
 
     def poke(self) -> None:
         self.owner.wake.set()
+
+    def forget_peer(self, gone: PeerGone) -> None:
+        self.writer.forget(gone)
 
     # ------------------------------------------------------------------ API (any thread)
     def reserve(self, transfer_id: str, num_blocks: int) -> np.ndarray:

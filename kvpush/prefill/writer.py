@@ -31,7 +31,7 @@ from concurrent.futures import Future
 
 from kvpush.config import EndpointConfig, HandshakeMode, Wire, WriterMode
 from kvpush.memory.pool import KvPool
-from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
+from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone, PeerKey
 from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
 from kvpush.prefill.fences import Fences
@@ -367,9 +367,18 @@ class PushWriter:
             self._rl.warning("unexpected", "unexpected %s from %s", type(msg).__name__, sender)
 
     # ------------------------------------------------------------------ peers and shutdown
-    def _evict(self, key: PeerKey, reason: str) -> None:
+    def forget(self, g: PeerGone) -> None:
+        """Any thread: the registry says a D is gone or restarted; the writer drops it at once
+        (its WRITEs in flight fail with ``g.reason``). Dropped when the writer is stopping."""
+        self._owner.hand_off(self.tasks, lambda: self._forget(g), _ignore_error)
+
+    def _forget(self, g: PeerGone) -> None:
+        for key in self._hs.gone(g):
+            self._evict(key, g.detail, g.reason)
+
+    def _evict(self, key: PeerKey, reason: str, why: Failure = Failure.PEER_DEAD) -> None:
         conn = self._hs.evict(key, reason)
-        self._legs.peer_gone(key, reason)
+        self._legs.peer_gone(key, reason, why)
         self._fences.forget_peer(key)
         if conn is not None:
             self._hs.release_conn(conn)
@@ -433,6 +442,10 @@ class PushWriter:
 
 def _call(task: Callable[[], None]) -> None:
     task()
+
+
+def _ignore_error(e: BaseException) -> None:
+    del e  # a task that could not be queued: the writer is stopping and releases every peer
 
 
 def _ignore(outcome: PushOutcome) -> None:

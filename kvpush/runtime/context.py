@@ -16,7 +16,7 @@ from typing import Protocol
 
 from kvpush.config import EndpointConfig
 from kvpush.memory.pool import KvPool
-from kvpush.peers.handshakes import HandshakeManager
+from kvpush.peers.handshakes import HandshakeManager, PeerGone
 from kvpush.runtime.decline import Decliner
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.store import Telemetry
@@ -67,3 +67,7 @@ class Role(Protocol):
 
     def poke(self) -> None:
         """Wake the owner thread (so it polls notifications now)."""
+
+    def forget_peer(self, gone: PeerGone) -> None:
+        """Any thread: drop the peer ``gone`` names on the owner thread, at once (the work in
+        flight with it fails with ``gone.reason``)."""

@@ -44,6 +44,7 @@ class Counter(StrEnum):
     HANDSHAKES_FAILED = "handshakes_failed"
     HANDSHAKES_SERVED = "handshakes_served"
     PEERS_EVICTED = "peers_evicted"
+    REGISTRY_ERRORS = "registry_errors"  # etcd calls of the registrar that failed
 
 
 class Failure(StrEnum):
@@ -59,6 +60,8 @@ class Failure(StrEnum):
     PREFILL_FAILED = "prefill_failed"  # P failed it for a reason this version does not know
     PEER_DEAD = "peer_dead"
     SHUTTING_DOWN = "shutting_down"
+    PEER_LEFT = "peer_left"  # the registry says the peer is gone (its key deleted or lapsed)
+    PEER_RESTARTED = "peer_restarted"  # the registry shows another incarnation at its address
     # blocks, leases, registrations
     NO_FREE_BLOCKS = "no_free_blocks"
     NO_BLOCKS = "no_blocks"
@@ -125,6 +128,9 @@ class Gauge(StrEnum):
     POOL_FREE_RUNS = "pool_free_runs"
     POOL_LARGEST_FREE_RUN = "pool_largest_free_run"
     ALLOC_MEAN_RUN_LEN = "alloc_mean_run_len"
+    # The fleet registry (with --registry): 1 while etcd answers; 1 once the key is written.
+    REGISTRY_UP = "registry_up"
+    REGISTRY_REGISTERED = "registry_registered"
 
 
 class Hist(StrEnum):

@@ -1,7 +1,10 @@
-"""Prometheus exporter: serves ``/metrics`` drawn from the same ``Snapshot`` as the live view.
+"""Prometheus exporter: serves ``/metrics`` drawn from the same ``Snapshot`` as the live view,
+and, given a ``Health``, the probes ``/healthz`` and ``/readyz`` (200 ``ok``, or 503 with a
+one-line reason; ``?format=json`` or ``Accept: application/json`` answers
+``{"ok": ..., "reason": ...}``).
 
-Owns one HTTP server thread (``prometheus_client.start_http_server``, a daemon thread that it stops
-in ``stop()``) and a private ``CollectorRegistry``, so nothing leaks into the process-global
+Owns one HTTP server thread (prometheus_client's threading WSGI server, a daemon thread that it
+stops in ``stop()``) and a private ``CollectorRegistry``, so nothing leaks into the process-global
 registry. A custom collector calls ``source()`` on the scrape thread and translates the snapshot
 (``snapshot_families`` is a pure function of it):
 
@@ -42,13 +45,16 @@ series keep one identity at every TP size, and ``sum by (...)`` reads the same e
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import re
+import socket
 import threading
-from collections.abc import Callable, Iterator
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -56,9 +62,11 @@ from prometheus_client.core import (
     InfoMetricFamily,
     Metric,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from kvpush.errors import BindError
+from kvpush.telemetry.health import Health, Verdict
 from kvpush.telemetry.names import (
     POOL_GAUGES,
     QUEUE_GAUGES,
@@ -282,14 +290,58 @@ class _SnapshotCollector(Collector):
         return snapshot_families(self._source())
 
 
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes and probes are not logged (one line per request would flood the log)."""
+
+
+_Start = Callable[[str, list[tuple[str, str]]], Any]
+_PROBES = {"/healthz": "live", "/readyz": "ready"}
+
+
+def _probe_app(
+    metrics: Callable[[dict[str, Any], _Start], Iterable[bytes]], health: Health | None
+) -> Callable[[dict[str, Any], _Start], Iterable[bytes]]:
+    """``/healthz`` and ``/readyz`` from ``health``; every other path is the metrics page."""
+
+    def app(environ: dict[str, Any], start: _Start) -> Iterable[bytes]:
+        probe = _PROBES.get(str(environ.get("PATH_INFO", "")).rstrip("/") or "/")
+        if probe is None or health is None:
+            return metrics(environ, start)
+        try:
+            v: Verdict = getattr(health, probe)()
+        except Exception as e:  # a probe that cannot judge says so, it never hangs or 500s
+            v = Verdict(False, f"probe failed: {type(e).__name__}: {e}")
+        as_json = "format=json" in str(environ.get("QUERY_STRING", "")) or "json" in str(
+            environ.get("HTTP_ACCEPT", "")
+        )
+        if as_json:
+            body = json.dumps({"ok": v.ok, "reason": v.reason}).encode() + b"\n"
+            ctype = "application/json"
+        else:
+            body = (v.reason if v.ok else f"not {probe}: {v.reason}").encode() + b"\n"
+            ctype = "text/plain; charset=utf-8"
+        status = "200 OK" if v.ok else "503 Service Unavailable"
+        start(status, [("Content-Type", ctype), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
+
+
 class PrometheusExporter:
-    """Serve ``source()`` snapshots at ``http://host:port/metrics`` until ``stop()``."""
+    """Serve ``source()`` snapshots at ``http://host:port/metrics`` (and ``health``'s probes)
+    until ``stop()``."""
 
     def __init__(
-        self, source: Callable[[], Snapshot], host: str = "127.0.0.1", port: int = 0
+        self,
+        source: Callable[[], Snapshot],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        health: Health | None = None,
     ) -> None:
         self.host = host
         self.port = port  # the bound port once started (port 0 picks a free one)
+        self.health = health
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(_SnapshotCollector(source))
         self._server: WSGIServer | None = None
@@ -305,7 +357,7 @@ class PrometheusExporter:
         if self._server is not None:
             return
         try:
-            server, thread = start_http_server(self.port, addr=self.host, registry=self._registry)
+            server, thread = self._serve()
         except OSError as e:
             where = f"{self.host}:{self.port}"
             hint = "choose another --metrics-port (0 picks a free one) or stop the process using it"
@@ -321,6 +373,18 @@ class PrometheusExporter:
         self._server, self._thread = server, thread
         self.port = server.server_port
         logger.info("serving Prometheus metrics at %s", self.url)
+
+    def _serve(self) -> tuple[WSGIServer, threading.Thread]:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+
+        class Server(ThreadingWSGIServer):
+            address_family = family
+
+        app = _probe_app(make_wsgi_app(self._registry), self.health)
+        server = make_server(self.host, self.port, app, Server, handler_class=_QuietHandler)
+        thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+        thread.start()
+        return server, thread
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop serving and close the socket; idempotent."""

@@ -131,15 +131,25 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
     stop = StopFlag().install()
     ep = None
     exporter = None
+    member = None
     failure: BaseException | None = None
     try:
         ep = open_endpoint(cfg)
         stop.rearm()  # UCX took SIGHUP over while the endpoint started
+        health = _health(ep)
         if opts.metrics_port:
             from kvpush.telemetry.prom import PrometheusExporter
 
-            exporter = PrometheusExporter(ep.snapshot, opts.metrics_host, opts.metrics_port)
+            exporter = PrometheusExporter(
+                ep.snapshot, opts.metrics_host, opts.metrics_port, health=health
+            )
             exporter.start()
+        if opts.registry is not None:
+            from kvpush.fleet.member import Membership
+
+            member = Membership(ep, opts.registry, exporter.url if exporter else "")
+            health.registration = member.verdict
+            member.start()
         if opts.ready_file:
             info: dict[str, Any] = {
                 "address": ep.address,
@@ -161,6 +171,8 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
         if stop.signame:
             log.info("%s received: draining (up to %gs)", stop.signame, cfg.timeouts.drain_s)
     finally:
+        if member is not None:
+            member.leave()  # the key goes first: routers stop sending, then the drain
         if ep is not None:
             ep.stop()
         if exporter is not None:
@@ -178,6 +190,12 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
         ) from failure
     log.info("stopped cleanly")
     return int(ExitStatus.OK)
+
+
+def _health(ep: Any) -> Any:
+    from kvpush.telemetry.health import Health
+
+    return Health(ep.snapshot, ep.failure, lambda: ep.stopping)
 
 
 def _loop_lines(

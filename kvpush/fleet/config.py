@@ -1,0 +1,135 @@
+"""How an endpoint (or a tool) reaches the registry: ``RegistryConfig``, frozen, checked once.
+
+Owns the registry settings an operator gives (etcd client URLs, cluster, lease TTL, the address
+to advertise, credentials) and their checks: the URLs parse, a password file must be private
+(no access for other users, the rule of ``--auth-token-file``), TLS files must exist, a TTL
+leaves room for three refreshes. The password is held with ``repr=False``: it never reaches a
+log line, a ``repr`` or an error message. Pure values and file reads; no etcd client is
+imported here (``import kvpush.cli`` stays light).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from kvpush.errors import ConfigError
+from kvpush.fleet.record import check_cluster
+
+DEFAULT_TTL_S = 10
+MIN_TTL_S = 2
+LOAD_PERIOD_S = 2.0  # the load summary is re-read this often, written when it changed
+LOAD_REFRESH_PERIODS = 5  # ... and at least every this many periods
+TIMEOUT_S = 2.0  # one etcd call
+DEFAULT_PORT = 2379
+
+
+def parse_urls(spec: str | list[str]) -> list[str]:
+    """The client URLs in ``spec`` (a comma-separated string or a list), normalised to
+    ``scheme://host:port``; ConfigError naming the bad one."""
+    items = spec.split(",") if isinstance(spec, str) else [u for s in spec for u in s.split(",")]
+    urls: list[str] = []
+    for raw in (s.strip() for s in items):
+        if not raw:
+            continue
+        text = raw if "://" in raw else "http://" + raw
+        u = urlsplit(text)
+        try:
+            port = u.port or DEFAULT_PORT
+        except ValueError:
+            port = -1
+        if (
+            u.scheme not in ("http", "https")
+            or not u.hostname
+            or port <= 0
+            or u.path not in ("", "/")
+        ):
+            raise ConfigError(
+                f"invalid etcd URL {raw!r}",
+                "give etcd client URLs as http://HOST:PORT or https://HOST:PORT, comma-separated",
+            )
+        host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname
+        urls.append(f"{u.scheme}://{host}:{port}")
+    if not urls:
+        raise ConfigError(
+            "no etcd URL given", "give --registry http://HOST:2379[,http://HOST2:2379]"
+        )
+    return urls
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    """Where and how to register (``urls`` as given: parsed by ``kvpush.fleet.etcd``)."""
+
+    urls: str
+    cluster: str = "default"
+    ttl_s: int = DEFAULT_TTL_S
+    advertise: str | None = None  # the host peers and routers use (the key's address)
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    timeout_s: float = TIMEOUT_S
+    load_period_s: float = LOAD_PERIOD_S
+
+    def __post_init__(self) -> None:
+        parse_urls(self.urls)
+        try:
+            check_cluster(self.cluster)
+        except ValueError as e:
+            raise ConfigError(f"--cluster: {e}", "e.g. --cluster prod-a") from None
+        if self.ttl_s < MIN_TTL_S:
+            raise ConfigError(
+                f"--registry-ttl must be at least {MIN_TTL_S} s, got {self.ttl_s}",
+                "the lease is refreshed every TTL/3: give 10 (the default) or more",
+            )
+
+    @property
+    def refresh_s(self) -> float:
+        return self.ttl_s / 3
+
+
+def read_password_file(path: str) -> str:
+    """The password in ``path`` (one line, trailing newline dropped); refused unless the file
+    is readable by its owner only. The message names the file, never its content."""
+    flag = "--registry-password-file"
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise ConfigError(
+            f"{flag} {path}: {e.strerror}", "check the path and its permissions"
+        ) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{flag} {path} is not a regular file", "give the path of a file")
+    if st.st_mode & 0o007:  # the rule of --auth-token-file
+        raise ConfigError(
+            f"{flag} {path} is readable by other users (mode {stat.S_IMODE(st.st_mode):03o})",
+            f"restrict it to its owner: chmod 600 {path}",
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            f"{flag} {path} cannot be read as UTF-8 text: {type(e).__name__}",
+            "put the password on one line of a UTF-8 file",
+        ) from None
+    password = text.rstrip("\r\n")
+    if not password or "\n" in password:
+        raise ConfigError(
+            f"{flag} {path} must hold the password on exactly one line",
+            "write it with: printf '%s' \"$PASSWORD\" > FILE; chmod 600 FILE",
+        )
+    return password
+
+
+def check_file(flag: str, path: str | None) -> str | None:
+    """``path`` if it names a readable file (TLS material), else a ConfigError naming ``flag``."""
+    if path is None:
+        return None
+    if not os.path.isfile(path) or not os.access(path, os.R_OK):
+        raise ConfigError(f"{flag} {path}: no readable file there", "check the path")
+    return path

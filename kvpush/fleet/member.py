@@ -1,0 +1,196 @@
+"""An endpoint's membership of a fleet: its record, its registrar, its watch of the cluster.
+
+``Membership(ep, cfg)`` is what ``serve-*`` runs with ``--registry``: a ``Registrar`` (its own
+thread) keeps the endpoint's leased key, and a ``PeerWatch`` (its own thread) follows the
+cluster so that a peer whose key goes (``peer_left``) or comes back with another incarnation
+(``peer_restarted``) is dropped by every rank at once (``Endpoint.forget_peer``), not at the
+next handshake. Neither thread is on the data path: each talks to etcd through its own client
+and hands the endpoint nothing but those evictions (queued to the owner threads).
+
+``endpoint_record`` and ``load_of`` are pure functions of the endpoint and its snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvpush import __version__
+from kvpush.address import binds_all_interfaces, format_address, parse_address
+from kvpush.errors import ConfigError
+from kvpush.fleet.config import RegistryConfig
+from kvpush.fleet.etcd import Etcd
+from kvpush.fleet.record import EndpointRecord, Geometry, Load, endpoint_key
+from kvpush.fleet.registrar import Registrar
+from kvpush.fleet.store import Follow
+from kvpush.telemetry.health import Verdict
+from kvpush.telemetry.names import Failure
+from kvpush.telemetry.snapshot import Snapshot
+from kvpush.wire import protocol
+
+log = logging.getLogger(__name__)
+
+
+def advertised_address(bind_host: str, port: int, advertise: str | None) -> str:
+    """The address the key is registered under: ``--advertise`` or the bind host."""
+    host = (advertise or "").strip().strip("[]") or bind_host
+    if binds_all_interfaces(host):
+        raise ConfigError(
+            f"cannot register {format_address(host, port)}: peers cannot reach the "
+            "all-interfaces address",
+            "give --advertise HOST (this machine's address as peers reach it)",
+        )
+    return format_address(host, port)
+
+
+def load_of(snap: Snapshot) -> Load:
+    """The load summary in a snapshot (free blocks, work in flight, cumulative outcomes)."""
+    g, c = snap.gauges, snap.counters
+    if snap.role == "prefill":
+        in_flight = g.get("inflight_writes", 0) + g.get("deferred", 0)
+        ok, failed = c.get("pushes_ok", 0), c.get("pushes_failed", 0)
+    else:
+        in_flight = g.get("d_waiting", 0)
+        ok, failed = c.get("requests_ok", 0), c.get("requests_failed", 0)
+    return Load(
+        free_blocks=int(g.get("pool_free", 0)),
+        in_flight=int(in_flight),
+        pushes_total=int(ok),
+        failures_total=int(failed),
+        updated_at=time.time(),
+    )
+
+
+def endpoint_record(ep: Any, address: str, metrics_url: str = "") -> EndpointRecord:
+    """What ``ep`` publishes (its load summary empty: the registrar fills it)."""
+    cfg, md = ep.cfg, ep.metadata
+    pool = cfg.pool
+    compat = cfg.vllm.compat_hash if cfg.vllm is not None else protocol.compat_hash(md)
+    return EndpointRecord(
+        role=cfg.role,
+        engine_id=cfg.engine_id,
+        incarnation=ep.incarnation,
+        address=address,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        tp_size=cfg.tp_size,
+        wire=cfg.wire.value,
+        geometry=Geometry(
+            num_blocks=pool.num_blocks,
+            layers=pool.layers,
+            regions=pool.regions,
+            block_bytes=pool.block_bytes,
+            dtype=pool.dtype,
+            kv_layout=pool.kv_layout,
+            kv_heads=pool.kv_heads,
+            device=str(md.device_kind),
+        ),
+        compat_hash=compat,
+        kvpush_version=__version__,
+        nixl_version=md.nixl_version,
+        metrics_url=metrics_url,
+        started_at=time.time(),
+        agent_names=[rk.agent_name for rk in ep.ranks],
+    )
+
+
+def reachable_url(url: str, address: str) -> str:
+    """``url`` with an all-interfaces host replaced by the advertised one (``address``'s)."""
+    if not url:
+        return url
+    u = urlsplit(url)
+    if u.hostname is None or not binds_all_interfaces(u.hostname):
+        return url
+    host, _ = parse_address(address)
+    return u._replace(netloc=format_address(host, u.port or 80)).geturl()
+
+
+def make_etcd(cfg: RegistryConfig) -> Etcd:
+    return Etcd(
+        cfg.urls,
+        user=cfg.user,
+        password=cfg.password,
+        ca_cert=cfg.ca_cert,
+        cert=cfg.cert,
+        key=cfg.key,
+        timeout_s=cfg.timeout_s,
+    )
+
+
+class PeerWatch:
+    """Follows the cluster on its own thread; a peer that left or restarted is forgotten by
+    the endpoint at once. The endpoint's own key going makes the registrar put it again."""
+
+    def __init__(self, ep: Any, cfg: RegistryConfig, own: str, registrar: Registrar) -> None:
+        self._ep = ep
+        self._own = own
+        self._registrar = registrar
+        self._follow = Follow(make_etcd(cfg), cfg.cluster, retry_s=min(1.0, cfg.refresh_s))
+        self._thread = threading.Thread(target=self._run, name="registry-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._follow.cancel()
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        for ev in self._follow:
+            try:
+                self._on(ev.kind, ev.address, ev.previous)
+            except Exception:  # a bad event must not end the watch
+                log.exception("registry watch: handling %s of %s failed", ev.kind, ev.address)
+
+    def _on(self, kind: str, address: str, previous: EndpointRecord | None) -> None:
+        if address == self._own:
+            if kind == "leave":
+                self._registrar.put_again()
+            return
+        if previous is None or kind not in ("leave", "restart"):
+            return
+        why = Failure.PEER_LEFT if kind == "leave" else Failure.PEER_RESTARTED
+        log.info(
+            "registry: %s %s (incarnation %s): dropping it",
+            address,
+            "left" if kind == "leave" else "restarted",
+            previous.incarnation[:12],
+        )
+        self._ep.forget_peer(address, previous.incarnation, why.value)
+
+
+class Membership:
+    """Register ``ep`` in ``cfg.cluster`` and follow the cluster (see the module docstring)."""
+
+    def __init__(self, ep: Any, cfg: RegistryConfig, metrics_url: str = "") -> None:
+        self.cfg = cfg
+        self.address = advertised_address(ep.cfg.host, ep.server.port, cfg.advertise)
+        self.key = endpoint_key(cfg.cluster, self.address)
+        self.record = endpoint_record(ep, self.address, reachable_url(metrics_url, self.address))
+        self.registrar = Registrar(
+            cfg,
+            make_etcd(cfg),
+            self.key,
+            self.record,
+            lambda: load_of(ep.snapshot()),
+            ep.telemetry,
+        )
+        self.watch = PeerWatch(ep, cfg, self.address, self.registrar)
+
+    def start(self) -> None:
+        self.registrar.start()
+        self.watch.start()
+        log.info("registry: registering %s in cluster %s", self.address, self.cfg.cluster)
+
+    def verdict(self) -> Verdict:
+        return self.registrar.verdict()
+
+    def leave(self) -> None:
+        """Graceful stop, before the drain: the key goes first, then the watch stops."""
+        self.registrar.leave()
+        self.watch.stop()
