@@ -13,31 +13,6 @@ from __future__ import annotations
 
 from kvpush.cli.optspec import PANEL_OUT, Entry, Opt
 
-PANEL_REGISTRY = "Registry (etcd)"
-
-#: The registry options, until serve-* declares them (then theirs are used: see options.py).
-REGISTRY_OPTS: list[Opt] = [
-    Opt("registry", ("--registry",), str | None,
-        "etcd client URLs of the fleet registry, comma-separated (http://HOST:2379,...).", None,
-        PANEL_REGISTRY, metavar="URL[,URL]", show_default=False),
-    Opt("cluster", ("--cluster",), str, "The cluster's name in the registry.", "default",
-        PANEL_REGISTRY),
-    Opt("registry_user", ("--registry-user",), str | None,
-        "etcd user (with --registry-password-file).", None, PANEL_REGISTRY, show_default=False),
-    Opt("registry_password_file", ("--registry-password-file",), str | None,
-        "File holding the etcd user's password (never logged).", None, PANEL_REGISTRY,
-        metavar="FILE", show_default=False),
-    Opt("registry_ca", ("--registry-ca",), str | None,
-        "CA bundle to verify etcd's TLS certificate (https:// URLs).", None, PANEL_REGISTRY,
-        metavar="FILE", show_default=False),
-    Opt("registry_cert", ("--registry-cert",), str | None,
-        "TLS client certificate for etcd (with --registry-key).", None, PANEL_REGISTRY,
-        metavar="FILE", show_default=False),
-    Opt("registry_key", ("--registry-key",), str | None,
-        "TLS client key for etcd (with --registry-cert).", None, PANEL_REGISTRY,
-        metavar="FILE", show_default=False),
-]  # fmt: skip
-
 FLEET_OPTS: list[Opt] = [
     Opt("json_out", ("--json",), bool, "One JSON object on stdout.", False, PANEL_OUT,
         key="fleet.ls.json"),

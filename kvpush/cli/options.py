@@ -22,7 +22,7 @@ from typing import Any
 
 import typer
 
-from kvpush.cli.fleet_options import FLEET_OPTS, REGISTRY, REGISTRY_OPTS
+from kvpush.cli.fleet_options import FLEET_OPTS, REGISTRY
 from kvpush.cli.optspec import (
     PANEL_VLLM,
     REQUIRED,
@@ -165,7 +165,6 @@ _OPTS: list[Opt] = [
         argument=True),
     # --------------------------------------------------------------------- fleet
     *FLEET_OPTS,
-    *(o for o in REGISTRY_OPTS if o.key not in {e.key for e in ENDPOINT_OPTS}),
 ]  # fmt: skip
 
 #: key -> option. The key is the parameter name, or ``command.param`` where two commands give

@@ -10,10 +10,10 @@ thread; the etcd client is imported on use (``import kvpush.cli`` loads none).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpush.errors import ConfigError, RegistryUnavailable
+from kvpush.fleet.config import check_file, read_password_file
 from kvpush.fleet.record import EndpointRecord, check_cluster
 
 if TYPE_CHECKING:
@@ -45,27 +45,22 @@ class RegistrySource:
         except ValueError as e:
             raise ConfigError(str(e), "pass --cluster NAME") from None
 
-    def _password(self) -> str | None:
-        if self.password_file is None:
-            return None
-        try:
-            return Path(self.password_file).read_text().strip()
-        except OSError as e:
-            raise ConfigError(
-                f"cannot read --registry-password-file {self.password_file}: {e.strerror}",
-                "give a readable file holding the etcd user's password",
-            ) from None
-
     def open(self) -> Etcd:
+        """A client (the password read from its file here, kept in the client only)."""
         from kvpush.fleet.etcd import Etcd
 
+        if (self.user is None) != (self.password_file is None):
+            raise ConfigError(
+                "etcd authentication needs --registry-user and --registry-password-file together",
+                "give both, or neither",
+            )
         return Etcd(
             self.urls,
             user=self.user,
-            password=self._password(),
-            ca_cert=self.ca,
-            cert=self.cert,
-            key=self.key,
+            password=read_password_file(self.password_file) if self.password_file else None,
+            ca_cert=check_file("--registry-ca", self.ca),
+            cert=check_file("--registry-cert", self.cert),
+            key=check_file("--registry-key", self.key),
             timeout_s=self.timeout_s,
         )
 
