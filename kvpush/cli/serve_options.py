@@ -44,7 +44,7 @@ from kvpush.config import (
     Wire,
     WriterMode,
 )
-from kvpush.fleet.config import DEFAULT_TTL_S
+from kvpush.fleet.config import DEFAULT_TTL_S, LOAD_PERIOD_S
 
 
 def _pool(name: str) -> Any:
@@ -205,6 +205,11 @@ ENDPOINT_OPTS: list[Opt] = [
         "Lease TTL of the endpoint's key, in seconds (refreshed every TTL/3): a process that "
         "dies or freezes drops out of the registry within it.", DEFAULT_TTL_S, PANEL_REGISTRY,
         seconds=True),
+    Opt("registry_load_period", ("--registry-load-period",), float,
+        "How often the load summary in the key (free blocks, in flight) is re-read; it is "
+        "written when it changed, and at least every 5 periods. Every write reaches every "
+        "watcher of the cluster: raise it for large fleets (docs/fleet.md, sizing).",
+        LOAD_PERIOD_S, PANEL_REGISTRY, seconds=True),
     Opt("advertise", ("--advertise",), str | None,
         "The host peers and routers reach this endpoint by (the registry key's address); "
         "needed when --host binds all interfaces.", None, PANEL_REGISTRY, metavar="HOST",
@@ -251,7 +256,8 @@ SERVE: list[tuple[str, frozenset[str]]] = [
         ("compat_hash", "prefill decode"), ("vllm_block_size", "prefill decode"),
         ("attn_backend", "prefill decode"),
         ("registry", "prefill decode"), ("cluster", "prefill decode"),
-        ("registry_ttl", "prefill decode"), ("advertise", "prefill decode"),
+        ("registry_ttl", "prefill decode"), ("registry_load_period", "prefill decode"),
+        ("advertise", "prefill decode"),
         ("registry_user", "prefill decode"), ("registry_password_file", "prefill decode"),
         ("registry_ca", "prefill decode"), ("registry_cert", "prefill decode"),
         ("registry_key", "prefill decode"),

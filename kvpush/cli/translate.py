@@ -251,7 +251,7 @@ def registry_config(p: Mapping[str, Any]) -> RegistryConfig | None:
             flag = "--" + given[0].replace("_", "-")
             raise ConfigError(f"{flag} needs --registry", "add --registry URL, or drop the option")
         return None
-    from kvpush.fleet.config import RegistryConfig
+    from kvpush.fleet.config import LOAD_PERIOD_S, RegistryConfig
 
     pw_file = p.get("registry_password_file")
     user = p.get("registry_user")
@@ -275,6 +275,7 @@ def registry_config(p: Mapping[str, Any]) -> RegistryConfig | None:
         urls=str(urls),
         cluster=str(p.get("cluster") or "default"),
         ttl_s=int(p.get("registry_ttl") or 10),
+        load_period_s=float(p.get("registry_load_period") or LOAD_PERIOD_S),
         advertise=advertise,
         user=user or None,
         password=read_password_file(pw_file) if pw_file else None,

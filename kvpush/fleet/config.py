@@ -81,6 +81,11 @@ class RegistryConfig:
             check_cluster(self.cluster)
         except ValueError as e:
             raise ConfigError(f"--cluster: {e}", "e.g. --cluster prod-a") from None
+        if not self.load_period_s > 0:
+            raise ConfigError(
+                f"--registry-load-period must be positive, got {self.load_period_s:g}",
+                "give the seconds between two readings of the load summary, e.g. 2",
+            )
         if self.ttl_s < MIN_TTL_S:
             raise ConfigError(
                 f"--registry-ttl must be at least {MIN_TTL_S} s, got {self.ttl_s}",

@@ -4,8 +4,10 @@ The two commands are built from the one option table (``options.serve_entries(ro
 body translates the options (``translate``) and calls ``serve``.
 
 Lifecycle (uvicorn's shape): install signal handlers -> open the endpoint
-(``kvpush.ops.engine.open_endpoint``; raises typed errors) -> optional Prometheus exporter ->
-ready file -> main loop (render telemetry, watch for a thread failure) -> ordered shutdown:
+(``kvpush.ops.engine.open_endpoint``; raises typed errors) -> optional Prometheus exporter
+(with ``/healthz`` and ``/readyz``) -> optional fleet membership (``--registry``:
+``kvpush.fleet.member``, its own threads) -> ready file -> main loop (render telemetry, watch
+for a thread failure) -> ordered shutdown: the registry key goes first (routers stop sending),
 ``endpoint.stop()`` drains under ``--drain-timeout``, then the exporter stops and the ready
 file is removed. SIGINT, SIGTERM and SIGHUP only set a flag (``StopFlag``); a second one exits
 at once (130). A stdout whose reader went away (``| head -1``) ends the telemetry lines with one

@@ -1,0 +1,377 @@
+"""Endpoints in a fleet registry: real etcd (the ``etcd`` fixture), real ``serve-*`` processes.
+
+Each test asserts an invariant of registration (issue 15): the key goes first at a graceful stop,
+lapses after a SIGKILL or a freeze past the TTL and comes back after SIGCONT, is replaced by a
+restart at the same address (new incarnation); etcd down at start or mid-run costs no request;
+a registry delete or restart of a peer makes a D drop that peer's agent at once; ``/readyz``
+follows the data path; credentials are checked and never logged. No timing is asserted: the
+"eventually" loops have deadlines wide enough for a loaded machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import requests
+
+from kvpush.fleet.etcd import Etcd
+from kvpush.fleet.record import EndpointRecord, decode, endpoint_key
+from kvpush.fleet.store import Follow, list_endpoints
+from kvpush.ops import control
+from kvpush.wire import protocol
+from tests.conftest import unused_port
+from tests.support.etcd import EtcdServer
+from tests.support.legs import stats
+from tests.support.procs import KVPUSH, Proc, clean_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+SMALL = ["--num-blocks", "64", "--layers", "2", "--block-bytes", "4096"]
+
+
+def reg(etcd: EtcdServer, ttl: int = 3, *extra: str) -> list[str]:
+    return ["--registry", etcd.url, "--registry-ttl", str(ttl), *extra]
+
+
+def until(what: str, cond: Callable[[], Any], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def record_at(e: Etcd, address: str, cluster: str = "default") -> EndpointRecord | None:
+    raw = e.get(endpoint_key(cluster, address))
+    return decode(raw) if raw is not None else None
+
+
+def http(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def json_lines(p: Proc) -> list[dict[str, Any]]:
+    out = []
+    for line in p.log_text().splitlines():
+        if line.startswith("{"):
+            out.append(json.loads(line))
+    return out
+
+
+def run_drive(p: Proc, d: Proc, n: int, *extra: str, timeout: float = 120) -> dict[str, Any]:
+    r = subprocess.run(
+        [*KVPUSH, "drive", "-p", p.address, "-d", d.address, "-n", str(n), "--json", *extra],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=timeout,
+    )
+    out: dict[str, Any] = json.loads(r.stdout)
+    return out
+
+
+def reading(proc: Proc, kind: str, name: str) -> float:
+    """A counter or gauge of ``proc``'s snapshot, over its side channel."""
+    values = stats(proc.address)[kind]
+    assert isinstance(values, dict)
+    return float(values.get(name, 0))
+
+
+def is_up(proc: Proc) -> bool:
+    return reading(proc, "gauges", "registry_up") == 1
+
+
+def peers_of(proc: Proc) -> list[dict[str, Any]]:
+    rows = stats(proc.address)["peers"]
+    assert isinstance(rows, list)
+    return rows
+
+
+class Pending:
+    """A request sent to D alone (its prefill leg never comes): D registers with P and waits;
+    ``result()`` is D's answer."""
+
+    def __init__(self, d: Proc, p_addr: str, tid: str) -> None:
+        host, port = p_addr.rsplit(":", 1)
+        self.rep: protocol.SideReply | None = None
+        req = protocol.DecodeReq(
+            transfer_id=tid, prefill_host=host, prefill_port=int(port), num_blocks=2
+        )
+
+        def leg() -> None:
+            with control.connect(d.address, timeout_s=60) as c:
+                self.rep = c.request(req, timeout_s=60)
+
+        self.thread = threading.Thread(target=leg, daemon=True)
+        self.thread.start()
+
+    def result(self, timeout: float = 60) -> protocol.DecodeRep:
+        self.thread.join(timeout)
+        assert isinstance(self.rep, protocol.DecodeRep), self.rep
+        return self.rep
+
+
+# -- lifecycle ------------------------------------------------------------------------------
+
+
+def test_graceful_stop_removes_the_key_first(etcd, serve) -> None:
+    e = Etcd([etcd.url])
+    p = serve.serve("prefill", *SMALL, *reg(etcd))
+    rec = until("P registered", lambda: record_at(e, p.address))
+    assert (rec.role, rec.incarnation, rec.address) == ("prefill", p.incarnation, p.address)
+    assert rec.pid == p.popen.pid and rec.agent_names and rec.geometry.num_blocks == 64
+    assert p.stop() == 0
+    assert record_at(e, p.address) is None  # gone when the process is, no waiting on a TTL
+    log = p.log_text()
+    assert log.index("registry: removed") < log.index("endpoint " + p.engine_id + " stopped")
+
+
+def test_sigkill_key_lapses_within_the_ttl(etcd, serve) -> None:
+    e = Etcd([etcd.url])
+    p = serve.serve("prefill", *SMALL, *reg(etcd, 2))
+    until("P registered", lambda: record_at(e, p.address))
+    p.kill()
+    # TTL 2 s plus one refresh period; the rest is slack for a loaded machine.
+    until("the key lapsed", lambda: record_at(e, p.address) is None, timeout=2 + 2 / 3 + 10)
+
+
+def test_sigstop_past_the_ttl_then_sigcont(etcd, serve) -> None:
+    e = Etcd([etcd.url])
+    p = serve.serve("prefill", *SMALL, *reg(etcd, 2))
+    until("P registered", lambda: record_at(e, p.address))
+    os.kill(p.popen.pid, signal.SIGSTOP)
+    try:
+        until("the frozen P's key lapsed", lambda: record_at(e, p.address) is None, timeout=20)
+    finally:
+        os.kill(p.popen.pid, signal.SIGCONT)
+    rec = until("P registered again", lambda: record_at(e, p.address), timeout=20)
+    assert rec.incarnation == p.incarnation  # the same process, a new lease
+    until(
+        "the log says why",
+        lambda: "lease of" in p.log_text() and "registering again" in p.log_text(),
+    )
+
+
+def test_restart_at_the_same_port_is_a_new_incarnation_and_ds_drop_the_old_agent(
+    etcd, serve
+) -> None:
+    e = Etcd([etcd.url])
+    port = str(unused_port())
+    p = serve.serve("prefill", *SMALL, *reg(etcd, 10), "--port", port)
+    d = serve.serve("decode", *SMALL, *reg(etcd, 10))
+    until("both registered", lambda: record_at(e, p.address) and record_at(e, d.address))
+    follow = Follow(Etcd([etcd.url]), "default", retry_s=0.2)
+    events: list[Any] = []
+    threading.Thread(target=lambda: events.extend(follow), daemon=True).start()
+    until("the listing", lambda: len(events) >= 2)
+    out = run_drive(p, d, 5)
+    assert out["ok"] == 5, out
+    assert any(r["engine_id"] == p.engine_id for r in peers_of(d))  # D holds P's agent
+    p.kill()  # its key stays (TTL 10 s) until the new process replaces it
+    p2 = serve.serve("prefill", *SMALL, *reg(etcd, 10), "--port", port)
+    assert p2.address == p.address and p2.incarnation != p.incarnation
+    until("a restart event", lambda: any(ev.kind == "restart" for ev in events))
+    follow.cancel()
+    ev = next(ev for ev in events if ev.kind == "restart")
+    assert (ev.address, ev.previous.incarnation, ev.record.incarnation) == (
+        p.address,
+        p.incarnation,
+        p2.incarnation,
+    )
+    now = record_at(e, p.address)
+    assert now is not None and now.incarnation == p2.incarnation  # replaced, same key
+    # D dropped the dead incarnation's agent at once (not at its next handshake).
+    until(
+        "D dropped the old P",
+        lambda: not any(r["engine_id"] == p.engine_id for r in peers_of(d)),
+        timeout=15,
+    )
+    assert "restarted" in d.log_text() and "dropping it" in d.log_text()
+    out = run_drive(p2, d, 5)
+    assert out["ok"] == 5, out  # traffic resumes through a fresh handshake
+
+
+# -- etcd outages ---------------------------------------------------------------------------
+
+
+def test_etcd_down_at_start_then_up(tmp_path, serve) -> None:
+    server = EtcdServer(tmp_path / "etcd-late")  # ports chosen, not started yet
+    mport = unused_port()
+    p = serve.serve("prefill", *SMALL, *reg(server, 3), "--metrics-port", str(mport), timeout=90)
+    base = f"http://127.0.0.1:{mport}"
+    status, body = http(base + "/readyz")
+    assert status == 503 and "not registered" in body, body
+    assert http(base + "/healthz")[0] == 200
+    until(
+        "an error counted",
+        lambda: json_lines(p) and json_lines(p)[-1]["counters"].get("registry_errors", 0) > 0,
+    )
+    last = json_lines(p)[-1]
+    assert last["gauges"]["registry_up"] == 0 and last["gauges"]["registry_registered"] == 0
+    server.start()
+    try:
+        e = Etcd([server.url])
+        until("P registered once etcd is up", lambda: record_at(e, p.address), timeout=30)
+        until("registry_up in -o json", lambda: json_lines(p)[-1]["gauges"]["registry_up"] == 1)
+        assert json_lines(p)[-1]["gauges"]["registry_registered"] == 1
+        assert http(base + "/readyz") == (200, "ok\n")
+        metrics = http(base + "/metrics")[1]
+        assert "kvpush_registry_up" in metrics and "kvpush_registry_errors_total" in metrics
+        log = p.log_text()
+        assert log.count("the endpoint serves on") == 1  # said once per change, not per retry
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_etcd_killed_20s_under_drive_loses_nothing(etcd, serve) -> None:
+    e = Etcd([etcd.url])
+    p = serve.serve("prefill", *SMALL, *reg(etcd, 10))
+    d = serve.serve("decode", *SMALL, *reg(etcd, 10))
+    until("both registered", lambda: len(list_endpoints(e, "default")[0]) == 2)
+    drive = subprocess.Popen(
+        [*KVPUSH, "drive", "-p", p.address, "-d", d.address, "-n", "600", "--rate", "15",
+         "-c", "4", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+    )  # fmt: skip
+    time.sleep(4)
+    etcd.kill()
+    time.sleep(20)
+    etcd.start()
+    out_s, err_s = drive.communicate(timeout=200)
+    out = json.loads(out_s)
+    assert (out["requests"], out["ok"], out["failed"]) == (600, 600, 0), (out, err_s)
+    assert out["all_verified"] is True
+    recs = until(
+        "both listed again", lambda: (r := list_endpoints(e, "default")[0]) and len(r) == 2 and r
+    )
+    assert {r.address for r in recs} == {p.address, d.address}
+    for proc in (p, d):
+        assert reading(proc, "counters", "registry_errors") > 0
+        until("registry_up again", functools.partial(is_up, proc))
+        assert "etcd reachable again" in proc.log_text()
+
+
+# -- stale identities -----------------------------------------------------------------------
+
+
+def test_a_registry_delete_makes_d_drop_its_p_at_once(etcd, serve) -> None:
+    e = Etcd([etcd.url])
+    p = serve.serve("prefill", *SMALL, *reg(etcd, 10))
+    d = serve.serve("decode", *SMALL, *reg(etcd, 10))
+    until("both registered", lambda: record_at(e, p.address) and record_at(e, d.address))
+    assert run_drive(p, d, 3)["ok"] == 3
+    assert any(r["engine_id"] == p.engine_id for r in peers_of(d))
+    pending = Pending(d, p.address, "waits-for-p")
+    until("D waits on P", lambda: reading(d, "gauges", "d_waiting") == 1)
+    assert e.delete(endpoint_key("default", p.address))
+    # D fails what waits on P at once, with the registry's reason, and releases P's agent.
+    rep = pending.result(20)
+    assert (rep.outcome, rep.reason) == ("failed", "peer_left"), rep
+    assert not any(r["engine_id"] == p.engine_id for r in peers_of(d))
+    assert "left" in d.log_text() and "dropping it" in d.log_text()
+    # P saw its own key go and wrote it again (its registrar); D talks to it again.
+    until("P's key back", lambda: record_at(e, p.address), timeout=15)
+    assert run_drive(p, d, 3)["ok"] == 3
+
+
+# -- readiness ------------------------------------------------------------------------------
+
+
+def test_readyz_follows_the_data_path(serve) -> None:
+    port = str(unused_port())
+    mport = unused_port()
+    p = serve.serve("prefill", *SMALL, "--port", port)
+    d = serve.serve("decode", *SMALL, "--metrics-port", str(mport))
+    ready = f"http://127.0.0.1:{mport}/readyz"
+    assert http(ready) == (200, "ok\n")  # idle: ready
+    assert run_drive(p, d, 4)["ok"] == 4
+    assert http(ready) == (200, "ok\n")
+    p.kill()
+    for i in range(3):  # D's requests all fail: its P is gone
+        assert Pending(d, p.address, f"dead-{i}").result().outcome == "failed"
+    status, body = http(ready)
+    assert status == 503, body
+    assert body.startswith("not ready: data path failing: 3 requests failed and none succeeded")
+    code, js = http(ready + "?format=json")
+    assert code == 503 and json.loads(js)["ok"] is False
+    assert http(f"http://127.0.0.1:{mport}/healthz") == (200, "ok\n")  # alive all along
+    p2 = serve.serve("prefill", *SMALL, "--port", port)
+    assert run_drive(p2, d, 4)["ok"] == 4
+    assert http(ready) == (200, "ok\n")
+
+
+# -- credentials ----------------------------------------------------------------------------
+
+
+def test_password_file_readable_by_others_is_refused(etcd, tmp_path, kvpush_run) -> None:
+    pw = tmp_path / "pw"
+    pw.write_text("sekrit-password-123\n")
+    pw.chmod(0o644)
+    r = kvpush_run(
+        "serve-prefill", *SMALL, "--port", "0", "--registry", etcd.url,
+        "--registry-user", "root", "--registry-password-file", str(pw),
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert r.err_lines == [
+        f"error: --registry-password-file {pw} is readable by other users (mode 644)",
+        f"hint: restrict it to its owner: chmod 600 {pw}",
+    ]
+    assert "sekrit" not in r.stdout + r.stderr
+
+
+def test_registry_option_errors(etcd, kvpush_run) -> None:
+    r = kvpush_run("serve-decode", *SMALL, "--advertise", "10.0.0.7")
+    assert r.returncode == 2 and r.err_lines[0] == "error: --advertise needs --registry"
+    r = kvpush_run("serve-decode", *SMALL, "--registry", "ftp://x:1")
+    assert r.returncode == 2 and r.err_lines[0] == "error: invalid etcd URL 'ftp://x:1'"
+    r = kvpush_run("serve-decode", *SMALL, "--registry", etcd.url, "--host", "0.0.0.0", "--expose")
+    assert r.returncode == 2
+    assert r.err_lines[0] == "error: --registry with --host 0.0.0.0 needs --advertise HOST"
+    r = kvpush_run("serve-decode", *SMALL, "--registry", etcd.url, "--registry-ttl", "1")
+    assert r.returncode == 2 and r.err_lines[0].startswith("error: --registry-ttl must be")
+
+
+def test_etcd_auth_works_and_the_password_is_never_logged(etcd, tmp_path, serve) -> None:
+    secret = "sekrit-Pw-4711"
+    for path, body in (
+        ("/v3/auth/user/add", {"name": "root", "password": secret}),
+        ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+        ("/v3/auth/enable", {}),
+    ):
+        assert requests.post(etcd.url + path, json=body, timeout=5).status_code == 200
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.write_text(secret + "\n")
+    bad.write_text("wrong-" + secret + "\n")
+    for f in (good, bad):
+        f.chmod(0o600)
+    auth = ["--registry-user", "root", "--log-level", "debug"]
+    p = serve.serve("prefill", *SMALL, *reg(etcd), *auth, "--registry-password-file", str(good))
+    e = Etcd([etcd.url], user="root", password=secret)
+    until("P registered with credentials", lambda: record_at(e, p.address))
+    # A wrong password: refused by etcd, the endpoint serves on and says why (once).
+    q = serve.serve("prefill", *SMALL, *reg(etcd), *auth, "--registry-password-file", str(bad))
+    until("the refusal logged", lambda: "refused user 'root'" in q.log_text())
+    assert stats(q.address)["role"] == "prefill"  # serving
+    assert record_at(e, q.address) is None
+    for proc in (p, q):
+        proc.stop()
+        assert secret not in proc.log_text()
