@@ -178,6 +178,7 @@ def test_fleet_across_namespaces_names_the_cut_pair(tmp_path: Path) -> None:
         assert rc == 3, (rep, err)
         assert pairs[d2]["outcome"] == "ok", pairs[d2]
         assert pairs[d1]["outcome"] == "failed" and pairs[d1]["reason"], pairs[d1]
+        assert d1 in pairs[d1]["detail"] or p in pairs[d1]["detail"], pairs[d1]  # who said it
         assert pairs[d1]["prefill"] == p
         r = run_cli("fleet", "ls", "--json", "--registry", etcd.url, "--cluster", CLUSTER)
         assert {e["address"] for e in json.loads(r.stdout)["endpoints"]} == {p, d1, d2}

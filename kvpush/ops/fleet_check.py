@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 Outcome = Literal["ok", "failed", "incompatible", "skipped", "left"]
 
+#: The share of ``--deadline`` one push may take at D (its request deadline).
+PUSH_SHARE = 0.6
+
 
 @dataclass(frozen=True)
 class CheckConfig:
@@ -192,6 +195,8 @@ def _drive_pair(p: str, d: str, blocks: int, cfg: CheckConfig, note: str, t0: fl
     def keep(r: RequestResult) -> None:
         with lock:
             results.append(r)
+        if not r.ok and r.reason != "cancelled":
+            lapse()  # the first failure names the pair: no need to wait for the others
 
     dcfg = DriveConfig(
         prefill=(p,),
@@ -199,17 +204,22 @@ def _drive_pair(p: str, d: str, blocks: int, cfg: CheckConfig, note: str, t0: fl
         requests=cfg.pushes,
         concurrency=1,
         blocks=blocks,
-        timeout_s=cfg.deadline_s,
+        # D's own deadline for a push lapses before the pair's: its reason (a handshake that
+        # failed, P unreachable from D) is what the pair reports, not the check's timer.
+        timeout_s=max(0.5, cfg.deadline_s * PUSH_SHARE),
         auth_token=cfg.auth_token,
         grace_s=0.0,
         stall_s=min(3.0, cfg.deadline_s / 2),
         liveness_s=min(2.0, cfg.deadline_s / 3),
     )
-    driver = Driver(dcfg, on_result=keep)
+    driver: Driver | None = None
 
     def lapse() -> None:
-        driver.cancel()
-        driver.cancel()  # the second call ends the grace as well
+        if driver is not None:
+            driver.cancel()
+            driver.cancel()  # the second call ends the grace as well
+
+    driver = Driver(dcfg, on_result=keep)
 
     timer = threading.Timer(cfg.deadline_s, lapse)
     timer.daemon = True
@@ -238,17 +248,17 @@ def _drive_pair(p: str, d: str, blocks: int, cfg: CheckConfig, note: str, t0: fl
         "gb_per_s": nbytes / p50 / 1e9 if p50 else None,
         "elapsed_s": elapsed,
     }
-    if report.interrupted and len(ok) < cfg.pushes:
+    if len(ok) == cfg.pushes and report.verified == cfg.pushes:
+        return PairResult(p, d, "ok", "", note, **common)
+    bad = next((r for r in ordered if not r.ok and r.reason != "cancelled"), None)
+    if bad is not None:
+        return PairResult(p, d, "failed", bad.reason, bad.detail, **common)
+    if report.interrupted:
         return PairResult(
             p, d, "failed", "deadline",
             f"{len(ok)} of {cfg.pushes} pushes within --deadline {cfg.deadline_s:g}s", **common,
         )  # fmt: skip
-    if len(ok) == cfg.pushes and report.verified == cfg.pushes:
-        return PairResult(p, d, "ok", "", note, **common)
-    bad = next((r for r in ordered if not r.ok), None)
-    if bad is None:  # every push answered ok, one did not verify
-        return PairResult(p, d, "failed", "verify_failed", "a push did not verify", **common)
-    return PairResult(p, d, "failed", bad.reason, bad.detail, **common)
+    return PairResult(p, d, "failed", "verify_failed", "a push did not verify", **common)
 
 
 def _still_there(
