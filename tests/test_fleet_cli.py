@@ -138,7 +138,8 @@ def test_fleet_watch_reports_join_restart_leave(etcd: EtcdServer, serve: Launche
             time.sleep(0.1)
         snap = lines[0]
         assert snap["event"] == "snapshot" and addresses(snap["endpoints"]) == {p.address}
-        d = start(serve, etcd, "decode")
+        # A long lease: the killed D's key must outlive the start of its replacement.
+        d = start(serve, etcd, "decode", *SMALL, "--registry-ttl", "120")
         joined = wait_event("join", d.address)
         assert joined["role"] == "decode" and joined["incarnation"] == d.incarnation
         # SIGKILL: the key stays until its lease lapses; a new D at the same port replaces it.

@@ -18,12 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from kvpush.errors import ConfigError
+from kvpush.errors import ConfigError, PeerUnreachableError
 from kvpush.fleet.pairs import format_differences, pair_differences
 from kvpush.fleet.record import EndpointRecord
 from kvpush.ops.fleet_source import RegistrySource
+from kvpush.ops.results import DriveConfig
 
 if TYPE_CHECKING:
     from kvpush.fleet.store import FleetEvent, Follow
@@ -67,6 +69,26 @@ class FleetTargets:
                 "('kvpush fleet check' names what differs)",
             )
         return pre, dec
+
+    def preflight(self, cfg: DriveConfig, attempts: int = 3) -> DriveConfig:
+        """``cfg`` with drive's preflight done (and off for the run): an endpoint that cannot be
+        reached is looked up again, and one that left the registry meanwhile is dropped (a D
+        stopped while the drive starts is no error); one still registered is (exit 69)."""
+        from kvpush.ops.preflight import check_peers
+
+        for attempt in range(attempts):
+            try:
+                check_peers(cfg)
+                return replace(cfg, preflight=False)
+            except PeerUnreachableError:
+                if attempt == attempts - 1:
+                    raise
+                pre, dec = self.initial()
+                if (pre, dec) == (cfg.prefill, cfg.decode):
+                    raise
+                self.notes.append("the registry changed while drive started: listed it again")
+                cfg = replace(cfg, prefill=pre, decode=dec)
+        return cfg
 
     def _fits(self, rec: EndpointRecord, at_start: bool) -> bool:
         ref = self.reference

@@ -204,6 +204,8 @@ def drive(
         auth_token=token,
         shape=shape or "",
     )
+    if targets is not None:  # the registry's set, checked; one that left meanwhile is dropped
+        cfg = targets.preflight(cfg)
     err = Console(stderr=True, highlight=False)
 
     def event(text: str) -> None:
@@ -230,7 +232,7 @@ def drive(
         tick_s=PROGRESS_EVERY_S,
     )
     if targets is not None:
-        driver.notes.extend(targets.notes)
+        driver.notes.extend(dict.fromkeys(targets.notes))
         targets.follow(driver)
     stop = StopFlag(on_signal=driver.cancel).install()
     try:
