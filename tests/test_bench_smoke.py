@@ -137,4 +137,7 @@ def test_unknown_scenario_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -
     assert run_bench("nope", quick=True, json_out=False, out_dir=None) == ExitStatus.USAGE
     err = capsys.readouterr().err
     assert "error: unknown benchmark scenario 'nope'" in err
-    assert "hint: choose one of hol, handshake, bandwidth, rate, scale, tp, model, or all" in err
+    assert (
+        "hint: choose one of hol, handshake, bandwidth, rate, scale, tp, model, fleet, or all"
+        in err
+    )

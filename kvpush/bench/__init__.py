@@ -12,7 +12,9 @@ Scenarios (one module each; every one starts real P and D processes on 127.0.0.1
 - ``tp``: aggregate push bandwidth of N tensor-parallel ranks vs N x one rank (and N processes);
 - ``model``: pushes at real model geometry (``kvpush.memory.shapes``) with block ids contiguous,
   shuffled and as churn leaves a pool (kvpush's extent allocator vs a plain free list), beside
-  raw NIXL (merge on and off) and ``process_vm_writev`` of the same ids; allocation cost.
+  raw NIXL (merge on and off) and ``process_vm_writev`` of the same ids; allocation cost;
+- ``fleet``: 8 Ps and 16 Ds registered in etcd: ``fleet ls``/``watch`` start-up, ``fleet check``
+  of growing grids up to all 128 pairs, etcd's request rate, push p99 registration on vs off.
 
 ``run(name, quick, out_dir, progress)`` returns one scenario's result as a JSON-able dict
 (``kvpush.bench.report``); ``run_all`` runs every scenario. Importing this package is cheap: the
@@ -27,7 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SCENARIOS: tuple[str, ...] = ("hol", "handshake", "bandwidth", "rate", "scale", "tp", "model")
+SCENARIOS: tuple[str, ...] = (
+    "hol", "handshake", "bandwidth", "rate", "scale", "tp", "model", "fleet",
+)  # fmt: skip
 
 DEFAULT_OUT_DIR = Path("bench-out")
 

@@ -132,7 +132,20 @@ def _synopsis(name: str, cmd: Any) -> str:
         for p in cmd.params
         if p.param_type_name == "argument"
     )
-    return f"{_opt(PROG)} {_opt(name)} [\\fIOPTIONS\\fR]" + (f" {args}" if args else "")
+    words = " ".join(_opt(w) for w in name.split())
+    return f"{_opt(PROG)} {words} [\\fIOPTIONS\\fR]" + (f" {args}" if args else "")
+
+
+def commands(root: Any) -> list[tuple[str, Any]]:
+    """Every command as (name, click command), a group's as ``group sub`` (``fleet ls``)."""
+    out: list[tuple[str, Any]] = []
+    for name, cmd in root.commands.items():
+        subs = getattr(cmd, "commands", None)
+        if subs:
+            out += [(f"{name} {sub}", c) for sub, c in subs.items()]
+        else:
+            out.append((name, cmd))
+    return out
 
 
 def man_page() -> str:
@@ -155,7 +168,8 @@ def man_page() -> str:
         _esc(" ".join(HELP.split())),
         ".PP",
         _esc(
-            "Commands: " + ", ".join(root.commands) + ". Each command's options are listed below; "
+            "Commands: " + ", ".join(n for n, _ in commands(root)) + ". Each command's options "
+            "are listed below; "
             "'kvpush COMMAND --help' shows the same."
         ),
         ".SH GLOBAL OPTIONS",
@@ -165,7 +179,7 @@ def man_page() -> str:
             out += _option_block(p)
     out += [".TP", f"{_opt('-h')}, {_opt('--help')}", "Show help and exit."]
     out.append(".SH COMMANDS")
-    for name, cmd in root.commands.items():
+    for name, cmd in commands(root):
         out += [".SS " + _esc(name), _synopsis(name, cmd)]
         for para in _paragraphs(cmd.help):
             out += [".PP", _esc(para)]
@@ -233,6 +247,7 @@ def man_page() -> str:
             "kvpush serve-decode --port 5601\n"
             "kvpush probe 127.0.0.1:5600 --handshake full --ping 20\n"
             "kvpush drive -p 127.0.0.1:5600 -d 127.0.0.1:5601 -n 1000 -c 16\n"
+            "kvpush fleet check --registry http://10.0.0.5:2379 --cluster prod\n"
             "kvpush completion bash > ~/.local/share/bash-completion/completions/kvpush"
         ),
         ".fi",

@@ -22,6 +22,7 @@ from typing import Any
 
 import typer
 
+from kvpush.cli.fleet_options import FLEET_OPTS, REGISTRY
 from kvpush.cli.optspec import (
     PANEL_VLLM,
     REQUIRED,
@@ -149,7 +150,8 @@ _OPTS: list[Opt] = [
         "(notif-only vs full), bandwidth (push GB/s vs raw NIXL, process_vm_writev, memcpy), "
         "rate (small pushes/s vs raw NIXL), scale (many new peers at once), tp (N ranks vs N "
         "x one rank), model (real model shapes, block ids contiguous, shuffled and after "
-        "churn, vs raw NIXL), or all.", REQUIRED,
+        "churn, vs raw NIXL), fleet (8 P x 16 D registered in etcd: fleet ls/watch/check, registry "
+        "load, p99 with registration on vs off), or all.", REQUIRED,
         argument=True, show_default=False),
     Opt("quick", ("--quick",), bool, "Short smoke version (what CI runs); figures are rough.",
         False),
@@ -161,6 +163,8 @@ _OPTS: list[Opt] = [
         "[default: ./bench-out]", None, kw={"file_okay": False}),
     Opt("shell", ("shell",), Shell, "The shell to print a completion script for.", REQUIRED,
         argument=True),
+    # --------------------------------------------------------------------- fleet
+    *FLEET_OPTS,
 ]  # fmt: skip
 
 #: key -> option. The key is the parameter name, or ``command.param`` where two commands give
@@ -230,7 +234,7 @@ PROBE: list[Entry] = [
 DRIVE: list[Entry] = [
     "prefill", "decode", "requests", "concurrency", "rate", "drive.blocks", "shape", "tokens",
     "drive.timeout", "drive.json", "kv_transfer_params", "request_id", "alloc_delay",
-    "auth_token_file",
+    "auth_token_file", *REGISTRY,
 ]  # fmt: skip
 DEMO: list[Entry] = [
     "demo.requests", "blocks", "decoders", "demo.tp", "shape", "concurrency", "live",

@@ -123,6 +123,22 @@ class Driver:
     def add_decode(self, address: str) -> None:
         self.health.add(format_address(*parse_address(address)), "decode")
 
+    def add_prefill(self, address: str) -> None:
+        """A P that joined while the run goes on (``drive --registry``): its own prefill-leg
+        executor and connections, then into the rotation."""
+        p = format_address(*parse_address(address))
+        with self._lock:
+            if p not in self._p_exec:
+                n = min(PREFILL_THREADS, self.cfg.concurrency, self.cfg.requests)
+                self._p_exec[p] = Senders(n, f"drive-p{len(self._p_exec)}")
+                self._p_pool.grow(n)
+        self.health.add(p, "prefill")
+
+    def remove_peer(self, address: str) -> bool:
+        """No new request goes to ``address`` (its registry key went); those in flight there
+        finish or fail as they would."""
+        return self.health.remove(format_address(*parse_address(address)))
+
     def cancel(self) -> None:
         """Stop intake; in-flight requests get ``grace_s`` to finish (a second call: none)."""
         if self._cancel.is_set():
@@ -167,7 +183,7 @@ class Driver:
             self._wait()
         finally:
             self.health.stop()
-            for ex in self._p_exec.values():
+            for ex in list(self._p_exec.values()):
                 ex.close()
             self._d_pool.close()
             self._p_pool.close()

@@ -49,6 +49,7 @@ class Peer:
     last_recheck: float = 0.0
     suspect: bool = False
     downs: int = 0
+    left: bool = False  # out of the rotation (its registry key went): never picked, not rechecked
 
 
 OnDown = Callable[[Peer, bool, list[int]], None]
@@ -86,6 +87,21 @@ class Health:
             if address not in self._peers:
                 self._peers[address] = Peer(address, role, last_reply=time.monotonic())
                 self._order[role].append(address)
+            elif self._peers[address].left:  # back in the registry: back in the rotation
+                p = self._peers[address]
+                p.left, p.up, p.why, p.last_reply = False, True, "", time.monotonic()
+                self._order[role].append(address)
+
+    def remove(self, address: str) -> bool:
+        """Take ``address`` out of the rotation: no new request goes there; requests in flight
+        there are still watched (a dead peer's fail at once). False when it was not in it."""
+        with self._lock:
+            p = self._peers.get(address)
+            if p is None or p.left:
+                return False
+            p.left = True
+            self._order[p.role].remove(address)
+            return True
 
     def pick(self, role: Leg, home: int | None = None, exclude: Collection[str] = ()) -> str | None:
         """An up peer of ``role`` not in ``exclude``: the ``home``-th one when given and up
@@ -124,7 +140,7 @@ class Health:
         """Count ``index`` in flight at ``address``; False if the peer went down meanwhile."""
         with self._lock:
             p = self._peers[address]
-            if not p.up:
+            if not p.up or p.left:
                 return False
             if not p.inflight:
                 p.last_reply = time.monotonic()  # the stall clock starts with the first request
@@ -199,7 +215,7 @@ class Health:
                     return
                 self.replied(p.address)
             return
-        if now - p.last_recheck >= self._recheck:
+        if not p.left and now - p.last_recheck >= self._recheck:
             p.last_recheck = now
             c = control.tcp_contact(p.address, self._liveness, look=False)
             if c.is_zmq and self._answers(p):

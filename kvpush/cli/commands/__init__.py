@@ -12,11 +12,12 @@ import typer
 
 
 def register_all(app: typer.Typer) -> None:
-    from kvpush.cli.commands import bench, completion, demo, drive, probe, serve
+    from kvpush.cli.commands import bench, completion, demo, drive, fleet, probe, serve
 
     serve.register(app)
     probe.register(app)
     drive.register(app)
     demo.register(app)
+    fleet.register(app)
     bench.register(app)
     completion.register(app)

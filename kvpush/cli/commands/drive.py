@@ -47,7 +47,13 @@ FILE|JSON' has a kvpush D (serve-decode --wire vllm) receive one request a vLLM 
 'drive --prefill P --request-id ID --blocks N' has a kvpush P (serve-prefill --wire vllm)
 fill N blocks, prints the kv_transfer_params to hand a vLLM D as one JSON line, and waits
 for its push. Both report outcome, bytes and the sha256 of the KV; exit status 0 when the
-push completed, 1 otherwise."""
+push completed, 1 otherwise.
+
+With --registry URL (and --cluster NAME) instead of --prefill/--decode, the Ps and Ds are the
+endpoints registered in etcd (serve-* --registry), and drive follows the registry while it runs:
+an endpoint that registers gets requests from the next one on, one whose key goes gets no new
+request (its requests in flight finish, or fail at once if it died). Every request is still
+accounted for."""
 
 PROGRESS_EVERY_S = 3.0
 
@@ -149,10 +155,23 @@ def drive(
     request_id: str | None,
     alloc_delay: float,
     auth_token_file: str | None,
+    **registry: Any,
 ) -> None:
     prefill, decode = list(prefill or ()), list(decode or ())
     leg = leg_of(ctx, prefill, decode, kv_transfer_params, request_id)
     token = translate.auth_token(auth_token_file)
+    targets: Any = None
+    if registry.get("registry") and leg is None:
+        from kvpush.cli.commands.fleet import registry_source
+        from kvpush.ops.fleet_targets import FleetTargets
+
+        if prefill or decode:
+            raise ConfigError(
+                "--registry takes the Ps and Ds from the registry: not with --prefill/--decode",
+                "drop --prefill/--decode, or drop --registry",
+            )
+        targets = FleetTargets(registry_source(registry), lambda text: event(text))
+        prefill, decode = (list(x) for x in targets.initial())
     if leg == "decode":
         _decode_leg(
             decode[0],
@@ -185,6 +204,8 @@ def drive(
         auth_token=token,
         shape=shape or "",
     )
+    if targets is not None:  # the registry's set, checked; one that left meanwhile is dropped
+        cfg = targets.preflight(cfg)
     err = Console(stderr=True, highlight=False)
 
     def event(text: str) -> None:
@@ -210,6 +231,9 @@ def drive(
         on_tick=tick,
         tick_s=PROGRESS_EVERY_S,
     )
+    if targets is not None:
+        driver.notes.extend(dict.fromkeys(targets.notes))
+        targets.follow(driver)
     stop = StopFlag(on_signal=driver.cancel).install()
     try:
         if tty:
@@ -230,6 +254,8 @@ def drive(
             report = driver.run()
     finally:
         stop.restore()
+        if targets is not None:
+            targets.stop()
     for note in report.notes:
         err.print(f"drive: note: {note}")
     if report.interrupted:

@@ -1,0 +1,221 @@
+"""The renderings of the fleet: ``fleet ls``'s table, ``fleet watch``'s live view and lines, and
+``fleet check``'s matrix.
+
+Pure functions of frozen data (``kvpush.ops.fleet_view.FleetRow`` / ``Change``,
+``kvpush.ops.fleet_check.CheckReport``): no clocks, no threads, no I/O -- tested by rendering
+hand-built rows. The watch command's short ``Live`` loop calls ``render_watch`` once per refresh;
+the choice between the live view and lines (``isatty()``, ``--json``) belongs to the command.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from kvpush.cli.views.readings import fmt_rate, fmt_uptime
+from kvpush.ops.fleet_check import CheckReport, PairResult
+from kvpush.ops.fleet_view import Change, FleetRow
+
+__all__ = [
+    "check_json",
+    "check_text",
+    "event_line",
+    "ls_table",
+    "render_watch",
+    "rows_json",
+]
+
+_HEALTH_STYLE = {"ok": "green", "stale": "yellow", "full": "yellow", "failing": "bold red"}
+_OUTCOME_STYLE = {
+    "ok": "green",
+    "failed": "bold red",
+    "incompatible": "yellow",
+    "skipped": "dim",
+    "left": "dim",
+}
+_EVENT_STYLE = {"join": "green", "leave": "red", "restart": "yellow"}
+MAX_EVENT_LINES = 8
+
+
+def short(incarnation: str) -> str:
+    return incarnation[:8]
+
+
+def _rate(rate: float | None) -> str:
+    return "-" if rate is None else fmt_rate(rate)
+
+
+def _table(title: str | None = None) -> Table:
+    return Table(
+        title=title,
+        title_justify="left",
+        title_style="bold cyan",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        show_edge=False,
+    )
+
+
+def ls_table(rows: Sequence[FleetRow], cluster: str, *, rate: bool = False) -> RenderableType:
+    """The fleet as a table; ``rate`` adds the push rate column (the watch has two summaries)."""
+    if not rows:
+        return Text(f"cluster {cluster!r}: no endpoint registered", style="dim")
+    n_p = sum(1 for r in rows if r.record.role == "prefill")
+    t = _table(f"cluster {cluster}: {n_p} prefill, {len(rows) - n_p} decode")
+    for col, right in (
+        ("role", False), ("address", False), ("host", False), ("engine id", False),
+        ("incarnation", False), ("tp", True), ("wire", False), ("age", True),
+        ("free blocks", True), ("in flight", True),
+    ):  # fmt: skip
+        t.add_column(col, justify="right" if right else "left", no_wrap=True)
+    if rate:
+        t.add_column("push/s", justify="right", no_wrap=True)
+    t.add_column("health", no_wrap=True)
+    for row in rows:
+        r = row.record
+        cells: list[Any] = [
+            "P" if r.role == "prefill" else "D",
+            r.address,
+            r.host,
+            r.engine_id,
+            short(r.incarnation),
+            str(r.tp_size),
+            r.wire,
+            fmt_uptime(row.age_s),
+            f"{r.load.free_blocks}/{r.geometry.num_blocks}",
+            str(r.load.in_flight),
+        ]
+        if rate:
+            cells.append(_rate(row.push_rate))
+        cells.append(Text(row.health, style=_HEALTH_STYLE.get(row.health, "")))
+        t.add_row(*cells)
+    return t
+
+
+def rows_json(rows: Iterable[FleetRow], cluster: str) -> dict[str, Any]:
+    return {"cluster": cluster, "endpoints": [r.to_dict() for r in rows]}
+
+
+# --- watch ------------------------------------------------------------------------------------
+
+
+def event_line(ev: Change, t0: float) -> str:
+    """One event as a plain line: ``+12.3s restart decode 10.0.0.7:5601 (host) ab12cd34 -> ...``."""
+    role = "prefill" if ev.role == "prefill" else "decode"
+    text = f"+{ev.t - t0:.1f}s {ev.kind} {role} {ev.address} ({ev.host}) "
+    if ev.kind == "restart":
+        return text + f"incarnation {short(ev.previous)} -> {short(ev.incarnation)}"
+    return text + f"incarnation {short(ev.incarnation)}"
+
+
+def render_watch(
+    rows: Sequence[FleetRow],
+    events: Sequence[Change],
+    cluster: str,
+    t0: float,
+    status: str = "",
+) -> RenderableType:
+    """The live view: the table (with push rates), then the latest events, then a status line
+    (registry trouble, the watch re-listing)."""
+    parts: list[RenderableType] = [ls_table(rows, cluster, rate=True)]
+    if events:
+        tail = Text()
+        for ev in list(events)[-MAX_EVENT_LINES:]:
+            tail.append(event_line(ev, t0) + "\n", style=_EVENT_STYLE.get(ev.kind, ""))
+        parts.append(Text("events", style="bold cyan"))
+        parts.append(tail)
+    if status:
+        parts.append(Text(status, style="yellow"))
+    return Group(*parts)
+
+
+# --- check ------------------------------------------------------------------------------------
+
+
+def _cell(r: PairResult) -> Text:
+    if r.outcome == "ok":
+        lat = f"{r.p50_ms:.1f}ms" if r.p50_ms is not None else ""
+        return Text(f"ok {lat}".strip(), style="green")
+    if r.outcome == "incompatible":
+        return Text("incompatible", style="yellow")
+    if r.outcome == "failed":
+        return Text(f"FAIL {r.reason}", style="bold red")
+    return Text(r.outcome, style="dim")
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def check_text(rep: CheckReport) -> RenderableType:
+    """The matrix (rows P, columns D, one word per pair), then one line per pair that is not ok
+    (the reason, the fields that differ), then every pair's figures, then the counts."""
+    parts: list[RenderableType] = []
+    if not rep.pairs:
+        parts.append(Text(f"cluster {rep.cluster!r}: no P x D pair to check", style="dim"))
+        for n in rep.notes:
+            parts.append(Text(f"note: {n}"))
+        return Group(*parts)
+    m = _table(f"cluster {rep.cluster}: {len(rep.prefills)} P x {len(rep.decodes)} D")
+    m.add_column("P \\ D", no_wrap=True)
+    for i in range(len(rep.decodes)):
+        m.add_column(f"D{i}", no_wrap=True)
+    for p in rep.prefills:
+        m.add_row(p, *(_cell(rep.pair(p, d)) for d in rep.decodes))
+    parts.append(m)
+    legend = Text()
+    for i, d in enumerate(rep.decodes):
+        legend.append(f"D{i}={d}  ", style="dim")
+    parts.append(legend)
+    bad = [r for r in rep.pairs if r.outcome != "ok"]
+    if bad:
+        lines = Text()
+        for r in bad:
+            lines.append(
+                f"{r.outcome.upper()} {r.prefill} -> {r.decode}: "
+                f"{r.reason}{': ' + r.detail if r.detail else ''}\n",
+                style=_OUTCOME_STYLE.get(r.outcome, ""),
+            )
+        parts.append(lines)
+    t = _table("pairs")
+    for col in ("prefill", "decode", "outcome", "blocks", "pushes", "first ms", "handshake ms",
+                "p50 ms", "GB/s"):  # fmt: skip
+        t.add_column(col, no_wrap=True, justify="left" if col in ("prefill", "decode") else "right")
+    for r in rep.pairs:
+        t.add_row(
+            r.prefill,
+            r.decode,
+            Text(r.outcome, style=_OUTCOME_STYLE.get(r.outcome, "")),
+            str(r.blocks or "-"),
+            f"{r.pushes_ok}/{r.pushes}" if r.pushes else "-",
+            _ms(r.first_ms),
+            _ms(r.handshake_ms),
+            _ms(r.p50_ms),
+            "-" if r.gb_per_s is None else f"{r.gb_per_s:.3f}",
+        )
+    parts.append(t)
+    counts = ", ".join(
+        f"{rep.count(o)} {o}"
+        for o in ("ok", "failed", "incompatible", "skipped", "left")
+        if rep.count(o) or o in ("ok", "failed")
+    )
+    verdict = "FAILED" if int(rep.exit_status) else "passed"
+    parts.append(
+        Text(
+            f"fleet check {verdict}: {len(rep.pairs)} pairs ({counts}) in {rep.elapsed_s:.1f}s "
+            f"at concurrency {rep.concurrency}" + (" (strict)" if rep.strict else ""),
+            style="bold red" if int(rep.exit_status) else "bold green",
+        )
+    )
+    for n in rep.notes:
+        parts.append(Text(f"note: {n}"))
+    return Group(*parts)
+
+
+def check_json(rep: CheckReport) -> dict[str, Any]:
+    return rep.to_dict()

@@ -1,0 +1,328 @@
+"""``kvpush fleet check``: a few verified pushes through every P x D pair of a cluster.
+
+Owns ``check_fleet`` and its data (``CheckConfig``, ``PairResult``, ``CheckReport``). Semantics
+(docs/fleet.md, "fleet check"):
+
+* the pairs are every prefill x every decode record the registry lists; a pair whose records
+  disagree on a compatibility field (``kvpush.fleet.pairs.pair_differences``) is
+  ``incompatible`` with the fields named and is not driven; a pair of another wire than kvpush's
+  is ``skipped`` (the check drives kvpush pushes);
+* every other pair gets ``pushes`` verified pushes through the endpoints themselves, one at a
+  time, with drive's machinery (``kvpush.ops.driver.Driver``: its preflight asks both for their
+  metadata -- roles, pools, geometry -- then each request's decode leg goes to D and its prefill
+  leg to P; D verifies every byte). From them: ``first`` (the first push, which carries the
+  D -> P handshake of a pair that never met), ``handshake`` (first minus the median of the
+  rest), push latency p50 and GB/s (bytes of one push / p50);
+* each pair runs within ``deadline_s``; at most ``concurrency`` pairs run at a time;
+* a pair whose pushes fail is ``failed`` with the reason (drive's ``Failure`` values:
+  ``no_free_blocks`` for a full D, ``decode_unreachable`` for a cut link...), unless, when the
+  registry is read again after the check, one of its endpoints has left (key gone, or a new
+  incarnation): then it is ``left`` -- a pair that fails while both are registered is what the
+  check exists to name;
+* ``CheckReport.exit_status``: 0 when no pair failed, ``NOT_READY`` (3) when one did -- and, with
+  ``strict``, when a pair is incompatible or skipped too.
+
+Threads: ``check_fleet`` runs on the caller's thread and waits; a bounded executor runs the
+pairs, each pair's ``Driver`` owns its own worker and monitor threads; a timer thread per pair
+cancels a driver at its deadline. Nothing here imports typer or rich.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from kvpush.errors import ConfigError, ExitStatus, IncompatiblePeerError, KvpushError
+from kvpush.fleet.pairs import Difference, blocks_for_size, format_differences, pair_differences
+from kvpush.fleet.record import EndpointRecord
+from kvpush.ops import reasons
+from kvpush.ops.results import DriveConfig, RequestResult
+from kvpush.ops.stats import median
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["ok", "failed", "incompatible", "skipped", "left"]
+
+#: The share of ``--deadline`` one push may take at D (its request deadline).
+PUSH_SHARE = 0.6
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    pushes: int = 3
+    size_bytes: int = 1 << 20
+    concurrency: int = 8
+    deadline_s: float = 10.0
+    strict: bool = False
+    auth_token: bytes | None = None
+
+    def __post_init__(self) -> None:
+        for flag, value in (
+            ("--pushes", self.pushes),
+            ("--size", self.size_bytes),
+            ("--concurrency", self.concurrency),
+        ):
+            if value < 1:
+                raise ConfigError(f"{flag} must be positive, got {value}", f"pass {flag} 1 or more")
+        if not self.deadline_s > 0:
+            raise ConfigError(
+                f"--deadline must be positive, got {self.deadline_s:g}", "pass --deadline > 0"
+            )
+
+
+@dataclass(frozen=True)
+class PairResult:
+    prefill: str
+    decode: str
+    outcome: Outcome
+    reason: str = ""  # a Failure value for "failed"; "incompatible", "wire", "left" otherwise
+    detail: str = ""
+    differences: list[Difference] = field(default_factory=list)
+    blocks: int = 0
+    pushes: int = 0
+    pushes_ok: int = 0
+    first_ms: float | None = None
+    handshake_ms: float | None = None
+    p50_ms: float | None = None
+    gb_per_s: float | None = None
+    elapsed_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["differences"] = [{"field": f, "prefill": p, "decode": q} for f, p, q in self.differences]
+        return d
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    cluster: str
+    prefills: list[str]
+    decodes: list[str]
+    pairs: list[PairResult]
+    elapsed_s: float
+    concurrency: int
+    strict: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def count(self, outcome: Outcome) -> int:
+        return sum(1 for p in self.pairs if p.outcome == outcome)
+
+    @property
+    def failed(self) -> list[PairResult]:
+        return [p for p in self.pairs if p.outcome == "failed"]
+
+    @property
+    def exit_status(self) -> ExitStatus:
+        bad = self.count("failed")
+        if self.strict:
+            bad += self.count("incompatible") + self.count("skipped")
+        return ExitStatus.NOT_READY if bad else ExitStatus.OK
+
+    def pair(self, prefill: str, decode: str) -> PairResult:
+        return next(r for r in self.pairs if r.prefill == prefill and r.decode == decode)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cluster": self.cluster,
+            "prefills": self.prefills,
+            "decodes": self.decodes,
+            "pairs": [p.to_dict() for p in self.pairs],
+            "counts": {
+                o: self.count(o) for o in ("ok", "failed", "incompatible", "skipped", "left")
+            },
+            "elapsed_s": self.elapsed_s,
+            "concurrency": self.concurrency,
+            "strict": self.strict,
+            "exit_status": int(self.exit_status),
+            "notes": self.notes,
+        }
+
+
+def plan_pairs(
+    records: list[EndpointRecord],
+) -> tuple[list[str], list[str], dict[str, EndpointRecord]]:
+    """The prefill and decode addresses (sorted) and every record by address."""
+    by_addr = {r.address: r for r in records}
+    ps = sorted(r.address for r in records if r.role == "prefill")
+    ds = sorted(r.address for r in records if r.role == "decode")
+    return ps, ds, by_addr
+
+
+def check_pair(p: EndpointRecord, d: EndpointRecord, cfg: CheckConfig) -> PairResult:
+    """One pair: compatibility from the records, then ``cfg.pushes`` verified pushes."""
+    diffs = pair_differences(p, d)
+    if diffs:
+        return PairResult(
+            p.address, d.address, "incompatible", "incompatible", format_differences(diffs), diffs
+        )
+    if p.wire != "kvpush":
+        return PairResult(
+            p.address, d.address, "skipped", "wire",
+            f"wire {p.wire}: fleet check drives kvpush pushes",
+        )  # fmt: skip
+    blocks, note = blocks_for_size(cfg.size_bytes, p, d)
+    t0 = time.monotonic()
+    try:
+        return _drive_pair(p.address, d.address, blocks, cfg, note, t0)
+    except IncompatiblePeerError as e:  # the live metadata disagrees although the records do not
+        return PairResult(
+            p.address, d.address, "incompatible", "incompatible", e.message,
+            list(e.differences), blocks, elapsed_s=time.monotonic() - t0,
+        )  # fmt: skip
+    except KvpushError as e:
+        # The preflight's error names the endpoint it is about.
+        leg: reasons.Leg = (
+            "prefill" if p.address in e.message and d.address not in e.message else "decode"
+        )
+        reason, detail = reasons.from_error(e, leg)
+        return PairResult(
+            p.address, d.address, "failed", reason.value, detail, [], blocks,
+            elapsed_s=time.monotonic() - t0,
+        )  # fmt: skip
+
+
+def _drive_pair(p: str, d: str, blocks: int, cfg: CheckConfig, note: str, t0: float) -> PairResult:
+    from kvpush.ops.driver import Driver
+
+    results: list[RequestResult] = []
+    lock = threading.Lock()
+
+    def keep(r: RequestResult) -> None:
+        with lock:
+            results.append(r)
+        if not r.ok and r.reason != "cancelled":
+            lapse()  # the first failure names the pair: no need to wait for the others
+
+    dcfg = DriveConfig(
+        prefill=(p,),
+        decode=(d,),
+        requests=cfg.pushes,
+        concurrency=1,
+        blocks=blocks,
+        # D's own deadline for a push lapses before the pair's: its reason (a handshake that
+        # failed, P unreachable from D) is what the pair reports, not the check's timer.
+        timeout_s=max(0.5, cfg.deadline_s * PUSH_SHARE),
+        auth_token=cfg.auth_token,
+        grace_s=0.0,
+        stall_s=min(3.0, cfg.deadline_s / 2),
+        liveness_s=min(2.0, cfg.deadline_s / 3),
+    )
+    driver: Driver | None = None
+
+    def lapse() -> None:
+        if driver is not None:
+            driver.cancel()
+            driver.cancel()  # the second call ends the grace as well
+
+    driver = Driver(dcfg, on_result=keep)
+
+    timer = threading.Timer(cfg.deadline_s, lapse)
+    timer.daemon = True
+    timer.start()
+    try:
+        report = driver.run()
+    finally:
+        timer.cancel()
+    elapsed = time.monotonic() - t0
+    with lock:
+        ordered = sorted(results, key=lambda r: r.index)
+    ok = [r for r in ordered if r.ok]
+    first = ordered[0].latency_s if ordered and ordered[0].ok else None
+    rest = [r.latency_s for r in ok if r.index > 0] or [r.latency_s for r in ok]
+    p50 = median(rest) if rest else None
+    nbytes = ok[0].nbytes if ok else 0
+    common: dict[str, Any] = {
+        "blocks": blocks,
+        "pushes": cfg.pushes,
+        "pushes_ok": len(ok),
+        "first_ms": first * 1e3 if first is not None else None,
+        "handshake_ms": max(0.0, first - p50) * 1e3
+        if first is not None and p50 is not None and len(ok) > 1
+        else None,
+        "p50_ms": p50 * 1e3 if p50 is not None else None,
+        "gb_per_s": nbytes / p50 / 1e9 if p50 else None,
+        "elapsed_s": elapsed,
+    }
+    if len(ok) == cfg.pushes and report.verified == cfg.pushes:
+        return PairResult(p, d, "ok", "", note, **common)
+    bad = next((r for r in ordered if not r.ok and r.reason != "cancelled"), None)
+    if bad is not None:
+        return PairResult(p, d, "failed", bad.reason, bad.detail, **common)
+    if report.interrupted:
+        return PairResult(
+            p, d, "failed", "deadline",
+            f"{len(ok)} of {cfg.pushes} pushes within --deadline {cfg.deadline_s:g}s", **common,
+        )  # fmt: skip
+    return PairResult(p, d, "failed", "verify_failed", "a push did not verify", **common)
+
+
+def _still_there(
+    r: PairResult, before: Mapping[str, EndpointRecord], now: Mapping[str, EndpointRecord]
+) -> bool:
+    for addr in (r.prefill, r.decode):
+        cur = now.get(addr)
+        if cur is None or cur.incarnation != before[addr].incarnation:
+            return False
+    return True
+
+
+def check_fleet(
+    cluster: str,
+    records: list[EndpointRecord],
+    cfg: CheckConfig,
+    relist: Callable[[], list[EndpointRecord]] | None = None,
+    on_pair: Callable[[PairResult], None] | None = None,
+) -> CheckReport:
+    """Check every P x D pair of ``records``; ``relist`` reads the registry again after the
+    check, so that a failed pair whose endpoint left meanwhile is told apart (``left``)."""
+    t0 = time.monotonic()
+    ps, ds, by_addr = plan_pairs(records)
+    notes: list[str] = []
+    if not ps or not ds:
+        missing = "prefill" if not ps else "decode"
+        notes.append(f"no {missing} endpoint registered: no pair to check")
+    pairs = [(p, d) for p in ps for d in ds]
+    out: dict[tuple[str, str], PairResult] = {}
+
+    def one(pd: tuple[str, str]) -> PairResult:
+        try:
+            r = check_pair(by_addr[pd[0]], by_addr[pd[1]], cfg)
+        except Exception as e:  # never a vanished pair: it fails with a reason
+            log.exception("fleet check of %s -> %s failed", *pd)
+            r = PairResult(pd[0], pd[1], "failed", "internal_error", f"{type(e).__name__}: {e}")
+        if on_pair is not None:
+            on_pair(r)
+        return r
+
+    if pairs:
+        with ThreadPoolExecutor(min(cfg.concurrency, len(pairs)), "fleet-check") as ex:
+            for pd, r in zip(pairs, ex.map(one, pairs), strict=True):
+                out[pd] = r
+    if relist is not None and any(r.outcome == "failed" for r in out.values()):
+        try:
+            now = {r.address: r for r in relist()}
+        except KvpushError as e:
+            notes.append(f"could not read the registry again after the check: {e.message}")
+        else:
+            for pd, r in out.items():
+                if r.outcome == "failed" and not _still_there(r, by_addr, now):
+                    out[pd] = PairResult(
+                        r.prefill, r.decode, "left", "left",
+                        f"an endpoint left the registry during the check ({r.reason}: {r.detail})",
+                        elapsed_s=r.elapsed_s,
+                    )  # fmt: skip
+    return CheckReport(
+        cluster=cluster,
+        prefills=ps,
+        decodes=ds,
+        pairs=[out[pd] for pd in pairs],
+        elapsed_s=time.monotonic() - t0,
+        concurrency=cfg.concurrency,
+        strict=cfg.strict,
+        notes=notes,
+    )
