@@ -15,11 +15,13 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -480,3 +482,22 @@ def test_nixl_metadata_etcd_option_errors(etcd, kvpush_run) -> None:
     assert r.err_lines[0] == (
         "error: --nixl-metadata etcd: NIXL's etcd backend takes no credentials and no TLS"
     )
+
+
+def test_nixl_etcd_backend_behaviour_this_version() -> None:
+    """NIXL 1.5.1's etcd backend, as kvpush relies on it (docs/fleet.md): a publish while etcd
+    is down returns without error and is never retried (kvpush publishes again at every
+    (re-)registration); a delete of an agent's keys by someone else makes a peer's NIXL drop
+    that agent (kvpush's cleanup after a lapse relies on it)."""
+    script = Path(__file__).parent / "support" / "nixl_etcd_probe.py"
+    r = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=clean_env(), timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["publish_while_down_raised"] is False  # silent: only a log line on stderr
+    assert "Failed to store agent probe-a" in r.stderr
+    assert out["keys_after_etcd_came_up"] == []  # NIXL never publishes it by itself
+    assert "/nixl/kvpush/probe/probe-a/metadata" in out["keys_after_publish_again"]
+    assert out["b_loaded_a"] is True and out["deleted"] == 2
+    assert out["b_dropped_a_after_delete"] is True
