@@ -121,3 +121,18 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def tls_etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A real etcd on https that demands a client certificate (``.pki``: CA, client cert)."""
+    from tests.support.etcd_tls import TlsEtcdServer, make_pki, openssl_missing
+
+    missing = openssl_missing()
+    if missing:
+        pytest.skip(missing)
+    server = TlsEtcdServer(tmp_path / "etcd-tls", make_pki(tmp_path / "pki")).start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -373,3 +373,28 @@ def test_follow_survives_an_etcd_outage_and_reports_what_it_missed(etcd) -> None
     assert ("leave", "h:1") in kinds and ("join", "h:3") in kinds
     assert [ev.kind for ev in c.items].count("registry_down") == 1  # said once per change
     assert set(follow.known) == {"h:2", "h:3"}
+
+
+# -- TLS --------------------------------------------------------------------------------------
+
+
+def test_tls_with_a_client_certificate(tls_etcd, monkeypatch) -> None:
+    import certifi
+
+    # requests lets this variable override a session's CA (psf/requests #3829): kvpush must not.
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", certifi.where())
+    pki = tls_etcd.pki
+    e = Etcd(
+        [tls_etcd.url], ca_cert=str(pki.ca), cert=str(pki.client_cert), key=str(pki.client_key)
+    )
+    e.put("/tls/k", b"v")
+    assert e.get("/tls/k") == b"v"
+    events, cancel = e.watch_prefix("/tls/")
+    c = Collector(events)
+    e.delete("/tls/k")
+    c.wait_for(lambda it: len(it) == 1)
+    cancel()
+    with pytest.raises(RegistryUnavailable, match=r"refused this client \(check --registry-cert"):
+        Etcd([tls_etcd.url], ca_cert=str(pki.ca), timeout_s=2).get("/tls/k")
+    with pytest.raises(RegistryUnavailable, match=r"not trusted \(check --registry-ca\)"):
+        Etcd([tls_etcd.url], timeout_s=2).get("/tls/k")

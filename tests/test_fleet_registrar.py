@@ -285,6 +285,13 @@ def test_health_windows_and_order_of_checks() -> None:
     assert not h.ready().ok
     clock.t = 145.0  # a window with nothing attempted: ready
     assert h.ready().ok
+    tm.inc("requests_ok", 3)
+    clock.t = 147.0
+    assert h.ready().ok
+    failed(2)  # failures right after successes, probes 1 s apart: the successes do not hide them
+    clock.t = 148.0
+    v = h.ready()
+    assert not v.ok and "2 requests failed" in v.reason, v
     h.registration = lambda: data_path(s(0, 0, 0), s(1, 0, 1), "decode")
     assert h.ready().reason.startswith("data path failing")
     stopping.append(True)

@@ -15,11 +15,13 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -133,7 +135,8 @@ class Pending:
 
 def test_graceful_stop_removes_the_key_first(etcd, serve) -> None:
     e = Etcd([etcd.url])
-    p = serve.serve("prefill", *SMALL, *reg(etcd))
+    # The registry from the environment (KVPUSH_REGISTRY), as a deployment would set it.
+    p = serve.serve("prefill", *SMALL, env=clean_env(KVPUSH_REGISTRY=etcd.url))
     rec = until("P registered", lambda: record_at(e, p.address))
     assert (rec.role, rec.incarnation, rec.address) == ("prefill", p.incarnation, p.address)
     assert rec.pid == p.popen.pid and rec.agent_names and rec.geometry.num_blocks == 64
@@ -143,13 +146,16 @@ def test_graceful_stop_removes_the_key_first(etcd, serve) -> None:
     assert log.index("registry: removed") < log.index("endpoint " + p.engine_id + " stopped")
 
 
-def test_sigkill_key_lapses_within_the_ttl(etcd, serve) -> None:
+def test_sigkill_key_lapses_within_the_ttl(etcd, serve, tmp_path) -> None:
     e = Etcd([etcd.url])
-    p = serve.serve("prefill", *SMALL, *reg(etcd, 2))
-    until("P registered", lambda: record_at(e, p.address))
+    conf = tmp_path / "kvpush.toml"  # the registry from a config file
+    conf.write_text(f'registry = "{etcd.url}"\nregistry_ttl = 2\n[prefill]\ncluster = "c-2"\n')
+    p = serve.serve("prefill", *SMALL, "--config", str(conf))
+    rec = until("P registered", lambda: record_at(e, p.address, "c-2"))
+    assert rec.role == "prefill"
     p.kill()
     # TTL 2 s plus one refresh period; the rest is slack for a loaded machine.
-    until("the key lapsed", lambda: record_at(e, p.address) is None, timeout=2 + 2 / 3 + 10)
+    until("the key lapsed", lambda: record_at(e, p.address, "c-2") is None, timeout=2 + 2 / 3 + 10)
 
 
 def test_sigstop_past_the_ttl_then_sigcont(etcd, serve) -> None:
@@ -169,6 +175,7 @@ def test_sigstop_past_the_ttl_then_sigcont(etcd, serve) -> None:
     )
 
 
+@pytest.mark.slow
 def test_restart_at_the_same_port_is_a_new_incarnation_and_ds_drop_the_old_agent(
     etcd, serve
 ) -> None:
@@ -273,6 +280,7 @@ def test_etcd_killed_20s_under_drive_loses_nothing(etcd, serve) -> None:
 # -- stale identities -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_registry_delete_makes_d_drop_its_p_at_once(etcd, serve) -> None:
     e = Etcd([etcd.url])
     p = serve.serve("prefill", *SMALL, *reg(etcd, 10))
@@ -291,16 +299,25 @@ def test_a_registry_delete_makes_d_drop_its_p_at_once(etcd, serve) -> None:
     # P saw its own key go and wrote it again (its registrar); D talks to it again.
     until("P's key back", lambda: record_at(e, p.address), timeout=15)
     assert run_drive(p, d, 3)["ok"] == 3
+    # The other way round: D's key deleted -> P releases D's agent at once.
+    assert any(r["engine_id"] == d.engine_id for r in peers_of(p))
+    assert e.delete(endpoint_key("default", d.address))
+    until("P dropped D", lambda: not any(r["engine_id"] == d.engine_id for r in peers_of(p)), 15)
+    assert f"registry: {d.address} left" in p.log_text()  # not idle (600 s): the delete
+    until("D's key back", lambda: record_at(e, d.address), timeout=15)
+    assert run_drive(p, d, 3)["ok"] == 3
 
 
 # -- readiness ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_readyz_follows_the_data_path(serve) -> None:
     port = str(unused_port())
     mport = unused_port()
     p = serve.serve("prefill", *SMALL, "--port", port)
-    d = serve.serve("decode", *SMALL, "--metrics-port", str(mport))
+    fast = ["--side-channel-timeout", "1", "--handshake-timeout", "2"]  # a dead P fails fast
+    d = serve.serve("decode", *SMALL, *fast, "--metrics-port", str(mport))
     ready = f"http://127.0.0.1:{mport}/readyz"
     assert http(ready) == (200, "ok\n")  # idle: ready
     assert run_drive(p, d, 4)["ok"] == 4
@@ -350,6 +367,26 @@ def test_registry_option_errors(etcd, kvpush_run) -> None:
     assert r.returncode == 2 and r.err_lines[0].startswith("error: --registry-ttl must be")
 
 
+def test_tls_registry_with_a_client_certificate(tls_etcd, serve) -> None:
+    import certifi
+
+    pki = tls_etcd.pki
+    conf = pki.ca.parent / "kvpush.toml"  # TLS files relative to the config file
+    conf.write_text(
+        f'registry_ca = "{pki.ca.name}"\nregistry_cert = "{pki.client_cert.name}"\n'
+        f'registry_key = "{pki.client_key.name}"\n'
+    )
+    # A CA bundle in the environment must not override --registry-ca (psf/requests #3829).
+    env = clean_env(REQUESTS_CA_BUNDLE=certifi.where())
+    p = serve.serve("prefill", *SMALL, *reg(tls_etcd), "--config", str(conf), env=env)
+    e = Etcd(
+        [tls_etcd.url], ca_cert=str(pki.ca), cert=str(pki.client_cert), key=str(pki.client_key)
+    )
+    until("P registered over TLS", lambda: record_at(e, p.address))
+    assert p.stop() == 0 and record_at(e, p.address) is None
+
+
+@pytest.mark.slow
 def test_etcd_auth_works_and_the_password_is_never_logged(etcd, tmp_path, serve) -> None:
     secret = "sekrit-Pw-4711"
     for path, body in (
@@ -375,3 +412,92 @@ def test_etcd_auth_works_and_the_password_is_never_logged(etcd, tmp_path, serve)
     for proc in (p, q):
         proc.stop()
         assert secret not in proc.log_text()
+
+
+@pytest.mark.slow
+def test_a_graceful_stop_lets_the_work_in_flight_drain(etcd, serve) -> None:
+    """The key goes first, but marked ``leaving``: Ds let P's work drain (never peer_left)."""
+    e = Etcd([etcd.url])
+    p = serve.serve("prefill", *SMALL, *reg(etcd, 10))
+    d = serve.serve("decode", *SMALL, *reg(etcd, 10))
+    until("both registered", lambda: record_at(e, p.address) and record_at(e, d.address))
+    drive = subprocess.Popen(
+        [*KVPUSH, "drive", "-p", p.address, "-d", d.address, "-n", "400", "--rate", "40",
+         "-c", "8", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+    )  # fmt: skip
+    until("traffic", lambda: reading(d, "counters", "requests_ok") >= 20)
+    waiting = Pending(d, p.address, "waits-for-p")  # P holds its registration: no blocks come
+    until("D waits on P", lambda: reading(d, "gauges", "d_waiting") >= 1)
+    assert p.stop() == 0
+    # P said so itself at the end of its drain; D did not drop it first as gone.
+    assert waiting.result(30).reason == "shutting_down"
+    out_s, err_s = drive.communicate(timeout=200)
+    out = json.loads(out_s)
+    assert out["requests"] == out["ok"] + out["failed"] == 400, (out, err_s)
+    assert "peer_left" not in out["failures_by_reason"], out
+    assert "a graceful stop" in d.log_text()
+
+
+# -- NIXL metadata through the same etcd (--nixl-metadata etcd) -------------------------------
+
+
+def nixl_keys(e: Etcd, agent: str) -> list[str]:
+    return [k for k, _ in e.get_prefix(f"/nixl/kvpush/default/{agent}/")[0]]
+
+
+def test_nixl_metadata_through_etcd_and_cleanup_after_a_lapse(etcd, serve) -> None:
+    e = Etcd([etcd.url])
+    mode = ["--nixl-metadata", "etcd"]
+    p = serve.serve("prefill", *SMALL, *reg(etcd, 2), *mode)
+    d = serve.serve("decode", *SMALL, *reg(etcd, 2), *mode)
+    rp = until("P registered", lambda: record_at(e, p.address))
+    rd = until("D registered", lambda: record_at(e, d.address))
+    assert (rp.nixl_metadata, rp.nixl_namespace) == ("etcd", "/nixl/kvpush/default")
+    p_agent, d_agent = rp.agent_names[0], rd.agent_names[0]
+    # NIXL's own keys, written by NIXL's etcd backend (no lease).
+    assert f"/nixl/kvpush/default/{p_agent}/metadata" in nixl_keys(e, p_agent)
+    assert f"/nixl/kvpush/default/{d_agent}/metadata" in nixl_keys(e, d_agent)
+    out = run_drive(p, d, 5)
+    assert out["ok"] == 5 and out["all_verified"], out
+    # Both handshakes loaded the peer's agent from etcd, not from the side-channel reply.
+    assert "etcd_load_s" in d.log_text() and "etcd_load_s" in p.log_text()
+    # P dies: NIXL would keep its keys forever; kvpush deletes them once the lease lapsed.
+    p.kill()
+    until("P's registry key lapsed", lambda: record_at(e, p.address) is None, timeout=20)
+    until("P's NIXL keys deleted", lambda: not nixl_keys(e, p_agent), timeout=20)
+    assert f"deleted 2 NIXL metadata key(s) of {p_agent}" in d.log_text()
+    # A graceful stop withdraws its own NIXL metadata.
+    assert d.stop() == 0
+    assert nixl_keys(e, d_agent) == []
+
+
+def test_nixl_metadata_etcd_option_errors(etcd, kvpush_run) -> None:
+    r = kvpush_run("serve-prefill", *SMALL, "--nixl-metadata", "etcd")
+    assert r.returncode == 2 and r.err_lines[0] == "error: --nixl-metadata etcd needs --registry"
+    r = kvpush_run(
+        "serve-prefill", *SMALL, "--nixl-metadata", "etcd", "--registry", "https://127.0.0.1:1"
+    )
+    assert r.returncode == 2
+    assert r.err_lines[0] == (
+        "error: --nixl-metadata etcd: NIXL's etcd backend takes no credentials and no TLS"
+    )
+
+
+def test_nixl_etcd_backend_behaviour_this_version() -> None:
+    """NIXL 1.5.1's etcd backend, as kvpush relies on it (docs/fleet.md): a publish while etcd
+    is down returns without error and is never retried (kvpush publishes again at every
+    (re-)registration); a delete of an agent's keys by someone else makes a peer's NIXL drop
+    that agent (kvpush's cleanup after a lapse relies on it)."""
+    script = Path(__file__).parent / "support" / "nixl_etcd_probe.py"
+    r = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=clean_env(), timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["publish_while_down_raised"] is False  # silent: only a log line on stderr
+    assert "Failed to store agent probe-a" in r.stderr
+    assert out["keys_after_etcd_came_up"] == []  # NIXL never publishes it by itself
+    assert "/nixl/kvpush/probe/probe-a/metadata" in out["keys_after_publish_again"]
+    assert out["b_loaded_a"] is True and out["deleted"] == 2
+    assert out["b_dropped_a_after_delete"] is True

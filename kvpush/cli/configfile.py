@@ -26,6 +26,9 @@ from kvpush.errors import ConfigError
 #: ``ctx.meta`` key of the loaded file's path (for messages about values it set).
 CONFIG_PATH = "kvpush.config_path"
 
+#: Keys naming files that do not end in ``_file``: relative to the config file like those.
+PATH_KEYS = frozenset({"registry_ca", "registry_cert", "registry_key"})
+
 #: Tables and the command each applies to.
 SECTIONS = {"prefill": "serve-prefill", "decode": "serve-decode"}
 
@@ -119,7 +122,8 @@ def config_values(
             continue
         if isinstance(value, list):
             value = ",".join(str(v) for v in value)
-        if key.endswith("_file") and isinstance(value, str) and not os.path.isabs(value):
+        is_path = key.endswith("_file") or key in PATH_KEYS
+        if is_path and isinstance(value, str) and not os.path.isabs(value):
             value = str(base / value)
         out[key] = value
     return out

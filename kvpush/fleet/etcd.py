@@ -43,6 +43,8 @@ from kvpush.errors import (
 )
 from kvpush.fleet.config import parse_urls
 
+__all__ = ["Etcd", "WatchEvent", "parse_urls", "prefix_end"]
+
 log = logging.getLogger(__name__)
 
 API_PATH = "/v3/"
@@ -152,7 +154,7 @@ class Etcd:
     def _client(self, url: str) -> Etcd3Client:
         u = urlsplit(url)
         assert u.hostname is not None and u.port is not None
-        return Etcd3Client(
+        return _Client(
             host=u.hostname,
             port=u.port,
             protocol=u.scheme,
@@ -217,8 +219,8 @@ class Etcd:
                 self._current = i
                 return out
         raise RegistryUnavailable(
-            f"registry unavailable: no etcd URL answered {what} within {self.timeout_s:g}s"
-            f" (last: {last})"
+            f"registry unavailable: no etcd URL answered {what} "
+            f"({self.timeout_s:g}s per URL; last: {last})"
         )
 
     # -- key/value -----------------------------------------------------------------------
@@ -327,7 +329,7 @@ class Etcd:
 
         def open_stream(c: Etcd3Client) -> requests.Response:
             s = requests.Session()
-            s.verify = c.session.verify
+            s.verify = c.session.verify  # for the record: requests prefers the environment's
             s.cert = c.session.cert
             s.headers.update(c.session.headers)
             try:
@@ -337,6 +339,7 @@ class Etcd:
                     json={"create_request": create},
                     stream=True,
                     timeout=(self.timeout_s, None),
+                    **_verify(c),
                 )
             except requests.exceptions.Timeout as e:
                 s.close()
@@ -377,6 +380,20 @@ class Etcd:
                 )
 
         return events(), cancel
+
+
+class _Client(Etcd3Client):
+    """etcd3gw's client, with ``--registry-ca`` given to every request: requests lets
+    ``REQUESTS_CA_BUNDLE`` / ``CURL_CA_BUNDLE`` override a session's ``verify`` (psf/requests
+    #3829), so a CA set on the session alone is ignored wherever those variables are set."""
+
+    def post(self, url: str, *args: Any, json: Any = None, **kwargs: Any) -> Any:
+        return super().post(url, *args, json=json, **_verify(self), **kwargs)
+
+
+def _verify(c: Etcd3Client) -> dict[str, Any]:
+    v = c.session.verify
+    return {"verify": v} if isinstance(v, str) else {}
 
 
 def _read_watch(resp: requests.Response, prefix: str) -> Iterator[WatchEvent]:
@@ -425,10 +442,21 @@ def _shutdown(resp: requests.Response) -> None:
     resp.close()
 
 
+_TLS_REASONS = (
+    ("CERTIFICATE_VERIFY_FAILED", "TLS: etcd's certificate is not trusted (check --registry-ca)"),
+    ("BAD_CERTIFICATE", "TLS: etcd refused this client (check --registry-cert, --registry-key)"),
+    ("CERTIFICATE_REQUIRED", "TLS: etcd wants a client certificate (--registry-cert/-key)"),
+    ("WRONG_VERSION_NUMBER", "TLS to an etcd that speaks plain HTTP (use http://)"),
+)
+
+
 def _reason(e: BaseException) -> str:
     """A short reason for an unreachable URL (requests' messages run to several lines)."""
     text = (e.detail_text or "") if isinstance(e, etcd_exc.Etcd3Exception) else ""
     text = text or str(e)
+    for key, why in _TLS_REASONS:
+        if key in text:
+            return why
     for key in ("Connection refused", "timed out", "Name or service not known", "No route to host"):
         if key in text:
             return key.lower()

@@ -2,10 +2,12 @@
 
 ``/healthz`` (live): the process and its owner threads are alive (``failure()`` is None).
 ``/readyz`` (ready): live, serving (not stopping), registered when a registry is given, and the
-data path healthy: over at least the last ``window_s`` seconds it is *not* the case that pushes
-(P) or requests (D) failed and none succeeded. A pod whose every transfer fails stops showing
-Ready (smg-project/smg #2382: 100 % of transfers failing while every pod showed Ready); an idle
-endpoint (no attempts) stays ready.
+data path healthy: it is *not* the case that pushes (P) or requests (D) failed and none
+succeeded -- counted since the last success a probe saw, over at most the last ``window_s``
+seconds (a success long ago does not hide a run of failures, and an endpoint that no traffic
+reaches becomes ready again: no readiness deadlock). A pod whose every transfer fails stops
+showing Ready (smg-project/smg #2382: 100 % of transfers failing while every pod showed
+Ready); an idle endpoint (no attempts) stays ready.
 
 ``Health`` keeps a short ring of counter samples, taken when a probe asks (and whenever the
 owner calls ``sample()``); the judgement is the pure ``data_path``. Probes run on the metrics
@@ -104,11 +106,18 @@ class Health:
         now = sample_of(snap, self._clock())
         with self._lock:
             samples = self._samples
-            # The base: the newest sample at least a window old, else the oldest there is.
+            # The window's base: the newest sample at least a window old, else the oldest.
             while len(samples) > 1 and samples[1].t <= now.t - self.window_s:
                 samples.popleft()
             # No sample yet: every count since the endpoint started.
             base = samples[0] if samples else Sample(now.t - snap.uptime_s, 0, 0, {})
+            # Only what happened after the last success seen counts: successes before a run of
+            # failures do not hide it (probes may be seconds apart).
+            seq = list(samples)
+            for prev, cur in zip(reversed(seq[:-1]), reversed(seq), strict=False):
+                if cur.ok > prev.ok:
+                    base = cur
+                    break
             if not samples or now.t - samples[-1].t >= 0.5:
                 samples.append(now)
         return data_path(base, now, snap.role)
