@@ -265,6 +265,10 @@ class AgentConfig:
     num_threads: int = 0
     idle_poll_max_us: int = 1000
     busy_spin_us: int = 2000
+    # ``--nixl-metadata etcd``: agent metadata published with NIXL's own etcd backend (these
+    # become NIXL_ETCD_ENDPOINTS / NIXL_ETCD_NAMESPACE when the agent is created); "" = off.
+    etcd_endpoints: str = ""
+    etcd_namespace: str = ""
 
     def __post_init__(self) -> None:
         if not self.backends:

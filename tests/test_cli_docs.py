@@ -78,6 +78,7 @@ def _readme_invocations() -> list[list[str]]:
     text = (ROOT / "README.md").read_text()
     lines: list[list[str]] = []
     for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
+        block = block.replace("\\\n", " ")  # a command continued on the next line
         for line in block.splitlines():
             line = line.split(" #")[0].strip()
             if line.startswith("kvpush "):

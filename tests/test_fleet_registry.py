@@ -15,11 +15,13 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -410,3 +412,92 @@ def test_etcd_auth_works_and_the_password_is_never_logged(etcd, tmp_path, serve)
     for proc in (p, q):
         proc.stop()
         assert secret not in proc.log_text()
+
+
+@pytest.mark.slow
+def test_a_graceful_stop_lets_the_work_in_flight_drain(etcd, serve) -> None:
+    """The key goes first, but marked ``leaving``: Ds let P's work drain (never peer_left)."""
+    e = Etcd([etcd.url])
+    p = serve.serve("prefill", *SMALL, *reg(etcd, 10))
+    d = serve.serve("decode", *SMALL, *reg(etcd, 10))
+    until("both registered", lambda: record_at(e, p.address) and record_at(e, d.address))
+    drive = subprocess.Popen(
+        [*KVPUSH, "drive", "-p", p.address, "-d", d.address, "-n", "400", "--rate", "40",
+         "-c", "8", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+    )  # fmt: skip
+    until("traffic", lambda: reading(d, "counters", "requests_ok") >= 20)
+    waiting = Pending(d, p.address, "waits-for-p")  # P holds its registration: no blocks come
+    until("D waits on P", lambda: reading(d, "gauges", "d_waiting") >= 1)
+    assert p.stop() == 0
+    # P said so itself at the end of its drain; D did not drop it first as gone.
+    assert waiting.result(30).reason == "shutting_down"
+    out_s, err_s = drive.communicate(timeout=200)
+    out = json.loads(out_s)
+    assert out["requests"] == out["ok"] + out["failed"] == 400, (out, err_s)
+    assert "peer_left" not in out["failures_by_reason"], out
+    assert "a graceful stop" in d.log_text()
+
+
+# -- NIXL metadata through the same etcd (--nixl-metadata etcd) -------------------------------
+
+
+def nixl_keys(e: Etcd, agent: str) -> list[str]:
+    return [k for k, _ in e.get_prefix(f"/nixl/kvpush/default/{agent}/")[0]]
+
+
+def test_nixl_metadata_through_etcd_and_cleanup_after_a_lapse(etcd, serve) -> None:
+    e = Etcd([etcd.url])
+    mode = ["--nixl-metadata", "etcd"]
+    p = serve.serve("prefill", *SMALL, *reg(etcd, 2), *mode)
+    d = serve.serve("decode", *SMALL, *reg(etcd, 2), *mode)
+    rp = until("P registered", lambda: record_at(e, p.address))
+    rd = until("D registered", lambda: record_at(e, d.address))
+    assert (rp.nixl_metadata, rp.nixl_namespace) == ("etcd", "/nixl/kvpush/default")
+    p_agent, d_agent = rp.agent_names[0], rd.agent_names[0]
+    # NIXL's own keys, written by NIXL's etcd backend (no lease).
+    assert f"/nixl/kvpush/default/{p_agent}/metadata" in nixl_keys(e, p_agent)
+    assert f"/nixl/kvpush/default/{d_agent}/metadata" in nixl_keys(e, d_agent)
+    out = run_drive(p, d, 5)
+    assert out["ok"] == 5 and out["all_verified"], out
+    # Both handshakes loaded the peer's agent from etcd, not from the side-channel reply.
+    assert "etcd_load_s" in d.log_text() and "etcd_load_s" in p.log_text()
+    # P dies: NIXL would keep its keys forever; kvpush deletes them once the lease lapsed.
+    p.kill()
+    until("P's registry key lapsed", lambda: record_at(e, p.address) is None, timeout=20)
+    until("P's NIXL keys deleted", lambda: not nixl_keys(e, p_agent), timeout=20)
+    assert f"deleted 2 NIXL metadata key(s) of {p_agent}" in d.log_text()
+    # A graceful stop withdraws its own NIXL metadata.
+    assert d.stop() == 0
+    assert nixl_keys(e, d_agent) == []
+
+
+def test_nixl_metadata_etcd_option_errors(etcd, kvpush_run) -> None:
+    r = kvpush_run("serve-prefill", *SMALL, "--nixl-metadata", "etcd")
+    assert r.returncode == 2 and r.err_lines[0] == "error: --nixl-metadata etcd needs --registry"
+    r = kvpush_run(
+        "serve-prefill", *SMALL, "--nixl-metadata", "etcd", "--registry", "https://127.0.0.1:1"
+    )
+    assert r.returncode == 2
+    assert r.err_lines[0] == (
+        "error: --nixl-metadata etcd: NIXL's etcd backend takes no credentials and no TLS"
+    )
+
+
+def test_nixl_etcd_backend_behaviour_this_version() -> None:
+    """NIXL 1.5.1's etcd backend, as kvpush relies on it (docs/fleet.md): a publish while etcd
+    is down returns without error and is never retried (kvpush publishes again at every
+    (re-)registration); a delete of an agent's keys by someone else makes a peer's NIXL drop
+    that agent (kvpush's cleanup after a lapse relies on it)."""
+    script = Path(__file__).parent / "support" / "nixl_etcd_probe.py"
+    r = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=clean_env(), timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["publish_while_down_raised"] is False  # silent: only a log line on stderr
+    assert "Failed to store agent probe-a" in r.stderr
+    assert out["keys_after_etcd_came_up"] == []  # NIXL never publishes it by itself
+    assert "/nixl/kvpush/probe/probe-a/metadata" in out["keys_after_publish_again"]
+    assert out["b_loaded_a"] is True and out["deleted"] == 2
+    assert out["b_dropped_a_after_delete"] is True

@@ -2,9 +2,10 @@
 
 Processes: a real etcd (the ``etcd`` binary next to the interpreter, as the tests use, or
 ``KVPUSH_ETCD_BIN``), ``P`` prefill and ``D`` decode ``kvpush serve-*`` processes with small
-pools, each registered (``--registry``), and one more P and D *not* registered (the baseline of
-the registration's cost). All are started here and killed when the scenario ends, however it
-ends. Measured:
+pools, each registered (``--registry``), and two more P -> D pairs *not* registered (the
+baseline of the registration's cost, and the spread between two identical unregistered pairs:
+the noise the comparison is read against). All are started here and killed when the scenario
+ends, however it ends. Measured:
 
 * start-up of ``kvpush fleet ls --json`` and of ``kvpush fleet watch --json`` (process start to
   the listing / the first line), with every endpoint registered;
@@ -292,12 +293,14 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         progress("fleet: starting etcd")
         url = fl.start_etcd()
         n = p.prefills + p.decodes
-        progress(f"fleet: starting {n} registered endpoints and an unregistered pair")
+        progress(f"fleet: starting {n} registered endpoints and two unregistered pairs")
         readies = [fl.serve("prefill", f"p{i}", p, True) for i in range(p.prefills)]
         readies += [fl.serve("decode", f"d{i}", p, True) for i in range(p.decodes)]
         readies += [fl.serve("prefill", "p-off", p, False), fl.serve("decode", "d-off", p, False)]
+        readies += [fl.serve("prefill", "p-off2", p, False), fl.serve("decode", "d-off2", p, False)]
         infos = _wait_ready(readies, timeout_s=120 + 10 * n)
-        off_p, off_d = infos[-2]["address"], infos[-1]["address"]
+        off_p, off_d = infos[-4]["address"], infos[-3]["address"]
+        off2_p, off2_d = infos[-2]["address"], infos[-1]["address"]
         etcd = Etcd(url, timeout_s=5.0)
         deadline = time.monotonic() + 60
         while True:
@@ -363,11 +366,11 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         on_p, on_d = ps[0].address, ds[0].address
         rounds: list[dict[str, Any]] = []
         warm = replace(p, drive_requests=max(20, p.drive_requests // 10))
-        for pa, da in ((on_p, on_d), (off_p, off_d)):  # both pairs connected and warm first
+        pairs = [("on", on_p, on_d), ("off", off_p, off_d), ("off2", off2_p, off2_d)]
+        for _, pa, da in pairs:  # every pair connected and warm first
             _drive_p99(pa, da, warm)
         for i in range(p.drive_rounds):
-            order = (("on", on_p, on_d), ("off", off_p, off_d))
-            for label, pa, da in order if i % 2 == 0 else order[::-1]:
+            for label, pa, da in pairs[i % 3 :] + pairs[: i % 3]:  # each goes first once
                 d = _drive_p99(pa, da, p)
                 rounds.append(
                     {"label": label, "round": i, **d["latency_s"], "ok": d["ok"],
@@ -424,7 +427,7 @@ def _report(rep: Report, p: FleetParams, m: dict[str, Any]) -> dict[str, Any]:
     off = [r for r in m["rounds"] if r["label"] == "off"]
     rep.table(
         f"push latency (drive, {p.drive_requests} requests of {p.drive_blocks} blocks, -c "
-        f"{p.drive_concurrency}) through a registered pair vs an unregistered one",
+        f"{p.drive_concurrency}) through a registered pair vs two unregistered ones",
         ["round", "registration", "p50 ms", "p99 ms", "max ms", "ok", "verified", "req/s"],
         [
             [
@@ -440,8 +443,11 @@ def _report(rep: Report, p: FleetParams, m: dict[str, Any]) -> dict[str, Any]:
             for r in m["rounds"]
         ],
     )
+    off2 = [r for r in m["rounds"] if r["label"] == "off2"]
     p99_on, p99_off = median([r["p99"] for r in on]), median([r["p99"] for r in off])
+    p99_off2 = median([r["p99"] for r in off2])
     p99_ratio = ratio(p99_on, p99_off)
+    spread = ratio(p99_off2, p99_off)
     full = m["checks"][-1]
     rep.target(
         f"fleet check of all {full['pairs']} pairs",
@@ -455,8 +461,16 @@ def _report(rep: Report, p: FleetParams, m: dict[str, Any]) -> dict[str, Any]:
         f"{fmt_x(p99_ratio)} ({fmt_ms(p99_on)} / {fmt_ms(p99_off)} ms, median of {len(on)} rounds)",
         None if p is QUICK else abs(p99_ratio - 1) <= 0.05,
     )
+    rep.target(
+        "noise floor: p99 of two unregistered pairs (off2 / off)",
+        "(none: the spread the 5 % goal is read against)",
+        f"{fmt_x(spread)} ({fmt_ms(p99_off2)} / {fmt_ms(p99_off)} ms)",
+        None,
+    )
     rep.figures.update(
         {
+            "p99_off2_s": p99_off2,
+            "p99_off2_off": spread,
             "endpoints": n,
             "fleet_ls_s": m["ls_s"],
             "fleet_watch_startup_s": m["watch_s"],

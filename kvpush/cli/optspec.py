@@ -46,6 +46,13 @@ class LogLevel(str, Enum):
     ERROR = "error"
 
 
+class NixlMetadata(str, Enum):
+    """Where peers load a NIXL agent's metadata from."""
+
+    SIDECHANNEL = "sidechannel"
+    ETCD = "etcd"
+
+
 class Shell(str, Enum):
     bash = "bash"
     zsh = "zsh"

@@ -28,6 +28,7 @@ from kvpush.cli.optspec import (
     PANEL_VLLM,
     Entry,
     LogLevel,
+    NixlMetadata,
     Opt,
     OutputMode,
     param_name,
@@ -210,6 +211,13 @@ ENDPOINT_OPTS: list[Opt] = [
         "written when it changed, and at least every 5 periods. Every write reaches every "
         "watcher of the cluster: raise it for large fleets (docs/fleet.md, sizing).",
         LOAD_PERIOD_S, PANEL_REGISTRY, seconds=True),
+    Opt("nixl_metadata", ("--nixl-metadata",), NixlMetadata,
+        "sidechannel: peers get a NIXL agent's metadata in the handshake reply. etcd: every "
+        "agent publishes it with NIXL's own etcd backend in the registry's etcd (namespace "
+        "/nixl/kvpush/CLUSTER) and peers load it from there; kvpush deletes the NIXL keys of "
+        "an endpoint whose registration lapsed (NIXL writes them without a lease). Needs "
+        "--registry on an etcd without auth or TLS.", NixlMetadata.SIDECHANNEL,
+        PANEL_REGISTRY),
     Opt("advertise", ("--advertise",), str | None,
         "The host peers and routers reach this endpoint by (the registry key's address); "
         "needed when --host binds all interfaces.", None, PANEL_REGISTRY, metavar="HOST",
@@ -257,7 +265,7 @@ SERVE: list[tuple[str, frozenset[str]]] = [
         ("attn_backend", "prefill decode"),
         ("registry", "prefill decode"), ("cluster", "prefill decode"),
         ("registry_ttl", "prefill decode"), ("registry_load_period", "prefill decode"),
-        ("advertise", "prefill decode"),
+        ("advertise", "prefill decode"), ("nixl_metadata", "prefill decode"),
         ("registry_user", "prefill decode"), ("registry_password_file", "prefill decode"),
         ("registry_ca", "prefill decode"), ("registry_cert", "prefill decode"),
         ("registry_key", "prefill decode"),

@@ -137,7 +137,36 @@ def agent_config(p: Mapping[str, Any]) -> AgentConfig:
         values["backends"] = backends(values["backends"])
     if "progress_thread" in values:
         values["progress_thread"] = bool(values["progress_thread"])
+    values.update(nixl_etcd(p))
     return AgentConfig(**values)
+
+
+def nixl_etcd(p: Mapping[str, Any]) -> dict[str, str]:
+    """``--nixl-metadata etcd``: the NIXL etcd settings of the agent config ({} when off)."""
+    mode = p.get("nixl_metadata")
+    if str(getattr(mode, "value", mode) or "sidechannel") != "etcd":
+        return {}
+    from kvpush.fleet.config import parse_urls
+    from kvpush.fleet.record import check_cluster
+
+    hint = "use --nixl-metadata sidechannel (the default), or a private etcd without auth/TLS"
+    if not p.get("registry"):
+        raise ConfigError("--nixl-metadata etcd needs --registry", "add --registry URL")
+    urls = parse_urls(str(p["registry"]))
+    secured = [f for f in ("registry_user", "registry_cert", "registry_ca") if p.get(f)]
+    if secured or any(u.startswith("https://") for u in urls):
+        raise ConfigError(
+            "--nixl-metadata etcd: NIXL's etcd backend takes no credentials and no TLS", hint
+        )
+    if (p.get("wire") or Wire.KVPUSH) != Wire.KVPUSH:
+        raise ConfigError(
+            "--nixl-metadata etcd works on kvpush's wire only", "drop --wire vllm or the option"
+        )
+    try:
+        cluster = check_cluster(str(p.get("cluster") or "default"))
+    except ValueError as e:
+        raise ConfigError(f"--cluster: {e}", "e.g. --cluster prod-a") from None
+    return {"etcd_endpoints": ",".join(urls), "etcd_namespace": f"/nixl/kvpush/{cluster}"}
 
 
 def timeouts(p: Mapping[str, Any]) -> Timeouts:

@@ -39,7 +39,7 @@ from kvpush.address import format_address, parse_address
 from kvpush.config import EndpointConfig, HandshakeMode, Wire
 from kvpush.endpoint import answers
 from kvpush.endpoint.rank import Rank
-from kvpush.errors import PeerUnreachableError
+from kvpush.errors import KvpushError, PeerUnreachableError
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone
 from kvpush.runtime.context import EndpointContext, Role
@@ -238,6 +238,16 @@ class Endpoint(Generic[R, G]):
         gone = PeerGone(host, port, incarnation, why, f"registry: {detail}")
         for rk in self.ranks:
             rk.role.forget_peer(gone)
+
+    def publish_nixl_metadata(self) -> None:
+        """``--nixl-metadata etcd``: publish every rank's agent metadata again (after the
+        registry came back: NIXL does not retry a publish that found etcd down)."""
+        for rk in self.ranks:
+            if rk.agent.etcd_metadata:
+                try:
+                    rk.agent.publish()
+                except KvpushError as e:
+                    log.warning("publishing %s's NIXL metadata failed: %s", rk.agent_name, e)
 
     def failure(self) -> BaseException | None:
         """The first failure of the side channel's or a rank's threads (the rank named)."""

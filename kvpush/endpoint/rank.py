@@ -82,6 +82,9 @@ class Rank(Generic[R]):
             self.md_bytes = protocol.encode_metadata(self.metadata)
             self.agent_md_full = self.agent.metadata_full()
             self.agent_md_conn = self.agent.metadata_conn_only()
+            if self.agent.etcd_metadata:
+                self.agent.publish()
+                undo.callback(self.agent.withdraw)
             self.handshakes = HandshakeManager(
                 self.agent,
                 self.metadata,
@@ -179,6 +182,8 @@ class Rank(Generic[R]):
     def close(self) -> None:
         """After the role stopped: remove remote agents, deregister memory."""
         self.release_peers()
+        if self.agent.etcd_metadata:
+            self.agent.withdraw()
         self.agent.close()
 
 

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from kvpush import __version__
 from kvpush.address import binds_all_interfaces, format_address, parse_address
-from kvpush.errors import ConfigError
+from kvpush.errors import ConfigError, RegistryError, RegistryUnavailable
 from kvpush.fleet.config import RegistryConfig
 from kvpush.fleet.etcd import Etcd
 from kvpush.fleet.record import EndpointRecord, Geometry, Load, endpoint_key
@@ -34,6 +34,8 @@ from kvpush.telemetry.snapshot import Snapshot
 from kvpush.wire import protocol
 
 log = logging.getLogger(__name__)
+
+NIXL_CLEANUP_DELAY_S = 1.0
 
 
 def advertised_address(bind_host: str, port: int, advertise: str | None) -> str:
@@ -96,6 +98,8 @@ def endpoint_record(ep: Any, address: str, metrics_url: str = "") -> EndpointRec
         metrics_url=metrics_url,
         started_at=time.time(),
         agent_names=[rk.agent_name for rk in ep.ranks],
+        nixl_metadata="etcd" if cfg.agent.etcd_endpoints else "sidechannel",
+        nixl_namespace=cfg.agent.etcd_namespace,
     )
 
 
@@ -131,6 +135,7 @@ class PeerWatch:
         self._own = own
         self._registrar = registrar
         self._follow = Follow(make_etcd(cfg), cfg.cluster, retry_s=min(1.0, cfg.refresh_s))
+        self._cleaner = make_etcd(cfg)
         self._thread = threading.Thread(target=self._run, name="registry-watch", daemon=True)
 
     def start(self) -> None:
@@ -154,6 +159,10 @@ class PeerWatch:
             return
         if previous is None or kind not in ("leave", "restart"):
             return
+        if kind == "leave" and previous.leaving:
+            # A graceful stop: it drains what it holds and tells its peers itself (shutting_down).
+            log.info("registry: %s left (a graceful stop: its work in flight drains)", address)
+            return
         why = Failure.PEER_LEFT if kind == "leave" else Failure.PEER_RESTARTED
         log.info(
             "registry: %s %s (incarnation %s): dropping it",
@@ -162,6 +171,24 @@ class PeerWatch:
             previous.incarnation[:12],
         )
         self._ep.forget_peer(address, previous.incarnation, why.value)
+        if previous.nixl_metadata == "etcd" and previous.nixl_namespace:
+            # NIXL wrote the peer's agent metadata without a lease: delete it, so every NIXL
+            # watcher drops the agent too. After a grace period: the owner threads release
+            # their handles on the agent first (forget_peer only queued that).
+            t = threading.Timer(NIXL_CLEANUP_DELAY_S, self._delete_nixl_keys, (previous,))
+            t.daemon = True
+            t.start()
+
+    def _delete_nixl_keys(self, previous: EndpointRecord) -> None:
+        for agent in previous.agent_names:
+            prefix = f"{previous.nixl_namespace}/{agent}/"
+            try:
+                n = self._cleaner.delete_prefix(prefix)
+            except (RegistryUnavailable, RegistryError) as e:
+                log.warning("registry: could not delete NIXL keys %s: %s", prefix, e)
+                continue
+            if n:
+                log.info("registry: deleted %d NIXL metadata key(s) of %s", n, agent)
 
 
 class Membership:
@@ -179,6 +206,7 @@ class Membership:
             self.record,
             lambda: load_of(ep.snapshot()),
             ep.telemetry,
+            ep.publish_nixl_metadata if self.record.nixl_metadata == "etcd" else None,
         )
         self.watch = PeerWatch(ep, cfg, self.address, self.registrar)
 

@@ -69,6 +69,9 @@ class EndpointRecord(Struct, frozen=True, kw_only=True):
     nixl_metadata: str = "sidechannel"  # or "etcd": agent metadata published with NIXL's backend
     nixl_namespace: str = ""  # NIXL_ETCD_NAMESPACE used when nixl_metadata == "etcd"
     load: Load = Load()
+    # Written once, just before a graceful stop deletes the key: the endpoint drains what it
+    # holds, so peers let its work finish instead of dropping it as gone (peer_left).
+    leaving: bool = False
 
 
 def check_cluster(name: str) -> str:

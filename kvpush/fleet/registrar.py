@@ -14,10 +14,12 @@ thread's loop:
   period). ``registry_up`` changes -- and a log line says so -- once per change, not per error.
 
 ``leave()`` (graceful stop, called *before* the drain so routers stop sending first) stops the
-thread and revokes the lease, which deletes the key at once; when etcd cannot be reached the
-key lapses within the TTL. A restart at the same address simply replaces the key (the address
-is the key; the new ``incarnation`` tells watchers it restarted); revoking the old incarnation's
-lease cannot delete it, as the key is no longer attached to that lease.
+thread, writes the record once more with ``leaving`` set (watchers then let the endpoint's work
+in flight drain rather than drop it as gone) and revokes the lease, which deletes the key at
+once; when etcd cannot be reached the key lapses within the TTL. A restart at the same address
+simply replaces the key (the address is the key; the new ``incarnation`` tells watchers it
+restarted); revoking the old incarnation's lease cannot delete it, as the key is no longer
+attached to that lease.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Registrar:
         record: EndpointRecord,
         load: Callable[[], Load],
         telemetry: Telemetry | None = None,
+        on_register: Callable[[], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.key = key
@@ -64,6 +67,7 @@ class Registrar:
         self._record = record
         self._load = load
         self._tm = telemetry
+        self._on_register = on_register
         self._stop = threading.Event()
         self._poke = threading.Event()
         self._lock = threading.Lock()
@@ -108,6 +112,8 @@ class Registrar:
         if lease is None:
             return False
         try:
+            leaving = msgspec.structs.replace(self._record, leaving=True)
+            self._etcd.put(self.key, encode(leaving), lease=lease)
             self._etcd.revoke(lease)
         except (RegistryUnavailable, RegistryError) as e:
             log.warning(
@@ -177,6 +183,8 @@ class Registrar:
             self.lease = lease
             self.registered = True
         self._last_put_load, self._periods = load, 0
+        if self._on_register is not None:
+            self._on_register()
         if self.registered_once:
             log.info("registry: registered again as %s", self.key)
         else:

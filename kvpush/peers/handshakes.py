@@ -321,7 +321,13 @@ class HandshakeManager:
         check_ratio(p_tp, d_tp, peer)
         if time.monotonic() > deadline:
             raise HandshakeError(peer, f"deadline of {self._timeouts.handshake_s:g}s passed")
-        name = self._agent.add_remote(agent_md)
+        from_etcd = self._agent.etcd_metadata and self._wire == Wire.KVPUSH and bool(md.agent_name)
+        if from_etcd:
+            # --nixl-metadata etcd: the agent comes from NIXL's etcd backend, not the reply.
+            left = max(0.1, deadline - time.monotonic())
+            name = self._agent.fetch_remote(md.agent_name, left)
+        else:
+            name = self._agent.add_remote(agent_md)
         t2 = time.perf_counter()
         dlist: DList | None = None
         sl: Slice | None = None  # P -> D full: this rank's part of each of D's pages
@@ -380,6 +386,8 @@ class HandshakeManager:
             "warm_s": t4 - t3,
             "total_s": t4 - t0,
         }
+        if from_etcd:
+            timings["etcd_load_s"] = t2 - t1  # the agent came from NIXL's etcd backend
         return PeerConn(
             key=key,
             metadata=md,

@@ -102,6 +102,11 @@ class NixlAgent:
         api, bind = _import_nixl()
         self.name = name
         self.cfg = cfg
+        if cfg.etcd_endpoints:
+            # NIXL reads these when an agent is created (and only then); every agent of this
+            # process shares them.
+            os.environ["NIXL_ETCD_ENDPOINTS"] = cfg.etcd_endpoints
+            os.environ["NIXL_ETCD_NAMESPACE"] = cfg.etcd_namespace
         conf = api.nixl_agent_config(
             enable_prog_thread=cfg.progress_thread,
             enable_listen_thread=False,
@@ -152,6 +157,51 @@ class NixlAgent:
         """Connection-only partial metadata (~335 B): enough for notifications, no regions."""
         empty = self._bind.nixlRegDList(self._dram)
         return bytes(self._agent.get_partial_agent_metadata(empty, True, list(self.cfg.backends)))
+
+    # ------------------------------------------------------------------ NIXL's etcd backend
+    @property
+    def etcd_metadata(self) -> bool:
+        return bool(self.cfg.etcd_endpoints)
+
+    def publish(self) -> None:
+        """Publish this agent's full metadata with NIXL's etcd backend. NIXL 1.5.1 returns
+        at once and only logs when etcd cannot be reached (the metadata is then simply not
+        there): kvpush publishes again whenever its registration is renewed."""
+        try:
+            self._agent.send_local_metadata()
+        except Exception as e:
+            raise _translate(e, "send_local_metadata") from None
+
+    def withdraw(self) -> None:
+        """Delete this agent's metadata from etcd (peers' NIXL watchers then drop it)."""
+        try:
+            self._agent.invalidate_local_metadata()
+        except Exception as e:  # shutdown path: the registry cleans up after a lapse anyway
+            log.debug("invalidate_local_metadata failed: %s", e)
+
+    def fetch_remote(self, name: str, timeout_s: float) -> str:
+        """Load the agent ``name`` from etcd (NIXL fetches it asynchronously: poll until it is
+        loaded or ``timeout_s`` passed)."""
+        import time
+
+        try:
+            if self._agent.check_remote_metadata(name):
+                return name
+            self._agent.fetch_remote_metadata(name)
+            deadline = time.monotonic() + timeout_s
+            while not self._agent.check_remote_metadata(name):
+                if time.monotonic() > deadline:
+                    raise TransferError(
+                        "peer_unknown",
+                        f"agent {name} not in NIXL's etcd namespace "
+                        f"{self.cfg.etcd_namespace} within {timeout_s:.1f}s",
+                    )
+                time.sleep(0.002)
+        except TransferError:
+            raise
+        except Exception as e:
+            raise _translate(e, "fetch_remote_metadata") from None
+        return name
 
     # ------------------------------------------------------------------ peers
     def add_remote(self, metadata: bytes) -> str:
