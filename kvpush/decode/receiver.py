@@ -79,6 +79,7 @@ class Receiver:
         self._out = Outcomes(cfg, agent, pool, codec, telemetry, metadata, self.table, self._rl)
         self._peers = PrefillPeers(agent, handshakes, codec, telemetry, self.table, self._out)
         self._next_hb = 0.0
+        self._next_idle = 0.0
         self._n_new = 0
         owner.attach(self)
 
@@ -111,10 +112,14 @@ class Receiver:
         if now >= self._next_hb:
             self._next_hb = now + self.cfg.timeouts.heartbeat_s
             self._peers.heartbeat()
-        busy = self.table.busy_peers()
-        for key in self._hs.idle(self.cfg.timeouts.peer_idle_ttl_s):
-            if key not in busy:
-                self._peers.evict(key, "idle")
+        if now >= self._next_idle:
+            # Once a second, and a pass over the table only when some peer is idle.
+            self._next_idle = now + 1.0
+            idle = self._hs.idle(self.cfg.timeouts.peer_idle_ttl_s)
+            busy = self.table.busy_among(idle)
+            for key in idle:
+                if key not in busy:
+                    self._peers.evict(key, "idle")
 
     def drain(self, deadline: float) -> None:
         """Stop: fail what is still waiting (P is told), fail what never reached this thread."""
@@ -275,7 +280,7 @@ class Receiver:
             self._tm.fail(Failure.NO_FREE_BLOCKS)
             self._out.fail(req, Failure.NO_FREE_BLOCKS, str(e), notify_p=False)
             return
-        req.alloc_at = 0.0
+        self.table.allocated(req)
         self._register(req)
 
     def _register(self, req: DRequest) -> None:

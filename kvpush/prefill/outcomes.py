@@ -31,6 +31,7 @@ from kvpush.prefill.table import (
     Writing,
     peer_of,
 )
+from kvpush.prefill.limits import MAX_DECLINED_IDS
 from kvpush.ratelog import RateLimitedLog
 from kvpush.runtime.decline import Decliner
 from kvpush.runtime.inbox import Inbox
@@ -43,7 +44,7 @@ from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
-MAX_EARLY_CANCELS = 100_000
+MAX_EARLY_CANCELS = MAX_DECLINED_IDS
 
 
 class Outcomes:

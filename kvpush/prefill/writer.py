@@ -36,6 +36,7 @@ from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
 from kvpush.prefill.fences import Fences
 from kvpush.prefill.legs import Legs
+from kvpush.prefill.limits import MAX_PENDING_REGISTRATIONS
 from kvpush.prefill.outcomes import MAX_EARLY_CANCELS, Outcomes
 from kvpush.prefill.plan import LocalGeometry
 from kvpush.prefill.ranks import RankRouter, Refused
@@ -230,11 +231,34 @@ class PushWriter:
             self._register(one, got.expected)
 
     def _register(self, r: Registration, expected: int) -> None:
+        if (
+            self.table.get(r.key) is None
+            and self.table.count(Registered) >= MAX_PENDING_REGISTRATIONS
+        ):
+            self._tm.fail(Failure.TOO_MANY_REGISTRATIONS)
+            self._rl.warning("regcap", "writer: declined PUSH_REG of %s: %d registrations "
+                             "already wait for blocks", r.key, MAX_PENDING_REGISTRATIONS)  # fmt: skip
+            self._out.decline(
+                r,
+                Failure.TOO_MANY_REGISTRATIONS,
+                f"{MAX_PENDING_REGISTRATIONS} registrations already wait for P's blocks",
+            )
+            return
+        held = self.table.request_ids(r.key)
         try:
             got = self.table.add_registration(r, expected=expected)
         except DuplicateError as e:
             self._tm.fail(Failure.DUPLICATE_REGISTRATION)
             self._rl.warning("dupreg", "writer: %s", e)
+            if r.reg.request_id not in held:
+                # The same transfer under another request id: that request can never be
+                # served, so its D hears it now instead of at its deadline.
+                self._out.decline(
+                    r,
+                    Failure.DUPLICATE_REGISTRATION,
+                    f"transfer {r.reg.transfer_id or r.key} is already registered by "
+                    "another request",
+                )
             return
         if isinstance(got, Push):
             self._start_push(got)
