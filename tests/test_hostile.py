@@ -53,7 +53,7 @@ def _drive_ok(drive: Drive, n: int) -> None:
 @pytest.mark.timeout(120)
 def test_push_wait_flood_is_capped_and_costs_no_threads(serve: ServeFactory) -> None:
     p, d = _pair(serve)
-    before = ProcStats.of(p.pid)
+    before = ProcStats.of(p.popen.pid)
     drive = Drive(p.address, d.address, 150, "--concurrency", "4")
     f = Flood(p.address)
     n = MAX_PUSH_WAITS + 64
@@ -61,7 +61,7 @@ def test_push_wait_flood_is_capped_and_costs_no_threads(serve: ServeFactory) -> 
         f.send(protocol.PushWaitReq(transfer_id=f"wait-{i}", timeout_s=4.0))
     # The ones over the cap are refused at once, the others answered "pending" at 4 s.
     reps = f.collect(n, 60)
-    peak = thread_count(p.pid)
+    peak = thread_count(p.popen.pid)
     _drive_ok(drive, 150)
     f.close()
     assert len(reps) == n
@@ -70,8 +70,8 @@ def test_push_wait_flood_is_capped_and_costs_no_threads(serve: ServeFactory) -> 
     pending = [r for r in reps.values() if isinstance(r, protocol.PushWaitRep)]
     assert pending and all(r.outcome == "pending" for r in pending)
     assert peak - before.threads <= THREADS, (before, peak)
-    ProcStats.of(p.pid).assert_bounded(ProcStats.of(p.pid), "waits")
-    assert ProcStats.of(p.pid).rss_mb - before.rss_mb < RSS_MB
+    ProcStats.of(p.popen.pid).assert_bounded(ProcStats.of(p.popen.pid), "waits")
+    assert ProcStats.of(p.popen.pid).rss_mb - before.rss_mb < RSS_MB
     assert counters(p.address).get("limits_hit", 0) >= 64 or (
         snapshot(p.address)["failures"].get("too_many_waits", 0) >= 64
     )
@@ -80,7 +80,7 @@ def test_push_wait_flood_is_capped_and_costs_no_threads(serve: ServeFactory) -> 
 @pytest.mark.timeout(120)
 def test_decline_flood_is_capped_and_p_keeps_pushing(serve: ServeFactory) -> None:
     p, d = _pair(serve)
-    before = ProcStats.of(p.pid)
+    before = ProcStats.of(p.popen.pid)
     drive = Drive(p.address, d.address, 150, "--concurrency", "4")
     f = Flood(p.address)
     per = protocol.MAX_DECLINE_BATCH + 1 if hasattr(protocol, "MAX_DECLINE_BATCH") else 1025
@@ -99,14 +99,14 @@ def test_decline_flood_is_capped_and_p_keeps_pushing(serve: ServeFactory) -> Non
     assert len(reps) == n
     refused = [r for r in reps.values() if isinstance(r, protocol.ErrorRep)]
     assert refused and all(reason_of(r) == "too_many_declined" for r in refused)
-    assert ProcStats.of(p.pid).rss_mb - before.rss_mb < RSS_MB
-    assert thread_count(p.pid) - before.threads <= THREADS
+    assert ProcStats.of(p.popen.pid).rss_mb - before.rss_mb < RSS_MB
+    assert thread_count(p.popen.pid) - before.threads <= THREADS
 
 
 @pytest.mark.timeout(120)
 def test_delayed_decode_flood_is_capped_and_d_keeps_receiving(serve: ServeFactory) -> None:
     p, d = _pair(serve)
-    before = ProcStats.of(d.pid)
+    before = ProcStats.of(d.popen.pid)
     f = Flood(d.address)
     n = MAX_DELAYED_REQUESTS + 64
     host, port = p.address.rsplit(":", 1)
@@ -129,8 +129,8 @@ def test_delayed_decode_flood_is_capped_and_d_keeps_receiving(serve: ServeFactor
     assert all(reason_of(r) == "too_many_delayed" for r in reps.values()), {
         reason_of(r) for r in reps.values()
     }
-    assert ProcStats.of(d.pid).rss_mb - before.rss_mb < RSS_MB
-    assert thread_count(d.pid) - before.threads <= THREADS
+    assert ProcStats.of(d.popen.pid).rss_mb - before.rss_mb < RSS_MB
+    assert thread_count(d.popen.pid) - before.threads <= THREADS
 
 
 # ------------------------------------------------------------------ absurd values
@@ -140,7 +140,7 @@ def test_delayed_decode_flood_is_capped_and_d_keeps_receiving(serve: ServeFactor
 def test_absurd_times_are_refused_at_decode(pd_pair: tuple[Served, Served], value: float) -> None:
     p, d = pd_pair
     host, port = p.address.rsplit(":", 1)
-    threads = thread_count(p.pid), thread_count(d.pid)
+    threads = thread_count(p.popen.pid), thread_count(d.popen.pid)
     cases = [
         (p.address, protocol.PushWaitReq(transfer_id="absurd", timeout_s=value), "timeout_s"),
         (
@@ -176,7 +176,7 @@ def test_absurd_times_are_refused_at_decode(pd_pair: tuple[Served, Served], valu
         assert isinstance(rep, protocol.ErrorRep) and rep.code == "bad_value", rep
         assert field in rep.message, rep
     # Nothing died and nothing was started for them.
-    assert (thread_count(p.pid), thread_count(d.pid)) == threads
+    assert (thread_count(p.popen.pid), thread_count(d.popen.pid)) == threads
     rep = request(p.address, protocol.PushWaitReq(transfer_id="absurd", timeout_s=0.1))
     assert isinstance(rep, protocol.PushWaitRep) and rep.outcome == "pending"
 

@@ -203,6 +203,11 @@ class Receiver:
                 if s not in req.sources:
                     del req.p_conns[s]  # the discovery connection to rank 0 is not a source
         waiting = False
+        # A TP size the request claims (vLLM's remote_tp_size) is not trusted: P's ranks are
+        # asked one at a time, the first one's answer is checked against the claim, and the
+        # first rank that is not served ends the request (no handshake, no row, per claimed
+        # rank; a vLLM listener dies on a rank it does not serve).
+        claimed = bool(req.p_engine_id)
         for s in req.sources:
             if s not in req.p_conns:
                 conn = self._conn_or_wait(req, req.key(s), attach=not waiting)
@@ -210,7 +215,17 @@ class Receiver:
                     if req.state in (DState.DONE, DState.ABANDONED):
                         return
                     waiting = True
+                    if claimed:
+                        break
                     continue
+                if claimed and conn.metadata.tp_size != req.p_tp:
+                    self._out.fail(
+                        req,
+                        Failure.INCOMPATIBLE,
+                        f"{format_address(*req.p_addr)} has {conn.metadata.tp_size} TP "
+                        f"rank(s), the request claims {req.p_tp} (remote_tp_size)",
+                    )
+                    return
                 req.p_conns[s] = conn
         if waiting:
             return
@@ -240,7 +255,8 @@ class Receiver:
         conn = self._hs.get(key)
         mode = self.cfg.handshake_mode
         if conn is None or (mode == HandshakeMode.FULL and conn.mode != HandshakeMode.FULL):
-            fut = self._hs.ensure(key, mode, PeerHint(req.p_engine_id, req.p_tp_size))
+            hint = PeerHint(req.p_engine_id, req.p_tp_size, role="prefill")
+            fut = self._hs.ensure(key, mode, hint)
             if fut is not None:
                 req.state = DState.HANDSHAKING
                 if attach:

@@ -341,7 +341,7 @@ class PushWriter:
                 self._evict(key, f"new incarnation {reg.decode_incarnation}")
                 conn = None
             if conn is None or conn.remote_dlist is None:
-                hint = PeerHint(reg.decode_engine_id, reg.decode_tp_size)
+                hint = PeerHint(reg.decode_engine_id, reg.decode_tp_size, role="decode")
                 fut = self._hs.ensure(key, HandshakeMode.FULL, hint)
                 if fut is not None:
                     pending = pending or fut
