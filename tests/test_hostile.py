@@ -32,9 +32,9 @@ THREADS = 8  # a flood may not add more threads than this (a wait or a request i
 RSS_MB = 200
 
 
-def _pair(serve: ServeFactory, *extra: str) -> tuple[Served, Served]:
+def _pair(serve: ServeFactory, *extra: str, d_extra: tuple[str, ...] = ()) -> tuple[Served, Served]:
     p = serve.start("prefill", *GEOM, *extra, wait=False)
-    d = serve.start("decode", *GEOM, *extra, wait=False)
+    d = serve.start("decode", *GEOM, *extra, *d_extra, wait=False)
     from tests.support.procs import wait_ready
 
     wait_ready(p)
@@ -218,9 +218,24 @@ def test_claimed_tp_sizes_on_the_vllm_wire_are_refused_before_any_rank_handshake
         assert f"{tp}" in rep.detail and "1" in rep.detail, rep
         assert time.monotonic() - t0 < 10
     snap = snapshot(d.address)
-    # Only P's real rank 0 was ever handshaken with: no row per claimed rank.
-    assert snap["counters"].get("handshakes_started", 0) <= 1, snap["counters"]
-    assert len(snap.get("peers", [])) <= 1, snap.get("peers")
+    # Only P's real rank 0 was ever asked (once per request), and it is the only row.
+    assert snap["counters"].get("handshakes_started", 0) <= 3, snap["counters"]
+    assert [r["peer"] for r in snap["peers"]] == [p.address], snap["peers"]
+    # A request that claims P's true size is served as before.
+    rid = f"true-{uuid.uuid4().hex[:8]}"
+    pre = request(p.address, protocol.PrefillReq(transfer_id=rid, num_blocks=2), 10)
+    assert isinstance(pre, protocol.PrefillRep) and pre.outcome == "ok", pre
+    kv = pre.kv_transfer_params
+    rep = _decode(
+        d,
+        host,
+        int(port),
+        rid,
+        remote_engine_id=str(kv["remote_engine_id"]),
+        remote_request_id=str(kv["remote_request_id"]),
+        remote_tp_size=int(kv["tp_size"]),  # type: ignore[arg-type]
+    )
+    assert rep.outcome == "ok", rep
 
 
 @pytest.mark.timeout(90)
@@ -249,7 +264,7 @@ def test_a_d_told_that_another_d_or_itself_is_its_p(serve: ServeFactory) -> None
 
 @pytest.mark.timeout(90)
 def test_duplicate_registration_is_declined_to_d_and_logged_escaped(serve: ServeFactory) -> None:
-    p, d = _pair(serve, "--request-deadline", "30")
+    p, d = _pair(serve, d_extra=("--request-deadline", "30"))
     host, port = p.address.rsplit(":", 1)
     tid = "dup\nFORGED 2026 ERROR kvpush: owned \x1b[31mred\x1b[0m"
     import threading

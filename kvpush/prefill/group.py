@@ -43,6 +43,7 @@ class PrefillGroup:
         self._lock = threading.Lock()
         self._digests: OrderedDict[str, str] = OrderedDict()
         self._timers = Timers("push-waits", MAX_PUSH_WAITS)
+        self._queued = [0] * len(roles)  # declined ids handed to each writer, not taken in yet
 
     def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
         if isinstance(req, protocol.PrefillReq):
@@ -53,9 +54,17 @@ class PrefillGroup:
             return True
         if isinstance(req, protocol.DeclineReq) and req.origin == "decode":
             tids = [req.transfer_id, *req.also]
-            held = max(role.writer.table.count(CancelledEarly) for role in self.roles)
+            with self._lock:
+                # Remembered by the writers, plus handed to them and not taken in yet (the
+                # table's count is read off the writers' threads: a little stale is fine).
+                held = max(
+                    role.writer.table.count(CancelledEarly) + self._queued[r]
+                    for r, role in enumerate(self.roles)
+                )
+                if held + len(tids) <= MAX_DECLINED_IDS:
+                    for r in range(len(self.roles)):
+                        self._queued[r] += len(tids)
             if held + len(tids) > MAX_DECLINED_IDS:
-                # Read off the writers' threads: a count a little stale is fine for a cap.
                 self._limit(Failure.TOO_MANY_DECLINED)
                 reply(
                     protocol.ErrorRep(
@@ -67,11 +76,17 @@ class PrefillGroup:
                     )
                 )
                 return True
-            for role in self.roles:
+            for r, role in enumerate(self.roles):
                 role.ctx.telemetry.inc(Counter.DECLINES_RECEIVED, len(tids))
-                role.writer.tasks.put(
-                    functools.partial(_decline_all, role.writer, tids, req.reason, req.detail)
-                )
+                try:
+                    role.writer.tasks.put(
+                        functools.partial(
+                            self._decline_all, r, role.writer, tids, req.reason, req.detail
+                        )
+                    )
+                except KvpushError:  # a closed or full inbox: nothing of it is held
+                    self._taken(r, len(tids))
+                    raise
             reply(protocol.DeclineRep(rid=req.rid, ended=len(self.roles) * len(tids)))
             return True
         return False
@@ -246,6 +261,20 @@ class PrefillGroup:
             sha256=sha,
         )
 
+    def _decline_all(
+        self, r: int, writer: PushWriter, tids: list[str], reason: str, detail: str
+    ) -> None:
+        """On rank ``r``'s writer thread: D declined these transfers."""
+        try:
+            for tid in tids:
+                writer.declined_by_d(tid, reason, detail)
+        finally:
+            self._taken(r, len(tids))
+
+    def _taken(self, r: int, n: int) -> None:
+        with self._lock:
+            self._queued[r] -= n
+
     def _limit(self, kind: Failure) -> None:
         """A cap was hit: counted once, on rank 0 (the endpoint's first telemetry)."""
         self.roles[0].ctx.telemetry.fail(kind)
@@ -278,7 +307,3 @@ def _failed(req: protocol.PrefillReq, reason: Failure, detail: str) -> protocol.
 __all__ = ["PrefillGroup"]
 
 
-def _decline_all(writer: PushWriter, tids: list[str], reason: str, detail: str) -> None:
-    """On the writer's thread: D declined these transfers."""
-    for tid in tids:
-        writer.declined_by_d(tid, reason, detail)
