@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
 
 import numpy as np
 
@@ -305,5 +304,3 @@ def _failed(req: protocol.PrefillReq, reason: Failure, detail: str) -> protocol.
 
 
 __all__ = ["PrefillGroup"]
-
-

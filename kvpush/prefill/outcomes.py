@@ -18,6 +18,7 @@ from kvpush.address import format_address
 from kvpush.config import HandshakeMode
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
+from kvpush.prefill.limits import MAX_DECLINED_IDS
 from kvpush.prefill.table import (
     AwaitingHandshake,
     CancelledEarly,
@@ -31,7 +32,6 @@ from kvpush.prefill.table import (
     Writing,
     peer_of,
 )
-from kvpush.prefill.limits import MAX_DECLINED_IDS
 from kvpush.ratelog import RateLimitedLog
 from kvpush.runtime.decline import Decliner
 from kvpush.runtime.inbox import Inbox

@@ -236,8 +236,12 @@ class PushWriter:
             and self.table.count(Registered) >= MAX_PENDING_REGISTRATIONS
         ):
             self._tm.fail(Failure.TOO_MANY_REGISTRATIONS)
-            self._rl.warning("regcap", "writer: declined PUSH_REG of %s: %d registrations "
-                             "already wait for blocks", r.key, MAX_PENDING_REGISTRATIONS)  # fmt: skip
+            self._rl.warning(
+                "regcap",
+                "writer: declined PUSH_REG of %s: %d registrations already wait for blocks",
+                r.key,
+                MAX_PENDING_REGISTRATIONS,
+            )
             self._out.decline(
                 r,
                 Failure.TOO_MANY_REGISTRATIONS,
