@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -191,7 +192,7 @@ def test_absurd_times_are_refused_at_decode(pd_pair: tuple[Served, Served], valu
 # ------------------------------------------------------------------ trust nothing claimed
 
 
-def _decode(d: Served, p_host: str, p_port: int, tid: str, **kw: object) -> protocol.DecodeRep:
+def _decode(d: Served, p_host: str, p_port: int, tid: str, **kw: Any) -> protocol.DecodeRep:
     rep = request(
         d.address,
         protocol.DecodeReq(
@@ -240,7 +241,7 @@ def test_claimed_tp_sizes_on_the_vllm_wire_are_refused_before_any_rank_handshake
         rid,
         remote_engine_id=str(kv["remote_engine_id"]),
         remote_request_id=str(kv["remote_request_id"]),
-        remote_tp_size=int(kv["tp_size"]),  # type: ignore[arg-type]
+        remote_tp_size=int(str(kv["tp_size"])),
     )
     assert rep.outcome == "ok", rep
 
