@@ -45,7 +45,11 @@ def test_timers_fire_on_one_thread_and_cap_what_waits() -> None:
         before = threading.active_count()
         a = t.add(0.05, lambda: fired.append(1))
         b = t.add(0.05, lambda: fired.append(2))
-        c = t.add(0.10, lambda: (fired.append(3), done.set()))
+        def third() -> None:
+            fired.append(3)
+            done.set()
+
+        c = t.add(0.10, third)
         assert a is not None and b is not None and c is not None
         assert t.add(0.01, lambda: fired.append(4)) is None  # at the cap: refused
         assert threading.active_count() <= before + 1  # one thread for all of them

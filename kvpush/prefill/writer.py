@@ -139,6 +139,7 @@ class PushWriter:
             self._vllm,
         )
         self._n_finished = 0
+        self._next_idle = 0.0
         self._ranks = RankRouter(cfg.tp_rank, cfg.tp_size, self._vllm, t.request_deadline_s)
         owner.attach(self)
 
@@ -178,10 +179,13 @@ class PushWriter:
         if self._fences and self._legs.local_dlist is not None:
             for fw in self._fences.send(self._legs.local_dlist):
                 self._legs.complete(fw)
-        busy = self.table.peers_in_flight()
-        for key in self._hs.idle(self.cfg.timeouts.peer_idle_ttl_s):
-            if key not in busy:
-                self._evict(key, "idle")
+        if now >= self._next_idle:  # once a second: a pass over the peer rows
+            self._next_idle = now + 1.0
+            idle = self._hs.idle(self.cfg.timeouts.peer_idle_ttl_s)
+            busy = self.table.peers_in_flight() if idle else set()
+            for key in idle:
+                if key not in busy:
+                    self._evict(key, "idle")
 
     # ------------------------------------------------------------------ inbox handlers
     def _item_failed(self, item: object, e: Exception) -> None:
