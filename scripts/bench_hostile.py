@@ -5,8 +5,9 @@
 
 For each flood kind a fresh P/D pair (``kvpush serve-*`` on 127.0.0.1, small geometry) is
 started; after a 50-request warm-up, ``kvpush drive`` runs once before the flood (baseline),
-once while the flood is sent (during: started with it) and once right after it (after). Printed: requests/s, p50 and p99 latency of each
-drive, and the endpoint's threads and RSS once the flood is in. The floods are issue 17's:
+once while the flood is sent (during: started with it) and once right after it (after).
+Printed: requests/s, p50 and p99 latency of each drive, and the endpoint's threads and RSS
+once the flood is in. The floods are issue 17's:
 
 - ``declines``: 100 ``DeclineReq`` of 1,025 new transfer ids each, to P;
 - ``delayed``: 20,000 ``DecodeReq`` with ``alloc_delay_s=600``, to D;
@@ -162,8 +163,7 @@ def main() -> int:
             drive(p, d, 50)  # warm-up: handshakes, first allocations
             base = drive(p, d, args.requests)
             t0 = time.monotonic()
-            sent: list[Sender] = []
-            th = threading.Thread(target=lambda: sent.append(flood(kind, p, d, "h")), daemon=True)
+            th = threading.Thread(target=flood, args=(kind, p, d, "h"), daemon=True)
             th.start()
             during = drive(p, d, args.requests)
             th.join()
