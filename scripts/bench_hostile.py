@@ -106,6 +106,9 @@ class Sender:
             self.replies += 1
 
 
+KEEP: list[Sender] = []  # a closed socket would drop what it has not sent yet
+
+
 def flood(kind: str, p: str, d: str, tag: str) -> Sender:
     if kind == "declines":
         s = Sender(p)
@@ -135,6 +138,7 @@ def flood(kind: str, p: str, d: str, tag: str) -> Sender:
             s.send(protocol.PushWaitReq(transfer_id=f"{tag}-{i}", timeout_s=600.0))
     else:
         raise SystemExit(f"unknown flood {kind!r}")
+    KEEP.append(s)
     return s
 
 
