@@ -6,8 +6,10 @@
 For each flood kind a fresh P/D pair (``kvpush serve-*`` on 127.0.0.1, small geometry) is
 started; after a 50-request warm-up, ``kvpush drive`` runs once before the flood (baseline),
 once while the flood is sent (during: started with it) and once right after it (after).
-Printed: requests/s, p50 and p99 latency of each drive, and the endpoint's threads and RSS
-once the flood is in. The floods are issue 17's:
+Printed: requests/s, p50 and p99 latency of each drive, the endpoint's threads and RSS once
+the flood is in, and its idle CPU (share of a core over 5 s with no drive) before the flood and
+1 s after it: the load-independent figure of what the flood left it doing.
+The floods are issue 17's:
 
 - ``declines``: 100 ``DeclineReq`` of 1,025 new transfer ids each, to P;
 - ``delayed``: 20,000 ``DecodeReq`` with ``alloc_delay_s=600``, to D;
@@ -69,6 +71,21 @@ def proc_stats(pid: int) -> tuple[int, float]:
             elif line.startswith("VmRSS:"):
                 rss = int(line.split()[1]) / 1024
     return threads, rss
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu(pid: int, window_s: float = 5.0) -> float:
+    """Share of one core the process uses over ``window_s`` with no load on it: what its own
+    housekeeping costs (load-independent, unlike a drive's req/s on a busy host)."""
+    c0 = cpu_s(pid)
+    time.sleep(window_s)
+    return (cpu_s(pid) - c0) / window_s
 
 
 def drive(p: str, d: str, n: int) -> dict[str, Any]:
@@ -165,6 +182,7 @@ def main() -> int:
             procs = [pp, dp]
             target = dp if kind == "delayed" else pp
             drive(p, d, 50)  # warm-up: handshakes, first allocations
+            cpu_before = idle_cpu(target.pid)
             base = drive(p, d, args.requests)
             t0 = time.monotonic()
             th = threading.Thread(target=flood, args=(kind, p, d, "h"), daemon=True)
@@ -173,9 +191,13 @@ def main() -> int:
             th.join()
             flood_s = time.monotonic() - t0
             threads, rss = proc_stats(target.pid)
+            time.sleep(1.0)
+            cpu_after = idle_cpu(target.pid)
             after = drive(p, d, args.requests)
-            print(f"### flood: {kind} (sent in {flood_s:.1f} s; {'D' if kind == 'delayed' else 'P'}"
-                  f" then has {threads} threads, {rss:.0f} MB RSS)\n")  # fmt: skip
+            who = "D" if kind == "delayed" else "P"
+            print(f"### flood: {kind} (sent in {flood_s:.1f} s; {who} then has {threads} threads, "
+                  f"{rss:.0f} MB RSS; {who} idle CPU {cpu_before:.0%} of a core before the "
+                  f"flood, {cpu_after:.0%} after it)\n")  # fmt: skip
             print("| drive | ok | req/s | p50 ms | p99 ms |\n|---|---|---|---|---|")
             for name, r in (("before", base), ("during", during), ("after", after)):
                 print(row(name, r))
