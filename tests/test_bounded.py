@@ -45,6 +45,7 @@ def test_timers_fire_on_one_thread_and_cap_what_waits() -> None:
         before = threading.active_count()
         a = t.add(0.05, lambda: fired.append(1))
         b = t.add(0.05, lambda: fired.append(2))
+
         def third() -> None:
             fired.append(3)
             done.set()
