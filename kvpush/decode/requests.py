@@ -134,11 +134,15 @@ class RequestTable:
 
     def expired(self, now: float) -> list[DRequest]:
         """Waiting requests past their deadline (each returned once; the caller ends them)."""
-        return [
-            r
-            for r in self._deadlines.pop_due(now)
-            if self._waiting.get(r.request_id) is r and now >= r.deadline
-        ]
+        out: list[DRequest] = []
+        for r in self._deadlines.pop_due(now):
+            if self._waiting.get(r.request_id) is not r:
+                continue  # ended since
+            if now < r.deadline:
+                self._deadlines.push(r.deadline, r)  # moved later since: due then
+            else:
+                out.append(r)
+        return out
 
     def due_for_blocks(self, now: float) -> list[DRequest]:
         """Held-back requests whose allocation time came and that are ready for blocks; one
@@ -164,11 +168,16 @@ class RequestTable:
 
     def quarantine_over(self, now: float) -> list[DRequest]:
         """Abandoned requests whose quarantine has a time limit that passed."""
-        return [
-            r
-            for r in self._quarantines.pop_due(now)
-            if self._abandoned.get(r.request_id) is r and now >= r.quarantine_until
-        ]
+        out: list[DRequest] = []
+        for r in self._quarantines.pop_due(now):
+            if self._abandoned.get(r.request_id) is not r:
+                continue
+            if now < r.quarantine_until:
+                if r.quarantine_until != math.inf:
+                    self._quarantines.push(r.quarantine_until, r)
+            else:
+                out.append(r)
+        return out
 
     def of_peer(self, key: PeerKey) -> tuple[list[DRequest], list[DRequest]]:
         """(waiting, abandoned) requests drawing from the P rank at ``key``."""
