@@ -92,6 +92,10 @@ class ProtocolError(KvpushError):
     """A frame or notification could not be decoded (malformed, oversized, wrong version)."""
 
 
+class BadValueError(ProtocolError):
+    """A well-formed message with a field out of its range (inf, nan, negative, huge)."""
+
+
 class HandshakeError(KvpushError):
     """A handshake to a peer failed; the message names the peer and the reason."""
 

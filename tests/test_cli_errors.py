@@ -377,7 +377,7 @@ def test_metrics_port_in_use(kvpush_run, serve) -> None:
     )
     assert r.err_lines == [
         f"error: cannot bind metrics port 127.0.0.1:{first.port}: address already in use",
-        "hint: choose another --metrics-port (0 picks a free one) or stop the process using it",
+        "hint: choose another --metrics-port (0 means off) or stop the process using it",
     ]
     assert r.returncode == ERROR
 

@@ -135,7 +135,7 @@ def test_port_in_use_is_a_bind_error(exporter: tuple[PrometheusExporter, Telemet
     assert info.value.message == (
         f"cannot bind metrics port 127.0.0.1:{exp.port}: address already in use"
     )
-    assert "0 picks a free one" in info.value.hint
+    assert "0 means off" in info.value.hint
     second.stop()  # nothing started: a no-op
 
 

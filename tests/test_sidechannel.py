@@ -285,10 +285,21 @@ def test_client_timeout_then_reuse(server: Server) -> None:
 
 
 def test_unreachable_address() -> None:
+    # A closed port is told at once (issue 17), not after the whole timeout.
     port = closed_port()
     with SideChannelClient("127.0.0.1", port) as c, pytest.raises(PeerUnreachableError) as ei:
-        c.request(protocol.StatsReq(), timeout_s=0.3)
-    assert str(ei.value) == f"127.0.0.1:{port} did not accept a connection within 0.3s"
+        c.request(protocol.StatsReq(), timeout_s=5)
+    assert str(ei.value) == f"127.0.0.1:{port}: connection refused"
+    assert f"nothing listens on port {port}" in ei.value.hint
+
+
+def test_a_port_that_never_connects_waits_out_the_timeout() -> None:
+    # A deadline shorter than the moment the client looks at the port over TCP ends with
+    # the plain timeout message.
+    port = closed_port()
+    with SideChannelClient("127.0.0.1", port) as c, pytest.raises(PeerUnreachableError) as ei:
+        c.request(protocol.StatsReq(), timeout_s=0.05)  # over before the TCP look
+    assert str(ei.value) == f"127.0.0.1:{port} did not accept a connection within 0.05s"
 
 
 def test_late_replies_discarded_by_request_id() -> None:

@@ -26,7 +26,7 @@ from kvpush.memory.allocator import BlockState
 from kvpush.memory.descriptors import xfer_indices
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager
-from kvpush.prefill.table import Finished, Registration, reg_key
+from kvpush.prefill.table import Finished, Registered, Registration, reg_key
 from kvpush.prefill.writer import PushWriter
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.store import Telemetry
@@ -666,3 +666,19 @@ def test_heartbeat_renews_lease(rig: Rig) -> None:
     rig.notify_from(d, protocol.Heartbeat(transfer_ids=["t1", "unknown"]))
     rig.step()
     assert rig.counters()["heartbeats_received"] == 1
+
+
+def test_registrations_over_the_cap_are_refused_and_counted(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kvpush.prefill.writer.MAX_PENDING_REGISTRATIONS", 2)
+    d = rig.stub()
+    rig.connect(d)
+    for tid in ("a", "b", "c"):
+        rig.notify_from(d, rig.reg(d, tid, [1]))
+    rig.step()
+    assert rig.writer.table.count(Registered) == 2 and rig.writer.table.get("c") is None
+    assert rig.failures()["too_many_registrations"] == 1
+    rig.writer.finished.put(rig.finished("a", 1))  # the two held still match their blocks
+    rig.step()
+    assert rig.writer.table.count(Registered) == 1

@@ -30,6 +30,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from kvpush import logsafe
+
 _out_lock = threading.Lock()
 _out: Any = None
 
@@ -109,6 +111,8 @@ def main() -> int:
         format="%(asctime)s %(process)d %(threadName)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    for h in logging.getLogger().handlers:
+        logsafe.install(h)
     state = WorkerState()
     cmds = _commands(state)
     _emit({"id": 0, "ok": True, "result": {"pid": os.getpid()}})

@@ -49,6 +49,9 @@ class DecodeGroup:
         self.roles = roles
         self.telemetry = telemetry  # request-level counts when there is more than one rank
 
+    def close(self) -> None:
+        """Nothing of its own to stop (each rank's role stops its threads)."""
+
     def set_verify(self, on: bool) -> None:
         for role in self.roles:
             role.completer.verify = on

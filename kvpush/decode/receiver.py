@@ -80,6 +80,7 @@ class Receiver:
         self._out = Outcomes(cfg, agent, pool, codec, telemetry, metadata, self.table, self._rl)
         self._peers = PrefillPeers(agent, handshakes, codec, telemetry, self.table, self._out)
         self._next_hb = 0.0
+        self._next_idle = 0.0
         self._n_new = 0
         owner.attach(self)
 
@@ -112,10 +113,14 @@ class Receiver:
         if now >= self._next_hb:
             self._next_hb = now + self.cfg.timeouts.heartbeat_s
             self._peers.heartbeat()
-        busy = self.table.busy_peers()
-        for key in self._hs.idle(self.cfg.timeouts.peer_idle_ttl_s):
-            if key not in busy:
-                self._peers.evict(key, "idle")
+        if now >= self._next_idle:
+            # Once a second, and a pass over the table only when some peer is idle.
+            self._next_idle = now + 1.0
+            idle = self._hs.idle(self.cfg.timeouts.peer_idle_ttl_s)
+            busy = self.table.busy_among(idle)
+            for key in idle:
+                if key not in busy:
+                    self._peers.evict(key, "idle")
 
     def drain(self, deadline: float) -> None:
         """Stop: fail what is still waiting (P is told), fail what never reached this thread."""
@@ -202,6 +207,11 @@ class Receiver:
                 if s not in req.sources:
                     del req.p_conns[s]  # the discovery connection to rank 0 is not a source
         waiting = False
+        # A TP size the request claims (vLLM's remote_tp_size) is not trusted: P's ranks are
+        # asked one at a time, the first one's answer is checked against the claim, and the
+        # first rank that is not served ends the request (no handshake, no row, per claimed
+        # rank; a vLLM listener dies on a rank it does not serve).
+        claimed = bool(req.p_engine_id)
         for s in req.sources:
             if s not in req.p_conns:
                 conn = self._conn_or_wait(req, req.key(s), attach=not waiting)
@@ -209,7 +219,17 @@ class Receiver:
                     if req.state in (DState.DONE, DState.ABANDONED):
                         return
                     waiting = True
+                    if claimed:
+                        break
                     continue
+                if claimed and conn.metadata.tp_size != req.p_tp:
+                    self._out.fail(
+                        req,
+                        Failure.INCOMPATIBLE,
+                        f"{format_address(*req.p_addr)} has {conn.metadata.tp_size} TP "
+                        f"rank(s), the request claims {req.p_tp} (remote_tp_size)",
+                    )
+                    return
                 req.p_conns[s] = conn
         if waiting:
             return
@@ -239,7 +259,8 @@ class Receiver:
         conn = self._hs.get(key)
         mode = self.cfg.handshake_mode
         if conn is None or (mode == HandshakeMode.FULL and conn.mode != HandshakeMode.FULL):
-            fut = self._hs.ensure(key, mode, PeerHint(req.p_engine_id, req.p_tp_size))
+            hint = PeerHint(req.p_engine_id, req.p_tp_size, role="prefill")
+            fut = self._hs.ensure(key, mode, hint)
             if fut is not None:
                 req.state = DState.HANDSHAKING
                 if attach:
@@ -279,7 +300,7 @@ class Receiver:
             self._tm.fail(Failure.NO_FREE_BLOCKS)
             self._out.fail(req, Failure.NO_FREE_BLOCKS, str(e), notify_p=False)
             return
-        req.alloc_at = 0.0
+        self.table.allocated(req)
         self._register(req)
 
     def _register(self, req: DRequest) -> None:

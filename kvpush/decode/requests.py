@@ -9,6 +9,11 @@ Pure (no threads, no I/O); owned by the receiver thread. A request's life::
 
 An abandoned request keeps its blocks quarantined (never handed to another request) until P's
 fence or the WRITE's own completion says no more bytes can land, or until P is gone.
+
+Housekeeping touches only what is due: deadlines, allocation times and quarantine limits each
+have a deadline heap (``DueHeap``), filled when a request is added or abandoned; an entry whose
+request moved on is dropped when it comes up. ``n_delayed`` counts the requests held back for
+their allocation time (capped by the role, ``kvpush.decode.limits``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpush.peers.handshakes import PeerConn, PeerKey
+from kvpush.runtime.timers import DueHeap
 from kvpush.telemetry.names import StrEnum
 from kvpush.wire import protocol
 
@@ -100,6 +106,10 @@ class RequestTable:
     def __init__(self) -> None:
         self._waiting: dict[str, DRequest] = {}
         self._abandoned: dict[str, DRequest] = {}
+        self._deadlines: DueHeap[DRequest] = DueHeap()
+        self._allocs: DueHeap[DRequest] = DueHeap()
+        self._quarantines: DueHeap[DRequest] = DueHeap()
+        self.n_delayed = 0  # waiting requests not allocated yet (``alloc_at`` > 0)
 
     # ------------------------------------------------------------------ reads
     def waiting(self, request_id: str) -> DRequest | None:
@@ -123,18 +133,51 @@ class RequestTable:
         return list(self._waiting.values())
 
     def expired(self, now: float) -> list[DRequest]:
-        return [r for r in self._waiting.values() if now > r.deadline]
+        """Waiting requests past their deadline (each returned once; the caller ends them)."""
+        out: list[DRequest] = []
+        for r in self._deadlines.pop_due(now):
+            if self._waiting.get(r.request_id) is not r:
+                continue  # ended since
+            if now < r.deadline:
+                self._deadlines.push(r.deadline, r)  # moved later since: due then
+            else:
+                out.append(r)
+        return out
 
     def due_for_blocks(self, now: float) -> list[DRequest]:
-        return [
-            r
-            for r in self._waiting.values()
-            if r.state is DState.WAITING_BLOCKS and now >= r.alloc_at
-        ]
+        """Held-back requests whose allocation time came and that are ready for blocks; one
+        still connecting to P comes up again shortly."""
+        out: list[DRequest] = []
+        later: list[DRequest] = []
+        for r in self._allocs.pop_due(now):
+            if self._waiting.get(r.request_id) is not r or r.alloc_at <= 0.0:
+                continue
+            if r.state is DState.WAITING_BLOCKS:
+                out.append(r)
+            else:
+                later.append(r)
+        for r in later:
+            self._allocs.push(now + 0.05, r)
+        return out
+
+    def allocated(self, req: DRequest) -> None:
+        """A held-back request got its blocks (or failed trying)."""
+        if req.alloc_at > 0.0:
+            req.alloc_at = 0.0
+            self.n_delayed -= 1
 
     def quarantine_over(self, now: float) -> list[DRequest]:
         """Abandoned requests whose quarantine has a time limit that passed."""
-        return [r for r in self._abandoned.values() if now > r.quarantine_until]
+        out: list[DRequest] = []
+        for r in self._quarantines.pop_due(now):
+            if self._abandoned.get(r.request_id) is not r:
+                continue
+            if now < r.quarantine_until:
+                if r.quarantine_until != math.inf:
+                    self._quarantines.push(r.quarantine_until, r)
+            else:
+                out.append(r)
+        return out
 
     def of_peer(self, key: PeerKey) -> tuple[list[DRequest], list[DRequest]]:
         """(waiting, abandoned) requests drawing from the P rank at ``key``."""
@@ -143,10 +186,17 @@ class RequestTable:
             [r for r in self._abandoned.values() if key in r.p_keys],
         )
 
-    def busy_peers(self) -> set[PeerKey]:
+    def busy_among(self, keys: list[PeerKey]) -> set[PeerKey]:
+        """Which of ``keys`` some waiting or abandoned request draws from (one pass over the
+        table; called only when idle peers are up for eviction)."""
+        if not keys:
+            return set()
+        wanted = set(keys)
         busy: set[PeerKey] = set()
         for r in (*self._waiting.values(), *self._abandoned.values()):
-            busy.update(r.p_keys)
+            busy.update(k for k in r.p_keys if k in wanted)
+            if busy == wanted:
+                break
         return busy
 
     def heartbeat_groups(self) -> Iterator[tuple[PeerConn, list[str]]]:
@@ -174,17 +224,25 @@ class RequestTable:
         if self.in_use(req.request_id):
             raise ValueError(f"request id {req.request_id} in use")
         self._waiting[req.request_id] = req
+        self._deadlines.push(req.deadline, req)
+        if req.alloc_at > 0.0:
+            self.n_delayed += 1
+            self._allocs.push(req.alloc_at, req)
 
     def finish(self, req: DRequest) -> None:
         """Done (ok or failed, nothing more can land): forget it."""
-        self._waiting.pop(req.request_id, None)
+        if self._waiting.pop(req.request_id, None) is req:
+            self.allocated(req)
         req.state = DState.DONE
 
     def abandon(self, req: DRequest) -> None:
         """Failed while bytes may still land: keep it (and its blocks) until fenced."""
-        self._waiting.pop(req.request_id, None)
+        if self._waiting.pop(req.request_id, None) is req:
+            self.allocated(req)
         req.state = DState.ABANDONED
         self._abandoned[req.request_id] = req
+        if req.quarantine_until != math.inf:
+            self._quarantines.push(req.quarantine_until, req)
 
     def release_abandoned(self, req: DRequest) -> None:
         self._abandoned.pop(req.request_id, None)

@@ -22,6 +22,7 @@ import numpy as np
 from kvpush.address import parse_address
 from kvpush.config import Wire
 from kvpush.decode.completer import Completer
+from kvpush.decode.limits import MAX_DELAYED_REQUESTS
 from kvpush.decode.outcomes import failed_rep
 from kvpush.decode.receiver import Receiver
 from kvpush.decode.requests import DRequest
@@ -68,6 +69,12 @@ class DecodeRole:
             peer_tp=ctx.peer_tp,
         )
         self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._delayed = 0  # requests given an alloc_delay_s, not answered yet
+
+    def _delayed_done(self, _f: Future[protocol.DecodeRep]) -> None:
+        with self._lock:
+            self._delayed -= 1
 
     # ------------------------------------------------------------------ Role
     def start(self) -> None:
@@ -171,6 +178,19 @@ class DecodeRole:
         if alloc_delay_s > 0:
             if pool.allocator.state_of(rid) is not None:
                 return refuse(Failure.DUPLICATE_REQUEST, "request id in use")
+            with self._lock:
+                if self._delayed >= MAX_DELAYED_REQUESTS:
+                    full = True
+                else:
+                    full = False
+                    self._delayed += 1
+            if full:
+                tm.fail(Failure.TOO_MANY_DELAYED)
+                return refuse(
+                    Failure.TOO_MANY_DELAYED,
+                    f"{MAX_DELAYED_REQUESTS} requests already wait for their alloc_delay_s",
+                )
+            fut.add_done_callback(self._delayed_done)
             req.num_blocks = num_blocks
             req.alloc_at = t0 + alloc_delay_s
             req.deadline += alloc_delay_s

@@ -62,6 +62,10 @@ class Group(Protocol):
         """Serve a role request (True), or leave it to the endpoint (False)."""
         ...
 
+    def close(self) -> None:
+        """Stop what the group runs itself (P's push-wait timers), after the side channel."""
+        ...
+
 
 R = TypeVar("R", bound=Role)
 G = TypeVar("G", bound=Group)
@@ -204,6 +208,7 @@ class Endpoint(Generic[R, G]):
         for rk in self.ranks:
             rk.role.stop_intake(drain)
         self.server.stop()
+        self.group.close()
         for rk in self.ranks:
             rk.role.stop(drain)
         self._control.shutdown(wait=False, cancel_futures=True)

@@ -17,6 +17,7 @@ import sys
 import threading
 from typing import Any
 
+from kvpush import logsafe
 from kvpush.config import (
     AgentConfig,
     EndpointConfig,
@@ -53,6 +54,8 @@ def main() -> int:
         level=os.environ.get("KVPUSH_TEST_LOG", "WARNING"),
         format="%(asctime)s %(process)d %(threadName)s %(name)s %(levelname)s %(message)s",
     )
+    for h in logging.getLogger().handlers:
+        logsafe.install(h)
     cfg = build_config(json.loads(sys.argv[1]))
     ready = sys.argv[2]
     ep = open_endpoint(cfg)

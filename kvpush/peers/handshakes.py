@@ -38,7 +38,7 @@ from kvpush.memory.descriptors import block_descs
 from kvpush.peers.state import PeerConn, PeerEntry, PeerGone, PeerKey, peer_key, peer_name
 from kvpush.peers.tp import Slice, check_ratio, write_slice
 from kvpush.peers.validation import check_reply, mode_satisfies
-from kvpush.peers.vllm_peer import PeerHint, check_vllm_answer
+from kvpush.peers.vllm_peer import PeerHint, check_peer_role, check_vllm_answer
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter, Failure, Hist, PeerState
 from kvpush.telemetry.store import Telemetry
@@ -48,6 +48,10 @@ from kvpush.wire import protocol
 from kvpush.wire.auth import Authenticator
 
 log = logging.getLogger(__name__)
+
+#: Rows of the peer table (one per peer rank, connected, connecting or failed). At the cap the
+#: oldest failed rows are forgotten; when all are live a new peer is refused (too_many_peers).
+MAX_PEER_ROWS = 4096
 
 
 class HandshakeManager:
@@ -171,6 +175,18 @@ class HandshakeManager:
                     # Upgrade notif -> full: the owner keeps using the old conn until the new
                     # one replaces it; the old agent is the same name, so no remove is needed.
                     pass
+            if e is None and len(self._peers) >= MAX_PEER_ROWS and not self._make_room():
+                self._tm.fail(Failure.TOO_MANY_PEERS)
+                f = Future()
+                f.set_exception(
+                    HandshakeError(
+                        peer_name(key),
+                        f"{MAX_PEER_ROWS} peers already known (too_many_peers)",
+                        "idle peers are forgotten after --peer-idle-ttl; if this persists, "
+                        "a peer may be naming many addresses",
+                    )
+                )
+                return f
             if self._pending >= self._max_pending:
                 self._tm.fail(Failure.HANDSHAKE_OVERLOAD)
                 f = Future()
@@ -204,6 +220,18 @@ class HandshakeManager:
         )
         t.start()
         return fut
+
+    def _make_room(self) -> bool:
+        """At the row cap: forget the oldest failed rows that hold no connection (under the
+        lock). False when every row is live or connecting."""
+        failed = sorted(
+            (e.started, k)
+            for k, e in self._peers.items()
+            if e.state == PeerState.FAILED and e.conn is None
+        )
+        for _, k in failed[: max(1, MAX_PEER_ROWS // 16)]:
+            del self._peers[k]
+        return len(self._peers) < MAX_PEER_ROWS
 
     def handshake_sync(self, key: PeerKey, mode: HandshakeMode, timeout_s: float) -> PeerConn:
         fut = self.ensure(key, mode)
@@ -298,6 +326,10 @@ class HandshakeManager:
                             "vllm",
                             "start this endpoint with --wire vllm too, or that one without it",
                         )
+                    if kv is not None:  # without a token: who it is, before anything is sent
+                        check_peer_role(
+                            peer, hint, kv.role, kv.incarnation, self._local.incarnation
+                        )
                     rep = client.request(
                         protocol.HandshakeReq(
                             mode=mode.value, requester=self._local.engine_id, tp_rank=rank
@@ -306,6 +338,7 @@ class HandshakeManager:
                     if not isinstance(rep, protocol.HandshakeRep):
                         raise HandshakeError(peer, f"unexpected reply {type(rep).__name__}")
                     md = check_reply(self._local, self._local_hash, rep, peer)
+                    check_peer_role(peer, hint, md.role, md.incarnation, self._local.incarnation)
                     if md.tp_rank != rank:
                         raise HandshakeError(peer, f"asked for rank {rank}, got rank {md.tp_rank}")
                     agent_md, server_clock = rep.agent_metadata, rep.server_clock

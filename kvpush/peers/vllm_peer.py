@@ -25,6 +25,26 @@ class PeerHint:
 
     engine_id: str = ""
     tp_size: int = 1
+    # The role the peer must have ("prefill" / "decode"; "" for any, e.g. probe): a peer of
+    # another role, or this endpoint itself, fails the handshake before its agent is loaded.
+    role: str = ""
+
+
+def check_peer_role(peer: str, hint: PeerHint, role: str, incarnation: str, local_inc: str) -> None:
+    """Refuse a peer that is not what the caller needs: this endpoint itself, or an endpoint
+    of another role than ``hint.role`` (both named). Empty values are not known yet."""
+    if incarnation and incarnation == local_inc:
+        raise HandshakeError(
+            peer,
+            "it is this endpoint itself",
+            f"name a {hint.role or 'peer'} endpoint's address, not this endpoint's own",
+        )
+    if hint.role and role and role != hint.role:
+        raise HandshakeError(
+            peer,
+            f"it is a {role} endpoint, not a {hint.role} endpoint",
+            f"name the side-channel address of a {hint.role} endpoint",
+        )
 
 
 @dataclass(frozen=True)
@@ -54,6 +74,17 @@ def check_vllm_answer(
             f"{peer} is a kvpush endpoint speaking kvpush's wire, not vLLM's",
             "kvpush",
             "start that endpoint with --wire vllm too, or this one without it",
+        )
+    if kv is not None:
+        check_peer_role(peer, hint, kv.role, kv.incarnation, local.incarnation)
+    if kv is not None and kv.engine_id and hint.role and hint.tp_size != kv.tp_size:
+        # A kvpush endpoint says its own TP size: a request that claims another is refused
+        # before any other rank is asked for (a vLLM engine's own metadata has no TP size).
+        raise IncompatiblePeerError(
+            f"{peer} has {kv.tp_size} TP rank(s), the request claims {hint.tp_size} "
+            "(remote_tp_size)",
+            [("tp_size", hint.tp_size, kv.tp_size)],
+            "pass the P's own tp_size from its kv_transfer_params",
         )
     if not payload.compatibility_hash or not payload.agent_metadata_bytes:
         why = kv.error if kv is not None and kv.error else "no metadata in its answer"
@@ -109,7 +140,8 @@ def check_vllm_answer(
         host="",
         port=0,
         tp_rank=0,
-        tp_size=max(1, hint.tp_size),
+        # A kvpush peer's own word; a vLLM engine's metadata has none (the router's is used).
+        tp_size=kv.tp_size if kv is not None and kv.engine_id else max(1, hint.tp_size),
         device_kind=mem,  # type: ignore[arg-type]
         device_id=md.device_id,
         num_blocks=md.num_blocks,

@@ -4,8 +4,9 @@ A prefill leg names one transfer; each rank holds its share of it (its heads). `
 reserves blocks on every rank first (all or nothing: a rank without room frees the others' at
 once), then fills and finishes each rank's share, and answers once all are handed to their
 writers. A push wait answers when every rank's push of the transfer ended: ok only when all are
-ok, else the first failed rank's reason, named. Runs on the control executor (prefill) or the
-side-channel thread and the writers' threads (waits); holds no state of its own.
+ok, else the first failed rank's reason, named; its deadline is an entry of one timer heap
+(``kvpush.runtime.timers``), capped (``kvpush.prefill.limits``). Runs on the control executor
+(prefill) or the side-channel thread, the writers' threads and the timer thread (waits).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from collections import OrderedDict
 import numpy as np
 
 from kvpush.errors import KvpushError, NoFreeBlocksError, RankFailedError, ShuttingDownError
+from kvpush.prefill.limits import MAX_DECLINED_IDS, MAX_PUSH_WAITS
 from kvpush.prefill.role import PrefillRole
-from kvpush.prefill.table import PushOutcome
+from kvpush.prefill.table import CancelledEarly, PushOutcome
 from kvpush.prefill.writer import PushWriter
+from kvpush.runtime.timers import Timer, Timers
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.sidechannel import ReplyFn
@@ -38,6 +41,8 @@ class PrefillGroup:
         self.telemetry = telemetry  # request-level counts when there is more than one rank
         self._lock = threading.Lock()
         self._digests: OrderedDict[str, str] = OrderedDict()
+        self._timers = Timers("push-waits", MAX_PUSH_WAITS)
+        self._queued = [0] * len(roles)  # declined ids handed to each writer, not taken in yet
 
     def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
         if isinstance(req, protocol.PrefillReq):
@@ -48,11 +53,39 @@ class PrefillGroup:
             return True
         if isinstance(req, protocol.DeclineReq) and req.origin == "decode":
             tids = [req.transfer_id, *req.also]
-            for role in self.roles:
-                role.ctx.telemetry.inc(Counter.DECLINES_RECEIVED, len(tids))
-                role.writer.tasks.put(
-                    functools.partial(_decline_all, role.writer, tids, req.reason, req.detail)
+            with self._lock:
+                # Remembered by the writers, plus handed to them and not taken in yet (the
+                # table's count is read off the writers' threads: a little stale is fine).
+                held = max(
+                    role.writer.table.count(CancelledEarly) + self._queued[r]
+                    for r, role in enumerate(self.roles)
                 )
+                if held + len(tids) <= MAX_DECLINED_IDS:
+                    for r in range(len(self.roles)):
+                        self._queued[r] += len(tids)
+            if held + len(tids) > MAX_DECLINED_IDS:
+                self._limit(Failure.TOO_MANY_DECLINED)
+                reply(
+                    protocol.ErrorRep(
+                        rid=req.rid,
+                        code=Failure.TOO_MANY_DECLINED,
+                        message=f"{held} declined transfers already remembered "
+                        f"(at most {MAX_DECLINED_IDS}); these {len(tids)} are not",
+                        hint="P still frees their blocks when their lease lapses",
+                    )
+                )
+                return True
+            for r, role in enumerate(self.roles):
+                role.ctx.telemetry.inc(Counter.DECLINES_RECEIVED, len(tids))
+                try:
+                    role.writer.tasks.put(
+                        functools.partial(
+                            self._decline_all, r, role.writer, tids, req.reason, req.detail
+                        )
+                    )
+                except KvpushError:  # a closed or full inbox: nothing of it is held
+                    self._taken(r, len(tids))
+                    raise
             reply(protocol.DeclineRep(rid=req.rid, ended=len(self.roles) * len(tids)))
             return True
         return False
@@ -157,53 +190,97 @@ class PrefillGroup:
 
     # ------------------------------------------------------------------ push waits
     def _serve_wait(self, req: protocol.PushWaitReq, reply: ReplyFn) -> None:
-        futs = [role.watch(req.transfer_id) for role in self.roles]
+        """Answer when every rank's push of the transfer ended, or "pending" at ``timeout_s``.
+
+        A wait is one entry of the group's timer heap (no thread); at ``MAX_PUSH_WAITS``
+        waiting at once, one more is refused at once with ``too_many_waits``."""
         sent = threading.Event()
         lock = threading.Lock()
+        futs = [role.watch(req.transfer_id) for role in self.roles]
+        timers: list[Timer] = []
 
         def answer(timed_out: bool) -> None:
             with lock:
                 if sent.is_set() or (not timed_out and not all(f.done() for f in futs)):
                     return
                 sent.set()
-            timer.cancel()
+                for t in timers:
+                    t.cancel()
             if not all(f.done() for f in futs):
+                for role in self.roles:
+                    role.unwatch(req.transfer_id)
                 reply(
                     protocol.PushWaitRep(
                         rid=req.rid, transfer_id=req.transfer_id, outcome="pending"
                     )
                 )
                 return
-            outs: list[PushOutcome] = [f.result() for f in futs]
-            bad = [(r, o) for r, o in enumerate(outs) if not o.ok]
-            with self._lock:
-                sha = self._digests.get(req.transfer_id, "")
-            if bad:
-                r, o = bad[0]
-                detail = o.detail if len(outs) == 1 else f"rank {r}: {o.detail}"
-                rep = protocol.PushWaitRep(
-                    rid=req.rid,
-                    transfer_id=req.transfer_id,
-                    outcome="failed",
-                    reason=o.reason,
-                    detail=detail[:1000],
-                    nbytes=sum(o.nbytes for o in outs),
-                )
-            else:
-                rep = protocol.PushWaitRep(
-                    rid=req.rid,
-                    transfer_id=req.transfer_id,
-                    outcome="ok",
-                    nbytes=sum(o.nbytes for o in outs),
-                    sha256=sha,
-                )
-            reply(rep)
+            reply(self._wait_rep(req, [f.result() for f in futs]))
 
-        timer = threading.Timer(max(0.0, req.timeout_s), lambda: answer(True))
-        timer.daemon = True
-        timer.start()
+        with lock:
+            timer = self._timers.add(req.timeout_s, lambda: answer(True))
+            if timer is not None:
+                timers.append(timer)
+        if timer is None:
+            for role in self.roles:
+                role.unwatch(req.transfer_id)
+            self._limit(Failure.TOO_MANY_WAITS)
+            reply(
+                protocol.ErrorRep(
+                    rid=req.rid,
+                    code=Failure.TOO_MANY_WAITS,
+                    message=f"{MAX_PUSH_WAITS} push waits already waiting",
+                    hint="retry when some have been answered, or wait with a shorter timeout_s",
+                )
+            )
+            return
         for f in futs:
             f.add_done_callback(lambda _f: answer(False))
+
+    def _wait_rep(self, req: protocol.PushWaitReq, outs: list[PushOutcome]) -> protocol.PushWaitRep:
+        bad = [(r, o) for r, o in enumerate(outs) if not o.ok]
+        with self._lock:
+            sha = self._digests.get(req.transfer_id, "")
+        if bad:
+            r, o = bad[0]
+            detail = o.detail if len(outs) == 1 else f"rank {r}: {o.detail}"
+            return protocol.PushWaitRep(
+                rid=req.rid,
+                transfer_id=req.transfer_id,
+                outcome="failed",
+                reason=o.reason,
+                detail=detail[:1000],
+                nbytes=sum(o.nbytes for o in outs),
+            )
+        return protocol.PushWaitRep(
+            rid=req.rid,
+            transfer_id=req.transfer_id,
+            outcome="ok",
+            nbytes=sum(o.nbytes for o in outs),
+            sha256=sha,
+        )
+
+    def _decline_all(
+        self, r: int, writer: PushWriter, tids: list[str], reason: str, detail: str
+    ) -> None:
+        """On rank ``r``'s writer thread: D declined these transfers."""
+        try:
+            for tid in tids:
+                writer.declined_by_d(tid, reason, detail)
+        finally:
+            self._taken(r, len(tids))
+
+    def _taken(self, r: int, n: int) -> None:
+        with self._lock:
+            self._queued[r] -= n
+
+    def _limit(self, kind: Failure) -> None:
+        """A cap was hit: counted once, on rank 0 (the endpoint's first telemetry)."""
+        self.roles[0].ctx.telemetry.fail(kind)
+
+    def close(self) -> None:
+        """Stop the timer thread (pending waits are not answered: the side channel is down)."""
+        self._timers.close()
 
 
 def _reason(e: KvpushError) -> Failure:
@@ -227,9 +304,3 @@ def _failed(req: protocol.PrefillReq, reason: Failure, detail: str) -> protocol.
 
 
 __all__ = ["PrefillGroup"]
-
-
-def _decline_all(writer: PushWriter, tids: list[str], reason: str, detail: str) -> None:
-    """On the writer's thread: D declined these transfers."""
-    for tid in tids:
-        writer.declined_by_d(tid, reason, detail)

@@ -18,6 +18,7 @@ from kvpush.address import format_address
 from kvpush.config import HandshakeMode
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
+from kvpush.prefill.limits import MAX_DECLINED_IDS
 from kvpush.prefill.table import (
     AwaitingHandshake,
     CancelledEarly,
@@ -43,7 +44,7 @@ from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
-MAX_EARLY_CANCELS = 100_000
+MAX_EARLY_CANCELS = MAX_DECLINED_IDS
 
 
 class Outcomes:

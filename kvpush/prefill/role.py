@@ -54,6 +54,7 @@ class PrefillRole:
         self._vllm = ctx.cfg.wire == Wire.VLLM
         self._lock = threading.Lock()
         self._watches: dict[str, Future[PushOutcome]] = {}
+        self._waiters: dict[str, int] = {}  # waits per watched transfer
         self._recent: OrderedDict[str, PushOutcome] = OrderedDict()
 
     # ------------------------------------------------------------------ Role
@@ -136,13 +137,28 @@ class PrefillRole:
                 fut: Future[PushOutcome] = Future()
                 fut.set_result(done)
                 return fut
+            self._waiters[transfer_id] = self._waiters.get(transfer_id, 0) + 1
             return self._watches.setdefault(transfer_id, Future())
+
+    def unwatch(self, transfer_id: str) -> None:
+        """A wait for ``transfer_id`` gave up: forget its future once nobody waits (a wait for
+        a transfer that never comes would otherwise stay here for good)."""
+        with self._lock:
+            n = self._waiters.get(transfer_id, 0) - 1
+            if n > 0:
+                self._waiters[transfer_id] = n
+                return
+            self._waiters.pop(transfer_id, None)
+            fut = self._watches.get(transfer_id)
+            if fut is not None and not fut.done():
+                del self._watches[transfer_id]
 
     def _outcome(self, outcome: PushOutcome) -> None:
         """Writer thread: remember the outcome, resolve whoever waits for it."""
         with self._lock:
             _remember(self._recent, outcome.transfer_id, outcome)
             fut = self._watches.pop(outcome.transfer_id, None)
+            self._waiters.pop(outcome.transfer_id, None)
         if fut is not None and not fut.done():
             fut.set_result(outcome)
 

@@ -14,7 +14,10 @@ here, and its WRITEs are its *legs*, one per D rank.
 Either side may arrive first. A finished transfer holds P's blocks under a lease that starts when
 its blocks finish; D's heartbeats renew it while D waits; an expired lease gives the blocks back.
 A registration that never meets its blocks is dropped after ``reg_ttl_s`` (D's own deadline fails
-the request on D's side). Matching is O(1) per arrival; expiry scans the waiting states only.
+the request on D's side). Matching is O(1) per arrival; expiry touches only what is due: each
+waiting state enters a deadline heap when it is set (``DueHeap``; a renewed lease goes back in
+at its new time, an entry whose state moved on is dropped when it comes up), so a table of a
+hundred thousand declined ids costs a housekeeping tick nothing until their time comes.
 
 In-flight WRITEs and fences are also indexed here, by NIXL handle and per peer in posting order
 (``queues``): WRITEs on one connection complete in order, so the writer polls each peer's oldest
@@ -23,6 +26,7 @@ first and stops at the first one still in progress; a periodic sweep (``inflight
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpush.peers.handshakes import PeerConn, PeerKey
+from kvpush.runtime.timers import DueHeap
 from kvpush.transport.nixl import Xfer
 from kvpush.wire import protocol, vllm
 
@@ -228,6 +233,8 @@ class PushTable:
         self._counts: dict[type, int] = dict.fromkeys(
             (Waiting, Registered, AwaitingHandshake, Writing, CancelledEarly), 0
         )
+        # When each waiting state (Waiting, Registered, CancelledEarly) is due to expire.
+        self._due: DueHeap[tuple[str, State]] = DueHeap()
 
     # ------------------------------------------------------------------ reads
     def get(self, key: str) -> State | None:
@@ -270,6 +277,15 @@ class PushTable:
         q = self._queues.get(peer)
         return list(q.values()) if q else []
 
+    def request_ids(self, key: str) -> set[str]:
+        """D's request ids of the PUSH_REGs P holds for ``key``."""
+        st = self._states.get(key)
+        if isinstance(st, (Registered, Waiting)):
+            return {r.reg.request_id for r in st.regs.values()}
+        if isinstance(st, (AwaitingHandshake, Writing)):
+            return {r.reg.request_id for r in st.push.registrations}
+        return set()
+
     def waiting_keys(self) -> list[str]:
         """Keys of finished transfers still waiting for their PUSH_REG."""
         return [k for k, s in self._states.items() if isinstance(s, Waiting)]
@@ -284,6 +300,21 @@ class PushTable:
             self._counts[type(old)] -= 1
         self._states[key] = st
         self._counts[type(st)] += 1
+        due = self._due_at(st)
+        if due is not None:
+            self._due.push(due, (key, st))
+            if len(self._due) > 2 * len(self._states) + 4096:
+                self._due.compact(lambda e: self._states.get(e[0]) is e[1])
+
+    def _due_at(self, st: State) -> float | None:
+        if isinstance(st, Waiting):
+            return st.lease_until
+        # Registrations and early cancels expire once *past* their TTL (strictly later).
+        if isinstance(st, Registered):
+            return math.nextafter(st.registration.t_arrived + self.reg_ttl_s, math.inf)
+        if isinstance(st, CancelledEarly):
+            return math.nextafter(st.since + self.reg_ttl_s, math.inf)
+        return None
 
     def pop(self, key: str) -> State | None:
         st = self._states.pop(key, None)
@@ -412,17 +443,20 @@ class PushTable:
         (early cancels are forgotten after the registration TTL too)."""
         fins: list[Finished] = []
         regs: list[Registration] = []
-        if not (self._counts[Waiting] or self._counts[Registered] or self._counts[CancelledEarly]):
-            return fins, regs
-        for k, st in list(self._states.items()):
-            if isinstance(st, Waiting) and st.lease_until <= now:
+        for k, st in self._due.pop_due(now):
+            if self._states.get(k) is not st:
+                continue  # moved on since: matched, cancelled, popped
+            if isinstance(st, Waiting):
+                if st.lease_until > now:  # renewed by D's heartbeats: due again later
+                    self._due.push(st.lease_until, (k, st))
+                    continue
                 self.pop(k)
                 fins.append(st.finished)
                 regs.extend(st.regs.values())  # D ranks that registered: the push is off
-            elif isinstance(st, Registered) and now - st.registration.t_arrived > self.reg_ttl_s:
+            elif isinstance(st, Registered):
                 self.pop(k)
                 regs.extend(st.regs.values())
-            elif isinstance(st, CancelledEarly) and now - st.since > self.reg_ttl_s:
+            elif isinstance(st, CancelledEarly):
                 self.pop(k)
         return fins, regs
 
@@ -440,6 +474,7 @@ class PushTable:
                 self.pop(k)
             elif isinstance(st, CancelledEarly):
                 self.pop(k)
+        self._due.clear()
         return fins, regs
 
 

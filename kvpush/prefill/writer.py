@@ -36,6 +36,7 @@ from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
 from kvpush.prefill.fences import Fences
 from kvpush.prefill.legs import Legs
+from kvpush.prefill.limits import MAX_PENDING_REGISTRATIONS
 from kvpush.prefill.outcomes import MAX_EARLY_CANCELS, Outcomes
 from kvpush.prefill.plan import LocalGeometry
 from kvpush.prefill.ranks import RankRouter, Refused
@@ -138,6 +139,7 @@ class PushWriter:
             self._vllm,
         )
         self._n_finished = 0
+        self._next_idle = 0.0
         self._ranks = RankRouter(cfg.tp_rank, cfg.tp_size, self._vllm, t.request_deadline_s)
         owner.attach(self)
 
@@ -177,10 +179,13 @@ class PushWriter:
         if self._fences and self._legs.local_dlist is not None:
             for fw in self._fences.send(self._legs.local_dlist):
                 self._legs.complete(fw)
-        busy = self.table.peers_in_flight()
-        for key in self._hs.idle(self.cfg.timeouts.peer_idle_ttl_s):
-            if key not in busy:
-                self._evict(key, "idle")
+        if now >= self._next_idle:  # once a second: a pass over the peer rows
+            self._next_idle = now + 1.0
+            idle = self._hs.idle(self.cfg.timeouts.peer_idle_ttl_s)
+            busy = self.table.peers_in_flight() if idle else set()
+            for key in idle:
+                if key not in busy:
+                    self._evict(key, "idle")
 
     # ------------------------------------------------------------------ inbox handlers
     def _item_failed(self, item: object, e: Exception) -> None:
@@ -230,11 +235,38 @@ class PushWriter:
             self._register(one, got.expected)
 
     def _register(self, r: Registration, expected: int) -> None:
+        if (
+            self.table.get(r.key) is None
+            and self.table.count(Registered) >= MAX_PENDING_REGISTRATIONS
+        ):
+            self._tm.fail(Failure.TOO_MANY_REGISTRATIONS)
+            self._rl.warning(
+                "regcap",
+                "writer: declined PUSH_REG of %s: %d registrations already wait for blocks",
+                r.key,
+                MAX_PENDING_REGISTRATIONS,
+            )
+            self._out.decline(
+                r,
+                Failure.TOO_MANY_REGISTRATIONS,
+                f"{MAX_PENDING_REGISTRATIONS} registrations already wait for P's blocks",
+            )
+            return
+        held = self.table.request_ids(r.key)
         try:
             got = self.table.add_registration(r, expected=expected)
         except DuplicateError as e:
             self._tm.fail(Failure.DUPLICATE_REGISTRATION)
             self._rl.warning("dupreg", "writer: %s", e)
+            if r.reg.request_id not in held:
+                # The same transfer under another request id: that request can never be
+                # served, so its D hears it now instead of at its deadline.
+                self._out.decline(
+                    r,
+                    Failure.DUPLICATE_REGISTRATION,
+                    f"transfer {r.reg.transfer_id or r.key} is already registered by "
+                    "another request",
+                )
             return
         if isinstance(got, Push):
             self._start_push(got)
@@ -317,7 +349,7 @@ class PushWriter:
                 self._evict(key, f"new incarnation {reg.decode_incarnation}")
                 conn = None
             if conn is None or conn.remote_dlist is None:
-                hint = PeerHint(reg.decode_engine_id, reg.decode_tp_size)
+                hint = PeerHint(reg.decode_engine_id, reg.decode_tp_size, role="decode")
                 fut = self._hs.ensure(key, HandshakeMode.FULL, hint)
                 if fut is not None:
                     pending = pending or fut

@@ -96,6 +96,13 @@ class Failure(StrEnum):
     FORGED_NOTIF = "forged_notif"
     MALFORMED_FRAME = "malformed_frame"
     OVERSIZED_FRAME = "oversized_frame"
+    BAD_VALUE = "bad_value"  # a field out of range (inf, nan, negative, huge), refused at decode
+    # a cap on what peers can make an endpoint hold was reached (docs/reliability.md, "Caps")
+    TOO_MANY_WAITS = "too_many_waits"
+    TOO_MANY_DECLINED = "too_many_declined"
+    TOO_MANY_REGISTRATIONS = "too_many_registrations"
+    TOO_MANY_DELAYED = "too_many_delayed"
+    TOO_MANY_PEERS = "too_many_peers"
     # kvpush itself
     CALLBACK_ERROR = "callback_error"
     INTERNAL_ERROR = "internal_error"

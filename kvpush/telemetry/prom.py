@@ -346,30 +346,44 @@ class PrometheusExporter:
         self._registry.register(_SnapshotCollector(source))
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
+        self._held: socket.socket | None = None  # the port, bound by ``reserve``
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/metrics"
 
+    def reserve(self) -> None:
+        """Bind the port now and hold it until ``start`` (which serves on it): a port in use
+        is refused before the endpoint allocates its pool. Raises ``BindError``."""
+        if self._held is not None or self._server is not None:
+            return
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        s = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((self.host, self.port))
+            s.listen(1)  # held, so nobody else binds it meanwhile
+        except OSError as e:
+            s.close()
+            raise self._bind_error(e) from e
+        except BaseException:
+            s.close()
+            raise
+        self._held = s
+        self.port = s.getsockname()[1]
+
     def start(self) -> None:
         """Bind and serve; returns once the socket is listening. Raises ``BindError``."""
         if self._server is not None:
             return
+        if self._held is not None:
+            self._held.close()  # handed over: the server binds the same port at once
+            self._held = None
         try:
             server, thread = self._serve()
         except OSError as e:
-            where = f"{self.host}:{self.port}"
-            hint = "choose another --metrics-port (0 picks a free one) or stop the process using it"
-            if e.errno == errno.EADDRINUSE:
-                raise BindError(
-                    f"cannot bind metrics port {where}: address already in use", hint=hint
-                ) from e
-            reason = e.strerror or str(e)
-            raise BindError(
-                f"cannot bind metrics port {where}: {reason}",
-                hint="check --metrics-host names an address of this machine",
-            ) from e
+            raise self._bind_error(e) from e
         self._server, self._thread = server, thread
         self.port = server.server_port
         logger.info("serving Prometheus metrics at %s", self.url)
@@ -385,9 +399,23 @@ class PrometheusExporter:
         thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
         thread.start()
         return server, thread
+    def _bind_error(self, e: OSError) -> BindError:
+        where = f"{self.host}:{self.port}"
+        if e.errno == errno.EADDRINUSE:
+            return BindError(
+                f"cannot bind metrics port {where}: address already in use",
+                hint="choose another --metrics-port (0 means off) or stop the process using it",
+            )
+        return BindError(
+            f"cannot bind metrics port {where}: {e.strerror or e}",
+            hint="check --metrics-host names an address of this machine",
+        )
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop serving and close the socket; idempotent."""
+        if self._held is not None:
+            self._held.close()
+            self._held = None
         server, thread = self._server, self._thread
         self._server = self._thread = None
         if server is None:

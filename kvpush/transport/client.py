@@ -9,6 +9,7 @@ as kvpush is sent kvpush's framing. A client belongs to one thread.
 from __future__ import annotations
 
 import itertools
+import socket
 import time
 from dataclasses import dataclass
 
@@ -60,6 +61,20 @@ class PeerIdentity:
 
 
 NOT_A_SIDE_CHANNEL_HINT = "check the address: it must be a kvpush or vLLM NIXL side channel"
+# A connection ZMQ has not made by then is looked at once with a plain TCP connect.
+REFUSED_LOOK_AFTER_S = 0.1
+
+
+def refused(host: str, port: int, timeout_s: float) -> bool:
+    """Whether a TCP connect to ``host:port`` is refused (False: it connected, timed out, or
+    failed otherwise -- left to the caller's deadline)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
 
 
 class SideChannelClient:
@@ -121,6 +136,8 @@ class SideChannelClient:
     # ------------------------------------------------------------------ sending / receiving
     def _send(self, payload: bytes, deadline: float, timeout: float) -> zmq.Socket[bytes]:
         sock = self._socket()
+        looked = False
+        t0 = time.monotonic()
         while True:
             try:
                 # [b"", payload]: exactly what a REQ socket sends, so a ROUTER sees 3 frames.
@@ -134,6 +151,17 @@ class SideChannelClient:
                     raise PeerUnreachableError(
                         f"{self.address} did not accept a connection within {timeout:g}s"
                     ) from None
+                if not looked and time.monotonic() - t0 >= REFUSED_LOOK_AFTER_S:
+                    # ZMQ retries a refused port quietly until the deadline; one plain TCP
+                    # connect tells a closed port at once (as probe's first contact does).
+                    looked = True
+                    if refused(self.host, self.port, min(left, 1.0)):
+                        self._reset()
+                        raise PeerUnreachableError(
+                            f"{self.address}: connection refused",
+                            f"nothing listens on port {self.port} of {self.host}: check the "
+                            "port and that the peer runs",
+                        ) from None
                 sock.poll(int(min(left, 0.05) * 1000) + 1, zmq.POLLOUT)
 
     def _recv(self, sock: zmq.Socket[bytes], deadline: float, timeout: float) -> list[bytes]:

@@ -25,6 +25,7 @@ from kvpush import PROTOCOL_VERSION
 from kvpush.address import format_address
 from kvpush.errors import (
     AuthError,
+    BadValueError,
     BindError,
     ConfigError,
     KvpushError,
@@ -36,6 +37,8 @@ from kvpush.wire import protocol, vllm
 from kvpush.wire.auth import CH_REPLY, CH_REQUEST, Authenticator
 
 log = logging.getLogger(__name__)
+
+BAD_VALUE_HINT = "every time is seconds in [0, 3600] (a deadline: [0, 86400]); numbers are finite"
 
 ReplyFn = Callable[[protocol.SideReply], None]
 Handler = Callable[[protocol.SideRequest, ReplyFn], None]
@@ -257,6 +260,9 @@ class SideChannelServer:
             return
         try:
             req = protocol.decode_request_body(body)
+        except BadValueError as e:
+            self._reject(ident, Failure.BAD_VALUE, str(e), BAD_VALUE_HINT)
+            return
         except ProtocolError as e:
             self._reject(ident, Failure.MALFORMED_FRAME, str(e))
             return

@@ -28,3 +28,8 @@ BlockId = Annotated[int, Meta(ge=0, lt=1 << 31)]
 BlockList = Annotated[list[BlockId], Meta(max_length=1 << 16)]
 Groups = Annotated[list[BlockList], Meta(max_length=64)]
 Addr = Annotated[int, Meta(ge=0)]
+# Times from the wire, range-checked while decoding: inf, nan, a negative or a huge value is
+# refused at once (``bad_value``) and never reaches a timer.
+Seconds = Annotated[float, Meta(ge=0, le=3600)]  # a wait or a delay: at most an hour
+DeadlineSeconds = Annotated[float, Meta(ge=0, le=86400)]  # a request's deadline: at most a day
+Clock = Annotated[float, Meta(ge=0, le=1e12)]  # a timestamp someone else's clock gave

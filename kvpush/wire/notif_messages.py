@@ -13,7 +13,7 @@ from typing import Annotated, TypeAlias
 
 from msgspec import Meta, Struct
 
-from kvpush.wire.fields import Groups, NonNeg, Port, SmallPos, Str1k, Str128, Str256
+from kvpush.wire.fields import Clock, Groups, NonNeg, Port, SmallPos, Str1k, Str128, Str256
 
 # ----------------------------------------------------------------------------------- notifications
 
@@ -94,7 +94,7 @@ class Ping(Struct, tag="ping", frozen=True, kw_only=True):
     reply: bool = False
     reply_host: Str256 = ""
     reply_port: Port = 0
-    sent_at: float = 0.0
+    sent_at: Clock = 0.0
     reply_rank: NonNeg = 0
 
 

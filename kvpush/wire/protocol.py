@@ -26,6 +26,7 @@ History:
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, TypeVar
 
@@ -33,7 +34,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from kvpush import PROTOCOL_VERSION
-from kvpush.errors import ProtocolError
+from kvpush.errors import BadValueError, ProtocolError
 from kvpush.wire.fields import (
     MAX_AGENT_METADATA_BYTES,
     MAX_FRAME_BYTES,
@@ -211,12 +212,19 @@ def decode_envelope(data: bytes, magic: bytes, limit: int, what: str) -> Envelop
 
 
 _T = TypeVar("_T")
+# msgspec's words for a number outside its ``Meta`` bounds (nan fails every bound).
+_OUT_OF_RANGE = re.compile(r"Expected `(int|float)` (>=|<=|>|<) ")
 
 
 def decode_body(dec: msgspec.msgpack.Decoder[_T], body: bytes, what: str) -> _T:
     try:
         return dec.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+    except msgspec.ValidationError as e:
+        if _OUT_OF_RANGE.match(str(e)):
+            # Well-formed, but a number out of its range (inf, nan, negative, huge).
+            raise BadValueError(f"malformed {what}: {e}") from None
+        raise ProtocolError(f"malformed {what}: {e}") from None
+    except (msgspec.DecodeError, RecursionError) as e:
         raise ProtocolError(f"malformed {what}: {e}") from None
 
 

@@ -17,9 +17,11 @@ from msgspec import Meta, Struct
 from kvpush.wire.fields import (
     MAX_AGENT_METADATA_BYTES,
     Addr,
+    DeadlineSeconds,
     NonNeg,
     Port,
     Pos,
+    Seconds,
     SmallPos,
     Str1k,
     Str128,
@@ -170,7 +172,7 @@ class PushWaitReq(Struct, tag="push_wait", frozen=True, kw_only=True):
 
     rid: NonNeg = 0
     transfer_id: Str256
-    timeout_s: float = 60.0
+    timeout_s: Seconds = 60.0
 
 
 class PushWaitRep(Struct, tag="push_wait", frozen=True, kw_only=True):
@@ -192,7 +194,7 @@ class DecodeReq(Struct, tag="decode", frozen=True, kw_only=True):
     prefill_port: Port
     num_blocks: Annotated[int, Meta(ge=1, le=1 << 16)]
     request_id: Str256 = ""
-    deadline_s: float = 0.0  # 0 = the endpoint's default
+    deadline_s: DeadlineSeconds = 0.0  # 0 = the endpoint's default
     # vLLM's wire: the kv_transfer_params of a vLLM P (the router contract).
     remote_engine_id: Str256 = ""
     remote_request_id: Str256 = ""
@@ -201,7 +203,7 @@ class DecodeReq(Struct, tag="decode", frozen=True, kw_only=True):
     digest: bool = False  # answer with the sha256 of the received bytes
     # Hold the request this long before it gets blocks (a vLLM request waiting in D's queue);
     # P's lease is heartbeated meanwhile.
-    alloc_delay_s: Annotated[float, Meta(ge=0, le=3600)] = 0.0
+    alloc_delay_s: Seconds = 0.0
 
 
 class DecodeRep(Struct, tag="decode", frozen=True, kw_only=True):

@@ -32,6 +32,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from kvpush import logsafe
 from kvpush.cli import options, stdio, translate
 from kvpush.cli.options import LogLevel, OutputMode
 from kvpush.cli.signals import StopFlag
@@ -88,7 +89,7 @@ def setup_logging(console: Console, level: LogLevel | str, rich_handler: bool) -
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root.addHandler(handler)
+    root.addHandler(logsafe.install(handler))  # peer strings never forge a record
     lvl = level.value if isinstance(level, LogLevel) else level
     root.setLevel(lvl.upper())
 
@@ -131,20 +132,25 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
             cfg.host,
         )
     stop = StopFlag().install()
-    ep = None
+    ep: Any = None
     exporter = None
     member = None
     failure: BaseException | None = None
     try:
-        ep = open_endpoint(cfg)
-        stop.rearm()  # UCX took SIGHUP over while the endpoint started
-        health = _health(ep)
         if opts.metrics_port:
             from kvpush.telemetry.prom import PrometheusExporter
 
+            # Bound before the pool is allocated (a busy port fails in milliseconds, not after
+            # gigabytes); served once the endpoint is up.
             exporter = PrometheusExporter(
-                ep.snapshot, opts.metrics_host, opts.metrics_port, health=health
+                lambda: ep.snapshot(), opts.metrics_host, opts.metrics_port
             )
+            exporter.reserve()
+        ep = open_endpoint(cfg)
+        stop.rearm()  # UCX took SIGHUP over while the endpoint started
+        health = _health(ep)
+        if exporter is not None:
+            exporter.health = health
             exporter.start()
         if opts.registry is not None:
             from kvpush.fleet.member import Membership

@@ -1,0 +1,245 @@
+"""Bounded work per message, unit level (issue 17): the deadline heap, the shared timer thread,
+expiry that touches only what is due in P's push table and D's request table, the wire's range
+checks and the log escaping. Pure modules and one real timer thread; no sockets."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from kvpush.decode.requests import DRequest, DState, RequestTable
+from kvpush.errors import BadValueError, ProtocolError
+from kvpush.logsafe import OneLineFilter, shown
+from kvpush.prefill.table import CancelledEarly, Finished, PushTable, Registration, reg_key
+from kvpush.runtime.timers import DueHeap, Timers
+from kvpush.wire import protocol
+
+# ------------------------------------------------------------------ DueHeap
+
+
+def test_due_heap_yields_only_what_is_due_in_time_order() -> None:
+    h: DueHeap[str] = DueHeap()
+    for due, item in ((3.0, "c"), (1.0, "a"), (2.0, "b"), (9.0, "z")):
+        h.push(due, item)
+    assert list(h.pop_due(2.5)) == ["a", "b"]
+    assert h.next_due() == 3.0 and len(h) == 2
+    h.compact(lambda it: it != "z")
+    assert list(h.pop_due(100.0)) == ["c"]
+    assert h.next_due() == math.inf
+
+
+# ------------------------------------------------------------------ Timers
+
+
+def test_timers_fire_on_one_thread_and_cap_what_waits() -> None:
+    t = Timers("test-timers", cap=3)
+    fired: list[int] = []
+    done = threading.Event()
+    try:
+        before = threading.active_count()
+        a = t.add(0.05, lambda: fired.append(1))
+        b = t.add(0.05, lambda: fired.append(2))
+
+        def third() -> None:
+            fired.append(3)
+            done.set()
+
+        c = t.add(0.10, third)
+        assert a is not None and b is not None and c is not None
+        assert t.add(0.01, lambda: fired.append(4)) is None  # at the cap: refused
+        assert threading.active_count() <= before + 1  # one thread for all of them
+        b.cancel()
+        assert done.wait(5)
+        assert fired == [1, 3] and len(t) == 0
+        assert t.add(0.0, lambda: fired.append(5)) is not None  # room again
+        time.sleep(0.2)
+        assert fired == [1, 3, 5]
+    finally:
+        t.close()
+
+
+def test_a_raising_callback_does_not_stop_the_timer_thread(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    t = Timers("test-timers", cap=10)
+    ok = threading.Event()
+
+    def boom() -> None:
+        raise OverflowError("timestamp out of range")
+
+    try:
+        t.add(0.0, boom)
+        t.add(0.05, ok.set)
+        assert ok.wait(5)
+    finally:
+        t.close()
+    assert "a callback failed" in caplog.text
+
+
+def test_cancelled_timers_are_compacted_away() -> None:
+    t = Timers("test-timers", cap=10_000)
+    try:
+        timers = [t.add(3600.0, lambda: None) for _ in range(5000)]
+        for x in timers:
+            assert x is not None
+            x.cancel()
+        assert len(t) == 0
+        assert len(t._heap) < 2100  # compacted as cancelled entries piled up
+    finally:
+        t.close()
+
+
+# ------------------------------------------------------------------ P's push table
+
+
+def _reg(key: str, t: float) -> Registration:
+    r = protocol.PushReg(
+        request_id=f"req-{key}",
+        transfer_id=key,
+        decode_engine_id="d",
+        decode_host="127.0.0.1",
+        decode_port=1,
+        local_block_ids=[[0, 1]],
+        remote_engine_id="p",
+        remote_host="127.0.0.1",
+        remote_port=2,
+    )
+    return Registration(reg_key(r), r, "d-agent", t)
+
+
+def test_push_table_expiry_touches_only_what_is_due() -> None:
+    m = PushTable(lease_s=30.0, reg_ttl_s=60.0)
+    for i in range(20_000):
+        m.cancel_early(f"declined-{i}", now=0.0, reason="no_free_blocks")
+    m.add_finished(Finished("f", "f", "f", np.arange(2, dtype=np.int64), 0.0), now=0.0)
+    m.add_registration(_reg("r", 0.0))
+    # A tick before anything is due pops nothing (the heap's head is not due) ...
+    assert m.expire(now=1.0) == ([], [])
+    assert len(m) == 20_002 and len(m._due) == 20_002
+    # ... a renewed lease goes back in at its new time ...
+    assert m.renew(["f"], now=25.0) == 1
+    fins, regs = m.expire(now=30.5)
+    assert fins == [] and regs == [] and m.get("f") is not None
+    fins, regs = m.expire(now=46.0)
+    assert [f.key for f in fins] == ["f"]
+    # ... and the declined ids and the registration go once past their TTL.
+    fins, regs = m.expire(now=60.5)
+    assert [r.key for r in regs] == ["r"] and m.count(CancelledEarly) == 0 and len(m) == 0
+
+
+def test_push_table_heap_stays_bounded_when_states_move_on() -> None:
+    m = PushTable(lease_s=30.0, reg_ttl_s=60.0)
+    for i in range(50_000):
+        m.add_registration(_reg(f"t{i}", 0.0))
+        m.pop(f"t{i}")  # matched or cancelled at once: its heap entry is stale
+    assert len(m) == 0 and len(m._due) <= 4097
+
+
+# ------------------------------------------------------------------ D's request table
+
+
+def _dreq(rid: str, deadline: float, alloc_at: float = 0.0) -> DRequest:
+    return DRequest(
+        request_id=rid,
+        transfer_id=rid,
+        p_addr=("127.0.0.1", 1),
+        block_ids=np.empty(0, dtype=np.int64),
+        future=Future(),
+        t_start=0.0,
+        deadline=deadline,
+        nbytes=0,
+        alloc_at=alloc_at,
+    )
+
+
+def test_request_table_deadlines_and_allocations_by_heap() -> None:
+    t = RequestTable()
+    early, late = _dreq("early", 5.0), _dreq("late", 50.0)
+    held = _dreq("held", 700.0, alloc_at=600.0)
+    for r in (early, late, held):
+        t.add(r)
+    assert t.n_delayed == 1
+    assert t.expired(1.0) == [] and t.due_for_blocks(1.0) == []
+    assert t.expired(6.0) == [early]
+    t.finish(early)
+    assert t.expired(6.0) == []  # returned once
+    # Due but still connecting to P: comes up again shortly, not lost.
+    assert t.due_for_blocks(601.0) == []
+    held.state = DState.WAITING_BLOCKS
+    assert t.due_for_blocks(601.1) == [held]
+    t.allocated(held)
+    assert t.n_delayed == 0 and held.alloc_at == 0.0
+    assert t.busy_among([("127.0.0.1", 1, 0), ("127.0.0.1", 9, 0)]) == {("127.0.0.1", 1, 0)}
+    assert t.busy_among([]) == set()
+
+
+def test_request_table_quarantine_limit_by_heap() -> None:
+    t = RequestTable()
+    r = _dreq("q", 10.0)
+    t.add(r)
+    r.quarantine_until = 20.0
+    t.abandon(r)
+    assert t.quarantine_over(19.0) == [] and t.quarantine_over(21.0) == [r]
+
+
+# ------------------------------------------------------------------ range checks at decode
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, -1.0, 1e300, 3601.0])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda v: protocol.PushWaitReq(transfer_id="t", timeout_s=v),
+        lambda v: protocol.DecodeReq(
+            transfer_id="t", prefill_host="h", prefill_port=1, num_blocks=1, alloc_delay_s=v
+        ),
+    ],
+    ids=["push_wait.timeout_s", "decode.alloc_delay_s"],
+)
+def test_absurd_seconds_are_a_bad_value(make: object, value: float) -> None:
+    with pytest.raises(BadValueError, match=r"Expected `float`"):
+        protocol.decode_request_body(protocol.encode(make(value)))  # type: ignore[operator]
+
+
+def test_deadline_bounds_and_wrong_types_stay_malformed() -> None:
+    ok = protocol.DecodeReq(
+        transfer_id="t", prefill_host="h", prefill_port=1, num_blocks=1, deadline_s=86400.0
+    )
+    assert protocol.decode_request_body(protocol.encode(ok)) == ok
+    with pytest.raises(BadValueError):
+        protocol.decode_request_body(
+            protocol.encode(
+                protocol.DecodeReq(
+                    transfer_id="t", prefill_host="h", prefill_port=1, num_blocks=1, deadline_s=1e9
+                )
+            )
+        )
+    with pytest.raises(ProtocolError) as ei:
+        protocol.decode_request_body(protocol.encode({"type": "push_wait", "transfer_id": 7}))
+    assert not isinstance(ei.value, BadValueError)
+
+
+# ------------------------------------------------------------------ logs that cannot be forged
+
+
+def test_shown_escapes_control_characters_only() -> None:
+    assert shown("plain id-1 é ü") == "plain id-1 é ü"
+    assert shown("a\nb\rc\td") == "a\\nb\\rc\\td"
+    assert shown("\x1b[31mred\x1b[0m\x00\x7f\x85") == "\\x1b[31mred\\x1b[0m\\x00\\x7f\\x85"
+    assert shown("x\u2028y\u2029") == "x\\u2028y\\u2029"
+
+
+def test_one_line_filter_keeps_a_record_on_one_line() -> None:
+    rec = logging.LogRecord(
+        "kvpush.x", logging.WARNING, __file__, 1, "lease of %s lapsed (%d)", ("id\nFORGED", 3), None
+    )
+    assert OneLineFilter().filter(rec)
+    assert rec.getMessage() == "lease of id\\nFORGED lapsed (3)"
+    clean = logging.LogRecord("kvpush.x", logging.INFO, __file__, 1, "ok %s", ("id",), None)
+    assert OneLineFilter().filter(clean) and clean.args == ("id",)  # left as it was
