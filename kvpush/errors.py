@@ -66,6 +66,11 @@ class PeerUnreachableError(KvpushError):
     default_hint = "check the address and that the peer is running ('kvpush probe HOST:PORT')"
 
 
+class PeerTimeoutError(PeerUnreachableError):
+    """A peer took the request but did not answer within its deadline: a timeout (it may be
+    slow, frozen or gone), not a refusal."""
+
+
 class PeerError(KvpushError):
     """A peer answered with an error, or is not ready."""
 

@@ -21,6 +21,7 @@ from kvpush.errors import (
     AuthError,
     IncompatiblePeerError,
     PeerError,
+    PeerTimeoutError,
     PeerUnreachableError,
     ProtocolError,
     WrongWireError,
@@ -140,7 +141,7 @@ class SideChannelClient:
         left = deadline - time.monotonic()
         if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
             self._reset()
-            raise PeerUnreachableError(f"{self.address} did not answer within {timeout:g}s")
+            raise PeerTimeoutError(f"{self.address} did not answer within {timeout:g}s")
         return sock.recv_multipart()
 
     # ------------------------------------------------------------------ first contact

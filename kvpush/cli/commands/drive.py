@@ -185,7 +185,8 @@ def drive(
         auth_token=token,
         shape=shape or "",
     )
-    err = Console(stderr=True, highlight=False)
+    # soft_wrap: one line per event whatever the width (a file or pipe is not 80 columns).
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
 
     def event(text: str) -> None:
         err.print(f"drive: {text}")
@@ -210,6 +211,9 @@ def drive(
         on_tick=tick,
         tick_s=PROGRESS_EVERY_S,
     )
+    told = len(driver.notes)  # what the run's plan already says: printed before it starts
+    for note in driver.notes:
+        err.print(f"drive: note: {note}")
     stop = StopFlag(on_signal=driver.cancel).install()
     try:
         if tty:
@@ -230,7 +234,7 @@ def drive(
             report = driver.run()
     finally:
         stop.restore()
-    for note in report.notes:
+    for note in report.notes[told:]:
         err.print(f"drive: note: {note}")
     if report.interrupted:
         err.print(
