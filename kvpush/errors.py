@@ -67,8 +67,8 @@ class PeerUnreachableError(KvpushError):
 
 
 class PeerTimeoutError(PeerUnreachableError):
-    """A peer took the request but did not answer within its deadline: a timeout (it may be
-    slow, frozen or gone), not a refusal."""
+    """No connection or no answer within the caller's deadline: a timeout (the peer may be
+    slow, frozen or gone, or the deadline too short), not a refusal; still exit 69."""
 
 
 class PeerError(KvpushError):

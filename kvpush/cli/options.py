@@ -173,11 +173,11 @@ _OPTS: list[Opt] = [
 OPTIONS: dict[str, Opt] = {o.key: o for o in _OPTS}
 assert len(OPTIONS) == len(_OPTS), "two options share a key"
 
-#: Variables that more than one command reads, with the same meaning for each (the README's
-#: table lists them). Any other variable two options would share is a clash.
-SHARED_ENV: frozenset[str] = frozenset(
-    {"KVPUSH_BLOCKS", "KVPUSH_REQUESTS", "KVPUSH_CONCURRENCY", "KVPUSH_SHAPE"}
-)
+#: Variables that two option entries declare (drive's and demo's --blocks and --requests:
+#: per-command help, the same meaning). Any other variable two entries would share is a
+#: clash; an entry in several commands' tables (--concurrency, --shape, the geometry) means the
+#: same to each by construction.
+SHARED_ENV: frozenset[str] = frozenset({"KVPUSH_BLOCKS", "KVPUSH_REQUESTS"})
 
 
 def signature(

@@ -413,7 +413,7 @@ class Driver:
                     pfut.result()  # short: P answers once its blocks are filled
         except KvpushError as e:
             reason, detail = reasons.from_error(e, "decode")
-            if reason is Failure.DECODE_UNREACHABLE:
+            if isinstance(e, PeerUnreachableError):  # refused or timed out: check it
                 self.health.suspect(d)
             self._fail(i, reason, f"D {d}: {detail}")
             return True

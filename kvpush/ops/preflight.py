@@ -18,6 +18,7 @@ from kvpush.ops.results import DriveConfig
 from kvpush.wire import protocol
 
 PREFLIGHT_TIMEOUT_S = 5.0
+MIN_CONTACT_S = 1.0
 
 
 def peer_metadata(address: str, token: bytes | None, timeout_s: float) -> dict[str, Any]:
@@ -37,7 +38,9 @@ def check_peers(cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> dic
     another peer of its role is up: it is returned (address -> what was found) for the run to
     start with it down, as if it had died a moment before. With no P or no D up, the first
     such error is raised (exit 69). The checks below apply to the peers that answered."""
-    wait = min(timeout_s, cfg.timeout_s)
+    # A short --timeout bounds each request, not the first contact: below a second a live
+    # peer's connection set-up alone could exceed it, and it would be reported unreachable.
+    wait = min(timeout_s, max(cfg.timeout_s, MIN_CONTACT_S))
     meta: dict[str, dict[str, Any]] = {}
     down: dict[str, str] = {}
     for role, addrs in (("prefill", cfg.prefill), ("decode", cfg.decode)):

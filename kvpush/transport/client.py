@@ -22,7 +22,6 @@ from kvpush.errors import (
     IncompatiblePeerError,
     PeerError,
     PeerTimeoutError,
-    PeerUnreachableError,
     ProtocolError,
     WrongWireError,
 )
@@ -132,7 +131,7 @@ class SideChannelClient:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._reset()
-                    raise PeerUnreachableError(
+                    raise PeerTimeoutError(
                         f"{self.address} did not accept a connection within {timeout:g}s"
                     ) from None
                 sock.poll(int(min(left, 0.05) * 1000) + 1, zmq.POLLOUT)
@@ -150,7 +149,7 @@ class SideChannelClient:
     ) -> PeerIdentity:
         """Send vLLM's ``get_meta_msg`` for one rank and read who answered.
 
-        Raises ``PeerUnreachableError`` on timeout and ``ProtocolError`` when the answer is in
+        Raises ``PeerTimeoutError`` on timeout and ``ProtocolError`` when the answer is in
         neither kvpush's nor vLLM's form. Sets ``identity`` for the connection.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -209,7 +208,7 @@ class SideChannelClient:
     ) -> protocol.SideReply:
         """Send one request and wait for its reply until the deadline.
 
-        Raises ``PeerUnreachableError`` on timeout, ``WrongWireError`` for a vLLM peer,
+        Raises ``PeerTimeoutError`` on timeout, ``WrongWireError`` for a vLLM peer,
         ``ProtocolError``/``AuthError`` on a bad reply and ``PeerError`` when the peer answered
         with an error.
         """
