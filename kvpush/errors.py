@@ -66,6 +66,11 @@ class PeerUnreachableError(KvpushError):
     default_hint = "check the address and that the peer is running ('kvpush probe HOST:PORT')"
 
 
+class PeerTimeoutError(PeerUnreachableError):
+    """No connection or no answer within the caller's deadline: a timeout (the peer may be
+    slow, frozen or gone, or the deadline too short), not a refusal; still exit 69."""
+
+
 class PeerError(KvpushError):
     """A peer answered with an error, or is not ready."""
 

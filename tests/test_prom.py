@@ -12,12 +12,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.errors import BindError
 from kvpush.telemetry.merge import merge
+from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.prom import (
+    ENDPOINT_COUNTERS,
     PrometheusExporter,
     metric_name,
     snapshot_families,
 )
 from kvpush.telemetry.store import Telemetry
+from tests.conftest import SMALL
+from tests.support.procs import Launcher
 
 
 def busy_telemetry() -> Telemetry:
@@ -92,7 +96,9 @@ def test_serves_metrics_over_http(exporter: tuple[PrometheusExporter, Telemetry]
     m = scrape(exp.url)
     assert m["kvpush_pushes_ok_total"] == {labels(): 7}
     assert m["kvpush_pushed_bytes_total"] == {labels(): 7 * 16384}
-    assert m["kvpush_failures_total"] == {labels(kind="deadline"): 2}
+    fails = m["kvpush_failures_total"]
+    assert {k: v for k, v in fails.items() if v} == {labels(kind="deadline"): 2}
+    assert set(fails) == {labels(kind=str(k)) for k in Failure}  # every kind, 0 until it moves
     assert m["kvpush_queue_depth"] == {
         labels(queue="deferred"): 2,
         labels(queue="inflight_writes"): 5,
@@ -108,10 +114,14 @@ def test_serves_metrics_over_http(exporter: tuple[PrometheusExporter, Telemetry]
     assert m["kvpush_push_latency_seconds_count"] == {labels(): 2}
     assert m["kvpush_push_latency_seconds_sum"][labels()] == pytest.approx(2.05e-3)
     assert m["kvpush_peer_handshake_state"] == {
-        labels(peer="127.0.0.1:5700", mode="full", state="ready"): 1
+        labels(peer="127.0.0.1:5700", peer_rank="0", mode="full", state="ready"): 1
     }
-    assert m["kvpush_peer_handshake_failures"] == {labels(peer="127.0.0.1:5700"): 1}
-    assert m["kvpush_peer_handshake_duration_seconds"] == {labels(peer="127.0.0.1:5700"): 0.041}
+    assert m["kvpush_peer_handshake_failures_total"] == {
+        labels(peer="127.0.0.1:5700", peer_rank="0"): 1
+    }
+    assert m["kvpush_peer_handshake_duration_seconds"] == {
+        labels(peer="127.0.0.1:5700", peer_rank="0"): 0.041
+    }
     assert m["kvpush_info"] == {
         labels(
             device="cpu", writer="deferred", backends="UCX", version="0.1.0", incarnation="inc-1"
@@ -174,7 +184,8 @@ def decode_rank(rank: int) -> Telemetry:
              tp_size=2, handshake="notif")  # fmt: skip
     for name, value in {"d_waiting": 3 + rank, "pool_free": 60 - rank, "pool_total": 64}.items():
         tel.gauge_fn(name, functools.partial(float, value))
-    tel.peers_fn(lambda: [{"peer": "127.0.0.1:5600", "mode": "notif", "state": "connected",
+    peer = "127.0.0.1:5600" if rank == 0 else f"127.0.0.1:5600 rank {rank}"  # peer_name's form
+    tel.peers_fn(lambda: [{"peer": peer, "mode": "notif", "state": "connected",
                            "failures": rank, "duration_s": 0.01}])  # fmt: skip
     tel.inc("requests_ok", 4)  # its share of each of the 4 requests
     tel.inc("notifs_received", 4 + rank)
@@ -206,10 +217,9 @@ def test_ranks_have_a_rank_label_and_sums_count_once() -> None:
     # Rank-level: one series per rank, never also the total.
     assert m["kvpush_notifs_received_total"] == {lab(rank="0"): 4, lab(rank="1"): 5}
     assert m["kvpush_received_bytes_total"] == {lab(rank="0"): 32768, lab(rank="1"): 32768}
-    assert m["kvpush_failures_total"] == {
-        lab(rank="0", kind="deadline"): 0,
-        lab(rank="1", kind="deadline"): 1,
-    }
+    fails = m["kvpush_failures_total"]
+    assert fails[lab(rank="0", kind="deadline")] == 0
+    assert {k: v for k, v in fails.items() if v} == {lab(rank="1", kind="deadline"): 1}
     assert m["kvpush_queue_depth"] == {
         lab(rank="0", queue="d_waiting"): 3,
         lab(rank="1", queue="d_waiting"): 4,
@@ -221,11 +231,12 @@ def test_ranks_have_a_rank_label_and_sums_count_once() -> None:
     assert m["kvpush_pool_capacity_blocks"] == {lab(rank="0"): 64, lab(rank="1"): 64}
     assert m["kvpush_handshake_duration_seconds_count"] == {lab(rank="0"): 1, lab(rank="1"): 1}
     assert m["kvpush_peer_handshake_state"] == {
-        lab(rank=r, peer="127.0.0.1:5600", mode="notif", state="connected"): 1 for r in "01"
+        lab(rank=r, peer="127.0.0.1:5600", peer_rank=r, mode="notif", state="connected"): 1
+        for r in "01"
     }
-    assert m["kvpush_peer_handshake_failures"] == {
-        lab(rank="0", peer="127.0.0.1:5600"): 0,
-        lab(rank="1", peer="127.0.0.1:5600"): 1,
+    assert m["kvpush_peer_handshake_failures_total"] == {
+        lab(rank="0", peer="127.0.0.1:5600", peer_rank="0"): 0,
+        lab(rank="1", peer="127.0.0.1:5600", peer_rank="1"): 1,
     }
     # Request-level: the endpoint's count, once, without rank (the ranks' shares left out).
     assert m["kvpush_requests_ok_total"] == {lab(): 4}
@@ -257,3 +268,32 @@ def test_one_rank_keeps_its_series_without_a_rank_label() -> None:
     assert "kvpush_rank" not in {f.name for f in names}
     requests = next(f for f in names if f.name == "kvpush_requests_ok")
     assert [s.value for s in requests.samples] == [4]  # one rank: its own count
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_counter_and_failure_is_on_the_page_at_zero_after_start_up(
+    tp: int, serve: Launcher, free_port: int
+) -> None:
+    """A real endpoint, scraped right after it is ready: every counter and every failure kind
+    is a series at 0 (the first failure is an increase from 0, not a new series), at TP 1 as at
+    TP 2."""
+    d = serve.serve("decode", *SMALL, "--tp", str(tp), "--metrics-port", str(free_port))
+    m = scrape(str(d.info["metrics"]))
+    ranks = [()] if tp == 1 else [(("rank", str(r)),) for r in range(tp)]
+
+    def lab(*extra: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+        return tuple(sorted([("engine_id", d.engine_id), ("role", "decode"), *extra]))
+
+    want = {lab(*r, ("kind", str(k))) for r in ranks for k in Failure}
+    assert set(m["kvpush_failures_total"]) == want
+    assert set(m["kvpush_failures_total"].values()) == {0}
+    for c in Counter:
+        name = metric_name(c)
+        name = f"{name.removeprefix('bytes_')}_bytes" if name.startswith("bytes_") else name
+        series = m[f"kvpush_{name}_total"]
+        once = tp > 1 and c in ENDPOINT_COUNTERS  # a request-level count: once, no rank label
+        assert set(series) == ({lab()} if once or tp == 1 else {lab(*r) for r in ranks}), c
+        if c not in (Counter.HANDSHAKES_STARTED,):  # nothing moved yet
+            assert set(series.values()) == {0}, c
+    assert m["kvpush_requests_failed_total"] == {lab(): 0}

@@ -270,3 +270,47 @@ def test_json_with_ranks_carries_each_rank_and_round_trips() -> None:
     assert [p["state"] for p in one["peers"]] == ["connected", "failed"]
     assert "ranks" not in one  # a rank has no ranks of its own
     assert [p["rank"] for p in d["peers"]] == [0, 1, 1]
+
+
+def _fitted(snap: Snapshot, width: int, height: int) -> list[str]:
+    from kvpush.cli.views.fit import FittedView
+
+    console = Console(record=True, width=width, height=height, force_terminal=True)
+    console.print(FittedView(snap))
+    return console.export_text().splitlines()
+
+
+def test_fitted_view_of_a_decode_at_tp_4_fits_80x24_with_rates_named_as_rates() -> None:
+    snap = merge([rank_snapshot(r, "decode") for r in range(4)])
+    lines = _fitted(snap, 80, 24)
+    text = "\n".join(lines)
+    assert len(lines) <= 24 and max(len(ln) for ln in lines) <= 80, text
+    assert "GB received" not in text and "pushes/s" not in text
+    assert "Rates    requests/s 1,500  GB/s 0.00  notifs/s 1,000" in text
+    assert "Totals   requests 3,000  received 0 B  notifs 2,000" in text
+    assert "of 4,096 blocks" in text and "Failures deadline 6" in text
+    head = lines.index(next(ln for ln in lines if ln.startswith("rank waiting")))
+    assert lines[head].split() == [
+        "rank", "waiting", "free", "infl.", "quar.", "peers", "req/s", "notifs/s",
+    ]  # fmt: skip
+    assert [lines[head + 1 + r].split()[0] for r in range(4)] == ["0", "1", "2", "3"]
+    assert "Handshakes  4/5 ready" in text and "10.0.0.12:5701" in text
+
+
+def test_fitted_view_lets_handshake_rows_give_way_with_a_count() -> None:
+    peers: list[dict[str, object]] = [
+        {"peer": f"10.0.0.{i}:5700", "state": "connected"} for i in range(30)
+    ]
+    lines = _fitted(sample_snapshot(peers), 80, 24)
+    text = "\n".join(lines)
+    assert len(lines) <= 24 and "of 1,024 blocks" in text and "Failures handshake_failed 3" in text
+    assert "Handshakes  30/30 ready" in text and "… " in text
+    shown = sum(ln.startswith("10.0.0.") for ln in lines)
+    assert f"… {30 - shown} more" in text
+
+
+def test_fitted_view_is_the_full_view_where_that_fits() -> None:
+    snap = tp_snapshot()
+    console = Console(record=True, width=200, height=50, force_terminal=True)
+    console.print(render_live(snap))
+    assert _fitted(snap, 200, 50) == console.export_text().splitlines()

@@ -20,6 +20,7 @@ from typing import Any
 
 import typer
 from typer import _click as click  # typer >= 0.26 ships its own copy of click
+from typer.completion import completion_init  # type: ignore[attr-defined]  # typer calls it there
 
 from kvpush import PROTOCOL_VERSION, __version__
 from kvpush.cli import options, stdio
@@ -37,10 +38,17 @@ EPILOG = (
     "KVPUSH_<OPTION> (e.g. KVPUSH_NUM_BLOCKS=2048)."
 )
 
+# typer's own --install-completion/--show-completion would sit in --help beside the
+# `completion` command that does the same: they are left out (add_completion=False), and the
+# shell classes they would register -- what answers _KVPUSH_COMPLETE on a Tab press -- are
+# registered here instead (without them Tab completion silently answers nothing).
+completion_init()
+
 app = typer.Typer(
     name="kvpush",
     help=HELP,
     epilog=EPILOG,
+    add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},

@@ -22,6 +22,7 @@ from typing import Any
 
 import typer
 
+from kvpush.cli import complete
 from kvpush.cli.fleet_options import FLEET_OPTS, REGISTRY
 from kvpush.cli.optspec import (
     PANEL_VLLM,
@@ -73,13 +74,14 @@ _OPTS: list[Opt] = [
         argument=True),
     Opt("count", ("--count", "-c"), int, "Round trips to measure (RTT, clock offset).", 5),
     Opt("timeout", ("--timeout",), float, "Seconds to wait per request.", 3.0,
-        seconds=True, key="probe.timeout"),
+        seconds=True, key="probe.timeout", env_scope="probe"),
     Opt("handshake", ("--handshake",), HandshakeMode | None,
         "Also do a real NIXL handshake of this mode from a tiny local endpoint and time its "
-        "phases.", None, show_default=False, key="probe.handshake"),
+        "phases.", None, show_default=False, key="probe.handshake", env_scope="probe"),
     Opt("ping", ("--ping",), int, "Measure this many NIXL notification round trips.", 0),
     Opt("stats", ("--stats",), bool, "Show the peer's live telemetry.", False),
-    Opt("json_out", ("--json",), bool, "One JSON object on stdout.", False, key="probe.json"),
+    Opt("json_out", ("--json",), bool, "One JSON object on stdout.", False, key="probe.json",
+        env_scope="probe"),
     Opt("ranks", ("--ranks",), str,
         "The peer's (pp, tp) rank to ask for, as PP,TP (vLLM serves one per rank).", "0,0"),
     Opt("peer_tp", ("--peer-tp",), int | None,
@@ -106,7 +108,8 @@ _OPTS: list[Opt] = [
         key="drive.blocks"),
     Opt("timeout", ("--timeout",), float,
         "Seconds a request may take before it fails. A vLLM leg: D's wait for the push once it "
-        "has blocks, or P's wait for a D to take it.", 30.0, seconds=True, key="drive.timeout"),
+        "has blocks, or P's wait for a D to take it.", 30.0, seconds=True, key="drive.timeout",
+        env_scope="drive"),
     Opt("kv_transfer_params", ("--kv-transfer-params",), str | None,
         "Drive the decode leg of one request a vLLM P holds, as a router would: the "
         "kv_transfer_params its request_finished returned (a JSON object, a file holding it, or "
@@ -125,11 +128,11 @@ _OPTS: list[Opt] = [
         "lease shows the heartbeats work).", 0.0, PANEL_VLLM, seconds=True),
     Opt("json_out", ("--json",), bool,
         "One JSON summary on stdout (--request-id: the kv_transfer_params line first).", False,
-        key="drive.json"),
+        key="drive.json", env_scope="drive"),
     Opt("shape", ("--shape",), str | None,
         "A real model's KV geometry: llama-8b, llama-70b-tp8 (one rank of TP 8) or mla. drive "
         "checks that the endpoints have it (and sizes --tokens in its blocks); demo starts its "
-        "endpoints with it.", None, show_default=False),
+        "endpoints with it.", None, show_default=False, kw={"autocompletion": complete.shapes}),
     Opt("tokens", ("--tokens",), int | None,
         "Tokens per request (with --shape): --blocks becomes ceil(tokens / the shape's block "
         "tokens).", None, show_default=False),
@@ -137,11 +140,13 @@ _OPTS: list[Opt] = [
     Opt("decoders", ("--decoders",), int, "Decode endpoints at start.", 2),
     Opt("tp_shape", ("--tp",), str,
         "Tensor-parallel ranks of P and of each D: N for both, or P,D (e.g. 4,2 or 1,4; the "
-        "demo model has 4 KV heads, so 1, 2 or 4).", "1", key="demo.tp", metavar="N|P,D"),
+        "demo model has 4 KV heads, so 1, 2 or 4).", "1", key="demo.tp", metavar="N|P,D",
+        env_scope="demo"),
     Opt("live", ("--live/--no-live",), bool | None,
         "Show P's live telemetry while driving (default: when stderr is a terminal).", None,
         show_default=False),
-    Opt("json_out", ("--json",), bool, "One JSON report on stdout.", False, key="demo.json"),
+    Opt("json_out", ("--json",), bool, "One JSON report on stdout.", False, key="demo.json",
+        env_scope="demo"),
     Opt("keep_logs", ("--keep-logs",), bool,
         "Keep the endpoints' logs (kept anyway on failure).", False),
     # --------------------------------------------------------------------- bench, completion
@@ -152,12 +157,12 @@ _OPTS: list[Opt] = [
         "x one rank), model (real model shapes, block ids contiguous, shuffled and after "
         "churn, vs raw NIXL), fleet (8 P x 16 D registered in etcd: fleet ls/watch/check, registry "
         "load, p99 with registration on vs off), or all.", REQUIRED,
-        argument=True, show_default=False),
+        argument=True, show_default=False, kw={"autocompletion": complete.scenarios}),
     Opt("quick", ("--quick",), bool, "Short smoke version (what CI runs); figures are rough.",
         False),
     Opt("json_out", ("--json",), bool,
         "Print each scenario's full result as one JSON line instead of tables.", False,
-        key="bench.json"),
+        key="bench.json", env_scope="bench"),
     Opt("out_dir", ("--out-dir",), Path | None,
         "Where results (<scenario>.json), charts (.svg) and worker logs go. "
         "[default: ./bench-out]", None, kw={"file_okay": False}),
@@ -171,6 +176,12 @@ _OPTS: list[Opt] = [
 #: the same flag different meanings (probe's --timeout is per request, drive's per transfer).
 OPTIONS: dict[str, Opt] = {o.key: o for o in _OPTS}
 assert len(OPTIONS) == len(_OPTS), "two options share a key"
+
+#: Variables that two option entries declare (drive's and demo's --blocks and --requests:
+#: per-command help, the same meaning). Any other variable two entries would share is a
+#: clash; an entry in several commands' tables (--concurrency, --shape, the geometry) means the
+#: same to each by construction.
+SHARED_ENV: frozenset[str] = frozenset({"KVPUSH_BLOCKS", "KVPUSH_REQUESTS"})
 
 
 def signature(

@@ -2,7 +2,8 @@
 
 Owns ``Opt`` (flags, type, default, help, help panel of one option or positional argument, and
 how it becomes an annotated ``inspect.Parameter`` typer reads), the ``KVPUSH_<OPTION>`` variable
-names derived from long flags (``envvar``, ``param_name``), the help panels, and the enums of
+names derived from long flags (``envvar``, ``param_name``; ``KVPUSH_<COMMAND>_<OPTION>`` for a
+flag that means different things to different commands), the help panels, and the enums of
 option values that are the CLI's own (``OutputMode``, ``LogLevel``, ``Shell``). The tables of
 options are ``kvpush.cli.serve_options`` (the endpoint commands) and ``kvpush.cli.options``
 (the others, and the one ``OPTIONS`` index the commands are built from).
@@ -64,9 +65,11 @@ def param_name(flag: str) -> str:
     return flag.lstrip("-").split("/")[0].replace("-", "_")
 
 
-def envvar(long_opt: str) -> str:
-    """``--num-blocks`` -> ``KVPUSH_NUM_BLOCKS``."""
-    return ENV_PREFIX + param_name(long_opt).upper()
+def envvar(long_opt: str, scope: str = "") -> str:
+    """``--num-blocks`` -> ``KVPUSH_NUM_BLOCKS``; with a command ``scope`` (a flag that means
+    something else to another command): ``--timeout``, ``probe`` -> ``KVPUSH_PROBE_TIMEOUT``."""
+    scoped = f"{scope}_" if scope else ""
+    return ENV_PREFIX + (scoped + param_name(long_opt)).upper()
 
 
 REQUIRED: Any = ...
@@ -89,6 +92,11 @@ class Opt:
     argument: bool = False
     kw: Mapping[str, Any] = field(default_factory=dict)
     key: str = ""  # the table key when two commands give one flag two meanings
+    # The command whose name the variable carries when two commands give one flag two
+    # meanings (``KVPUSH_PROBE_TIMEOUT`` and ``KVPUSH_DRIVE_TIMEOUT``): one variable set for
+    # one command never changes another. Empty: ``KVPUSH_<OPTION>``, shared by every command
+    # that has the option, because it means the same to each.
+    env_scope: str = ""
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -100,7 +108,7 @@ class Opt:
 
     @property
     def envvar(self) -> str | None:
-        return envvar(self.long) if self.env and not self.argument else None
+        return envvar(self.long, self.env_scope) if self.env and not self.argument else None
 
     def info(self, extra: Mapping[str, Any] | None = None) -> Any:
         kw = {**self.kw, **(extra or {})}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpush.cli import complete
 from kvpush.cli.configfile import config_callback
 from kvpush.cli.optspec import (
     PANEL_GEOM,
@@ -83,7 +84,7 @@ ENDPOINT_OPTS: list[Opt] = [
         "notification is then authenticated with HMAC-SHA256.", None, PANEL_SEC,
         metavar="FILE"),
     Opt("device", (POOL_FLAGS["device"],), str, "Where the KV pool lives: cpu, cuda or cuda:N.",
-        _pool("device"), PANEL_GEOM),
+        _pool("device"), PANEL_GEOM, kw={"autocompletion": complete.devices}),
     Opt("num_blocks", (POOL_FLAGS["num_blocks"],), int, "Blocks in the KV pool.",
         _pool("num_blocks"), PANEL_GEOM),
     Opt("layers", (POOL_FLAGS["layers"],), int, "Layers; each has a K and a V region.",
@@ -104,7 +105,7 @@ ENDPOINT_OPTS: list[Opt] = [
     Opt("head_dim", ("--head-dim",), int | None, "Head dimension (model-like geometry).", None,
         PANEL_GEOM),
     Opt("dtype", (POOL_FLAGS["dtype"],), str, "Element type of the KV cache.", _pool("dtype"),
-        PANEL_GEOM),
+        PANEL_GEOM, kw={"autocompletion": complete.dtypes}),
     Opt("kv_layout", (POOL_FLAGS["kv_layout"],), str, "KV cache layout name; peers must agree.",
         _pool("kv_layout"), PANEL_GEOM),
     Opt("kv_regions", ("--kv-regions",), KvRegions,

@@ -11,6 +11,7 @@ here. Pure functions over a ``{param: value}`` mapping; no torch, nixl or zmq.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -86,6 +87,9 @@ def pool_config(p: Mapping[str, Any], num_blocks: int | None = None) -> PoolConf
     )
 
 
+_VLLM_HASH = re.compile(r"^[0-9a-fA-F]{64}$")
+
+
 def vllm_wire(p: Mapping[str, Any], pool: PoolConfig) -> tuple[VllmWireConfig | None, PoolConfig]:
     """``--wire vllm``: the vLLM wire config (and the pool reshaped by ``--like``)."""
     wire = p.get("wire") or Wire.KVPUSH
@@ -96,6 +100,15 @@ def vllm_wire(p: Mapping[str, Any], pool: PoolConfig) -> tuple[VllmWireConfig | 
             flag = "--like" if like_addr else "--" + given[0].replace("_", "-")
             raise ConfigError(f"{flag} needs --wire vllm", "add --wire vllm, or drop the option")
         return None, pool
+    given_hash = str(p.get("compat_hash") or "")
+    if given_hash and not _VLLM_HASH.match(given_hash):
+        # The same words as the config's check of any hash (``VllmWireConfig``): a hash given
+        # by hand is vLLM's sha256, 64 hex digits (one taken with --like is the peer's own).
+        raise ConfigError(
+            f"invalid compatibility hash {given_hash!r}",
+            "pass vLLM's hash (64 hex digits) with --compat-hash, or take it from a running "
+            "peer with --like HOST:PORT",
+        )
     if like_addr:
         from kvpush.ops.like import like
 

@@ -121,6 +121,8 @@ class Receiver:
             for key in idle:
                 if key not in busy:
                     self._peers.evict(key, "idle")
+        for key, why in self._hs.down():  # its process is gone (kvpush.peers.watch)
+            self._peers.evict(key, f"down: {why}")
 
     def drain(self, deadline: float) -> None:
         """Stop: fail what is still waiting (P is told), fail what never reached this thread."""
@@ -206,6 +208,8 @@ class Receiver:
             for s in list(req.p_conns):
                 if s not in req.sources:
                     del req.p_conns[s]  # the discovery connection to rank 0 is not a source
+            if 0 not in req.sources:
+                self._forget_discovery(req, tp)
         waiting = False
         # A TP size the request claims (vLLM's remote_tp_size) is not trusted: P's ranks are
         # asked one at a time, the first one's answer is checked against the claim, and the
@@ -252,6 +256,16 @@ class Receiver:
             return
         self._peer_tp[req.p_addr] = req.p_tp
         self._register(req)
+
+    def _forget_discovery(self, req: DRequest, tp: int) -> None:
+        """A handshake with P's rank 0, when this D rank draws nothing from it, only told P's
+        TP size: keep the size, drop the connection (no peer row stands for it, nothing
+        outlives that P). One still connecting is dropped by the request that waits on it, when
+        it comes back here; requests that waited on the same handshake find the size."""
+        self._peer_tp[req.p_addr] = tp
+        conn = self._hs.forget(req.key(0))
+        if conn is not None:
+            self._hs.release_conn(conn)
 
     def _conn_or_wait(self, req: DRequest, key: PeerKey, attach: bool = True) -> PeerConn | None:
         """The connection to ``key``, or None: a handshake is under way (the request comes back

@@ -32,8 +32,9 @@ import time
 from collections.abc import Callable
 
 from kvpush.address import format_address, parse_address
-from kvpush.errors import KvpushError
+from kvpush.errors import KvpushError, PeerUnreachableError
 from kvpush.ops import control, reasons
+from kvpush.ops.drive_notes import down_at_start_note, long_run_note
 from kvpush.ops.health import Health, Peer
 from kvpush.ops.preflight import check_peers
 from kvpush.ops.results import DriveConfig, DriveReport, RequestResult, summarize
@@ -96,6 +97,9 @@ class Driver:
         p_threads = min(PREFILL_THREADS, cfg.concurrency, cfg.requests)
         budget = SOCKET_BUDGET - n_peers - p_threads * len(cfg.prefill)
         self.workers = max(1, min(cfg.concurrency, cfg.requests, budget))
+        planned = long_run_note(cfg)
+        if planned:
+            self.notes.append(planned)
         if self.workers < min(cfg.concurrency, cfg.requests):
             self.notes.append(
                 f"--concurrency {cfg.concurrency} is more side-channel connections than one "
@@ -168,9 +172,12 @@ class Driver:
 
     # ------------------------------------------------------------------ run
     def run(self) -> DriveReport:
-        if self.cfg.preflight:
-            check_peers(self.cfg)
+        down = check_peers(self.cfg) if self.cfg.preflight else {}
         self._t0 = time.monotonic()
+        for addr, why in down.items():  # unreachable at start: the run goes on with the others
+            self.health.down_at_start(addr, why)
+            self.notes.append(down_at_start_note(addr, why))
+            self._event(f"{addr} is down at start ({why}): requests avoid it until it answers")
         self.health.start()
         started = 0
         try:
@@ -369,8 +376,10 @@ class Driver:
                 self.health.replied(p)
             except KvpushError as e:
                 reason, detail = reasons.from_error(e, "prefill")
-                if reason is Failure.PREFILL_UNREACHABLE:
+                if isinstance(e, PeerUnreachableError):  # refused or timed out: check it
                     self.health.suspect(p)
+                if reason is Failure.DEADLINE:
+                    detail += f" (--timeout {self.cfg.timeout_s:g})"
                 self._fail(i, reason, f"P {p}: {detail}")
                 return
             if not isinstance(rep, protocol.PrefillRep):
@@ -420,7 +429,7 @@ class Driver:
                     pfut.result()  # short: P answers once its blocks are filled
         except KvpushError as e:
             reason, detail = reasons.from_error(e, "decode")
-            if reason is Failure.DECODE_UNREACHABLE:
+            if isinstance(e, PeerUnreachableError):  # refused or timed out: check it
                 self.health.suspect(d)
             self._fail(i, reason, f"D {d}: {detail}")
             return True

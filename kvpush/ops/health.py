@@ -161,6 +161,14 @@ class Health:
             self._peers[address].suspect = True
         self._wake.set()
 
+    def down_at_start(self, address: str, why: str) -> None:
+        """``address`` did not answer before the run: down from the start (nothing goes
+        there), re-checked every ``recheck_s`` like a peer that died, and back when it
+        answers."""
+        with self._lock:
+            p = self._peers[address]
+            p.up, p.why, p.last_recheck = False, why, time.monotonic()
+
     def rows(self) -> list[tuple[str, str, bool, str, int]]:
         """(address, role, up, why, in flight) of every peer."""
         with self._lock:

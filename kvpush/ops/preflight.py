@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpush.errors import ConfigError, IncompatiblePeerError, PeerError
+from kvpush.errors import ConfigError, IncompatiblePeerError, PeerError, PeerUnreachableError
 from kvpush.ops import control
 from kvpush.ops.results import DriveConfig
 from kvpush.wire import protocol
 
 PREFLIGHT_TIMEOUT_S = 5.0
+MIN_CONTACT_S = 1.0
 
 
 def peer_metadata(address: str, token: bytes | None, timeout_s: float) -> dict[str, Any]:
@@ -30,30 +31,49 @@ def peer_metadata(address: str, token: bytes | None, timeout_s: float) -> dict[s
     return protocol.decode_metadata_loose(rep.metadata)
 
 
-def check_peers(cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
-    """Fail fast, in this order: reachability, roles, pool sizes, P/D compatibility."""
-    wait = min(timeout_s, cfg.timeout_s)
+def check_peers(cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> dict[str, str]:
+    """Fail fast, in this order: reachability, roles, pool sizes, P/D compatibility.
+
+    A peer that is unreachable at start (refused, timed out) does not stop the run while
+    another peer of its role is up: it is returned (address -> what was found) for the run to
+    start with it down, as if it had died a moment before. With no P or no D up, the first
+    such error is raised (exit 69). The checks below apply to the peers that answered."""
+    # A short --timeout bounds each request, not the first contact: below a second a live
+    # peer's connection set-up alone could exceed it, and it would be reported unreachable.
+    wait = min(timeout_s, max(cfg.timeout_s, MIN_CONTACT_S))
     meta: dict[str, dict[str, Any]] = {}
+    down: dict[str, str] = {}
     for role, addrs in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+        first: PeerUnreachableError | None = None
         for addr in addrs:
-            md = meta[addr] = peer_metadata(addr, cfg.auth_token, wait)
+            try:
+                md = meta[addr] = peer_metadata(addr, cfg.auth_token, wait)
+            except PeerUnreachableError as e:
+                down[addr] = e.message
+                first = first or e
+                continue
             if md.get("role") != role:
                 flag = "--prefill" if role == "prefill" else "--decode"
                 raise ConfigError(
                     f"{addr} is a {md.get('role')} endpoint, not {role}",
                     f"give {flag} only {role} endpoints",
                 )
-    for addr in (*cfg.prefill, *cfg.decode):
+        if first is not None and all(a in down for a in addrs):
+            raise first
+    up = [a for a in (*cfg.prefill, *cfg.decode) if a in meta]
+    for addr in up:
         pool = meta[addr].get("num_blocks")
         if isinstance(pool, int) and cfg.blocks > pool:
             raise ConfigError(
                 f"--blocks {cfg.blocks} exceeds the pool of {addr} ({pool} blocks)",
                 f"use --blocks {pool} or fewer",
             )
-    ref = cfg.prefill[0]
+    ref = next(a for a in cfg.prefill if a in meta)
     # The model's page (every rank's share together) is what P and D share, whatever their TP.
     ref_fields = protocol.compat_fields_loose(meta[ref])
-    for addr in (*cfg.prefill[1:], *cfg.decode):
+    for addr in up:
+        if addr == ref:
+            continue
         remote = protocol.compat_fields_loose(meta[addr])
         diffs = protocol.compat_differences(ref_fields, remote)
         if diffs:
@@ -67,8 +87,8 @@ def check_peers(cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Non
             )
     if cfg.shape:
         _check_shape(cfg.shape, ref, meta[ref])
-    for p_addr in cfg.prefill:
-        for d_addr in cfg.decode:
+    for p_addr in (a for a in cfg.prefill if a in meta):
+        for d_addr in (a for a in cfg.decode if a in meta):
             p_tp, d_tp = meta[p_addr].get("tp_size", 1), meta[d_addr].get("tp_size", 1)
             if isinstance(p_tp, int) and isinstance(d_tp, int) and p_tp % d_tp and d_tp % p_tp:
                 raise IncompatiblePeerError(
@@ -77,6 +97,7 @@ def check_peers(cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Non
                     [("tp_size", p_tp, d_tp)],
                     "run P and D at TP sizes that divide one another (e.g. 8 and 4)",
                 )
+    return down
 
 
 def _check_shape(name: str, address: str, md: dict[str, Any]) -> None:

@@ -81,6 +81,12 @@ def measure(
         raise PeerError(f"{addr} was asked for rank {tp_rank} and described rank {meta['tp_rank']}")
     meta["wire"] = kv.wire
     meta["ranks"] = [list(r) for r in kv.ranks]
+    tp_size = meta.get("tp_size")
+    if not meta["ranks"] and isinstance(tp_size, int) and tp_size > 0:
+        # With a token the unauthenticated first answer lists no ranks (only that a token is
+        # needed); the authenticated metadata says the TP size: a kvpush endpoint serves
+        # pipeline rank 0, tensor ranks 0..tp-1 (``endpoint.answers``).
+        meta["ranks"] = [[0, r] for r in range(tp_size)]
     remote_fields = protocol.compat_fields_loose(meta)
     diffs: list[tuple[str, object, object]]
     if local is None:

@@ -17,6 +17,7 @@ from kvpush.errors import (
     KvpushError,
     NoFreeBlocksError,
     PeerError,
+    PeerTimeoutError,
     PeerUnreachableError,
     ProtocolError,
     ShuttingDownError,
@@ -41,6 +42,8 @@ _PREFILL_CLASS_NAMES: dict[str, Failure] = {
 
 def from_error(e: BaseException, leg: Leg) -> tuple[Failure, str]:
     """The reason and detail of an exception raised while sending ``leg``."""
+    if isinstance(e, PeerTimeoutError):  # it took the request: a timeout, not unreachable
+        return Failure.DEADLINE, e.message
     if isinstance(e, PeerUnreachableError):
         return UNREACHABLE[leg], e.message
     if isinstance(e, AuthError):

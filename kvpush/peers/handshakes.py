@@ -14,6 +14,12 @@ never answers only ties up its own thread until its deadline and never delays a 
 (vLLM runs one handshake at a time). The peer table is guarded by one lock. Evicting a peer only
 removes it from the table; releasing its NIXL resources is the owner thread's job
 (``release_conn``), because the owner may still be using its descriptor list.
+
+A connected peer whose process is gone shows as such at once: ``kvpush.peers.watch`` (one
+thread per manager, from the first connection to ``close``) finds a quiet peer's side channel
+refusing connections and marks its row ``down``; a handshake to it fails at once; the owner
+evicts it at its next housekeeping (``down()``), as it evicts a peer whose heartbeat, PUSH_REG
+or WRITE failed.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from kvpush.peers.state import PeerConn, PeerEntry, PeerGone, PeerKey, peer_key,
 from kvpush.peers.tp import Slice, check_ratio, write_slice
 from kvpush.peers.validation import check_reply, mode_satisfies
 from kvpush.peers.vllm_peer import PeerHint, check_peer_role, check_vllm_answer
+from kvpush.peers.watch import PeerWatch, Target
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter, Failure, Hist, PeerState
 from kvpush.telemetry.store import Telemetry
@@ -87,6 +94,7 @@ class HandshakeManager:
         self._peers: dict[PeerKey, PeerEntry] = {}
         self._closed = False
         self._rl = RateLimitedLog(log)
+        self._watch: PeerWatch | None = None  # started with the first connected peer
 
     # ------------------------------------------------------------------ queries
     def get(self, key: PeerKey) -> PeerConn | None:
@@ -161,6 +169,10 @@ class HandshakeManager:
                 f.set_exception(ShuttingDownError("endpoint is shutting down"))
                 return f
             e = self._peers.get(key)
+            if e is not None and e.state == PeerState.DOWN:
+                f = Future()
+                f.set_exception(PeerUnreachableError(f"{peer_name(key)} is down: {e.last_error}"))
+                return f  # its process is gone: evicted at the owner's next housekeeping
             if e is not None:
                 if (
                     e.state == PeerState.CONNECTED
@@ -275,6 +287,11 @@ class HandshakeManager:
             e.state = PeerState.CONNECTED
             e.duration_s = time.monotonic() - e.started
             closed = self._closed
+            if self._watch is None and not closed:
+                self._watch = PeerWatch(
+                    self._quiet_peers, self._mark_down, name=f"peer-watch-{self._local.tp_rank}"
+                )
+                self._watch.start()
         self._tm.inc(Counter.HANDSHAKES_OK)
         self._tm.observe(Hist.HANDSHAKE_DURATION, e.duration_s)
         log.info(
@@ -444,6 +461,44 @@ class HandshakeManager:
         self._tm.inc(Counter.PEERS_EVICTED)
         return e.conn
 
+    def forget(self, key: PeerKey) -> PeerConn | None:
+        """Drop a connection that serves no data path (a D rank's handshake with P's rank 0
+        that only told it P's TP size): no row, no eviction counted; the owner releases what
+        is returned. A handshake still under way is left alone (its thread would finish a
+        connection nobody releases)."""
+        with self._lock:
+            e = self._peers.get(key)
+            if e is None or e.state != PeerState.CONNECTED:
+                return None
+            del self._peers[key]
+        return e.conn
+
+    def down(self) -> list[tuple[PeerKey, str]]:
+        """Peers marked down (their process is gone), with why: for the owner to evict."""
+        with self._lock:
+            return [(k, e.last_error) for k, e in self._peers.items() if e.state == PeerState.DOWN]
+
+    def _quiet_peers(self, quiet_s: float) -> list[Target]:
+        """Watch thread: the connected peers no one used for ``quiet_s``."""
+        now = time.monotonic()
+        with self._lock:
+            return [
+                (e, e.key[0], e.key[1])
+                for e in self._peers.values()
+                if e.state == PeerState.CONNECTED
+                and e.conn is not None
+                and now - e.conn.last_used > quiet_s
+            ]
+
+    def _mark_down(self, token: object, why: str) -> None:
+        """Watch thread: the peer of row ``token`` refused a connection: its row reads down."""
+        with self._lock:
+            e = self._peers.get(token.key) if isinstance(token, PeerEntry) else None
+            if e is not token or e is None or e.state != PeerState.CONNECTED:
+                return  # replaced, evicted or no longer connected meanwhile
+            e.state, e.last_error = PeerState.DOWN, why
+        log.info("peer %s is down: %s", peer_name(e.key), why)
+
     def idle(self, ttl_s: float) -> list[PeerKey]:
         now = time.monotonic()
         with self._lock:
@@ -469,6 +524,8 @@ class HandshakeManager:
             self._closed = True
             entries = list(self._peers.values())
             self._peers.clear()
+            if self._watch is not None:
+                self._watch.stop()
         # Handshakes still running finish by their deadline, see _closed and release their own
         # connection (see _run).
         return [e.conn for e in entries if e.conn is not None]

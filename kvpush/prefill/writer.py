@@ -186,6 +186,8 @@ class PushWriter:
             for key in idle:
                 if key not in busy:
                     self._evict(key, "idle")
+        for key, why in self._hs.down():  # its process is gone (kvpush.peers.watch)
+            self._evict(key, f"down: {why}")
 
     # ------------------------------------------------------------------ inbox handlers
     def _item_failed(self, item: object, e: Exception) -> None:

@@ -153,6 +153,7 @@ class PeerState(StrEnum):
     CONNECTING = "connecting"
     CONNECTED = "connected"
     FAILED = "failed"
+    DOWN = "down"  # was connected; its process is gone (kvpush.peers.watch), evicted next
 
 
 #: Counters whose per-second rate every snapshot carries (``Snapshot.rates``, same keys).

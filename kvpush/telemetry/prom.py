@@ -14,11 +14,15 @@ registry. A custom collector calls ``source()`` on the scrape thread and transla
 - ``kvpush_pool_blocks{state}`` (free, allocated, inflight, quarantined) and
   ``kvpush_pool_capacity_blocks`` (``pool_total``); ``kvpush_<gauge>`` for any other gauge
 - ``kvpush_<hist>_seconds``: histograms on the fixed ``BUCKET_BOUNDS``
-- ``kvpush_peer_handshake_state{peer,mode,state}`` = 1 per peer row, with
-  ``kvpush_peer_handshake_failures{peer}`` and ``kvpush_peer_handshake_duration_seconds{peer}``
+- ``kvpush_peer_handshake_state{peer,peer_rank,mode,state}`` = 1 per peer row, with the
+  counter ``kvpush_peer_handshake_failures_total{peer,peer_rank}`` and
+  ``kvpush_peer_handshake_duration_seconds{peer,peer_rank}`` (``peer`` the address,
+  ``peer_rank`` the remote rank)
 - ``kvpush_uptime_seconds``; ``kvpush_info{incarnation,...}`` = 1 with the static info as labels
 
-Every series carries ``role`` and ``engine_id``. Rates are left to PromQL ``rate()``. Binds
+Every counter (``names.Counter``) and failure kind (``names.Failure``) this version knows is
+exported from the first scrape, at 0 until it moves, at every TP size. Every series carries
+``role`` and ``engine_id``. Rates are left to PromQL ``rate()``. Binds
 127.0.0.1 unless told otherwise: the side-channel advisories in this space are about services
 bound to all interfaces.
 
@@ -72,6 +76,8 @@ from kvpush.telemetry.names import (
     QUEUE_GAUGES,
     REQUEST_COUNTERS,
     REQUEST_HISTS,
+    Counter,
+    Failure,
 )
 from kvpush.telemetry.snapshot import HistSnapshot, Snapshot, expand_buckets
 
@@ -83,6 +89,7 @@ __all__ = [
     "PrometheusExporter",
     "metric_name",
     "snapshot_families",
+    "split_peer",
 ]
 
 _BASE = ("role", "engine_id")
@@ -93,6 +100,14 @@ _BASE = ("role", "engine_id")
 ENDPOINT_COUNTERS = frozenset(c for cs in REQUEST_COUNTERS.values() for c in cs)
 ENDPOINT_HISTS = frozenset(h for hs in REQUEST_HISTS.values() for h in hs)
 _INVALID = re.compile(r"[^a-zA-Z0-9_]")
+_PEER_RANK = re.compile(r"^(?P<addr>.*) rank (?P<rank>\d+)$")
+
+
+def split_peer(peer: str) -> tuple[str, str]:
+    """``"HOST:PORT rank R"`` (``peer_name``'s form) -> ``("HOST:PORT", "R")``; rank 0 is
+    written without it: ``"HOST:PORT"`` -> ``("HOST:PORT", "0")``."""
+    m = _PEER_RANK.match(peer)
+    return (m["addr"], m["rank"]) if m else (peer, "0")
 
 
 def metric_name(raw: str) -> str:
@@ -138,18 +153,21 @@ def _families(snap: Snapshot) -> Iterator[Metric]:
     once_counters = ENDPOINT_COUNTERS if ranked else frozenset()
     once_hists = ENDPOINT_HISTS if ranked else frozenset()
 
+    # Every counter this version knows is on the page from the first scrape, at 0 until it
+    # moves (rate() and increase() then see the first event, and an absent series means a
+    # missing endpoint, not a quiet one), whatever the TP size.
     names = {c for _, s in parts for c in s.counters if c not in once_counters}
     names |= {c for c in snap.counters if c in once_counters}
+    names |= {str(c) for c in Counter}
     for counter in sorted(names):
         doc = f"kvpush counter {counter}"
         if counter in once_counters:
             c = CounterMetricFamily(_counter_base(counter), doc, labels=_BASE)
-            c.add_metric(base, snap.counters[counter])
+            c.add_metric(base, snap.counters.get(counter, 0))
         else:
             c = CounterMetricFamily(_counter_base(counter), doc, labels=lab)
             for key, s in parts:
-                if counter in s.counters:
-                    c.add_metric(key, s.counters[counter])
+                c.add_metric(key, s.counters.get(counter, 0))
         yield c
 
     fails = CounterMetricFamily(
@@ -158,7 +176,8 @@ def _families(snap: Snapshot) -> Iterator[Metric]:
         labels=[*lab, "kind"],
     )
     for key, s in parts:
-        for kind, value in sorted(s.failures.items()):
+        known = {str(k): 0 for k in Failure}  # every kind at 0 from the start, as counters
+        for kind, value in sorted({**known, **s.failures}.items()):
             fails.add_metric([*key, kind], value)
     yield fails
 
@@ -206,30 +225,35 @@ def _families(snap: Snapshot) -> Iterator[Metric]:
                     _add_hist(fam, key, s.histograms[hist])
         yield fam
 
+    # ``peer`` is the peer endpoint's side-channel address and ``peer_rank`` its rank (each
+    # rank is its own NIXL agent and handshake), so both group and filter as plain values.
+    peer_lab = [*lab, "peer", "peer_rank"]
     state = GaugeMetricFamily(
         "kvpush_peer_handshake_state",
         "1 for each peer, labelled with its handshake mode and state",
-        labels=[*lab, "peer", "mode", "state"],
+        labels=[*peer_lab, "mode", "state"],
     )
-    failures = GaugeMetricFamily(
-        "kvpush_peer_handshake_failures", "Failed handshakes per peer", labels=[*lab, "peer"]
+    failures = CounterMetricFamily(
+        "kvpush_peer_handshake_failures",
+        "Failed handshakes per peer since it entered the peer table",
+        labels=peer_lab,
     )
     duration = GaugeMetricFamily(
         "kvpush_peer_handshake_duration_seconds",
         "Duration of the last handshake per peer",
-        labels=[*lab, "peer"],
+        labels=peer_lab,
     )
     for key, s in parts:
         for row in s.peers:
-            peer = str(row.get("peer", ""))
+            peer = [*key, *split_peer(str(row.get("peer", "")))]
             mode, st = str(row.get("mode", "")), str(row.get("state", ""))
-            state.add_metric([*key, peer, mode, st], 1)
+            state.add_metric([*peer, mode, st], 1)
             n = row.get("failures")
             if isinstance(n, int | float):
-                failures.add_metric([*key, peer], n)
+                failures.add_metric(peer, n)
             d = row.get("duration_s")
             if isinstance(d, int | float):
-                duration.add_metric([*key, peer], d)
+                duration.add_metric(peer, d)
     yield state
     yield failures
     yield duration
@@ -399,6 +423,7 @@ class PrometheusExporter:
         thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
         thread.start()
         return server, thread
+
     def _bind_error(self, e: OSError) -> BindError:
         where = f"{self.host}:{self.port}"
         if e.errno == errno.EADDRINUSE:

@@ -22,6 +22,7 @@ from kvpush.errors import (
     AuthError,
     IncompatiblePeerError,
     PeerError,
+    PeerTimeoutError,
     PeerUnreachableError,
     ProtocolError,
     WrongWireError,
@@ -148,7 +149,7 @@ class SideChannelClient:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._reset()
-                    raise PeerUnreachableError(
+                    raise PeerTimeoutError(
                         f"{self.address} did not accept a connection within {timeout:g}s"
                     ) from None
                 if not looked and time.monotonic() - t0 >= REFUSED_LOOK_AFTER_S:
@@ -168,7 +169,7 @@ class SideChannelClient:
         left = deadline - time.monotonic()
         if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
             self._reset()
-            raise PeerUnreachableError(f"{self.address} did not answer within {timeout:g}s")
+            raise PeerTimeoutError(f"{self.address} did not answer within {timeout:g}s")
         return sock.recv_multipart()
 
     # ------------------------------------------------------------------ first contact
@@ -177,7 +178,7 @@ class SideChannelClient:
     ) -> PeerIdentity:
         """Send vLLM's ``get_meta_msg`` for one rank and read who answered.
 
-        Raises ``PeerUnreachableError`` on timeout and ``ProtocolError`` when the answer is in
+        Raises ``PeerTimeoutError`` on timeout and ``ProtocolError`` when the answer is in
         neither kvpush's nor vLLM's form. Sets ``identity`` for the connection.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -236,7 +237,7 @@ class SideChannelClient:
     ) -> protocol.SideReply:
         """Send one request and wait for its reply until the deadline.
 
-        Raises ``PeerUnreachableError`` on timeout, ``WrongWireError`` for a vLLM peer,
+        Raises ``PeerTimeoutError`` on timeout, ``WrongWireError`` for a vLLM peer,
         ``ProtocolError``/``AuthError`` on a bad reply and ``PeerError`` when the peer answered
         with an error.
         """

@@ -206,7 +206,8 @@ def drive(
     )
     if targets is not None:  # the registry's set, checked; one that left meanwhile is dropped
         cfg = targets.preflight(cfg)
-    err = Console(stderr=True, highlight=False)
+    # soft_wrap: one line per event whatever the width (a file or pipe is not 80 columns).
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
 
     def event(text: str) -> None:
         err.print(f"drive: {text}")
@@ -234,6 +235,9 @@ def drive(
     if targets is not None:
         driver.notes.extend(dict.fromkeys(targets.notes))
         targets.follow(driver)
+    told = len(driver.notes)  # what the run's plan already says: printed before it starts
+    for note in driver.notes:
+        err.print(f"drive: note: {note}")
     stop = StopFlag(on_signal=driver.cancel).install()
     try:
         if tty:
@@ -256,7 +260,7 @@ def drive(
         stop.restore()
         if targets is not None:
             targets.stop()
-    for note in report.notes:
+    for note in report.notes[told:]:
         err.print(f"drive: note: {note}")
     if report.interrupted:
         err.print(

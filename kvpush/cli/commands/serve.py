@@ -119,17 +119,27 @@ def choose_output(requested: OutputMode | None) -> OutputMode:
 def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
     """Run one endpoint until SIGINT/SIGTERM/SIGHUP; return the exit status (raise typed
     errors)."""
-    from kvpush.cli.views import lines, live
+    from kvpush.cli.views import lines
     from kvpush.ops.engine import open_endpoint
 
     output = choose_output(opts.output)
     console = Console(stderr=True)
+    if output is OutputMode.LIVE and not sys.stderr.isatty():
+        output = OutputMode.PLAIN
+        live_refused = True
+    else:
+        live_refused = False
     setup_logging(console, opts.log_level, rich_handler=sys.stderr.isatty())
     if cfg.allow_all_interfaces and cfg.auth_token is None:
         log.warning(
             "the side channel binds %s without --auth-token-file: anyone who can reach it "
             "can send requests",
             cfg.host,
+        )
+    if live_refused:
+        log.warning(
+            "-o live draws on stderr, which is not a terminal here: printing plain lines "
+            "on stdout instead (-o plain or -o json says so without this warning)"
         )
     stop = StopFlag().install()
     ep: Any = None
@@ -173,7 +183,7 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
             "%s endpoint ready on %s; Ctrl+C or SIGTERM drains and stops", cfg.role, ep.address
         )
         if output is OutputMode.LIVE:
-            failure = _loop_live(ep, stop, console, live)
+            failure = _loop_live(ep, stop, console)
         else:
             failure = _loop_lines(ep, stop, output, opts.interval_s, lines)
         if stop.signame:
@@ -231,13 +241,20 @@ def _loop_lines(
     return None
 
 
-def _loop_live(ep: Any, stop: StopFlag, console: Console, render: Any) -> BaseException | None:
+def _loop_live(ep: Any, stop: StopFlag, console: Console) -> BaseException | None:
+    """Redraw the fitted view every ``LIVE_REFRESH_S`` from this thread only (no refresh
+    thread of rich's). When the terminal's size changed, the screen is cleared first: a
+    terminal that re-wraps its lines on a resize leaves the old frame taller than the view
+    remembers, and its top rows would stay on screen as a ghost frame."""
     from rich.live import Live
 
+    from kvpush.cli.views.fit import FittedView
+
+    size = console.size
     with Live(
-        render.render_live(ep.snapshot()),
+        FittedView(ep.snapshot()),
         console=console,
-        refresh_per_second=1 / LIVE_REFRESH_S,
+        auto_refresh=False,
         redirect_stdout=False,
         redirect_stderr=False,
     ) as live:
@@ -245,5 +262,8 @@ def _loop_live(ep: Any, stop: StopFlag, console: Console, render: Any) -> BaseEx
             failure = ep.failure()
             if failure is not None:
                 return failure  # type: ignore[no-any-return]
-            live.update(render.render_live(ep.snapshot()))
+            if console.size != size:
+                size = console.size
+                console.clear()
+            live.update(FittedView(ep.snapshot()), refresh=True)
     return None

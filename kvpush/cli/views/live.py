@@ -59,17 +59,18 @@ HEADER_INFO = {
     "prefill": ("address", "device", "writer", "backends", "version"),
     "decode": ("address", "device", "handshake", "backends", "version"),
 }
-#: Throughput rows by role: label, counter (its rate when the snapshot carries one), scale.
+#: Throughput rows by role: the rate's label and its counter (the ``now`` column is the rate,
+#: ``total`` the count). A P completes no requests itself (its requests are its pushes) and a D
+#: pushes nothing: each role shows only the rates it has.
 THROUGHPUT = {
     "prefill": (
         ("pushes/s", Counter.PUSHES_OK),
         ("GB/s", Counter.BYTES_PUSHED),
-        ("requests/s", Counter.REQUESTS_OK),
         ("notifs/s", Counter.NOTIFS_RECEIVED),
     ),
     "decode": (
         ("requests/s", Counter.REQUESTS_OK),
-        ("GB received", Counter.BYTES_RECEIVED),
+        ("GB/s", Counter.BYTES_RECEIVED),
         ("notifs/s", Counter.NOTIFS_RECEIVED),
     ),
 }

@@ -19,7 +19,7 @@ from kvpush.telemetry.snapshot import HistSnapshot, Snapshot
 #: Peer states counted as healthy ("peers=2/2") and drawn green; these drawn red; others (a
 #: peer still connecting, or a state a newer endpoint reports) yellow.
 OK_STATES = frozenset({PeerState.CONNECTED})
-BAD_STATES = frozenset({PeerState.FAILED})
+BAD_STATES = frozenset({PeerState.FAILED, PeerState.DOWN})
 
 #: The latency that the plain line reports as ``p99`` for each role (else the first histogram).
 PRIMARY_LATENCY = {"prefill": Hist.PUSH_LATENCY, "decode": Hist.DECODE_LATENCY}
