@@ -13,6 +13,8 @@ Scenarios (one module each; every one starts real P and D processes on 127.0.0.1
 - ``model``: pushes at real model geometry (``kvpush.memory.shapes``) with block ids contiguous,
   shuffled and as churn leaves a pool (kvpush's extent allocator vs a plain free list), beside
   raw NIXL (merge on and off) and ``process_vm_writev`` of the same ids; allocation cost.
+- ``device`` (not in ``all``): pushes at model shapes between pools on ``--device`` (``cuda``:
+  VRAM) beside a raw NIXL WRITE loop and a torch copy of the same bytes (``scripts/gpu-check.sh``).
 
 ``run(name, quick, out_dir, progress)`` returns one scenario's result as a JSON-able dict
 (``kvpush.bench.report``); ``run_all`` runs every scenario. Importing this package is cheap: the
@@ -28,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 SCENARIOS: tuple[str, ...] = ("hol", "handshake", "bandwidth", "rate", "scale", "tp", "model")
+#: Scenarios that take ``device`` (``--device``); not run by ``all``.
+DEVICE_SCENARIOS: tuple[str, ...] = ("device",)
+NAMES: tuple[str, ...] = SCENARIOS + DEVICE_SCENARIOS
 
 DEFAULT_OUT_DIR = Path("bench-out")
 
@@ -41,13 +46,21 @@ def run(
     quick: bool = False,
     out_dir: Path | None = None,
     progress: Callable[[str], None] = _quiet,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Run one scenario; write ``<out_dir>/<name>.json`` (and its chart); return the result."""
+    """Run one scenario; write ``<out_dir>/<name>.json`` (and its chart); return the result.
+    ``device`` is for the ``DEVICE_SCENARIOS``; the others run on DRAM only."""
     from kvpush.errors import ConfigError
 
-    if name not in SCENARIOS:
+    if name not in NAMES:
         raise ConfigError(
-            f"unknown benchmark scenario {name!r}", f"choose one of {', '.join(SCENARIOS)}, or all"
+            f"unknown benchmark scenario {name!r}", f"choose one of {', '.join(NAMES)}, or all"
+        )
+    if device != "cpu" and name not in DEVICE_SCENARIOS:
+        raise ConfigError(
+            f"bench {name} runs on DRAM only (--device {device})",
+            f"--device applies to {', '.join(DEVICE_SCENARIOS)}: "
+            f"kvpush bench device --device {device}",
         )
     out = out_dir if out_dir is not None else DEFAULT_OUT_DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -56,7 +69,8 @@ def run(
     mod = importlib.import_module(f"kvpush.bench.{name}")
     monitor = HostMonitor().start()
     try:
-        result: dict[str, Any] = mod.run(quick, out, progress)
+        kw = {"device": device} if name in DEVICE_SCENARIOS else {}
+        result: dict[str, Any] = mod.run(quick, out, progress, **kw)
     finally:
         noise = monitor.stop()
     result["host_noise"] = noise

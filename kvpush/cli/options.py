@@ -149,7 +149,8 @@ _OPTS: list[Opt] = [
         "(notif-only vs full), bandwidth (push GB/s vs raw NIXL, process_vm_writev, memcpy), "
         "rate (small pushes/s vs raw NIXL), scale (many new peers at once), tp (N ranks vs N "
         "x one rank), model (real model shapes, block ids contiguous, shuffled and after "
-        "churn, vs raw NIXL), or all.", REQUIRED,
+        "churn, vs raw NIXL), or all; device (--device cuda: pushes between VRAM pools vs "
+        "raw NIXL and a torch copy; not part of all).", REQUIRED,
         argument=True, show_default=False),
     Opt("quick", ("--quick",), bool, "Short smoke version (what CI runs); figures are rough.",
         False),
@@ -236,7 +237,7 @@ DEMO: list[Entry] = [
     "demo.requests", "blocks", "decoders", "demo.tp", "shape", "concurrency", "live",
     "demo.json", "keep_logs",
 ]  # fmt: skip
-BENCH: list[Entry] = ["scenario", "quick", "bench.json", "out_dir"]
+BENCH: list[Entry] = ["scenario", "quick", "bench.json", "out_dir", ("device", "cpu")]
 COMPLETION: list[Entry] = ["shell"]
 ROOT: list[Entry] = ["version", "debug"]
 
