@@ -58,6 +58,7 @@ class EndpointMetadata(Struct, frozen=True, kw_only=True):
     auth: bool = False
     kv_heads: Pos = 1  # the model's KV heads; 1: a single head replicated on every rank
     tp_ranks: Annotated[list[NonNeg], Meta(max_length=1 << 12)] = []  # ranks the endpoint serves
+    ucx_version: Str128 = ""  # the UCX library NIXL uses ("": not readable, or an older kvpush)
 
     @property
     def heads_per_rank(self) -> int:
