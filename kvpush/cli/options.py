@@ -118,6 +118,12 @@ _OPTS: list[Opt] = [
         "kv_transfer_params to hand the vLLM D (one JSON line), then waits for the push (or "
         "its lease) and reports outcome and sha256.", None, PANEL_VLLM, metavar="ID",
         show_default=False),
+    Opt("trace", ("--trace",), Path | None,
+        "Write one JSON line per request to FILE: transfer id, outcome, reason, and the "
+        "seconds from sending it to each phase (D allocated, PUSH_REG sent, P matched, "
+        "handshake done, WRITE posted and done, completion received, verified, answered), "
+        "both legs on drive's clock; a failed request's 'ended_at'. The summary adds p50/p99 "
+        "per phase.", None, metavar="FILE", kw={"dir_okay": False}),
     Opt("alloc_delay", ("--alloc-delay",), float,
         "With --kv-transfer-params: D holds the request this long before it gets blocks, as a "
         "request queued in a vLLM D would, heartbeating P's lease meanwhile (longer than P's "
@@ -231,7 +237,7 @@ PROBE: list[Entry] = [
 DRIVE: list[Entry] = [
     "prefill", "decode", "requests", "concurrency", "rate", "drive.blocks", "shape", "tokens",
     "drive.timeout", "drive.json", "kv_transfer_params", "request_id", "alloc_delay",
-    "auth_token_file",
+    "auth_token_file", "trace",
 ]  # fmt: skip
 DEMO: list[Entry] = [
     "demo.requests", "blocks", "decoders", "demo.tp", "shape", "concurrency", "live",

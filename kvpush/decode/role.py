@@ -27,7 +27,9 @@ from kvpush.decode.requests import DRequest
 from kvpush.errors import KvpushError, NoFreeBlocksError
 from kvpush.runtime.context import EndpointContext
 from kvpush.runtime.owner import OwnerThread
+from kvpush.telemetry import phases
 from kvpush.telemetry.names import Failure
+from kvpush.telemetry.phases import Phase
 from kvpush.wire import protocol, vllm
 
 
@@ -150,6 +152,7 @@ class DecodeRole:
             nbytes=num_blocks * cfg.pool.bytes_per_block_all_regions,
             digest=(digest or vllm_params is not None) and not hold,
             hold=hold,
+            phases={} if cfg.phase_stamps else None,
         )
         if vllm_params is not None:
             req.p_engine_id = vllm_params.remote_engine_id
@@ -179,6 +182,7 @@ class DecodeRole:
                 # The id holds blocks: a waiting or quarantined request uses it.
                 return refuse(Failure.DUPLICATE_REQUEST, "request id in use")
             return refuse(Failure.BAD_REQUEST, str(e))
+        phases.stamp(req.phases, Phase.D_ALLOCATED)
         return self._submit(req)
 
     def held_blocks(self, request_id: str) -> np.ndarray:

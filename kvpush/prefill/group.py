@@ -24,6 +24,7 @@ from kvpush.errors import KvpushError, NoFreeBlocksError, RankFailedError, Shutt
 from kvpush.prefill.role import PrefillRole
 from kvpush.prefill.table import PushOutcome
 from kvpush.prefill.writer import PushWriter
+from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.sidechannel import ReplyFn
@@ -196,6 +197,7 @@ class PrefillGroup:
                     outcome="ok",
                     nbytes=sum(o.nbytes for o in outs),
                     sha256=sha,
+                    phases=phases.merge(o.phases for o in outs),
                 )
             reply(rep)
 

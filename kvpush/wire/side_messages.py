@@ -182,6 +182,9 @@ class PushWaitRep(Struct, tag="push_wait", frozen=True, kw_only=True):
     detail: Str1k = ""
     nbytes: NonNeg = 0
     sha256: Str128 = ""
+    # P's phase stamps of the push (time.time() on P: kvpush.telemetry.phases), every rank's
+    # latest; empty from a P without them (older kvpush, stamps off).
+    phases: Annotated[dict[Str128, float], Meta(max_length=32)] = {}
 
 
 class DecodeReq(Struct, tag="decode", frozen=True, kw_only=True):
@@ -216,6 +219,9 @@ class DecodeRep(Struct, tag="decode", frozen=True, kw_only=True):
     nbytes: NonNeg = 0
     verified: bool | None = None
     sha256: Str128 = ""
+    # D's phase stamps of the request (time.time() on D: kvpush.telemetry.phases), as far as
+    # it got; empty from a D without them (older kvpush, stamps off).
+    phases: Annotated[dict[Str128, float], Meta(max_length=32)] = {}
 
 
 class PingReq(Struct, tag="ping", frozen=True, kw_only=True):

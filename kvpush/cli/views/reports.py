@@ -172,6 +172,11 @@ def drive_summary(r: Any, title: str = "drive") -> RenderableType:
     )
     if getattr(r, "interrupted", False):
         t.add("interrupted", "yes: requests not sent or still in flight count as cancelled")
+    for i, (name, st) in enumerate(getattr(r, "phases", {}).items()):
+        t.add(
+            "phases (since sent)" if i == 0 else "",
+            f"{name}: p50 {fmt_ms(st['p50'])} ms · p99 {fmt_ms(st['p99'])} ms",
+        )
     for e in getattr(r, "peer_events", []):
         t.add("peer event", e)
     for n in getattr(r, "notes", []):
