@@ -17,7 +17,6 @@ from kvpush.decode.requests import DRequest
 from kvpush.memory.pool import KvPool
 from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure, Hist
-from kvpush.telemetry.phases import Phase
 from kvpush.telemetry.store import Telemetry
 from kvpush.wire import protocol
 
@@ -52,7 +51,7 @@ class Completer:
                 sha = self._pool.digest(req.block_ids)
             if self.verify and not req.p_engine_id:  # a vLLM P's bytes follow no kvpush pattern
                 verified = self._pool.verify(req.transfer_id, req.block_ids)
-                phases.stamp(req.phases, Phase.VERIFIED)
+                phases.stamp(req.phases, phases.VERIFIED)
         except Exception:  # a verification bug must still resolve the request
             log.exception("verification of %s failed", req.request_id)
             verified = False
@@ -97,7 +96,7 @@ def answered(tm: Telemetry, req: DRequest, observe: bool) -> dict[str, float]:
     stamps the answer carries (empty when stamps are off)."""
     if req.phases is None:
         return {}
-    phases.stamp(req.phases, Phase.ANSWERED)
+    phases.stamp(req.phases, phases.ANSWERED)
     if observe:
         for hist, seconds in phases.steps(req.phases, phases.D_STEPS):
             tm.observe(hist, seconds)

@@ -36,7 +36,6 @@ from kvpush.ratelog import RateLimitedLog
 from kvpush.runtime.owner import OwnerThread, RankCrash, drain_notifications
 from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure, Gauge
-from kvpush.telemetry.phases import Phase
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import NixlAgent, TransferError
 from kvpush.wire import protocol
@@ -278,7 +277,7 @@ class Receiver:
             self._out.fail(req, Failure.NO_FREE_BLOCKS, str(e), notify_p=False)
             return
         req.alloc_at = 0.0
-        phases.stamp(req.phases, Phase.D_ALLOCATED)
+        phases.stamp(req.phases, phases.D_ALLOCATED)
         self._register(req)
 
     def _register(self, req: DRequest) -> None:
@@ -290,7 +289,7 @@ class Receiver:
             return
         ids = [req.block_ids.tolist()]
         # Stamped before the sends: P may match a PUSH_REG before this thread runs again.
-        phases.stamp(req.phases, Phase.PUSH_REG_SENT)
+        phases.stamp(req.phases, phases.PUSH_REG_SENT)
         for s in req.sources:
             if s in req.registered:
                 continue
@@ -386,7 +385,7 @@ class Receiver:
                 return
             req.completions[s] = n + 1
             if req.received >= req.expected:
-                phases.stamp(req.phases, Phase.COMPLETION_RECEIVED)
+                phases.stamp(req.phases, phases.COMPLETION_RECEIVED)
                 self.table.finish(req)
                 self._completer.submit(req)
             return

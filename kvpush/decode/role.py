@@ -29,7 +29,6 @@ from kvpush.runtime.context import EndpointContext
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry import phases
 from kvpush.telemetry.names import Failure
-from kvpush.telemetry.phases import Phase
 from kvpush.wire import protocol, vllm
 
 
@@ -182,7 +181,7 @@ class DecodeRole:
                 # The id holds blocks: a waiting or quarantined request uses it.
                 return refuse(Failure.DUPLICATE_REQUEST, "request id in use")
             return refuse(Failure.BAD_REQUEST, str(e))
-        phases.stamp(req.phases, Phase.D_ALLOCATED)
+        phases.stamp(req.phases, phases.D_ALLOCATED)
         return self._submit(req)
 
     def held_blocks(self, request_id: str) -> np.ndarray:

@@ -41,7 +41,6 @@ from kvpush.prefill.table import (
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure, Hist
-from kvpush.telemetry.phases import Phase
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import DList, NixlAgent, TransferError
 from kvpush.wire import protocol
@@ -318,12 +317,12 @@ class Legs:
         """The push's phase stamps on the wall clock; its steps into the phase histograms."""
         first = min(w.push.finished.t_finished, min(r.t_arrived for r in w.push.registrations))
         self._tm.observe(Hist.PHASE_MATCH_WAIT, t_match - first)
-        wall_now = time.time()
+        shift = time.time() - now  # monotonic -> wall clock
         stamps = {
-            Phase.REGISTRATION_MATCHED.value: phases.wall(t_match, now, wall_now),
-            Phase.HANDSHAKE_DONE.value: phases.wall(w.t_start, now, wall_now),
-            Phase.WRITE_POSTED.value: phases.wall(w.t_posted, now, wall_now),
-            Phase.WRITE_DONE.value: phases.wall(w.t_done or now, now, wall_now),
+            phases.REGISTRATION_MATCHED: t_match + shift,
+            phases.HANDSHAKE_DONE: w.t_start + shift,
+            phases.WRITE_POSTED: w.t_posted + shift,
+            phases.WRITE_DONE: (w.t_done or now) + shift,
         }
         for hist, seconds in phases.steps(stamps, phases.P_STEPS):
             self._tm.observe(hist, seconds)
