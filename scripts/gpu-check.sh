@@ -108,7 +108,7 @@ rc=0
 # (4) endpoints at model shapes, every byte verified, telemetry shows the device
 say "== tests/test_gpu_path.py (device $DEVICE)"
 t=$(date +%s)
-KVPUSH_GPU_DEVICE="$DEVICE" KVPUSH_GPU_OUT="$OUTDIR" timeout 300 "$PY" -m pytest -q -p no:cacheprovider \
+KVPUSH_GPU_DEVICE="$DEVICE" KVPUSH_GPU_OUT="$OUTDIR" timeout 200 "$PY" -m pytest -q -p no:cacheprovider \
     -m gpu -rs tests/test_gpu_path.py 2>&1 | tee -a "$LOG"
 tests_rc=${PIPESTATUS[0]}
 say "tests: exit $tests_rc in $(( $(date +%s) - t )) s"
@@ -118,7 +118,7 @@ say "tests: exit $tests_rc in $(( $(date +%s) - t )) s"
 say "== kvpush bench device --device $DEVICE $QUICK"
 t=$(date +%s)
 BENCH_DIR="$(mktemp -d)"
-timeout 330 "$PY" -m kvpush bench device --device "$DEVICE" $QUICK --out-dir "$BENCH_DIR" 2>&1 | tee -a "$LOG"
+timeout 260 "$PY" -m kvpush bench device --device "$DEVICE" $QUICK --out-dir "$BENCH_DIR" 2>&1 | tee -a "$LOG"
 bench_rc=${PIPESTATUS[0]}
 say "bench: exit $bench_rc in $(( $(date +%s) - t )) s"
 [ -f "$BENCH_DIR/device.json" ] && cp "$BENCH_DIR/device.json" "$OUTDIR/device.json"

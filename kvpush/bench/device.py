@@ -38,7 +38,7 @@ QUICK_TOKENS = (512,)
 FULL_POOL_BLOCKS = {"llama-8b": 2048, "llama-70b-tp8": 4096}  # 4.0 and 2.5 GiB per pool
 QUICK_POOL_BLOCKS = 128
 QUICK_LAYERS = 2
-FULL_BUDGET = 8 << 30  # bytes per measurement
+FULL_BUDGET = 4 << 30  # bytes per measurement
 QUICK_BUDGET = 8 << 20
 FULL_ROUNDS = 3
 
