@@ -173,12 +173,12 @@ class Driver:
             self._wait()
         finally:
             self.health.stop()
+            if self._tracer is not None:  # before the pools close: workers may still ask P
+                self._tracer.close()
             for ex in self._p_exec.values():
                 ex.close()
             self._d_pool.close()
             self._p_pool.close()
-            if self._tracer is not None:
-                self._tracer.close()
         elapsed = time.monotonic() - self._t0
         with self._lock:
             results = [r for r in self._results if r is not None]
@@ -432,8 +432,6 @@ class Driver:
         if not isinstance(rep, protocol.DecodeRep):
             self._fail(i, Failure.MALFORMED_FRAME, f"D {d} answered with {type(rep).__name__}")
             return True
-        if self._tracer is not None:  # D's client is back: P may be asked (one per thread)
-            self._tracer.legs(i, rep, self._p_pool)
         with self._lock:
             t0 = self._t_sent.get(i, (time.monotonic(), p, d))[0]
         latency = time.monotonic() - t0
@@ -448,6 +446,8 @@ class Driver:
                 None,
             )  # fmt: skip
         self._resolve(i, result)
+        if self._tracer is not None:  # D's client is back: P may be asked (one per thread)
+            self._tracer.legs(i, rep, self._p_pool)
         return True
 
 
