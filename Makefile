@@ -7,7 +7,7 @@ demo:
 
 test:
 	@scripts/bootstrap.sh
-	.venv/bin/python -m pytest -q -m "not vllm"
+	.venv/bin/python -m pytest -q -m "not vllm and not gpu"
 
 test-slow:
 	@scripts/bootstrap.sh

@@ -370,6 +370,9 @@ class EndpointConfig:
     wire: Wire = Wire.KVPUSH
     vllm: VllmWireConfig | None = None  # required with wire=vllm
     verify: bool = True
+    # Per-request phase stamps (``kvpush.telemetry.phases``): in the answers, for ``drive
+    # --trace``, and the ``phase_*`` histograms. Off only to measure what they cost.
+    phase_stamps: bool = True
     auth_token: bytes | None = None
     allow_all_interfaces: bool = False
     max_frame_bytes: int = 4 * 1024 * 1024

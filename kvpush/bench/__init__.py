@@ -15,6 +15,8 @@ Scenarios (one module each; every one starts real P and D processes on 127.0.0.1
   raw NIXL (merge on and off) and ``process_vm_writev`` of the same ids; allocation cost;
 - ``fleet``: 8 Ps and 16 Ds registered in etcd: ``fleet ls``/``watch`` start-up, ``fleet check``
   of growing grids up to all 128 pairs, etcd's request rate, push p99 registration on vs off.
+- ``device`` (not in ``all``): pushes at model shapes between pools on ``--device`` (``cuda``:
+  VRAM) beside a raw NIXL WRITE loop and a torch copy of the same bytes (``scripts/gpu-check.sh``).
 
 ``run(name, quick, out_dir, progress)`` returns one scenario's result as a JSON-able dict
 (``kvpush.bench.report``); ``run_all`` runs every scenario. Importing this package is cheap: the
@@ -32,6 +34,9 @@ from typing import Any
 SCENARIOS: tuple[str, ...] = (
     "hol", "handshake", "bandwidth", "rate", "scale", "tp", "model", "fleet",
 )  # fmt: skip
+#: Scenarios that take ``device`` (``--device``); not run by ``all``.
+DEVICE_SCENARIOS: tuple[str, ...] = ("device",)
+NAMES: tuple[str, ...] = SCENARIOS + DEVICE_SCENARIOS
 
 DEFAULT_OUT_DIR = Path("bench-out")
 
@@ -45,13 +50,21 @@ def run(
     quick: bool = False,
     out_dir: Path | None = None,
     progress: Callable[[str], None] = _quiet,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Run one scenario; write ``<out_dir>/<name>.json`` (and its chart); return the result."""
+    """Run one scenario; write ``<out_dir>/<name>.json`` (and its chart); return the result.
+    ``device`` is for the ``DEVICE_SCENARIOS``; the others run on DRAM only."""
     from kvpush.errors import ConfigError
 
-    if name not in SCENARIOS:
+    if name not in NAMES:
         raise ConfigError(
-            f"unknown benchmark scenario {name!r}", f"choose one of {', '.join(SCENARIOS)}, or all"
+            f"unknown benchmark scenario {name!r}", f"choose one of {', '.join(NAMES)}, or all"
+        )
+    if device != "cpu" and name not in DEVICE_SCENARIOS:
+        raise ConfigError(
+            f"bench {name} runs on DRAM only (--device {device})",
+            f"--device applies to {', '.join(DEVICE_SCENARIOS)}: "
+            f"kvpush bench device --device {device}",
         )
     out = out_dir if out_dir is not None else DEFAULT_OUT_DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -60,7 +73,8 @@ def run(
     mod = importlib.import_module(f"kvpush.bench.{name}")
     monitor = HostMonitor().start()
     try:
-        result: dict[str, Any] = mod.run(quick, out, progress)
+        kw = {"device": device} if name in DEVICE_SCENARIOS else {}
+        result: dict[str, Any] = mod.run(quick, out, progress, **kw)
     finally:
         noise = monitor.stop()
     result["host_noise"] = noise

@@ -1,5 +1,5 @@
-"""``python -m kvpush.bench SCENARIO [--quick] [--json] [--out-dir DIR]``: the bench without the
-CLI app (``kvpush bench`` is the same command)."""
+"""``python -m kvpush.bench SCENARIO [--quick] [--json] [--out-dir DIR] [--device D]``: the
+bench without the CLI app (``kvpush bench`` is the same command)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="short smoke version")
     ap.add_argument("--json", action="store_true", help="JSON on stdout instead of tables")
     ap.add_argument("--out-dir", type=Path, default=None, help="results, charts and logs")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (scenario device)")
     a = ap.parse_args(argv)
-    return run_bench(a.scenario, a.quick, a.json, a.out_dir)
+    return run_bench(a.scenario, a.quick, a.json, a.out_dir, a.device)
 
 
 if __name__ == "__main__":

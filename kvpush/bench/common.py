@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +47,9 @@ def endpoint_cfg(
         "verify": verify,
         "writer_mode": writer,
     }
+    if os.environ.get("KVPUSH_BENCH_PHASE_STAMPS") == "0":
+        # What the per-request phase stamps cost (BENCHMARKS.md): every endpoint without them.
+        cfg["phase_stamps"] = False
     if timeouts:
         cfg["timeouts"] = timeouts
     if reply_delay_s:

@@ -16,15 +16,23 @@ from pathlib import Path
 from kvpush.errors import ConfigError, ExitStatus, KvpushError
 
 
-def run_scenarios(scenario: str, quick: bool, json_out: bool, out_dir: Path | None) -> None:
+def run_scenarios(
+    scenario: str, quick: bool, json_out: bool, out_dir: Path | None, device: str = "cpu"
+) -> None:
     from kvpush import bench as b
     from kvpush.bench.render import render_text
 
     names = b.SCENARIOS if scenario == "all" else (scenario,)
-    if scenario != "all" and scenario not in b.SCENARIOS:
+    if scenario != "all" and scenario not in b.NAMES:
         raise ConfigError(
             f"unknown benchmark scenario {scenario!r}",
-            f"choose one of {', '.join(b.SCENARIOS)}, or all",
+            f"choose one of {', '.join(b.NAMES)}, or all",
+        )
+    if scenario == "all" and device != "cpu":
+        raise ConfigError(
+            f"bench all runs on DRAM only (--device {device})",
+            f"--device applies to {', '.join(b.DEVICE_SCENARIOS)}: "
+            f"kvpush bench device --device {device}",
         )
 
     def progress(msg: str) -> None:
@@ -46,13 +54,15 @@ def run_scenarios(scenario: str, quick: bool, json_out: bool, out_dir: Path | No
         b.run_all(quick, out_dir, progress, on_result=show)
     else:
         for name in names:
-            show(b.run(name, quick, out_dir, progress))
+            show(b.run(name, quick, out_dir, progress, device))
 
 
-def run_bench(scenario: str, quick: bool, json_out: bool, out_dir: Path | None) -> int:
+def run_bench(
+    scenario: str, quick: bool, json_out: bool, out_dir: Path | None, device: str = "cpu"
+) -> int:
     """``run_scenarios`` with errors translated to ``error:``/``hint:`` lines and a status."""
     try:
-        run_scenarios(scenario, quick, json_out, out_dir)
+        run_scenarios(scenario, quick, json_out, out_dir, device)
     except KvpushError as e:
         print(f"error: {e.message}", file=sys.stderr)
         if e.hint:

@@ -34,6 +34,11 @@ def pool_buffer(regions: int, num_blocks: int, block_bytes: int) -> Any:
     return torch.zeros((regions, num_blocks, block_bytes), dtype=torch.uint8)
 
 
+def mem_type(t: Any) -> str:
+    """NIXL's memory type of a tensor: ``VRAM`` on a GPU, else ``DRAM``."""
+    return "VRAM" if getattr(t, "is_cuda", False) else "DRAM"
+
+
 def region_bases(t: Any) -> list[int]:
     """The base address of each region of a pool-shaped tensor."""
     base = int(t.data_ptr())
@@ -107,6 +112,7 @@ class RawNode:
             "bases": region_bases(self.tensor),
             "pid": os.getpid(),
             "geometry": list(self.geometry),
+            "mem_type": mem_type(self.tensor),
         }
 
     def set_polling(self, on: bool) -> None:
@@ -171,10 +177,13 @@ class _Peer:
         self.t_blocks = int(t_blocks)
         self.name = agent.add_remote(base64.b64decode(target["metadata"]))
         self.local = agent.prep_local(
-            block_descs(region_bases(node.tensor), num_blocks, block_bytes, 0), "DRAM"
+            block_descs(region_bases(node.tensor), num_blocks, block_bytes, 0),
+            mem_type(node.tensor),
         )
         self.remote = agent.prep_remote(
-            self.name, block_descs(target["bases"], t_blocks, block_bytes, 0), "DRAM"
+            self.name,
+            block_descs(target["bases"], t_blocks, block_bytes, 0),
+            target.get("mem_type", "DRAM"),
         )
         agent.make_connection(self.name)
 

@@ -53,7 +53,7 @@ class WorkerState:
 
 
 def _commands(state: WorkerState) -> dict[str, Callable[..., Any]]:
-    from kvpush.bench import host_limits, loadgen, modelgen, probes, raw, raw_node
+    from kvpush.bench import devcopy, host_limits, loadgen, modelgen, probes, raw, raw_node
 
     return {
         "start_endpoint": lambda **a: loadgen.start_endpoint(state, **a),
@@ -65,6 +65,7 @@ def _commands(state: WorkerState) -> dict[str, Callable[..., Any]]:
         **{name: _bind(fn, state) for name, fn in raw.COMMANDS.items()},
         **{name: _bind(fn, state) for name, fn in host_limits.COMMANDS.items()},
         **{name: _bind(fn, state) for name, fn in modelgen.COMMANDS.items()},
+        **{name: _bind(fn, state) for name, fn in devcopy.COMMANDS.items()},
     }
 
 

@@ -41,6 +41,6 @@ def devices(incomplete: str) -> list[str]:
 
 
 def scenarios(incomplete: str) -> list[str]:
-    from kvpush.bench import SCENARIOS
+    from kvpush.bench import NAMES
 
-    return _starting([*SCENARIOS, "all"], incomplete)
+    return _starting([*NAMES, "all"], incomplete)

@@ -122,6 +122,12 @@ _OPTS: list[Opt] = [
         "kv_transfer_params to hand the vLLM D (one JSON line), then waits for the push (or "
         "its lease) and reports outcome and sha256.", None, PANEL_VLLM, metavar="ID",
         show_default=False),
+    Opt("trace", ("--trace",), Path | None,
+        "Write one JSON line per request to FILE: transfer id, outcome, reason, and the "
+        "seconds from sending it to each phase (D allocated, PUSH_REG sent, P matched, "
+        "handshake done, WRITE posted and done, completion received, verified, answered), "
+        "both legs on drive's clock; a failed request's 'ended_at'. The summary adds p50/p99 "
+        "per phase.", None, metavar="FILE", kw={"dir_okay": False}),
     Opt("alloc_delay", ("--alloc-delay",), float,
         "With --kv-transfer-params: D holds the request this long before it gets blocks, as a "
         "request queued in a vLLM D would, heartbeating P's lease meanwhile (longer than P's "
@@ -156,7 +162,8 @@ _OPTS: list[Opt] = [
         "rate (small pushes/s vs raw NIXL), scale (many new peers at once), tp (N ranks vs N "
         "x one rank), model (real model shapes, block ids contiguous, shuffled and after "
         "churn, vs raw NIXL), fleet (8 P x 16 D registered in etcd: fleet ls/watch/check, registry "
-        "load, p99 with registration on vs off), or all.", REQUIRED,
+        "load, p99 with registration on vs off), or all; device (--device cuda: pushes between "
+        "VRAM pools vs raw NIXL and a torch copy; not part of all).", REQUIRED,
         argument=True, show_default=False, kw={"autocompletion": complete.scenarios}),
     Opt("quick", ("--quick",), bool, "Short smoke version (what CI runs); figures are rough.",
         False),
@@ -245,13 +252,13 @@ PROBE: list[Entry] = [
 DRIVE: list[Entry] = [
     "prefill", "decode", "requests", "concurrency", "rate", "drive.blocks", "shape", "tokens",
     "drive.timeout", "drive.json", "kv_transfer_params", "request_id", "alloc_delay",
-    "auth_token_file", *REGISTRY,
+    "auth_token_file", "trace", *REGISTRY,
 ]  # fmt: skip
 DEMO: list[Entry] = [
     "demo.requests", "blocks", "decoders", "demo.tp", "shape", "concurrency", "live",
     "demo.json", "keep_logs",
 ]  # fmt: skip
-BENCH: list[Entry] = ["scenario", "quick", "bench.json", "out_dir"]
+BENCH: list[Entry] = ["scenario", "quick", "bench.json", "out_dir", ("device", "cpu")]
 COMPLETION: list[Entry] = ["shell"]
 ROOT: list[Entry] = ["version", "debug"]
 

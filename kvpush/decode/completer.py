@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvpush.decode.requests import DRequest
 from kvpush.memory.pool import KvPool
+from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure, Hist
 from kvpush.telemetry.store import Telemetry
 from kvpush.wire import protocol
@@ -50,6 +51,7 @@ class Completer:
                 sha = self._pool.digest(req.block_ids)
             if self.verify and not req.p_engine_id:  # a vLLM P's bytes follow no kvpush pattern
                 verified = self._pool.verify(req.transfer_id, req.block_ids)
+                phases.stamp(req.phases, phases.VERIFIED)
         except Exception:  # a verification bug must still resolve the request
             log.exception("verification of %s failed", req.request_id)
             verified = False
@@ -57,6 +59,7 @@ class Completer:
             if not req.hold or verified is False:
                 self._pool.allocator.release(req.request_id)
         latency = time.monotonic() - req.t_start
+        stamps = answered(self._tm, req, observe=verified is not False)
         if verified is False:
             self._tm.fail(Failure.VERIFY_FAILED)
             self._tm.inc(Counter.REQUESTS_FAILED)
@@ -69,6 +72,7 @@ class Completer:
                 latency_s=latency,
                 nbytes=req.nbytes,
                 verified=False,
+                phases=stamps,
             )
         else:
             self._tm.inc(Counter.REQUESTS_OK)
@@ -82,5 +86,18 @@ class Completer:
                 nbytes=req.nbytes,
                 verified=verified,
                 sha256=sha,
+                phases=stamps,
             )
         req.future.set_result(rep)
+
+
+def answered(tm: Telemetry, req: DRequest, observe: bool) -> dict[str, float]:
+    """Stamp the answer; time the steps of an ok request into the ``phase_*`` histograms; the
+    stamps the answer carries (empty when stamps are off)."""
+    if req.phases is None:
+        return {}
+    phases.stamp(req.phases, phases.ANSWERED)
+    if observe:
+        for hist, seconds in phases.steps(req.phases, phases.D_STEPS):
+            tm.observe(hist, seconds)
+    return req.phases

@@ -25,6 +25,7 @@ import msgspec
 from kvpush.address import format_address
 from kvpush.decode.role import DecodeRole, VllmLeg
 from kvpush.errors import KvpushError
+from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure, Hist
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.sidechannel import ReplyFn
@@ -189,6 +190,7 @@ class DecodeGroup:
                             else all(bool(r.verified) for r in reps)
                         ),
                         sha256=self._whole_digest([r.request_id for r in reps]) if whole else "",
+                        phases=phases.merge(r.phases for r in reps),
                     )
                 out.set_result(res)
             if whole:  # the shares held for the digest (a failed rank freed its own)

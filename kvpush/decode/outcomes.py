@@ -17,6 +17,7 @@ import logging
 import time
 
 from kvpush.config import EndpointConfig
+from kvpush.decode.completer import answered
 from kvpush.decode.requests import DRequest, RequestTable
 from kvpush.memory.pool import KvPool
 from kvpush.ratelog import RateLimitedLog
@@ -122,4 +123,5 @@ def failed_rep(
         reason=reason,
         detail=detail[:1000],
         latency_s=time.monotonic() - req.t_start,
+        phases=answered(telemetry, req, observe=False),
     )

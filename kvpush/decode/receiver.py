@@ -34,6 +34,7 @@ from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
 from kvpush.ratelog import RateLimitedLog
 from kvpush.runtime.owner import OwnerThread, RankCrash, drain_notifications
+from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure, Gauge
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import NixlAgent, TransferError
@@ -315,6 +316,7 @@ class Receiver:
             self._out.fail(req, Failure.NO_FREE_BLOCKS, str(e), notify_p=False)
             return
         self.table.allocated(req)
+        phases.stamp(req.phases, phases.D_ALLOCATED)
         self._register(req)
 
     def _register(self, req: DRequest) -> None:
@@ -325,6 +327,8 @@ class Receiver:
             req.state = DState.WAITING_BLOCKS
             return
         ids = [req.block_ids.tolist()]
+        # Stamped before the sends: P may match a PUSH_REG before this thread runs again.
+        phases.stamp(req.phases, phases.PUSH_REG_SENT)
         for s in req.sources:
             if s in req.registered:
                 continue
@@ -420,6 +424,7 @@ class Receiver:
                 return
             req.completions[s] = n + 1
             if req.received >= req.expected:
+                phases.stamp(req.phases, phases.COMPLETION_RECEIVED)
                 self.table.finish(req)
                 self._completer.submit(req)
             return

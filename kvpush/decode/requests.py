@@ -76,6 +76,8 @@ class DRequest:
     # allocate ``num_blocks`` at ``alloc_at``; P's lease is heartbeated meanwhile.
     num_blocks: int = 0
     alloc_at: float = 0.0
+    # Phase stamps (kvpush.telemetry.phases) sent back in the answer; None: stamps are off.
+    phases: dict[str, float] | None = None
 
     def key(self, p_rank: int) -> PeerKey:
         return (self.p_addr[0], self.p_addr[1], p_rank)

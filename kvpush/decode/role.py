@@ -30,6 +30,7 @@ from kvpush.errors import KvpushError, NoFreeBlocksError
 from kvpush.peers.handshakes import PeerGone
 from kvpush.runtime.context import EndpointContext
 from kvpush.runtime.owner import OwnerThread
+from kvpush.telemetry import phases
 from kvpush.telemetry.names import Failure
 from kvpush.wire import protocol, vllm
 
@@ -163,6 +164,7 @@ class DecodeRole:
             nbytes=num_blocks * cfg.pool.bytes_per_block_all_regions,
             digest=(digest or vllm_params is not None) and not hold,
             hold=hold,
+            phases={} if cfg.phase_stamps else None,
         )
         if vllm_params is not None:
             req.p_engine_id = vllm_params.remote_engine_id
@@ -205,6 +207,7 @@ class DecodeRole:
                 # The id holds blocks: a waiting or quarantined request uses it.
                 return refuse(Failure.DUPLICATE_REQUEST, "request id in use")
             return refuse(Failure.BAD_REQUEST, str(e))
+        phases.stamp(req.phases, phases.D_ALLOCATED)
         return self._submit(req)
 
     def held_blocks(self, request_id: str) -> np.ndarray:

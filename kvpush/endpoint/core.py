@@ -49,6 +49,7 @@ from kvpush.telemetry.names import REQUEST_COUNTERS, REQUEST_HISTS, Counter, Fai
 from kvpush.telemetry.snapshot import Snapshot
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.sidechannel import ReplyFn, SideChannelServer
+from kvpush.transport.versions import local_versions, warnings_for
 from kvpush.wire import protocol, vllm
 from kvpush.wire.auth import Authenticator
 
@@ -149,6 +150,9 @@ class Endpoint(Generic[R, G]):
             pc.block_bytes,
             pc.device,
         )
+        # Releases known to be affected by bugs an endpoint meets (kvpush.transport.versions).
+        for w in warnings_for(local_versions()):
+            log.warning("known issue of the NIXL/UCX in use: %s", w)
 
     def _rejected(self, kind: str) -> None:
         """A side-channel frame was refused (counted on rank 0, whose telemetry is the

@@ -29,6 +29,7 @@ from kvpush.runtime.decline import Decliner
 from kvpush.telemetry.names import Gauge
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import NixlAgent, nixl_version
+from kvpush.transport.versions import local_versions
 from kvpush.wire import protocol
 from kvpush.wire.auth import Authenticator
 from kvpush.wire.notifs import Codec, NotifCodec, VllmNotifCodec
@@ -148,6 +149,7 @@ class Rank(Generic[R]):
             auth=auth.enabled,
             kv_heads=cfg.pool.kv_heads,
             tp_ranks=list(range(cfg.tp_size)),
+            ucx_version=local_versions().ucx,
         )
 
     def _wire_telemetry(self, auth: Authenticator) -> None:

@@ -57,6 +57,12 @@ def _resolve_device(spec: str) -> tuple[torch.device, str, int]:
     return torch.device("cuda", index), "VRAM", index
 
 
+def check_device(spec: str) -> str:
+    """``DRAM`` or ``VRAM`` for a device spec usable here, else ``DeviceError`` (the same
+    error and hint an endpoint gives), for commands that check before starting processes."""
+    return _resolve_device(spec)[1]
+
+
 def _as_words(t: torch.Tensor) -> torch.Tensor:
     """View uint8 blocks as int64 words when the block size allows it.
 

@@ -25,6 +25,7 @@ imports typer or rich.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -39,6 +40,7 @@ from kvpush.ops.health import Health, Peer
 from kvpush.ops.preflight import check_peers
 from kvpush.ops.results import DriveConfig, DriveReport, RequestResult, summarize
 from kvpush.ops.senders import Senders
+from kvpush.ops.trace import Tracer, phase_stats
 from kvpush.telemetry.names import Failure
 from kvpush.wire import protocol
 
@@ -70,8 +72,10 @@ class Driver:
         on_event: Callable[[str], None] | None = None,
         on_tick: Callable[[], None] | None = None,
         tick_s: float = 3.0,
+        tracer: Tracer | None = None,
     ) -> None:
         self.cfg = cfg
+        self._tracer = tracer  # drive --trace (kvpush.ops.trace)
         self._on_tick = on_tick
         self._tick_s = tick_s
         self._on_result = on_result
@@ -173,6 +177,8 @@ class Driver:
     # ------------------------------------------------------------------ run
     def run(self) -> DriveReport:
         down = check_peers(self.cfg) if self.cfg.preflight else {}
+        if self._tracer is not None:
+            self.notes.extend(self._tracer.start([*self.cfg.prefill, *self.cfg.decode]))
         self._t0 = time.monotonic()
         for addr, why in down.items():  # unreachable at start: the run goes on with the others
             self.health.down_at_start(addr, why)
@@ -190,6 +196,8 @@ class Driver:
             self._wait()
         finally:
             self.health.stop()
+            if self._tracer is not None:  # before the pools close: workers may still ask P
+                self._tracer.close()
             for ex in list(self._p_exec.values()):
                 ex.close()
             self._d_pool.close()
@@ -199,7 +207,7 @@ class Driver:
             results = [r for r in self._results if r is not None]
             events = list(self.events)
         assert len(results) == self.cfg.requests
-        return summarize(
+        report = summarize(
             results,
             elapsed,
             interrupted=self._cancel.is_set(),
@@ -207,6 +215,9 @@ class Driver:
             notes=self.notes,
             peer_events=events,
         )
+        if self._tracer is not None:
+            report = dataclasses.replace(report, phases=phase_stats(self._tracer.records))
+        return report
 
     def _wait(self) -> None:
         grace_until: float | None = None
@@ -242,6 +253,8 @@ class Driver:
             self._ok_count += result.ok
             if self._done_count == self.cfg.requests:
                 self._all_done.set()
+        if self._tracer is not None:
+            self._tracer.resolved(result)
         if self._on_result is not None:
             try:
                 self._on_result(result)
@@ -305,11 +318,16 @@ class Driver:
             i = self._take()
             if i is None:
                 return
+            if self._tracer is not None:
+                self._tracer.begin(i)
             try:
                 self._one(i, wid)
             except BaseException as e:  # never a vanished request: it fails with a reason
                 log.exception("drive worker failed on request %d", i)
                 self._fail(i, Failure.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
+            finally:
+                if self._tracer is not None:
+                    self._tracer.end(i)
 
     def _one(self, i: int, wid: int) -> None:
         tried: set[str] = set()
@@ -335,6 +353,8 @@ class Driver:
                     return
                 self._t_sent[i] = (time.monotonic(), p, d)
                 self._worker_of[i] = wid
+            if self._tracer is not None:
+                self._tracer.sent(i, p, d)
             if not self.health.sent(d, i):
                 continue  # went down this instant: pick again
             try:
@@ -451,6 +471,8 @@ class Driver:
                 None,
             )  # fmt: skip
         self._resolve(i, result)
+        if self._tracer is not None:  # D's client is back: P may be asked (one per thread)
+            self._tracer.legs(i, rep, self._p_pool)
         return True
 
 

@@ -24,7 +24,7 @@ pings -- is with that rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvpush.address import format_address, parse_address
@@ -32,6 +32,7 @@ from kvpush.config import EndpointConfig, HandshakeMode
 from kvpush.errors import ConfigError, PeerError, PeerUnreachableError, ProtocolError
 from kvpush.ops import control, probe_kvpush, probe_vllm
 from kvpush.ops.probe_report import ProbeReport, served_ranks
+from kvpush.transport.versions import Versions, local_versions, warnings_for
 from kvpush.wire import protocol
 
 UNREACHABLE_HINT = control.UNREACHABLE_HINT
@@ -88,7 +89,9 @@ def probe(
                 if kv is not None and stats and not kv.auth:
                     report = _with_stats(report, client)
                 return report
-            return probe_kvpush.measure(addr, client, ident, count, local, stats, ranks[1])
+            return _with_versions(
+                probe_kvpush.measure(addr, client, ident, count, local, stats, ranks[1])
+            )
         except PeerUnreachableError as e:
             raise PeerUnreachableError(e.message, UNREACHABLE_HINT) from None
 
@@ -113,6 +116,16 @@ def _check_rank(addr: str, ident: Any, ranks: tuple[int, int], peer_tp: int | No
             "pass --peer-tp N, the tp_size of its kv_transfer_params, to ask a rank below N "
             "(pipeline ranks other than 0 are not asked)",
         )
+
+
+def _with_versions(report: ProbeReport) -> ProbeReport:
+    """Both sides' NIXL/UCX versions, and the known issues of either (``transport.versions``)."""
+    mine = local_versions()
+    md = report.metadata
+    theirs = Versions(nixl=str(md.get("nixl_version") or ""), ucx=str(md.get("ucx_version") or ""))
+    warns = [f"peer: {w}" for w in warnings_for(theirs)]
+    warns += [f"this host: {w}" for w in warnings_for(mine)]
+    return replace(report, local_versions=asdict(mine), version_warnings=warns)
 
 
 def _with_stats(report: ProbeReport, client: Any) -> ProbeReport:

@@ -71,6 +71,9 @@ class ProbeReport:
     stats: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     suggest: list[str] = field(default_factory=list)  # kvpush command lines that fit the peer
+    # This host's NIXL/UCX ({"nixl", "nixl_build", "ucx"}) and the known issues of either side's.
+    local_versions: dict[str, str] = field(default_factory=dict)
+    version_warnings: list[str] = field(default_factory=list)
 
     @property
     def compatible(self) -> bool | None:

@@ -111,6 +111,8 @@ class DriveReport:
     concurrency: int = 0  # requests in flight at most (may be below --concurrency: see note)
     notes: list[str] = field(default_factory=list)
     peer_events: list[str] = field(default_factory=list)
+    # drive --trace: per phase, seconds since sent (count, p50, p99, max) over the ok requests
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def all_verified(self) -> bool:
@@ -122,7 +124,7 @@ class DriveReport:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "requests": self.requests,
             "ok": self.ok,
             "failed": self.failed,
@@ -142,6 +144,9 @@ class DriveReport:
             "notes": self.notes,
             "peer_events": self.peer_events,
         }
+        if self.phases:
+            d["phases"] = self.phases
+        return d
 
 
 def summarize(

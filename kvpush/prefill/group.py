@@ -27,6 +27,7 @@ from kvpush.prefill.role import PrefillRole
 from kvpush.prefill.table import CancelledEarly, PushOutcome
 from kvpush.prefill.writer import PushWriter
 from kvpush.runtime.timers import Timer, Timers
+from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.sidechannel import ReplyFn
@@ -258,6 +259,7 @@ class PrefillGroup:
             outcome="ok",
             nbytes=sum(o.nbytes for o in outs),
             sha256=sha,
+            phases=phases.merge(o.phases for o in outs),
         )
 
     def _decline_all(

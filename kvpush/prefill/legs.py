@@ -39,6 +39,7 @@ from kvpush.prefill.table import (
     Writing,
 )
 from kvpush.ratelog import RateLimitedLog
+from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure, Hist
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import DList, NixlAgent, TransferError
@@ -139,7 +140,7 @@ class Legs:
         # or the peers' death (``Writing`` in the table says so); the pool shows them INFLIGHT
         # while a WRITE is still in progress after its post -- a WRITE done at post (small CMA
         # WRITEs often are) goes straight back to free, without the state flip.
-        w = Writing(push, unposted=len(plans))
+        w = Writing(push, unposted=len(plans), t_start=time.monotonic())
         self._table.writing(w)
         for r, conn, plan, local in plans:
             w.unposted -= 1
@@ -194,6 +195,7 @@ class Legs:
             math.inf if self._vllm else t_post + self.cfg.timeouts.write_deadline_s(plan.nbytes)
         )
         leg = Leg(w, r, xfer, conn, t_post, deadline, plan.nbytes)
+        w.t_posted = t_post
         self._table.leg_posted(leg)
         if state == "DONE":
             self.complete(leg)
@@ -258,7 +260,8 @@ class Legs:
             self._fences.completed(entry)
             return
         entry.writing.nbytes += entry.nbytes
-        self._tm.observe(Hist.WRITE_DURATION, time.monotonic() - entry.t_post)
+        entry.writing.t_done = now = time.monotonic()
+        self._tm.observe(Hist.WRITE_DURATION, now - entry.t_post)
         w = self._table.done(entry)
         if w is not None:
             self.settle(w)
@@ -303,9 +306,27 @@ class Legs:
         self._pool.allocator.release(push.key)
         self._tm.inc(Counter.PUSHES_OK)
         self._tm.inc(Counter.BYTES_PUSHED, w.nbytes)
-        self._on_outcome(PushOutcome(push.finished.transfer_id, True, nbytes=w.nbytes))
         t_match = max(push.finished.t_finished, max(r.t_arrived for r in push.registrations))
+        stamps = self._phases(w, t_match, now) if self.cfg.phase_stamps else {}
+        self._on_outcome(
+            PushOutcome(push.finished.transfer_id, True, nbytes=w.nbytes, phases=stamps)
+        )
         self._tm.observe(Hist.PUSH_LATENCY, now - t_match)
+
+    def _phases(self, w: Writing, t_match: float, now: float) -> dict[str, float]:
+        """The push's phase stamps on the wall clock; its steps into the phase histograms."""
+        first = min(w.push.finished.t_finished, min(r.t_arrived for r in w.push.registrations))
+        self._tm.observe(Hist.PHASE_MATCH_WAIT, t_match - first)
+        shift = time.time() - now  # monotonic -> wall clock
+        stamps = {
+            phases.REGISTRATION_MATCHED: t_match + shift,
+            phases.HANDSHAKE_DONE: w.t_start + shift,
+            phases.WRITE_POSTED: w.t_posted + shift,
+            phases.WRITE_DONE: (w.t_done or now) + shift,
+        }
+        for hist, seconds in phases.steps(stamps, phases.P_STEPS):
+            self._tm.observe(hist, seconds)
+        return stamps
 
     def peer_gone(self, key: PeerKey, reason: str, why: Failure = Failure.PEER_DEAD) -> None:
         """The peer at ``key`` is gone: nothing of its legs can land any more; its fences'

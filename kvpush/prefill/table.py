@@ -106,6 +106,7 @@ class PushOutcome:
     reason: str = ""
     detail: str = ""
     nbytes: int = 0
+    phases: dict[str, float] = field(default_factory=dict)  # kvpush.telemetry.phases, wall clock
 
 
 def transfer_key(transfer_id: str, vllm_ids: bool) -> str:
@@ -178,6 +179,10 @@ class Writing:
     nbytes: int = 0  # of the legs that completed
     unposted: int = 0  # legs not posted yet (the push is not over while any is left)
     settled: bool = False
+    # monotonic: legs started (handshakes done), last WRITE posted, last WRITE seen done
+    t_start: float = 0.0
+    t_posted: float = 0.0
+    t_done: float = 0.0
 
 
 @dataclass

@@ -145,6 +145,15 @@ class Hist(StrEnum):
     WRITE_DURATION = "write_duration"
     HANDSHAKE_DURATION = "handshake_duration"
     DECODE_LATENCY = "decode_latency"
+    # Where a request's time went (``kvpush.telemetry.phases``): one per step between phases.
+    PHASE_MATCH_WAIT = "phase_match_wait"  # P: first of blocks finished / PUSH_REG -> matched
+    PHASE_HANDSHAKE_WAIT = "phase_handshake_wait"  # P: matched -> P->D handshake done
+    PHASE_POST = "phase_post"  # P: handshake done -> last WRITE posted
+    PHASE_WRITE = "phase_write"  # P: last WRITE posted -> last WRITE seen done
+    PHASE_REGISTER = "phase_register"  # D: blocks allocated -> PUSH_REG sent (incl. handshake)
+    PHASE_PUSH_WAIT = "phase_push_wait"  # D: PUSH_REG sent -> last completion received
+    PHASE_VERIFY = "phase_verify"  # D: last completion -> bytes verified
+    PHASE_ANSWER = "phase_answer"  # D: verified (or completion) -> answer sent
 
 
 class PeerState(StrEnum):

@@ -21,7 +21,8 @@ vLLM's forms (``get_meta_msg``, its two-part answer, ``PUSH_REG:``) live in ``kv
 History:
   v1 (kvpush 0.1): first version. Later fields are optional with defaults (a v1 peer without them
   still decodes): HandshakeReq.tp_rank, Cancel.decode_tp_rank, Ping.reply_rank, the vLLM-wire
-  fields of DecodeReq/DecodeRep/PrefillReq/PrefillRep, PushWaitReq/PushWaitRep.
+  fields of DecodeReq/DecodeRep/PrefillReq/PrefillRep, PushWaitReq/PushWaitRep,
+  EndpointMetadata.ucx_version, DecodeRep.phases and PushWaitRep.phases (``drive --trace``).
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ class EndpointMetadata(Struct, frozen=True, kw_only=True):
     auth: bool = False
     kv_heads: Pos = 1  # the model's KV heads; 1: a single head replicated on every rank
     tp_ranks: Annotated[list[NonNeg], Meta(max_length=1 << 12)] = []  # ranks the endpoint serves
+    ucx_version: Str128 = ""  # the UCX library NIXL uses ("": not readable, or an older kvpush)
 
     @property
     def heads_per_rank(self) -> int:
@@ -183,6 +184,9 @@ class PushWaitRep(Struct, tag="push_wait", frozen=True, kw_only=True):
     detail: Str1k = ""
     nbytes: NonNeg = 0
     sha256: Str128 = ""
+    # P's phase stamps of the push (time.time() on P: kvpush.telemetry.phases), every rank's
+    # latest; empty from a P without them (older kvpush, stamps off).
+    phases: Annotated[dict[Str128, float], Meta(max_length=32)] = {}
 
 
 class DecodeReq(Struct, tag="decode", frozen=True, kw_only=True):
@@ -217,6 +221,9 @@ class DecodeRep(Struct, tag="decode", frozen=True, kw_only=True):
     nbytes: NonNeg = 0
     verified: bool | None = None
     sha256: Str128 = ""
+    # D's phase stamps of the request (time.time() on D: kvpush.telemetry.phases), as far as
+    # it got; empty from a D without them (older kvpush, stamps off).
+    phases: Annotated[dict[Str128, float], Meta(max_length=32)] = {}
 
 
 class PingReq(Struct, tag="ping", frozen=True, kw_only=True):

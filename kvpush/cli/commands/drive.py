@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -155,6 +156,7 @@ def drive(
     request_id: str | None,
     alloc_delay: float,
     auth_token_file: str | None,
+    trace: Path | None = None,
     **registry: Any,
 ) -> None:
     prefill, decode = list(prefill or ()), list(decode or ())
@@ -225,12 +227,18 @@ def drive(
             )
 
     advance: list[Any] = [lambda r: None]  # the progress bar's, once it exists
+    tracer = None
+    if trace is not None:
+        from kvpush.ops.trace import Tracer
+
+        tracer = Tracer(trace, token, min(timeout, 5.0))
     driver = Driver(
         cfg,
         on_result=lambda r: advance[0](r),
         on_event=event,
         on_tick=tick,
         tick_s=PROGRESS_EVERY_S,
+        tracer=tracer,
     )
     if targets is not None:
         driver.notes.extend(dict.fromkeys(targets.notes))

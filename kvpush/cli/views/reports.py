@@ -59,7 +59,7 @@ def _kvpush_rows(t: Rows, md: dict[str, Any]) -> None:
     t.add(
         "versions",
         f"kvpush {md.get('kvpush_version')} · protocol v{md.get('protocol_version')} · "
-        f"nixl {md.get('nixl_version') or '?'}",
+        f"nixl {md.get('nixl_version') or '?'} · ucx {md.get('ucx_version') or '?'}",
     )
     t.add("device", f"{md.get('device_kind')} (id {md.get('device_id')})")
     try:
@@ -123,6 +123,15 @@ def probe_report(r: Any) -> RenderableType:
             f"min {fmt_ms(pings[0])} ms · median {fmt_ms(pings[len(pings) // 2])} ms · "
             f"max {fmt_ms(pings[-1])} ms ({len(pings)} round trips)",
         )
+    mine = getattr(r, "local_versions", None)
+    if mine:
+        t.add(
+            "this host",
+            f"nixl {mine.get('nixl') or '?'} ({mine.get('nixl_build') or '?'}) · "
+            f"ucx {mine.get('ucx') or '?'}",
+        )
+    for w in getattr(r, "version_warnings", []):
+        t.add("known issue", w)
     for n in r.notes:
         t.add("note", n)
     for i, line in enumerate(getattr(r, "suggest", [])):
@@ -163,6 +172,11 @@ def drive_summary(r: Any, title: str = "drive") -> RenderableType:
     )
     if getattr(r, "interrupted", False):
         t.add("interrupted", "yes: requests not sent or still in flight count as cancelled")
+    for i, (name, st) in enumerate(getattr(r, "phases", {}).items()):
+        t.add(
+            "phases (since sent)" if i == 0 else "",
+            f"{name}: p50 {fmt_ms(st['p50'])} ms · p99 {fmt_ms(st['p99'])} ms",
+        )
     for e in getattr(r, "peer_events", []):
         t.add("peer event", e)
     for n in getattr(r, "notes", []):
