@@ -375,6 +375,9 @@ class EndpointConfig:
     # Fault hook (tests): (rank, n): that rank's owner loop dies after its n-th request, as a
     # bug would kill it. (-1, 0): off.
     crash_rank_after: tuple[int, int] = (-1, 0)
+    # A peer with this many transport errors in a row is evicted (the next request handshakes
+    # afresh); an error saying its agent is gone evicts it at once.
+    evict_after_errors: int = 3
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -388,6 +391,7 @@ class EndpointConfig:
                 f"invalid engine id {self.engine_id!r}",
                 "use up to 128 letters, digits and . _ : @ -",
             )
+        _positive("--evict-after-errors", self.evict_after_errors)
         _positive("--tp", self.tp_size)
         if self.pool.tp_size != self.tp_size:
             # One geometry: the pool's share of the model's heads follows the endpoint's TP.

@@ -174,7 +174,7 @@ def test_a_peer_that_never_answers_does_not_delay_a_healthy_one(
     assert conn.agent_name == healthy.agent_name
     # The silent peers are still waiting for their own deadline when the healthy one is done.
     assert not any(f is not None and f.done() for f in stuck)
-    assert env.hs.counts() == {"connecting": 3, "connected": 1, "failed": 0}
+    assert env.hs.counts() == {"connecting": 3, "connected": 1, "degraded": 0, "failed": 0}
     # ... and each then fails with a typed error that names it.
     for h, f in zip(holes, stuck, strict=True):
         assert f is not None

@@ -309,15 +309,24 @@ class Receiver:
             try:
                 self._agent.send_notif(conn.agent_name, self._codec.encode(reg))
             except TransferError as e:
-                if e.kind in ("peer_dead", "peer_unknown") and req.attempts < 1:
+                # (a connection evicted meanwhile is stale: its key may hold a new one)
+                stale = conn.evicted
+                evict = stale or self._hs.transport_error(req.key(s), e)
+                if evict and req.attempts < 1:
                     # P restarted or vanished: forget that rank and handshake afresh once.
                     req.attempts += 1
                     del req.p_conns[s]
-                    self._peers.evict(req.key(s), f"PUSH_REG failed: {e.kind}", keep=req.request_id)
+                    if not stale:
+                        self._peers.evict(
+                            req.key(s), f"PUSH_REG failed: {e.status}", keep=req.request_id
+                        )
                     self._connect_and_register(req)
                     return
+                if evict and not stale:
+                    self._peers.evict(req.key(s), f"PUSH_REG failed: {e.status}")
                 self._out.fail(req, Failure.PREFILL_UNREACHABLE, str(e))
                 return
+            self._hs.transport_ok(req.key(s))
             req.registered.add(s)
             self._tm.inc(Counter.PUSH_REGS_SENT)
         req.state = DState.REGISTERED

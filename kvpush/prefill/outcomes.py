@@ -131,6 +131,8 @@ class Outcomes:
             return True
         except TransferError as e:
             self._rl.warning("notify", "notification to %s failed: %s", conn.address, e)
+            if not conn.evicted:  # counted and degraded; the next WRITE error evicts it
+                self._hs.transport_error(conn.key, e)
             return False
 
     def stopping(self, reason: Failure, detail: str) -> None:

@@ -136,6 +136,7 @@ class PushWriter:
             self._geom,
             self._rl,
             self._vllm,
+            handshakes=handshakes,
         )
         self._n_finished = 0
         self._ranks = RankRouter(cfg.tp_rank, cfg.tp_size, self._vllm, t.request_deadline_s)
@@ -314,7 +315,9 @@ class PushWriter:
                     )
                     return
                 # D restarted at the same address: forget the old incarnation first.
-                self._evict(key, f"new incarnation {reg.decode_incarnation}")
+                self._evict(
+                    key, f"new incarnation {reg.decode_incarnation}", Failure.PEER_RESTARTED
+                )
                 conn = None
             if conn is None or conn.remote_dlist is None:
                 hint = PeerHint(reg.decode_engine_id, reg.decode_tp_size)
@@ -367,9 +370,9 @@ class PushWriter:
             self._rl.warning("unexpected", "unexpected %s from %s", type(msg).__name__, sender)
 
     # ------------------------------------------------------------------ peers and shutdown
-    def _evict(self, key: PeerKey, reason: str) -> None:
+    def _evict(self, key: PeerKey, reason: str, failure: Failure = Failure.PEER_DEAD) -> None:
         conn = self._hs.evict(key, reason)
-        self._legs.peer_gone(key, reason)
+        self._legs.peer_gone(key, reason, failure)
         self._fences.forget_peer(key)
         if conn is not None:
             self._hs.release_conn(conn)

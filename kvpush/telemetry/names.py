@@ -44,6 +44,22 @@ class Counter(StrEnum):
     HANDSHAKES_FAILED = "handshakes_failed"
     HANDSHAKES_SERVED = "handshakes_served"
     PEERS_EVICTED = "peers_evicted"
+    # restarts and disconnects (docs/reliability.md): a handshake that found a new incarnation
+    # at a known address; remote agents of evicted peers removed (before any new one is loaded
+    # for that peer); peers moved to degraded by a transport error, and evicted for them.
+    PEER_RESTARTS = "peer_restarts"
+    STALE_AGENTS_REMOVED = "stale_agents_removed"
+    PEERS_DEGRADED = "peers_degraded"
+    PEERS_EVICTED_TRANSPORT = "peers_evicted_transport"
+
+
+#: Transport errors on an established peer are counted by NIXL status:
+#: ``transport_errors_<status in lower case>``, e.g. ``transport_errors_nixl_err_not_found``.
+TRANSPORT_ERRORS_PREFIX = "transport_errors_"
+
+
+def transport_error_counter(status: str) -> str:
+    return f"{TRANSPORT_ERRORS_PREFIX}{status.lower()}"
 
 
 class Failure(StrEnum):
@@ -58,6 +74,7 @@ class Failure(StrEnum):
     PREFILL_DEAD = "prefill_dead"
     PREFILL_FAILED = "prefill_failed"  # P failed it for a reason this version does not know
     PEER_DEAD = "peer_dead"
+    PEER_RESTARTED = "peer_restarted"  # the peer came back as a new incarnation meanwhile
     SHUTTING_DOWN = "shutting_down"
     # blocks, leases, registrations
     NO_FREE_BLOCKS = "no_free_blocks"
@@ -125,6 +142,10 @@ class Gauge(StrEnum):
     POOL_FREE_RUNS = "pool_free_runs"
     POOL_LARGEST_FREE_RUN = "pool_largest_free_run"
     ALLOC_MEAN_RUN_LEN = "alloc_mean_run_len"
+    # Remote agents loaded now, and calls towards a removed (stale) agent refused (always 0
+    # unless a bug sends through an agent of a peer that restarted).
+    REMOTE_AGENTS = "remote_agents"
+    STALE_AGENT_USES = "stale_agent_uses"
 
 
 class Hist(StrEnum):
@@ -139,6 +160,7 @@ class PeerState(StrEnum):
 
     CONNECTING = "connecting"
     CONNECTED = "connected"
+    DEGRADED = "degraded"  # connected, but its last transport operation(s) failed
     FAILED = "failed"
 
 
