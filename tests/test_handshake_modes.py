@@ -180,7 +180,7 @@ def test_a_peer_that_never_answers_does_not_delay_a_healthy_one(
         assert f is not None
         with pytest.raises(PeerUnreachableError, match=re.escape(h.address)):
             f.result(10)
-    assert env.hs.counts() == {"connecting": 0, "connected": 1, "failed": 3}
+    assert env.hs.counts() == {"connecting": 0, "connected": 1, "degraded": 0, "failed": 3}
     assert env.tm.snapshot().counters["handshakes_failed"] == 3
     rows = {r["peer"]: r for r in env.hs.rows()}
     assert rows[holes[0].address]["state"] == "failed"
