@@ -30,8 +30,11 @@ def peer_metadata(address: str, token: bytes | None, timeout_s: float) -> dict[s
     return protocol.decode_metadata_loose(rep.metadata)
 
 
-def check_peers(cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
-    """Fail fast, in this order: reachability, roles, pool sizes, P/D compatibility."""
+def check_peers(
+    cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S
+) -> dict[str, dict[str, Any]]:
+    """Fail fast, in this order: reachability, roles, pool sizes, P/D compatibility; the
+    metadata of every peer (what a peer that was down must match again: ``kvpush.ops.readmit``)."""
     wait = min(timeout_s, cfg.timeout_s)
     meta: dict[str, dict[str, Any]] = {}
     for role, addrs in (("prefill", cfg.prefill), ("decode", cfg.decode)):
@@ -77,6 +80,7 @@ def check_peers(cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Non
                     [("tp_size", p_tp, d_tp)],
                     "run P and D at TP sizes that divide one another (e.g. 8 and 4)",
                 )
+    return meta
 
 
 def _check_shape(name: str, address: str, md: dict[str, Any]) -> None:
