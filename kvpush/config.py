@@ -375,6 +375,9 @@ class EndpointConfig:
     # Fault hook (tests): (rank, n): that rank's owner loop dies after its n-th request, as a
     # bug would kill it. (-1, 0): off.
     crash_rank_after: tuple[int, int] = (-1, 0)
+    # Fault hook (tests): the side channel answers "starting" this long before the ranks are
+    # built (a slow start, e.g. a large GPU pool to register).
+    start_delay_s: float = 0.0
     # A peer with this many transport errors in a row is evicted (the next request handshakes
     # afresh); an error saying its agent is gone evicts it at once.
     evict_after_errors: int = 3

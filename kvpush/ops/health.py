@@ -214,19 +214,24 @@ class Health:
                     return
             if (suspect or stalled) and now - p.last_liveness >= self._stall:
                 p.last_liveness = now
-                if not self._answers(p):
-                    self._mark_down(
-                        p, f"no answer to a liveness check within {self._liveness:g}s", dead=False
-                    )
+                why = self._answers(p)
+                if why:
+                    if why == "no answer":
+                        why = f"no answer to a liveness check within {self._liveness:g}s"
+                    self._mark_down(p, why, dead=False)
                     return
                 self.replied(p.address)
             return
         if now - p.last_recheck >= self._recheck:
             p.last_recheck = now
             c = control.tcp_contact(p.address, self._liveness, look=False)
-            if not (c.is_zmq and self._answers(p)):
+            if not c.is_zmq:
                 return
-            why = self._readmit(p.address, p.role) if self._readmit is not None else ""
+            why = self._answers(p)
+            if why == "no answer":
+                return
+            if not why and self._readmit is not None:
+                why = self._readmit(p.address, p.role)
             if why:
                 if why != p.why:
                     self._on_event(f"{p.role} {p.address} answers but stays down: {why}")
@@ -236,16 +241,18 @@ class Health:
                 p.up, p.why, p.last_reply, p.restarted = True, "", time.monotonic(), False
             self._on_event(f"{p.role} {p.address} is back up: it takes requests again")
 
-    def _answers(self, p: Peer) -> bool:
+    def _answers(self, p: Peer) -> str:
+        """"" when ``p`` answers a ``get_meta_msg`` as a ready endpoint, else "no answer" or
+        "still starting" (an endpoint still starting answers, but is not ready)."""
         c = self._clients.get(p.address)
         if c is None:
             c = self._clients[p.address] = control.connect(p.address, self._token, self._liveness)
         try:
             ident = c.identify(timeout_s=self._liveness)
         except KvpushError:
-            return False
+            return "no answer"
         kv = ident.payload.kvpush
-        return kv is None or kv.error != "starting"  # an endpoint still starting is not ready
+        return "still starting" if kv is not None and kv.error == "starting" else ""
 
     def _mark_down(self, p: Peer, why: str, dead: bool) -> None:
         with self._lock:
