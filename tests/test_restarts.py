@@ -164,10 +164,10 @@ def test_a_d_restarted_with_another_geometry_gets_no_traffic(
     p = serve.start("prefill", *POOL, *FAST)
     d1 = serve.start("decode", *POOL)
     d2 = serve.start("decode", "--port", str(free_port), *POOL)
-    n = 800
+    n = 2000  # at 100/s: the run outlasts D2's restart and several re-checks
     drive = _drive(
         "-p", p.address, "-d", d1.address, "-d", d2.address, "-n", str(n), "-c", "4",
-        "--blocks", "1", "--timeout", "60",
+        "--blocks", "1", "--timeout", "60", "--rate", "100",
     )  # fmt: skip
     _until("D2 taking traffic", lambda: _counter(d2, "requests_ok") >= 10)
     d2.proc.send_signal(signal.SIGKILL)
