@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvpush.address import format_address
-from kvpush.config import EndpointConfig, HandshakeMode
+from kvpush.config import EndpointConfig, HandshakeMode, Wire
 from kvpush.decode.completer import Completer
 from kvpush.decode.outcomes import Outcomes, failed_rep
 from kvpush.decode.peers import PrefillPeers
@@ -180,7 +180,10 @@ class Receiver:
         handshake with that P, or from P's rank 0 (which this D rank's rank-0 sibling draws
         from anyway)."""
         if not req.sources:
-            tp = req.p_tp or self._peer_tp.get(req.p_addr, 0)
+            tp = req.p_tp
+            if not tp:
+                tp = self._peer_tp.get(req.p_addr, 0)
+                req.tp_cached = bool(tp)
             if not tp:
                 conn = self._conn_or_wait(req, req.key(0))
                 if conn is None:
@@ -211,23 +214,50 @@ class Receiver:
             return
         stale = [s for s, c in req.p_conns.items() if c.metadata.tp_size != req.p_tp]
         if stale:
-            # P restarted at another TP size: forget what we knew of it, learn it afresh once.
-            self._peer_tp.pop(req.p_addr, None)
-            if not req.relearned and not req.registered:
-                req.relearned = True
-                for s in list(req.p_conns):
-                    self._peers.evict(req.key(s), "P's TP size changed", keep=req.request_id)
-                req.p_tp, req.sources = 0, ()
-                req.p_conns.clear()
-                self._connect_and_register(req)
-                return
-            got = req.p_conns[stale[0]].metadata.tp_size
-            self._out.fail(
-                req, Failure.INCOMPATIBLE, f"P's TP size changed from {req.p_tp} to {got}"
-            )
+            self._relearn_tp(req, stale)
             return
         self._peer_tp[req.p_addr] = req.p_tp
         self._register(req)
+
+    def _relearn_tp(self, req: DRequest, stale: list[int]) -> None:
+        """P answered at another TP size than the request assumed (it restarted at another
+        one): take the size its newest connection tells, keep the connections of that size,
+        forget the others (an older incarnation's) and start over -- at most twice."""
+        got = req.p_conns[stale[0]].metadata.tp_size
+        assumed = req.p_tp
+        # A vLLM router names P's TP size in the request (kv_transfer_params): that stands.
+        given = self.cfg.wire == Wire.VLLM and not req.tp_cached
+        learned = assumed if given else got
+        if req.registered or req.relearns >= 2 or learned == assumed:
+            self._out.fail(
+                req, Failure.INCOMPATIBLE, f"P's TP size changed from {assumed} to {got}"
+            )
+            return
+        req.relearns += 1
+        log.info(
+            "P %s is at TP %d now (was %d): re-learnt", format_address(*req.p_addr), got, assumed
+        )
+        self._peer_tp[req.p_addr] = learned
+        for s, c in list(req.p_conns.items()):
+            if c.metadata.tp_size != learned:
+                del req.p_conns[s]
+                if not c.evicted:
+                    self._peers.evict(req.key(s), "P's TP size changed", keep=req.request_id)
+        req.p_tp, req.sources, req.tp_cached = learned, (), False
+        self._connect_and_register(req)
+
+    def _relearn_after_failure(self, req: DRequest) -> bool:
+        """A handshake to a P rank failed while the request assumed P's TP size from an earlier
+        request: P may have restarted with fewer ranks; learn its size afresh from rank 0,
+        once. False when that does not apply (the failure stands)."""
+        if not req.tp_cached or req.relearns >= 2 or req.registered:
+            return False
+        req.relearns += 1
+        self._peer_tp.pop(req.p_addr, None)
+        req.p_tp, req.sources, req.tp_cached = 0, (), False
+        req.p_conns.clear()
+        self._connect_and_register(req)
+        return True
 
     def _conn_or_wait(self, req: DRequest, key: PeerKey, attach: bool = True) -> PeerConn | None:
         """The connection to ``key``, or None: a handshake is under way (the request comes back
@@ -263,6 +293,8 @@ class Receiver:
         if req.state in (DState.DONE, DState.ABANDONED):
             return
         if error is not None:
+            if self._relearn_after_failure(req):
+                return
             self._out.fail(req, handshake_failure(error, "prefill"), str(error))
             return
         self._connect_and_register(req)

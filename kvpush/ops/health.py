@@ -242,7 +242,7 @@ class Health:
             self._on_event(f"{p.role} {p.address} is back up: it takes requests again")
 
     def _answers(self, p: Peer) -> str:
-        """"" when ``p`` answers a ``get_meta_msg`` as a ready endpoint, else "no answer" or
+        """ "" when ``p`` answers a ``get_meta_msg`` as a ready endpoint, else "no answer" or
         "still starting" (an endpoint still starting answers, but is not ready)."""
         c = self._clients.get(p.address)
         if c is None:
