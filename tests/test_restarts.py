@@ -85,6 +85,7 @@ def _finish(drive: subprocess.Popen[str], n: int, timeout: float = 200) -> tuple
     assert set(out["failures_by_reason"]) <= REASONS, out["failures_by_reason"]
     assert "Traceback" not in stderr
     print(f"ok {out['ok']}/{n}, failed {out['failures_by_reason']}")
+    print("\n".join(out["first_failures"]))
     print("\n".join(ln for ln in stderr.splitlines() if " is down" in ln or " up" in ln))
     return out, stderr
 

@@ -221,39 +221,49 @@ class Receiver:
 
     def _relearn_tp(self, req: DRequest, stale: list[int]) -> None:
         """P answered at another TP size than the request assumed (it restarted at another
-        one): take the size its newest connection tells, keep the connections of that size,
-        forget the others (an older incarnation's) and start over -- at most twice."""
-        got = req.p_conns[stale[0]].metadata.tp_size
+        one): the newest connection tells P's size now; the connections of another size (an
+        older incarnation's) are forgotten and the request starts over -- at most twice."""
         assumed = req.p_tp
+        newest = max(req.p_conns.values(), key=lambda c: c.connected_at)
+        got = newest.metadata.tp_size
         # A vLLM router names P's TP size in the request (kv_transfer_params): that stands.
         given = self.cfg.wire == Wire.VLLM and not req.tp_cached
-        learned = assumed if given else got
-        if req.registered or req.relearns >= 2 or learned == assumed:
+        if req.registered or req.relearns >= 2 or (given and got != assumed):
+            other = req.p_conns[stale[0]].metadata.tp_size
             self._out.fail(
-                req, Failure.INCOMPATIBLE, f"P's TP size changed from {assumed} to {got}"
+                req, Failure.INCOMPATIBLE, f"P's TP size changed from {assumed} to {other}"
             )
             return
         req.relearns += 1
-        log.info(
-            "P %s is at TP %d now (was %d): re-learnt", format_address(*req.p_addr), got, assumed
-        )
-        self._peer_tp[req.p_addr] = learned
+        if got != assumed:
+            log.info(
+                "P %s is at TP %d now (was %d): re-learnt",
+                format_address(*req.p_addr),
+                got,
+                assumed,
+            )
+        self._peer_tp[req.p_addr] = got
         for s, c in list(req.p_conns.items()):
-            if c.metadata.tp_size != learned:
+            if c.metadata.tp_size != got:
                 del req.p_conns[s]
                 if not c.evicted:
                     self._peers.evict(req.key(s), "P's TP size changed", keep=req.request_id)
-        req.p_tp, req.sources, req.tp_cached = learned, (), False
+        req.p_tp, req.sources, req.tp_cached = got, (), False
         self._connect_and_register(req)
 
     def _relearn_after_failure(self, req: DRequest) -> bool:
         """A handshake to a P rank failed while the request assumed P's TP size from an earlier
         request: P may have restarted with fewer ranks; learn its size afresh from rank 0,
-        once. False when that does not apply (the failure stands)."""
+        once. A connection to rank 0 that still claims the failed size is an older
+        incarnation's: it is forgotten first. False when that does not apply."""
         if not req.tp_cached or req.relearns >= 2 or req.registered:
             return False
         req.relearns += 1
+        failed = req.p_tp
         self._peer_tp.pop(req.p_addr, None)
+        conn0 = self._hs.get(req.key(0))
+        if conn0 is not None and conn0.metadata.tp_size == failed:
+            self._peers.evict(req.key(0), "stale: P's TP size changed", keep=req.request_id)
         req.p_tp, req.sources, req.tp_cached = 0, (), False
         req.p_conns.clear()
         self._connect_and_register(req)
