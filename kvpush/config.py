@@ -378,6 +378,9 @@ class EndpointConfig:
     # Fault hook (tests): the side channel answers "starting" this long before the ranks are
     # built (a slow start, e.g. a large GPU pool to register).
     start_delay_s: float = 0.0
+    # Fault hook (tests): after its n-th successful push, P's NIXL forgets every connected D's
+    # agent under it (a transport lost on an established peer). 0: off.
+    drop_agents_after: int = 0
     # A peer with this many transport errors in a row is evicted (the next request handshakes
     # afresh); an error saying its agent is gone evicts it at once.
     evict_after_errors: int = 3

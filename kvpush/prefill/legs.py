@@ -84,6 +84,7 @@ class Legs:
         self.local_dlist: DList | None = None  # the whole pool's, from open() on
         self._chunk_dlists: dict[tuple[int, int], DList] = {}  # (offset, length) of each page
         self._hs = handshakes  # counts transport errors: degraded, then evicted
+        self._n_ok = 0  # pushes ok (the drop_agents_after fault hook)
 
     # ------------------------------------------------------------------ descriptor lists
     def open(self) -> None:
@@ -319,6 +320,11 @@ class Legs:
         now = time.monotonic()
         self._pool.allocator.release(push.key)
         self._tm.inc(Counter.PUSHES_OK)
+        self._n_ok += 1
+        if self._n_ok == self.cfg.drop_agents_after and self._hs is not None:
+            for conn in self._hs.connected():  # fault hook: the transport lost under them
+                log.warning("fault injection: NIXL drops the agent of %s", conn.address)
+                self._agent.drop_remote_under(conn.agent_name)
         self._tm.inc(Counter.BYTES_PUSHED, w.nbytes)
         self._on_outcome(PushOutcome(push.finished.transfer_id, True, nbytes=w.nbytes))
         t_match = max(push.finished.t_finished, max(r.t_arrived for r in push.registrations))

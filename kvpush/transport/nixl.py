@@ -222,6 +222,14 @@ class NixlAgent:
         except Exception as e:
             log.debug("remove_remote_agent(%s) failed: %s", name, e)
 
+    def drop_remote_under(self, name: str) -> None:
+        """Fault injection (tests): NIXL forgets ``name`` while kvpush still holds it (as a
+        connection lost under an established peer); the adapter's own account is untouched."""
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as e:
+            log.debug("drop_remote_under(%s) failed: %s", name, e)
+
     def remote_agents(self) -> list[str]:
         """The remote agents loaded now (added and not removed), by this adapter's account."""
         with self._lock:
