@@ -424,10 +424,12 @@ class HandshakeManager:
             if first:
                 e.state = PeerState.DEGRADED
             n = e.errors
+            evict = err.kind in _GONE or n >= self._error_limit
+            decided = evict and not e.doomed
+            e.doomed = e.doomed or evict
         if first:
             self._tm.inc(Counter.PEERS_DEGRADED)
-        evict = err.kind in _GONE or n >= self._error_limit
-        if evict:
+        if decided:
             self._tm.inc(Counter.PEERS_EVICTED_TRANSPORT)
         self._rl.warning(
             "transport",

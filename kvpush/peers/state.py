@@ -69,3 +69,4 @@ class PeerEntry:
     duration_s: float = 0.0
     hint: PeerHint = field(default_factory=PeerHint)
     errors: int = 0  # consecutive transport errors on its connection (0: healthy)
+    doomed: bool = False  # transport errors decided its eviction (counted once)
