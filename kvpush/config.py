@@ -382,6 +382,15 @@ class EndpointConfig:
     # Fault hook (tests): (rank, n): that rank's owner loop dies after its n-th request, as a
     # bug would kill it. (-1, 0): off.
     crash_rank_after: tuple[int, int] = (-1, 0)
+    # Fault hook (tests): the side channel answers "starting" this long before the ranks are
+    # built (a slow start, e.g. a large GPU pool to register).
+    start_delay_s: float = 0.0
+    # Fault hook (tests): after its n-th successful push, P's NIXL forgets every connected D's
+    # agent under it (a transport lost on an established peer). 0: off.
+    drop_agents_after: int = 0
+    # A peer with this many transport errors in a row is evicted (the next request handshakes
+    # afresh); an error saying its agent is gone evicts it at once.
+    evict_after_errors: int = 3
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -395,6 +404,7 @@ class EndpointConfig:
                 f"invalid engine id {self.engine_id!r}",
                 "use up to 128 letters, digits and . _ : @ -",
             )
+        _positive("--evict-after-errors", self.evict_after_errors)
         _positive("--tp", self.tp_size)
         if self.pool.tp_size != self.tp_size:
             # One geometry: the pool's share of the model's heads follows the endpoint's TP.

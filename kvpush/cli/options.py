@@ -139,6 +139,10 @@ _OPTS: list[Opt] = [
         "A real model's KV geometry: llama-8b, llama-70b-tp8 (one rank of TP 8) or mla. drive "
         "checks that the endpoints have it (and sizes --tokens in its blocks); demo starts its "
         "endpoints with it.", None, show_default=False, kw={"autocompletion": complete.shapes}),
+    Opt("peer_grace", ("--peer-grace",), float,
+        "While no P (or no D) is up, hold requests this long for one to come back (a restart "
+        "is a dip, not the end of the run); past it what is left fails as unreachable.", 5.0,
+        seconds=True),
     Opt("tokens", ("--tokens",), int | None,
         "Tokens per request (with --shape): --blocks becomes ceil(tokens / the shape's block "
         "tokens).", None, show_default=False),
@@ -252,7 +256,7 @@ PROBE: list[Entry] = [
 DRIVE: list[Entry] = [
     "prefill", "decode", "requests", "concurrency", "rate", "drive.blocks", "shape", "tokens",
     "drive.timeout", "drive.json", "kv_transfer_params", "request_id", "alloc_delay",
-    "auth_token_file", "trace", *REGISTRY,
+    "auth_token_file", "trace", "peer_grace", *REGISTRY,
 ]  # fmt: skip
 DEMO: list[Entry] = [
     "demo.requests", "blocks", "decoders", "demo.tp", "shape", "concurrency", "live",

@@ -171,6 +171,10 @@ ENDPOINT_OPTS: list[Opt] = [
     Opt("peer_idle_ttl", (TIMEOUT_FLAGS["peer_idle_ttl_s"],), float,
         "Forget (remove) a peer agent idle this long.", _timeout("peer_idle_ttl"), PANEL_TIME,
         seconds=True),
+    Opt("evict_after_errors", ("--evict-after-errors",), int,
+        "Evict a peer after this many transport errors in a row (failed WRITE, notification, "
+        "timeout); the next request handshakes afresh. A disconnect evicts at once.", 3,
+        PANEL_TIME),
     Opt("write_timeout", (TIMEOUT_FLAGS["write_base_s"],), float,
         "Fixed part of a WRITE's deadline; the size-aware part is bytes / --write-min-gbps.",
         _timeout("write_timeout"), PANEL_TIME, seconds=True),
@@ -270,6 +274,7 @@ SERVE: list[tuple[str, frozenset[str]]] = [
         ("registry_user", "prefill decode"), ("registry_password_file", "prefill decode"),
         ("registry_ca", "prefill decode"), ("registry_cert", "prefill decode"),
         ("registry_key", "prefill decode"),
+        ("evict_after_errors", "prefill decode"),
     )
 ]  # fmt: skip
 SERVE_PORT = {"prefill": 5600, "decode": 5601}

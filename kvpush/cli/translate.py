@@ -243,6 +243,7 @@ def endpoint_config(role: Role, p: Mapping[str, Any]) -> EndpointConfig:
         verify=bool(p.get("verify", True)) and vllm is None,
         auth_token=auth_token(p.get("auth_token_file")),
         allow_all_interfaces=bool(p.get("expose", False)),
+        evict_after_errors=int(p.get("evict_after_errors") or 3),
     )
 
 

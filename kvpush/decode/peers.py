@@ -72,9 +72,10 @@ class PrefillPeers:
                         ),
                     )
                     self._tm.inc(Counter.HEARTBEATS_SENT)
+                    self._hs.transport_ok(conn.key)
                 except TransferError as e:
-                    if e.kind == "peer_dead":
-                        self.evict(conn.key, "heartbeat failed: P disconnected")
+                    if not conn.evicted and self._hs.transport_error(conn.key, e):
+                        self.evict(conn.key, f"heartbeat failed: {e.status}")
                         break
 
     def evict(

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvpush.address import format_address
-from kvpush.config import EndpointConfig, HandshakeMode
+from kvpush.config import EndpointConfig, HandshakeMode, Wire
 from kvpush.decode.completer import Completer
 from kvpush.decode.outcomes import Outcomes, failed_rep
 from kvpush.decode.peers import PrefillPeers
@@ -192,7 +192,10 @@ class Receiver:
         handshake with that P, or from P's rank 0 (which this D rank's rank-0 sibling draws
         from anyway)."""
         if not req.sources:
-            tp = req.p_tp or self._peer_tp.get(req.p_addr, 0)
+            tp = req.p_tp
+            if not tp:
+                tp = self._peer_tp.get(req.p_addr, 0)
+                req.tp_cached = bool(tp)
             if not tp:
                 conn = self._conn_or_wait(req, req.key(0))
                 if conn is None:
@@ -240,20 +243,7 @@ class Receiver:
             return
         stale = [s for s, c in req.p_conns.items() if c.metadata.tp_size != req.p_tp]
         if stale:
-            # P restarted at another TP size: forget what we knew of it, learn it afresh once.
-            self._peer_tp.pop(req.p_addr, None)
-            if not req.relearned and not req.registered:
-                req.relearned = True
-                for s in list(req.p_conns):
-                    self._peers.evict(req.key(s), "P's TP size changed", keep=req.request_id)
-                req.p_tp, req.sources = 0, ()
-                req.p_conns.clear()
-                self._connect_and_register(req)
-                return
-            got = req.p_conns[stale[0]].metadata.tp_size
-            self._out.fail(
-                req, Failure.INCOMPATIBLE, f"P's TP size changed from {req.p_tp} to {got}"
-            )
+            self._relearn_tp(req, stale)
             return
         self._peer_tp[req.p_addr] = req.p_tp
         self._register(req)
@@ -267,6 +257,56 @@ class Receiver:
         conn = self._hs.forget(req.key(0))
         if conn is not None:
             self._hs.release_conn(conn)
+
+    def _relearn_tp(self, req: DRequest, stale: list[int]) -> None:
+        """P answered at another TP size than the request assumed (it restarted at another
+        one): the newest connection tells P's size now; the connections of another size (an
+        older incarnation's) are forgotten and the request starts over -- at most twice."""
+        assumed = req.p_tp
+        newest = max(req.p_conns.values(), key=lambda c: c.connected_at)
+        got = newest.metadata.tp_size
+        # A vLLM router names P's TP size in the request (kv_transfer_params): that stands.
+        given = self.cfg.wire == Wire.VLLM and not req.tp_cached
+        if req.registered or req.relearns >= 2 or (given and got != assumed):
+            other = req.p_conns[stale[0]].metadata.tp_size
+            self._out.fail(
+                req, Failure.INCOMPATIBLE, f"P's TP size changed from {assumed} to {other}"
+            )
+            return
+        req.relearns += 1
+        if got != assumed:
+            log.info(
+                "P %s is at TP %d now (was %d): re-learnt",
+                format_address(*req.p_addr),
+                got,
+                assumed,
+            )
+        self._peer_tp[req.p_addr] = got
+        for s, c in list(req.p_conns.items()):
+            if c.metadata.tp_size != got:
+                del req.p_conns[s]
+                if not c.evicted:
+                    self._peers.evict(req.key(s), "P's TP size changed", keep=req.request_id)
+        req.p_tp, req.sources, req.tp_cached = got, (), False
+        self._connect_and_register(req)
+
+    def _relearn_after_failure(self, req: DRequest) -> bool:
+        """A handshake to a P rank failed while the request assumed P's TP size from an earlier
+        request: P may have restarted with fewer ranks; learn its size afresh from rank 0,
+        once. A connection to rank 0 that still claims the failed size is an older
+        incarnation's: it is forgotten first. False when that does not apply."""
+        if not req.tp_cached or req.relearns >= 2 or req.registered:
+            return False
+        req.relearns += 1
+        failed = req.p_tp
+        self._peer_tp.pop(req.p_addr, None)
+        conn0 = self._hs.get(req.key(0))
+        if conn0 is not None and conn0.metadata.tp_size == failed:
+            self._peers.evict(req.key(0), "stale: P's TP size changed", keep=req.request_id)
+        req.p_tp, req.sources, req.tp_cached = 0, (), False
+        req.p_conns.clear()
+        self._connect_and_register(req)
+        return True
 
     def _conn_or_wait(self, req: DRequest, key: PeerKey, attach: bool = True) -> PeerConn | None:
         """The connection to ``key``, or None: a handshake is under way (the request comes back
@@ -303,6 +343,8 @@ class Receiver:
         if req.state in (DState.DONE, DState.ABANDONED):
             return
         if error is not None:
+            if self._relearn_after_failure(req):
+                return
             self._out.fail(req, handshake_failure(error, "prefill"), str(error))
             return
         self._connect_and_register(req)
@@ -352,15 +394,24 @@ class Receiver:
             try:
                 self._agent.send_notif(conn.agent_name, self._codec.encode(reg))
             except TransferError as e:
-                if e.kind in ("peer_dead", "peer_unknown") and req.attempts < 1:
+                # (a connection evicted meanwhile is stale: its key may hold a new one)
+                stale = conn.evicted
+                evict = stale or self._hs.transport_error(req.key(s), e)
+                if evict and req.attempts < 1:
                     # P restarted or vanished: forget that rank and handshake afresh once.
                     req.attempts += 1
                     del req.p_conns[s]
-                    self._peers.evict(req.key(s), f"PUSH_REG failed: {e.kind}", keep=req.request_id)
+                    if not stale:
+                        self._peers.evict(
+                            req.key(s), f"PUSH_REG failed: {e.status}", keep=req.request_id
+                        )
                     self._connect_and_register(req)
                     return
+                if evict and not stale:
+                    self._peers.evict(req.key(s), f"PUSH_REG failed: {e.status}")
                 self._out.fail(req, Failure.PREFILL_UNREACHABLE, str(e))
                 return
+            self._hs.transport_ok(req.key(s))
             req.registered.add(s)
             self._tm.inc(Counter.PUSH_REGS_SENT)
         req.state = DState.REGISTERED

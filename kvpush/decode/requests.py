@@ -62,7 +62,8 @@ class DRequest:
     # An abandoned request: the P ranks that may still write into its blocks.
     outstanding: set[int] = field(default_factory=set)
     attempts: int = 0  # re-handshakes after P vanished
-    relearned: bool = False  # P's TP size learnt afresh (it restarted at another one)
+    tp_cached: bool = False  # p_tp came from what an earlier request learnt (may be stale)
+    relearns: int = 0  # times P's TP size was re-learnt for this request (bounded)
     # vLLM's wire: P's coordinates from its kv_transfer_params (the router contract).
     p_engine_id: str = ""
     p_tp_size: int = 1

@@ -115,6 +115,8 @@ class Endpoint(Generic[R, G]):
             )
             self.server.start()
             undo.callback(self.server.stop)
+            if cfg.start_delay_s > 0:  # fault hook: a slow start, "starting" meanwhile
+                time.sleep(cfg.start_delay_s)
             for r in range(cfg.tp_size):
                 rank = Rank(
                     dataclasses.replace(cfg, tp_rank=r),

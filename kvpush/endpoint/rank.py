@@ -94,6 +94,7 @@ class Rank(Generic[R]):
                 self.telemetry,
                 wire=cfg.wire,
                 vllm_wire=cfg.vllm,
+                error_limit=cfg.evict_after_errors,
             )
             undo.callback(self.release_peers)
             self.pinger = Pinger(
@@ -175,6 +176,8 @@ class Rank(Generic[R]):
             tm.gauge_fn(gauge, functools.partial(_count, self.pool, key))
         for gauge in (Gauge.POOL_FREE_RUNS, Gauge.POOL_LARGEST_FREE_RUN, Gauge.ALLOC_MEAN_RUN_LEN):
             tm.gauge_fn(gauge, functools.partial(_fragmentation, self.pool, gauge))
+        tm.gauge_fn(Gauge.REMOTE_AGENTS, lambda: len(self.agent.remote_agents()))
+        tm.gauge_fn(Gauge.STALE_AGENT_USES, lambda: self.agent.stale_agent_uses)
         self.role.owner.export_gauges(tm)
 
     def release_peers(self) -> None:

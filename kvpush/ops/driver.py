@@ -13,8 +13,12 @@ Owns ``Driver`` (behind ``kvpush drive`` and ``kvpush demo``). Guarantees:
   requests at a time and says so in the report's notes.
 * **fail fast, route around**: ``kvpush.ops.health`` marks a peer that refuses connections or
   misses a liveness check down at once; new requests go round robin to the peers still up, a
-  request that finds no peer of a role up fails in microseconds with ``decode_unreachable`` /
-  ``prefill_unreachable``, and a down peer is re-checked and comes back.
+  request that finds no peer of a role up waits ``peer_grace_s`` for one to come back
+  (``kvpush.ops.readmit.PeerGrace``: a restart is a dip, not the end of the run), then fails
+  with ``decode_unreachable`` / ``prefill_unreachable``; a down peer is re-checked -- drive's
+  preflight again, for that peer -- and comes back. A D that answers as a new incarnation (it
+  restarted under drive) is marked down at once: what was in flight there fails with
+  ``peer_restarted``.
 
 Threads: ``run`` runs on the caller's thread and only waits, watches and times out; ``W``
 worker threads each send one request's decode leg at a time (it blocks until D has the KV),
@@ -38,6 +42,7 @@ from kvpush.ops import control, reasons
 from kvpush.ops.drive_notes import down_at_start_note, long_run_note
 from kvpush.ops.health import Health, Peer
 from kvpush.ops.preflight import check_peers
+from kvpush.ops.readmit import PeerGrace, Readmission
 from kvpush.ops.results import DriveConfig, DriveReport, RequestResult, summarize
 from kvpush.ops.senders import Senders
 from kvpush.ops.trace import Tracer, phase_stats
@@ -114,6 +119,7 @@ class Driver:
             cfg.auth_token, cfg.timeout_s, p_threads * len(cfg.prefill)
         )
         self._p_exec = {p: Senders(p_threads, f"drive-p{i}") for i, p in enumerate(cfg.prefill)}
+        self._readmission: Readmission | None = None  # set by run() from the preflight
         self.health = Health(
             cfg.auth_token,
             liveness_s=cfg.liveness_s,
@@ -121,7 +127,9 @@ class Driver:
             recheck_s=cfg.recheck_s,
             on_down=self._on_down,
             on_event=self._event,
+            readmit=self._readmit,
         )
+        self.grace = PeerGrace(cfg.peer_grace_s, self.health.any_up)
         for p in cfg.prefill:
             self.health.add(p, "prefill")
         for d in cfg.decode:
@@ -176,7 +184,10 @@ class Driver:
 
     # ------------------------------------------------------------------ run
     def run(self) -> DriveReport:
-        down = check_peers(self.cfg) if self.cfg.preflight else {}
+        down: dict[str, str] = {}
+        if self.cfg.preflight:
+            meta, down = check_peers(self.cfg)
+            self._readmission = Readmission(self.cfg, meta)
         if self._tracer is not None:
             self.notes.extend(self._tracer.start([*self.cfg.prefill, *self.cfg.decode]))
         self._t0 = time.monotonic()
@@ -233,12 +244,27 @@ class Driver:
                 if self._force.is_set() or time.monotonic() >= grace_until:
                     self._fail_unresolved(Failure.CANCELLED, "in flight when interrupted")
                 continue
-            for role in ("prefill", "decode"):
-                if not self.health.any_up(role):  # type: ignore[arg-type]
-                    self._fail_untaken(
-                        reasons.UNREACHABLE[role],
-                        self.health.down_reason(role),  # type: ignore[arg-type]
-                    )
+            self._past_grace()
+
+    def _past_grace(self) -> None:
+        """No peer of a role up for longer than the grace: what is left fails now."""
+        for role in ("prefill", "decode"):
+            if self.grace.expired(role):  # type: ignore[arg-type]
+                self._fail_untaken(
+                    reasons.UNREACHABLE[role],
+                    self.health.down_reason(role),  # type: ignore[arg-type]
+                )
+
+    def _readmit(self, address: str, role: reasons.Leg) -> str:
+        """Monitor thread: a peer that was down passes the preflight again (else why not)."""
+        return self._readmission.check(address, role) if self._readmission is not None else ""
+
+    def _held(self, role: reasons.Leg, i: int) -> bool:
+        """No peer of ``role`` is up: hold request ``i`` for the grace; True when one is back."""
+        with self._lock:
+            if self._results[i] is not None:
+                return False
+        return self.grace.wait(role, lambda: self._cancel.is_set() or self._results[i] is not None)
 
     # ------------------------------------------------------------------ recording
     def _resolve(self, i: int, result: RequestResult) -> bool:
@@ -340,11 +366,15 @@ class Driver:
             p = self.health.pick("prefill")
             d = self.health.pick("decode", home, tried)
             if p is None or d is None:
-                if p is not None and tried:  # every D that is up could not be reached just now
+                if p is not None and tried and self.health.any_up("decode"):
+                    # every D that is up could not be reached just now
                     last = sorted(tried)[-1]
                     self._fail(i, reasons.UNREACHABLE["decode"], f"D {last}: no contact")
                     return
+                tried.clear()  # the Ds tried went down meanwhile: wait for one (the grace)
                 role: reasons.Leg = "prefill" if p is None else "decode"
+                if self._held(role, i):
+                    continue  # one is back up within the grace
                 self._fail(i, reasons.UNREACHABLE[role], self.health.down_reason(role))
                 return
             tried.add(d)
@@ -366,7 +396,7 @@ class Driver:
     def _on_down(self, peer: Peer, dead: bool, inflight: list[int]) -> None:
         """Monitor thread: a dead peer's requests in flight fail now; their workers are blocked
         until their own deadline, so each is retired and replaced (within the socket reserve)."""
-        reason = reasons.UNREACHABLE[peer.role]
+        reason = Failure.PEER_RESTARTED if peer.restarted else reasons.UNREACHABLE[peer.role]
         for i in inflight:
             with self._lock:
                 wid = self._worker_of.get(i)
@@ -384,6 +414,16 @@ class Driver:
             if replace:
                 self._d_pool.grow(1)  # the retired worker keeps its socket until its deadline
                 self._spawn_worker()
+
+    def _same_incarnation(self, d: str, kv: object) -> bool:
+        """D answered as the incarnation that passed the checks; else (it restarted, or is
+        still starting) it is marked down and re-checked."""
+        inc = getattr(kv, "incarnation", "")
+        starting = getattr(kv, "error", "") == "starting"
+        if self._readmission is None or (not starting and self._readmission.observe(d, inc)):
+            return True
+        self.health.restarted(d)
+        return False
 
     def _prefill_leg(self, i: int, p: str) -> None:
         """On P's executor: send the prefill leg; a failure decides the request at once."""
@@ -421,10 +461,12 @@ class Driver:
         try:
             with self._d_pool.borrow(d) as c:
                 try:
-                    c.identify(timeout_s=CONTACT_S)
+                    ident = c.identify(timeout_s=CONTACT_S)
                 except KvpushError:
                     self.health.suspect(d)
                     return False
+                if not self._same_incarnation(d, ident.payload.kvpush):
+                    return False  # nothing sent: it is re-checked before it gets traffic
                 if not self.health.sent(p, i):
                     self._fail(i, reasons.UNREACHABLE["prefill"], f"P {p} went down")
                     return True

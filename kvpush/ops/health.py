@@ -10,7 +10,11 @@ when it last answered) and the *monitor* thread that keeps it true. The monitor
   answered within ``liveness_s``, else marks it down as *silent* (frozen, partitioned): no new
   request goes there, and the ones already sent wait for their own deadline (they may still
   finish when it thaws);
-* re-checks a down peer every ``recheck_s`` (TCP, then ``get_meta_msg``) and brings it back.
+* re-checks a down peer every ``recheck_s`` (TCP, then ``get_meta_msg``, then ``readmit``:
+  drive's preflight of that one peer) and brings it back only when all of them pass; an endpoint
+  that answers "starting" is not ready;
+* marks down at once a peer a worker found answering as a new incarnation (``restarted``): its
+  requests in flight went to the old process and fail now; it comes back through ``readmit``.
 
 Threads: workers call ``pick``/``sent``/``replied``/``finished``/``suspect`` (under the lock);
 the monitor thread owns its one side-channel client per peer and is the only one that changes a
@@ -50,6 +54,7 @@ class Peer:
     suspect: bool = False
     downs: int = 0
     left: bool = False  # out of the rotation (its registry key went): never picked, not rechecked
+    restarted: bool = False  # a worker saw a new incarnation answer at this address
 
 
 OnDown = Callable[[Peer, bool, list[int]], None]
@@ -65,6 +70,7 @@ class Health:
         recheck_s: float,
         on_down: OnDown,
         on_event: Callable[[str], None],
+        readmit: Callable[[str, Leg], str] | None = None,
     ) -> None:
         self._token = token
         self._liveness = liveness_s
@@ -72,6 +78,7 @@ class Health:
         self._recheck = recheck_s
         self._on_down = on_down
         self._on_event = on_event
+        self._readmit = readmit
         self._lock = threading.Lock()
         self._peers: dict[str, Peer] = {}
         self._order: dict[str, list[str]] = {"prefill": [], "decode": []}
@@ -113,14 +120,19 @@ class Health:
                 return None
             if home is not None:
                 addr = order[home % len(order)]
-                if self._peers[addr].up and addr not in exclude:
+                if self._usable(addr) and addr not in exclude:
                     return addr
             for _ in range(len(order)):
                 addr = order[self._rr[role] % len(order)]
                 self._rr[role] += 1
-                if self._peers[addr].up and addr not in exclude:
+                if self._usable(addr) and addr not in exclude:
                     return addr
             return None
+
+    def _usable(self, address: str) -> bool:
+        """Up, and not found restarted (under the lock)."""
+        p = self._peers[address]
+        return p.up and not p.restarted
 
     def count(self, role: Leg) -> int:
         with self._lock:
@@ -129,7 +141,7 @@ class Health:
     def any_up(self, role: Leg) -> bool:
         """Whether some peer of ``role`` is up (does not move the round robin)."""
         with self._lock:
-            return any(self._peers[a].up for a in self._order[role])
+            return any(self._usable(a) for a in self._order[role])
 
     def down_reason(self, role: Leg) -> str:
         with self._lock:
@@ -169,6 +181,13 @@ class Health:
             p = self._peers[address]
             p.up, p.why, p.last_recheck = False, why, time.monotonic()
 
+    def restarted(self, address: str) -> None:
+        """A worker found a new incarnation answering at ``address``: mark it down now."""
+        with self._lock:
+            p = self._peers[address]
+            p.restarted = p.suspect = True
+        self._wake.set()
+
     def rows(self) -> list[tuple[str, str, bool, str, int]]:
         """(address, role, up, why, in flight) of every peer."""
         with self._lock:
@@ -207,6 +226,9 @@ class Health:
             up, suspect, busy = p.up, p.suspect, bool(p.inflight)
             stalled = busy and now - p.last_reply >= self._stall
             p.suspect = False
+        if up and p.restarted:
+            self._mark_down(p, "restarted as a new incarnation", dead=True)
+            return
         if up:
             if (suspect or busy) and (suspect or now - p.last_tcp >= TCP_EVERY_S):
                 p.last_tcp = now
@@ -216,30 +238,45 @@ class Health:
                     return
             if (suspect or stalled) and now - p.last_liveness >= self._stall:
                 p.last_liveness = now
-                if not self._answers(p):
-                    self._mark_down(
-                        p, f"no answer to a liveness check within {self._liveness:g}s", dead=False
-                    )
+                why = self._answers(p)
+                if why:
+                    if why == "no answer":
+                        why = f"no answer to a liveness check within {self._liveness:g}s"
+                    self._mark_down(p, why, dead=False)
                     return
                 self.replied(p.address)
             return
         if not p.left and now - p.last_recheck >= self._recheck:
             p.last_recheck = now
             c = control.tcp_contact(p.address, self._liveness, look=False)
-            if c.is_zmq and self._answers(p):
-                with self._lock:
-                    p.up, p.why, p.last_reply = True, "", time.monotonic()
-                self._on_event(f"{p.role} {p.address} is back up: it takes requests again")
+            if not c.is_zmq:
+                return
+            why = self._answers(p)
+            if why == "no answer":
+                return
+            if not why and self._readmit is not None:
+                why = self._readmit(p.address, p.role)
+            if why:
+                if why != p.why:
+                    self._on_event(f"{p.role} {p.address} answers but stays down: {why}")
+                p.why = why
+                return
+            with self._lock:
+                p.up, p.why, p.last_reply, p.restarted = True, "", time.monotonic(), False
+            self._on_event(f"{p.role} {p.address} is back up: it takes requests again")
 
-    def _answers(self, p: Peer) -> bool:
+    def _answers(self, p: Peer) -> str:
+        """ "" when ``p`` answers a ``get_meta_msg`` as a ready endpoint, else "no answer" or
+        "still starting" (an endpoint still starting answers, but is not ready)."""
         c = self._clients.get(p.address)
         if c is None:
             c = self._clients[p.address] = control.connect(p.address, self._token, self._liveness)
         try:
-            c.identify(timeout_s=self._liveness)
-            return True
+            ident = c.identify(timeout_s=self._liveness)
         except KvpushError:
-            return False
+            return "no answer"
+        kv = ident.payload.kvpush
+        return "still starting" if kv is not None and kv.error == "starting" else ""
 
     def _mark_down(self, p: Peer, why: str, dead: bool) -> None:
         with self._lock:

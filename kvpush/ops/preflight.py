@@ -31,13 +31,17 @@ def peer_metadata(address: str, token: bytes | None, timeout_s: float) -> dict[s
     return protocol.decode_metadata_loose(rep.metadata)
 
 
-def check_peers(cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> dict[str, str]:
+def check_peers(
+    cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Fail fast, in this order: reachability, roles, pool sizes, P/D compatibility.
 
-    A peer that is unreachable at start (refused, timed out) does not stop the run while
-    another peer of its role is up: it is returned (address -> what was found) for the run to
-    start with it down, as if it had died a moment before. With no P or no D up, the first
-    such error is raised (exit 69). The checks below apply to the peers that answered."""
+    Returns the metadata of every peer that answered (what a peer that was down must match
+    again: ``kvpush.ops.readmit``) and the peers unreachable at start (address -> what was
+    found). A peer that is unreachable at start does not stop the run while another peer of
+    its role is up: the run starts with it down, as if it had died a moment before. With no P
+    or no D up, the first such error is raised (exit 69). The checks below apply to the peers
+    that answered."""
     # A short --timeout bounds each request, not the first contact: below a second a live
     # peer's connection set-up alone could exceed it, and it would be reported unreachable.
     wait = min(timeout_s, max(cfg.timeout_s, MIN_CONTACT_S))
@@ -97,7 +101,7 @@ def check_peers(cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> dic
                     [("tp_size", p_tp, d_tp)],
                     "run P and D at TP sizes that divide one another (e.g. 8 and 4)",
                 )
-    return down
+    return meta, down
 
 
 def _check_shape(name: str, address: str, md: dict[str, Any]) -> None:

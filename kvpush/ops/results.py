@@ -42,6 +42,9 @@ class DriveConfig:
     # A named model shape (``kvpush.memory.shapes``): the preflight checks that P's geometry
     # is that shape (one rank of it), and ``--tokens`` sizes requests in its blocks.
     shape: str = ""
+    # While no peer of a role is up, hold requests this long for one to come back (a restart is
+    # a dip in the progress line); past it, what is left fails with the role's reason.
+    peer_grace_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -66,6 +69,11 @@ class DriveConfig:
                 raise ConfigError(f"{flag} must be positive, got {value}", f"pass {flag} 1 or more")
         if self.blocks > 1 << 16:
             raise ConfigError(f"--blocks {self.blocks} is too large", "use at most 65536")
+        if not self.peer_grace_s >= 0:
+            raise ConfigError(
+                f"--peer-grace must be 0 or more, got {self.peer_grace_s:g}",
+                "pass --peer-grace 0 to fail at once when no peer of a role is up",
+            )
         if self.rate is not None and not self.rate > 0:
             raise ConfigError(
                 f"--rate must be positive, got {self.rate:g}", "omit --rate for no limit"

@@ -20,6 +20,14 @@ thread per manager, from the first connection to ``close``) finds a quiet peer's
 refusing connections and marks its row ``down``; a handshake to it fails at once; the owner
 evicts it at its next housekeeping (``down()``), as it evicts a peer whose heartbeat, PUSH_REG
 or WRITE failed.
+
+Handshakes to one peer are single-flight: while one is under way for a key, ``ensure`` returns
+its future to every other caller (ranks, requests), so the same remote agent is never added
+twice at once (LightLLM #1470). A transport error on an established peer (``transport_error``)
+is counted by NIXL status and moves it to *degraded*; it is evicted at once when the error says
+the remote agent is gone (disconnected, not found), else after ``error_limit`` consecutive
+errors; one success (``transport_ok``) makes it connected again. A handshake that finds a new
+incarnation at an address it knew counts ``peer_restarts``.
 """
 
 from __future__ import annotations
@@ -47,10 +55,10 @@ from kvpush.peers.validation import check_reply, mode_satisfies
 from kvpush.peers.vllm_peer import PeerHint, check_peer_role, check_vllm_answer
 from kvpush.peers.watch import PeerWatch, Target
 from kvpush.ratelog import RateLimitedLog
-from kvpush.telemetry.names import Counter, Failure, Hist, PeerState
+from kvpush.telemetry.names import Counter, Failure, Hist, PeerState, transport_error_counter
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.client import SideChannelClient
-from kvpush.transport.nixl import DList, NixlAgent
+from kvpush.transport.nixl import DList, NixlAgent, TransferError
 from kvpush.wire import protocol
 from kvpush.wire.auth import Authenticator
 
@@ -59,6 +67,13 @@ log = logging.getLogger(__name__)
 #: Rows of the peer table (one per peer rank, connected, connecting or failed). At the cap the
 #: oldest failed rows are forgotten; when all are live a new peer is refused (too_many_peers).
 MAX_PEER_ROWS = 4096
+#: Consecutive transport errors after which a degraded peer is evicted (the default).
+TRANSPORT_ERROR_LIMIT = 3
+#: Transfer-error kinds that say the remote agent is gone: the peer is evicted on the first.
+_GONE = frozenset({"peer_dead", "peer_unknown"})
+#: Incarnations remembered per peer address (to tell a restart from a first contact).
+_MAX_INCARNATIONS = 4096
+_LIVE = (PeerState.CONNECTED, PeerState.DEGRADED)
 
 
 class HandshakeManager:
@@ -74,6 +89,7 @@ class HandshakeManager:
         max_pending: int = 256,
         wire: Wire = Wire.KVPUSH,
         vllm_wire: VllmWireConfig | None = None,
+        error_limit: int = TRANSPORT_ERROR_LIMIT,
     ) -> None:
         if wire == Wire.VLLM and vllm_wire is None:
             raise ValueError("a vLLM-wire handshake manager needs the vLLM wire config")
@@ -95,11 +111,13 @@ class HandshakeManager:
         self._closed = False
         self._rl = RateLimitedLog(log)
         self._watch: PeerWatch | None = None  # started with the first connected peer
+        self._error_limit = max(1, error_limit)
+        self._incarnations: dict[PeerKey, str] = {}
 
     # ------------------------------------------------------------------ queries
     def get(self, key: PeerKey) -> PeerConn | None:
         e = self._peers.get(key)
-        if e is not None and e.state == PeerState.CONNECTED and e.conn is not None:
+        if e is not None and e.state in _LIVE and e.conn is not None:
             e.conn.last_used = time.monotonic()
             return e.conn
         return None
@@ -119,11 +137,7 @@ class HandshakeManager:
     def connected(self) -> list[PeerConn]:
         """Every peer connected now."""
         with self._lock:
-            return [
-                e.conn
-                for e in self._peers.values()
-                if e.state == PeerState.CONNECTED and e.conn is not None
-            ]
+            return [e.conn for e in self._peers.values() if e.state in _LIVE and e.conn is not None]
 
     def rows(self) -> list[dict[str, object]]:
         """Per-peer telemetry rows."""
@@ -174,16 +188,12 @@ class HandshakeManager:
                 f.set_exception(PeerUnreachableError(f"{peer_name(key)} is down: {e.last_error}"))
                 return f  # its process is gone: evicted at the owner's next housekeeping
             if e is not None:
-                if (
-                    e.state == PeerState.CONNECTED
-                    and e.conn is not None
-                    and mode_satisfies(e.mode, mode)
-                ):
+                if e.state in _LIVE and e.conn is not None and mode_satisfies(e.mode, mode):
                     e.conn.last_used = time.monotonic()
                     return None
                 if e.state == PeerState.CONNECTING and mode_satisfies(e.mode, mode):
                     return e.future
-                if e.state == PeerState.CONNECTED:
+                if e.state in _LIVE:
                     # Upgrade notif -> full: the owner keeps using the old conn until the new
                     # one replaces it; the old agent is the same name, so no remove is needed.
                     pass
@@ -282,9 +292,11 @@ class HandshakeManager:
             self._rl.warning("handshake_failed", "%s", err)
             e.future.set_exception(err)
             return
+        inc = conn.metadata.incarnation
         with self._lock:
             e.conn = conn
             e.state = PeerState.CONNECTED
+            e.errors = 0
             e.duration_s = time.monotonic() - e.started
             closed = self._closed
             if self._watch is None and not closed:
@@ -292,6 +304,14 @@ class HandshakeManager:
                     self._quiet_peers, self._mark_down, name=f"peer-watch-{self._local.tp_rank}"
                 )
                 self._watch.start()
+            before = self._incarnations.pop(e.key, "")
+            if inc:
+                self._incarnations[e.key] = inc
+                if len(self._incarnations) > _MAX_INCARNATIONS:
+                    del self._incarnations[next(iter(self._incarnations))]
+        if before and inc and before != inc:
+            self._tm.inc(Counter.PEER_RESTARTS)
+            log.info("peer %s restarted: incarnation %s -> %s", peer, before[:12], inc[:12])
         self._tm.inc(Counter.HANDSHAKES_OK)
         self._tm.observe(Hist.HANDSHAKE_DURATION, e.duration_s)
         log.info(
@@ -450,6 +470,51 @@ class HandshakeManager:
             clock_offset_s=clock_offset,
         )
 
+    # ------------------------------------------------------------------ transport health
+    def transport_error(self, key: PeerKey, err: TransferError) -> bool:
+        """A NIXL operation on ``key``'s connection failed: count it by status, mark the peer
+        degraded; True when the caller must evict it now (its agent is gone, or this is the
+        ``error_limit``-th error in a row)."""
+        self._tm.inc(transport_error_counter(err.status))
+        with self._lock:
+            e = self._peers.get(key)
+            if e is None or e.conn is None:
+                return err.kind in _GONE
+            e.errors += 1
+            e.last_error = str(err)[:300]
+            first = e.state == PeerState.CONNECTED
+            if first:
+                e.state = PeerState.DEGRADED
+            n = e.errors
+            evict = err.kind in _GONE or n >= self._error_limit
+            decided = evict and not e.doomed
+            e.doomed = e.doomed or evict
+        if first:
+            self._tm.inc(Counter.PEERS_DEGRADED)
+        if decided:
+            self._tm.inc(Counter.PEERS_EVICTED_TRANSPORT)
+        self._rl.warning(
+            "transport",
+            "transport error %d/%d on %s (%s): %s%s",
+            n,
+            self._error_limit,
+            peer_name(key),
+            err.status,
+            err,
+            "; evicting it" if evict else "; degraded",
+        )
+        return evict
+
+    def transport_ok(self, key: PeerKey) -> None:
+        """A NIXL operation on ``key``'s connection succeeded: a degraded peer is connected."""
+        e = self._peers.get(key)
+        if e is None or not e.errors:
+            return
+        with self._lock:
+            e.errors = 0
+            if e.state == PeerState.DEGRADED:
+                e.state = PeerState.CONNECTED
+
     # ------------------------------------------------------------------ eviction
     def evict(self, key: PeerKey, reason: str) -> PeerConn | None:
         """Forget a peer; return its connection for the owner to release."""
@@ -459,6 +524,8 @@ class HandshakeManager:
             return None
         log.info("evicting peer %s: %s", peer_name(key), reason)
         self._tm.inc(Counter.PEERS_EVICTED)
+        if e.conn is not None:
+            e.conn.evicted = True
         return e.conn
 
     def forget(self, key: PeerKey) -> PeerConn | None:
@@ -517,6 +584,9 @@ class HandshakeManager:
         if conn.remote_dlist is not None:
             self._agent.release_dlist(conn.remote_dlist)
         self._agent.remove_remote(conn.agent_name)
+        if conn.evicted:
+            self._tm.inc(Counter.STALE_AGENTS_REMOVED)
+            log.info("removed the agent %s of evicted peer %s", conn.agent_name, conn.address)
 
     def close(self) -> list[PeerConn]:
         """Refuse new handshakes; return every known connection for release."""

@@ -65,6 +65,7 @@ class PeerConn:
     connected_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     released: bool = False
+    evicted: bool = False  # forgotten by the peer table: its agent is stale once released
 
     @property
     def address(self) -> str:
@@ -85,3 +86,5 @@ class PeerEntry:
     last_error: str = ""
     duration_s: float = 0.0
     hint: PeerHint = field(default_factory=PeerHint)
+    errors: int = 0  # consecutive transport errors on its connection (0: healthy)
+    doomed: bool = False  # transport errors decided its eviction (counted once)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from kvpush.config import EndpointConfig
 from kvpush.memory.pool import KvPool
-from kvpush.peers.handshakes import PeerConn, PeerKey
+from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
 from kvpush.peers.tp import Slice
 from kvpush.prefill.fences import Fences
 from kvpush.prefill.outcomes import Outcomes
@@ -66,6 +66,7 @@ class Legs:
         geom: LocalGeometry,
         rl: RateLimitedLog,
         vllm: bool,
+        handshakes: HandshakeManager | None = None,
     ) -> None:
         self.cfg = cfg
         self._agent = agent
@@ -83,6 +84,8 @@ class Legs:
         self._rl = rl
         self.local_dlist: DList | None = None  # the whole pool's, from open() on
         self._chunk_dlists: dict[tuple[int, int], DList] = {}  # (offset, length) of each page
+        self._hs = handshakes  # counts transport errors: degraded, then evicted
+        self._n_ok = 0  # pushes ok (the drop_agents_after fault hook)
 
     # ------------------------------------------------------------------ descriptor lists
     def open(self) -> None:
@@ -188,8 +191,8 @@ class Legs:
             w.failed[reg.decode_tp_rank] = (Failure.WRITE_POST_FAILED, False)
             self._out.tell(r, conn, Failure.WRITE_POST_FAILED, str(e), may_have_written=False)
             self._tm.fail(Failure.WRITE_POST_FAILED)
-            if e.kind in ("peer_dead", "peer_unknown"):
-                self._evict_peer(conn.key, f"WRITE post failed: {e.kind}")
+            if self._transport_error(conn, e):
+                self._evict_peer(conn.key, f"WRITE post failed: {e.status}")
             return
         deadline = (
             math.inf if self._vllm else t_post + self.cfg.timeouts.write_deadline_s(plan.nbytes)
@@ -236,22 +239,37 @@ class Legs:
         except TransferError as e:
             dead = e.kind == "peer_dead"
             self.abandon(entry, Failure.PEER_DEAD if dead else Failure.WRITE_ERROR, str(e))
-            if dead:
-                self._evict_peer(entry.conn.key, "transfer failed: peer disconnected")
+            if self._transport_error(entry.conn, e):
+                self._evict_peer(entry.conn.key, f"transfer failed: {e.status}")
             return True
         if st == "DONE":
             self.complete(entry)
-        elif st == "ERR":
-            self.abandon(entry, Failure.WRITE_ERROR, "transfer state ERR")
+            if self._hs is not None:
+                self._hs.transport_ok(entry.conn.key)
+            return True
+        if st == "ERR":
+            err = TransferError("xfer_error", "transfer state ERR", "xfer_state_err")
+            self.abandon(entry, Failure.WRITE_ERROR, str(err))
         elif now > entry.deadline:
-            self.abandon(
-                entry,
-                Failure.WRITE_TIMEOUT,
+            err = TransferError(
+                "timeout",
                 f"WRITE of {entry.nbytes} bytes not done after {now - entry.t_post:.1f}s",
+                "write_timeout",
             )
+            self.abandon(entry, Failure.WRITE_TIMEOUT, str(err))
         else:
             return False
+        if self._transport_error(entry.conn, err):
+            self._evict_peer(entry.conn.key, f"transfer failed: {err.status}")
         return True
+
+    def _transport_error(self, conn: PeerConn, e: TransferError) -> bool:
+        """Count ``e`` on ``conn``'s peer; True when the peer must be evicted now."""
+        if self._hs is None:
+            return e.kind in ("peer_dead", "peer_unknown")
+        if conn.evicted:
+            return False  # already forgotten (an earlier leg's error evicted it)
+        return self._hs.transport_error(conn.key, e)
 
     def complete(self, entry: InFlight) -> None:
         self._agent.release(entry.xfer)
@@ -305,6 +323,11 @@ class Legs:
         now = time.monotonic()
         self._pool.allocator.release(push.key)
         self._tm.inc(Counter.PUSHES_OK)
+        self._n_ok += 1
+        if self._n_ok == self.cfg.drop_agents_after and self._hs is not None:
+            for conn in self._hs.connected():  # fault hook: the transport lost under them
+                log.warning("fault injection: NIXL drops the agent of %s", conn.address)
+                self._agent.drop_remote_under(conn.agent_name)
         self._tm.inc(Counter.BYTES_PUSHED, w.nbytes)
         t_match = max(push.finished.t_finished, max(r.t_arrived for r in push.registrations))
         stamps = self._phases(w, t_match, now) if self.cfg.phase_stamps else {}

@@ -111,17 +111,21 @@ class Outcomes:
         may_have_written: bool,
     ) -> None:
         conn = conn or self._hs.get(peer_of(r))
-        if conn is not None:
-            self.notify(
-                conn,
-                protocol.Failure(
-                    request_id=r.reg.request_id,
-                    transfer_id=r.reg.transfer_id,
-                    reason=reason,
-                    detail=detail[:1000],
-                    may_have_written=may_have_written,
-                ),
-            )
+        told = conn is not None and self.notify(
+            conn,
+            protocol.Failure(
+                request_id=r.reg.request_id,
+                transfer_id=r.reg.transfer_id,
+                reason=reason,
+                detail=detail[:1000],
+                may_have_written=may_have_written,
+            ),
+        )
+        if not told and conn is not None and not may_have_written:
+            # The transport to D is gone (the notification failed too): tell D over its side
+            # channel, so it fails the request now, not at its deadline. Only when nothing was
+            # written: a decline frees D's blocks at once.
+            self.decline(r, reason, detail)
 
     def notify(self, conn: PeerConn, msg: protocol.Notif) -> bool:
         """Send ``msg`` if this wire has a form for it (vLLM's has no failures or cancels)."""
@@ -132,6 +136,8 @@ class Outcomes:
             return True
         except TransferError as e:
             self._rl.warning("notify", "notification to %s failed: %s", conn.address, e)
+            if not conn.evicted:  # counted and degraded; the next WRITE error evicts it
+                self._hs.transport_error(conn.key, e)
             return False
 
     def stopping(self, reason: Failure, detail: str) -> None:

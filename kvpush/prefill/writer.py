@@ -137,6 +137,7 @@ class PushWriter:
             self._geom,
             self._rl,
             self._vllm,
+            handshakes=handshakes,
         )
         self._n_finished = 0
         self._next_idle = 0.0
@@ -348,7 +349,9 @@ class PushWriter:
                     )
                     return
                 # D restarted at the same address: forget the old incarnation first.
-                self._evict(key, f"new incarnation {reg.decode_incarnation}")
+                self._evict(
+                    key, f"new incarnation {reg.decode_incarnation}", Failure.PEER_RESTARTED
+                )
                 conn = None
             if conn is None or conn.remote_dlist is None:
                 hint = PeerHint(reg.decode_engine_id, reg.decode_tp_size, role="decode")

@@ -45,6 +45,22 @@ class Counter(StrEnum):
     HANDSHAKES_SERVED = "handshakes_served"
     PEERS_EVICTED = "peers_evicted"
     REGISTRY_ERRORS = "registry_errors"  # etcd calls of the registrar that failed
+    # restarts and disconnects (docs/reliability.md): a handshake that found a new incarnation
+    # at a known address; remote agents of evicted peers removed (before any new one is loaded
+    # for that peer); peers moved to degraded by a transport error, and evicted for them.
+    PEER_RESTARTS = "peer_restarts"
+    STALE_AGENTS_REMOVED = "stale_agents_removed"
+    PEERS_DEGRADED = "peers_degraded"
+    PEERS_EVICTED_TRANSPORT = "peers_evicted_transport"
+
+
+#: Transport errors on an established peer are counted by NIXL status:
+#: ``transport_errors_<status in lower case>``, e.g. ``transport_errors_nixl_err_not_found``.
+TRANSPORT_ERRORS_PREFIX = "transport_errors_"
+
+
+def transport_error_counter(status: str) -> str:
+    return f"{TRANSPORT_ERRORS_PREFIX}{status.lower()}"
 
 
 class Failure(StrEnum):
@@ -61,7 +77,7 @@ class Failure(StrEnum):
     PEER_DEAD = "peer_dead"
     SHUTTING_DOWN = "shutting_down"
     PEER_LEFT = "peer_left"  # the registry says the peer is gone (its key deleted or lapsed)
-    PEER_RESTARTED = "peer_restarted"  # the registry shows another incarnation at its address
+    PEER_RESTARTED = "peer_restarted"  # a new incarnation at its address (handshake or registry)
     # blocks, leases, registrations
     NO_FREE_BLOCKS = "no_free_blocks"
     NO_BLOCKS = "no_blocks"
@@ -138,6 +154,10 @@ class Gauge(StrEnum):
     # The fleet registry (with --registry): 1 while etcd answers; 1 once the key is written.
     REGISTRY_UP = "registry_up"
     REGISTRY_REGISTERED = "registry_registered"
+    # Remote agents loaded now, and calls towards a removed (stale) agent refused (always 0
+    # unless a bug sends through an agent of a peer that restarted).
+    REMOTE_AGENTS = "remote_agents"
+    STALE_AGENT_USES = "stale_agent_uses"
 
 
 class Hist(StrEnum):
@@ -161,6 +181,7 @@ class PeerState(StrEnum):
 
     CONNECTING = "connecting"
     CONNECTED = "connected"
+    DEGRADED = "degraded"  # connected, but its last transport operation(s) failed
     FAILED = "failed"
     DOWN = "down"  # was connected; its process is gone (kvpush.peers.watch), evicted next
 

@@ -6,13 +6,21 @@ handshakes may load agents while the owning thread posts transfers) and keeps NI
 INFO logs to stdout. It holds no policy: callers decide what to do with each failure.
 
 Threads: the owning thread (P's writer, D's receiver) calls post/state/notifs; handshake workers
-call add_remote/prep_remote/make_connection; NIXL's RW sync mode serialises what must be.
+call add_remote/prep_remote/make_connection; NIXL's RW sync mode serialises what must be. Agent
+creation is serialised process-wide (``_CREATE_LOCK``): the ranks of one endpoint create their
+agents on their own threads, and UCX 1.20.0 hangs when two agents initialise at once (NIXL #1668).
+
+Remote agents: the adapter keeps the names it loaded (``remote_agents``) and the ones it removed;
+a send or transfer towards a removed agent is refused here (``TransferError`` kind
+``peer_unknown``) and counted in ``stale_agent_uses``, so nothing ever goes through a stale agent
+of a peer that restarted, and tests can assert that it never happened.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -34,6 +42,25 @@ _AGENT_MD_MAGIC = b"nixlSerDes|Agent"  # how nixl 1.5's serialized agent metadat
 
 _nixl: Any = None
 _bind: Any = None
+
+#: One agent at a time is created in this process (NIXL #1668: UCX 1.20.0 hangs when two agents
+#: initialise at once, which is what the ranks of one endpoint would do).
+_CREATE_LOCK = threading.Lock()
+
+#: NIXL's status names by the exception class its Python API raises for them.
+NIXL_STATUS = {
+    "nixlRemoteDisconnectError": "NIXL_ERR_REMOTE_DISCONNECT",
+    "nixlNotFoundError": "NIXL_ERR_NOT_FOUND",
+    "nixlNotAllowedError": "NIXL_ERR_NOT_ALLOWED",
+    "nixlBackendError": "NIXL_ERR_BACKEND",
+    "nixlCancelledError": "NIXL_ERR_CANCELED",
+    "nixlInvalidParamError": "NIXL_ERR_INVALID_PARAM",
+    "nixlMismatchError": "NIXL_ERR_MISMATCH",
+    "nixlNotPostedError": "NIXL_ERR_NOT_POSTED",
+    "nixlNotSupportedError": "NIXL_ERR_NOT_SUPPORTED",
+    "nixlRepostActiveError": "NIXL_ERR_REPOST_ACTIVE",
+    "nixlUnknownError": "NIXL_ERR_UNKNOWN",
+}
 
 
 def _import_nixl() -> tuple[Any, Any]:
@@ -62,12 +89,15 @@ class TransferError(KvpushError):
     """A NIXL call on a transfer or notification failed.
 
     ``kind`` is one of ``peer_dead`` (remote disconnected), ``peer_unknown`` (agent not loaded),
-    ``not_allowed``, ``backend`` or ``nixl_error``.
+    ``not_allowed``, ``backend`` or ``nixl_error``; ``status`` is NIXL's status name
+    (``NIXL_ERR_REMOTE_DISCONNECT``...), or ``xfer_state_err`` / ``stale_agent`` where NIXL
+    raised nothing (a transfer whose state turned ERR; a call refused by this adapter).
     """
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, status: str = "NIXL_ERR_UNKNOWN") -> None:
         super().__init__(message)
         self.kind = kind
+        self.status = status
 
 
 def _translate(e: BaseException, what: str) -> TransferError:
@@ -79,7 +109,7 @@ def _translate(e: BaseException, what: str) -> TransferError:
         "nixlBackendError": "backend",
         "nixlCancelledError": "cancelled",
     }.get(name, "nixl_error")
-    return TransferError(kind, f"{what}: {name}: {e}")
+    return TransferError(kind, f"{what}: {name}: {e}", NIXL_STATUS.get(name, "NIXL_ERR_UNKNOWN"))
 
 
 class Xfer:
@@ -93,11 +123,12 @@ class Xfer:
 
 
 class DList:
-    __slots__ = ("count", "handle")
+    __slots__ = ("count", "handle", "remote")
 
-    def __init__(self, handle: Any, count: int) -> None:
+    def __init__(self, handle: Any, count: int, remote: str = "") -> None:
         self.handle = handle
         self.count = count
+        self.remote = remote  # the remote agent it describes ("" for a local list)
 
 
 class NixlAgent:
@@ -119,11 +150,24 @@ class NixlAgent:
             backends=[],
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
         )
+        with _CREATE_LOCK:
+            self._agent = self._create(api, name, conf, cfg)
+        self._reg: Any = None
+        self._lock = threading.Lock()  # guards the two name sets (owner and handshake threads)
+        self._remotes: set[str] = set()
+        self._removed: set[str] = set()
+        self.stale_agent_uses = 0
+        self._dram = bind.DRAM_SEG
+        self._bind = bind
+
+    @staticmethod
+    def _create(api: Any, name: str, conf: Any, cfg: AgentConfig) -> Any:
+        """The agent and its backends (under ``_CREATE_LOCK``: backend start is UCX's init)."""
         try:
-            self._agent = api.nixl_agent(name, conf)
+            agent = api.nixl_agent(name, conf)
         except Exception as e:
             raise NixlUnavailableError(f"cannot create a NIXL agent: {e}") from None
-        available = list(self._agent.get_plugin_list())
+        available = list(agent.get_plugin_list())
         for b in cfg.backends:
             if b not in available:
                 raise NixlUnavailableError(
@@ -131,14 +175,12 @@ class NixlAgent:
                     f"available backends here: {', '.join(sorted(available)) or 'none'}",
                 )
             try:
-                self._agent.create_backend(
+                agent.create_backend(
                     b, {"num_threads": str(cfg.num_threads)} if cfg.num_threads else {}
                 )
             except Exception as e:
                 raise NixlUnavailableError(f"NIXL backend {b} failed to start: {e}") from None
-        self._reg: Any = None
-        self._dram = bind.DRAM_SEG
-        self._bind = bind
+        return agent
 
     # ------------------------------------------------------------------ memory / metadata
     def register(self, tensor: Any) -> None:
@@ -218,13 +260,53 @@ class NixlAgent:
             name = self._agent.add_remote_agent(metadata)
         except Exception as e:
             raise _translate(e, "add_remote_agent") from None
-        return name.decode() if isinstance(name, bytes) else str(name)
+        text = name.decode() if isinstance(name, bytes) else str(name)
+        with self._lock:
+            self._remotes.add(text)
+            self._removed.discard(text)
+        return text
 
     def remove_remote(self, name: str) -> None:
+        with self._lock:
+            self._remotes.discard(name)
+            self._removed.add(name)
+            if len(self._removed) > 4096:  # bounded: the oldest names matter least
+                self._removed.pop()
         try:
             self._agent.remove_remote_agent(name)
         except Exception as e:
             log.debug("remove_remote_agent(%s) failed: %s", name, e)
+
+    def drop_remote_under(self, name: str) -> None:
+        """Fault injection (tests): NIXL forgets ``name`` while kvpush still holds it (as a
+        connection lost under an established peer); the adapter's own account is untouched."""
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as e:
+            log.debug("drop_remote_under(%s) failed: %s", name, e)
+
+    def remote_agents(self) -> list[str]:
+        """The remote agents loaded now (added and not removed), by this adapter's account."""
+        with self._lock:
+            return sorted(self._remotes)
+
+    def has_remote(self, name: str) -> bool:
+        """Whether NIXL itself still holds ``name``'s metadata (``checkRemoteMD``)."""
+        try:
+            return bool(self._agent.check_remote_metadata(name))
+        except Exception:
+            return False
+
+    def _not_stale(self, name: str, what: str) -> None:
+        """Refuse (and count) a call towards an agent this adapter removed."""
+        with self._lock:
+            stale = name in self._removed
+            if stale:
+                self.stale_agent_uses += 1
+        if stale:
+            raise TransferError(
+                "peer_unknown", f"{what}: agent {name} was removed (stale)", "stale_agent"
+            )
 
     def make_connection(self, name: str) -> None:
         try:
@@ -240,11 +322,12 @@ class NixlAgent:
         return DList(h, len(descs))
 
     def prep_remote(self, name: str, descs: np.ndarray, mem_type: str) -> DList:
+        self._not_stale(name, "prep_xfer_dlist(remote)")
         try:
             h = self._agent.prep_xfer_dlist(name, descs, mem_type)
         except Exception as e:
             raise _translate(e, "prep_xfer_dlist(remote)") from None
-        return DList(h, len(descs))
+        return DList(h, len(descs), name)
 
     def release_dlist(self, dl: DList) -> None:
         try:
@@ -262,6 +345,8 @@ class NixlAgent:
         notif: bytes,
     ) -> tuple[Xfer, str]:
         """Create and post a WRITE; returns the handle and its first state (DONE/PROC/ERR)."""
+        if remote.remote:
+            self._not_stale(remote.remote, "make_prepped_xfer")
         try:
             h = self._agent.make_prepped_xfer(
                 "WRITE", local.handle, local_idx, remote.handle, remote_idx, notif
@@ -295,6 +380,7 @@ class NixlAgent:
         return True
 
     def send_notif(self, name: str, msg: bytes) -> None:
+        self._not_stale(name, "send_notif")
         try:
             self._agent.send_notif(name, msg)
         except Exception as e:

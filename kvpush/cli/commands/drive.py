@@ -37,11 +37,13 @@ For each request the decode leg goes to a D that is up -- each of the --concurre
 has its own (workers spread evenly over the Ds, so a frozen D holds only its own workers; with
 fewer workers than Ds, round robin) -- and the prefill leg to the next P, both in flight
 together. A peer that refuses connections or misses a
-liveness check is marked down at once and traffic goes to the others; it is re-checked and
-comes back. Ends with ok/failed counts, failures by reason, latency percentiles, throughput
-and whether every byte verified; every request is accounted for. Ctrl-C stops intake, waits
-briefly for requests in flight and prints the partial summary (exit 130). Exit status 0 when
-all requests succeeded and verified, 1 otherwise.
+liveness check is marked down at once and traffic goes to the others; it is re-checked (the
+preflight again: role, geometry, readiness) and comes back. While no P or no D is up,
+requests wait --peer-grace seconds for one to come back. Ends with ok/failed counts,
+failures by reason, latency percentiles, throughput and whether every byte verified; every
+request is accounted for. Ctrl-C stops intake, waits briefly for requests in flight and
+prints the partial summary (exit 130). Exit status 0 when all requests succeeded and
+verified, 1 otherwise.
 
 One leg of a vLLM push deployment, with no router: 'drive --decode D --kv-transfer-params
 FILE|JSON' has a kvpush D (serve-decode --wire vllm) receive one request a vLLM P holds;
@@ -157,6 +159,7 @@ def drive(
     alloc_delay: float,
     auth_token_file: str | None,
     trace: Path | None = None,
+    peer_grace: float = 5.0,
     **registry: Any,
 ) -> None:
     prefill, decode = list(prefill or ()), list(decode or ())
@@ -205,6 +208,7 @@ def drive(
         timeout_s=timeout,
         auth_token=token,
         shape=shape or "",
+        peer_grace_s=peer_grace,
     )
     if targets is not None:  # the registry's set, checked; one that left meanwhile is dropped
         cfg = targets.preflight(cfg)

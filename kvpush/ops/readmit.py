@@ -1,0 +1,125 @@
+"""Drive's re-check of a peer that was down, before it gets traffic again; its grace window.
+
+Owns ``Readmission``: the preflight of one peer (``kvpush.ops.preflight``'s checks, for one
+address): it answers a handshake request (an endpoint still *starting* answers ``not_ready`` and
+stays down), has the role it was given as, a pool that holds ``--blocks``, the geometry of the
+run's reference P (dtype, layout, block size, layers) and a TP size that divides or is divided by
+every peer of the other role. What a peer that comes back must satisfy is what the run started
+with, so a D restarted with other ``--layers`` mid-run never gets a request. It also remembers
+each peer's incarnation (``observe``): an answer from a new incarnation at a known address means
+the peer restarted since drive last looked, and it must be re-checked before more traffic.
+
+Owns ``PeerGrace``: how long drive holds intake while no peer of a role is up (``--peer-grace``),
+so a quick restart reads as a dip in the progress line, not the end of the run.
+
+Threads: ``check`` runs on the monitor thread of ``kvpush.ops.health``; ``observe`` and
+``PeerGrace`` on any thread (one lock each).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvpush.errors import KvpushError
+from kvpush.ops.preflight import PREFLIGHT_TIMEOUT_S, peer_metadata
+from kvpush.ops.reasons import Leg
+from kvpush.ops.results import DriveConfig
+from kvpush.wire import protocol
+
+
+class Readmission:
+    def __init__(self, cfg: DriveConfig, meta: dict[str, dict[str, Any]]) -> None:
+        self._cfg = cfg
+        self._lock = threading.Lock()
+        self._meta = dict(meta)  # address -> the metadata it last passed the checks with
+        self._ref = dict(meta.get(cfg.prefill[0], {}))  # the run's reference geometry
+        self._inc: dict[str, str] = {
+            a: str(m.get("incarnation", "")) for a, m in meta.items() if m.get("incarnation")
+        }
+
+    def observe(self, address: str, incarnation: str) -> bool:
+        """``address`` answered as ``incarnation``: False when that is a new one (it restarted
+        since it last passed the checks; it must be re-checked before more traffic)."""
+        if not incarnation:
+            return True
+        with self._lock:
+            known = self._inc.get(address)
+            if known is None:
+                self._inc[address] = incarnation
+                return True
+            return known == incarnation
+
+    def check(self, address: str, role: Leg) -> str:
+        """The preflight of one peer: "" when it may take requests again, else why not."""
+        cfg = self._cfg
+        wait = min(PREFLIGHT_TIMEOUT_S, cfg.timeout_s)
+        try:
+            md = peer_metadata(address, cfg.auth_token, wait)
+        except KvpushError as e:
+            return "still starting" if e.message.endswith(": starting") else e.message
+        if md.get("role") != role:
+            return f"it is a {md.get('role')} endpoint now, not {role}"
+        pool = md.get("num_blocks")
+        if isinstance(pool, int) and cfg.blocks > pool:
+            return f"its pool ({pool} blocks) is smaller than --blocks {cfg.blocks}"
+        with self._lock:
+            ref = dict(self._ref)
+            others = [
+                m
+                for a, m in self._meta.items()
+                if a != address and m.get("role") not in (role, None)
+            ]
+        if ref:
+            diffs = protocol.compat_differences(
+                protocol.compat_fields_loose(ref), protocol.compat_fields_loose(md)
+            )
+            if diffs:
+                named = ", ".join(f"{f} {theirs} vs {ours}" for f, ours, theirs in diffs)
+                return f"incompatible with the run's geometry: {named}"
+        tp = md.get("tp_size", 1)
+        for m in others:
+            other = m.get("tp_size", 1)
+            if isinstance(tp, int) and isinstance(other, int) and tp % other and other % tp:
+                return f"its TP size {tp} and a {m.get('role')} peer's {other} do not divide"
+        with self._lock:
+            self._meta[address] = md
+            if md.get("incarnation"):
+                self._inc[address] = str(md["incarnation"])
+        return ""
+
+
+class PeerGrace:
+    """While no peer of a role is up, requests wait up to ``grace_s`` (from when the last one
+    went down) for one to come back; after that they fail with the role's reason."""
+
+    def __init__(self, grace_s: float, any_up: Callable[[Leg], bool]) -> None:
+        self.grace_s = grace_s
+        self._any_up = any_up
+        self._lock = threading.Lock()
+        self._since: dict[str, float] = {}
+
+    def none_up_since(self, role: Leg) -> float | None:
+        """When the role last had no peer up (None: some peer is up now)."""
+        if self._any_up(role):
+            with self._lock:
+                self._since.pop(role, None)
+            return None
+        with self._lock:
+            return self._since.setdefault(role, time.monotonic())
+
+    def expired(self, role: Leg) -> bool:
+        since = self.none_up_since(role)
+        return since is not None and time.monotonic() - since >= self.grace_s
+
+    def wait(self, role: Leg, stop: Callable[[], bool], tick_s: float = 0.05) -> bool:
+        """Block until a peer of ``role`` is up (True), or the grace is over or ``stop()``."""
+        while True:
+            since = self.none_up_since(role)
+            if since is None:
+                return True
+            if stop() or time.monotonic() - since >= self.grace_s:
+                return False
+            time.sleep(tick_s)
