@@ -44,6 +44,7 @@ class Counter(StrEnum):
     HANDSHAKES_FAILED = "handshakes_failed"
     HANDSHAKES_SERVED = "handshakes_served"
     PEERS_EVICTED = "peers_evicted"
+    WATCHDOG_STALLS = "watchdog_stalls"  # a watched thread made no progress (runtime.watchdog)
 
 
 class Failure(StrEnum):
@@ -125,6 +126,7 @@ class Gauge(StrEnum):
     POOL_FREE_RUNS = "pool_free_runs"
     POOL_LARGEST_FREE_RUN = "pool_largest_free_run"
     ALLOC_MEAN_RUN_LEN = "alloc_mean_run_len"
+    THREADS_STALLED = "threads_stalled"  # watched threads without progress now (watchdog)
 
 
 class Hist(StrEnum):

@@ -1,0 +1,186 @@
+"""The freeze watchdog (kvpush.runtime.watchdog) against real threads that really block.
+
+A loop thread beats its heartbeat, then blocks (on a lock another thread holds): the watchdog
+reports it once per stall with the stack it is blocked in, counts it and raises the gauge, and
+lowers the gauge when it moves again. A native call that holds the interpreter lock
+(``ctypes.PyDLL``'s ``usleep``: libc's sleep called with the lock held, the shape of the freeze
+of issue 16) stops every Python thread, the watchdog's too: it is reported as a stall of the
+whole process once the lock comes back, and faulthandler's C timer dumps every thread's stack
+*during* it (in a subprocess: that timer is process-wide).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kvpush.runtime.watchdog import PROCESS, Watchdog
+from kvpush.telemetry.heartbeat import Heartbeat
+from kvpush.telemetry.names import Counter, Gauge
+from kvpush.telemetry.store import Telemetry
+from tests.support.procs import ROOT, clean_env
+
+TIMEOUT = 0.4
+
+
+def wait_for(cond, timeout=10.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+class Looper:
+    """A real loop thread: beats on every pass; blocks on ``gate`` while the test holds it."""
+
+    def __init__(self, name: str) -> None:
+        self.hb = Heartbeat(name)
+        self.gate = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        self.hb.start()
+        try:
+            while not self.stop.is_set():
+                self.hb.beat()
+                with self.gate:  # blocks for real while the test holds the gate
+                    pass
+                time.sleep(0.005)
+        finally:
+            self.hb.park()
+
+    def __enter__(self) -> Looper:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        if self.gate.locked():
+            self.gate.release()
+        self.thread.join(5)
+
+
+def test_a_blocked_thread_is_reported_once_with_its_stack_and_recovers() -> None:
+    tm = Telemetry("decode", "d-test")
+    wd = Watchdog(TIMEOUT, period_s=0.05)
+    with Looper("receiver-test") as lp, Looper("sidechannel-test") as healthy:
+        wd.watch(lp.hb, tm)
+        wd.watch(healthy.hb, tm)
+        wd.start()
+        try:
+            time.sleep(3 * TIMEOUT)
+            assert wd.stalls == []  # moving threads are never reported
+            lp.gate.acquire()
+            assert wait_for(lambda: len(wd.stalls) == 1)
+            time.sleep(4 * TIMEOUT)  # still blocked: still one report
+            assert [s.name for s in wd.stalls] == ["receiver-test"]
+            stall = wd.stalls[0]
+            assert stall.stalled_s >= TIMEOUT
+            assert "in _run" in stall.stack and "with self.gate" in stall.stack
+            snap = tm.snapshot()
+            assert snap.counters[Counter.WATCHDOG_STALLS] == 1
+            assert snap.gauges[Gauge.THREADS_STALLED] == 1
+            lp.gate.release()
+            assert wait_for(lambda: tm.snapshot().gauges[Gauge.THREADS_STALLED] == 0)
+            # A second stall is a second report.
+            lp.gate.acquire()
+            assert wait_for(lambda: len(wd.stalls) == 2)
+            lp.gate.release()
+            assert tm.snapshot().counters[Counter.WATCHDOG_STALLS] == 2
+        finally:
+            wd.stop()
+
+
+def test_an_allowed_wait_and_a_parked_thread_are_not_stalls() -> None:
+    wd = Watchdog(TIMEOUT, period_s=0.05)
+    with Looper("owner-drain") as lp:
+        wd.watch(lp.hb)
+        assert wait_for(lambda: not lp.hb.parked)
+        lp.gate.acquire()
+        lp.hb.allow_until(time.monotonic() + 3 * TIMEOUT)  # e.g. a drain until its deadline
+        assert wd.check(time.monotonic() + 2 * TIMEOUT) == []
+        assert [s.name for s in wd.check(time.monotonic() + 4.5 * TIMEOUT)] == ["owner-drain"]
+        lp.hb.park()  # the thread has ended: never reported again
+        assert wd.check(time.monotonic() + 100) == []
+        assert wd.stalled() == 0
+
+
+def test_the_watchdog_thread_outlives_a_broken_callback() -> None:
+    def boom(stall: object) -> None:
+        raise RuntimeError("callback bug")
+
+    wd = Watchdog(TIMEOUT, period_s=0.05, on_stall=boom)
+    with Looper("owner-x") as lp:
+        wd.watch(lp.hb)
+        wd.start()
+        try:
+            lp.gate.acquire()
+            assert wait_for(lambda: len(wd.stalls) == 1)
+            moved = lp.hb.count
+            lp.gate.release()
+            assert wait_for(lambda: lp.hb.count > moved + 1)
+            lp.gate.acquire()
+            assert wait_for(lambda: len(wd.stalls) == 2)  # still watching
+            lp.gate.release()
+        finally:
+            wd.stop()
+
+
+def test_a_watchdog_needs_a_positive_timeout() -> None:
+    with pytest.raises(ValueError):
+        Watchdog(0)
+
+
+GIL_HELD = r"""
+import ctypes, logging, sys, threading, time
+from kvpush.runtime.watchdog import Watchdog
+from kvpush.telemetry.heartbeat import Heartbeat
+from kvpush.telemetry.store import Telemetry
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
+tm = Telemetry("decode", "d-gil")
+hb = Heartbeat("receiver-gil")
+stop = threading.Event()
+def loop():
+    hb.start()
+    while not stop.is_set():
+        hb.beat()
+        time.sleep(0.005)
+t = threading.Thread(target=loop, daemon=True); t.start()
+wd = Watchdog(0.5, period_s=0.1, native_dump=True)
+wd.watch(hb, tm)
+wd.start()
+time.sleep(0.5)
+def native_call_holding_the_gil():
+    ctypes.PyDLL(None).usleep(2_500_000)  # libc, called with the interpreter lock held
+native_call_holding_the_gil()
+time.sleep(0.6)
+stop.set(); wd.stop()
+print("stalls", [s.name for s in wd.stalls], tm.snapshot().counters.get("watchdog_stalls"))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_native_call_holding_the_gil_is_dumped_during_and_reported_after() -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", GIL_HELD],
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert r.returncode == 0, r.stderr
+    # After: the whole process is reported once the lock is back, the loop thread is not
+    # reported on top of it (every heartbeat was stale for the same reason).
+    assert r.stdout.strip() == f"stalls ['{PROCESS}'] 1", r.stdout + r.stderr
+    assert "watchdog: process made no progress for" in r.stderr
+    # During: faulthandler's C timer needed no interpreter lock; its dump names the call.
+    assert "Timeout (0:00:00" in r.stderr, r.stderr
+    assert "in native_call_holding_the_gil" in r.stderr
