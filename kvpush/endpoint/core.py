@@ -153,9 +153,7 @@ class Endpoint(Generic[R, G]):
         its rank); ``--watchdog-timeout 0``: none."""
         if not self.cfg.timeouts.watchdog_s:
             return None
-        wd = Watchdog(
-            self.cfg.timeouts.watchdog_s, native_dump=True, name=f"watchdog-{self.cfg.role}"
-        )
+        wd = Watchdog(self.cfg.timeouts.watchdog_s, name=f"watchdog-{self.cfg.role}")
         wd.watch(self.server.heartbeat, self.ranks[0].telemetry)
         for rk in self.ranks:
             wd.watch(rk.role.owner.heartbeat, rk.telemetry)

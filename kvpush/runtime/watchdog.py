@@ -14,15 +14,13 @@ logged. A thread may announce a phase in which it legitimately waits longer (``a
 e.g. its drain until the drain deadline): it is then reported only ``timeout_s`` after that.
 
 What the watchdog cannot see from Python: a native call that holds the interpreter lock. Then
-no Python thread runs, this one included. Two things cover that case:
-
-* the watchdog measures its own lateness: when its wait overran by ``timeout_s``, the whole
-  process stood still, which it reports (as the thread ``process``) once the lock comes back;
-* with ``native_dump`` it keeps ``faulthandler.dump_traceback_later`` armed one timeout ahead:
-  that timer is a C thread that needs no interpreter lock, so a process frozen for
-  ``timeout_s`` writes every thread's Python stack to stderr *while* it is frozen (the thread
-  inside the native call shows the call). ``py-spy dump --native --pid PID`` gives the native
-  frames (docs/reliability.md, "Freeze watchdog").
+no Python thread runs, this one included. The watchdog measures its own lateness: when its wait
+overran by ``timeout_s``, the whole process stood still, and it reports that (as the thread
+``process``) once the lock comes back. Where the process is stuck *during* such a stall, only an
+outside look shows: ``py-spy dump --native --pid PID`` (docs/reliability.md, "Freeze
+watchdog"). faulthandler's C timer (``dump_traceback_later``) would dump the stacks without the
+lock, but it reads the frames of running threads unlocked: when a stopped or starved process
+runs again, the dump races its threads and was seen to kill the endpoint it was to report on.
 
 Threads: heartbeats are written by their own thread only (two attribute stores, no lock) and read
 by the watchdog thread; ``stalled()`` and the gauges may be read from any thread.
@@ -30,8 +28,6 @@ by the watchdog thread; ``stalled()`` and the gauges may be read from any thread
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
 import functools
 import logging
 import sys
@@ -68,11 +64,6 @@ class _Watched:
     reported_at_count: int = -1  # the heartbeat count when its current stall was reported
 
 
-# faulthandler's timer is one per process: the watchdogs that use it share it.
-_native_lock = threading.Lock()
-_native_users: set[int] = set()
-
-
 class Watchdog:
     """Reports watched threads that make no progress for ``timeout_s`` (see the module doc)."""
 
@@ -81,7 +72,6 @@ class Watchdog:
         timeout_s: float,
         *,
         period_s: float | None = None,
-        native_dump: bool = False,
         name: str = "watchdog",
         on_stall: Callable[[Stall], None] | None = None,
     ) -> None:
@@ -89,7 +79,6 @@ class Watchdog:
             raise ValueError("a watchdog needs a positive timeout")
         self.timeout_s = timeout_s
         self.period_s = period_s if period_s is not None else min(1.0, timeout_s / 4)
-        self._native = native_dump
         self._on_stall = on_stall
         self._lock = threading.Lock()
         self._watched: list[_Watched] = []
@@ -136,7 +125,6 @@ class Watchdog:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(self.period_s + 5)
-        self._disarm_native()
 
     # ------------------------------------------------------------------ the check
     def check(self, now: float | None = None) -> list[Stall]:
@@ -193,7 +181,6 @@ class Watchdog:
     def _run(self) -> None:
         last = time.monotonic()
         while not self._stop.is_set():
-            self._arm_native()
             self._stop.wait(self.period_s)
             now = time.monotonic()
             late = now - last - self.period_s
@@ -208,7 +195,7 @@ class Watchdog:
                         PROCESS,
                         late,
                         "(every thread: the interpreter lock was held, or the process was "
-                        "stopped or starved; faulthandler's dump above, if any, shows where)\n",
+                        "stopped or starved; py-spy dump --native shows where, during it)\n",
                     ),
                     self._process_tm,
                 )
@@ -220,22 +207,3 @@ class Watchdog:
                 self.check(now)
             except Exception:  # the watchdog must outlive anything it reads
                 log.exception("watchdog: a check failed")
-
-    # ------------------------------------------------------------------ faulthandler
-    def _arm_native(self) -> None:
-        if not self._native:
-            return
-        with _native_lock:
-            _native_users.add(id(self))
-            with contextlib.suppress(Exception):  # no usable stderr: go without the dump
-                faulthandler.dump_traceback_later(
-                    self.timeout_s + self.period_s, repeat=False, file=sys.stderr, exit=False
-                )
-
-    def _disarm_native(self) -> None:
-        if not self._native:
-            return
-        with _native_lock:
-            _native_users.discard(id(self))
-            if not _native_users:
-                faulthandler.cancel_dump_traceback_later()
