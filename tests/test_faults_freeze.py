@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from kvpush.ops.driver import DriveConfig, Driver
-from tests.support.procs import ROOT, Launcher, Proc, clean_env
+from tests.support.procs import ROOT, Launcher, Proc, clean_env, wait_ready
 from tests.support.zygote import Zygote
 
 SMALL = ["--num-blocks", "64", "--layers", "2", "--block-bytes", "4096"]
@@ -47,6 +47,7 @@ P_TP = 2
 N_DECODE = 3
 ROUNDS = 40
 PER_ROUND = 5  # one P, four Ds
+START_S = 180.0  # starting is not what is tested: other work on this host may slow it a lot
 
 
 def json_lines(text: str) -> list[dict[str, object]]:
@@ -67,9 +68,10 @@ def counter(line: dict[str, object], name: str) -> int:
     return int(line.get("counters", {}).get(name, 0))  # type: ignore[union-attr]
 
 
-@pytest.fixture
+@contextlib.contextmanager
 def cpu_load() -> Iterator[None]:
-    """Two busy loops: one per core of this host."""
+    """Two busy loops: one per core of this host (started once the endpoints are up: what is
+    tested is stopping under load, not starting)."""
     burners = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"], env=clean_env())
         for _ in range(2)
@@ -119,31 +121,34 @@ def test_a_stopped_process_is_reported_by_its_watchdog(launcher: Launcher) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_p_stops_and_d_evictions_under_load(
-    launcher: Launcher, cpu_load: None, tmp_path: Path
-) -> None:
-    ds = [launcher.serve("decode", *SMALL, "--interval", str(INTERVAL)) for _ in range(N_DECODE)]
+@pytest.mark.timeout(900)
+def test_p_stops_and_d_evictions_under_load(launcher: Launcher, tmp_path: Path) -> None:
+    ds = [
+        launcher.serve("decode", *SMALL, "--interval", str(INTERVAL), wait=False)
+        for _ in range(N_DECODE)
+    ]
     for d in ds:
+        wait_ready(d, START_S)
         wait_line(d, lambda x: True)
     out = tmp_path / "pcycle.json"
     t0 = time.monotonic()
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.support.pcycle",
-            str(out),
-            str(P_CYCLES),
-            str(P_TP),
-            *(d.address for d in ds),
-        ],
-        cwd=ROOT,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=350,
-    )
+    with cpu_load():
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.support.pcycle",
+                str(out),
+                str(P_CYCLES),
+                str(P_TP),
+                *(d.address for d in ds),
+            ],
+            cwd=ROOT,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=700,
+        )
     cycled_s = time.monotonic() - t0
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -169,12 +174,14 @@ def test_p_stops_and_d_evictions_under_load(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_simultaneous_sigterms_under_load(cpu_load: None, tmp_path: Path) -> None:
+@pytest.mark.timeout(900)
+def test_simultaneous_sigterms_under_load(tmp_path: Path) -> None:
     zy = Zygote()
     exits: list[float] = []
     t0 = time.monotonic()
+    load = contextlib.ExitStack()
     try:
+        load.enter_context(cpu_load())
         for rnd in range(ROUNDS):
             procs: list[tuple[int, Path, Path]] = []
             for i in range(PER_ROUND):
@@ -186,7 +193,7 @@ def test_simultaneous_sigterms_under_load(cpu_load: None, tmp_path: Path) -> Non
                 procs.append((zy.spawn(argv, log), ready, log))
             addrs = []
             for pid, ready, log in procs:
-                deadline = time.monotonic() + 60
+                deadline = time.monotonic() + START_S
                 while not ready.exists():
                     assert zy.exit_of(pid) is None, log.read_text()[-3000:]
                     assert time.monotonic() < deadline, log.read_text()[-3000:]
@@ -221,6 +228,7 @@ def test_simultaneous_sigterms_under_load(cpu_load: None, tmp_path: Path) -> Non
                 assert float(lines[-1]["ts"]) > wall - MAX_GAP_S, log  # type: ignore[arg-type]
                 assert counter(lines[-1], "watchdog_stalls") == 0, log
     finally:
+        load.close()
         zy.close()
     exits.sort()
     print(

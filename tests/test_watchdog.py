@@ -10,6 +10,7 @@ back, and ``py-spy dump --native`` shows the call *during* it (docs/reliability.
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 import threading
@@ -17,10 +18,14 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
+from rich.console import Console
 
+from kvpush.cli.views.live import render_live
 from kvpush.runtime.watchdog import PROCESS, Watchdog
 from kvpush.telemetry.heartbeat import Heartbeat
 from kvpush.telemetry.names import Counter, Gauge
+from kvpush.telemetry.prom import snapshot_families
 from kvpush.telemetry.store import Telemetry
 from tests.support.procs import ROOT, clean_env
 
@@ -34,6 +39,22 @@ def wait_for(cond, timeout=10.0):  # type: ignore[no-untyped-def]
             return True
         time.sleep(0.01)
     return False
+
+
+class _Registry:
+    """A one-snapshot collector registry for ``generate_latest``."""
+
+    def __init__(self, snap: object) -> None:
+        self._snap = snap
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        return snapshot_families(self._snap)  # type: ignore[arg-type]
+
+
+def _text(renderable: object) -> str:
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
 
 
 class Looper:
@@ -87,6 +108,12 @@ def test_a_blocked_thread_is_reported_once_with_its_stack_and_recovers() -> None
             snap = tm.snapshot()
             assert snap.counters[Counter.WATCHDOG_STALLS] == 1
             assert snap.gauges[Gauge.THREADS_STALLED] == 1
+            # The same snapshot feeds -o json, the live view and Prometheus.
+            assert snap.to_dict()["counters"]["watchdog_stalls"] == 1
+            page = generate_latest(_Registry(snap)).decode()
+            assert 'kvpush_watchdog_stalls_total{engine_id="d-test",role="decode"} 1.0' in page
+            assert 'kvpush_threads_stalled{engine_id="d-test",role="decode"} 1.0' in page
+            assert "threads stalled now" in _text(render_live(snap))
             lp.gate.release()
             assert wait_for(lambda: tm.snapshot().gauges[Gauge.THREADS_STALLED] == 0)
             # A second stall is a second report.

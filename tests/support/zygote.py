@@ -9,9 +9,10 @@ NIXL agent, and for each request forks a child that runs the operator's own entr
 child is a real ``kvpush serve-*`` process from ``main()`` on (its own signal handlers, NIXL
 agents, side channel and exit path).
 
-Protocol: one JSON line per child on stdin (``{"argv": [...], "log": PATH}``), answered with
-``spawned PID``; every child's end is reported as ``exited PID STATUS MONOTONIC`` (a negative
-status: killed by that signal); on stdin's end the zygote kills what is left and exits.
+Protocol: ``ready`` once imported; then one JSON line per child on stdin (``{"argv": [...],
+"log": PATH}``), answered with ``spawned PID``; every child's end is reported as ``exited PID
+STATUS MONOTONIC`` (a negative status: killed by that signal); on stdin's end the zygote kills
+what is left and exits.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def main() -> int:
 
     children: set[int] = set()
     out = sys.stdout
+    out.write("ready\n")
+    out.flush()
     buf = b""
     eof = False
     while not eof or children:
@@ -114,6 +117,11 @@ class Zygote:
         self._spawned: Queue[int] = Queue()
         self._lock = threading.Lock()
         self.exits: dict[int, tuple[int, float]] = {}  # pid -> (status, monotonic time)
+        assert self.proc.stdout is not None
+        first = self.proc.stdout.readline()  # once kvpush and torch are imported
+        if first.strip() != "ready":
+            self.proc.kill()
+            raise AssertionError(f"the zygote did not start: {first!r}")
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
