@@ -42,10 +42,11 @@ SMALL = ["--num-blocks", "64", "--layers", "2", "--block-bytes", "4096"]
 INTERVAL = 0.5
 MAX_GAP_S = 5.0  # the most a telemetry line may be late: 10 intervals
 DRAIN_S = 10.0  # serve's default --drain-timeout: the exit bound after SIGTERM
-P_CYCLES = 200
+# At least 200 of each (issue 16); more or fewer for a longer or quicker run.
+P_CYCLES = int(os.environ.get("KVPUSH_FREEZE_CYCLES", "200"))
 P_TP = 2
 N_DECODE = 3
-ROUNDS = 40
+ROUNDS = int(os.environ.get("KVPUSH_FREEZE_ROUNDS", "40"))
 PER_ROUND = 5  # one P, four Ds
 START_S = 180.0  # starting is not what is tested: other work on this host may slow it a lot
 
@@ -147,7 +148,7 @@ def test_p_stops_and_d_evictions_under_load(launcher: Launcher, tmp_path: Path) 
             env=clean_env(),
             capture_output=True,
             text=True,
-            timeout=700,
+            timeout=800,
         )
     cycled_s = time.monotonic() - t0
     assert r.returncode == 0, r.stderr[-3000:]
@@ -235,4 +236,4 @@ def test_simultaneous_sigterms_under_load(tmp_path: Path) -> None:
         f"{len(exits)} SIGTERMs in {ROUNDS} rounds, {time.monotonic() - t0:.1f}s; exit after "
         f"SIGTERM p50 {exits[len(exits) // 2]:.2f}s max {exits[-1]:.2f}s"
     )
-    assert len(exits) == ROUNDS * PER_ROUND >= 200
+    assert len(exits) == ROUNDS * PER_ROUND
