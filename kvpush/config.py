@@ -108,6 +108,8 @@ TIMEOUT_FLAGS: dict[str, str] = {
     "fence_s": "--fence-timeout",
     "drain_s": "--drain-timeout",
 }
+#: ``Timeouts.watchdog_s``'s option (0 = off, so it is kept out of TIMEOUT_FLAGS).
+WATCHDOG_FLAG = "--watchdog-timeout"
 
 
 MLA_LAYOUT = "MLA"  # one latent "head" per token, the same on every rank (DeepSeek-style)
@@ -299,10 +301,18 @@ class Timeouts:
     write_min_gbps: float = 0.05  # a WRITE gets base + bytes / (this rate) before it is failed
     fence_s: float = 10.0
     drain_s: float = 10.0
+    # The freeze watchdog (kvpush.runtime.watchdog): a watched thread without progress this
+    # long is reported; 0 turns it off (so it is not in TIMEOUT_FLAGS, which must be positive).
+    watchdog_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name, flag in TIMEOUT_FLAGS.items():
             _positive(flag, getattr(self, name))
+        if not self.watchdog_s >= 0:
+            raise ConfigError(
+                f"{WATCHDOG_FLAG} must be 0 (off) or positive, got {self.watchdog_s}",
+                f"pass {WATCHDOG_FLAG} 10, or 0 to turn the watchdog off",
+            )
         if self.heartbeat_s >= self.lease_s:
             raise ConfigError(
                 f"heartbeat interval {self.heartbeat_s}s must be shorter than the lease "

@@ -166,4 +166,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """Console-script entry point (``kvpush = "kvpush.cli.app:run"``)."""
-    sys.exit(main())
+    from kvpush.cli import quickexit
+
+    quickexit.finish(main())

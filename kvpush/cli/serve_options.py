@@ -38,6 +38,7 @@ from kvpush.config import (
     AGENT_FLAGS,
     POOL_FLAGS,
     TIMEOUT_FLAGS,
+    WATCHDOG_FLAG,
     AgentConfig,
     HandshakeMode,
     KvRegions,
@@ -186,6 +187,10 @@ ENDPOINT_OPTS: list[Opt] = [
     Opt("drain_timeout", (TIMEOUT_FLAGS["drain_s"],), float,
         "On SIGINT/SIGTERM, wait this long for in-flight pushes.", _timeout("drain_timeout"),
         PANEL_TIME, seconds=True),
+    Opt("watchdog_timeout", (WATCHDOG_FLAG,), float,
+        "Report a thread (side channel, writer, receiver) that made no progress this long, "
+        "with its stack, once per stall; 0: off.", Timeouts.watchdog_s, PANEL_TIME,
+        seconds=True),
     Opt("metrics_port", ("--metrics-port",), int,
         "Serve Prometheus /metrics on this port (0: off).", 0, PANEL_OUT),
     Opt("metrics_host", ("--metrics-host",), str, "Address the /metrics server binds.",
@@ -275,6 +280,7 @@ SERVE: list[tuple[str, frozenset[str]]] = [
         ("registry_ca", "prefill decode"), ("registry_cert", "prefill decode"),
         ("registry_key", "prefill decode"),
         ("evict_after_errors", "prefill decode"),
+        ("watchdog_timeout", "prefill decode"),
     )
 ]  # fmt: skip
 SERVE_PORT = {"prefill": 5600, "decode": 5601}

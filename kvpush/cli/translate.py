@@ -21,6 +21,7 @@ from kvpush.cli.options import LogLevel, OutputMode, param_name
 from kvpush.config import (
     AGENT_FLAGS,
     TIMEOUT_FLAGS,
+    WATCHDOG_FLAG,
     AgentConfig,
     EndpointConfig,
     HandshakeMode,
@@ -189,6 +190,8 @@ def timeouts(p: Mapping[str, Any]) -> Timeouts:
         if name in p:
             require_positive(flag, p[name])
             values[fld] = float(p[name])
+    if param_name(WATCHDOG_FLAG) in p:
+        values["watchdog_s"] = float(p[param_name(WATCHDOG_FLAG)])
     return Timeouts(**values)
 
 

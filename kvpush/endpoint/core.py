@@ -44,6 +44,7 @@ from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone
 from kvpush.runtime.context import EndpointContext, Role
 from kvpush.runtime.decline import Decliner
+from kvpush.runtime.watchdog import Watchdog
 from kvpush.telemetry.merge import merge
 from kvpush.telemetry.names import REQUEST_COUNTERS, REQUEST_HISTS, Counter, Failure
 from kvpush.telemetry.snapshot import Snapshot
@@ -138,6 +139,7 @@ class Endpoint(Generic[R, G]):
                 rk.role.start()
                 undo.callback(rk.role.stop, 1.0)
             undo.pop_all()
+        self.watchdog = self._start_watchdog()
         self._ready.set()
         pc = cfg.pool
         log.info(
@@ -155,6 +157,18 @@ class Endpoint(Generic[R, G]):
         # Releases known to be affected by bugs an endpoint meets (kvpush.transport.versions).
         for w in warnings_for(local_versions()):
             log.warning("known issue of the NIXL/UCX in use: %s", w)
+
+    def _start_watchdog(self) -> Watchdog | None:
+        """Watch the side channel (counted on rank 0) and every rank's owner thread (counted on
+        its rank); ``--watchdog-timeout 0``: none."""
+        if not self.cfg.timeouts.watchdog_s:
+            return None
+        wd = Watchdog(self.cfg.timeouts.watchdog_s, name=f"watchdog-{self.cfg.role}")
+        wd.watch(self.server.heartbeat, self.ranks[0].telemetry)
+        for rk in self.ranks:
+            wd.watch(rk.role.owner.heartbeat, rk.telemetry)
+        wd.start()
+        return wd
 
     def _rejected(self, kind: str) -> None:
         """A side-channel frame was refused (counted on rank 0, whose telemetry is the
@@ -222,6 +236,8 @@ class Endpoint(Generic[R, G]):
             self.decliner.close()  # what the drains declined reaches the peers
         for rk in self.ranks:
             rk.close()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         log.info("%s endpoint %s stopped", self.cfg.role, self.cfg.engine_id)
 
     @property

@@ -39,6 +39,7 @@ from kvpush.config import AgentConfig
 from kvpush.errors import AuthError, KvpushError, ProtocolError
 from kvpush.ratelog import RateLimitedLog
 from kvpush.runtime.inbox import Inbox
+from kvpush.telemetry.heartbeat import Heartbeat
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.nixl import NixlAgent, TransferError
@@ -117,6 +118,8 @@ class OwnerThread:
         self.stop_reason: tuple[Failure, str] | None = None
         self.gauge_names: tuple[str, ...] = ()
         self.published: Mapping[str, float] = MappingProxyType({})
+        # Progress for the freeze watchdog (kvpush.runtime.watchdog): bumped on every pass.
+        self.heartbeat = Heartbeat(name)
 
     # ------------------------------------------------------------------ set-up (caller thread)
     def attach(self, loop: OwnerLoop) -> None:
@@ -195,10 +198,13 @@ class OwnerThread:
             self._ready.set()
             return
         self._ready.set()
+        self.heartbeat.start()
         try:
             while not self._stopping.is_set():
                 busy = self.run_once()
                 self._waiter.wait(busy or loop.pending())
+            # The drain may wait for in-flight work until its deadline: not a stall until then.
+            self.heartbeat.allow_until(self._drain_deadline)
             loop.drain(self._drain_deadline)
         except BaseException as e:  # surfaced through Endpoint.failure()
             self.failure = e
@@ -208,11 +214,14 @@ class OwnerThread:
                 loop.abort(e)  # nothing it held may wait for a thread that is gone
             except BaseException:
                 log.exception("%s: failing its work after the failure failed too", self.name)
+        finally:
+            self.heartbeat.park()
 
     def run_once(self) -> bool:
         """One pass; True when anything was handled. Tests step the loop with it."""
         loop = self._loop
         assert loop is not None
+        self.heartbeat.beat()
         n = 0
         for r in self._routes:
             n += self._drain(r)

@@ -52,6 +52,7 @@ class Counter(StrEnum):
     STALE_AGENTS_REMOVED = "stale_agents_removed"
     PEERS_DEGRADED = "peers_degraded"
     PEERS_EVICTED_TRANSPORT = "peers_evicted_transport"
+    WATCHDOG_STALLS = "watchdog_stalls"  # a watched thread made no progress (runtime.watchdog)
 
 
 #: Transport errors on an established peer are counted by NIXL status:
@@ -158,6 +159,7 @@ class Gauge(StrEnum):
     # unless a bug sends through an agent of a peer that restarted).
     REMOTE_AGENTS = "remote_agents"
     STALE_AGENT_USES = "stale_agent_uses"
+    THREADS_STALLED = "threads_stalled"  # watched threads without progress now (watchdog)
 
 
 class Hist(StrEnum):

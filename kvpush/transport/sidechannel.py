@@ -32,6 +32,7 @@ from kvpush.errors import (
     ProtocolError,
 )
 from kvpush.ratelog import RateLimitedLog
+from kvpush.telemetry.heartbeat import Heartbeat
 from kvpush.telemetry.names import Failure
 from kvpush.wire import protocol, vllm
 from kvpush.wire.auth import CH_REPLY, CH_REQUEST, Authenticator
@@ -81,6 +82,8 @@ class SideChannelServer:
         self._startup_error: BaseException | None = None
         self.failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # Progress for the freeze watchdog (kvpush.runtime.watchdog): bumped on every pass.
+        self.heartbeat = Heartbeat(name)
         self._rl = RateLimitedLog(log)
         self.requests = 0  # kvpush-framed (or unreadable) requests
         self.identifies = 0  # get_meta_msg first contacts
@@ -157,8 +160,10 @@ class SideChannelServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._rfd, zmq.POLLIN)
+        self.heartbeat.start()
         try:
             while not self._stop.is_set():
+                self.heartbeat.beat()
                 events = dict(poller.poll(200))
                 if self._rfd in events:
                     with contextlib.suppress(BlockingIOError):
@@ -180,6 +185,7 @@ class SideChannelServer:
             self.failure = e
             log.exception("side channel thread failed")
         finally:
+            self.heartbeat.park()
             sock.close(0)
 
     def _reject(

@@ -243,7 +243,14 @@ def _failures(snap: Snapshot) -> Table:
     nonzero = sorted(((n, k) for k, n in snap.failures.items() if n), reverse=True)
     for n, kind in nonzero:
         t.add_row(kind, Text(f"{n:,}", style="bold red"))
-    if not nonzero:
+    # The freeze watchdog (kvpush.runtime.watchdog): threads stalled now, stalls so far.
+    stalled = int_gauge(snap, Gauge.THREADS_STALLED)
+    stalls = snap.counters.get(Counter.WATCHDOG_STALLS, 0)
+    if stalled:
+        t.add_row("threads stalled now", Text(f"{stalled:,}", style="bold red"))
+    if stalls:
+        t.add_row(str(Counter.WATCHDOG_STALLS), Text(f"{stalls:,}", style="bold red"))
+    if not nonzero and not stalls and not stalled:
         t.add_row(Text("none", style="green"), "")
     return t
 
