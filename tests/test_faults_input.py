@@ -24,6 +24,7 @@ from tests.support.faults import (
     Result,
     check_results,
     cluster_ctx,
+    counters,
     failures,
     fresh_batch,
     junk_frames,
@@ -137,12 +138,18 @@ def test_junk_flood_on_side_channel_and_notifications(tmp_path: Path) -> None:
                         peak = max(peak, ProcStats.of(p.popen.pid).threads)
                         time.sleep(0.05)
                     assert peak < before[p.address].threads + 300, peak
-                    assert failures(p.address).get("handshake_overload", 0) > 0
                     wait_for(
                         lambda: ProcStats.of(p.popen.pid).threads < before[p.address].threads + 8,
                         20,
                         "P's handshake threads to finish",
                     )
+                    # Every Ping named a closed port: its handshake was refused for overload
+                    # or failed at once with "connection refused" (issue 17: no longer after
+                    # the side-channel timeout, so fewer pile up to the overload limit).
+                    tried = failures(p.address).get("handshake_overload", 0) + counters(
+                        p.address
+                    ).get("handshakes_failed", 0)
+                    assert tried >= 900, tried
                 for proc in (p, d):
                     rss[proc.address].append(ProcStats.of(proc.popen.pid).rss_mb)
         finally:
