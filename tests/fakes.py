@@ -123,6 +123,7 @@ class FakeAgent:
     post_state: str = "PROC"
     default_state: str = "DONE"
     release_ok: bool = True
+    etcd_metadata: bool = False  # --nixl-metadata etcd is a real-NIXL concern (tests/test_fleet_*)
     calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
     loaded: dict[str, str] = field(default_factory=dict)  # remote name -> "full" | "conn"
     removed: list[str] = field(default_factory=list)

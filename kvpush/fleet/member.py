@@ -146,11 +146,18 @@ class PeerWatch:
         self._thread.join(5.0)
 
     def _run(self) -> None:
-        for ev in self._follow:
+        while not self._follow.cancelled:
             try:
-                self._on(ev.kind, ev.address, ev.previous)
-            except Exception:  # a bad event must not end the watch
-                log.exception("registry watch: handling %s of %s failed", ev.kind, ev.address)
+                for ev in self._follow:
+                    try:
+                        self._on(ev.kind, ev.address, ev.previous)
+                    except Exception:  # a bad event must not end the watch
+                        log.exception(
+                            "registry watch: handling %s of %s failed", ev.kind, ev.address
+                        )
+            except Exception:  # nor a bug in following: list and watch afresh
+                log.exception("registry watch failed: following the cluster again")
+                time.sleep(1.0)
 
     def _on(self, kind: str, address: str, previous: EndpointRecord | None) -> None:
         if address == self._own:

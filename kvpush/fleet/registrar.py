@@ -165,6 +165,11 @@ class Registrar:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.cfg.refresh_s)
                 continue
+            except Exception as e:  # a bug here must not end registration: say so, go on
+                log.exception("registry: unexpected error (retrying)")
+                self._went_down(RegistryError(f"unexpected {type(e).__name__}: {e}"))
+                self._stop.wait(self.cfg.refresh_s)
+                continue
             wait = max(0.0, min(next_refresh, next_load) - time.monotonic())
             self._poke.wait(wait)
 
