@@ -264,7 +264,8 @@ def test_drive_registry_takes_a_joining_d_and_loses_only_a_killed_ds_requests(
     assert all(d1.address in f for f in rep["first_failures"]), rep["first_failures"]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_drive_registry_stops_sending_to_a_d_whose_key_goes(
     etcd: EtcdServer, serve: Launcher
 ) -> None:
@@ -273,13 +274,18 @@ def test_drive_registry_stops_sending_to_a_d_whose_key_goes(
     d2 = start(serve, etcd, "decode")
     wait_listed(etcd, lambda e: addresses(e) == {p.address, d1.address, d2.address})
     drive = _drive(etcd, "-n", "300", "--rate", "50", "-c", "4")
-    time.sleep(2.0)
+    from tests.support.faults import counters
+
+    deadline = time.monotonic() + 60  # d2 is in the drive's rotation: it has answered some
+    while counters(d2.address).get("requests_ok", 0) < 10:
+        assert time.monotonic() < deadline and drive.poll() is None, "d2 got no traffic"
+        time.sleep(0.2)
     assert d2.stop() == 0  # graceful: key removed first, then drains
     rep, err = _finish(drive)
     assert drive.returncode == 0, (rep, err)
     assert rep["ok"] == 300 and rep["verified"] == 300
     assert f"registry: decode {d2.address} left" in err
-    assert rep["by_decode"][d1.address] > rep["by_decode"].get(d2.address, 0)
+    assert 10 <= rep["by_decode"][d2.address] < rep["by_decode"][d1.address], rep["by_decode"]
 
 
 def test_drive_registry_refuses_explicit_endpoints_too(etcd: EtcdServer) -> None:

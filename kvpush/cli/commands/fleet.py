@@ -11,6 +11,7 @@ thread (the watch's reader thread and the check's pair threads belong to ``kvpus
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -22,6 +23,9 @@ from rich.console import Console
 from kvpush.cli import fleet_options, options, stdio, translate
 from kvpush.cli.signals import StopFlag
 from kvpush.errors import ConfigError, ExitStatus
+
+#: Columns of a table written to a pipe when COLUMNS does not say.
+PIPE_WIDTH = 200
 
 HELP = "See and check the endpoints registered in etcd (serve-* --registry URL)."
 
@@ -68,6 +72,12 @@ def register(app: typer.Typer) -> None:
     app.add_typer(group)
 
 
+def _out() -> Console:
+    """stdout's console: a pipe gets wide lines (a table cut at 80 columns is no use to grep)."""
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(highlight=False, width=PIPE_WIDTH if wide else None)
+
+
 def registry_source(p: dict[str, Any]) -> Any:
     from kvpush.ops.fleet_source import RegistrySource
 
@@ -94,7 +104,7 @@ def ls(ctx: typer.Context, json_out: bool, **p: Any) -> None:
     if json_out:
         stdio.out(json.dumps(views.rows_json(rows, src.cluster)))
     else:
-        Console(highlight=False).print(views.ls_table(rows, src.cluster), soft_wrap=True)
+        _out().print(views.ls_table(rows, src.cluster), soft_wrap=True)
     raise typer.Exit(0)
 
 
@@ -166,7 +176,7 @@ def _watch_lines(
         snap["listed_in_s"] = round(w.listed_in_s, 4)
         stdio.out(json.dumps(snap))
     else:
-        Console(highlight=False, no_color=True).print(views.ls_table(rows, cluster), soft_wrap=True)
+        _out().print(views.ls_table(rows, cluster), soft_wrap=True)
     end = _until(duration)
     next_rows = time.monotonic() + interval
     while not stop.event.is_set() and time.monotonic() < end:
@@ -244,5 +254,5 @@ def check(
     if json_out:
         stdio.out(json.dumps(views.check_json(rep)))
     else:
-        Console(highlight=False).print(views.check_text(rep), soft_wrap=True)
+        _out().print(views.check_text(rep), soft_wrap=True)
     raise typer.Exit(int(rep.exit_status) if rep.pairs else int(ExitStatus.OK))
