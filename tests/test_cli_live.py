@@ -15,7 +15,7 @@ from tests.conftest import SMALL
 from tests.support.procs import KVPUSH, Launcher, clean_env, wait_ready
 from tests.support.term import Terminal
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 N = 12  # requests pushed through P
 
@@ -26,7 +26,7 @@ def _p_on_terminal(tmp_path: Path, cols: int, rows: int, tp: int) -> tuple[Termi
     cmd = [*KVPUSH, "serve-prefill", *SMALL, "--port", "0", "--tp", str(tp),
            "--ready-file", str(ready)]  # fmt: skip
     term = Terminal(cmd, cols, rows, clean_env())
-    term.wait_for(lambda _: ready.exists(), 60)
+    term.wait_for(lambda _: ready.exists(), 120)
     return term, str(json.loads(ready.read_text())["address"])
 
 
@@ -142,8 +142,8 @@ def test_live_asked_with_stderr_not_a_terminal_warns_and_prints_lines(
                          text=True)  # fmt: skip
     try:
         assert p.stdout is not None
-        ready, _, _ = select.select([p.stdout], [], [], 30)  # before: nothing, ever
-        first = p.stdout.readline() if ready else ""
+        readable, _, _ = select.select([p.stdout], [], [], 120)  # before: nothing, ever
+        first = p.stdout.readline() if readable else ""
     finally:
         p.terminate()
         _, err = p.communicate(timeout=30)

@@ -90,12 +90,15 @@ def test_force_color_does_not_select_the_live_view(serve, make_env) -> None:
     assert "Handshakes" not in s.log_text()
 
 
-def test_live_output_when_forced(serve) -> None:
+def test_live_output_forced_without_a_terminal_says_so_and_prints_lines(serve) -> None:
+    # -o live with stderr in a file cannot draw: one warning, then the plain lines (the live
+    # view on a real terminal: tests/test_cli_live.py).
     s = serve.start("prefill", *SMALL, output="live")
-    time.sleep(1.0)
+    time.sleep(1.5)
     assert s.stop() == 0
     text = s.log_text()
-    assert "Handshakes" in text and "Queues" in text and "Pool" in text
+    assert text.count("-o live draws on stderr, which is not a terminal here") == 1
+    assert "pushes/s=" in text and "Handshakes" not in text
 
 
 def test_metrics_endpoint(serve, free_port: int) -> None:

@@ -35,7 +35,9 @@ HELP = (
 EPILOG = (
     "Exit status: 0 ok, 1 error, 2 usage, 3 peer answered but not ready or incompatible, "
     "69 peer unreachable, 130 interrupted. Every option of a command can also be set with "
-    "KVPUSH_<OPTION> (e.g. KVPUSH_NUM_BLOCKS=2048)."
+    "KVPUSH_<OPTION> (e.g. KVPUSH_NUM_BLOCKS=2048), or KVPUSH_<COMMAND>_<OPTION> where a flag "
+    "means different things to different commands (KVPUSH_PROBE_TIMEOUT, KVPUSH_DRIVE_TIMEOUT): "
+    "each option's help names its variable."
 )
 
 # typer's own --install-completion/--show-completion would sit in --help beside the
