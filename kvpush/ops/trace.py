@@ -28,7 +28,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -89,6 +89,11 @@ class _Rec:
     p_note: str = ""
     result: RequestResult | None = None
     active: bool = False  # a worker still handles it
+    asking_p: bool = False  # P's phases asked for, no answer yet
+
+    @property
+    def complete(self) -> bool:
+        return self.result is not None and not self.active and not self.asking_p
 
 
 class Tracer:
@@ -132,15 +137,35 @@ class Tracer:
             r = self._recs.setdefault(i, _Rec())
             r.t_wall, r.p, r.d = time.time(), p, d
 
-    def legs(self, i: int, rep: protocol.DecodeRep, pool: control.ClientPool) -> None:
-        """D answered request ``i`` (its phases); ask P how the push went (its phases). On the
-        worker's thread, holding no other client of ``pool`` (one client per thread)."""
+    def legs(
+        self,
+        i: int,
+        rep: protocol.DecodeRep,
+        pool: control.ClientPool,
+        submit: Callable[..., object] | None = None,
+    ) -> None:
+        """D answered request ``i`` (its phases); ask P how the push went (its phases): on
+        ``submit``'s thread when given (the worker goes on), else on this one -- either holding
+        no other client of ``pool`` (one client per thread)."""
         with self._lock:
             r = self._recs.setdefault(i, _Rec())
             r.d_phases = dict(rep.phases)
             p = r.p
-        if not p or (rep.outcome != "ok" and ph.Phase.PUSH_REG_SENT not in rep.phases):
+            ask = bool(p) and (rep.outcome == "ok" or ph.PUSH_REG_SENT in rep.phases)
+            r.asking_p = ask and submit is not None
+        if not ask:
             return  # P never saw a registration of it: nothing to ask
+        if submit is None:
+            self._ask_p(i, r, p, rep, pool)
+            return
+        try:
+            submit(self._ask_p, i, r, p, rep, pool)
+        except RuntimeError:  # the executor is closed: the run is over
+            self._asked(i, r, {}, "P not asked: drive is stopping")
+
+    def _ask_p(
+        self, i: int, r: _Rec, p: str, rep: protocol.DecodeRep, pool: control.ClientPool
+    ) -> None:
         wait = P_WAIT_OK_S if rep.outcome == "ok" else P_WAIT_FAILED_S
         note = ""
         got: dict[str, float] = {}
@@ -157,15 +182,24 @@ class Tracer:
                     note = f"P: {pr.outcome}" + (f" ({pr.reason})" if pr.reason else "")
         except KvpushError as e:
             note = f"P not asked: {e.message}"
+        self._asked(i, r, got, note)
+
+    def _asked(self, i: int, r: _Rec, got: dict[str, float], note: str) -> None:
         with self._lock:
             r.p_phases, r.p_note = got, note
+            r.asking_p = False
+            self._ended.notify_all()
+            if not r.complete or self._recs.get(i) is not r:
+                return
+            self._recs.pop(i)
+        self._write(i, r)
 
     def resolved(self, result: RequestResult) -> None:
         """The request's result is decided (any thread)."""
         with self._lock:
             r = self._recs.setdefault(result.index, _Rec())
             r.result = result
-            if r.active:
+            if not r.complete:
                 return
             self._recs.pop(result.index)
         self._write(result.index, r)
@@ -178,7 +212,7 @@ class Tracer:
                 return
             r.active = False
             self._ended.notify_all()
-            if r.result is None:
+            if not r.complete:
                 return
             self._recs.pop(i)
         self._write(i, r)
@@ -188,7 +222,7 @@ class Tracer:
         write what is left with what is known, close the file."""
         until = time.monotonic() + wait_s
         with self._lock:
-            while any(r.active and r.result is not None for r in self._recs.values()):
+            while any(r.result is not None and not r.complete for r in self._recs.values()):
                 left_s = until - time.monotonic()
                 if left_s <= 0:
                     break
