@@ -167,7 +167,8 @@ class PrefillGroup:
                 if sent.is_set() or (not timed_out and not all(f.done() for f in futs)):
                     return
                 sent.set()
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
             if not all(f.done() for f in futs):
                 reply(
                     protocol.PushWaitRep(
@@ -201,6 +202,10 @@ class PrefillGroup:
                 )
             reply(rep)
 
+        timer: threading.Timer | None = None
+        if all(f.done() for f in futs):  # the usual case for drive --trace: no timer thread
+            answer(False)
+            return
         timer = threading.Timer(max(0.0, req.timeout_s), lambda: answer(True))
         timer.daemon = True
         timer.start()
