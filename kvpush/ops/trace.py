@@ -9,17 +9,18 @@ error is at most half that round trip). Each request's record holds:
   ``detail``, ``latency_s`` (drive's, from sending the request to D's answer);
 * ``phases``: phase name -> seconds since drive sent the request, on drive's clock: D's stamps
   from its answer (``DecodeRep.phases``) and P's from the push's outcome (``PushWaitRep``,
-  asked once D answered), each shifted by its peer's clock offset (``kvpush.telemetry.phases``
-  names them and says which follow each other);
+  asked once D answered, on P's executor: one more side-channel round trip per request),
+  each shifted by its peer's clock offset (``kvpush.telemetry.phases`` names them and says
+  which follow each other);
 * ``ended_at`` for a failed request: the last phase it reached before it failed (``sent``: D
   never allocated blocks for it) -- with ``reason``, where and why it ended;
 * ``clock_error_s``: the sum of both peers' offset errors (what the phases may be off by).
 
-The record is written once both the request's result is known and its worker is done with it
-(so that a late D answer still brings its phases); at the end of the run ``close`` waits up to
-``CLOSE_WAIT_S`` for such workers, then writes what is left with what is known. Threads:
-drive's workers (``begin``, ``sent``, ``legs``, ``end``), any thread
-(``resolved``); the file is written under one lock.
+The record is written once the request's result is known, its worker is done with it (so that
+a late D answer still brings its phases) and P answered; at the end of the run ``close`` waits
+up to ``CLOSE_WAIT_S`` for those, then writes what is left with what is known. Threads: drive's
+workers (``begin``, ``sent``, ``legs``, ``end``), P's executor (``_ask_p``), any thread
+(``resolved``); records and the file under one lock.
 """
 
 from __future__ import annotations
