@@ -7,8 +7,8 @@ peer dies -- and settles the push once its last leg is over: blocks back to the 
 quarantined until a fence when bytes may still be moving (``kvpush.prefill.fences``). Fences
 are in-flight WRITEs too and end here. An ok push's outcome carries its phase stamps
 (``kvpush.telemetry.phases``: matched, handshake done, last WRITE posted, last seen done) and
-its steps go into the ``phase_*`` histograms. State lives in the ``PushTable`` (``Writing``, ``Leg``,
-``FenceWrite``); this object only acts on it.
+its steps go into the ``phase_*`` histograms. State lives in the ``PushTable`` (``Writing``,
+``Leg``, ``FenceWrite``); this object only acts on it.
 
 Thread: the writer's owner thread, only (``PushWriter`` calls it from its passes and
 housekeeping); nothing here blocks.
