@@ -174,13 +174,25 @@ def test_a_peer_that_never_answers_does_not_delay_a_healthy_one(
     assert conn.agent_name == healthy.agent_name
     # The silent peers are still waiting for their own deadline when the healthy one is done.
     assert not any(f is not None and f.done() for f in stuck)
-    assert env.hs.counts() == {"connecting": 3, "connected": 1, "degraded": 0, "failed": 0, "down": 0}
+    assert env.hs.counts() == {
+        "connecting": 3,
+        "connected": 1,
+        "degraded": 0,
+        "failed": 0,
+        "down": 0,
+    }
     # ... and each then fails with a typed error that names it.
     for h, f in zip(holes, stuck, strict=True):
         assert f is not None
         with pytest.raises(PeerUnreachableError, match=re.escape(h.address)):
             f.result(10)
-    assert env.hs.counts() == {"connecting": 0, "connected": 1, "degraded": 0, "failed": 3, "down": 0}
+    assert env.hs.counts() == {
+        "connecting": 0,
+        "connected": 1,
+        "degraded": 0,
+        "failed": 3,
+        "down": 0,
+    }
     assert env.tm.snapshot().counters["handshakes_failed"] == 3
     rows = {r["peer"]: r for r in env.hs.rows()}
     assert rows[holes[0].address]["state"] == "failed"

@@ -513,8 +513,8 @@ class Driver:
                 None,
             )  # fmt: skip
         self._resolve(i, result)
-        if self._tracer is not None:  # D's client is back: P may be asked (one per thread)
-            self._tracer.legs(i, rep, self._p_pool)
+        if self._tracer is not None:  # P's phases, asked on P's executor: the worker goes on
+            self._tracer.legs(i, rep, self._p_pool, self._p_exec[p].submit)
         return True
 
 

@@ -9,17 +9,18 @@ error is at most half that round trip). Each request's record holds:
   ``detail``, ``latency_s`` (drive's, from sending the request to D's answer);
 * ``phases``: phase name -> seconds since drive sent the request, on drive's clock: D's stamps
   from its answer (``DecodeRep.phases``) and P's from the push's outcome (``PushWaitRep``,
-  asked once D answered), each shifted by its peer's clock offset (``kvpush.telemetry.phases``
-  names them and says which follow each other);
+  asked once D answered, on P's executor: one more side-channel round trip per request),
+  each shifted by its peer's clock offset (``kvpush.telemetry.phases`` names them and says
+  which follow each other);
 * ``ended_at`` for a failed request: the last phase it reached before it failed (``sent``: D
   never allocated blocks for it) -- with ``reason``, where and why it ended;
 * ``clock_error_s``: the sum of both peers' offset errors (what the phases may be off by).
 
-The record is written once both the request's result is known and its worker is done with it
-(so that a late D answer still brings its phases); at the end of the run ``close`` waits up to
-``CLOSE_WAIT_S`` for such workers, then writes what is left with what is known. Threads:
-drive's workers (``begin``, ``sent``, ``legs``, ``end``), any thread
-(``resolved``); the file is written under one lock.
+The record is written once the request's result is known, its worker is done with it (so that
+a late D answer still brings its phases) and P answered; at the end of the run ``close`` waits
+up to ``CLOSE_WAIT_S`` for those, then writes what is left with what is known. Threads: drive's
+workers (``begin``, ``sent``, ``legs``, ``end``), P's executor (``_ask_p``), any thread
+(``resolved``); records and the file under one lock.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -89,6 +90,11 @@ class _Rec:
     p_note: str = ""
     result: RequestResult | None = None
     active: bool = False  # a worker still handles it
+    asking_p: bool = False  # P's phases asked for, no answer yet
+
+    @property
+    def complete(self) -> bool:
+        return self.result is not None and not self.active and not self.asking_p
 
 
 class Tracer:
@@ -132,15 +138,35 @@ class Tracer:
             r = self._recs.setdefault(i, _Rec())
             r.t_wall, r.p, r.d = time.time(), p, d
 
-    def legs(self, i: int, rep: protocol.DecodeRep, pool: control.ClientPool) -> None:
-        """D answered request ``i`` (its phases); ask P how the push went (its phases). On the
-        worker's thread, holding no other client of ``pool`` (one client per thread)."""
+    def legs(
+        self,
+        i: int,
+        rep: protocol.DecodeRep,
+        pool: control.ClientPool,
+        submit: Callable[..., object] | None = None,
+    ) -> None:
+        """D answered request ``i`` (its phases); ask P how the push went (its phases): on
+        ``submit``'s thread when given (the worker goes on), else on this one -- either holding
+        no other client of ``pool`` (one client per thread)."""
         with self._lock:
             r = self._recs.setdefault(i, _Rec())
             r.d_phases = dict(rep.phases)
             p = r.p
-        if not p or (rep.outcome != "ok" and ph.Phase.PUSH_REG_SENT not in rep.phases):
+            ask = bool(p) and (rep.outcome == "ok" or ph.PUSH_REG_SENT in rep.phases)
+            r.asking_p = ask and submit is not None
+        if not ask:
             return  # P never saw a registration of it: nothing to ask
+        if submit is None:
+            self._ask_p(i, r, p, rep, pool)
+            return
+        try:
+            submit(self._ask_p, i, r, p, rep, pool)
+        except RuntimeError:  # the executor is closed: the run is over
+            self._asked(i, r, {}, "P not asked: drive is stopping")
+
+    def _ask_p(
+        self, i: int, r: _Rec, p: str, rep: protocol.DecodeRep, pool: control.ClientPool
+    ) -> None:
         wait = P_WAIT_OK_S if rep.outcome == "ok" else P_WAIT_FAILED_S
         note = ""
         got: dict[str, float] = {}
@@ -157,15 +183,24 @@ class Tracer:
                     note = f"P: {pr.outcome}" + (f" ({pr.reason})" if pr.reason else "")
         except KvpushError as e:
             note = f"P not asked: {e.message}"
+        self._asked(i, r, got, note)
+
+    def _asked(self, i: int, r: _Rec, got: dict[str, float], note: str) -> None:
         with self._lock:
             r.p_phases, r.p_note = got, note
+            r.asking_p = False
+            self._ended.notify_all()
+            if not r.complete or self._recs.get(i) is not r:
+                return
+            self._recs.pop(i)
+        self._write(i, r)
 
     def resolved(self, result: RequestResult) -> None:
         """The request's result is decided (any thread)."""
         with self._lock:
             r = self._recs.setdefault(result.index, _Rec())
             r.result = result
-            if r.active:
+            if not r.complete:
                 return
             self._recs.pop(result.index)
         self._write(result.index, r)
@@ -178,7 +213,7 @@ class Tracer:
                 return
             r.active = False
             self._ended.notify_all()
-            if r.result is None:
+            if not r.complete:
                 return
             self._recs.pop(i)
         self._write(i, r)
@@ -188,7 +223,7 @@ class Tracer:
         write what is left with what is known, close the file."""
         until = time.monotonic() + wait_s
         with self._lock:
-            while any(r.active and r.result is not None for r in self._recs.values()):
+            while any(r.result is not None and not r.complete for r in self._recs.values()):
                 left_s = until - time.monotonic()
                 if left_s <= 0:
                     break

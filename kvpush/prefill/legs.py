@@ -5,8 +5,10 @@ rank), each carrying its completion notification. ``Legs`` posts them, polls the
 them -- completed, failed at post, failed or timed out while polling, or abandoned when the
 peer dies -- and settles the push once its last leg is over: blocks back to the pool, or
 quarantined until a fence when bytes may still be moving (``kvpush.prefill.fences``). Fences
-are in-flight WRITEs too and end here. State lives in the ``PushTable`` (``Writing``, ``Leg``,
-``FenceWrite``); this object only acts on it.
+are in-flight WRITEs too and end here. An ok push's outcome carries its phase stamps
+(``kvpush.telemetry.phases``: matched, handshake done, last WRITE posted, last seen done) and
+its steps go into the ``phase_*`` histograms. State lives in the ``PushTable`` (``Writing``,
+``Leg``, ``FenceWrite``); this object only acts on it.
 
 Thread: the writer's owner thread, only (``PushWriter`` calls it from its passes and
 housekeeping); nothing here blocks.
