@@ -86,7 +86,7 @@ def test_d_frozen_past_the_write_timeout_is_degraded_then_evicted(tmp_path: Path
             ts = [
                 threading.Thread(
                     target=lambda t=t: done.append(
-                        run_leg(t, p.address, d.address, 64, p_delay_s=1.0, d_timeout_s=30)
+                        run_leg(t, p.address, d.address, 32, p_delay_s=4.0, d_timeout_s=30)
                     )
                 )
                 for t in items
@@ -98,7 +98,7 @@ def test_d_frozen_past_the_write_timeout_is_degraded_then_evicted(tmp_path: Path
 
         t = threading.Thread(target=load)
         t.start()
-        wait_for(lambda: snapshot(p.address)["gauges"]["regs_waiting_blocks"] >= 6, 10, "regs")
+        wait_for(lambda: snapshot(p.address)["gauges"]["regs_waiting_blocks"] >= 6, 20, "regs")
         c.freeze("d")
         try:
             wait_for(

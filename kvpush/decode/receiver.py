@@ -312,6 +312,11 @@ class Receiver:
         """The connection to ``key``, or None: a handshake is under way (the request comes back
         through ``ready`` when it ends, if ``attach``) or it failed (the request is failed)."""
         conn = self._hs.get(key)
+        if conn is not None and req.p_engine_id and conn.metadata.engine_id != req.p_engine_id:
+            # The router names another engine at this address (vLLM's kv_transfer_params): P
+            # restarted there. Its old agent goes before anything is sent (vLLM PR #50047).
+            self._peers.evict(key, "P restarted: another engine id", keep=req.request_id)
+            conn = None
         mode = self.cfg.handshake_mode
         if conn is None or (mode == HandshakeMode.FULL and conn.mode != HandshakeMode.FULL):
             hint = PeerHint(req.p_engine_id, req.p_tp_size, role="prefill")

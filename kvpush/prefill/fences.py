@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 
+from kvpush.config import HandshakeMode
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerKey
 from kvpush.prefill.plan import LocalGeometry, fence_plan
@@ -54,6 +55,7 @@ class Fences:
         self._geom = geometry
         self._timeout_s = fence_timeout_s
         self._pending: dict[PeerKey, list[FenceEntry]] = {}
+        self._reconnect_at: dict[PeerKey, float] = {}  # next handshake for owed fences
         self._seq = 0
         self._rl = RateLimitedLog(log)
 
@@ -65,6 +67,7 @@ class Fences:
 
     def forget_peer(self, peer: PeerKey) -> None:
         """The peer is gone: nothing can land any more, its quarantined blocks are free."""
+        self._reconnect_at.pop(peer, None)
         for e in self._pending.pop(peer, []):
             self._pool.allocator.release_quarantined(e.key)
 
@@ -87,7 +90,14 @@ class Fences:
         for peer, entries in list(self._pending.items()):
             conn = self._hs.get(peer)
             if conn is None or conn.remote_dlist is None:
-                continue  # peer gone or reconnecting: the writer's eviction releases the blocks
+                # Reconnecting, or evicted for transport errors while fences are owed: connect
+                # again (a peer that is really gone fails its handshake and is evicted for good
+                # once idle, which releases the blocks).
+                now = time.monotonic()
+                if now >= self._reconnect_at.get(peer, 0.0):
+                    self._reconnect_at[peer] = now + self._timeout_s
+                    self._hs.ensure(peer, HandshakeMode.FULL)
+                continue
             del self._pending[peer]
             if len(entries) > MAX_PER_FENCE:
                 self._pending[peer] = entries[MAX_PER_FENCE:]

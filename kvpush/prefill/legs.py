@@ -63,7 +63,7 @@ class Legs:
         out: Outcomes,
         fences: Fences,
         on_outcome: Callable[[PushOutcome], None],
-        evict_peer: Callable[[PeerKey, str], None],
+        evict_peer: Callable[[PeerKey, str, bool], None],
         rewait: Callable[[Finished], None],
         geom: LocalGeometry,
         rl: RateLimitedLog,
@@ -194,7 +194,7 @@ class Legs:
             self._out.tell(r, conn, Failure.WRITE_POST_FAILED, str(e), may_have_written=False)
             self._tm.fail(Failure.WRITE_POST_FAILED)
             if self._transport_error(conn, e):
-                self._evict_peer(conn.key, f"WRITE post failed: {e.status}")
+                self._evict_peer(conn.key, f"WRITE post failed: {e.status}", _soft(e))
             return
         deadline = (
             math.inf if self._vllm else t_post + self.cfg.timeouts.write_deadline_s(plan.nbytes)
@@ -242,7 +242,7 @@ class Legs:
             dead = e.kind == "peer_dead"
             self.abandon(entry, Failure.PEER_DEAD if dead else Failure.WRITE_ERROR, str(e))
             if self._transport_error(entry.conn, e):
-                self._evict_peer(entry.conn.key, f"transfer failed: {e.status}")
+                self._evict_peer(entry.conn.key, f"transfer failed: {e.status}", _soft(e))
             return True
         if st == "DONE":
             self.complete(entry)
@@ -262,7 +262,7 @@ class Legs:
         else:
             return False
         if self._transport_error(entry.conn, err):
-            self._evict_peer(entry.conn.key, f"transfer failed: {err.status}")
+            self._evict_peer(entry.conn.key, f"transfer failed: {err.status}", True)
         return True
 
     def _transport_error(self, conn: PeerConn, e: TransferError) -> bool:
@@ -353,6 +353,13 @@ class Legs:
             self._tm.observe(hist, seconds)
         return stamps
 
+    def peer_unhealthy(self, key: PeerKey, reason: str) -> None:
+        """The peer at ``key`` is evicted for transport errors but may be alive (stalled): its
+        WRITEs in flight are abandoned as bytes that may still land -- D keeps their blocks
+        quarantined, P fences them once it is connected again (``kvpush.prefill.fences``)."""
+        for entry in self._table.legs_to(key):
+            self.abandon(entry, Failure.WRITE_ERROR, f"peer evicted: {reason}")
+
     def peer_gone(self, key: PeerKey, reason: str, why: Failure = Failure.PEER_DEAD) -> None:
         """The peer at ``key`` is gone: nothing of its legs can land any more; its fences'
         quarantined blocks come back. Its legs fail with ``why`` (``peer_dead``, or the
@@ -368,3 +375,8 @@ class Legs:
                 self._table.done(entry)
                 for e in entry.entries:
                     self._pool.allocator.release_quarantined(e.key)
+
+
+def _soft(e: TransferError) -> bool:
+    """An error after which the peer may still be alive (its bytes may still land)."""
+    return e.kind not in ("peer_dead", "peer_unknown")

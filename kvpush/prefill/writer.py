@@ -413,10 +413,18 @@ class PushWriter:
         for key in self._hs.gone(g):
             self._evict(key, g.detail, g.reason)
 
-    def _evict(self, key: PeerKey, reason: str, why: Failure = Failure.PEER_DEAD) -> None:
+    def _evict(
+        self, key: PeerKey, reason: str, failure: Failure | bool = Failure.PEER_DEAD
+    ) -> None:
+        """Forget a peer. ``failure`` is what its legs in flight fail with, or True for a
+        peer evicted for transport errors that may still be alive: its legs are abandoned as
+        bytes that may still land, and its fences stay owed (sent once connected again)."""
         conn = self._hs.evict(key, reason)
-        self._legs.peer_gone(key, reason, why)
-        self._fences.forget_peer(key)
+        if failure is True:
+            self._legs.peer_unhealthy(key, reason)
+        else:
+            self._legs.peer_gone(key, reason, failure or Failure.PEER_DEAD)
+            self._fences.forget_peer(key)
         if conn is not None:
             self._hs.release_conn(conn)
 

@@ -125,11 +125,12 @@ class VllmPeer:
         extra: Sequence[str] = (),
         nice: int = 10,
         tp_size: int = 1,
+        port: int = 0,
     ) -> VllmPeer:
         """Start the process (not waiting for it: see ``wait_ready``); at ``tp_size`` > 1, one
-        per rank."""
+        per rank. ``port``: the side channel's (0: a free one; a restart passes the old one)."""
         workdir.mkdir(parents=True, exist_ok=True)
-        port = free_port()
+        port = port or free_port()
         if tp_size > 1:  # every rank is one engine: one engine id, one gloo store
             engine_id = engine_id or f"vllm-{role}-tp{tp_size}-{uuid.uuid4().hex[:8]}"
             extra = [*extra, "--tp-size", str(tp_size), "--dist-port", str(free_port())]
