@@ -122,7 +122,7 @@ def test_a_stopped_process_is_reported_by_its_watchdog(launcher: Launcher) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)  # ~1 min on an idle host; 13 min at load 30 (other work)
 def test_p_stops_and_d_evictions_under_load(launcher: Launcher, tmp_path: Path) -> None:
     ds = [
         launcher.serve("decode", *SMALL, "--interval", str(INTERVAL), wait=False)
@@ -148,7 +148,7 @@ def test_p_stops_and_d_evictions_under_load(launcher: Launcher, tmp_path: Path) 
             env=clean_env(),
             capture_output=True,
             text=True,
-            timeout=800,
+            timeout=1300,
         )
     cycled_s = time.monotonic() - t0
     assert r.returncode == 0, r.stderr[-3000:]
@@ -167,7 +167,7 @@ def test_p_stops_and_d_evictions_under_load(launcher: Launcher, tmp_path: Path) 
     for d in ds:
         d.popen.send_signal(signal.SIGTERM)
     for d in ds:
-        assert d.stop(timeout=DRAIN_S) == 0, d.log_text()[-3000:]
+        assert d.popen.wait(max(0.1, t1 + DRAIN_S - time.monotonic())) == 0, d.log_text()[-3000:]
     print(
         f"{P_CYCLES} P stops x {P_TP} ranks x {N_DECODE} Ds in {cycled_s:.1f}s "
         f"({res['seconds']:.1f}s cycling); Ds exited in {time.monotonic() - t1:.1f}s"
@@ -175,7 +175,7 @@ def test_p_stops_and_d_evictions_under_load(launcher: Launcher, tmp_path: Path) 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_simultaneous_sigterms_under_load(tmp_path: Path) -> None:
     zy = Zygote()
     exits: list[float] = []
