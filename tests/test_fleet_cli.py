@@ -273,7 +273,7 @@ def test_drive_registry_stops_sending_to_a_d_whose_key_goes(
     d1 = start(serve, etcd, "decode")
     d2 = start(serve, etcd, "decode")
     wait_listed(etcd, lambda e: addresses(e) == {p.address, d1.address, d2.address})
-    drive = _drive(etcd, "-n", "300", "--rate", "50", "-c", "4")
+    drive = _drive(etcd, "-n", "500", "--rate", "50", "-c", "4")  # 10 s of requests
     from tests.support.faults import counters
 
     deadline = time.monotonic() + 60  # d2 is in the drive's rotation: it has answered some
@@ -282,10 +282,15 @@ def test_drive_registry_stops_sending_to_a_d_whose_key_goes(
         time.sleep(0.2)
     assert d2.stop() == 0  # graceful: key removed first, then drains
     rep, err = _finish(drive)
-    assert drive.returncode == 0, (rep, err)
-    assert rep["ok"] == 300 and rep["verified"] == 300
     assert f"registry: decode {d2.address} left" in err
     assert 10 <= rep["by_decode"][d2.address] < rep["by_decode"][d1.address], rep["by_decode"]
+    assert rep["ok"] + rep["failed"] == 500 and rep["verified"] == rep["ok"]
+    # The key goes before the drain starts, but a request sent to d2 in the moment before drive
+    # hears of it (a loaded host) finds d2 draining: at most one per worker, shutting_down, at d2.
+    assert rep["failed"] <= 4, rep
+    assert set(rep["failures_by_reason"]) <= {"shutting_down"}, rep
+    assert all(d2.address in f for f in rep["first_failures"]), rep["first_failures"]
+    assert drive.returncode == (0 if rep["failed"] == 0 else 1), (rep, err)
 
 
 def test_drive_registry_refuses_explicit_endpoints_too(etcd: EtcdServer) -> None:
