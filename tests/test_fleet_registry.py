@@ -181,7 +181,9 @@ def test_restart_at_the_same_port_is_a_new_incarnation_and_ds_drop_the_old_agent
 ) -> None:
     e = Etcd([etcd.url])
     port = str(unused_port())
-    p = serve.serve("prefill", *SMALL, *reg(etcd, 10), "--port", port)
+    # A TTL long enough that the killed P's key outlives the new P's start on a loaded host
+    # (else the key lapses first: a leave and a join, not a restart).
+    p = serve.serve("prefill", *SMALL, *reg(etcd, 60), "--port", port)
     d = serve.serve("decode", *SMALL, *reg(etcd, 10))
     until("both registered", lambda: record_at(e, p.address) and record_at(e, d.address))
     follow = Follow(Etcd([etcd.url]), "default", retry_s=0.2)
@@ -191,8 +193,8 @@ def test_restart_at_the_same_port_is_a_new_incarnation_and_ds_drop_the_old_agent
     out = run_drive(p, d, 5)
     assert out["ok"] == 5, out
     assert any(r["engine_id"] == p.engine_id for r in peers_of(d))  # D holds P's agent
-    p.kill()  # its key stays (TTL 10 s) until the new process replaces it
-    p2 = serve.serve("prefill", *SMALL, *reg(etcd, 10), "--port", port)
+    p.kill()  # its key stays (TTL 60 s) until the new process replaces it
+    p2 = serve.serve("prefill", *SMALL, *reg(etcd, 60), "--port", port)
     assert p2.address == p.address and p2.incarnation != p.incarnation
     until("a restart event", lambda: any(ev.kind == "restart" for ev in events))
     follow.cancel()
