@@ -138,6 +138,6 @@ def test_unknown_scenario_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -
     err = capsys.readouterr().err
     assert "error: unknown benchmark scenario 'nope'" in err
     assert (
-        "hint: choose one of hol, handshake, bandwidth, rate, scale, tp, model, fleet, device, or all"
-        in err
+        "hint: choose one of hol, handshake, bandwidth, rate, scale, tp, model, fleet, device, "
+        "or all" in err
     )

@@ -47,7 +47,7 @@ from kvpush.config import (
     Wire,
     WriterMode,
 )
-from kvpush.fleet.config import DEFAULT_TTL_S, LOAD_PERIOD_S
+from kvpush.fleet.config import DEFAULT_TTL_S, LEAVE_GRACE_S, LOAD_PERIOD_S
 
 
 def _pool(name: str) -> Any:
@@ -221,6 +221,10 @@ ENDPOINT_OPTS: list[Opt] = [
         "written when it changed, and at least every 5 periods. Every write reaches every "
         "watcher of the cluster: raise it for large fleets (docs/fleet.md, sizing).",
         LOAD_PERIOD_S, PANEL_REGISTRY, seconds=True),
+    Opt("registry_leave_grace", ("--registry-leave-grace",), float,
+        "At a graceful stop the key goes first; the endpoint then serves on this long, so that "
+        "routers and drives following the registry stop sending before intake stops (0: "
+        "drain at once).", LEAVE_GRACE_S, PANEL_REGISTRY, seconds=True),
     Opt("nixl_metadata", ("--nixl-metadata",), NixlMetadata,
         "sidechannel: peers get a NIXL agent's metadata in the handshake reply. etcd: every "
         "agent publishes it with NIXL's own etcd backend in the registry's etcd (namespace "
@@ -275,6 +279,7 @@ SERVE: list[tuple[str, frozenset[str]]] = [
         ("attn_backend", "prefill decode"),
         ("registry", "prefill decode"), ("cluster", "prefill decode"),
         ("registry_ttl", "prefill decode"), ("registry_load_period", "prefill decode"),
+        ("registry_leave_grace", "prefill decode"),
         ("advertise", "prefill decode"), ("nixl_metadata", "prefill decode"),
         ("registry_user", "prefill decode"), ("registry_password_file", "prefill decode"),
         ("registry_ca", "prefill decode"), ("registry_cert", "prefill decode"),

@@ -297,7 +297,7 @@ def registry_config(p: Mapping[str, Any]) -> RegistryConfig | None:
             flag = "--" + given[0].replace("_", "-")
             raise ConfigError(f"{flag} needs --registry", "add --registry URL, or drop the option")
         return None
-    from kvpush.fleet.config import LOAD_PERIOD_S, RegistryConfig
+    from kvpush.fleet.config import LEAVE_GRACE_S, LOAD_PERIOD_S, RegistryConfig
 
     pw_file = p.get("registry_password_file")
     user = p.get("registry_user")
@@ -322,6 +322,9 @@ def registry_config(p: Mapping[str, Any]) -> RegistryConfig | None:
         cluster=str(p.get("cluster") or "default"),
         ttl_s=int(p.get("registry_ttl") or 10),
         load_period_s=float(p.get("registry_load_period") or LOAD_PERIOD_S),
+        leave_grace_s=float(
+            LEAVE_GRACE_S if p.get("registry_leave_grace") is None else p["registry_leave_grace"]
+        ),
         advertise=advertise,
         user=user or None,
         password=read_password_file(pw_file) if pw_file else None,

@@ -23,6 +23,7 @@ MIN_TTL_S = 2
 LOAD_PERIOD_S = 2.0  # the load summary is re-read this often, written when it changed
 LOAD_REFRESH_PERIODS = 5  # ... and at least every this many periods
 TIMEOUT_S = 2.0  # one etcd call
+LEAVE_GRACE_S = 1.0  # a graceful stop serves on this long after its key went, then drains
 DEFAULT_PORT = 2379
 
 
@@ -74,6 +75,7 @@ class RegistryConfig:
     key: str | None = None
     timeout_s: float = TIMEOUT_S
     load_period_s: float = LOAD_PERIOD_S
+    leave_grace_s: float = LEAVE_GRACE_S
 
     def __post_init__(self) -> None:
         parse_urls(self.urls)
@@ -81,6 +83,11 @@ class RegistryConfig:
             check_cluster(self.cluster)
         except ValueError as e:
             raise ConfigError(f"--cluster: {e}", "e.g. --cluster prod-a") from None
+        if not 0 <= self.leave_grace_s <= 300:
+            raise ConfigError(
+                f"--registry-leave-grace must be 0-300 seconds, got {self.leave_grace_s:g}",
+                "give the seconds routers need to see a key go (default 1; 0: drain at once)",
+            )
         if not self.load_period_s > 0:
             raise ConfigError(
                 f"--registry-load-period must be positive, got {self.load_period_s:g}",

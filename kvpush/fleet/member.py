@@ -225,7 +225,9 @@ class Membership:
     def verdict(self) -> Verdict:
         return self.registrar.verdict()
 
-    def leave(self) -> None:
-        """Graceful stop, before the drain: the key goes first, then the watch stops."""
-        self.registrar.leave()
+    def leave(self) -> bool:
+        """Graceful stop, before the drain: the key goes first, then the watch stops; whether
+        the key was deleted (False: etcd did not answer, it lapses within the TTL)."""
+        gone = self.registrar.leave()
         self.watch.stop()
+        return gone

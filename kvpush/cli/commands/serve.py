@@ -196,7 +196,12 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
             log.info("%s received: draining (up to %gs)", stop.signame, cfg.timeouts.drain_s)
     finally:
         if member is not None:
-            member.leave()  # the key goes first: routers stop sending, then the drain
+            # The key goes first, then the endpoint serves on for the leave grace, so routers
+            # (and drives) following the registry stop sending before intake stops.
+            grace = opts.registry.leave_grace_s if opts.registry is not None else 0.0
+            if member.leave() and grace > 0 and failure is None:
+                log.info("registry key removed: serving %gs more before the drain", grace)
+                time.sleep(grace)
         if ep is not None:
             ep.stop()
             quickexit.request()  # nothing is left for the interpreter's finalization to do
