@@ -117,7 +117,7 @@ def test_a_stopped_process_is_reported_by_its_watchdog(launcher: Launcher) -> No
     log = d.log_text()
     assert "watchdog: process made no progress for" in log
     # The threads did not stall on their own: only the process is reported.
-    assert "watchdog: sidechannel" not in log and "watchdog: receiver" not in log
+    assert log.count("made no progress") == 1, log[-3000:]
     assert d.stop() == 0
 
 
