@@ -75,7 +75,10 @@ def native_stacks(pid: int) -> str:
     if not spy.exists():
         return "(py-spy not installed: no stacks)"
     r = subprocess.run(
-        [str(spy), "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=60
+        [str(spy), "dump", "--native", "--pid", str(pid)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     Path(f"/tmp/kvpush-freeze-{pid}.txt").write_text(r.stdout + r.stderr)
     return r.stdout + r.stderr
