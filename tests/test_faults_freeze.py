@@ -215,6 +215,9 @@ def test_simultaneous_sigterms_under_load(tmp_path: Path) -> None:
                     assert time.monotonic() < deadline, log.read_text()[-3000:]
                     time.sleep(0.02)
                 addrs.append(json.loads(ready.read_text())["address"])
+                while not json_lines(log.read_text()):  # printing before the signal comes
+                    assert time.monotonic() < deadline, log.read_text()[-3000:]
+                    time.sleep(0.02)
             rep = Driver(
                 DriveConfig(
                     prefill=(addrs[0],),
