@@ -69,6 +69,21 @@ def counter(line: dict[str, object], name: str) -> int:
     return int(line.get("counters", {}).get(name, 0))  # type: ignore[union-attr]
 
 
+def native_stacks(pid: int) -> str:
+    """Where a process stands, Python and native frames (py-spy, in the test extras)."""
+    spy = Path(sys.executable).parent / "py-spy"
+    if not spy.exists():
+        return "(py-spy not installed: no stacks)"
+    r = subprocess.run(
+        [str(spy), "dump", "--native", "--pid", str(pid)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    Path(f"/tmp/kvpush-freeze-{pid}.txt").write_text(r.stdout + r.stderr)
+    return r.stdout + r.stderr
+
+
 @contextlib.contextmanager
 def cpu_load() -> Iterator[None]:
     """Two busy loops: one per core of this host (started once the endpoints are up: what is
@@ -117,7 +132,7 @@ def test_a_stopped_process_is_reported_by_its_watchdog(launcher: Launcher) -> No
     log = d.log_text()
     assert "watchdog: process made no progress for" in log
     # The threads did not stall on their own: only the process is reported.
-    assert "watchdog: sidechannel" not in log and "watchdog: receiver" not in log
+    assert log.count("made no progress") == 1, log[-3000:]
     assert d.stop() == 0
 
 
@@ -200,6 +215,9 @@ def test_simultaneous_sigterms_under_load(tmp_path: Path) -> None:
                     assert time.monotonic() < deadline, log.read_text()[-3000:]
                     time.sleep(0.02)
                 addrs.append(json.loads(ready.read_text())["address"])
+                while not json_lines(log.read_text()):  # printing before the signal comes
+                    assert time.monotonic() < deadline, log.read_text()[-3000:]
+                    time.sleep(0.02)
             rep = Driver(
                 DriveConfig(
                     prefill=(addrs[0],),
@@ -218,7 +236,9 @@ def test_simultaneous_sigterms_under_load(tmp_path: Path) -> None:
                 deadline = mono + DRAIN_S + 20
                 while (ended := zy.exit_of(pid)) is None and time.monotonic() < deadline:
                     time.sleep(0.02)
-                assert ended is not None, f"{log}: no exit {DRAIN_S + 20}s after SIGTERM"
+                assert ended is not None, (
+                    f"{log}: no exit {DRAIN_S + 20}s after SIGTERM\n{native_stacks(pid)}"
+                )
                 status, at = ended
                 text = log.read_text()
                 assert status == 0, text[-3000:]
