@@ -69,7 +69,9 @@ def test_every_section_is_visible_at_80x24(tmp_path: Path, serve: Launcher, tp: 
         assert "requests/s" not in text  # a P's requests are its pushes
         assert re.search(rf"Totals\s+pushes {N * tp}  pushed [\d.]+ kB", text), text
         assert re.search(
-            rf"Latency\s+handshake_duration n=\d+ .*\n\s+push_latency n={N * tp} ", text
+            rf"Latency\s+handshake_duration n=\d+ .*\n"
+            rf"(?:\s+phase_\w+ n=.*\n)*\s+push_latency n={N * tp} ",
+            text,
         ), text
         assert re.search(r"Failures none", text), text
         total = 64 * tp

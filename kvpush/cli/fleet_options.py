@@ -15,19 +15,19 @@ from kvpush.cli.optspec import PANEL_OUT, Entry, Opt
 
 FLEET_OPTS: list[Opt] = [
     Opt("json_out", ("--json",), bool, "One JSON object on stdout.", False, PANEL_OUT,
-        key="fleet.ls.json"),
+        key="fleet.ls.json", env_scope="fleet_ls"),
     Opt("json_out", ("--json",), bool,
         "One JSON object per line on stdout: the listing at start ('snapshot'), then each join, "
         "leave and restart, and a 'rows' line every --interval.", False, PANEL_OUT,
-        key="fleet.watch.json"),
+        key="fleet.watch.json", env_scope="fleet_watch"),
     Opt("duration", ("--duration",), float | None,
         "Stop after this many seconds (default: until Ctrl-C).", None, seconds=True,
         show_default=False),
     Opt("interval", ("--interval",), float,
         "Seconds between redraws of the live view (and between 'rows' lines).", 1.0,
-        seconds=True, key="fleet.interval"),
+        seconds=True, key="fleet.interval", env_scope="fleet"),
     Opt("json_out", ("--json",), bool, "The whole matrix as one JSON object on stdout.", False,
-        PANEL_OUT, key="fleet.check.json"),
+        PANEL_OUT, key="fleet.check.json", env_scope="fleet_check"),
     Opt("size", ("--size",), str,
         "Bytes per check push (e.g. 1MiB, 256KiB, 4096): blocks = size / one block of P "
         "(capped at the smaller pool).", "1MiB"),
@@ -35,7 +35,7 @@ FLEET_OPTS: list[Opt] = [
         "Verified pushes per pair (the first carries the handshake of a pair that never met).",
         3),
     Opt("concurrency", ("--concurrency", "-c"), int, "Pairs checked at once.", 8,
-        key="fleet.concurrency"),
+        key="fleet.concurrency", env_scope="fleet"),
     Opt("deadline", ("--deadline",), float,
         "Seconds one pair's check may take (every push included); a pair past it fails with "
         "'deadline'.", 10.0, seconds=True),
