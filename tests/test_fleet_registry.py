@@ -494,7 +494,12 @@ def test_nixl_etcd_backend_behaviour_this_version() -> None:
     etcd again is usable (kvpush's stale-agent guard forgets it)."""
     script = Path(__file__).parent / "support" / "nixl_etcd_probe.py"
     r = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=clean_env(), timeout=120
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        # kvpush silences NIXL's own log unless asked (NIXL_LOG_LEVEL): ask, to see its line.
+        env=clean_env(NIXL_LOG_LEVEL="WARN"),
+        timeout=120,
     )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])

@@ -46,8 +46,8 @@ def start_etcd(stack: contextlib.ExitStack, run_dir: Path, progress: Progress) -
     progress("handshake: starting a throwaway etcd for the --nixl-metadata etcd rows")
     try:
         return fl.start_etcd(), ""
-    except BenchError as e:
-        return "", f"etcd rows skipped: {e}"
+    except (BenchError, OSError) as e:  # OSError: the binary named would not start
+        return "", f"etcd rows skipped: etcd did not start: {e}"
 
 
 def specs(etcd_url: str) -> dict[str, dict[str, Any]]:
@@ -112,7 +112,7 @@ def report(
                 [
                     label,
                     t,
-                    len(got),
+                    str(len(got)),
                     fmt_ms(e["side_channel_s"]),
                     fmt_ms(e["load_s"]),
                     fmt_ms(e["prep_s"]),
