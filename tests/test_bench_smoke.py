@@ -20,6 +20,39 @@ pytestmark = pytest.mark.integration
 CHARTS = {"hol", "handshake", "bandwidth", "scale", "tp", "model"}
 
 
+def _etcd_installed() -> bool:
+    from kvpush.bench.fleet import etcd_binary
+    from kvpush.bench.procs import BenchError
+
+    try:
+        return Path(etcd_binary()).exists()
+    except BenchError:
+        return False
+
+
+def test_handshake_etcd_rows_skipped_without_etcd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No etcd that can start: the etcd rows of ``bench handshake`` are skipped with a note
+    naming why, not an error; the side-channel rows are reported alone."""
+    import contextlib
+
+    from kvpush.bench import handshake_etcd
+    from kvpush.bench.report import Report
+
+    monkeypatch.setenv("KVPUSH_ETCD_BIN", str(tmp_path / "no-such-etcd"))
+    said: list[str] = []
+    with contextlib.ExitStack() as stack:
+        url, why = handshake_etcd.start_etcd(stack, tmp_path, said.append)
+    assert url == "" and why.startswith("etcd rows skipped: etcd did not start:"), why
+    assert set(handshake_etcd.specs(url)) == {"cmp-p-sidechannel", "cmp-d-sidechannel"}
+    rep = Report("handshake", "t", True)
+    row = {"side_channel_s": 1e-3, "load_s": 1e-3, "prep_s": 0.0, "warm_s": 0.0, "total_s": 2e-3}
+    handshake_etcd.report(rep, {"sidechannel": {"D->P notif": [row]}}, why)
+    assert rep.notes == [why]
+    assert [r[1] for r in rep.tables[0]["rows"]] == ["sidechannel"]
+
+
 def _check_result(r: dict[str, object], name: str, out: Path) -> None:
     assert r["scenario"] == name
     assert r["quick"] is True
@@ -124,6 +157,15 @@ def test_scenario_quick(name: str, tmp_path: Path) -> None:
         # Each handshake starts from nothing (not the last one's connection, reused): only a
         # full one prepares the remote descriptor list.
         assert all(s["notif_prep_s"] < s["full_prep_s"] for s in sizes), sizes
+        # Agent metadata over the side channel vs NIXL's etcd backend, in the same rounds: the
+        # etcd rows when an etcd binary is installed (the test extras), else a note saying why not.
+        nm = r["figures"]["nixl_metadata"]
+        kinds = ("D->P notif", "P->D full")
+        ts = ("sidechannel", "etcd") if _etcd_installed() else ("sidechannel",)
+        assert set(nm) == {f"{k}/{t}" for k in kinds for t in ts}, nm
+        assert all(e["n"] >= 1 and e["total_s"] > 0 and e["load_s"] > 0 for e in nm.values())
+        if len(ts) == 1:
+            assert any("etcd rows skipped" in n for n in r["notes"]), r["notes"]
     if name in ("bandwidth", "rate"):
         assert "verified" in json.dumps(r["tables"]) or r["notes"]
     if name == "model":

@@ -490,10 +490,16 @@ def test_nixl_etcd_backend_behaviour_this_version() -> None:
     """NIXL 1.5.1's etcd backend, as kvpush relies on it (docs/fleet.md): a publish while etcd
     is down returns without error and is never retried (kvpush publishes again at every
     (re-)registration); a delete of an agent's keys by someone else makes a peer's NIXL drop
-    that agent (kvpush's cleanup after a lapse relies on it)."""
+    that agent (kvpush's cleanup after a lapse relies on it); an agent removed and loaded from
+    etcd again is usable (kvpush's stale-agent guard forgets it)."""
     script = Path(__file__).parent / "support" / "nixl_etcd_probe.py"
     r = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=clean_env(), timeout=120
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        # kvpush silences NIXL's own log unless asked (NIXL_LOG_LEVEL): ask, to see its line.
+        env=clean_env(NIXL_LOG_LEVEL="WARN"),
+        timeout=120,
     )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -502,4 +508,5 @@ def test_nixl_etcd_backend_behaviour_this_version() -> None:
     assert out["keys_after_etcd_came_up"] == []  # NIXL never publishes it by itself
     assert "/nixl/kvpush/probe/probe-a/metadata" in out["keys_after_publish_again"]
     assert out["b_loaded_a"] is True and out["deleted"] == 2
+    assert out["b_reloaded_a_usable"] is True  # fetched again after an eviction: not stale
     assert out["b_dropped_a_after_delete"] is True

@@ -5,7 +5,8 @@ Scenarios (one module each; every one starts real P and D processes on 127.0.0.1
 
 - ``hol``: pushes to an established D while new Ds with slow or dead handshakes join, with the
   deferred and the blocking writer;
-- ``handshake``: D->P notif-only vs full handshakes against P pools of 1k..1M descriptors;
+- ``handshake``: D->P notif-only vs full handshakes against P pools of 1k..1M descriptors, and
+  the agent metadata over the side channel vs through NIXL's etcd backend;
 - ``bandwidth``: end-to-end push GB/s vs a raw NIXL WRITE loop, ``process_vm_writev`` and memcpy;
 - ``rate``: small pushes per second vs a raw pipelined NIXL WRITE+notif loop;
 - ``scale``: a storm of new D endpoints joining while established pushes continue;

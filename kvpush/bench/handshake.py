@@ -8,14 +8,20 @@ then connection warm-up -- alternating notif and full, forgetting P (evict + rel
 each so every handshake starts from nothing. Two warm-up rounds are discarded. Phases come from
 ``PeerConn.timings``: ``side_channel_s``, ``load_s`` (decode + checks + ``add_remote_agent``),
 ``prep_s`` (descriptors + ``prep_xfer_dlist``), ``warm_s`` (``make_connection``), ``total_s``.
+
+In the same rounds, ``kvpush.bench.handshake_etcd``: D->P notif-only and P->D full handshakes
+with the agent metadata over the side channel vs through NIXL's etcd backend
+(``--nixl-metadata etcd``), on a throwaway etcd (skipped, with a note, when none can run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
 
+from kvpush.bench import handshake_etcd
 from kvpush.bench.chart import Panel, Series, line_chart
 from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
 from kvpush.bench.procs import Cluster
@@ -34,19 +40,29 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
     sizes = QUICK_SIZES if quick else FULL_SIZES
     repeats = 4 if quick else 15
     warmup = 1 if quick else 2
+    cmp_per_round = 1 if quick else 4  # handshakes per round of each kind on each etcd-row pair
     rep = Report(
         "handshake",
-        "handshake: D->P notif-only vs full, by P pool size",
+        "handshake: D->P notif-only vs full, by P pool size; agent metadata: side channel vs etcd",
         quick,
         params={
             "sizes": [list(s) for s in sizes],
             "block_bytes": BLOCK_BYTES,
             "repeats": repeats,
             "warmup_rounds": warmup,
+            "nixl_metadata_descriptors": 2 * handshake_etcd.LAYERS * handshake_etcd.BLOCKS,
+            "nixl_metadata_per_round": cmp_per_round,
         },
     )
     rows_by_size: list[dict[str, Any]] = []
-    with Cluster(logs_dir(out_dir, "handshake")) as cl:
+    cmp_samples: dict[str, dict[str, list[dict[str, float]]]] = {}
+    run_dir = logs_dir(out_dir, "handshake")
+    with contextlib.ExitStack() as stack:
+        # etcd first: it must outlive the endpoints (they withdraw their metadata on close).
+        etcd_url, skipped = handshake_etcd.start_etcd(stack, run_dir, progress)
+        if skipped:
+            progress("handshake: " + skipped)
+        cl = stack.enter_context(Cluster(run_dir))
         progress(
             "handshake: starting a P and a D per pool size: "
             + ", ".join(f"{2 * la * b:,}" for la, b in sizes)
@@ -61,6 +77,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
             specs[f"d-{descs}"] = endpoint_cfg(
                 "decode", layers=layers, block_bytes=BLOCK_BYTES, num_blocks=4
             )
+        specs.update(handshake_etcd.specs(etcd_url))
         ws = cl.endpoints(specs, timeout_s=180)
         samples: dict[int, dict[str, list[dict[str, float]]]] = {}
         # Rounds go across sizes (1k, 16k, ... then again), so a busy moment of the host
@@ -81,6 +98,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
                     acc = samples.setdefault(descs, {m: [] for m in MODES})
                     for m in MODES:
                         acc[m].extend(r[m])
+            handshake_etcd.one_round(ws, k, cmp_samples if k >= warmup else None, cmp_per_round)
         for layers, blocks in sizes:
             descs = 2 * layers * blocks
             entry: dict[str, Any] = {
@@ -97,6 +115,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
                 entry[m]["samples_total_s"] = [row["total_s"] for row in rows]
             rows_by_size.append(entry)
     _report(rep, rows_by_size, out_dir)
+    handshake_etcd.report(rep, cmp_samples, skipped)
     return rep.to_dict()
 
 

@@ -162,7 +162,8 @@ _OPTS: list[Opt] = [
     # --------------------------------------------------------------------- bench, completion
     Opt("scenario", ("scenario",), str,
         "hol (head-of-line behind a slow new peer, deferred vs blocking writer), handshake "
-        "(notif-only vs full), bandwidth (push GB/s vs raw NIXL, process_vm_writev, memcpy), "
+        "(notif-only vs full; agent metadata over the side channel vs etcd), bandwidth (push "
+        "GB/s vs raw NIXL, process_vm_writev, memcpy), "
         "rate (small pushes/s vs raw NIXL), scale (many new peers at once), tp (N ranks vs N "
         "x one rank), model (real model shapes, block ids contiguous, shuffled and after "
         "churn, vs raw NIXL), fleet (8 P x 16 D registered in etcd: fleet ls/watch/check, registry "

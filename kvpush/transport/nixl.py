@@ -248,6 +248,10 @@ class NixlAgent:
             raise
         except Exception as e:
             raise _translate(e, "fetch_remote_metadata") from None
+        # Loaded again: no longer stale (a peer evicted, then handshaken again, keeps its name).
+        with self._lock:
+            self._remotes.add(name)
+            self._removed.discard(name)
         return name
 
     # ------------------------------------------------------------------ peers

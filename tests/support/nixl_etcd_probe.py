@@ -15,6 +15,7 @@ import torch
 
 from kvpush.config import AgentConfig
 from kvpush.fleet.etcd import Etcd
+from kvpush.memory.descriptors import block_descs
 from kvpush.transport.nixl import NixlAgent
 from tests.support.etcd import EtcdServer
 
@@ -48,6 +49,17 @@ def probe(tmp: Path) -> int:
         b = NixlAgent("probe-b", cfg)
         b.fetch_remote("probe-a", 10)
         out["b_loaded_a"] = True
+        # A peer evicted and handshaken again keeps its agent name: loaded from etcd again, it
+        # is usable, not refused as stale (what kvpush bench handshake's etcd rows do per round).
+        descs = block_descs([buf.data_ptr()], 4, 1024, 0)
+        b.release_dlist(b.prep_remote("probe-a", descs, "DRAM"))
+        b.remove_remote("probe-a")
+        b.fetch_remote("probe-a", 10)
+        try:
+            b.release_dlist(b.prep_remote("probe-a", descs, "DRAM"))
+            out["b_reloaded_a_usable"] = True
+        except Exception as err:
+            out["b_reloaded_a_usable"] = repr(err)
         out["deleted"] = e.delete_prefix(f"{ns}/probe-a/")  # kvpush's cleanup after a lapse
         deadline = time.monotonic() + 10
         dropped = False
