@@ -66,7 +66,9 @@ def gaps(lines: list[dict[str, object]]) -> float:
 
 
 def counter(line: dict[str, object], name: str) -> int:
-    return int(line.get("counters", {}).get(name, 0))  # type: ignore[union-attr]
+    counters = line.get("counters", {})
+    assert isinstance(counters, dict)
+    return int(counters.get(name, 0))
 
 
 def native_stacks(pid: int) -> str:

@@ -109,7 +109,8 @@ def test_a_blocked_thread_is_reported_once_with_its_stack_and_recovers() -> None
             assert snap.counters[Counter.WATCHDOG_STALLS] == 1
             assert snap.gauges[Gauge.THREADS_STALLED] == 1
             # The same snapshot feeds -o json, the live view and Prometheus.
-            assert snap.to_dict()["counters"]["watchdog_stalls"] == 1
+            counters = snap.to_dict()["counters"]
+            assert isinstance(counters, dict) and counters["watchdog_stalls"] == 1
             page = generate_latest(_Registry(snap)).decode()
             assert 'kvpush_watchdog_stalls_total{engine_id="d-test",role="decode"} 1.0' in page
             assert 'kvpush_threads_stalled{engine_id="d-test",role="decode"} 1.0' in page

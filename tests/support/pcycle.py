@@ -16,12 +16,13 @@ import json
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 
 from kvpush.config import EndpointConfig, PoolConfig
 from kvpush.ops.driver import DriveConfig, Driver
 from kvpush.ops.engine import open_endpoint
 
-POOL = {"num_blocks": 64, "layers": 2, "block_bytes": 4096}
+POOL_CFG = PoolConfig(num_blocks=64, layers=2, block_bytes=4096)
 
 
 def main() -> int:
@@ -31,7 +32,7 @@ def main() -> int:
     reasons: Counter[str] = Counter()
     for _ in range(cycles):
         ep = open_endpoint(
-            EndpointConfig(role="prefill", tp_size=tp, pool=PoolConfig(**POOL, tp_size=tp))
+            EndpointConfig(role="prefill", tp_size=tp, pool=replace(POOL_CFG, tp_size=tp))
         )
         try:
             rep = Driver(

@@ -53,6 +53,7 @@ def test_vllm_p_restarted_under_a_kvpush_d(vllm_py: str, vllm_tmp: Path) -> None
         _push(p2, d.address, "restart-after", [2, 4, 6])
         snap = stats(d.address)
         c, g = snap["counters"], snap["gauges"]
+        assert isinstance(c, dict) and isinstance(g, dict)
         assert c.get("stale_agents_removed", 0) >= 1, c
         assert g["stale_agent_uses"] == 0, g
         assert g["remote_agents"] == 1, g
