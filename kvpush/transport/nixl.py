@@ -154,6 +154,14 @@ class NixlAgent:
             self._agent = self._create(api, name, conf, cfg)
         self._reg: Any = None
         self._lock = threading.Lock()  # guards the two name sets (owner and handshake threads)
+        # Serialises the calls that change which remote agents NIXL holds (load, connect,
+        # fetch, remove). NIXL's remove_remote_agent (invalidateRemoteMD) keeps the interpreter
+        # lock while it waits for the agent's own lock, which a load or connect on a handshake
+        # thread may hold while UCX waits on a peer that is tearing down: every thread of the
+        # process would stop. Waiting here first, in Python, frees the interpreter lock: the
+        # remover waits (bounded by the connect), the rest of the endpoint runs on
+        # (docs/reliability.md, "Freeze watchdog").
+        self._md_lock = threading.Lock()
         self._remotes: set[str] = set()
         self._removed: set[str] = set()
         self.stale_agent_uses = 0
@@ -234,7 +242,8 @@ class NixlAgent:
         try:
             if self._agent.check_remote_metadata(name):
                 return name
-            self._agent.fetch_remote_metadata(name)
+            with self._md_lock:
+                self._agent.fetch_remote_metadata(name)
             deadline = time.monotonic() + timeout_s
             while not self._agent.check_remote_metadata(name):
                 if time.monotonic() > deadline:
@@ -261,7 +270,8 @@ class NixlAgent:
         if not metadata.startswith(_AGENT_MD_MAGIC):
             raise TransferError("bad_metadata", "add_remote_agent: not NIXL agent metadata")
         try:
-            name = self._agent.add_remote_agent(metadata)
+            with self._md_lock:
+                name = self._agent.add_remote_agent(metadata)
         except Exception as e:
             raise _translate(e, "add_remote_agent") from None
         text = name.decode() if isinstance(name, bytes) else str(name)
@@ -277,7 +287,8 @@ class NixlAgent:
             if len(self._removed) > 4096:  # bounded: the oldest names matter least
                 self._removed.pop()
         try:
-            self._agent.remove_remote_agent(name)
+            with self._md_lock:
+                self._agent.remove_remote_agent(name)
         except Exception as e:
             log.debug("remove_remote_agent(%s) failed: %s", name, e)
 
@@ -314,7 +325,8 @@ class NixlAgent:
 
     def make_connection(self, name: str) -> None:
         try:
-            self._agent.make_connection(name)
+            with self._md_lock:
+                self._agent.make_connection(name)
         except Exception as e:
             raise _translate(e, "make_connection") from None
 
