@@ -56,7 +56,10 @@ def test_drive_two_decoders_round_robin(pd_pair, serve, kvpush_run) -> None:
     # The 8 workers are spread over the two Ds (4 each, closed loop): both take a share.
     by = json.loads(r.stdout)["by_decode"]
     assert set(by) == {d.address, d2.address} and sum(by.values()) == 40, by
-    assert min(by.values()) >= 8, by
+    # Each of the 4 workers homed on a D sends its first request there at once (closed loop):
+    # at least 4 each. The rest of the split follows the Ds' latencies (a D that just started
+    # pays its first handshakes), which a loaded host makes anything.
+    assert min(by.values()) >= 4, by
 
 
 def test_drive_unverified_exits_1(pd_pair, serve, kvpush_run) -> None:
