@@ -62,6 +62,13 @@ class PrefillPeers:
             self.evict(key, g.detail, why=g.reason)
 
     def heartbeat(self) -> None:
+        # An abandoned request whose P rank's connection is gone (evicted on a path that did
+        # not come through ``evict``, e.g. a restart found at a handshake) waits on a fence
+        # that cannot come: settle it as ``evict`` would (no block quarantined on a peer that
+        # can never fence it).
+        for ab, rank in self._table.held_by_gone():
+            if rank in ab.outstanding:  # a request of two gone ranks is released once
+                self._out.settle_abandoned(ab, rank, "P connection gone")
         for conn, tids in self._table.heartbeat_groups():
             for i in range(0, max(len(tids), 1), HEARTBEAT_BATCH):
                 try:

@@ -222,6 +222,20 @@ class RequestTable:
                     by_p.setdefault(held.agent_name, (held, []))
         return iter(by_p.values())
 
+    def held_by_gone(self) -> list[tuple[DRequest, int]]:
+        """(abandoned request, P rank) pairs whose rank can fence nothing any more: D holds no
+        connection to it, or the one it holds was evicted (its agent removed). Once per
+        heartbeat; the abandoned table is capped."""
+        out: list[tuple[DRequest, int]] = []
+        for r in self._abandoned.values():
+            if r.quarantine_until != math.inf:
+                continue  # vLLM's wire: its lease bounds it
+            for rank in r.outstanding:
+                held = r.p_conns.get(rank)
+                if held is None or held.evicted:
+                    out.append((r, rank))
+        return out
+
     # ------------------------------------------------------------------ transitions
     def add(self, req: DRequest) -> None:
         if self.in_use(req.request_id):
