@@ -2,7 +2,8 @@
 
 A transport error on an established peer moves it connected -> degraded -> evicted (at once when
 NIXL says the remote agent is gone, else after ``evict_after_errors`` in a row), counted by NIXL
-status in telemetry; the next request handshakes afresh. Handshakes to one peer are single-flight
+status in telemetry; the next request handshakes afresh. WRITEs that only time out (a frozen D)
+degrade the peer without evicting it, and it heals in place once it thaws. Handshakes to one peer are single-flight
 with a real agent too, and agents are created one at a time in a process.
 """
 
@@ -71,10 +72,12 @@ def test_agent_lost_under_an_established_d_is_evicted_and_rehandshaken(tmp_path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_d_frozen_past_the_write_timeout_is_degraded_then_evicted(tmp_path: Path) -> None:
+def test_d_frozen_past_the_write_timeout_is_degraded_and_heals_in_place(tmp_path: Path) -> None:
     """WRITEs into a SIGSTOPped D that do not complete by the write deadline are transport
-    errors (``write_timeout``): the D is degraded, then evicted at the limit; once it thaws
-    the next request handshakes afresh."""
+    errors (``write_timeout``): the D is degraded but not evicted, even past the limit (its
+    bytes may still land: only a fence on the same connection proves they did); once it thaws
+    the fences land, nothing stays quarantined and the next requests succeed through the same
+    agent (no new handshake)."""
     with cluster_ctx(tmp_path) as c:
         p = c.start("prefill", "p", evict_after_errors=2)
         d = c.start("decode", "d", timeouts={"request_deadline_s": 20.0})
@@ -122,9 +125,9 @@ def test_d_frozen_past_the_write_timeout_is_degraded_then_evicted(tmp_path: Path
         if cs.get("transport_errors_write_timeout", 0) < 2:
             pytest.skip("UCX completed every WRITE into the stopped process (no timeout here)")
         assert cs.get("peers_degraded", 0) >= 1, cs
-        assert cs.get("peers_evicted_transport", 0) >= 1, cs
+        assert cs.get("peers_evicted_transport", 0) == 0, cs
         fresh_batch(p.address, [d.address], n=8, prefix="thawed")
-        assert counters(p.address)["handshakes_ok"] >= 2
+        assert counters(p.address)["handshakes_ok"] == cs["handshakes_ok"]
         for a in (p.address, d.address):
             settle(a, timeout_s=20, quarantine_clears=True)
 

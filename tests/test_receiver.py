@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from kvpush.config import EndpointConfig, HandshakeMode, Timeouts
+from kvpush.decode.limits import QUARANTINE_REPORT_S
 from kvpush.decode.role import DecodeRole
 from kvpush.memory.allocator import BlockState
 from kvpush.memory.pool import KvPool
@@ -339,6 +340,27 @@ def test_deadline_after_push_reg_cancels_and_quarantines_until_fenced(rig: Rig) 
     rig.from_p(p, protocol.Fence(fence_id="f1", request_ids=[reg.request_id]))
     rig.steps_until(lambda: rig.free() == D_POOL.num_blocks, "the fence to free the blocks")
     assert rig.counters()["quarantine_released"] == 1
+
+
+def test_a_long_quarantine_is_reported_once_with_what_it_waits_on(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    p = rig.stub()
+    fut = rig.decode(p, "t1", deadline_s=0.05)
+    rig.registered(p, "t1")
+    time.sleep(0.1)
+    t = time.monotonic()
+    rig.housekeeping_at(t)
+    assert fut.result(1).reason == "deadline"
+    rig.housekeeping_at(t + 2)  # not long yet
+    assert rig.counters().get("quarantines_long", 0) == 0
+    with caplog.at_level("WARNING"):
+        rig.housekeeping_at(t + 2 + QUARANTINE_REPORT_S)
+        rig.housekeeping_at(t + 4 + QUARANTINE_REPORT_S)  # once per request
+    assert rig.counters()["quarantines_long"] == 1
+    (msg,) = [r.getMessage() for r in caplog.records if "quarantined for" in r.getMessage()]
+    assert "t1" in msg and "rank 0 (agent " in msg, msg
+    assert rig.pool.allocator.state_of("t1") == BlockState.QUARANTINED  # reported, not freed
 
 
 def test_late_completion_of_an_abandoned_request_frees_its_blocks(rig: Rig) -> None:

@@ -470,6 +470,41 @@ def test_abandoned_write_quarantines_then_fence_frees(rig: Rig, how: str) -> Non
     assert rig.free() == 32
 
 
+def test_write_timeouts_degrade_but_never_evict_so_the_fence_shares_their_connection(
+    rig: Rig,
+) -> None:
+    """Timed-out WRITEs (a partitioned or frozen D) past the error limit: the peer is degraded,
+    not evicted -- its agent stays, so the fence goes through the same connection as the bytes
+    it must follow (an eviction would send it through a fresh one that can overtake them)."""
+    d = rig.stub()
+    rig.agent.default_state = "PROC"
+    rig.connect(d)
+    n = 4  # past the default limit of 3
+    for i in range(n):
+        rig.writer.finished.put(rig.finished(f"t{i}", 1))
+        rig.register(rig.registration(d, rig.reg(d, f"t{i}", [20 + i], request_id=f"r{i}")))
+    rig.step()
+    assert len(rig.agent.writes) == n
+    for infl in rig.writer.table.inflight():
+        infl.deadline = 0.0
+    rig.step()
+    assert rig.failures()["write_timeout"] == n
+    assert rig.counters()["transport_errors_write_timeout"] == n
+    assert rig.counters()["peers_degraded"] == 1
+    assert rig.counters().get("peers_evicted_transport", 0) == 0
+    conn = rig.hs.get(d.key)
+    assert conn is not None and not conn.evicted
+    assert d.agent_name not in rig.agent.removed
+    rig.agent.default_state = "DONE"
+    rig.owner.force_housekeeping()
+    rig.step()
+    fence_wr = rig.agent.writes[n]
+    assert isinstance(decode_notif(fence_wr.notif), protocol.Fence)
+    assert fence_wr.remote is rig.agent.writes[0].remote  # the same loaded agent
+    rig.step()
+    assert rig.free() == 32
+
+
 # ------------------------------------------------------------------ cancel from D
 
 

@@ -173,8 +173,9 @@ ENDPOINT_OPTS: list[Opt] = [
         "Forget (remove) a peer agent idle this long.", _timeout("peer_idle_ttl"), PANEL_TIME,
         seconds=True),
     Opt("evict_after_errors", ("--evict-after-errors",), int,
-        "Evict a peer after this many transport errors in a row (failed WRITE, notification, "
-        "timeout); the next request handshakes afresh. A disconnect evicts at once.", 3,
+        "Evict a peer after this many transport errors in a row (failed WRITE or notification; "
+        "timeouts only degrade it); the next request handshakes afresh. A disconnect evicts "
+        "at once.", 3,
         PANEL_TIME),
     Opt("write_timeout", (TIMEOUT_FLAGS["write_base_s"],), float,
         "Fixed part of a WRITE's deadline; the size-aware part is bytes / --write-min-gbps.",

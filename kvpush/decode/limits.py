@@ -10,3 +10,7 @@ from __future__ import annotations
 
 #: Decode requests held back for their ``alloc_delay_s`` at once.
 MAX_DELAYED_REQUESTS = 4096
+
+#: An abandoned request whose blocks stay quarantined this long is reported (once, with what
+#: it waits on): a fence normally lands within a fence timeout or two.
+QUARANTINE_REPORT_S = 10.0

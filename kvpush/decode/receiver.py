@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from kvpush.address import format_address
 from kvpush.config import EndpointConfig, HandshakeMode, Wire
 from kvpush.decode.completer import Completer
+from kvpush.decode.limits import QUARANTINE_REPORT_S
 from kvpush.decode.outcomes import Outcomes, failed_rep
 from kvpush.decode.peers import PrefillPeers
 from kvpush.decode.requests import DRequest, DState, RequestTable
@@ -122,8 +123,35 @@ class Receiver:
             for key in idle:
                 if key not in busy:
                     self._peers.evict(key, "idle")
+            for ab in self.table.long_quarantined(now, QUARANTINE_REPORT_S):
+                self._report_quarantine(ab, now)
         for key, why in self._hs.down():  # its process is gone (kvpush.peers.watch)
             self._peers.evict(key, f"down: {why}")
+
+    def _report_quarantine(self, ab: DRequest, now: float) -> None:
+        """Say (once) what a long-quarantined request's blocks wait for."""
+
+        def on(rank: int) -> str:
+            conn = ab.p_conns.get(rank)
+            state = (
+                "no connection"
+                if conn is None
+                else "its connection evicted"
+                if conn.evicted
+                else f"agent {conn.agent_name}"
+            )
+            return f"{format_address(*ab.p_addr)} rank {rank} ({state})"
+
+        self._tm.inc(Counter.QUARANTINES_LONG)
+        self._rl.warning(
+            "quarantine",
+            "blocks of %s (%d) quarantined for %.0fs, waiting for a fence, late completion or "
+            "the end of: %s",
+            ab.request_id,
+            len(ab.block_ids),
+            now - ab.t_abandoned,
+            "; ".join(on(r) for r in sorted(ab.outstanding)) or "nothing",
+        )
 
     def drain(self, deadline: float) -> None:
         """Stop: fail what is still waiting (P is told), fail what never reached this thread."""

@@ -19,6 +19,7 @@ their allocation time (capped by the role, ``kvpush.decode.limits``).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -73,6 +74,8 @@ class DRequest:
     hold: bool = False
     # An abandoned request whose P cannot fence (vLLM's wire) is released after this time.
     quarantine_until: float = math.inf
+    t_abandoned: float = 0.0  # when it was abandoned (its blocks quarantined)
+    reported: bool = False  # its long quarantine was reported
     # A request held in D's queue before it gets blocks (as a scheduled vLLM request waits):
     # allocate ``num_blocks`` at ``alloc_at``; P's lease is heartbeated meanwhile.
     num_blocks: int = 0
@@ -236,6 +239,18 @@ class RequestTable:
                     out.append((r, rank))
         return out
 
+    def long_quarantined(self, now: float, after_s: float) -> list[DRequest]:
+        """Abandoned requests quarantined for ``after_s`` or more, each returned once (to be
+        reported). One pass over the abandoned table, whose size the pool bounds."""
+        out = [
+            r
+            for r in self._abandoned.values()
+            if not r.reported and now - r.t_abandoned >= after_s
+        ]
+        for r in out:
+            r.reported = True
+        return out
+
     # ------------------------------------------------------------------ transitions
     def add(self, req: DRequest) -> None:
         if self.in_use(req.request_id):
@@ -257,6 +272,7 @@ class RequestTable:
         if self._waiting.pop(req.request_id, None) is req:
             self.allocated(req)
         req.state = DState.ABANDONED
+        req.t_abandoned = time.monotonic()
         self._abandoned[req.request_id] = req
         if req.quarantine_until != math.inf:
             self._quarantines.push(req.quarantine_until, req)

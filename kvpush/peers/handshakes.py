@@ -26,7 +26,11 @@ its future to every other caller (ranks, requests), so the same remote agent is 
 twice at once (LightLLM #1470). A transport error on an established peer (``transport_error``)
 is counted by NIXL status and moves it to *degraded*; it is evicted at once when the error says
 the remote agent is gone (disconnected, not found), else after ``error_limit`` consecutive
-errors; one success (``transport_ok``) makes it connected again. A handshake that finds a new
+errors of which the last is one NIXL reported; one success (``transport_ok``) makes it
+connected again. A WRITE or fence that only *timed out* (a frozen, slow or partitioned peer)
+degrades the peer but never evicts it: its bytes may still be on the way, and only a fence on
+the same connection proves they landed (a fence through a fresh agent after an eviction could
+free D's blocks before the old connection's bytes arrive: measured, tests/test_faults_netns.py). A handshake that finds a new
 incarnation at an address it knew counts ``peer_restarts``.
 """
 
@@ -71,6 +75,8 @@ MAX_PEER_ROWS = 4096
 TRANSPORT_ERROR_LIMIT = 3
 #: Transfer-error kinds that say the remote agent is gone: the peer is evicted on the first.
 _GONE = frozenset({"peer_dead", "peer_unknown"})
+#: Transfer-error kinds that only say nothing completed in time: they degrade, never evict.
+_SLOW = frozenset({"timeout"})
 #: Incarnations remembered per peer address (to tell a restart from a first contact).
 _MAX_INCARNATIONS = 4096
 _LIVE = (PeerState.CONNECTED, PeerState.DEGRADED)
@@ -474,7 +480,7 @@ class HandshakeManager:
     def transport_error(self, key: PeerKey, err: TransferError) -> bool:
         """A NIXL operation on ``key``'s connection failed: count it by status, mark the peer
         degraded; True when the caller must evict it now (its agent is gone, or this is the
-        ``error_limit``-th error in a row)."""
+        ``error_limit``-th error in a row and not a timeout: see the module's docstring)."""
         self._tm.inc(transport_error_counter(err.status))
         with self._lock:
             e = self._peers.get(key)
@@ -486,7 +492,7 @@ class HandshakeManager:
             if first:
                 e.state = PeerState.DEGRADED
             n = e.errors
-            evict = err.kind in _GONE or n >= self._error_limit
+            evict = err.kind in _GONE or (n >= self._error_limit and err.kind not in _SLOW)
             decided = evict and not e.doomed
             e.doomed = e.doomed or evict
         if first:

@@ -39,6 +39,7 @@ class Counter(StrEnum):
     FENCES_OK = "fences_ok"
     FENCES_RECEIVED = "fences_received"
     QUARANTINE_RELEASED = "quarantine_released"
+    QUARANTINES_LONG = "quarantines_long"  # D: blocks quarantined past QUARANTINE_REPORT_S
     HANDSHAKES_STARTED = "handshakes_started"
     HANDSHAKES_OK = "handshakes_ok"
     HANDSHAKES_FAILED = "handshakes_failed"
