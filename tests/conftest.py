@@ -10,7 +10,6 @@ waits for its ``--ready-file``; all are stopped at teardown with SIGTERM, then S
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import ports
 from tests.support.etcd import EtcdServer
 from tests.support.procs import KVPUSH, Launcher, Proc, clean_env, wait_ready
 
@@ -40,10 +40,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def unused_port() -> int:
-    """A TCP port nobody listens on right now (bound and released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port nobody listens on right now, outside the ephemeral range (tests.support.ports)."""
+    return ports.free_port()
 
 
 @dataclass

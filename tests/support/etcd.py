@@ -13,12 +13,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from tests.support.ports import free_port
 
 
 def etcd_binary() -> str | None:
@@ -32,9 +33,7 @@ def etcd_binary() -> str | None:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 class EtcdServer:

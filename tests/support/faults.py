@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.support.ports import free_port as free_port
 from tests.support.procs import ROOT, Proc, start_endpoint
 
 # Deadlines short enough that every fault costs seconds, not minutes.
@@ -66,12 +67,6 @@ FAST_TIMEOUTS: dict[str, float] = {
     "drain_s": 2.0,
 }
 SMALL_POOL: dict[str, int] = {"num_blocks": 256, "layers": 2, "block_bytes": 16 * 1024}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------------------------ processes

@@ -159,7 +159,7 @@ def wait_ready(p: Proc, timeout: float = 60.0) -> None:
     raise AssertionError(f"{what} not ready within {timeout}s:\n" + p.log_text())
 
 
-def start_endpoint(cfg: dict[str, object], tmp: Path, name: str, timeout: float = 30.0) -> Proc:
+def start_endpoint(cfg: dict[str, object], tmp: Path, name: str, timeout: float = 60.0) -> Proc:
     """A node endpoint named ``name`` in ``tmp``, ready (the fault suites' entry point)."""
     ready = tmp / f"{name}.ready"
     return launch(
@@ -205,7 +205,7 @@ class Launcher:
     # The CLI suites' name for ``serve``.
     start = serve
 
-    def node(self, cfg: dict[str, object], name: str, timeout: float = 30.0) -> Proc:
+    def node(self, cfg: dict[str, object], name: str, timeout: float = 60.0) -> Proc:
         p = start_endpoint(cfg, self.tmp, name, timeout)
         self.procs.append(p)
         return p

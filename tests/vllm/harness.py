@@ -24,7 +24,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -32,6 +31,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.support import ports
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -72,9 +73,7 @@ def vllm_python() -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return ports.free_port()
 
 
 def peer_env() -> dict[str, str]:
