@@ -3,8 +3,8 @@
 A transport error on an established peer moves it connected -> degraded -> evicted (at once when
 NIXL says the remote agent is gone, else after ``evict_after_errors`` in a row), counted by NIXL
 status in telemetry; the next request handshakes afresh. WRITEs that only time out (a frozen D)
-degrade the peer without evicting it, and it heals in place once it thaws. Handshakes to one peer are single-flight
-with a real agent too, and agents are created one at a time in a process.
+degrade the peer without evicting it, and it heals in place once it thaws. Handshakes to one
+peer are single-flight with a real agent too, and agents are created one at a time in a process.
 """
 
 from __future__ import annotations

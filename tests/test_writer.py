@@ -26,6 +26,7 @@ from kvpush.memory.allocator import BlockState
 from kvpush.memory.descriptors import xfer_indices
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager
+from kvpush.prefill.acks import MAX_ATTEMPTS
 from kvpush.prefill.table import Finished, Registered, Registration, reg_key
 from kvpush.prefill.writer import PushWriter
 from kvpush.runtime.owner import OwnerThread
@@ -520,6 +521,64 @@ def test_cancel_of_waiting_registration_acknowledged(rig: Rig) -> None:
     assert (ack.request_id, ack.reason, ack.may_have_written) == ("r1", "cancelled", False)
     assert rig.counters()["cancels_received"] == 1
     assert rig.tm.snapshot().gauges["regs_waiting_blocks"] == 0
+
+
+def _cancel_from_unconnected(rig: Rig, d: StubPeer, rid: str) -> None:
+    """D's Cancel of a request P does not know, from a D rank P holds no connection to."""
+    rig.notify_from(
+        d,
+        protocol.Cancel(
+            request_id=rid,
+            transfer_id=rid,
+            decode_host="127.0.0.1",
+            decode_port=d.key[1],
+            decode_tp_rank=0,
+        ),
+    )
+
+
+def _stepped(rig: Rig, cond: bool) -> bool:
+    """One pass of the writer, then whether ``cond`` (read before it) held."""
+    rig.step()
+    return cond
+
+
+def _acks_to(rig: Rig, d: StubPeer) -> list[protocol.Failure]:
+    return [m for m in rig.sent_to(d) if isinstance(m, protocol.Failure)]
+
+
+def test_cancel_ack_to_an_unconnected_d_is_retried_until_a_handshake_succeeds(
+    rig: Rig,
+) -> None:
+    """A failed handshake does not drop the acknowledgement: D's blocks would stay
+    quarantined for as long as P lives. It is owed and tried again with a back-off."""
+    d = rig.stub(error="not_ready")  # D refuses handshakes (e.g. busy starting)
+    _cancel_from_unconnected(rig, d, "r9")
+    acks = rig.writer._out.acks
+    wait_until(lambda: _stepped(rig, len(d.requests) >= 1 and not acks._pending), what="1st")
+    assert acks.n_owed == 1 and not _acks_to(rig, d)
+    d.error = None  # D is up now
+    acks.retry(time.monotonic() + 60)  # its back-off is over
+    wait_until(lambda: _stepped(rig, bool(_acks_to(rig, d))), what="the acknowledgement")
+    (ack,) = _acks_to(rig, d)
+    assert (ack.request_id, ack.reason, ack.may_have_written) == ("r9", "cancelled", False)
+    assert acks.n_owed == 0
+    assert rig.failures().get("cancel_unacknowledged", 0) == 0
+
+
+def test_cancel_ack_given_up_after_its_attempts_is_counted(rig: Rig) -> None:
+    d = rig.stub(error="not_ready")
+    _cancel_from_unconnected(rig, d, "r9")
+    acks = rig.writer._out.acks
+    for i in range(1, MAX_ATTEMPTS + 1):
+        wait_until(
+            lambda i=i: _stepped(rig, len(d.requests) >= i and not acks._pending),
+            what=f"handshake {i}",
+        )
+        acks.retry(time.monotonic() + 60)
+    assert acks.n_owed == 0
+    assert rig.failures()["cancel_unacknowledged"] == 1
+    assert not _acks_to(rig, d)
 
 
 def test_cancel_while_handshaking_acknowledged_without_write(rig: Rig) -> None:

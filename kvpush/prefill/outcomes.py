@@ -12,12 +12,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 
 from kvpush.address import format_address
-from kvpush.config import HandshakeMode
 from kvpush.memory.pool import KvPool
-from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
+from kvpush.peers.handshakes import HandshakeManager, PeerConn
+from kvpush.prefill.acks import OwedAcks
 from kvpush.prefill.limits import MAX_DECLINED_IDS
 from kvpush.prefill.table import (
     AwaitingHandshake,
@@ -45,6 +44,8 @@ from kvpush.wire.notifs import Codec
 log = logging.getLogger(__name__)
 
 MAX_EARLY_CANCELS = MAX_DECLINED_IDS
+#: Back-off step between handshakes for owed cancel acknowledgements (x attempt).
+ACK_RETRY_S = 1.0
 
 
 class Outcomes:
@@ -72,6 +73,7 @@ class Outcomes:
         self._on_outcome = on_outcome
         self._decliner = decliner
         self._rl = RateLimitedLog(log)
+        self.acks = OwedAcks(handshakes, owner, tasks, telemetry, self.notify, ACK_RETRY_S)
 
     def fail(self, push: Push, reason: Failure, detail: str) -> None:
         """A push that fails before any of its WRITEs was posted: every target D rank is told,
@@ -238,25 +240,5 @@ class Outcomes:
         if not msg.decode_port:
             self._tm.fail(Failure.CANCEL_UNACKNOWLEDGED)
             return
-        key: PeerKey = (msg.decode_host, msg.decode_port, msg.decode_tp_rank)
-        fut = self._hs.ensure(key, HandshakeMode.FULL)
-        if fut is None:
-            self._ack_after_handshake(key, ack)
-            return
-
-        def done(f: Future[PeerConn]) -> None:  # handshake thread: hand back to the writer
-            if f.exception() is not None:
-                self._tm.fail(Failure.CANCEL_UNACKNOWLEDGED)
-                return
-            self._owner.hand_off(
-                self._tasks,
-                lambda: self._ack_after_handshake(key, ack),
-                lambda e: self._tm.fail(Failure.CANCEL_UNACKNOWLEDGED),
-            )
-
-        fut.add_done_callback(done)
-
-    def _ack_after_handshake(self, key: PeerKey, ack: protocol.Failure) -> None:
-        conn = self._hs.get(key)
-        if conn is not None:
-            self.notify(conn, ack)
+        # Owed until a connection is up: handshakes again if one fails (kvpush.prefill.acks).
+        self.acks.add((msg.decode_host, msg.decode_port, msg.decode_tp_rank), ack)

@@ -180,6 +180,7 @@ class PushWriter:
         if self._fences and self._legs.local_dlist is not None:
             for fw in self._fences.send(self._legs.local_dlist):
                 self._legs.complete(fw)
+        self._out.acks.retry(now)
         if now >= self._next_idle:  # once a second: a pass over the peer rows
             self._next_idle = now + 1.0
             idle = self._hs.idle(self.cfg.timeouts.peer_idle_ttl_s)
@@ -425,6 +426,7 @@ class PushWriter:
         else:
             self._legs.peer_gone(key, reason, failure or Failure.PEER_DEAD)
             self._fences.forget_peer(key)
+            self._out.acks.forget(key)
         if conn is not None:
             self._hs.release_conn(conn)
 
