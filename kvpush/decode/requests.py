@@ -243,9 +243,7 @@ class RequestTable:
         """Abandoned requests quarantined for ``after_s`` or more, each returned once (to be
         reported). One pass over the abandoned table, whose size the pool bounds."""
         out = [
-            r
-            for r in self._abandoned.values()
-            if not r.reported and now - r.t_abandoned >= after_s
+            r for r in self._abandoned.values() if not r.reported and now - r.t_abandoned >= after_s
         ]
         for r in out:
             r.reported = True
