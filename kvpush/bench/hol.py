@@ -1,10 +1,10 @@
 """Scenario ``hol``: does a slow or dead new peer stall pushes to an established one?
 
-Processes: P-deferred and P-blocking (``--writer deferred`` / ``blocking``), D1 (established,
-steady load on both), and per case the joining Ds: a D whose handshake replies take H seconds
-(``handshake_reply_delay_s``: its side channel answers late), a D that never answers (replies
-delayed for an hour: P's handshake times out), and two slow Ds plus a healthy third one joining
-50 ms after them.
+Processes: P-deferred and P-blocking (``Instruments.writer``: the blocking writer is no serve
+flag), D1 (established, steady load on both), and per case the joining Ds: a D whose handshake
+replies take H seconds (``Instruments.handshake_reply_delay_s``: its side channel answers
+late), a D that never answers (replies delayed for an hour: P's handshake times out), and two
+slow Ds plus a healthy third one joining 50 ms after them.
 
 Per case and writer mode, in the same run and interleaved (case by case, deferred then
 blocking): D1 decodes at a steady rate (open loop, ``steady_decode``) while P prefills the same

@@ -35,10 +35,10 @@ from kvpush.bench.probes import process_cpu_s, threads_cpu_s
 def start_endpoint(state: Any, config: dict[str, Any]) -> dict[str, Any]:
     """Start one endpoint from an ``EndpointConfig`` JSON map."""
     from kvpush.endpoint.facade import start_endpoint as start
-    from kvpush.ops.node import build_config
+    from kvpush.ops.node import build
 
-    cfg = build_config(config)
-    ep = start(cfg)
+    cfg, instruments = build(config)
+    ep = start(cfg, instruments)
     state.endpoint = ep
     return {
         "address": ep.address,

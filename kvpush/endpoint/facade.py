@@ -1,17 +1,17 @@
 """The small public face a load generator drives an endpoint through (the measuring tools'
 load generators, and tests).
 
-``start_endpoint(cfg)`` opens a started P or D endpoint and wraps it in a ``LoadFacade``, which
-offers what a load generator legitimately needs and nothing of the roles' or the runtime's
-insides: the model engine's calls (``prefill`` on P, ``decode`` on D, bound straight to the
-endpoint's group, so a call costs what the engine's costs), handing P a transfer whose blocks a
-model has just computed (``finish``: allocated and queued for the writer, no bytes written),
-the pool's free blocks and whether it is idle (``free_blocks``, ``pool_counts``,
-``wait_idle``), D's content check switched off for timed parts and on again (``set_verify``),
-telemetry (``snapshot``), handshakes made and forgotten on purpose (``handshake_to``,
-``forget_handshake``), the size of what a handshake reply carries (``metadata_sizes``), rank
-0's KV pool (``pool``: a ``kvpush.memory`` component a load generator measures on its own) and
-``stop``.
+``start_endpoint(cfg, instruments)`` opens a started P or D endpoint and wraps it in a
+``LoadFacade``, which offers what a load generator legitimately needs and nothing of the roles'
+or the runtime's insides: the model engine's calls (``prefill`` on P, ``decode`` on D, bound
+straight to the endpoint's group, so a call costs what the engine's costs), handing P a
+transfer whose blocks a model has just computed (``finish``: allocated and queued for the
+writer, no bytes written), the pool's free blocks and whether it is idle (``free_blocks``,
+``pool_counts``, ``wait_idle``), D's content check switched off for timed parts and on again
+(``set_verify``), telemetry (``snapshot``), handshakes made and forgotten on purpose
+(``handshake_to``, ``forget_handshake``), the size of what a handshake reply carries
+(``metadata_sizes``), rank 0's KV pool (``pool``: a ``kvpush.memory`` component a load
+generator measures on its own) and ``stop``.
 
 A load generator may import this module and the pure components (``kvpush.memory``,
 ``kvpush.config``) but never ``kvpush.prefill``, ``kvpush.decode``, ``kvpush.runtime`` or
@@ -36,6 +36,7 @@ from kvpush.decode.role import DecodeRole
 from kvpush.endpoint import open_decode, open_prefill
 from kvpush.endpoint.core import Endpoint
 from kvpush.errors import KvpushError
+from kvpush.instruments import NO_INSTRUMENTS, Instruments
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import PeerConn
 from kvpush.prefill.group import PrefillGroup
@@ -58,15 +59,15 @@ class LoadFacade:
     """D: ``decode(transfer_id, prefill_address, num_blocks, deadline_s=0.0, ...)`` as the
     engine calls it; the future's ``DecodeRep`` says how it ended and how long it took."""
 
-    def __init__(self, cfg: EndpointConfig) -> None:
+    def __init__(self, cfg: EndpointConfig, instruments: Instruments = NO_INSTRUMENTS) -> None:
         self._p: PrefillEndpoint | None = None
         self._d: DecodeEndpoint | None = None
         self._ep: PrefillEndpoint | DecodeEndpoint
         if cfg.role == "prefill":
-            self._ep = self._p = open_prefill(cfg)
+            self._ep = self._p = open_prefill(cfg, instruments)
             self.prefill = self._p.group.prefill
         else:
-            self._ep = self._d = open_decode(cfg)
+            self._ep = self._d = open_decode(cfg, instruments)
             self.decode = self._d.group.decode
         self._pools = [rk.pool for rk in self._ep.ranks]
         # P: each rank's pool and its writer's inbox of finished transfers (``finish``).
@@ -166,6 +167,7 @@ class LoadFacade:
         self._ep.stop(timeout_s)
 
 
-def start_endpoint(cfg: EndpointConfig) -> LoadFacade:
-    """A started endpoint of ``cfg.role``, behind its facade; ``stop()`` it when done."""
-    return LoadFacade(cfg)
+def start_endpoint(cfg: EndpointConfig, instruments: Instruments = NO_INSTRUMENTS) -> LoadFacade:
+    """A started endpoint of ``cfg.role`` with the hooks of ``instruments`` (a slow handshake
+    reply, the blocking writer, ...), behind its facade; ``stop()`` it when done."""
+    return LoadFacade(cfg, instruments)
