@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -264,24 +265,7 @@ def _window(
         duration=total,
         blocks=p.blocks,
     )
-    jf = {}
-    for name, _, offset in case.joiners:
-        tid = f"join.{case.key}.{mode}.{rep}.{name}"
-        jf[name] = joiners[name].call_async(
-            "decode_at",
-            p_addr=pw.address,
-            transfer_id=tid,
-            t_wall=t_join + offset,
-            blocks=p.blocks,
-            deadline_s=max(p.timeout_s, 2 * p.delay_s) + p.after_s + 1.0,
-            wait_s=wait_s,
-        )
-        pw.call_async(
-            "prefill_at",
-            transfer_id=tid,
-            t_wall=t_join + offset - PREFILL_AHEAD_S,
-            blocks=p.blocks,
-        )
+    jf = _join(pw, joiners, case, f"join.{case.key}.{mode}.{rep}.", t_join, p, wait_s)
     r = fd.result(wait_s + 30)
     p_late = fp.result(60)["max_late_s"]
     joined = {}
@@ -304,16 +288,8 @@ def _window(
     ]
     t = [x - p.before_s for x in r["t_call"]]  # seconds since the join
     lat, ok = r["latency_s"], r["ok"]
-    phases = {}
-    for ph, lo, hi in (
-        ("before", -p.before_s + warmup_s(p.before_s), 0.0),
-        ("during", 0.0, win),
-        ("after", win, math.inf),
-    ):
-        vals, failed = window(t, lat, ok, lo, hi)
-        phases[ph] = {**summary(vals), "failed": failed}
     return {
-        "phases": phases,
+        "phases": _phases(t, lat, ok, p, win),
         "window_s": win,
         "joiners": joined,
         "series": [[round(a, 4), round(b, 6)] for a, b, g in zip(t, lat, ok, strict=True) if g],
@@ -322,3 +298,51 @@ def _window(
         "generator_late_s": {"d1": r["max_late_s"], "p": p_late},
         "host_stalls": stalls,
     }
+
+
+def _join(
+    pw: Worker,
+    joiners: dict[str, Worker],
+    case: Case,
+    prefix: str,
+    t_join: float,
+    p: HolParams,
+    wait_s: float,
+) -> dict[str, Future[Any]]:
+    """Each joining D of ``case`` sends one request at its offset after ``t_join`` (P prefills
+    it just ahead); the futures of their ``decode_at`` answers by joiner name."""
+    jf = {}
+    for name, _, offset in case.joiners:
+        tid = f"{prefix}{name}"
+        jf[name] = joiners[name].call_async(
+            "decode_at",
+            p_addr=pw.address,
+            transfer_id=tid,
+            t_wall=t_join + offset,
+            blocks=p.blocks,
+            deadline_s=max(p.timeout_s, 2 * p.delay_s) + p.after_s + 1.0,
+            wait_s=wait_s,
+        )
+        pw.call_async(
+            "prefill_at",
+            transfer_id=tid,
+            t_wall=t_join + offset - PREFILL_AHEAD_S,
+            blocks=p.blocks,
+        )
+    return jf
+
+
+def _phases(
+    t: list[float], lat: list[float], ok: list[bool], p: HolParams, win: float
+) -> dict[str, dict[str, Any]]:
+    """D1's latencies before, during and after the join window (``t``: seconds since the
+    join; the first seconds before it are warm-up)."""
+    phases = {}
+    for ph, lo, hi in (
+        ("before", -p.before_s + warmup_s(p.before_s), 0.0),
+        ("during", 0.0, win),
+        ("after", win, math.inf),
+    ):
+        vals, failed = window(t, lat, ok, lo, hi)
+        phases[ph] = {**summary(vals), "failed": failed}
+    return phases
