@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench.bandwidth_report import kib, report
-from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.bench.common import Progress, closed_loop, endpoint_cfg, logs_dir, verified_pass
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report
 
@@ -206,18 +206,7 @@ def _size(
             )
     # Verified pass: P writes the pattern, D checks every byte of every block.
     nv = 4
-    dw.call("set_verify", verify=True)
-    fv = pw.call_async("prefill_many", prefix="verify.", n=nv, blocks=blocks)
-    v = dw.call(
-        "decode_many",
-        p_addr=pw.address,
-        prefix="verify.",
-        n=nv,
-        blocks=blocks,
-        inflight=nv,
-        call_timeout=300,
-    )
-    fv.result(60)
+    v = verified_pass(pw, dw, "verify.", nv, blocks, nv, call_timeout=300)
     verified = sum(1 for x in v["verified"] if x is True)
     for w in ws.values():
         cl.stop(w)
@@ -245,19 +234,7 @@ def _size(
 
 def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, blocks: int, bs: int) -> dict[str, Any]:
     w0 = _write_time(pw)
-    fp = pw.call_async("finish_many", prefix=prefix, n=n, blocks=blocks)
-    c0 = pw.call("cpu")
-    r = dw.call(
-        "decode_many",
-        p_addr=pw.address,
-        prefix=prefix,
-        n=n,
-        blocks=blocks,
-        inflight=INFLIGHT,
-        call_timeout=900,
-    )
-    c1 = pw.call("cpu")
-    fp.result(60)
+    r, c0, c1 = closed_loop(pw, dw, prefix, n, blocks, INFLIGHT)
     w1 = _write_time(pw)
     el = r["elapsed_s"]
     nbytes = sum(1 for x in r["ok"] if x) * blocks * REGIONS * bs

@@ -34,6 +34,7 @@ from kvpush.bench.common import (
     endpoint_cfg,
     logs_dir,
     start_at,
+    steady_load,
     warmup_s,
 )
 from kvpush.bench.hol_report import MODES, report
@@ -198,25 +199,9 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
 
 
 def _warm(pw: Worker, d1: Worker, p: HolParams, prefix: str) -> None:
-    t0 = start_at()
-    f = d1.call_async(
-        "steady_decode",
-        p_addr=pw.address,
-        prefix=prefix,
-        rate=p.rate,
-        t0=t0,
-        duration=0.3,
-        blocks=p.blocks,
-    )
-    pw.call(
-        "steady_prefill",
-        prefix=prefix,
-        rate=p.rate,
-        t0=t0 - PREFILL_AHEAD_S,
-        duration=0.3,
-        blocks=p.blocks,
-    )
-    f.result(60)
+    fd, fp = steady_load(pw, d1, prefix, p.rate, start_at(), 0.3, p.blocks, 60.0)
+    fp.result(120)
+    fd.result(60)
 
 
 def _peer_row(pw: Worker, address: str) -> dict[str, Any]:
@@ -247,24 +232,7 @@ def _window(
     t_join = t0 + p.before_s
     prefix = f"{case.key}.{mode}.{rep}."
     wait_s = total + 2 * win + 30
-    fd = d1.call_async(
-        "steady_decode",
-        p_addr=pw.address,
-        prefix=prefix,
-        rate=p.rate,
-        t0=t0,
-        duration=total,
-        blocks=p.blocks,
-        wait_s=wait_s,
-    )
-    fp = pw.call_async(
-        "steady_prefill",
-        prefix=prefix,
-        rate=p.rate,
-        t0=t0 - PREFILL_AHEAD_S,
-        duration=total,
-        blocks=p.blocks,
-    )
+    fd, fp = steady_load(pw, d1, prefix, p.rate, t0, total, p.blocks, wait_s)
     jf = _join(pw, joiners, case, f"join.{case.key}.{mode}.{rep}.", t_join, p, wait_s)
     r = fd.result(wait_s + 30)
     p_late = fp.result(60)["max_late_s"]

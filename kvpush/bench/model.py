@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench.churn import ChurnSpec, alloc_cost
-from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.bench.common import Progress, closed_loop, endpoint_cfg, logs_dir, verified_pass
 from kvpush.bench.model_report import COST_SERIES, PATTERNS, report
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report
@@ -348,20 +348,7 @@ def _kvpush(
     pw: Worker, dw: Worker, prefix: str, n: int, shape: Shape, blocks: int, inflight: int
 ) -> dict[str, Any]:
     regions = shape.regions
-    fp = pw.call_async("finish_many", prefix=prefix, n=n, blocks=blocks)
-    c0 = pw.call("cpu")
-    r = dw.call(
-        "decode_many",
-        p_addr=pw.address,
-        prefix=prefix,
-        n=n,
-        blocks=blocks,
-        inflight=inflight,
-        wait_s=600.0,
-        call_timeout=900,
-    )
-    c1 = pw.call("cpu")
-    fp.result(120)
+    r, c0, c1 = closed_loop(pw, dw, prefix, n, blocks, inflight, 120.0, wait_s=600.0)
     lp = pw.call("model_recorded", prefix=prefix)
     ld = dw.call("model_recorded", prefix=prefix)
     keys = sorted(set(lp) & set(ld), key=lambda k: int(k.rsplit(".", 1)[1]))
@@ -389,19 +376,8 @@ def _verified_pass(
 ) -> tuple[int, int]:
     """P writes the pattern, D checks every byte, on the pools as the pattern left them."""
     nv = max(2, inflight)
-    dw.call("set_verify", verify=True)
     try:
-        fv = pw.call_async("prefill_many", prefix=prefix, n=nv, blocks=blocks)
-        v = dw.call(
-            "decode_many",
-            p_addr=pw.address,
-            prefix=prefix,
-            n=nv,
-            blocks=blocks,
-            inflight=inflight,
-            call_timeout=600,
-        )
-        fv.result(300)
+        v = verified_pass(pw, dw, prefix, nv, blocks, inflight, 300.0, call_timeout=600)
     finally:
         dw.call("set_verify", verify=False)
     pw.call("model_recorded", prefix=prefix)

@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.bench.common import Progress, closed_loop, endpoint_cfg, logs_dir, verified_pass
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report, fmt_ms, fmt_num
 from kvpush.bench.stats import median, ratio, summary
@@ -129,35 +129,12 @@ def _raw_round(rt: Worker, ri: Worker, n: int, inflight: int) -> dict[str, Any]:
 
 def _verified_pass(pw: Worker, dw: Worker, n: int) -> int:
     """``n`` pushes written with the pattern and checked byte by byte on D: how many passed."""
-    dw.call("set_verify", verify=True)
-    fv = pw.call_async("prefill_many", prefix="verify.", n=n, blocks=1)
-    v = dw.call(
-        "decode_many",
-        p_addr=pw.address,
-        prefix="verify.",
-        n=n,
-        blocks=1,
-        inflight=n,
-        call_timeout=300,
-    )
-    fv.result(60)
+    v = verified_pass(pw, dw, "verify.", n, 1, n, call_timeout=300)
     return sum(1 for x in v["verified"] if x is True)
 
 
 def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, inflight: int) -> dict[str, Any]:
-    fp = pw.call_async("finish_many", prefix=prefix, n=n, blocks=1)
-    c0 = pw.call("cpu")
-    r = dw.call(
-        "decode_many",
-        p_addr=pw.address,
-        prefix=prefix,
-        n=n,
-        blocks=1,
-        inflight=inflight,
-        call_timeout=900,
-    )
-    c1 = pw.call("cpu")
-    fp.result(60)
+    r, c0, c1 = closed_loop(pw, dw, prefix, n, 1, inflight)
     ok = sum(1 for x in r["ok"] if x)
     lat = [x for x, g in zip(r["latency_s"], r["ok"], strict=True) if g]
     return {
