@@ -109,36 +109,7 @@ def _size(
     req_bytes = blocks * REGIONS * bs
     n = max(INFLIGHT * 4, total // req_bytes)
     tag = f"{bs >> 10}k" + ("-pt" if progress_thread else "")
-    extra: dict[str, dict[str, Any]] = {}
-    if nospin:
-        dcfg = endpoint_cfg("decode", layers=1, block_bytes=bs, num_blocks=d_blocks, verify=False)
-        dcfg["agent"]["busy_spin_us"] = 0
-        extra = {
-            f"p-{tag}-nospin": endpoint_cfg(
-                "prefill", layers=1, block_bytes=bs, num_blocks=p_blocks
-            ),
-            f"d-{tag}-nospin": dcfg,
-        }
-    ws = cl.endpoints(
-        {
-            **extra,
-            f"p-{tag}": endpoint_cfg(
-                "prefill",
-                layers=1,
-                block_bytes=bs,
-                num_blocks=p_blocks,
-                progress_thread=progress_thread,
-            ),
-            f"d-{tag}": endpoint_cfg(
-                "decode",
-                layers=1,
-                block_bytes=bs,
-                num_blocks=d_blocks,
-                verify=False,
-                progress_thread=progress_thread,
-            ),
-        }
-    )
+    ws = _endpoints(cl, tag, bs, p_blocks, d_blocks, progress_thread, nospin)
     pw, dw = ws[f"p-{tag}"], ws[f"d-{tag}"]
     kv: list[dict[str, Any]] = []
     kv_nospin: list[dict[str, Any]] = []
@@ -156,49 +127,7 @@ def _size(
     mem: list[float] = []
     _kvpush(pw, dw, "warm.", max(INFLIGHT * 2, n // 10), blocks, bs)
     for k in range(rounds):
-        ti = rt.call(
-            "raw_node",
-            regions=REGIONS,
-            num_blocks=d_blocks,
-            block_bytes=bs,
-            progress_thread=progress_thread,
-            poll="spin",
-        )
-        ri.call(
-            "raw_node",
-            regions=REGIONS,
-            num_blocks=p_blocks,
-            block_bytes=bs,
-            progress_thread=progress_thread,
-            poll="none",
-        )
-        raw.append(
-            ri.call(
-                "raw_write_loop",
-                target=ti,
-                blocks=blocks,
-                n=n,
-                inflight=INFLIGHT,
-                notif=True,
-                call_timeout=600,
-            )
-        )
-        if not progress_thread:
-            pvw.append(ri.call("pvw_loop", target=ti, blocks=blocks, n=n, call_timeout=600)["gbps"])
-        ri.call("raw_close")
-        rt.call("raw_close")
-        if not progress_thread and k == 0:
-            mem.append(
-                ri.call(
-                    "memcpy_loop",
-                    regions=REGIONS,
-                    num_blocks=p_blocks,
-                    block_bytes=bs,
-                    blocks=blocks,
-                    n=n,
-                    call_timeout=600,
-                )["gbps"]
-            )
+        raw.append(_raw_round(rt, ri, bs, blocks, n, progress_thread, pvw, mem if k == 0 else None))
         kv.append(_kvpush(pw, dw, f"r{k}.", n, blocks, bs))
         if nospin:
             kv_nospin.append(
@@ -230,6 +159,107 @@ def _size(
         "verified": verified,
         "verify_requests": nv,
     }
+
+
+def _endpoints(
+    cl: Cluster,
+    tag: str,
+    bs: int,
+    p_blocks: int,
+    d_blocks: int,
+    progress_thread: bool,
+    nospin: bool,
+) -> dict[str, Worker]:
+    """P and D for one block size (D does not verify: timed parts), and with ``nospin`` a
+    second pair whose D does not keep polling after activity (busy_spin_us=0)."""
+    extra: dict[str, dict[str, Any]] = {}
+    if nospin:
+        dcfg = endpoint_cfg("decode", layers=1, block_bytes=bs, num_blocks=d_blocks, verify=False)
+        dcfg["agent"]["busy_spin_us"] = 0
+        extra = {
+            f"p-{tag}-nospin": endpoint_cfg(
+                "prefill", layers=1, block_bytes=bs, num_blocks=p_blocks
+            ),
+            f"d-{tag}-nospin": dcfg,
+        }
+    return cl.endpoints(
+        {
+            **extra,
+            f"p-{tag}": endpoint_cfg(
+                "prefill",
+                layers=1,
+                block_bytes=bs,
+                num_blocks=p_blocks,
+                progress_thread=progress_thread,
+            ),
+            f"d-{tag}": endpoint_cfg(
+                "decode",
+                layers=1,
+                block_bytes=bs,
+                num_blocks=d_blocks,
+                verify=False,
+                progress_thread=progress_thread,
+            ),
+        }
+    )
+
+
+def _raw_round(
+    rt: Worker,
+    ri: Worker,
+    bs: int,
+    blocks: int,
+    n: int,
+    progress_thread: bool,
+    pvw: list[float],
+    mem: list[float] | None,
+) -> dict[str, Any]:
+    """One round of the baselines between fresh raw nodes: the pipelined NIXL WRITE+notif loop
+    (returned) and, without a progress thread, ``process_vm_writev`` (appended to ``pvw``) and
+    a memcpy (appended to ``mem`` when given)."""
+    _, p_blocks, d_blocks = _geometry(bs)
+    ti = rt.call(
+        "raw_node",
+        regions=REGIONS,
+        num_blocks=d_blocks,
+        block_bytes=bs,
+        progress_thread=progress_thread,
+        poll="spin",
+    )
+    ri.call(
+        "raw_node",
+        regions=REGIONS,
+        num_blocks=p_blocks,
+        block_bytes=bs,
+        progress_thread=progress_thread,
+        poll="none",
+    )
+    raw: dict[str, Any] = ri.call(
+        "raw_write_loop",
+        target=ti,
+        blocks=blocks,
+        n=n,
+        inflight=INFLIGHT,
+        notif=True,
+        call_timeout=600,
+    )
+    if not progress_thread:
+        pvw.append(ri.call("pvw_loop", target=ti, blocks=blocks, n=n, call_timeout=600)["gbps"])
+    ri.call("raw_close")
+    rt.call("raw_close")
+    if not progress_thread and mem is not None:
+        mem.append(
+            ri.call(
+                "memcpy_loop",
+                regions=REGIONS,
+                num_blocks=p_blocks,
+                block_bytes=bs,
+                blocks=blocks,
+                n=n,
+                call_timeout=600,
+            )["gbps"]
+        )
+    return raw
 
 
 def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, blocks: int, bs: int) -> dict[str, Any]:
