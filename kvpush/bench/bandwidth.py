@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench.bandwidth_report import kib, report
-from kvpush.bench.common import Progress, closed_loop, endpoint_cfg, logs_dir, verified_pass
+from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.bench.passes import closed_loop, raw_pair, verified_pass
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report
 
@@ -218,22 +219,7 @@ def _raw_round(
     (returned) and, without a progress thread, ``process_vm_writev`` (appended to ``pvw``) and
     a memcpy (appended to ``mem`` when given)."""
     _, p_blocks, d_blocks = _geometry(bs)
-    ti = rt.call(
-        "raw_node",
-        regions=REGIONS,
-        num_blocks=d_blocks,
-        block_bytes=bs,
-        progress_thread=progress_thread,
-        poll="spin",
-    )
-    ri.call(
-        "raw_node",
-        regions=REGIONS,
-        num_blocks=p_blocks,
-        block_bytes=bs,
-        progress_thread=progress_thread,
-        poll="none",
-    )
+    ti = raw_pair(rt, ri, REGIONS, d_blocks, p_blocks, bs, progress_thread=progress_thread)
     raw: dict[str, Any] = ri.call(
         "raw_write_loop",
         target=ti,

@@ -34,10 +34,10 @@ from kvpush.bench.common import (
     endpoint_cfg,
     logs_dir,
     start_at,
-    steady_load,
     warmup_s,
 )
 from kvpush.bench.hol_report import MODES, report
+from kvpush.bench.passes import steady_load
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report
 from kvpush.bench.stats import summary, window

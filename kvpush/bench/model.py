@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench.churn import ChurnSpec, alloc_cost
-from kvpush.bench.common import Progress, closed_loop, endpoint_cfg, logs_dir, verified_pass
+from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
 from kvpush.bench.model_report import COST_SERIES, PATTERNS, report
+from kvpush.bench.passes import closed_loop, verified_pass
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report
 from kvpush.bench.stats import median

@@ -19,7 +19,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kvpush.bench.common import Progress, closed_loop, endpoint_cfg, logs_dir, verified_pass
+from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.bench.passes import closed_loop, raw_pair, verified_pass
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report, fmt_ms, fmt_num
 from kvpush.bench.stats import median, ratio, summary
@@ -109,10 +110,7 @@ def _endpoints(cl: Cluster, quick: bool) -> dict[str, Worker]:
 
 def _raw_round(rt: Worker, ri: Worker, n: int, inflight: int) -> dict[str, Any]:
     """One round of the raw pipelined WRITE+notif loop between fresh raw nodes."""
-    ti = rt.call(
-        "raw_node", regions=REGIONS, num_blocks=D_BLOCKS, block_bytes=BLOCK_BYTES, poll="spin"
-    )
-    ri.call("raw_node", regions=REGIONS, num_blocks=P_BLOCKS, block_bytes=BLOCK_BYTES, poll="none")
+    ti = raw_pair(rt, ri, REGIONS, D_BLOCKS, P_BLOCKS, BLOCK_BYTES)
     r: dict[str, Any] = ri.call(
         "raw_write_loop",
         target=ti,

@@ -23,9 +23,9 @@ from kvpush.bench.common import (
     endpoint_cfg,
     logs_dir,
     start_at,
-    steady_load,
     warmup_s,
 )
+from kvpush.bench.passes import steady_load
 from kvpush.bench.procs import Cluster
 from kvpush.bench.report import Report, fmt_ms, fmt_x
 from kvpush.bench.stats import median, ratio, summary, window

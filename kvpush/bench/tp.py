@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench.chart import Panel, Series, line_chart
-from kvpush.bench.common import Progress, endpoint_cfg, logs_dir, verified_pass
+from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.bench.passes import verified_pass
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report, fmt_num
 from kvpush.bench.stats import median, ratio
