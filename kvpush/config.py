@@ -61,17 +61,6 @@ class KvRegions(str, Enum):
     PER_LAYER = "per-layer"  # one region per layer with K|V inside (vLLM's CPU layout)
 
 
-class WriterMode(str, Enum):
-    """How P's writer waits for a P->D handshake.
-
-    ``deferred`` (default) never blocks: the push is re-queued when the handshake completes.
-    ``blocking`` reproduces the old head-of-line behaviour (the writer waits), for comparison.
-    """
-
-    DEFERRED = "deferred"
-    BLOCKING = "blocking"
-
-
 def _positive(name: str, value: float, hint: str = "") -> None:
     if not value > 0:
         raise ConfigError(f"{name} must be positive, got {value}", hint or f"pass {name} > 0")
@@ -376,7 +365,6 @@ class EndpointConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     handshake_mode: HandshakeMode = HandshakeMode.NOTIF  # D->P; P->D is always full
-    writer_mode: WriterMode = WriterMode.DEFERRED
     wire: Wire = Wire.KVPUSH
     vllm: VllmWireConfig | None = None  # required with wire=vllm
     verify: bool = True
@@ -387,14 +375,8 @@ class EndpointConfig:
     allow_all_interfaces: bool = False
     max_frame_bytes: int = 4 * 1024 * 1024
     max_notif_bytes: int = 64 * 1024
-    # Test/benchmark hook: delay this endpoint's handshake replies (simulates a slow new peer).
-    handshake_reply_delay_s: float = 0.0
-    # Fault hook (tests): (rank, n): that rank's owner loop dies after its n-th request, as a
-    # bug would kill it. (-1, 0): off.
-    crash_rank_after: tuple[int, int] = (-1, 0)
-    # Fault hook (tests): the side channel answers "starting" this long before the ranks are
-    # built (a slow start, e.g. a large GPU pool to register).
-    start_delay_s: float = 0.0
+    # The reply delay, crash plan, slow start and blocking writer of tests and measurements are
+    # no part of it: ``kvpush.instruments.Instruments``, handed to ``open_endpoint`` apart.
     # Fault hook (tests): after its n-th successful push, P's NIXL forgets every connected D's
     # agent under it (a transport lost on an established peer). 0: off.
     drop_agents_after: int = 0

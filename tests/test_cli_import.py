@@ -49,10 +49,10 @@ def test_bash_tab_completion_lists_commands(make_env) -> None:
 def test_tab_completion_of_enum_choices(make_env) -> None:
     env = make_env(
         _KVPUSH_COMPLETE="complete_bash",
-        COMP_WORDS="kvpush serve-prefill --writer ",
+        COMP_WORDS="kvpush serve-decode --handshake ",
         COMP_CWORD="3",
     )
     p = subprocess.run(
         [sys.executable, "-m", "kvpush"], env=env, capture_output=True, text=True, timeout=60
     )
-    assert set(p.stdout.split()) == {"deferred", "blocking"}
+    assert set(p.stdout.split()) == {"notif", "full"}

@@ -56,7 +56,7 @@ def test_help_has_no_typer_completion_options_and_tab_still_completes() -> None:
     assert "--install-completion" not in r.stdout and "--show-completion" not in r.stdout
     assert "completion" in r.stdout  # the command that prints the scripts
     assert set(_complete("kvpush serve")) == {"serve-prefill", "serve-decode"}
-    assert _complete("kvpush serve-prefill --writer ") == ["deferred", "blocking"]
+    assert _complete("kvpush serve-decode --handshake ") == ["notif", "full"]
 
 
 def test_no_variable_means_two_things_to_two_commands() -> None:

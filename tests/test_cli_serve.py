@@ -151,12 +151,10 @@ def test_model_like_geometry(serve, kvpush_run) -> None:
         "64",
         "--dtype",
         "float16",
-        "--writer",
-        "blocking",
     )
     r = kvpush_run("probe", s.address, "--json", "--stats")
     out = json.loads(r.stdout)
     assert out["metadata"]["block_bytes"] == 16 * 2 * 64 * 2
     assert out["metadata"]["dtype"] == "float16"
-    assert out["stats"]["info"]["writer"] == "blocking"
+    assert out["stats"]["info"]["writer"] == "deferred"  # the blocking one is no serve flag
     assert s.stop() == 0

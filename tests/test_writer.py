@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from kvpush.config import EndpointConfig, HandshakeMode, Timeouts, WriterMode
+from kvpush.config import EndpointConfig, HandshakeMode, Timeouts
 from kvpush.errors import ShuttingDownError
+from kvpush.instruments import Instruments, WriterMode
 from kvpush.memory.allocator import BlockState
 from kvpush.memory.descriptors import xfer_indices
 from kvpush.memory.pool import KvPool
@@ -122,7 +123,6 @@ def _make_rig(mode: WriterMode = WriterMode.DEFERRED) -> Rig:
         engine_id="p-test",
         pool=P_POOL,
         timeouts=Timeouts(side_channel_s=5, handshake_s=5),
-        writer_mode=mode,
     )
     agent = FakeAgent(name="p-test#fake")
     pool = KvPool(P_POOL)
@@ -132,7 +132,7 @@ def _make_rig(mode: WriterMode = WriterMode.DEFERRED) -> Rig:
     hs = HandshakeManager(agent, md, auth, cfg.timeouts, tm)  # type: ignore[arg-type]
     codec = NotifCodec(auth)
     owner = OwnerThread("push-writer", cfg.agent)
-    w = PushWriter(cfg, agent, pool, hs, codec, tm, owner)  # type: ignore[arg-type]
+    w = PushWriter(cfg, agent, pool, hs, codec, tm, owner, instruments=Instruments(writer=mode))  # type: ignore[arg-type]
     owner.export_gauges(tm)
     # What the owner thread does before its first pass: tests run passes themselves.
     w.on_start()

@@ -29,6 +29,7 @@ from typing import Any
 
 from kvpush.bench.bandwidth_report import kib, report
 from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.bench.passes import closed_loop, raw_pair, verified_pass
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report
 
@@ -109,36 +110,7 @@ def _size(
     req_bytes = blocks * REGIONS * bs
     n = max(INFLIGHT * 4, total // req_bytes)
     tag = f"{bs >> 10}k" + ("-pt" if progress_thread else "")
-    extra: dict[str, dict[str, Any]] = {}
-    if nospin:
-        dcfg = endpoint_cfg("decode", layers=1, block_bytes=bs, num_blocks=d_blocks, verify=False)
-        dcfg["agent"]["busy_spin_us"] = 0
-        extra = {
-            f"p-{tag}-nospin": endpoint_cfg(
-                "prefill", layers=1, block_bytes=bs, num_blocks=p_blocks
-            ),
-            f"d-{tag}-nospin": dcfg,
-        }
-    ws = cl.endpoints(
-        {
-            **extra,
-            f"p-{tag}": endpoint_cfg(
-                "prefill",
-                layers=1,
-                block_bytes=bs,
-                num_blocks=p_blocks,
-                progress_thread=progress_thread,
-            ),
-            f"d-{tag}": endpoint_cfg(
-                "decode",
-                layers=1,
-                block_bytes=bs,
-                num_blocks=d_blocks,
-                verify=False,
-                progress_thread=progress_thread,
-            ),
-        }
-    )
+    ws = _endpoints(cl, tag, bs, p_blocks, d_blocks, progress_thread, nospin)
     pw, dw = ws[f"p-{tag}"], ws[f"d-{tag}"]
     kv: list[dict[str, Any]] = []
     kv_nospin: list[dict[str, Any]] = []
@@ -156,49 +128,7 @@ def _size(
     mem: list[float] = []
     _kvpush(pw, dw, "warm.", max(INFLIGHT * 2, n // 10), blocks, bs)
     for k in range(rounds):
-        ti = rt.call(
-            "raw_node",
-            regions=REGIONS,
-            num_blocks=d_blocks,
-            block_bytes=bs,
-            progress_thread=progress_thread,
-            poll="spin",
-        )
-        ri.call(
-            "raw_node",
-            regions=REGIONS,
-            num_blocks=p_blocks,
-            block_bytes=bs,
-            progress_thread=progress_thread,
-            poll="none",
-        )
-        raw.append(
-            ri.call(
-                "raw_write_loop",
-                target=ti,
-                blocks=blocks,
-                n=n,
-                inflight=INFLIGHT,
-                notif=True,
-                call_timeout=600,
-            )
-        )
-        if not progress_thread:
-            pvw.append(ri.call("pvw_loop", target=ti, blocks=blocks, n=n, call_timeout=600)["gbps"])
-        ri.call("raw_close")
-        rt.call("raw_close")
-        if not progress_thread and k == 0:
-            mem.append(
-                ri.call(
-                    "memcpy_loop",
-                    regions=REGIONS,
-                    num_blocks=p_blocks,
-                    block_bytes=bs,
-                    blocks=blocks,
-                    n=n,
-                    call_timeout=600,
-                )["gbps"]
-            )
+        raw.append(_raw_round(rt, ri, bs, blocks, n, progress_thread, pvw, mem if k == 0 else None))
         kv.append(_kvpush(pw, dw, f"r{k}.", n, blocks, bs))
         if nospin:
             kv_nospin.append(
@@ -206,18 +136,7 @@ def _size(
             )
     # Verified pass: P writes the pattern, D checks every byte of every block.
     nv = 4
-    dw.call("set_verify", verify=True)
-    fv = pw.call_async("prefill_many", prefix="verify.", n=nv, blocks=blocks)
-    v = dw.call(
-        "decode_many",
-        p_addr=pw.address,
-        prefix="verify.",
-        n=nv,
-        blocks=blocks,
-        inflight=nv,
-        call_timeout=300,
-    )
-    fv.result(60)
+    v = verified_pass(pw, dw, "verify.", nv, blocks, nv, call_timeout=300)
     verified = sum(1 for x in v["verified"] if x is True)
     for w in ws.values():
         cl.stop(w)
@@ -243,21 +162,95 @@ def _size(
     }
 
 
+def _endpoints(
+    cl: Cluster,
+    tag: str,
+    bs: int,
+    p_blocks: int,
+    d_blocks: int,
+    progress_thread: bool,
+    nospin: bool,
+) -> dict[str, Worker]:
+    """P and D for one block size (D does not verify: timed parts), and with ``nospin`` a
+    second pair whose D does not keep polling after activity (busy_spin_us=0)."""
+    extra: dict[str, dict[str, Any]] = {}
+    if nospin:
+        dcfg = endpoint_cfg("decode", layers=1, block_bytes=bs, num_blocks=d_blocks, verify=False)
+        dcfg["agent"]["busy_spin_us"] = 0
+        extra = {
+            f"p-{tag}-nospin": endpoint_cfg(
+                "prefill", layers=1, block_bytes=bs, num_blocks=p_blocks
+            ),
+            f"d-{tag}-nospin": dcfg,
+        }
+    return cl.endpoints(
+        {
+            **extra,
+            f"p-{tag}": endpoint_cfg(
+                "prefill",
+                layers=1,
+                block_bytes=bs,
+                num_blocks=p_blocks,
+                progress_thread=progress_thread,
+            ),
+            f"d-{tag}": endpoint_cfg(
+                "decode",
+                layers=1,
+                block_bytes=bs,
+                num_blocks=d_blocks,
+                verify=False,
+                progress_thread=progress_thread,
+            ),
+        }
+    )
+
+
+def _raw_round(
+    rt: Worker,
+    ri: Worker,
+    bs: int,
+    blocks: int,
+    n: int,
+    progress_thread: bool,
+    pvw: list[float],
+    mem: list[float] | None,
+) -> dict[str, Any]:
+    """One round of the baselines between fresh raw nodes: the pipelined NIXL WRITE+notif loop
+    (returned) and, without a progress thread, ``process_vm_writev`` (appended to ``pvw``) and
+    a memcpy (appended to ``mem`` when given)."""
+    _, p_blocks, d_blocks = _geometry(bs)
+    ti = raw_pair(rt, ri, REGIONS, d_blocks, p_blocks, bs, progress_thread=progress_thread)
+    raw: dict[str, Any] = ri.call(
+        "raw_write_loop",
+        target=ti,
+        blocks=blocks,
+        n=n,
+        inflight=INFLIGHT,
+        notif=True,
+        call_timeout=600,
+    )
+    if not progress_thread:
+        pvw.append(ri.call("pvw_loop", target=ti, blocks=blocks, n=n, call_timeout=600)["gbps"])
+    ri.call("raw_close")
+    rt.call("raw_close")
+    if not progress_thread and mem is not None:
+        mem.append(
+            ri.call(
+                "memcpy_loop",
+                regions=REGIONS,
+                num_blocks=p_blocks,
+                block_bytes=bs,
+                blocks=blocks,
+                n=n,
+                call_timeout=600,
+            )["gbps"]
+        )
+    return raw
+
+
 def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, blocks: int, bs: int) -> dict[str, Any]:
     w0 = _write_time(pw)
-    fp = pw.call_async("finish_many", prefix=prefix, n=n, blocks=blocks)
-    c0 = pw.call("cpu")
-    r = dw.call(
-        "decode_many",
-        p_addr=pw.address,
-        prefix=prefix,
-        n=n,
-        blocks=blocks,
-        inflight=INFLIGHT,
-        call_timeout=900,
-    )
-    c1 = pw.call("cpu")
-    fp.result(60)
+    r, c0, c1 = closed_loop(pw, dw, prefix, n, blocks, INFLIGHT)
     w1 = _write_time(pw)
     el = r["elapsed_s"]
     nbytes = sum(1 for x in r["ok"] if x) * blocks * REGIONS * bs

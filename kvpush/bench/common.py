@@ -39,7 +39,8 @@ def endpoint_cfg(
     timeouts: dict[str, float] | None = None,
     reply_delay_s: float = 0.0,
 ) -> dict[str, Any]:
-    """An ``EndpointConfig`` as the JSON map ``kvpush.ops.node.build_config`` reads."""
+    """An ``EndpointConfig`` and its ``Instruments`` as the JSON map ``kvpush.ops.node.build``
+    reads."""
     cfg: dict[str, Any] = {
         "role": role,
         "pool": {"num_blocks": num_blocks, "layers": layers, "block_bytes": block_bytes},

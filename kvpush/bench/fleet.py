@@ -278,7 +278,6 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
     from kvpush.fleet.etcd import Etcd
     from kvpush.fleet.record import cluster_prefix
     from kvpush.fleet.store import list_endpoints
-    from kvpush.ops.fleet_check import CheckConfig, check_fleet
 
     p = QUICK if quick else FULL
     rep = Report(
@@ -302,26 +301,13 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         off_p, off_d = infos[-4]["address"], infos[-3]["address"]
         off2_p, off2_d = infos[-2]["address"], infos[-1]["address"]
         etcd = Etcd(url, timeout_s=5.0)
-        deadline = time.monotonic() + 60
-        while True:
-            records, _ = list_endpoints(etcd, CLUSTER)
-            if len(records) == n:
-                break
-            if time.monotonic() > deadline:
-                raise BenchError(f"{len(records)} of {n} endpoints registered after 60 s")
-            time.sleep(0.5)
+        records = _registered(etcd, n)
         kvs, _ = etcd.get_prefix(cluster_prefix(CLUSTER))
         key_bytes = [len(k.encode()) for k, _ in kvs]
         value_bytes = [len(v) for _, v in kvs]
 
         progress("fleet: fleet ls / fleet watch start-up")
-        ls_s, watch_s = [], []
-        for _ in range(p.cli_runs):
-            took, r = _cli("fleet", "ls", "--json", "--registry", url, "--cluster", CLUSTER)
-            if r.returncode != 0 or len(json.loads(r.stdout)["endpoints"]) != n:
-                raise BenchError(f"fleet ls failed: {r.stderr[-300:]}")
-            ls_s.append(took)
-            watch_s.append(_watch_startup(url))
+        ls_s, watch_s = _startup(url, n, p.cli_runs)
         t0 = time.monotonic()
         list_endpoints(etcd, CLUSTER)
         list_in_process = time.monotonic() - t0
@@ -335,53 +321,100 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         time.sleep(p.idle_s)
         idle = _rate(before, etcd_requests(url), p.idle_s)
 
-        checks = []
         ps = sorted((r for r in records if r.role == "prefill"), key=lambda r: r.address)
         ds = sorted((r for r in records if r.role == "decode"), key=lambda r: r.address)
-        cfg = CheckConfig(size_bytes=p.check_size)
-        for k, m in p.grid:
-            progress(f"fleet: fleet check {k}x{m}")
-            b0 = etcd_requests(url)
-            t0 = time.monotonic()
-            crep = check_fleet(CLUSTER, [*ps[:k], *ds[:m]], cfg)
-            took = time.monotonic() - t0
-            during = _rate(b0, etcd_requests(url), took)
-            p50s = [x.p50_ms for x in crep.pairs if x.p50_ms is not None]
-            checks.append(
-                {
-                    "grid": f"{k}x{m}",
-                    "pairs": len(crep.pairs),
-                    "seconds": took,
-                    "ok": crep.count("ok"),
-                    "failed": [f"{x.prefill}->{x.decode}: {x.reason}" for x in crep.failed],
-                    "pair_p50_ms_median": median(p50s),
-                    "first_ms_median": median(
-                        [x.first_ms for x in crep.pairs if x.first_ms is not None]
-                    ),
-                    "registry_rps_during": sum(during.values()),
-                }
-            )
+        checks = _checks(url, ps, ds, p, progress)
 
         progress("fleet: push p99, registration on vs off")
-        on_p, on_d = ps[0].address, ds[0].address
-        rounds: list[dict[str, Any]] = []
-        warm = replace(p, drive_requests=max(20, p.drive_requests // 10))
-        pairs = [("on", on_p, on_d), ("off", off_p, off_d), ("off2", off2_p, off2_d)]
-        for _, pa, da in pairs:  # every pair connected and warm first
-            _drive_p99(pa, da, warm)
-        for i in range(p.drive_rounds):
-            for label, pa, da in pairs[i % 3 :] + pairs[: i % 3]:  # each goes first once
-                d = _drive_p99(pa, da, p)
-                rounds.append(
-                    {"label": label, "round": i, **d["latency_s"], "ok": d["ok"],
-                     "verified": d["verified"], "requests_per_s": d["requests_per_s"]}
-                )  # fmt: skip
+        pairs = [
+            ("on", ps[0].address, ds[0].address),
+            ("off", off_p, off_d),
+            ("off2", off2_p, off2_d),
+        ]
+        rounds = _p99_rounds(pairs, p)
     measured = {
         "n": n, "ls_s": ls_s, "watch_s": watch_s, "list_in_process": list_in_process,
         "python_start": python_start, "idle": idle, "checks": checks, "rounds": rounds,
         "key_bytes": key_bytes, "value_bytes": value_bytes,
     }  # fmt: skip
     return _report(rep, p, measured)
+
+
+def _registered(etcd: Any, n: int) -> list[Any]:
+    """Wait (60 s at most) until all ``n`` endpoints are registered; their records."""
+    from kvpush.fleet.store import list_endpoints
+
+    deadline = time.monotonic() + 60
+    while True:
+        records, _ = list_endpoints(etcd, CLUSTER)
+        if len(records) == n:
+            return records
+        if time.monotonic() > deadline:
+            raise BenchError(f"{len(records)} of {n} endpoints registered after 60 s")
+        time.sleep(0.5)
+
+
+def _startup(url: str, n: int, runs: int) -> tuple[list[float], list[float]]:
+    """Seconds from process start to output of ``fleet ls`` and of ``fleet watch``, ``runs``
+    times each."""
+    ls_s, watch_s = [], []
+    for _ in range(runs):
+        took, r = _cli("fleet", "ls", "--json", "--registry", url, "--cluster", CLUSTER)
+        if r.returncode != 0 or len(json.loads(r.stdout)["endpoints"]) != n:
+            raise BenchError(f"fleet ls failed: {r.stderr[-300:]}")
+        ls_s.append(took)
+        watch_s.append(_watch_startup(url))
+    return ls_s, watch_s
+
+
+def _checks(
+    url: str, ps: list[Any], ds: list[Any], p: FleetParams, progress: Progress
+) -> list[dict[str, Any]]:
+    """``fleet check`` in process over each grid of P x D, with the registry's load meanwhile."""
+    from kvpush.ops.fleet_check import CheckConfig, check_fleet
+
+    checks = []
+    cfg = CheckConfig(size_bytes=p.check_size)
+    for k, m in p.grid:
+        progress(f"fleet: fleet check {k}x{m}")
+        b0 = etcd_requests(url)
+        t0 = time.monotonic()
+        crep = check_fleet(CLUSTER, [*ps[:k], *ds[:m]], cfg)
+        took = time.monotonic() - t0
+        during = _rate(b0, etcd_requests(url), took)
+        p50s = [x.p50_ms for x in crep.pairs if x.p50_ms is not None]
+        checks.append(
+            {
+                "grid": f"{k}x{m}",
+                "pairs": len(crep.pairs),
+                "seconds": took,
+                "ok": crep.count("ok"),
+                "failed": [f"{x.prefill}->{x.decode}: {x.reason}" for x in crep.failed],
+                "pair_p50_ms_median": median(p50s),
+                "first_ms_median": median(
+                    [x.first_ms for x in crep.pairs if x.first_ms is not None]
+                ),
+                "registry_rps_during": sum(during.values()),
+            }
+        )
+    return checks
+
+
+def _p99_rounds(pairs: list[tuple[str, str, str]], p: FleetParams) -> list[dict[str, Any]]:
+    """``kvpush drive`` latency per (label, P, D) pair, every pair warm first, rounds rotating
+    which pair goes first."""
+    rounds: list[dict[str, Any]] = []
+    warm = replace(p, drive_requests=max(20, p.drive_requests // 10))
+    for _, pa, da in pairs:  # every pair connected and warm first
+        _drive_p99(pa, da, warm)
+    for i in range(p.drive_rounds):
+        for label, pa, da in pairs[i % 3 :] + pairs[: i % 3]:  # each goes first once
+            d = _drive_p99(pa, da, p)
+            rounds.append(
+                {"label": label, "round": i, **d["latency_s"], "ok": d["ok"],
+                 "verified": d["verified"], "requests_per_s": d["requests_per_s"]}
+            )  # fmt: skip
+    return rounds
 
 
 def _report(rep: Report, p: FleetParams, m: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any
 from kvpush.bench import handshake_etcd
 from kvpush.bench.chart import Panel, Series, line_chart
 from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
-from kvpush.bench.procs import Cluster
+from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report, fmt_ms, fmt_x
 from kvpush.bench.stats import median, percentile, ratio
 
@@ -101,22 +101,30 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
             handshake_etcd.one_round(ws, k, cmp_samples if k >= warmup else None, cmp_per_round)
         for layers, blocks in sizes:
             descs = 2 * layers * blocks
-            entry: dict[str, Any] = {
-                "layers": layers,
-                "regions": 2 * layers,
-                "blocks": blocks,
-                "descriptors": descs,
-                "metadata_bytes": ws[f"p-{descs}"].call("metadata_sizes"),
-            }
-            for m in MODES:
-                rows = samples[descs][m]
-                entry[m] = {ph: median([row[ph] for row in rows]) for ph in PHASES}
-                entry[m]["total_p90_s"] = percentile([row["total_s"] for row in rows], 90)
-                entry[m]["samples_total_s"] = [row["total_s"] for row in rows]
-            rows_by_size.append(entry)
+            rows_by_size.append(_entry(ws[f"p-{descs}"], layers, blocks, samples[descs]))
     _report(rep, rows_by_size, out_dir)
     handshake_etcd.report(rep, cmp_samples, skipped)
     return rep.to_dict()
+
+
+def _entry(
+    pw: Worker, layers: int, blocks: int, samples: dict[str, list[dict[str, float]]]
+) -> dict[str, Any]:
+    """One pool size's row: its geometry, P's metadata sizes and, per mode, the median of
+    every phase over the measured rounds (and the p90 and samples of the total)."""
+    entry: dict[str, Any] = {
+        "layers": layers,
+        "regions": 2 * layers,
+        "blocks": blocks,
+        "descriptors": 2 * layers * blocks,
+        "metadata_bytes": pw.call("metadata_sizes"),
+    }
+    for m in MODES:
+        rows = samples[m]
+        entry[m] = {ph: median([row[ph] for row in rows]) for ph in PHASES}
+        entry[m]["total_p90_s"] = percentile([row["total_s"] for row in rows], 90)
+        entry[m]["samples_total_s"] = [row["total_s"] for row in rows]
+    return entry
 
 
 def _report(rep: Report, sizes: list[dict[str, Any]], out_dir: Path) -> None:

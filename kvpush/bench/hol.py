@@ -1,10 +1,10 @@
 """Scenario ``hol``: does a slow or dead new peer stall pushes to an established one?
 
-Processes: P-deferred and P-blocking (``--writer deferred`` / ``blocking``), D1 (established,
-steady load on both), and per case the joining Ds: a D whose handshake replies take H seconds
-(``handshake_reply_delay_s``: its side channel answers late), a D that never answers (replies
-delayed for an hour: P's handshake times out), and two slow Ds plus a healthy third one joining
-50 ms after them.
+Processes: P-deferred and P-blocking (``Instruments.writer``: the blocking writer is no serve
+flag), D1 (established, steady load on both), and per case the joining Ds: a D whose handshake
+replies take H seconds (``Instruments.handshake_reply_delay_s``: its side channel answers
+late), a D that never answers (replies delayed for an hour: P's handshake times out), and two
+slow Ds plus a healthy third one joining 50 ms after them.
 
 Per case and writer mode, in the same run and interleaved (case by case, deferred then
 blocking): D1 decodes at a steady rate (open loop, ``steady_decode``) while P prefills the same
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from kvpush.bench.common import (
     warmup_s,
 )
 from kvpush.bench.hol_report import MODES, report
+from kvpush.bench.passes import steady_load
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report
 from kvpush.bench.stats import summary, window
@@ -197,25 +199,9 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
 
 
 def _warm(pw: Worker, d1: Worker, p: HolParams, prefix: str) -> None:
-    t0 = start_at()
-    f = d1.call_async(
-        "steady_decode",
-        p_addr=pw.address,
-        prefix=prefix,
-        rate=p.rate,
-        t0=t0,
-        duration=0.3,
-        blocks=p.blocks,
-    )
-    pw.call(
-        "steady_prefill",
-        prefix=prefix,
-        rate=p.rate,
-        t0=t0 - PREFILL_AHEAD_S,
-        duration=0.3,
-        blocks=p.blocks,
-    )
-    f.result(60)
+    fd, fp = steady_load(pw, d1, prefix, p.rate, start_at(), 0.3, p.blocks, 60.0)
+    fp.result(120)
+    fd.result(60)
 
 
 def _peer_row(pw: Worker, address: str) -> dict[str, Any]:
@@ -246,42 +232,8 @@ def _window(
     t_join = t0 + p.before_s
     prefix = f"{case.key}.{mode}.{rep}."
     wait_s = total + 2 * win + 30
-    fd = d1.call_async(
-        "steady_decode",
-        p_addr=pw.address,
-        prefix=prefix,
-        rate=p.rate,
-        t0=t0,
-        duration=total,
-        blocks=p.blocks,
-        wait_s=wait_s,
-    )
-    fp = pw.call_async(
-        "steady_prefill",
-        prefix=prefix,
-        rate=p.rate,
-        t0=t0 - PREFILL_AHEAD_S,
-        duration=total,
-        blocks=p.blocks,
-    )
-    jf = {}
-    for name, _, offset in case.joiners:
-        tid = f"join.{case.key}.{mode}.{rep}.{name}"
-        jf[name] = joiners[name].call_async(
-            "decode_at",
-            p_addr=pw.address,
-            transfer_id=tid,
-            t_wall=t_join + offset,
-            blocks=p.blocks,
-            deadline_s=max(p.timeout_s, 2 * p.delay_s) + p.after_s + 1.0,
-            wait_s=wait_s,
-        )
-        pw.call_async(
-            "prefill_at",
-            transfer_id=tid,
-            t_wall=t_join + offset - PREFILL_AHEAD_S,
-            blocks=p.blocks,
-        )
+    fd, fp = steady_load(pw, d1, prefix, p.rate, t0, total, p.blocks, wait_s)
+    jf = _join(pw, joiners, case, f"join.{case.key}.{mode}.{rep}.", t_join, p, wait_s)
     r = fd.result(wait_s + 30)
     p_late = fp.result(60)["max_late_s"]
     joined = {}
@@ -304,16 +256,8 @@ def _window(
     ]
     t = [x - p.before_s for x in r["t_call"]]  # seconds since the join
     lat, ok = r["latency_s"], r["ok"]
-    phases = {}
-    for ph, lo, hi in (
-        ("before", -p.before_s + warmup_s(p.before_s), 0.0),
-        ("during", 0.0, win),
-        ("after", win, math.inf),
-    ):
-        vals, failed = window(t, lat, ok, lo, hi)
-        phases[ph] = {**summary(vals), "failed": failed}
     return {
-        "phases": phases,
+        "phases": _phases(t, lat, ok, p, win),
         "window_s": win,
         "joiners": joined,
         "series": [[round(a, 4), round(b, 6)] for a, b, g in zip(t, lat, ok, strict=True) if g],
@@ -322,3 +266,51 @@ def _window(
         "generator_late_s": {"d1": r["max_late_s"], "p": p_late},
         "host_stalls": stalls,
     }
+
+
+def _join(
+    pw: Worker,
+    joiners: dict[str, Worker],
+    case: Case,
+    prefix: str,
+    t_join: float,
+    p: HolParams,
+    wait_s: float,
+) -> dict[str, Future[Any]]:
+    """Each joining D of ``case`` sends one request at its offset after ``t_join`` (P prefills
+    it just ahead); the futures of their ``decode_at`` answers by joiner name."""
+    jf = {}
+    for name, _, offset in case.joiners:
+        tid = f"{prefix}{name}"
+        jf[name] = joiners[name].call_async(
+            "decode_at",
+            p_addr=pw.address,
+            transfer_id=tid,
+            t_wall=t_join + offset,
+            blocks=p.blocks,
+            deadline_s=max(p.timeout_s, 2 * p.delay_s) + p.after_s + 1.0,
+            wait_s=wait_s,
+        )
+        pw.call_async(
+            "prefill_at",
+            transfer_id=tid,
+            t_wall=t_join + offset - PREFILL_AHEAD_S,
+            blocks=p.blocks,
+        )
+    return jf
+
+
+def _phases(
+    t: list[float], lat: list[float], ok: list[bool], p: HolParams, win: float
+) -> dict[str, dict[str, Any]]:
+    """D1's latencies before, during and after the join window (``t``: seconds since the
+    join; the first seconds before it are warm-up)."""
+    phases = {}
+    for ph, lo, hi in (
+        ("before", -p.before_s + warmup_s(p.before_s), 0.0),
+        ("during", 0.0, win),
+        ("after", win, math.inf),
+    ):
+        vals, failed = window(t, lat, ok, lo, hi)
+        phases[ph] = {**summary(vals), "failed": failed}
+    return phases

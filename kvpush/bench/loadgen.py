@@ -34,11 +34,11 @@ from kvpush.bench.probes import process_cpu_s, threads_cpu_s
 
 def start_endpoint(state: Any, config: dict[str, Any]) -> dict[str, Any]:
     """Start one endpoint from an ``EndpointConfig`` JSON map."""
-    from kvpush.ops.engine import open_endpoint
-    from kvpush.ops.node import build_config
+    from kvpush.endpoint.facade import start_endpoint as start
+    from kvpush.ops.node import build
 
-    cfg = build_config(config)
-    ep = open_endpoint(cfg)
+    cfg, instruments = build(config)
+    ep = start(cfg, instruments)
     state.endpoint = ep
     return {
         "address": ep.address,
@@ -140,7 +140,7 @@ def steady_decode(
         _sleep_until(t)
         rec.t_call[i] = now = time.time()
         late = max(late, now - t)
-        fut = ep.role.decode(f"{prefix}{i}", p_addr, blocks, deadline_s)
+        fut = ep.decode(f"{prefix}{i}", p_addr, blocks, deadline_s)
         fut.add_done_callback(rec.callback(i))
     completed = rec.wait(n, wait_s)
     out = rec.result(t0, completed)
@@ -162,7 +162,7 @@ def decode_at(
     rec = _Recorder(1)
     _sleep_until(t_wall)
     rec.t_call[0] = time.time()
-    ep.role.decode(transfer_id, p_addr, blocks, deadline_s).add_done_callback(rec.callback(0))
+    ep.decode(transfer_id, p_addr, blocks, deadline_s).add_done_callback(rec.callback(0))
     completed = rec.wait(1, wait_s)
     return rec.result(t_wall, completed)
 
@@ -187,7 +187,7 @@ def decode_many(
     for i in range(n):
         slots.acquire()
         rec.t_call[i] = time.time()
-        ep.role.decode(f"{prefix}{i}", p_addr, blocks, deadline_s).add_done_callback(
+        ep.decode(f"{prefix}{i}", p_addr, blocks, deadline_s).add_done_callback(
             rec.callback(i, slots)
         )
     completed = rec.wait(n, wait_s)
@@ -202,7 +202,7 @@ def decode_many(
 
 def set_verify(state: Any, verify: bool) -> None:
     """Turn D's content verification on or off (timed parts run without it, then verify)."""
-    state.endpoint.group.set_verify(verify)
+    state.endpoint.set_verify(verify)
 
 
 # --------------------------------------------------------------------------- P side
@@ -224,7 +224,7 @@ def steady_prefill(
         late = max(late, now - t)
         if now - t > 0.02:
             events.append([round(t - t0, 4), round(now - t, 4)])
-        ep.role.prefill(f"{prefix}{i}", blocks)
+        ep.prefill(f"{prefix}{i}", blocks)
         took.append(time.time() - now)
     took.sort()
     return {
@@ -238,7 +238,7 @@ def steady_prefill(
 
 def prefill_at(state: Any, transfer_id: str, t_wall: float, blocks: int) -> None:
     _sleep_until(t_wall)
-    state.endpoint.role.prefill(transfer_id, blocks)
+    state.endpoint.prefill(transfer_id, blocks)
 
 
 def prefill_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) -> dict[str, Any]:
@@ -252,7 +252,7 @@ def prefill_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) -
         while alloc.counts()["free"] < blocks:
             waited += 1
             time.sleep(0.0002)
-        ep.role.prefill(f"{prefix}{i}", blocks)
+        ep.prefill(f"{prefix}{i}", blocks)
     return {"elapsed_s": time.time() - t0, "waits": waited, "cpu_s": process_cpu_s() - cpu0}
 
 
@@ -261,41 +261,28 @@ def finish_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) ->
     allows: the stand-in for a model that has just computed its KV, for timed parts whose D
     does not verify (content is checked in a separate, verified pass). Costs an allocation and
     an inbox put per rank, where ``prefill`` also writes every byte."""
-    from kvpush.prefill.table import Finished
-
     ep = state.endpoint
-    roles = ep.roles
-    allocs = [r.ctx.pool.allocator for r in roles]
+    finish = ep.finish
     waited = 0
     t0 = time.time()
     i, end = start, start + n
     while i < end:
         # In batches, sleeping 1 ms when the pool is full: a tight retry loop would fight the
         # writer for the GIL and slow the very thing being measured.
-        k = min(min(a.counts()["free"] for a in allocs) // blocks, end - i)
+        k = min(ep.free_blocks() // blocks, end - i)
         if k == 0:
             waited += 1
             time.sleep(0.001)
             continue
         for _ in range(k):
-            tid = f"{prefix}{i}"
-            for role, alloc in zip(roles, allocs, strict=True):
-                ids = alloc.allocate(tid, blocks)
-                role.writer.finished.put(Finished(tid, tid, tid, ids, time.monotonic()))
+            finish(f"{prefix}{i}", blocks)
             i += 1
     return {"elapsed_s": time.time() - t0, "waits": waited}
 
 
 def wait_idle(state: Any, timeout_s: float = 30.0) -> dict[str, Any]:
     """Wait until the pool has no allocated/in-flight blocks (all pushes done or failed)."""
-    ep = state.endpoint
-    deadline = time.monotonic() + timeout_s
-    while True:
-        counts = [r.ctx.pool.allocator.counts() for r in ep.roles]
-        c: dict[str, Any] = {k: sum(x[k] for x in counts) for k in counts[0]}
-        if c["free"] + c["quarantined"] == c["total"] or time.monotonic() > deadline:
-            return c
-        time.sleep(0.01)
+    return dict(state.endpoint.wait_idle(timeout_s))
 
 
 COMMANDS: dict[str, Callable[..., Any]] = {

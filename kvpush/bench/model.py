@@ -33,6 +33,7 @@ from typing import Any
 from kvpush.bench.churn import ChurnSpec, alloc_cost
 from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
 from kvpush.bench.model_report import COST_SERIES, PATTERNS, report
+from kvpush.bench.passes import closed_loop, verified_pass
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report
 from kvpush.bench.stats import median
@@ -281,87 +282,104 @@ def _size(
                 pw, dw, f"{shape.name}.{tokens}.{pattern}.r{k}.", n, shape, blocks, inflight
             )
             a["kv"].append(r)
-            pairs = r["pairs"]
-            dw.call("raw_poll", on=True)
-            try:
-                r_on, r_off = (
-                    pw.call(
-                        "raw_pairs_loop",
-                        pairs=pairs,
-                        n=n,
-                        inflight=inflight,
-                        merge=merge,
-                        call_timeout=900,
-                    )
-                    for merge in (True, False)
-                )
-            finally:
-                dw.call("raw_poll", on=False)
-            a["raw_on"].append(r_on["gbps"])
-            a["raw_cpu"].append(r_on["thread_cpu_s"] / r_on["n"])
-            a["raw_off"].append(r_off["gbps"])
-            a["pvw"].append(
-                pw.call("pvw_pairs", target=target, pairs=pairs, n=n, call_timeout=900)["gbps"]
-            )
+            _replay(pw, dw, target, r["pairs"], n, inflight, a)
     cells = []
     for pattern in PATTERNS:
         _setup(pw, dw, shape, pattern, need, plan)
         verified, nv = _verified_pass(
             pw, dw, f"{shape.name}.{tokens}.{pattern}.v.", inflight, blocks
         )
-        a = acc[pattern]
-        kv = a["kv"]
         cells.append(
-            {
-                "shape": shape.name,
-                "tokens": tokens,
-                "pattern": pattern,
-                "blocks": blocks,
-                "regions": shape.regions,
-                "request_bytes": req_bytes,
-                "inflight": inflight,
-                "requests": n,
-                "descs_unmerged": blocks * shape.regions,
-                "descs_per_write": median([r["descs_mean"] for r in kv]),
-                "descs_max": max(r["descs_max"] for r in kv),
-                "kvpush_gbps": [r["gbps"] for r in kv],
-                "kvpush_per_s": [r["per_s"] for r in kv],
-                "kvpush_failed": sum(r["failed"] for r in kv),
-                "writer_cpu_per_req_s": [r["writer_cpu_per_req_s"] for r in kv],
-                "p_cpu_per_req_s": [r["p_cpu_per_req_s"] for r in kv],
-                "d_cpu_per_req_s": [r["d_cpu_per_req_s"] for r in kv],
-                "raw_gbps": a["raw_on"],
-                "raw_nomerge_gbps": a["raw_off"],
-                "raw_cpu_per_req_s": a["raw_cpu"],
-                "pvw_gbps": a["pvw"],
-                "verified": verified,
-                "verify_requests": nv,
-                "pool": pools[pattern],
-                "run_len_p": median([r["run_len_p"] for r in kv]),
-                "run_len_d": median([r["run_len_d"] for r in kv]),
-            }
+            _cell(shape, tokens, pattern, blocks, req_bytes, inflight, n, acc[pattern])
+            | {"verified": verified, "verify_requests": nv, "pool": pools[pattern]}
+            | _run_lens(acc[pattern])
         )
     return cells
+
+
+def _replay(
+    pw: Worker,
+    dw: Worker,
+    target: dict[str, Any],
+    pairs: list[list[list[int]]],
+    n: int,
+    inflight: int,
+    a: dict[str, Any],
+) -> None:
+    """Replay the ids a kvpush pass got with raw NIXL (merge on, then off) and
+    process_vm_writev; the figures go into ``a``."""
+    dw.call("raw_poll", on=True)
+    try:
+        r_on, r_off = (
+            pw.call(
+                "raw_pairs_loop",
+                pairs=pairs,
+                n=n,
+                inflight=inflight,
+                merge=merge,
+                call_timeout=900,
+            )
+            for merge in (True, False)
+        )
+    finally:
+        dw.call("raw_poll", on=False)
+    a["raw_on"].append(r_on["gbps"])
+    a["raw_cpu"].append(r_on["thread_cpu_s"] / r_on["n"])
+    a["raw_off"].append(r_off["gbps"])
+    a["pvw"].append(pw.call("pvw_pairs", target=target, pairs=pairs, n=n, call_timeout=900)["gbps"])
+
+
+def _cell(
+    shape: Shape,
+    tokens: int,
+    pattern: str,
+    blocks: int,
+    req_bytes: int,
+    inflight: int,
+    n: int,
+    a: dict[str, Any],
+) -> dict[str, Any]:
+    """One (size, pattern) cell of the result from its rounds' figures ``a``."""
+    kv = a["kv"]
+    return {
+        "shape": shape.name,
+        "tokens": tokens,
+        "pattern": pattern,
+        "blocks": blocks,
+        "regions": shape.regions,
+        "request_bytes": req_bytes,
+        "inflight": inflight,
+        "requests": n,
+        "descs_unmerged": blocks * shape.regions,
+        "descs_per_write": median([r["descs_mean"] for r in kv]),
+        "descs_max": max(r["descs_max"] for r in kv),
+        "kvpush_gbps": [r["gbps"] for r in kv],
+        "kvpush_per_s": [r["per_s"] for r in kv],
+        "kvpush_failed": sum(r["failed"] for r in kv),
+        "writer_cpu_per_req_s": [r["writer_cpu_per_req_s"] for r in kv],
+        "p_cpu_per_req_s": [r["p_cpu_per_req_s"] for r in kv],
+        "d_cpu_per_req_s": [r["d_cpu_per_req_s"] for r in kv],
+        "raw_gbps": a["raw_on"],
+        "raw_nomerge_gbps": a["raw_off"],
+        "raw_cpu_per_req_s": a["raw_cpu"],
+        "pvw_gbps": a["pvw"],
+    }
+
+
+def _run_lens(a: dict[str, Any]) -> dict[str, float]:
+    """Mean run length of the ids P's and D's allocations got (median over rounds)."""
+    kv = a["kv"]
+    return {
+        "run_len_p": median([r["run_len_p"] for r in kv]),
+        "run_len_d": median([r["run_len_d"] for r in kv]),
+    }
 
 
 def _kvpush(
     pw: Worker, dw: Worker, prefix: str, n: int, shape: Shape, blocks: int, inflight: int
 ) -> dict[str, Any]:
     regions = shape.regions
-    fp = pw.call_async("finish_many", prefix=prefix, n=n, blocks=blocks)
-    c0 = pw.call("cpu")
-    r = dw.call(
-        "decode_many",
-        p_addr=pw.address,
-        prefix=prefix,
-        n=n,
-        blocks=blocks,
-        inflight=inflight,
-        wait_s=600.0,
-        call_timeout=900,
-    )
-    c1 = pw.call("cpu")
-    fp.result(120)
+    r, c0, c1 = closed_loop(pw, dw, prefix, n, blocks, inflight, 120.0, wait_s=600.0)
     lp = pw.call("model_recorded", prefix=prefix)
     ld = dw.call("model_recorded", prefix=prefix)
     keys = sorted(set(lp) & set(ld), key=lambda k: int(k.rsplit(".", 1)[1]))
@@ -389,19 +407,8 @@ def _verified_pass(
 ) -> tuple[int, int]:
     """P writes the pattern, D checks every byte, on the pools as the pattern left them."""
     nv = max(2, inflight)
-    dw.call("set_verify", verify=True)
     try:
-        fv = pw.call_async("prefill_many", prefix=prefix, n=nv, blocks=blocks)
-        v = dw.call(
-            "decode_many",
-            p_addr=pw.address,
-            prefix=prefix,
-            n=nv,
-            blocks=blocks,
-            inflight=inflight,
-            call_timeout=600,
-        )
-        fv.result(300)
+        v = verified_pass(pw, dw, prefix, nv, blocks, inflight, 300.0, call_timeout=600)
     finally:
         dw.call("set_verify", verify=False)
     pw.call("model_recorded", prefix=prefix)

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvpush.address import parse_address
 from kvpush.config import HandshakeMode
 
 _SC_CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -35,7 +34,6 @@ def handshake_series(
     """Handshake to ``p_addr`` ``repeats`` times per mode (interleaved), forgetting the peer
     after each so the next one starts from nothing. Returns phase timings per mode."""
     ep = state.endpoint
-    key = (*parse_address(p_addr), 0)  # the handshake manager's key: P's rank 0
     out: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for _ in range(repeats):
         for m in modes:
@@ -45,9 +43,7 @@ def handshake_series(
             row = dict(conn.timings)
             row["call_s"] = wall
             out[m].append(row)
-            old = ep.handshakes.evict(key, "bench: next round")
-            if old is not None:
-                ep.handshakes.release_conn(old)
+            ep.forget_handshake(p_addr)
             if settle_s:
                 time.sleep(settle_s)
     return out
@@ -56,12 +52,8 @@ def handshake_series(
 def metadata_sizes(state: Any) -> dict[str, int]:
     """Bytes this endpoint sends in a handshake reply: its NIXL agent metadata in each mode
     and kvpush's own endpoint metadata."""
-    ep = state.endpoint
-    return {
-        "agent_full": len(ep.ranks[0].agent_md_full),
-        "agent_conn_only": len(ep.ranks[0].agent_md_conn),
-        "endpoint": len(ep.ranks[0].md_bytes),
-    }
+    sizes: dict[str, int] = state.endpoint.metadata_sizes()
+    return sizes
 
 
 def process_cpu_s() -> float:

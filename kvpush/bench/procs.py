@@ -4,7 +4,8 @@
 still alive on exit (normal or not): a benchmark never leaves a process behind. ``Worker.call``
 sends one command and waits for its answer; ``Worker.call_async`` returns a ``Future``. One
 reader thread per worker resolves the futures from the worker's stdout; stderr goes to a log
-file in the run directory (read it when a worker fails: the error names it).
+file in the run directory (read it when a worker fails: the error names it). Processes are
+started and stopped by ``kvpush.ops.launch``, the launcher the demo's endpoints go through too.
 
 Threads: the caller's, and one reader thread per worker.
 """
@@ -14,20 +15,16 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutTimeout
 from pathlib import Path
 from typing import Any
 
 from kvpush.errors import KvpushError
-
-_ROOT = Path(__file__).resolve().parents[2]
+from kvpush.ops import launch
 
 
 class BenchError(KvpushError):
@@ -38,20 +35,17 @@ class Worker:
     def __init__(self, name: str, log_path: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log_path = log_path
-        e = dict(os.environ)
-        e["PYTHONPATH"] = str(_ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+        e = launch.child_env(keep_kvpush=True, on_path=True)
         e.setdefault("NIXL_LOG_LEVEL", "WARN")
         if env:
             e.update(env)
-        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
-        self.popen = subprocess.Popen(
+        self.popen = launch.spawn(
             [sys.executable, "-m", "kvpush.bench.worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            cwd=str(_ROOT),
-            env=e,
-            start_new_session=True,  # Ctrl+C in the terminal reaches the orchestrator only
+            log_path,
+            e,
+            piped=True,
+            own_session=True,  # Ctrl+C in the terminal reaches the orchestrator only
+            cwd=launch.ROOT,
         )
         self._ids = itertools.count(1)
         self._futs: dict[int, Future[Any]] = {0: Future()}
@@ -142,18 +136,13 @@ class Worker:
         self.kill()
 
     def kill(self) -> None:
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(5)
+        launch.kill(self.popen, group=True)
         for s in (self.popen.stdin, self.popen.stdout):
             try:
                 if s is not None:
                     s.close()
             except OSError:
                 pass
-        self._log.close()
 
     @property
     def address(self) -> str:
@@ -203,11 +192,9 @@ class Cluster:
 
     def close(self) -> None:
         ws, self.workers = self.workers, []
+        by_proc = {id(w.popen): w for w in ws}
+        launch.stop_all(
+            [w.popen for w in ws], lambda p: by_proc[id(p)].call_async("stop"), 10, group=True
+        )
         for w in ws:
-            if w.popen.poll() is None:
-                w.call_async("stop")
-        deadline = time.monotonic() + 10
-        for w in ws:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                w.popen.wait(max(0.1, deadline - time.monotonic()))
             w.kill()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.bench.passes import closed_loop, raw_pair, verified_pass
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report, fmt_ms, fmt_num
 from kvpush.bench.stats import median, ratio, summary
@@ -50,31 +51,9 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
     out: dict[int, dict[str, Any]] = {}
     with Cluster(logs_dir(out_dir, "rate")) as cl:
         progress("rate: starting P, D and the raw workers")
-        nospin: dict[str, dict[str, Any]] = {}
-        if not quick:
-            # A second pair whose D does not keep polling after activity (busy_spin_us=0).
-            dcfg = endpoint_cfg(
-                "decode", layers=1, block_bytes=BLOCK_BYTES, num_blocks=D_BLOCKS, verify=False
-            )
-            dcfg["agent"]["busy_spin_us"] = 0
-            nospin = {
-                "p-nospin": endpoint_cfg(
-                    "prefill", layers=1, block_bytes=BLOCK_BYTES, num_blocks=P_BLOCKS
-                ),
-                "d-nospin": dcfg,
-            }
-        ws = cl.endpoints(
-            {
-                **nospin,
-                "p": endpoint_cfg(
-                    "prefill", layers=1, block_bytes=BLOCK_BYTES, num_blocks=P_BLOCKS
-                ),
-                "d": endpoint_cfg(
-                    "decode", layers=1, block_bytes=BLOCK_BYTES, num_blocks=D_BLOCKS, verify=False
-                ),
-            }
-        )
+        ws = _endpoints(cl, quick)
         pw, dw = ws["p"], ws["d"]
+        nospin = "p-nospin" in ws
         rt, ri = cl.spawn("raw-target"), cl.spawn("raw-initiator")
         rt.wait_started()
         ri.wait_started()
@@ -85,33 +64,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
             progress(f"rate: {inflight} in flight")
             kv, raw, kv_ns = [], [], []
             for k in range(rounds):
-                ti = rt.call(
-                    "raw_node",
-                    regions=REGIONS,
-                    num_blocks=D_BLOCKS,
-                    block_bytes=BLOCK_BYTES,
-                    poll="spin",
-                )
-                ri.call(
-                    "raw_node",
-                    regions=REGIONS,
-                    num_blocks=P_BLOCKS,
-                    block_bytes=BLOCK_BYTES,
-                    poll="none",
-                )
-                raw.append(
-                    ri.call(
-                        "raw_write_loop",
-                        target=ti,
-                        blocks=1,
-                        n=n,
-                        inflight=inflight,
-                        notif=True,
-                        call_timeout=600,
-                    )
-                )
-                ri.call("raw_close")
-                rt.call("raw_close")
+                raw.append(_raw_round(rt, ri, n, inflight))
                 kv.append(_kvpush(pw, dw, f"k{inflight}.r{k}.", n, inflight))
                 if nospin and inflight > 1:
                     kv_ns.append(
@@ -124,37 +77,62 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
                     h: hist.get(h) for h in ("push_latency", "write_duration")
                 }
         progress("rate: verified pass")
-        dw.call("set_verify", verify=True)
-        fv = pw.call_async("prefill_many", prefix="verify.", n=64, blocks=1)
-        v = dw.call(
-            "decode_many",
-            p_addr=pw.address,
-            prefix="verify.",
-            n=64,
-            blocks=1,
-            inflight=64,
-            call_timeout=300,
-        )
-        fv.result(60)
-        verified = sum(1 for x in v["verified"] if x is True)
+        verified = _verified_pass(pw, dw, 64)
     _report(rep, out, verified, 64)
     return rep.to_dict()
 
 
-def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, inflight: int) -> dict[str, Any]:
-    fp = pw.call_async("finish_many", prefix=prefix, n=n, blocks=1)
-    c0 = pw.call("cpu")
-    r = dw.call(
-        "decode_many",
-        p_addr=pw.address,
-        prefix=prefix,
-        n=n,
-        blocks=1,
-        inflight=inflight,
-        call_timeout=900,
+def _endpoints(cl: Cluster, quick: bool) -> dict[str, Worker]:
+    """P and D (D does not verify: timed parts), and, in a full run, a second pair whose D does
+    not keep polling after activity (busy_spin_us=0)."""
+    nospin: dict[str, dict[str, Any]] = {}
+    if not quick:
+        dcfg = endpoint_cfg(
+            "decode", layers=1, block_bytes=BLOCK_BYTES, num_blocks=D_BLOCKS, verify=False
+        )
+        dcfg["agent"]["busy_spin_us"] = 0
+        nospin = {
+            "p-nospin": endpoint_cfg(
+                "prefill", layers=1, block_bytes=BLOCK_BYTES, num_blocks=P_BLOCKS
+            ),
+            "d-nospin": dcfg,
+        }
+    return cl.endpoints(
+        {
+            **nospin,
+            "p": endpoint_cfg("prefill", layers=1, block_bytes=BLOCK_BYTES, num_blocks=P_BLOCKS),
+            "d": endpoint_cfg(
+                "decode", layers=1, block_bytes=BLOCK_BYTES, num_blocks=D_BLOCKS, verify=False
+            ),
+        }
     )
-    c1 = pw.call("cpu")
-    fp.result(60)
+
+
+def _raw_round(rt: Worker, ri: Worker, n: int, inflight: int) -> dict[str, Any]:
+    """One round of the raw pipelined WRITE+notif loop between fresh raw nodes."""
+    ti = raw_pair(rt, ri, REGIONS, D_BLOCKS, P_BLOCKS, BLOCK_BYTES)
+    r: dict[str, Any] = ri.call(
+        "raw_write_loop",
+        target=ti,
+        blocks=1,
+        n=n,
+        inflight=inflight,
+        notif=True,
+        call_timeout=600,
+    )
+    ri.call("raw_close")
+    rt.call("raw_close")
+    return r
+
+
+def _verified_pass(pw: Worker, dw: Worker, n: int) -> int:
+    """``n`` pushes written with the pattern and checked byte by byte on D: how many passed."""
+    v = verified_pass(pw, dw, "verify.", n, 1, n, call_timeout=300)
+    return sum(1 for x in v["verified"] if x is True)
+
+
+def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, inflight: int) -> dict[str, Any]:
+    r, c0, c1 = closed_loop(pw, dw, prefix, n, 1, inflight)
     ok = sum(1 for x in r["ok"] if x)
     lat = [x for x, g in zip(r["latency_s"], r["ok"], strict=True) if g]
     return {

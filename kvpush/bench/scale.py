@@ -25,6 +25,7 @@ from kvpush.bench.common import (
     start_at,
     warmup_s,
 )
+from kvpush.bench.passes import steady_load
 from kvpush.bench.procs import Cluster
 from kvpush.bench.report import Report, fmt_ms, fmt_x
 from kvpush.bench.stats import median, ratio, summary, window
@@ -72,6 +73,20 @@ def _stall_cell(stalls: list[tuple[float, float]], lo: float, hi: float) -> str:
     return f"{len(big)} (max {max(big):.0f} ms)" if big else "0"
 
 
+@dataclass
+class _Storm:
+    """What one storm measured (see ``_measure``)."""
+
+    names: list[str]
+    quiet_join: float  # D1's first request in quiet time (s)
+    d1: dict[str, Any]  # D1's steady_decode result
+    p_late: float  # how far P's open-loop generator fell behind (s)
+    joins: dict[str, dict[str, Any]]  # each new D's decode_at result
+    stalls: list[tuple[float, float]]  # host stalls: (s since the storm, ms late)
+    hs: dict[str, float]  # P's handshake duration per new D (s)
+    d1_hs: float
+
+
 def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
     p = QUICK if quick else FULL
     rep = Report(
@@ -80,6 +95,14 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         quick,
         params=asdict(p),
     )
+    m = _measure(p, out_dir, progress)
+    _report(rep, p, m, out_dir)
+    return rep.to_dict()
+
+
+def _measure(p: ScaleParams, out_dir: Path, progress: Progress) -> _Storm:
+    """P, D1 and the new Ds: D1 joins in quiet time, then steady load, and mid-run every new D
+    sends its first request at the same instant."""
     geo: dict[str, Any] = {"layers": p.layers, "block_bytes": p.block_bytes}
     names = [f"d-new{k}" for k in range(p.new_peers)]
     with Cluster(logs_dir(out_dir, "scale")) as cl:
@@ -102,24 +125,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         total = p.before_s + p.storm_s + p.after_s + 1.0
         t0 = start_at(0.6)
         t_join = t0 + p.before_s
-        fd = d1.call_async(
-            "steady_decode",
-            p_addr=pw.address,
-            prefix="s.",
-            rate=p.rate,
-            t0=t0,
-            duration=total,
-            blocks=p.blocks,
-            wait_s=total + 60,
-        )
-        fp = pw.call_async(
-            "steady_prefill",
-            prefix="s.",
-            rate=p.rate,
-            t0=t0 - PREFILL_AHEAD_S,
-            duration=total,
-            blocks=p.blocks,
-        )
+        fd, fp = steady_load(pw, d1, "s.", p.rate, t0, total, p.blocks, total + 60)
         jf = {}
         for n in names:
             jf[n] = ws[n].call_async(
@@ -146,6 +152,13 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         peers = {row["peer"]: row for row in pw.call("stats")["peers"]}
         hs = {n: float(peers.get(ws[n].address, {}).get("duration_s", math.nan)) for n in names}
         d1_hs = float(peers.get(d1.address, {}).get("duration_s", math.nan))
+    return _Storm(names, quiet_join, r, p_late, joins, stalls, hs, d1_hs)
+
+
+def _report(rep: Report, p: ScaleParams, m: _Storm, out_dir: Path) -> None:
+    """Tables, targets, figures and chart of one storm."""
+    names, joins, stalls, hs = m.names, m.joins, m.stalls, m.hs
+    quiet_join, d1_hs, p_late, r = m.quiet_join, m.d1_hs, m.p_late, m.d1
     # analysis
     join_lat = {n: (j["latency_s"][0] if j["ok"][0] else None) for n, j in joins.items()}
     done = [x for x in join_lat.values() if x is not None]
@@ -276,4 +289,3 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
     path = out_dir / "scale.svg"
     path.write_text(line_chart([panel], "scale: a handshake storm during steady pushes"))
     rep.charts.append(str(path))
-    return rep.to_dict()

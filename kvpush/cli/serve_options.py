@@ -45,7 +45,6 @@ from kvpush.config import (
     PoolConfig,
     Timeouts,
     Wire,
-    WriterMode,
 )
 from kvpush.fleet.config import DEFAULT_TTL_S, LEAVE_GRACE_S, LOAD_PERIOD_S
 
@@ -143,10 +142,6 @@ ENDPOINT_OPTS: list[Opt] = [
     Opt("busy_spin_us", (AGENT_FLAGS["busy_spin_us"],), int,
         "Keep polling without sleeping this long after activity, in microseconds.",
         _agent("busy_spin_us"), PANEL_NIXL),
-    Opt("writer", ("--writer",), WriterMode,
-        "deferred (default): the writer never waits for a P->D handshake. blocking: the "
-        "writer waits, reproducing the old head-of-line behaviour; for comparison only.",
-        WriterMode.DEFERRED, PANEL_NIXL),
     Opt("handshake", ("--handshake",), HandshakeMode,
         "D->P handshake: notif loads P's agent only (enough to notify it, the default); full "
         "also builds P's descriptor lists, to measure its cost.", HandshakeMode.NOTIF,
@@ -265,7 +260,7 @@ SERVE: list[tuple[str, frozenset[str]]] = [
         ("tp", "prefill decode"), ("dtype", "prefill decode"), ("kv_layout", "prefill decode"),
         ("backends", "prefill decode"), ("progress_thread", "prefill decode"),
         ("nixl_threads", "prefill decode"), ("idle_poll_max_us", "prefill decode"),
-        ("busy_spin_us", "prefill decode"), ("writer", "prefill"), ("handshake", "decode"),
+        ("busy_spin_us", "prefill decode"), ("handshake", "decode"),
         ("verify", "decode"), ("side_channel_timeout", "prefill decode"),
         ("handshake_timeout", "prefill decode"), ("lease", "prefill decode"),
         ("heartbeat", "prefill decode"), ("request_deadline", "decode"),

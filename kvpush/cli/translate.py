@@ -30,7 +30,6 @@ from kvpush.config import (
     Timeouts,
     VllmWireConfig,
     Wire,
-    WriterMode,
 )
 from kvpush.errors import ConfigError
 
@@ -241,7 +240,6 @@ def endpoint_config(role: Role, p: Mapping[str, Any]) -> EndpointConfig:
         agent=agent_config(p),
         timeouts=timeouts(p),
         handshake_mode=p.get("handshake") or HandshakeMode.NOTIF,
-        writer_mode=p.get("writer") or WriterMode.DEFERRED,
         # A vLLM P's bytes follow no kvpush pattern: on vLLM's wire D reports digests instead.
         verify=bool(p.get("verify", True)) and vllm is None,
         auth_token=auth_token(p.get("auth_token_file")),

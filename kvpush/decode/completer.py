@@ -28,7 +28,9 @@ class Completer:
     def __init__(self, pool: KvPool, telemetry: Telemetry, verify: bool) -> None:
         self._pool = pool
         self._tm = telemetry
-        self.verify = verify  # may be switched at run time (benchmarks time without it)
+        self.verify = (
+            verify  # switched at run time by LoadFacade.set_verify (timed load runs without it)
+        )
         self._ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="completer")
 
     def submit(self, req: DRequest) -> None:

@@ -53,10 +53,6 @@ class DecodeGroup:
     def close(self) -> None:
         """Nothing of its own to stop (each rank's role stops its threads)."""
 
-    def set_verify(self, on: bool) -> None:
-        for role in self.roles:
-            role.completer.verify = on
-
     def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
         if isinstance(req, protocol.DeclineReq) and req.origin == "prefill":
             for role in self.roles:

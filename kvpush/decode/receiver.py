@@ -28,6 +28,7 @@ from kvpush.decode.outcomes import Outcomes, failed_rep
 from kvpush.decode.peers import PrefillPeers
 from kvpush.decode.requests import DRequest, DState, RequestTable
 from kvpush.errors import IncompatiblePeerError, NoFreeBlocksError
+from kvpush.instruments import NO_INSTRUMENTS, Instruments
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone, PeerKey
 from kvpush.peers.tp import check_ratio, sources
@@ -59,8 +60,10 @@ class Receiver:
         owner: OwnerThread,
         on_ping: Callable[[str, protocol.Ping], None] | None = None,
         peer_tp: dict[tuple[str, int], int] | None = None,
+        instruments: Instruments = NO_INSTRUMENTS,
     ) -> None:
         self.cfg = cfg
+        self._instruments = instruments
         # P's TP size by side-channel address, shared by this endpoint's ranks.
         self._peer_tp: dict[tuple[str, int], int] = {} if peer_tp is None else peer_tp
         self._agent = agent
@@ -175,7 +178,7 @@ class Receiver:
 
     def _crash_check(self) -> None:
         """Fault hook (tests): this rank's loop dies after its Nth request."""
-        rank, after = self.cfg.crash_rank_after
+        rank, after = self._instruments.crash_rank_after
         if rank == self.cfg.tp_rank and 0 < after <= self._n_new:
             raise RankCrash(f"fault injection: rank {rank} crashed after {after} requests")
 

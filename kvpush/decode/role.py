@@ -68,6 +68,7 @@ class DecodeRole:
             self.owner,
             on_ping=ctx.on_ping,
             peer_tp=ctx.peer_tp,
+            instruments=ctx.instruments,
         )
         self._stopping = threading.Event()
         self._lock = threading.Lock()

@@ -40,6 +40,7 @@ from kvpush.config import EndpointConfig, HandshakeMode, Wire
 from kvpush.endpoint import answers
 from kvpush.endpoint.rank import Rank
 from kvpush.errors import KvpushError, PeerUnreachableError
+from kvpush.instruments import NO_INSTRUMENTS, Instruments
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone
 from kvpush.runtime.context import EndpointContext, Role
@@ -79,8 +80,10 @@ class Endpoint(Generic[R, G]):
         cfg: EndpointConfig,
         make_role: Callable[[EndpointContext], R],
         make_group: Callable[[list[Any], Telemetry | None], G],
+        instruments: Instruments = NO_INSTRUMENTS,
     ) -> None:
         self.cfg = cfg
+        self.instruments = instruments
         self.incarnation = uuid.uuid4().hex
         self.auth = Authenticator(cfg.auth_token)
         self._ready = threading.Event()
@@ -116,8 +119,8 @@ class Endpoint(Generic[R, G]):
             )
             self.server.start()
             undo.callback(self.server.stop)
-            if cfg.start_delay_s > 0:  # fault hook: a slow start, "starting" meanwhile
-                time.sleep(cfg.start_delay_s)
+            if instruments.start_delay_s > 0:  # a slow start, "starting" meanwhile
+                time.sleep(instruments.start_delay_s)
             for r in range(cfg.tp_size):
                 rank = Rank(
                     dataclasses.replace(cfg, tp_rank=r),
@@ -128,6 +131,7 @@ class Endpoint(Generic[R, G]):
                     make_role,
                     peer_tp,
                     self.decliner,
+                    instruments,
                 )
                 undo.callback(rank.close)
                 self.ranks.append(rank)
@@ -351,7 +355,7 @@ class Endpoint(Generic[R, G]):
 
             reply(msgspec.structs.replace(rep, server_clock=time.time()))
 
-        delay = self.cfg.handshake_reply_delay_s
+        delay = self.instruments.handshake_reply_delay_s
         if delay > 0:
             t = threading.Timer(delay, send)
             t.daemon = True

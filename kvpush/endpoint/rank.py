@@ -22,6 +22,7 @@ from typing import Generic, TypeVar
 from kvpush import PROTOCOL_VERSION, __version__
 from kvpush.config import EndpointConfig, Wire
 from kvpush.endpoint.ping import Pinger
+from kvpush.instruments import NO_INSTRUMENTS, Instruments
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager
 from kvpush.runtime.context import EndpointContext, Role
@@ -64,8 +65,10 @@ class Rank(Generic[R]):
         make_role: Callable[[EndpointContext], R],
         peer_tp: dict[tuple[str, int], int] | None = None,
         decliner: Decliner | None = None,
+        instruments: Instruments = NO_INSTRUMENTS,
     ) -> None:
         self.cfg = cfg
+        self.instruments = instruments
         self.rank = cfg.tp_rank
         self.agent_name = agent_name(cfg.engine_id, incarnation, self.rank)
         self.telemetry = Telemetry(cfg.role, cfg.engine_id, incarnation)
@@ -116,6 +119,7 @@ class Rank(Generic[R]):
                 control=control,
                 peer_tp={} if peer_tp is None else peer_tp,
                 decliner=decliner,
+                instruments=instruments,
             )
             self.role: R = make_role(self.ctx)
             self._wire_telemetry(auth)
@@ -167,7 +171,7 @@ class Rank(Generic[R]):
             "tp_size": cfg.tp_size,
         }
         if cfg.role == "prefill":
-            info["writer"] = cfg.writer_mode.value
+            info["writer"] = self.instruments.writer.value
         else:
             info["handshake"] = cfg.handshake_mode.value
         tm.info(**info)

@@ -21,7 +21,7 @@ Two free-space policies share that state machine (``_Allocator``):
   (DESIGN.md section 3, issue 10). O(log R) per allocate/release in the number R of free runs
   (a ``SortedList`` of ``(length, start)`` keys, dicts of run starts and ends).
 * ``FreeListAllocator``: the plain LIFO stack of block ids kvpush used before -- a baseline for
-  ``kvpush bench model`` only, so that the same churn can be compared on both.
+  comparisons only, so that the same churn can be measured on both.
 
 ``fragmentation()`` is a pure reading (``Fragmentation``) for telemetry: mean run length of the
 current allocations, number and largest of the free runs, a free-run-length histogram.
@@ -305,7 +305,7 @@ class BlockAllocator(_Allocator):
         self._add_run(0, num_blocks)
 
     def free_runs(self) -> list[tuple[int, int]]:
-        """``(start, length)`` of every free run, by start (a reading for tests and benches)."""
+        """``(start, length)`` of every free run, by start (a reading for tests and baselines)."""
         with self._lock:
             return sorted(self._len_at.items())
 
@@ -372,13 +372,13 @@ ExtentAllocator = BlockAllocator
 
 
 class FreeListAllocator(_Allocator):
-    """Baseline only (``kvpush bench model``): the plain LIFO stack of free ids.
+    """Baseline only (to compare the extent allocator with): the plain LIFO stack of free ids.
 
     Hands out the top ``n`` ids of the stack and pushes an owner's ids back in reverse on
     release, so the next request of the same size gets the same ids; a fresh pool hands out
     ``order`` (default ``0, 1, 2, ...``). Under churn of mixed sizes the stack interleaves
     ids of many past requests, and runs shrink. ``fragmentation()`` sorts the free ids
-    (O(F log F)): fine for a benchmark, not for a hot telemetry path.
+    (O(F log F)): fine for a measurement, not for a hot telemetry path.
     """
 
     def __init__(self, num_blocks: int, order: Sequence[int] | np.ndarray | None = None) -> None:
@@ -420,7 +420,7 @@ class FreeListAllocator(_Allocator):
         return int(lens.size), int(lens.max()), hist
 
 
-#: Allocator classes by policy name (``kvpush bench model --allocator``-style selection).
+#: Allocator classes by policy name (for a measurement that picks one by name).
 ALLOCATORS: dict[str, type[_Allocator]] = {
     "extent": BlockAllocator,
     "freelist": FreeListAllocator,

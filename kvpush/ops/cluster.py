@@ -3,24 +3,21 @@
 Owns ``Cluster``: spawn children with ``--port 0 --ready-file`` in the demo's own process group
 (``kill -- -PGID`` reaches them all; a terminal's Ctrl-C or hang-up reaches them too, which
 drains them), wait until each is ready (``cancelled`` interrupts the wait), stop them all with
-SIGTERM then SIGKILL. Children get the environment without the operator's ``KVPUSH_*``
-settings. Runs on the demo's threads (spawning is locked).
+SIGTERM then SIGKILL (``kvpush.ops.launch``, the launcher the bench's workers go through too).
+Children get the environment without the operator's ``KVPUSH_*`` settings. Runs on the demo's
+threads (spawning is locked).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
 import subprocess
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpush.errors import ExitStatus, KvpushError
+from kvpush.ops import launch
 
 if TYPE_CHECKING:
     from kvpush.ops.demo import DemoConfig
@@ -52,14 +49,6 @@ class Child:
         except OSError:
             return ""
         return " | ".join(text[-lines:])
-
-
-def _child_env() -> dict[str, str]:
-    # The operator's KVPUSH_* settings (a --config file, a port...) are for their own
-    # endpoints, not the demo's: children get exactly the options the demo passes.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPUSH_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 class Cluster:
@@ -118,60 +107,45 @@ class Cluster:
             "--log-level",
             "info",
         ]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=_child_env(),
-            )
+        log_path.unlink(missing_ok=True)  # a fresh log per run
+        # The operator's KVPUSH_* settings (a --config file, a port...) are for their own
+        # endpoints, not the demo's: children get exactly the options the demo passes.
+        env = launch.child_env(keep_kvpush=False, PYTHONUNBUFFERED="1")
+        proc = launch.spawn(cmd, log_path, env)
         child = Child(name, role, proc, log_path, ready)
         with self._lock:
             self.children.append(child)
         return child
 
     def wait_ready(self, child: Child, timeout_s: float | None = None) -> None:
-        deadline = time.monotonic() + (timeout_s or self.cfg.start_timeout_s)
-        while True:
-            if child.ready_path.exists():
-                try:
-                    child.info = json.loads(child.ready_path.read_text())
-                    return
-                except (OSError, ValueError):
-                    pass  # written atomically, but be lenient
+        def failed(why: str) -> KvpushError:
+            child.returncode = child.proc.poll()
+            if child.returncode is None:
+                return KvpushError(
+                    f"demo endpoint {child.name} {why}", f"see its log: {child.log_path}"
+                )
+            return KvpushError(
+                f"demo endpoint {child.name} {why}: {child.log_tail(1)}",
+                f"see its log: {child.log_path}",
+            )
+
+        def cancelled() -> None:
             if self.cancelled.is_set():
                 raise DemoInterrupted(
                     f"demo interrupted while {child.name} was starting", "nothing was driven"
                 )
-            rc = child.proc.poll()
-            if rc is not None:
-                child.returncode = rc
-                raise KvpushError(
-                    f"demo endpoint {child.name} exited with status {rc} while starting: "
-                    f"{child.log_tail(1)}",
-                    f"see its log: {child.log_path}",
-                )
-            if time.monotonic() > deadline:
-                raise KvpushError(
-                    f"demo endpoint {child.name} did not start within "
-                    f"{timeout_s or self.cfg.start_timeout_s:g}s",
-                    f"see its log: {child.log_path}",
-                )
-            time.sleep(0.05)
+
+        child.info = launch.wait_ready_file(
+            child.proc,
+            child.ready_path,
+            timeout_s or self.cfg.start_timeout_s,
+            failed,
+            cancelled,
+        )
 
     def stop_all(self, timeout_s: float = 20.0) -> None:
         with self._lock:
             children = list(self.children)
-        for c in children:
-            if c.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for c in children:
-            try:
-                c.returncode = c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait()
-                c.returncode = -signal.SIGKILL
+        codes = launch.stop_all([c.proc for c in children], launch.terminate, timeout_s)
+        for c, rc in zip(children, codes, strict=True):
+            c.returncode = rc

@@ -1,9 +1,11 @@
 """Run one endpoint from a JSON config in this process: the worker used by benchmarks and tests.
 
 Usage: ``python -m kvpush.ops.node CONFIG_JSON READY_FILE``. CONFIG_JSON holds ``EndpointConfig``
-fields (``pool``, ``timeouts`` and ``agent`` as nested maps), including knobs the CLI does not
-expose (e.g. ``handshake_reply_delay_s``). Writes READY_FILE (JSON: address, engine_id,
-incarnation, pid) atomically once started; SIGTERM/SIGINT stop it gracefully (exit 0).
+fields (``pool``, ``timeouts`` and ``agent`` as nested maps) and, at the same level, the hooks of
+``kvpush.instruments.Instruments`` that no serve command has (``handshake_reply_delay_s``,
+``crash_rank_after``, ``start_delay_s``, ``writer_mode``: ``build`` sorts them out). Writes
+READY_FILE (JSON: address, engine_id, incarnation, pid) atomically once started; SIGTERM/SIGINT
+stop it gracefully (exit 0).
 Operators use ``kvpush serve-prefill`` / ``serve-decode`` instead.
 """
 
@@ -25,9 +27,22 @@ from kvpush.config import (
     KvRegions,
     PoolConfig,
     Timeouts,
-    WriterMode,
 )
+from kvpush.instruments import Instruments, WriterMode
 from kvpush.ops.engine import open_endpoint
+
+
+def build(d: dict[str, Any]) -> tuple[EndpointConfig, Instruments]:
+    """The endpoint's config and its instruments from one JSON map."""
+    d = dict(d)
+    rank, after = d.pop("crash_rank_after", (-1, 0))
+    instruments = Instruments(
+        handshake_reply_delay_s=float(d.pop("handshake_reply_delay_s", 0.0)),
+        crash_rank_after=(int(rank), int(after)),
+        start_delay_s=float(d.pop("start_delay_s", 0.0)),
+        writer=WriterMode(d.pop("writer_mode", WriterMode.DEFERRED)),
+    )
+    return build_config(d), instruments
 
 
 def build_config(d: dict[str, Any]) -> EndpointConfig:
@@ -40,10 +55,6 @@ def build_config(d: dict[str, Any]) -> EndpointConfig:
     agent = AgentConfig(**d.pop("agent", {}))
     if "handshake_mode" in d:
         d["handshake_mode"] = HandshakeMode(d["handshake_mode"])
-    if "writer_mode" in d:
-        d["writer_mode"] = WriterMode(d["writer_mode"])
-    if "crash_rank_after" in d:
-        d["crash_rank_after"] = tuple(d["crash_rank_after"])
     if "auth_token" in d and d["auth_token"] is not None:
         d["auth_token"] = d["auth_token"].encode()
     return EndpointConfig(pool=pool, timeouts=timeouts, agent=agent, **d)
@@ -56,9 +67,9 @@ def main() -> int:
     )
     for h in logging.getLogger().handlers:
         logsafe.install(h)
-    cfg = build_config(json.loads(sys.argv[1]))
+    cfg, instruments = build(json.loads(sys.argv[1]))
     ready = sys.argv[2]
-    ep = open_endpoint(cfg)
+    ep = open_endpoint(cfg, instruments)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -49,6 +49,7 @@ class PrefillRole:
             on_ping=ctx.on_ping,
             on_outcome=self._outcome,
             decliner=ctx.decliner,
+            instruments=ctx.instruments,
         )
         self._stopping = threading.Event()
         self._vllm = ctx.cfg.wire == Wire.VLLM

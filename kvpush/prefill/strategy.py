@@ -5,7 +5,7 @@ handshake future and returns at once: the callback, on the handshake thread, han
 to the writer through its *deferred* inbox (``OwnerThread.hand_off``: if even that fails, the
 writer fails the push on its next pass, so nothing is lost silently). ``BlockingWait`` waits for
 the future on the writer thread: the old head-of-line behaviour in which one slow new D stalls
-every push, kept only to measure the difference (``--writer blocking``).
+every push, kept only to measure the difference (``Instruments.writer``).
 """
 
 from __future__ import annotations

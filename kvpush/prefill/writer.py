@@ -9,7 +9,7 @@ polls every in-flight WRITE, expires leases and deadlines and sends fences. It s
 are in flight and backs off when idle: with NIXL's progress thread off, this polling *is* progress.
 
 Never blocking on the network. When the P->D handshake is not ready, the handshake-wait strategy
-(``kvpush.prefill.strategy``) parks the push and returns; ``--writer blocking`` waits instead,
+(``kvpush.prefill.strategy``) parks the push and returns; ``Instruments.writer`` waits instead,
 for comparison only. A transfer's whole state is one typed entry of the ``PushTable``. This
 module decides *what* to write and when (matching, TP ranks, handshakes, declines, shutdown);
 posting the WRITEs, polling them and ending each exactly once is ``kvpush.prefill.legs``;
@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from kvpush.config import EndpointConfig, HandshakeMode, Wire, WriterMode
+from kvpush.config import EndpointConfig, HandshakeMode, Wire
+from kvpush.instruments import NO_INSTRUMENTS, Instruments, WriterMode
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone, PeerKey
 from kvpush.peers.validation import handshake_failure
@@ -82,8 +83,10 @@ class PushWriter:
         on_ping: Callable[[str, protocol.Ping], None] | None = None,
         on_outcome: Callable[[PushOutcome], None] | None = None,
         decliner: Decliner | None = None,
+        instruments: Instruments = NO_INSTRUMENTS,
     ) -> None:
         self.cfg = cfg
+        self._instruments = instruments
         self._agent = agent
         self._pool = pool
         self._hs = handshakes
@@ -102,7 +105,7 @@ class PushWriter:
         self.tasks = owner.inbox("tasks", 1 << 16, _call, self._item_failed)
         self._wait: HandshakeWait = (
             BlockingWait(t.handshake_s + 1)
-            if cfg.writer_mode == WriterMode.BLOCKING
+            if instruments.writer == WriterMode.BLOCKING
             else DeferredWait(self.table, owner, lambda: self.deferred, self._lost)
         )
         self._geom = LocalGeometry(pool.cfg.num_blocks, pool.cfg.regions, pool.cfg.block_bytes)
@@ -482,7 +485,7 @@ class PushWriter:
 
     def _crash_check(self) -> None:
         """Fault hook (tests): this rank's loop dies after its Nth finished transfer."""
-        rank, after = self.cfg.crash_rank_after
+        rank, after = self._instruments.crash_rank_after
         if rank == self.cfg.tp_rank and 0 < after <= self._n_finished:
             raise RankCrash(f"fault injection: rank {rank} crashed after {after} transfers")
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvpush.config import EndpointConfig
+from kvpush.instruments import NO_INSTRUMENTS, Instruments
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerGone
 from kvpush.runtime.decline import Decliner
@@ -42,6 +43,8 @@ class EndpointContext:
     peer_tp: dict[tuple[str, int], int] = field(default_factory=dict)
     # Tells a peer over its side channel that a transfer is declined (None: not on this wire).
     decliner: Decliner | None = None
+    # Test and measurement hooks (none in production: ``kvpush.instruments``).
+    instruments: Instruments = NO_INSTRUMENTS
 
     @property
     def incarnation(self) -> str:

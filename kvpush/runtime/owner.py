@@ -54,7 +54,7 @@ HOUSEKEEPING_S = 0.02
 
 
 class RankCrash(BaseException):
-    """Raised by the fault hook ``EndpointConfig.crash_rank_after`` (tests only). Not an
+    """Raised by the fault hook ``Instruments.crash_rank_after`` (tests only). Not an
     ``Exception``: the per-item handlers that keep the loop alive must not catch it."""
 
 

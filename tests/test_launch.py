@@ -1,0 +1,84 @@
+"""``kvpush.ops.launch``, the launcher of the demo's endpoints and the bench's workers, on real
+child processes: the ready file is read, an early exit and a timeout are typed errors, and
+``stop_all`` leaves nothing running (a child that ignores SIGTERM is killed at the deadline).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvpush.errors import KvpushError
+from kvpush.ops import launch
+
+PY = sys.executable
+
+
+def _failed(why: str) -> KvpushError:
+    return KvpushError(f"child {why}")
+
+
+def test_ready_file_and_log(tmp_path: Path) -> None:
+    ready = tmp_path / "ready.json"
+    code = (
+        "import json, os, sys, time\n"
+        "print('hello log', flush=True)\n"
+        f"open({str(ready)!r} + '.tmp', 'w').write(json.dumps({{'address': 'x:1'}}))\n"
+        f"os.replace({str(ready)!r} + '.tmp', {str(ready)!r})\n"
+        "time.sleep(60)\n"
+    )
+    env = launch.child_env(keep_kvpush=False, KVPUSH_X="no", OTHER="yes")
+    assert "KVPUSH_X" in env  # extra wins over the filter
+    p = launch.spawn([PY, "-c", code], tmp_path / "c.log", env)
+    try:
+        assert launch.wait_ready_file(p, ready, 30, _failed) == {"address": "x:1"}
+    finally:
+        assert launch.stop_all([p], launch.terminate, 10) == [-signal.SIGTERM]
+    assert "hello log" in (tmp_path / "c.log").read_text()
+
+
+def test_early_exit_and_timeout_are_errors(tmp_path: Path) -> None:
+    p = launch.spawn(
+        [PY, "-c", "raise SystemExit(3)"], tmp_path / "a.log", launch.child_env(keep_kvpush=True)
+    )
+    with pytest.raises(KvpushError, match="exited with status 3 while starting"):
+        launch.wait_ready_file(p, tmp_path / "never.json", 30, _failed)
+    q = launch.spawn(
+        [PY, "-c", "import time; time.sleep(60)"],
+        tmp_path / "b.log",
+        launch.child_env(keep_kvpush=True),
+    )
+    try:
+        with pytest.raises(KvpushError, match=r"did not start within 0\.3s"):
+            launch.wait_ready_file(q, tmp_path / "never.json", 0.3, _failed)
+    finally:
+        launch.stop_all([q], launch.terminate, 10)
+    assert q.poll() is not None
+
+
+def test_stop_all_kills_what_ignores_the_ask(tmp_path: Path) -> None:
+    stubborn = (
+        "import signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('armed', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    log = tmp_path / "s.log"
+    p = launch.spawn(
+        [PY, "-c", stubborn], log, launch.child_env(keep_kvpush=True), own_session=True
+    )
+    polite = launch.spawn(
+        [PY, "-c", "import time; time.sleep(60)"],
+        tmp_path / "p.log",
+        launch.child_env(keep_kvpush=True),
+    )
+    for _ in range(200):  # the handler is installed before the ask
+        if "armed" in log.read_text():
+            break
+        time.sleep(0.05)
+    codes = launch.stop_all([p, polite], launch.terminate, 1.0, group=True)
+    assert codes == [-signal.SIGKILL, -signal.SIGTERM]
