@@ -26,6 +26,7 @@ from kvpush import PROTOCOL_VERSION, __version__
 from kvpush.cli import options, stdio
 from kvpush.cli.commands import register_all
 from kvpush.cli.configfile import CONFIG_PATH
+from kvpush.cli.flags import Group
 from kvpush.errors import ExitStatus, KvpushError
 
 HELP = (
@@ -48,6 +49,7 @@ completion_init()
 
 app = typer.Typer(
     name="kvpush",
+    cls=Group,
     help=HELP,
     epilog=EPILOG,
     add_completion=False,

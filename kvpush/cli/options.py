@@ -23,6 +23,7 @@ from typing import Any
 import typer
 
 from kvpush.cli import complete
+from kvpush.cli.flags import Command
 from kvpush.cli.fleet_options import FLEET_OPTS, REGISTRY
 from kvpush.cli.optspec import (
     PANEL_VLLM,
@@ -243,7 +244,7 @@ def register(
     if name is None:
         app.callback()(command)
     else:
-        app.command(name)(command)
+        app.command(name, cls=Command)(command)
 
 
 #: The geometry options probe compares with the peer when given.

@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 
 from kvpush.cli import fleet_options, options, stdio, translate
+from kvpush.cli.flags import Group
 from kvpush.cli.signals import StopFlag
 from kvpush.errors import ConfigError, ExitStatus
 
@@ -62,6 +63,7 @@ the check ('left'). Exit status 0 when every pair that can work works, 3 when on
 def register(app: typer.Typer) -> None:
     group = typer.Typer(
         name="fleet",
+        cls=Group,
         help=HELP,
         no_args_is_help=True,
         context_settings={"help_option_names": ["-h", "--help"]},
