@@ -26,7 +26,6 @@ from kvpush.cli import complete
 from kvpush.cli.flags import Command
 from kvpush.cli.fleet_options import FLEET_OPTS, REGISTRY
 from kvpush.cli.optspec import (
-    PANEL_VLLM,
     REQUIRED,
     Entry,
     LogLevel,
@@ -56,6 +55,7 @@ __all__ = [
     "OutputMode",
     "Shell",
     "envvar",
+    "help_text",
     "options_of",
     "param_name",
     "register",
@@ -90,52 +90,33 @@ _OPTS: list[Opt] = [
         "rank other than 0,0, since vLLM's listener dies on a rank it does not serve.", None,
         show_default=False),
     # --------------------------------------------------------------------- drive, demo
-    Opt("prefill", ("--prefill", "-p"), list[str],
-        "A prefill endpoint HOST:PORT (repeatable). With --request-id: the one kvpush P "
-        "(--wire vllm) that fills a request for a vLLM D.", None, metavar="HOST:PORT",
-        show_default=False),
-    Opt("decode", ("--decode", "-d"), list[str],
-        "A decode endpoint HOST:PORT (repeatable). With --kv-transfer-params: the one kvpush D "
-        "that receives a vLLM P's push.", None, metavar="HOST:PORT", show_default=False),
+    Opt("prefill", ("--prefill", "-p"), list[str], "A prefill endpoint HOST:PORT (repeatable).",
+        None, metavar="HOST:PORT", show_default=False),
+    Opt("decode", ("--decode", "-d"), list[str], "A decode endpoint HOST:PORT (repeatable).",
+        None, metavar="HOST:PORT", show_default=False),
     Opt("requests", ("--requests", "-n"), int, "Requests to send.", 100),
     Opt("concurrency", ("--concurrency", "-c"), int, "Requests in flight at once.", 8),
     Opt("rate", ("--rate",), float | None, "Start at most this many requests per second.", None,
         show_default=False),
     Opt("blocks", ("--blocks",), int, "Blocks per request.", 4),
-    Opt("blocks", ("--blocks",), int,
-        "Blocks per request (default 4). With --request-id (required): the blocks P fills. With "
-        "--kv-transfer-params: the blocks D allocates, by default as many as P holds "
-        "(remote_block_ids); vLLM refuses any other count.", 4, show_default=False,
-        key="drive.blocks"),
-    Opt("timeout", ("--timeout",), float,
-        "Seconds a request may take before it fails. A vLLM leg: D's wait for the push once it "
-        "has blocks, or P's wait for a D to take it.", 30.0, seconds=True, key="drive.timeout",
-        env_scope="drive"),
+    Opt("blocks", ("--blocks",), int, "Blocks per request.", 4, key="drive.blocks"),
+    Opt("timeout", ("--timeout",), float, "Seconds a request may take before it fails.", 30.0,
+        seconds=True, key="drive.timeout", env_scope="drive"),
+    # The old spelling of 'kvpush leg decode|prefill' (deprecated): hidden, no variable.
     Opt("kv_transfer_params", ("--kv-transfer-params",), str | None,
-        "Drive the decode leg of one request a vLLM P holds, as a router would: the "
-        "kv_transfer_params its request_finished returned (a JSON object, a file holding it, or "
-        "- for stdin; a whole response with a kv_transfer_params key also works). The one "
-        "--decode allocates, registers with that P, waits for its push and reports outcome, "
-        "bytes and sha256.", None, PANEL_VLLM, metavar="FILE|JSON", show_default=False),
-    Opt("request_id", ("--request-id",), str | None,
-        "Drive the prefill leg of one request for a vLLM D: the one --prefill (a kvpush P, "
-        "--wire vllm) fills --blocks blocks for this request id, prints at once the "
-        "kv_transfer_params to hand the vLLM D (one JSON line), then waits for the push (or "
-        "its lease) and reports outcome and sha256.", None, PANEL_VLLM, metavar="ID",
-        show_default=False),
+        "Deprecated: 'kvpush leg decode'.", None, env=False, kw={"hidden": True}),
+    Opt("request_id", ("--request-id",), str | None, "Deprecated: 'kvpush leg prefill'.", None,
+        env=False, kw={"hidden": True}),
     Opt("trace", ("--trace",), Path | None,
         "Write one JSON line per request to FILE: transfer id, outcome, reason, and the "
         "seconds from sending it to each phase (D allocated, PUSH_REG sent, P matched, "
         "handshake done, WRITE posted and done, completion received, verified, answered), "
         "both legs on drive's clock; a failed request's 'ended_at'. The summary adds p50/p99 "
         "per phase.", None, metavar="FILE", kw={"dir_okay": False}),
-    Opt("alloc_delay", ("--alloc-delay",), float,
-        "With --kv-transfer-params: D holds the request this long before it gets blocks, as a "
-        "request queued in a vLLM D would, heartbeating P's lease meanwhile (longer than P's "
-        "lease shows the heartbeats work).", 0.0, PANEL_VLLM, seconds=True),
-    Opt("json_out", ("--json",), bool,
-        "One JSON summary on stdout (--request-id: the kv_transfer_params line first).", False,
-        key="drive.json", env_scope="drive"),
+    Opt("alloc_delay", ("--alloc-delay",), float, "Deprecated: 'kvpush leg decode'.", 0.0,
+        seconds=True, env=False, kw={"hidden": True}),
+    Opt("json_out", ("--json",), bool, "One JSON summary on stdout.", False, key="drive.json",
+        env_scope="drive"),
     Opt("shape", ("--shape",), str | None,
         "A real model's KV geometry: llama-8b, llama-70b-tp8 (one rank of TP 8) or mla. drive "
         "checks that the endpoints have it (and sizes --tokens in its blocks); demo starts its "
@@ -222,6 +203,12 @@ def options_of(entries: Sequence[Entry]) -> list[Opt]:
     return [OPTIONS[e if isinstance(e, str) else e[0]] for e in entries]
 
 
+def help_text(doc: str) -> str:
+    """A command's help: ``doc`` with each paragraph joined into one line."""
+    paras = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(" ".join(p.split()) for p in paras)
+
+
 def register(
     app: typer.Typer,
     name: str | None,
@@ -239,8 +226,7 @@ def register(
 
     command.__signature__ = signature(entries, extra=extra)  # type: ignore[attr-defined]
     command.__name__ = (name or "root").replace("-", "_")
-    paras = inspect.cleandoc(doc).split("\n\n")
-    command.__doc__ = "\n\n".join(" ".join(p.split()) for p in paras)
+    command.__doc__ = help_text(doc)
     if name is None:
         app.callback()(command)
     else:

@@ -75,6 +75,21 @@ def envvar(long_opt: str, scope: str = "") -> str:
 REQUIRED: Any = ...
 
 
+def option(*decls: str, help: str, scope: str = "", panel: str | None = None, **kw: Any) -> Any:
+    """A ``typer.Option`` for a plain typed parameter (``Annotated[int, option(...)] = 5``),
+    with the ``KVPUSH_<OPTION>`` variable of its long flag (``KVPUSH_<SCOPE>_<OPTION>`` with a
+    command ``scope``) named in its help."""
+    long = next((d for d in decls if d.startswith("--")), decls[0])
+    return typer.Option(
+        *decls,
+        help=help,
+        envvar=envvar(long, scope),
+        show_envvar=True,
+        rich_help_panel=panel,
+        **kw,
+    )
+
+
 @dataclass(frozen=True)
 class Opt:
     """One option (or, with ``argument=True``, one positional argument) of the CLI."""
