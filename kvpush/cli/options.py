@@ -104,9 +104,10 @@ _OPTS: list[Opt] = [
         seconds=True, key="drive.timeout", env_scope="drive"),
     # The old spelling of 'kvpush leg decode|prefill' (deprecated): hidden, no variable.
     Opt("kv_transfer_params", ("--kv-transfer-params",), str | None,
-        "Deprecated: 'kvpush leg decode'.", None, env=False, kw={"hidden": True}),
+        "Deprecated: 'kvpush leg decode'.", None, metavar="FILE|JSON", env=False,
+        kw={"hidden": True}),
     Opt("request_id", ("--request-id",), str | None, "Deprecated: 'kvpush leg prefill'.", None,
-        env=False, kw={"hidden": True}),
+        metavar="ID", env=False, kw={"hidden": True}),
     Opt("trace", ("--trace",), Path | None,
         "Write one JSON line per request to FILE: transfer id, outcome, reason, and the "
         "seconds from sending it to each phase (D allocated, PUSH_REG sent, P matched, "
