@@ -11,8 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+from typer.main import get_command
 
-from kvpush.cli import options
+from kvpush.cli import gendocs, options
+from kvpush.cli.app import app
 from tests.conftest import SMALL, Done, run_cli
 from tests.support.procs import KVPUSH, Launcher, clean_env
 
@@ -59,16 +61,27 @@ def test_help_has_no_typer_completion_options_and_tab_still_completes() -> None:
     assert _complete("kvpush serve-prefill --writer ") == ["deferred", "blocking"]
 
 
+def _helps_by_variable() -> dict[str, set[str]]:
+    """Every option's variable -> the help texts of the options that read it, in every
+    command (the root's included)."""
+    root = get_command(app)
+    meanings: dict[str, set[str]] = {}
+    for cmd in [root, *(c for _, c in gendocs.commands(root))]:
+        for p in cmd.params:
+            var = getattr(p, "envvar", None)
+            if var:
+                meanings.setdefault(var, set()).add(getattr(p, "help", "") or "")
+    return meanings
+
+
 def test_no_variable_means_two_things_to_two_commands() -> None:
     """A flag with two meanings has a variable per command; the shared ones mean the same."""
-    meanings: dict[str, set[str]] = {}
-    for opt in options.OPTIONS.values():
-        if opt.envvar:
-            meanings.setdefault(opt.envvar, set()).add(opt.key)
-    shared = {var for var, keys in meanings.items() if len(keys) > 1}
+    meanings = _helps_by_variable()
+    shared = {var for var, helps in meanings.items() if len(helps) > 1}
     assert shared == options.SHARED_ENV
     for var in ("KVPUSH_PROBE_TIMEOUT", "KVPUSH_DRIVE_TIMEOUT", "KVPUSH_PROBE_JSON",
-                "KVPUSH_DRIVE_JSON", "KVPUSH_PROBE_HANDSHAKE", "KVPUSH_HANDSHAKE"):  # fmt: skip
+                "KVPUSH_DRIVE_JSON", "KVPUSH_PROBE_HANDSHAKE", "KVPUSH_HANDSHAKE",
+                "KVPUSH_LEG_TIMEOUT", "KVPUSH_LEG_BLOCKS", "KVPUSH_BLOCKS"):  # fmt: skip
         assert len(meanings[var]) == 1, var
     assert "KVPUSH_TIMEOUT" not in meanings and "KVPUSH_JSON" not in meanings
 

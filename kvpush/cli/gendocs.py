@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from kvpush import PROTOCOL_VERSION, __version__
-from kvpush.cli.options import SECONDS
 
 PROG = "kvpush"
 COMPLETE_VAR = "_KVPUSH_COMPLETE"
@@ -80,8 +79,7 @@ def _metavar(param: Any) -> str:
     if ann is int:
         return "N"
     if ann is float:
-        name = param.name or ""
-        return "SECONDS" if name in SECONDS else "X"
+        return "X"  # a duration says SECONDS: its metavar
     return "TEXT"
 
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
 from kvpush.cli import options, stdio, translate
 from kvpush.cli.commands import leg as legs
+from kvpush.cli.optspec import option
 from kvpush.cli.signals import StopFlag
 from kvpush.cli.views import reports
 from kvpush.errors import ConfigError, ExitStatus
@@ -64,7 +65,7 @@ OLD_LEG = {
 
 
 def register(app: typer.Typer) -> None:
-    options.register(app, "drive", drive, options.DRIVE, DOC)
+    options.register(app, "drive", drive, DOC, options.REGISTRY)
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
@@ -107,23 +108,111 @@ def old_leg(ctx: typer.Context, token: bytes | None) -> None:
 
 def drive(
     ctx: typer.Context,
-    prefill: list[str] | None,
-    decode: list[str] | None,
-    requests: int,
-    concurrency: int,
-    rate: float | None,
-    blocks: int,
-    timeout: float,
-    json_out: bool,
-    shape: str | None,
-    tokens: int | None,
-    kv_transfer_params: str | None,
-    request_id: str | None,
-    alloc_delay: float,
-    auth_token_file: str | None,
-    trace: Path | None = None,
-    peer_grace: float = 5.0,
-    **registry: Any,
+    prefill: Annotated[
+        list[str] | None,
+        option(
+            "--prefill",
+            "-p",
+            help="A prefill endpoint HOST:PORT (repeatable).",
+            metavar="HOST:PORT",
+            show_default=False,
+        ),
+    ] = None,
+    decode: Annotated[
+        list[str] | None,
+        option(
+            "--decode",
+            "-d",
+            help="A decode endpoint HOST:PORT (repeatable).",
+            metavar="HOST:PORT",
+            show_default=False,
+        ),
+    ] = None,
+    requests: Annotated[int, option("--requests", "-n", help="Requests to send.")] = 100,
+    concurrency: options.Concurrency = 8,
+    rate: Annotated[
+        float | None,
+        option("--rate", help="Start at most this many requests per second.", show_default=False),
+    ] = None,
+    blocks: options.Blocks = 4,
+    shape: options.Shape = None,
+    tokens: Annotated[
+        int | None,
+        option(
+            "--tokens",
+            help="Tokens per request (with --shape): --blocks becomes ceil(tokens / the "
+            "shape's block tokens).",
+            show_default=False,
+        ),
+    ] = None,
+    timeout: Annotated[
+        float,
+        option(
+            "--timeout",
+            help="Seconds a request may take before it fails.",
+            scope="drive",
+            seconds=True,
+        ),
+    ] = 30.0,
+    json_out: Annotated[
+        bool, option("--json", help="One JSON summary on stdout.", scope="drive")
+    ] = False,
+    # drive's old spelling of 'kvpush leg decode|prefill' (deprecated): hidden, no variable
+    kv_transfer_params: Annotated[
+        str | None,
+        option(
+            "--kv-transfer-params",
+            help="Deprecated: 'kvpush leg decode'.",
+            env=False,
+            hidden=True,
+            metavar="FILE|JSON",
+        ),
+    ] = None,
+    request_id: Annotated[
+        str | None,
+        option(
+            "--request-id",
+            help="Deprecated: 'kvpush leg prefill'.",
+            env=False,
+            hidden=True,
+            metavar="ID",
+        ),
+    ] = None,
+    alloc_delay: Annotated[
+        float,
+        option(
+            "--alloc-delay",
+            help="Deprecated: 'kvpush leg decode'.",
+            env=False,
+            hidden=True,
+            seconds=True,
+        ),
+    ] = 0.0,
+    trace: Annotated[
+        Path | None,
+        option(
+            "--trace",
+            help="Write one JSON line per request to FILE: transfer id, outcome, reason, and "
+            "the seconds from sending it to each phase (D allocated, PUSH_REG sent, P matched, "
+            "handshake done, WRITE posted and done, completion received, verified, answered), "
+            "both legs on drive's clock; a failed request's 'ended_at'. The summary adds "
+            "p50/p99 per phase.",
+            metavar="FILE",
+            dir_okay=False,
+        ),
+    ] = None,
+    peer_grace: Annotated[
+        float,
+        option(
+            "--peer-grace",
+            help="While no P (or no D) is up, hold requests this long for one to come back (a "
+            "restart is a dip, not the end of the run); past it what is left fails as "
+            "unreachable.",
+            seconds=True,
+        ),
+    ] = 5.0,
+    auth_token_file: options.AuthTokenFile = None,
+    **registry: Any,  # options.REGISTRY: the endpoints' registry options
 ) -> None:
     token = translate.auth_token(auth_token_file)
     if kv_transfer_params is not None or request_id is not None:

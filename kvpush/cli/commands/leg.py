@@ -48,6 +48,7 @@ Timeout = Annotated[
         help="Seconds to wait: D's wait for the push once it has blocks, or P's wait for a D "
         "to take the request.",
         scope="leg",
+        seconds=True,
     ),
 ]
 JsonOut = Annotated[
@@ -113,6 +114,7 @@ def decode(
             "a vLLM D would, heartbeating P's lease meanwhile (longer than P's lease shows the "
             "heartbeats work).",
             panel=PANEL_VLLM,
+            seconds=True,
         ),
     ] = 0.0,
     timeout: Timeout = TIMEOUT_S,

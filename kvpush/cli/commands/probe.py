@@ -11,12 +11,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
 from kvpush.address import format_address, parse_address
 from kvpush.cli import options, stdio, translate
+from kvpush.cli.optspec import option
 from kvpush.config import AgentConfig, HandshakeMode, PoolConfig
 from kvpush.errors import (
     ConfigError,
@@ -37,7 +38,7 @@ exactly one JSON object on stdout, errors included."""
 
 
 def register(app: typer.Typer) -> None:
-    options.register(app, "probe", probe, options.PROBE, DOC)
+    options.register(app, "probe", probe, DOC, options.PROBE)
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
@@ -69,9 +70,54 @@ def error_object(address: str, e: KvpushError) -> dict[str, Any]:
     }
 
 
-def probe(ctx: typer.Context, address: str, json_out: bool, **params: Any) -> None:
+def probe(
+    ctx: typer.Context,
+    address: Annotated[str, typer.Argument(help="The peer's side channel, HOST:PORT.")],
+    count: Annotated[
+        int, option("--count", "-c", help="Round trips to measure (RTT, clock offset).")
+    ] = 5,
+    timeout: Annotated[
+        float,
+        option("--timeout", help="Seconds to wait per request.", scope="probe", seconds=True),
+    ] = 3.0,
+    handshake: Annotated[
+        HandshakeMode | None,
+        option(
+            "--handshake",
+            help="Also do a real NIXL handshake of this mode from a tiny local endpoint and "
+            "time its phases.",
+            scope="probe",
+            show_default=False,
+        ),
+    ] = None,
+    ping: Annotated[
+        int, option("--ping", help="Measure this many NIXL notification round trips.")
+    ] = 0,
+    stats: Annotated[bool, option("--stats", help="Show the peer's live telemetry.")] = False,
+    json_out: Annotated[
+        bool, option("--json", help="One JSON object on stdout.", scope="probe")
+    ] = False,
+    ranks: Annotated[
+        str,
+        option(
+            "--ranks",
+            help="The peer's (pp, tp) rank to ask for, as PP,TP (vLLM serves one per rank).",
+        ),
+    ] = "0,0",
+    peer_tp: Annotated[
+        int | None,
+        option(
+            "--peer-tp",
+            help="The vLLM peer's TP size (tp_size of its kv_transfer_params): needed to ask "
+            "it for a rank other than 0,0, since vLLM's listener dies on a rank it does not "
+            "serve.",
+            show_default=False,
+        ),
+    ] = None,
+    **endpoint: Any,  # options.PROBE: the local geometry, NIXL and security options
+) -> None:
     try:
-        _probe(ctx, address=address, json_out=json_out, **params)
+        _probe(ctx, **ctx.params)
     except KvpushError as e:
         if json_out:
             stdio.out(json.dumps(error_object(address, e)))

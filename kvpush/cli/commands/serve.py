@@ -28,6 +28,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,16 +67,24 @@ DOCS: dict[str, str] = {
 
 
 def register(app: typer.Typer) -> None:
-    roles: tuple[Role, ...] = ("prefill", "decode")
-    for role in roles:
+    for role in ROLES:
+        options.register(
+            app, f"serve-{role}", _command(role), DOCS[role], options.serve_entries(role)
+        )
 
-        def body(ctx: typer.Context, role: Role = role, **params: Any) -> None:
-            del ctx
-            cfg = translate.endpoint_config(role, params)
-            opts = ServeOptions.from_params(params)
-            raise typer.Exit(serve(cfg, opts))
 
-        options.register(app, f"serve-{role}", body, options.serve_entries(role), DOCS[role])
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+
+def _command(role: Role) -> Callable[..., None]:
+    """The body of ``serve-<role>``: every option is an entry of the endpoint table."""
+
+    def body(**params: Any) -> None:
+        cfg = translate.endpoint_config(role, params)
+        opts = ServeOptions.from_params(params)
+        raise typer.Exit(serve(cfg, opts))
+
+    return body
 
 
 def setup_logging(console: Console, level: LogLevel | str, rich_handler: bool) -> None:
