@@ -20,7 +20,7 @@ from typing import Annotated, Any
 
 import typer
 from typer import _click as click  # typer >= 0.26 ships its own copy of click
-from typer.completion import completion_init  # type: ignore[attr-defined]  # typer calls it there
+from typer._completion_classes import completion_init  # typer.completion calls it there
 
 from kvpush import PROTOCOL_VERSION, __version__
 from kvpush.cli import stdio

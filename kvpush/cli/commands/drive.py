@@ -106,111 +106,136 @@ def old_leg(ctx: typer.Context, token: bytes | None) -> None:
     legs.prefill_leg(ends[0], p["request_id"], blocks, p["timeout"], token, p["json_out"], "drive")
 
 
+# drive's own options: each parameter's type carries its option (typer reads the signature).
+Prefill = Annotated[
+    list[str] | None,
+    option(
+        "--prefill",
+        "-p",
+        help="A prefill endpoint HOST:PORT (repeatable).",
+        metavar="HOST:PORT",
+        show_default=False,
+    ),
+]
+
+Decode = Annotated[
+    list[str] | None,
+    option(
+        "--decode",
+        "-d",
+        help="A decode endpoint HOST:PORT (repeatable).",
+        metavar="HOST:PORT",
+        show_default=False,
+    ),
+]
+
+Requests = Annotated[int, option("--requests", "-n", help="Requests to send.")]
+
+Rate = Annotated[
+    float | None,
+    option("--rate", help="Start at most this many requests per second.", show_default=False),
+]
+
+Tokens = Annotated[
+    int | None,
+    option(
+        "--tokens",
+        help="Tokens per request (with --shape): --blocks becomes ceil(tokens / the "
+        "shape's block tokens).",
+        show_default=False,
+    ),
+]
+
+Timeout = Annotated[
+    float,
+    option(
+        "--timeout",
+        help="Seconds a request may take before it fails.",
+        scope="drive",
+        seconds=True,
+    ),
+]
+
+JsonOut = Annotated[bool, option("--json", help="One JSON summary on stdout.", scope="drive")]
+
+# drive's old spelling of 'kvpush leg decode|prefill' (deprecated): hidden, no variable.
+KvTransferParams = Annotated[
+    str | None,
+    option(
+        "--kv-transfer-params",
+        help="Deprecated: 'kvpush leg decode'.",
+        env=False,
+        hidden=True,
+        metavar="FILE|JSON",
+    ),
+]
+
+RequestId = Annotated[
+    str | None,
+    option(
+        "--request-id",
+        help="Deprecated: 'kvpush leg prefill'.",
+        env=False,
+        hidden=True,
+        metavar="ID",
+    ),
+]
+
+AllocDelay = Annotated[
+    float,
+    option(
+        "--alloc-delay",
+        help="Deprecated: 'kvpush leg decode'.",
+        env=False,
+        hidden=True,
+        seconds=True,
+    ),
+]
+
+Trace = Annotated[
+    Path | None,
+    option(
+        "--trace",
+        help="Write one JSON line per request to FILE: transfer id, outcome, reason, and "
+        "the seconds from sending it to each phase (D allocated, PUSH_REG sent, P matched, "
+        "handshake done, WRITE posted and done, completion received, verified, answered), "
+        "both legs on drive's clock; a failed request's 'ended_at'. The summary adds "
+        "p50/p99 per phase.",
+        metavar="FILE",
+        dir_okay=False,
+    ),
+]
+
+PeerGrace = Annotated[
+    float,
+    option(
+        "--peer-grace",
+        help="While no P (or no D) is up, hold requests this long for one to come back (a "
+        "restart is a dip, not the end of the run); past it what is left fails as "
+        "unreachable.",
+        seconds=True,
+    ),
+]
+
+
 def drive(
     ctx: typer.Context,
-    prefill: Annotated[
-        list[str] | None,
-        option(
-            "--prefill",
-            "-p",
-            help="A prefill endpoint HOST:PORT (repeatable).",
-            metavar="HOST:PORT",
-            show_default=False,
-        ),
-    ] = None,
-    decode: Annotated[
-        list[str] | None,
-        option(
-            "--decode",
-            "-d",
-            help="A decode endpoint HOST:PORT (repeatable).",
-            metavar="HOST:PORT",
-            show_default=False,
-        ),
-    ] = None,
-    requests: Annotated[int, option("--requests", "-n", help="Requests to send.")] = 100,
+    prefill: Prefill = None,
+    decode: Decode = None,
+    requests: Requests = 100,
     concurrency: options.Concurrency = 8,
-    rate: Annotated[
-        float | None,
-        option("--rate", help="Start at most this many requests per second.", show_default=False),
-    ] = None,
+    rate: Rate = None,
     blocks: options.Blocks = 4,
     shape: options.Shape = None,
-    tokens: Annotated[
-        int | None,
-        option(
-            "--tokens",
-            help="Tokens per request (with --shape): --blocks becomes ceil(tokens / the "
-            "shape's block tokens).",
-            show_default=False,
-        ),
-    ] = None,
-    timeout: Annotated[
-        float,
-        option(
-            "--timeout",
-            help="Seconds a request may take before it fails.",
-            scope="drive",
-            seconds=True,
-        ),
-    ] = 30.0,
-    json_out: Annotated[
-        bool, option("--json", help="One JSON summary on stdout.", scope="drive")
-    ] = False,
+    tokens: Tokens = None,
+    timeout: Timeout = 30.0,
+    json_out: JsonOut = False,
     # drive's old spelling of 'kvpush leg decode|prefill' (deprecated): hidden, no variable
-    kv_transfer_params: Annotated[
-        str | None,
-        option(
-            "--kv-transfer-params",
-            help="Deprecated: 'kvpush leg decode'.",
-            env=False,
-            hidden=True,
-            metavar="FILE|JSON",
-        ),
-    ] = None,
-    request_id: Annotated[
-        str | None,
-        option(
-            "--request-id",
-            help="Deprecated: 'kvpush leg prefill'.",
-            env=False,
-            hidden=True,
-            metavar="ID",
-        ),
-    ] = None,
-    alloc_delay: Annotated[
-        float,
-        option(
-            "--alloc-delay",
-            help="Deprecated: 'kvpush leg decode'.",
-            env=False,
-            hidden=True,
-            seconds=True,
-        ),
-    ] = 0.0,
-    trace: Annotated[
-        Path | None,
-        option(
-            "--trace",
-            help="Write one JSON line per request to FILE: transfer id, outcome, reason, and "
-            "the seconds from sending it to each phase (D allocated, PUSH_REG sent, P matched, "
-            "handshake done, WRITE posted and done, completion received, verified, answered), "
-            "both legs on drive's clock; a failed request's 'ended_at'. The summary adds "
-            "p50/p99 per phase.",
-            metavar="FILE",
-            dir_okay=False,
-        ),
-    ] = None,
-    peer_grace: Annotated[
-        float,
-        option(
-            "--peer-grace",
-            help="While no P (or no D) is up, hold requests this long for one to come back (a "
-            "restart is a dip, not the end of the run); past it what is left fails as "
-            "unreachable.",
-            seconds=True,
-        ),
-    ] = 5.0,
+    kv_transfer_params: KvTransferParams = None,
+    request_id: RequestId = None,
+    alloc_delay: AllocDelay = 0.0,
+    trace: Trace = None,
+    peer_grace: PeerGrace = 5.0,
     auth_token_file: options.AuthTokenFile = None,
     **registry: Any,  # options.REGISTRY: the endpoints' registry options
 ) -> None:
