@@ -81,7 +81,7 @@ def test_no_variable_means_two_things_to_two_commands() -> None:
     assert shared == options.SHARED_ENV
     for var in ("KVPUSH_PROBE_TIMEOUT", "KVPUSH_DRIVE_TIMEOUT", "KVPUSH_PROBE_JSON",
                 "KVPUSH_DRIVE_JSON", "KVPUSH_PROBE_HANDSHAKE", "KVPUSH_HANDSHAKE",
-                "KVPUSH_LEG_TIMEOUT", "KVPUSH_LEG_BLOCKS", "KVPUSH_BLOCKS"):  # fmt: skip
+                "KVPUSH_LEG_TIMEOUT", "KVPUSH_BLOCKS"):  # fmt: skip
         assert len(meanings[var]) == 1, var
     assert "KVPUSH_TIMEOUT" not in meanings and "KVPUSH_JSON" not in meanings
 

@@ -95,10 +95,11 @@ Shape = Annotated[
 Concurrency = Annotated[int, option("--concurrency", "-c", help="Requests in flight at once.")]
 Blocks = Annotated[int, option("--blocks", help="Blocks per request.")]
 
-#: Variables that two declarations share (drive's and demo's --requests: per-command help, the
-#: same meaning). Any other variable that two options with different help would share is a
-#: clash (``tests/test_cli_operator.py`` walks every command).
-SHARED_ENV: frozenset[str] = frozenset({"KVPUSH_REQUESTS"})
+#: Variables that two declarations share (drive's and demo's --requests; leg decode's and leg
+#: prefill's --blocks, the request's blocks: per-command help, the same meaning). Any other
+#: variable that two options with different help would share is a clash
+#: (``tests/test_cli_operator.py`` walks every command).
+SHARED_ENV: frozenset[str] = frozenset({"KVPUSH_REQUESTS", "KVPUSH_LEG_BLOCKS"})
 
 
 def help_text(doc: str) -> str:
