@@ -25,7 +25,7 @@ from typing import Annotated, Any
 import typer
 
 from kvpush.cli import complete
-from kvpush.cli.flags import Command
+from kvpush.cli.flags import Command, Group
 from kvpush.cli.optspec import (
     Entry,
     LogLevel,
@@ -55,6 +55,7 @@ __all__ = [
     "Shape",
     "Shell",
     "envvar",
+    "group",
     "help_text",
     "option",
     "param_name",
@@ -148,3 +149,14 @@ def register(
     command.__signature__ = signature(fn, entries, extra)  # type: ignore[attr-defined]
     command.__name__ = name.replace("-", "_")
     app.command(name, cls=Command, help=help_text(doc))(command)
+
+
+def group(name: str, help: str) -> typer.Typer:
+    """A group of commands (``kvpush fleet ...``, ``kvpush leg ...``); ``app.add_typer`` it."""
+    return typer.Typer(
+        name=name,
+        cls=Group,
+        help=help,
+        no_args_is_help=True,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )

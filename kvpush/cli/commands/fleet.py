@@ -21,7 +21,6 @@ import typer
 from rich.console import Console
 
 from kvpush.cli import options, stdio, translate
-from kvpush.cli.flags import Group
 from kvpush.cli.optspec import PANEL_OUT, option
 from kvpush.cli.signals import StopFlag
 from kvpush.errors import ConfigError, ExitStatus
@@ -62,13 +61,7 @@ the check ('left'). Exit status 0 when every pair that can work works, 3 when on
 
 
 def register(app: typer.Typer) -> None:
-    group = typer.Typer(
-        name="fleet",
-        cls=Group,
-        help=HELP,
-        no_args_is_help=True,
-        context_settings={"help_option_names": ["-h", "--help"]},
-    )
+    group = options.group("fleet", HELP)
     options.register(group, "ls", ls, LS_DOC, options.REGISTRY)
     options.register(group, "watch", watch, WATCH_DOC, options.REGISTRY)
     options.register(group, "check", check, CHECK_DOC, options.REGISTRY)

@@ -21,7 +21,6 @@ import typer
 from rich.console import Console
 
 from kvpush.cli import options, stdio, translate
-from kvpush.cli.flags import Command, Group
 from kvpush.cli.optspec import PANEL_VLLM, option
 from kvpush.cli.views import reports
 
@@ -63,15 +62,9 @@ TIMEOUT_S = 30.0
 
 
 def register(app: typer.Typer) -> None:
-    group = typer.Typer(
-        name="leg",
-        cls=Group,
-        help=HELP,
-        no_args_is_help=True,
-        context_settings={"help_option_names": ["-h", "--help"]},
-    )
-    group.command("decode", cls=Command, help=options.help_text(DECODE_DOC))(decode)
-    group.command("prefill", cls=Command, help=options.help_text(PREFILL_DOC))(prefill)
+    group = options.group("leg", HELP)
+    options.register(group, "decode", decode, DECODE_DOC)
+    options.register(group, "prefill", prefill, PREFILL_DOC)
     app.add_typer(group)
 
 
