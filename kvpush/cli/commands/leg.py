@@ -39,7 +39,6 @@ once the kv_transfer_params to hand the vLLM D (one JSON line on stdout), then w
 push (or the lease) and reports outcome and the sha256 of the KV. Exit status 0 when the push
 completed, 1 otherwise."""
 
-AuthTokenFile = Annotated[str | None, options.OPTIONS["auth_token_file"].info()]
 Timeout = Annotated[
     float,
     option(
@@ -112,7 +111,7 @@ def decode(
     ] = 0.0,
     timeout: Timeout = TIMEOUT_S,
     json_out: JsonOut = False,
-    auth_token_file: AuthTokenFile = None,
+    auth_token_file: options.AuthTokenFile = None,
 ) -> None:
     token = translate.auth_token(auth_token_file)
     decode_leg(decode, kv_transfer_params, blocks, timeout, alloc_delay, token, json_out)
@@ -148,7 +147,7 @@ def prefill(
     ],
     timeout: Timeout = TIMEOUT_S,
     json_out: JsonOut = False,
-    auth_token_file: AuthTokenFile = None,
+    auth_token_file: options.AuthTokenFile = None,
 ) -> None:
     token = translate.auth_token(auth_token_file)
     prefill_leg(prefill, request_id, blocks, timeout, token, json_out)
