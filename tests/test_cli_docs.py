@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from typer.core import TyperGroup
 from typer.main import get_command
 
 from kvpush.cli import gendocs
@@ -88,7 +89,8 @@ def _readme_invocations() -> list[list[str]]:
 
 def test_readme_usage_names_only_existing_commands_and_options() -> None:
     root = get_command(app)
-    commands = root.commands  # type: ignore[attr-defined]
+    assert isinstance(root, TyperGroup)
+    commands = root.commands
     global_opts = {o for p in root.params for o in (*p.opts, *getattr(p, "secondary_opts", []))}
     invocations = _readme_invocations()
     assert len(invocations) >= 10
@@ -121,3 +123,22 @@ def test_readme_set_up_has_exactly_two_commands() -> None:
     assert block is not None
     cmds = [ln.split("#")[0].strip() for ln in block.group(1).splitlines() if ln.strip()]
     assert cmds == ["make demo", "make test"]
+
+
+def test_flags_read_as_flags_in_help() -> None:
+    """typer's help prints a value type beside every option; a flag (``--json``,
+    ``--verify/--no-verify``, ``--help``) gets none, as in the man page: it takes no value."""
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    names = ["", "fleet", "leg", *(n for n, _ in gendocs.commands(get_command(app)))]
+    for name in names:
+        r = runner.invoke(app, [*name.split(), "--help"], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, (name, r.output)
+        assert "<bool>" not in r.output, name
+        assert re.search(r"--help\s+-h\s+Show this message and exit\.", r.output), name
+    r = runner.invoke(app, ["serve-decode", "--help"], env={"COLUMNS": "200"})
+    assert re.search(r"--verify\s+--no-verify\s+Check every landed byte", r.output), r.output
+    r = runner.invoke(app, ["probe", "--help"], env={"COLUMNS": "200"})
+    assert re.search(r"--json\s+One JSON object on stdout\.", r.output), r.output
+    assert re.search(r"--timeout\s+SECONDS\s+Seconds to wait per request\.", r.output)

@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+from typer.main import get_command
 
-from kvpush.cli import options
+from kvpush.cli import gendocs, options
+from kvpush.cli.app import app
 from tests.conftest import SMALL, Done, run_cli
-from tests.support.procs import KVPUSH, Launcher, clean_env
+from tests.support.procs import KVPUSH, Launcher, Proc, clean_env
 
 HASH_ERROR = [
     "error: invalid compatibility hash {!r}",
@@ -59,16 +61,27 @@ def test_help_has_no_typer_completion_options_and_tab_still_completes() -> None:
     assert _complete("kvpush serve-decode --handshake ") == ["notif", "full"]
 
 
+def _helps_by_variable() -> dict[str, set[str]]:
+    """Every option's variable -> the help texts of the options that read it, in every
+    command (the root's included)."""
+    root = get_command(app)
+    meanings: dict[str, set[str]] = {}
+    for cmd in [root, *(c for _, c in gendocs.commands(root))]:
+        for p in cmd.params:
+            var = getattr(p, "envvar", None)
+            if var:
+                meanings.setdefault(var, set()).add(getattr(p, "help", "") or "")
+    return meanings
+
+
 def test_no_variable_means_two_things_to_two_commands() -> None:
     """A flag with two meanings has a variable per command; the shared ones mean the same."""
-    meanings: dict[str, set[str]] = {}
-    for opt in options.OPTIONS.values():
-        if opt.envvar:
-            meanings.setdefault(opt.envvar, set()).add(opt.key)
-    shared = {var for var, keys in meanings.items() if len(keys) > 1}
+    meanings = _helps_by_variable()
+    shared = {var for var, helps in meanings.items() if len(helps) > 1}
     assert shared == options.SHARED_ENV
     for var in ("KVPUSH_PROBE_TIMEOUT", "KVPUSH_DRIVE_TIMEOUT", "KVPUSH_PROBE_JSON",
-                "KVPUSH_DRIVE_JSON", "KVPUSH_PROBE_HANDSHAKE", "KVPUSH_HANDSHAKE"):  # fmt: skip
+                "KVPUSH_DRIVE_JSON", "KVPUSH_PROBE_HANDSHAKE", "KVPUSH_HANDSHAKE",
+                "KVPUSH_LEG_TIMEOUT", "KVPUSH_BLOCKS"):  # fmt: skip
         assert len(meanings[var]) == 1, var
     assert "KVPUSH_TIMEOUT" not in meanings and "KVPUSH_JSON" not in meanings
 
@@ -118,15 +131,15 @@ def _drive(*args: str) -> subprocess.Popen[str]:
 
 @pytest.mark.integration
 def test_drive_goes_on_without_a_decode_that_is_down_at_start(
-    pd_pair: tuple[object, object], free_port: int
+    pd_pair: tuple[Proc, Proc], free_port: int
 ) -> None:
     p, d = pd_pair
     gone = f"127.0.0.1:{free_port}"
-    r = run_cli("drive", "-p", p.address, "-d", gone, "-d", d.address, "-n", "20",  # type: ignore[attr-defined]
+    r = run_cli("drive", "-p", p.address, "-d", gone, "-d", d.address, "-n", "20",
                 "-c", "4", "--json", env=clean_env(COLUMNS="80"))  # fmt: skip
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert (out["ok"], out["by_decode"]) == (20, {d.address: 20})  # type: ignore[attr-defined]
+    assert (out["ok"], out["by_decode"]) == (20, {d.address: 20})
     why = f"{gone}: connection refused"
     assert (
         f"drive: {gone} is down at start ({why}): requests avoid it until it answers"
@@ -142,17 +155,17 @@ def test_drive_goes_on_without_a_decode_that_is_down_at_start(
 
 
 @pytest.mark.integration
-def test_drive_exits_69_only_when_no_decode_is_up(pd_pair: tuple[object, object]) -> None:
+def test_drive_exits_69_only_when_no_decode_is_up(pd_pair: tuple[Proc, Proc]) -> None:
     p, _ = pd_pair
-    r = run_cli("drive", "-p", p.address, "-d", "127.0.0.1:1", "-d", "127.0.0.1:2", "-n", "2")  # type: ignore[attr-defined]
+    r = run_cli("drive", "-p", p.address, "-d", "127.0.0.1:1", "-d", "127.0.0.1:2", "-n", "2")
     assert r.returncode == 69
     assert r.err_lines[0] == "error: 127.0.0.1:1: connection refused"
 
 
 @pytest.mark.integration
-def test_a_short_timeout_is_reported_as_a_deadline(pd_pair: tuple[object, object]) -> None:
+def test_a_short_timeout_is_reported_as_a_deadline(pd_pair: tuple[Proc, Proc]) -> None:
     p, d = pd_pair
-    r = run_cli("drive", "-p", p.address, "-d", d.address, "-n", "4", "--timeout", "0.001",  # type: ignore[attr-defined]
+    r = run_cli("drive", "-p", p.address, "-d", d.address, "-n", "4", "--timeout", "0.001",
                 "--json")  # fmt: skip
     assert r.returncode == 1
     out = json.loads(r.stdout)
@@ -162,10 +175,10 @@ def test_a_short_timeout_is_reported_as_a_deadline(pd_pair: tuple[object, object
 
 @pytest.mark.integration
 def test_a_run_planned_far_longer_than_its_timeout_is_noted_before_it_starts(
-    pd_pair: tuple[object, object],
+    pd_pair: tuple[Proc, Proc],
 ) -> None:
     p, d = pd_pair
-    drive = _drive("-p", p.address, "-d", d.address, "--rate", "0.000001", "-n", "2",  # type: ignore[attr-defined]
+    drive = _drive("-p", p.address, "-d", d.address, "--rate", "0.000001", "-n", "2",
                    "--json")  # fmt: skip
     try:
         assert drive.stderr is not None

@@ -1,14 +1,16 @@
-"""``kvpush drive`` driving one leg of a vLLM push deployment (``--kv-transfer-params``,
-``--request-id``), without vLLM.
+"""``kvpush leg decode|prefill`` driving one leg of a vLLM push deployment, without vLLM; and
+``drive``'s old spelling of the same legs (``--kv-transfer-params``, ``--request-id``), which
+runs them after a one-line deprecation note.
 
-* Bad input (wrong flag combinations, malformed or incomplete kv_transfer_params) is refused
-  with one ``error:`` / ``hint:`` pair and exit 2, before any peer is contacted.
+* Bad input (a missing option, malformed or incomplete kv_transfer_params, drive's old
+  spelling with options of a load run) is refused with one ``error:`` / ``hint:`` pair and
+  exit 2, before any peer is contacted.
 * A leg's endpoint is identified first: a vLLM engine (a listener that dies as vLLM's does on
   anything but ``get_meta_msg``), an endpoint of the other role, or a P on kvpush's own wire is
   refused with a typed error, and the vLLM listener got nothing but ``get_meta_msg``.
 * Both legs end to end between two kvpush endpoints on vLLM's wire (a shared ``--compat-hash``):
-  ``drive --prefill`` prints the kv_transfer_params line at once, ``drive --decode`` hands them
-  to D, and both report the same sha256. A prefill leg nobody takes ends ``pending`` (exit 1).
+  ``leg prefill`` prints the kv_transfer_params line at once, ``leg decode`` hands them to D,
+  and both report the same sha256. A prefill leg nobody takes ends ``pending`` (exit 1).
 
 The same legs against vLLM's own connector are in ``tests/vllm/test_wire_vllm.py``.
 """
@@ -40,10 +42,6 @@ PARAMS = {
     "pp_size": 1,
     "transfer_mode": "push",
 }
-LEG_HINT = (
-    "hint: a vLLM leg is 'drive --decode D --kv-transfer-params FILE|JSON' or "
-    "'drive --prefill P --request-id ID --blocks N'"
-)
 D, P = "127.0.0.1:5601", "127.0.0.1:5600"
 
 
@@ -56,30 +54,14 @@ def params(**change: object) -> str:
 
 CASES = [
     (
-        ["--kv-transfer-params", params()],
+        ["decode", "--kv-transfer-params", params()],
         [
-            "error: --kv-transfer-params needs --decode HOST:PORT",
-            "hint: pass --decode HOST:PORT of the kvpush D (serve-decode --wire vllm) that "
-            "receives the vLLM P's push",
+            "error: Missing option '--decode' / '-d' (env var: 'KVPUSH_LEG_DECODE').",
+            "hint: see 'kvpush leg decode --help'",
         ],
     ),
     (
-        ["-d", D, "-p", P, "--kv-transfer-params", params()],
-        [
-            "error: --kv-transfer-params goes with --decode only, not --prefill",
-            "hint: the P is the one the kv_transfer_params name (remote_host, remote_port): "
-            "drop --prefill",
-        ],
-    ),
-    (
-        ["-d", D, "-d", "127.0.0.1:5602", "--kv-transfer-params", params()],
-        [
-            "error: --kv-transfer-params drives one request through one endpoint, got 2 --decode",
-            "hint: pass a single --decode",
-        ],
-    ),
-    (
-        ["-d", D, "--kv-transfer-params", "{not json"],
+        ["decode", "-d", D, "--kv-transfer-params", "{not json"],
         [
             "error: --kv-transfer-params is not valid JSON: Expecting property name enclosed "
             "in double quotes at line 1 column 2",
@@ -88,7 +70,7 @@ CASES = [
         ],
     ),
     (
-        ["-d", D, "--kv-transfer-params", params(remote_host=None, tp_size=None)],
+        ["decode", "-d", D, "--kv-transfer-params", params(remote_host=None, tp_size=None)],
         [
             "error: --kv-transfer-params lacks remote_host, tp_size",
             "hint: a push-mode vLLM P returns remote_engine_id, remote_request_id, remote_host, "
@@ -96,50 +78,105 @@ CASES = [
         ],
     ),
     (
-        ["-d", D, "--kv-transfer-params", params(remote_port="5600"), "--blocks", "2"],
+        ["decode", "-d", D, "--kv-transfer-params", params(remote_port="5600"), "--blocks", "2"],
         [
             "error: --kv-transfer-params: remote_port must be an integer in 1..65535, got '5600'",
             "hint: pass the kv_transfer_params a vLLM P returned, unchanged",
         ],
     ),
     (
-        ["-d", D, "--kv-transfer-params", params(transfer_mode="pull")],
+        ["decode", "-d", D, "--kv-transfer-params", params(transfer_mode="pull")],
         [
             "error: --kv-transfer-params are for transfer_mode 'pull'",
             "hint: kvpush speaks vLLM's push mode (NixlPushConnector)",
         ],
     ),
     (
-        ["-d", D, "--kv-transfer-params", "[1, 2]"],
+        ["decode", "-d", D, "--kv-transfer-params", "[1, 2]"],
         [
             "error: --kv-transfer-params must be a JSON object, not list",
             "hint: pass the map a vLLM P's request_finished returns",
         ],
     ),
     (
-        ["-d", D, "--kv-transfer-params", params()],
+        ["decode", "-d", D, "--kv-transfer-params", params()],
         [
             "error: these kv_transfer_params do not say how many blocks P holds",
             "hint: pass --blocks N (the request's prompt blocks)",
         ],
     ),
     (
-        ["-d", D, "--kv-transfer-params", params(remote_block_ids=[[3, 4, 5]]), "--blocks", "2"],
+        ["decode", "-d", D, "--kv-transfer-params", params(remote_block_ids=[[3, 4, 5]]),
+         "--blocks", "2"],
         [
             "error: --blocks 2 but P holds 3 blocks for this request",
             "hint: drop --blocks: D must allocate exactly P's block count",
         ],
     ),
     (
-        ["-d", D, "--kv-transfer-params", params(), "--blocks", "2", "--alloc-delay", "-1"],
+        ["decode", "-d", D, "--kv-transfer-params", params(), "--blocks", "2", "--alloc-delay",
+         "-1"],
         [
             "error: --alloc-delay must be in 0..3600 seconds, got -1",
             "hint: pass how long D should hold the request before it gets blocks",
         ],
     ),
     (
+        ["prefill", "-p", P, "--request-id", "cmpl-1"],
+        [
+            "error: Missing option '--blocks' (env var: 'KVPUSH_LEG_BLOCKS').",
+            "hint: see 'kvpush leg prefill --help'",
+        ],
+    ),
+    (
+        ["prefill", "-p", P, "--request-id", "", "--blocks", "2"],
+        ["error: --request-id is empty", "hint: pass the request id the vLLM D will use"],
+    ),
+    (
+        ["prefill", "-p", P, "--request-id", "cmpl-1", "--blocks", "0"],
+        ["error: --blocks must be in 1..65536, got 0", "hint: pass --blocks between 1 and 65536"],
+    ),
+    (
+        ["prefill", "-p", P, "--request-id", "cmpl-1", "--blocks", "2", "--alloc-delay", "3"],
+        ["error: No such option: --alloc-delay", "hint: see 'kvpush leg prefill --help'"],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "lines"), CASES, ids=[" ".join(c[0])[:60] for c in CASES])
+def test_bad_input_is_one_error_and_hint(args: list[str], lines: list[str]) -> None:
+    r = run_cli("leg", *args)
+    assert r.err_lines == lines, r.stderr
+    assert r.returncode == USAGE
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def _deprecated(flag: str, leg: str) -> str:
+    return f"drive: note: 'drive {flag}' is deprecated: run 'kvpush leg {leg}' (the same options)"
+
+
+OLD_SPELLING = [
+    (
         ["-d", D, "--kv-transfer-params", params(), "--blocks", "2", "-n", "5"],
-        ["error: --requests applies to a load run, not to one vLLM leg", "hint: drop --requests"],
+        [
+            "error: drive --kv-transfer-params runs one vLLM leg, which takes no --requests",
+            "hint: run 'kvpush leg decode --decode HOST:PORT ...' (see 'kvpush leg decode --help')",
+        ],
+    ),
+    (
+        ["-p", P, "-d", D, "--request-id", "cmpl-1", "--blocks", "2"],
+        [
+            "error: drive --request-id runs one vLLM leg, which takes no --decode",
+            "hint: run 'kvpush leg prefill --prefill HOST:PORT ...' (see 'kvpush leg prefill "
+            "--help')",
+        ],
+    ),
+    (
+        ["-d", D, "-d", "127.0.0.1:5602", "--kv-transfer-params", params()],
+        [
+            "error: drive --kv-transfer-params runs one vLLM leg, which takes one --decode, got 2",
+            "hint: run 'kvpush leg decode --decode HOST:PORT ...' (see 'kvpush leg decode --help')",
+        ],
     ),
     (
         ["-p", P, "--request-id", "cmpl-1"],
@@ -149,63 +186,34 @@ CASES = [
         ],
     ),
     (
-        ["-p", P, "-d", D, "--request-id", "cmpl-1", "--blocks", "2"],
-        [
-            "error: --request-id goes with --prefill only, not --decode",
-            "hint: hand the kv_transfer_params it prints to the vLLM D (what a router does): "
-            "drop --decode",
-        ],
-    ),
-    (
-        ["--request-id", "cmpl-1", "--blocks", "2"],
-        [
-            "error: --request-id needs --prefill HOST:PORT",
-            "hint: pass --prefill HOST:PORT of the kvpush P (serve-prefill --wire vllm) that "
-            "fills the request",
-        ],
-    ),
-    (
-        ["-p", P, "--request-id", "", "--blocks", "2"],
-        ["error: --request-id is empty", "hint: pass the request id the vLLM D will use"],
-    ),
-    (
-        ["-p", P, "--request-id", "cmpl-1", "--blocks", "0"],
-        ["error: --blocks must be in 1..65536, got 0", "hint: pass --blocks between 1 and 65536"],
-    ),
-    (
-        ["-p", P, "--request-id", "cmpl-1", "--blocks", "2", "--alloc-delay", "3"],
-        [
-            "error: --alloc-delay applies to the decode leg (--kv-transfer-params)",
-            "hint: a vLLM D decides itself when it allocates: drop --alloc-delay",
-        ],
-    ),
-    (
-        ["-p", P, "--request-id", "x", "--blocks", "2", "--kv-transfer-params", params()],
-        ["error: --kv-transfer-params and --request-id are two different legs", LEG_HINT],
-    ),
-    (
         ["-p", P, "-d", D, "--alloc-delay", "3"],
         [
-            "error: --alloc-delay needs --kv-transfer-params",
-            "hint: it delays the decode leg of one vLLM request: " + LEG_HINT[len("hint: ") :],
+            "error: --alloc-delay applies to one vLLM leg, not to a load run",
+            "hint: run 'kvpush leg decode --alloc-delay SECONDS ...'",
         ],
     ),
     (
         ["-p", P],
         [
             "error: drive needs --decode HOST:PORT",
-            "hint: a load run takes --prefill and --decode endpoints; " + LEG_HINT[6:],
+            "hint: a load run takes --prefill and --decode endpoints; one vLLM leg is 'kvpush "
+            "leg decode' or 'kvpush leg prefill'",
         ],
     ),
 ]
 
 
-@pytest.mark.parametrize(("args", "lines"), CASES, ids=[" ".join(c[0])[:60] for c in CASES])
-def test_bad_input_is_one_error_and_hint(args: list[str], lines: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("args", "lines"), OLD_SPELLING, ids=[" ".join(c[0])[:60] for c in OLD_SPELLING]
+)
+def test_drives_old_spelling_of_a_leg_is_checked(args: list[str], lines: list[str]) -> None:
     r = run_cli("drive", *args)
     assert r.err_lines == lines, r.stderr
-    assert r.returncode == USAGE
-    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert r.returncode == USAGE and r.stdout == ""
+    flag = next((f for f in ("--kv-transfer-params", "--request-id") if f in args), None)
+    notes = [ln for ln in r.stderr.splitlines() if ln.startswith("drive: note:")]
+    leg = "decode" if flag == "--kv-transfer-params" else "prefill"
+    assert notes == ([_deprecated(flag, leg)] if flag else [])
 
 
 def test_params_from_a_file_stdin_or_a_whole_response(tmp_path, free_port: int) -> None:
@@ -214,9 +222,11 @@ def test_params_from_a_file_stdin_or_a_whole_response(tmp_path, free_port: int) 
     f = tmp_path / "params.json"
     f.write_text(params(remote_block_ids=[[1, 2]]))
     refused = [f"error: {d}: connection refused"]
-    assert run_cli("drive", "-d", d, "--kv-transfer-params", str(f)).err_lines[:1] == refused
+    assert (
+        run_cli("leg", "decode", "-d", d, "--kv-transfer-params", str(f)).err_lines[:1] == refused
+    )
     p = subprocess.run(
-        [*KVPUSH, "drive", "-d", d, "--kv-transfer-params", "-", "--blocks", "2"],
+        [*KVPUSH, "leg", "decode", "-d", d, "--kv-transfer-params", "-", "--blocks", "2"],
         input=json.dumps({"id": "cmpl-1", "kv_transfer_params": PARAMS}),
         capture_output=True,
         text=True,
@@ -225,28 +235,45 @@ def test_params_from_a_file_stdin_or_a_whole_response(tmp_path, free_port: int) 
     )
     assert [ln for ln in p.stderr.splitlines() if ln.startswith("error:")] == refused
     assert p.returncode == UNREACHABLE
-    r = run_cli("drive", "-d", d, "--kv-transfer-params", str(tmp_path / "none.json"))
+    r = run_cli("leg", "decode", "-d", d, "--kv-transfer-params", str(tmp_path / "none.json"))
     assert r.err_lines == [
         f"error: cannot read --kv-transfer-params file {tmp_path / 'none.json'}: "
         "No such file or directory",
         "hint: pass the JSON object itself, the path of a file holding it, or - for stdin",
     ]
     f.write_text("{")
-    assert run_cli("drive", "-d", d, "--kv-transfer-params", str(f)).err_lines[0] == (
+    assert run_cli("leg", "decode", "-d", d, "--kv-transfer-params", str(f)).err_lines[0] == (
         f"error: --kv-transfer-params file {f} is not valid JSON: Expecting property name "
         "enclosed in double quotes at line 1 column 2"
     )
 
 
+def test_drives_old_spelling_still_runs_the_leg(tmp_path, free_port: int) -> None:
+    """``drive -d D --kv-transfer-params ...`` (deprecated) says so in one line on stderr and
+    runs the leg as ``leg decode`` does: here it reaches the peer, which nobody serves."""
+    d = f"127.0.0.1:{free_port}"
+    r = run_cli("drive", "-d", d, "--kv-transfer-params", params(), "--blocks", "2")
+    assert r.err_lines[:1] == [f"error: {d}: connection refused"]
+    assert r.returncode == UNREACHABLE
+    assert r.stderr.splitlines()[0] == _deprecated("--kv-transfer-params", "decode")
+    r = run_cli("drive", "-p", d, "--request-id", "cmpl-1", "--blocks", "2")
+    assert r.err_lines[:1] == [f"error: {d}: connection refused"]
+    assert r.stderr.splitlines()[0] == _deprecated("--request-id", "prefill")
+
+
 def test_options_read_their_variables(make_env) -> None:
-    env = make_env(KVPUSH_DECODE=D, KVPUSH_KV_TRANSFER_PARAMS="{", KVPUSH_ALLOC_DELAY="1")
+    env = make_env(KVPUSH_LEG_DECODE=D, KVPUSH_KV_TRANSFER_PARAMS="{", KVPUSH_ALLOC_DELAY="1")
     assert (
-        run_cli("drive", env=env)
+        run_cli("leg", "decode", env=env)
         .err_lines[0]
         .startswith("error: --kv-transfer-params is not valid JSON")
     )
-    env = make_env(KVPUSH_PREFILL=P, KVPUSH_REQUEST_ID="cmpl-1")
-    assert run_cli("drive", env=env).err_lines[0] == "error: --request-id needs --blocks N"
+    env = make_env(KVPUSH_LEG_PREFILL=P, KVPUSH_REQUEST_ID="cmpl-1", KVPUSH_LEG_BLOCKS="0")
+    r = run_cli("leg", "prefill", env=env)
+    assert r.err_lines[0] == "error: --blocks must be in 1..65536, got 0"
+    # drive's old spelling has no variables: a leg's never turns a load run into a leg
+    r = run_cli("drive", "-p", P, env=make_env(KVPUSH_KV_TRANSFER_PARAMS=params()))
+    assert r.err_lines[0] == "error: drive needs --decode HOST:PORT"
 
 
 # ------------------------------------------------------------------ the wrong peer
@@ -309,7 +336,7 @@ def vllm_like() -> Iterator[VllmLikeListener]:
 
 def test_a_vllm_engine_named_as_a_leg_gets_only_get_meta(vllm_like: VllmLikeListener) -> None:
     a = vllm_like.address
-    r = run_cli("drive", "-d", a, "--kv-transfer-params", params(), "--blocks", "2")
+    r = run_cli("leg", "decode", "-d", a, "--kv-transfer-params", params(), "--blocks", "2")
     assert r.err_lines == [
         f"error: {a} is a vLLM engine's side channel, not a kvpush decode endpoint; nothing "
         "but get_meta_msg was sent to it",
@@ -317,7 +344,7 @@ def test_a_vllm_engine_named_as_a_leg_gets_only_get_meta(vllm_like: VllmLikeList
         "(serve-decode --wire vllm --like <vLLM P>)",
     ]
     assert r.returncode == NOT_READY
-    r = run_cli("drive", "-p", a, "--request-id", "cmpl-1", "--blocks", "2")
+    r = run_cli("leg", "prefill", "-p", a, "--request-id", "cmpl-1", "--blocks", "2")
     assert r.err_lines[0] == (
         f"error: {a} is a vLLM engine's side channel, not a kvpush prefill endpoint; nothing "
         "but get_meta_msg was sent to it"
@@ -330,13 +357,15 @@ def test_a_vllm_engine_named_as_a_leg_gets_only_get_meta(vllm_like: VllmLikeList
 @pytest.mark.integration
 def test_wrong_role_and_wrong_wire_are_refused(serve: ServeFactory) -> None:
     kp = serve.start("prefill", *GEOM)  # kvpush's own wire
-    r = run_cli("drive", "-d", kp.address, "--kv-transfer-params", params(), "--blocks", "2")
+    r = run_cli(
+        "leg", "decode", "-d", kp.address, "--kv-transfer-params", params(), "--blocks", "2"
+    )
     assert r.err_lines == [
         f"error: {kp.address} is a prefill endpoint, not decode",
         "hint: give --decode a decode endpoint",
     ]
     assert r.returncode == USAGE
-    r = run_cli("drive", "-p", kp.address, "--request-id", "cmpl-1", "--blocks", "2")
+    r = run_cli("leg", "prefill", "-p", kp.address, "--request-id", "cmpl-1", "--blocks", "2")
     assert r.err_lines == [
         f"error: {kp.address} is a kvpush P on kvpush's own wire: it cannot push into a vLLM D",
         "hint: start it with serve-prefill --wire vllm --like <vLLM D>",
@@ -364,9 +393,9 @@ def vllm_wire_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S
 
 
 def _prefill_leg(p: Served, request_id: str, *extra: str) -> tuple[subprocess.Popen[str], str]:
-    """Start ``drive --prefill`` and return it with the first stdout line (the params)."""
+    """Start ``leg prefill`` and return it with the first stdout line (the params)."""
     proc = subprocess.Popen(
-        [*KVPUSH, "drive", "-p", p.address, "--request-id", request_id, *extra],
+        [*KVPUSH, "leg", "prefill", "-p", p.address, "--request-id", request_id, *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
@@ -392,7 +421,7 @@ def test_prefill_leg_then_decode_leg(vllm_wire_pair: tuple[Served, Served], tmp_
     assert handed["remote_engine_id"] == p.engine_id and handed["transfer_mode"] == "push"
     f = tmp_path / "params.json"
     f.write_text(first)
-    dr = run_cli("drive", "-d", d.address, "--kv-transfer-params", str(f), "--json")
+    dr = run_cli("leg", "decode", "-d", d.address, "--kv-transfer-params", str(f), "--json")
     assert dr.returncode == 0, dr.stderr
     dec = json.loads(dr.stdout)
     pr = _finish(proc, first)
@@ -401,7 +430,7 @@ def test_prefill_leg_then_decode_leg(vllm_wire_pair: tuple[Served, Served], tmp_
     assert lines[0] == first.strip()
     assert lines[1] == "prefill leg  ok"
     assert pr.stderr.strip() == (
-        "drive: hand these kv_transfer_params to the vLLM D; waiting up to 30s for its push"
+        "leg: hand these kv_transfer_params to the vLLM D; waiting up to 30s for its push"
     )
     sha = next(ln.split()[1] for ln in lines if ln.startswith("sha256"))
     assert dec["outcome"] == "ok" and dec["sha256"] == sha and len(sha) == 64
@@ -413,7 +442,9 @@ def test_prefill_leg_then_decode_leg(vllm_wire_pair: tuple[Served, Served], tmp_
 def test_decode_leg_plain_report(vllm_wire_pair: tuple[Served, Served]) -> None:
     p, d = vllm_wire_pair
     proc, first = _prefill_leg(p, "cmpl-plain-00000000", "--blocks", "2", "--json")
-    dr = run_cli("drive", "-d", d.address, "--kv-transfer-params", first, "--alloc-delay", "1")
+    dr = run_cli(
+        "leg", "decode", "-d", d.address, "--kv-transfer-params", first, "--alloc-delay", "1"
+    )
     pr = _finish(proc, first)
     assert dr.returncode == 0 and pr.returncode == 0, dr.stderr + pr.stderr
     rows = [ln.split(None, 1) for ln in dr.stdout.splitlines()]
@@ -451,7 +482,7 @@ def test_prefill_leg_into_a_d_of_twice_the_tp(tmp_path_factory: pytest.TempPathF
         wait_ready(p)
         wait_ready(d)
         proc, first = _prefill_leg(p, "cmpl-fan-00000000", "--blocks", "3", "--json")
-        dr = run_cli("drive", "-d", d.address, "--kv-transfer-params", first, "--json")
+        dr = run_cli("leg", "decode", "-d", d.address, "--kv-transfer-params", first, "--json")
         pr = _finish(proc, first)
         assert dr.returncode == 0 and pr.returncode == 0, dr.stdout + dr.stderr + pr.stderr
         dec = json.loads(dr.stdout)

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from typer import _click as click  # typer >= 0.26 ships its own copy of click
-from typer.completion import completion_init  # type: ignore[attr-defined]  # typer calls it there
+from typer._completion_classes import completion_init  # typer.completion calls it there
 
 from kvpush import PROTOCOL_VERSION, __version__
-from kvpush.cli import options, stdio
+from kvpush.cli import stdio
 from kvpush.cli.commands import register_all
 from kvpush.cli.configfile import CONFIG_PATH
+from kvpush.cli.flags import Group
+from kvpush.cli.optspec import option
 from kvpush.errors import ExitStatus, KvpushError
 
 HELP = (
@@ -48,6 +50,7 @@ completion_init()
 
 app = typer.Typer(
     name="kvpush",
+    cls=Group,
     help=HELP,
     epilog=EPILOG,
     add_completion=False,
@@ -67,18 +70,24 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-def _root(ctx: typer.Context, version: bool, debug: bool) -> None:
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        option(
+            "--version",
+            help="Print the version and exit.",
+            env=False,
+            is_eager=True,
+            callback=_version,
+        ),
+    ] = False,
+    debug: Annotated[bool, option("--debug", help="Show a traceback with errors.")] = False,
+) -> None:
+    """Push KV-cache blocks from prefill to decode endpoints over NIXL."""
     _State.debug = debug
 
 
-options.register(
-    app,
-    None,
-    _root,
-    options.ROOT,
-    "Push KV-cache blocks from prefill to decode endpoints over NIXL.",
-    extra={"version": {"callback": _version}},
-)
 register_all(app)
 
 

@@ -96,20 +96,7 @@ def config_values(
     items: list[tuple[str, Any]] = []
     for key, value in data.items():
         if isinstance(value, dict):
-            if key not in SECTIONS:
-                raise ConfigError(
-                    f"unknown table [{key}] in config file {path}",
-                    "use top-level keys, or the tables [prefill] and [decode]",
-                )
-            for raw_key in value:
-                k = raw_key.replace("-", "_")
-                _check_key(k, raw_key, path, known)
-                if section_keys is not None and k not in section_keys.get(key, known):
-                    raise ConfigError(
-                        f"key {raw_key!r} in table [{key}] of config file {path} is not an "
-                        f"option of {SECTIONS[key]}",
-                        "move it to the table of the role it applies to, or to the top level",
-                    )
+            _check_section(key, value, path, known, section_keys)
             if SECTIONS[key] == command:
                 items.extend(value.items())
             continue
@@ -118,15 +105,43 @@ def config_values(
     for raw_key, value in items:
         key = raw_key.replace("-", "_")
         _check_key(key, raw_key, path, known)
-        if key not in own:
-            continue
-        if isinstance(value, list):
-            value = ",".join(str(v) for v in value)
-        is_path = key.endswith("_file") or key in PATH_KEYS
-        if is_path and isinstance(value, str) and not os.path.isabs(value):
-            value = str(base / value)
-        out[key] = value
+        if key in own:
+            out[key] = _value(key, value, base)
     return out
+
+
+def _check_section(
+    table: str,
+    keys: Mapping[str, Any],
+    path: str,
+    known: set[str],
+    section_keys: Mapping[str, set[str]] | None,
+) -> None:
+    """A ``[prefill]`` or ``[decode]`` table: every key an option (of that role's command)."""
+    if table not in SECTIONS:
+        raise ConfigError(
+            f"unknown table [{table}] in config file {path}",
+            "use top-level keys, or the tables [prefill] and [decode]",
+        )
+    for raw_key in keys:
+        k = raw_key.replace("-", "_")
+        _check_key(k, raw_key, path, known)
+        if section_keys is not None and k not in section_keys.get(table, known):
+            raise ConfigError(
+                f"key {raw_key!r} in table [{table}] of config file {path} is not an "
+                f"option of {SECTIONS[table]}",
+                "move it to the table of the role it applies to, or to the top level",
+            )
+
+
+def _value(key: str, value: Any, base: Path) -> Any:
+    """A list as comma-separated text; a relative path relative to the file."""
+    if isinstance(value, list):
+        value = ",".join(str(v) for v in value)
+    is_path = key.endswith("_file") or key in PATH_KEYS
+    if is_path and isinstance(value, str) and not os.path.isabs(value):
+        value = str(base / value)
+    return value
 
 
 def _check_key(key: str, raw_key: str, path: str, known: set[str]) -> None:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from kvpush import PROTOCOL_VERSION, __version__
-from kvpush.cli.options import SECONDS
 
 PROG = "kvpush"
 COMPLETE_VAR = "_KVPUSH_COMPLETE"
@@ -80,8 +79,7 @@ def _metavar(param: Any) -> str:
     if ann is int:
         return "N"
     if ann is float:
-        name = param.name or ""
-        return "SECONDS" if name in SECONDS else "X"
+        return "X"  # a duration says SECONDS: its metavar
     return "TEXT"
 
 
@@ -180,24 +178,56 @@ def man_page() -> str:
     out += [".TP", f"{_opt('-h')}, {_opt('--help')}", "Show help and exit."]
     out.append(".SH COMMANDS")
     for name, cmd in commands(root):
-        out += [".SS " + _esc(name), _synopsis(name, cmd)]
-        for para in _paragraphs(cmd.help):
-            out += [".PP", _esc(para)]
-        args = [p for p in cmd.params if p.param_type_name == "argument"]
-        opts = [p for p in cmd.params if p.param_type_name == "option"]
-        if args:
-            out += [".PP", "Arguments:"]
-            for a in args:
-                out += [
-                    ".TP",
-                    f"\\fI{_esc((a.name or '').upper())}\\fR",
-                    _esc(getattr(a, "help", "") or ""),
-                ]
-        if opts:
-            out += [".PP", "Options:"]
-            for p in opts:
-                out += _option_block(p)
+        out += _command_section(name, cmd)
+    out += _environment() + _exit_status()
     out += [
+        ".SH EXAMPLES",
+        ".nf",
+        _esc("\n".join(EXAMPLES)),
+        ".fi",
+        ".SH NOTES",
+        _esc(" ".join(EPILOG.split()) + f" Wire protocol version {PROTOCOL_VERSION}."),
+        "",
+    ]
+    return "\n".join(out)
+
+
+EXAMPLES = (
+    "kvpush demo",
+    "kvpush serve-prefill --port 5600",
+    "kvpush serve-decode --port 5601",
+    "kvpush probe 127.0.0.1:5600 --handshake full --ping 20",
+    "kvpush drive -p 127.0.0.1:5600 -d 127.0.0.1:5601 -n 1000 -c 16",
+    "kvpush leg decode -d 127.0.0.1:5601 --kv-transfer-params params.json",
+    "kvpush fleet check --registry http://10.0.0.5:2379 --cluster prod",
+    "kvpush completion bash > ~/.local/share/bash-completion/completions/kvpush",
+)
+
+
+def _command_section(name: str, cmd: Any) -> list[str]:
+    """One command's ``.SS``: synopsis, help paragraphs, arguments and options."""
+    out = [".SS " + _esc(name), _synopsis(name, cmd)]
+    for para in _paragraphs(cmd.help):
+        out += [".PP", _esc(para)]
+    args = [p for p in cmd.params if p.param_type_name == "argument"]
+    opts = [p for p in cmd.params if p.param_type_name == "option"]
+    if args:
+        out += [".PP", "Arguments:"]
+        for a in args:
+            out += [
+                ".TP",
+                f"\\fI{_esc((a.name or '').upper())}\\fR",
+                _esc(getattr(a, "help", "") or ""),
+            ]
+    if opts:
+        out += [".PP", "Options:"]
+        for p in opts:
+            out += _option_block(p)
+    return out
+
+
+def _environment() -> list[str]:
+    return [
         ".SH CONFIGURATION FILE",
         _esc(
             "serve-prefill, serve-decode and probe read --config FILE.toml: keys are option "
@@ -223,8 +253,11 @@ def man_page() -> str:
         ".TP",
         "\\fBUCX_TLS\\fR, \\fBUCX_NET_DEVICES\\fR",
         _esc("Read by UCX (NIXL's default backend); leave UCX_TLS unset unless measuring."),
-        ".SH EXIT STATUS",
     ]
+
+
+def _exit_status() -> list[str]:
+    out = [".SH EXIT STATUS"]
     for code, meaning in (
         (0, "success"),
         (1, "error (a request failed, an endpoint failed)"),
@@ -238,24 +271,7 @@ def man_page() -> str:
         ),
     ):
         out += [".TP", f"\\fB{code}\\fR", _esc(meaning)]
-    out += [
-        ".SH EXAMPLES",
-        ".nf",
-        _esc(
-            "kvpush demo\n"
-            "kvpush serve-prefill --port 5600\n"
-            "kvpush serve-decode --port 5601\n"
-            "kvpush probe 127.0.0.1:5600 --handshake full --ping 20\n"
-            "kvpush drive -p 127.0.0.1:5600 -d 127.0.0.1:5601 -n 1000 -c 16\n"
-            "kvpush fleet check --registry http://10.0.0.5:2379 --cluster prod\n"
-            "kvpush completion bash > ~/.local/share/bash-completion/completions/kvpush"
-        ),
-        ".fi",
-        ".SH NOTES",
-        _esc(" ".join(EPILOG.split()) + f" Wire protocol version {PROTOCOL_VERSION}."),
-        "",
-    ]
-    return "\n".join(out)
+    return out
 
 
 def outputs() -> dict[str, str]:

@@ -1,13 +1,16 @@
-"""Every option and argument of the ``kvpush`` CLI, indexed once, and the commands built from them.
+"""The options several commands share, and how a command is built from its function.
 
-Owns ``OPTIONS`` (key -> ``Opt``: the endpoint options of ``kvpush.cli.serve_options`` and,
-declared here, those of the root, ``probe``, ``drive``, ``demo``, ``bench`` and
-``completion``), each command's list of entries, and ``signature`` / ``register``, which give a
-command function an ``inspect.Signature`` made of table entries. typer reads that signature like
-a hand-written one, so ``serve-prefill`` and ``serve-decode`` are built from the same
-declarations and cannot drift apart. What one option is (``Opt``, its ``KVPUSH_<OPTION>``
-variable) lives in ``kvpush.cli.optspec``; the commands import only this module, which passes
-those names on.
+A command's options are its function's signature: plain typed parameters, each annotated with
+its ``typer.Option`` (``optspec.option``), as typer reads them. What several commands share is
+declared once here: the endpoint table (``OPTIONS``: key -> ``Opt``, the declarations of
+``kvpush.cli.serve_options``, defaults read from the configuration), the entries other commands
+take from it (``PROBE``: probe's local geometry, NIXL and security options; ``REGISTRY``: the
+etcd options of drive and fleet), and the aliases of options that two signatures share
+(``AuthTokenFile``, ``Shape``, ``Concurrency``, ``Blocks``). ``register`` adds a command whose
+function takes some table entries as ``**kwargs``: its signature is the function's own
+parameters, then those entries -- so ``serve-prefill`` and ``serve-decode``, built wholly from
+the table, cannot drift apart, and probe, drive and fleet take the endpoints' flags and
+``KVPUSH_*`` variables.
 
 Imports typer and the configuration only (no torch, nixl or zmq: typer re-runs the program on
 every Tab press). Runs on the main thread at import time.
@@ -17,255 +20,143 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
 from kvpush.cli import complete
-from kvpush.cli.fleet_options import FLEET_OPTS, REGISTRY
+from kvpush.cli.flags import Command, Group
 from kvpush.cli.optspec import (
-    PANEL_VLLM,
-    REQUIRED,
     Entry,
     LogLevel,
     Opt,
     OutputMode,
     Shell,
     envvar,
+    option,
     param_name,
 )
 from kvpush.cli.serve_options import ENDPOINT_OPTS, serve_entries
-from kvpush.config import HandshakeMode
 
-#: The commands import this one module: it passes on the names of ``optspec`` they use.
+#: The commands import this module: it passes on the names of ``optspec`` they use.
 __all__ = [
-    "BENCH",
-    "COMPLETION",
-    "DEMO",
-    "DRIVE",
     "GEOMETRY",
     "OPTIONS",
     "PROBE",
-    "ROOT",
-    "SECONDS",
+    "REGISTRY",
+    "SHARED_ENV",
+    "AuthTokenFile",
+    "Blocks",
+    "Concurrency",
     "Entry",
     "LogLevel",
     "Opt",
     "OutputMode",
+    "Shape",
     "Shell",
     "envvar",
-    "options_of",
+    "group",
+    "help_text",
+    "option",
     "param_name",
     "register",
     "serve_entries",
     "signature",
 ]
 
-_OPTS: list[Opt] = [
-    # --------------------------------------------------------------------- root
-    Opt("version", ("--version",), bool, "Print the version and exit.", False, env=False,
-        kw={"is_eager": True}),
-    Opt("debug", ("--debug",), bool, "Show a traceback with errors.", False),
-    # --------------------------------------------------------------------- serve-*, probe
-    *ENDPOINT_OPTS,
-    # --------------------------------------------------------------------- probe
-    Opt("address", ("address",), str, "The peer's side channel, HOST:PORT.", REQUIRED,
-        argument=True),
-    Opt("count", ("--count", "-c"), int, "Round trips to measure (RTT, clock offset).", 5),
-    Opt("timeout", ("--timeout",), float, "Seconds to wait per request.", 3.0,
-        seconds=True, key="probe.timeout", env_scope="probe"),
-    Opt("handshake", ("--handshake",), HandshakeMode | None,
-        "Also do a real NIXL handshake of this mode from a tiny local endpoint and time its "
-        "phases.", None, show_default=False, key="probe.handshake", env_scope="probe"),
-    Opt("ping", ("--ping",), int, "Measure this many NIXL notification round trips.", 0),
-    Opt("stats", ("--stats",), bool, "Show the peer's live telemetry.", False),
-    Opt("json_out", ("--json",), bool, "One JSON object on stdout.", False, key="probe.json",
-        env_scope="probe"),
-    Opt("ranks", ("--ranks",), str,
-        "The peer's (pp, tp) rank to ask for, as PP,TP (vLLM serves one per rank).", "0,0"),
-    Opt("peer_tp", ("--peer-tp",), int | None,
-        "The vLLM peer's TP size (tp_size of its kv_transfer_params): needed to ask it for a "
-        "rank other than 0,0, since vLLM's listener dies on a rank it does not serve.", None,
-        show_default=False),
-    # --------------------------------------------------------------------- drive, demo
-    Opt("prefill", ("--prefill", "-p"), list[str],
-        "A prefill endpoint HOST:PORT (repeatable). With --request-id: the one kvpush P "
-        "(--wire vllm) that fills a request for a vLLM D.", None, metavar="HOST:PORT",
-        show_default=False),
-    Opt("decode", ("--decode", "-d"), list[str],
-        "A decode endpoint HOST:PORT (repeatable). With --kv-transfer-params: the one kvpush D "
-        "that receives a vLLM P's push.", None, metavar="HOST:PORT", show_default=False),
-    Opt("requests", ("--requests", "-n"), int, "Requests to send.", 100),
-    Opt("concurrency", ("--concurrency", "-c"), int, "Requests in flight at once.", 8),
-    Opt("rate", ("--rate",), float | None, "Start at most this many requests per second.", None,
-        show_default=False),
-    Opt("blocks", ("--blocks",), int, "Blocks per request.", 4),
-    Opt("blocks", ("--blocks",), int,
-        "Blocks per request (default 4). With --request-id (required): the blocks P fills. With "
-        "--kv-transfer-params: the blocks D allocates, by default as many as P holds "
-        "(remote_block_ids); vLLM refuses any other count.", 4, show_default=False,
-        key="drive.blocks"),
-    Opt("timeout", ("--timeout",), float,
-        "Seconds a request may take before it fails. A vLLM leg: D's wait for the push once it "
-        "has blocks, or P's wait for a D to take it.", 30.0, seconds=True, key="drive.timeout",
-        env_scope="drive"),
-    Opt("kv_transfer_params", ("--kv-transfer-params",), str | None,
-        "Drive the decode leg of one request a vLLM P holds, as a router would: the "
-        "kv_transfer_params its request_finished returned (a JSON object, a file holding it, or "
-        "- for stdin; a whole response with a kv_transfer_params key also works). The one "
-        "--decode allocates, registers with that P, waits for its push and reports outcome, "
-        "bytes and sha256.", None, PANEL_VLLM, metavar="FILE|JSON", show_default=False),
-    Opt("request_id", ("--request-id",), str | None,
-        "Drive the prefill leg of one request for a vLLM D: the one --prefill (a kvpush P, "
-        "--wire vllm) fills --blocks blocks for this request id, prints at once the "
-        "kv_transfer_params to hand the vLLM D (one JSON line), then waits for the push (or "
-        "its lease) and reports outcome and sha256.", None, PANEL_VLLM, metavar="ID",
-        show_default=False),
-    Opt("trace", ("--trace",), Path | None,
-        "Write one JSON line per request to FILE: transfer id, outcome, reason, and the "
-        "seconds from sending it to each phase (D allocated, PUSH_REG sent, P matched, "
-        "handshake done, WRITE posted and done, completion received, verified, answered), "
-        "both legs on drive's clock; a failed request's 'ended_at'. The summary adds p50/p99 "
-        "per phase.", None, metavar="FILE", kw={"dir_okay": False}),
-    Opt("alloc_delay", ("--alloc-delay",), float,
-        "With --kv-transfer-params: D holds the request this long before it gets blocks, as a "
-        "request queued in a vLLM D would, heartbeating P's lease meanwhile (longer than P's "
-        "lease shows the heartbeats work).", 0.0, PANEL_VLLM, seconds=True),
-    Opt("json_out", ("--json",), bool,
-        "One JSON summary on stdout (--request-id: the kv_transfer_params line first).", False,
-        key="drive.json", env_scope="drive"),
-    Opt("shape", ("--shape",), str | None,
-        "A real model's KV geometry: llama-8b, llama-70b-tp8 (one rank of TP 8) or mla. drive "
-        "checks that the endpoints have it (and sizes --tokens in its blocks); demo starts its "
-        "endpoints with it.", None, show_default=False, kw={"autocompletion": complete.shapes}),
-    Opt("peer_grace", ("--peer-grace",), float,
-        "While no P (or no D) is up, hold requests this long for one to come back (a restart "
-        "is a dip, not the end of the run); past it what is left fails as unreachable.", 5.0,
-        seconds=True),
-    Opt("tokens", ("--tokens",), int | None,
-        "Tokens per request (with --shape): --blocks becomes ceil(tokens / the shape's block "
-        "tokens).", None, show_default=False),
-    Opt("requests", ("--requests", "-n"), int, "Requests to drive.", 300, key="demo.requests"),
-    Opt("decoders", ("--decoders",), int, "Decode endpoints at start.", 2),
-    Opt("tp_shape", ("--tp",), str,
-        "Tensor-parallel ranks of P and of each D: N for both, or P,D (e.g. 4,2 or 1,4; the "
-        "demo model has 4 KV heads, so 1, 2 or 4).", "1", key="demo.tp", metavar="N|P,D",
-        env_scope="demo"),
-    Opt("live", ("--live/--no-live",), bool | None,
-        "Show P's live telemetry while driving (default: when stderr is a terminal).", None,
-        show_default=False),
-    Opt("json_out", ("--json",), bool, "One JSON report on stdout.", False, key="demo.json",
-        env_scope="demo"),
-    Opt("keep_logs", ("--keep-logs",), bool,
-        "Keep the endpoints' logs (kept anyway on failure).", False),
-    # --------------------------------------------------------------------- bench, completion
-    Opt("scenario", ("scenario",), str,
-        "hol (head-of-line behind a slow new peer, deferred vs blocking writer), handshake "
-        "(notif-only vs full; agent metadata over the side channel vs etcd), bandwidth (push "
-        "GB/s vs raw NIXL, process_vm_writev, memcpy), "
-        "rate (small pushes/s vs raw NIXL), scale (many new peers at once), tp (N ranks vs N "
-        "x one rank), model (real model shapes, block ids contiguous, shuffled and after "
-        "churn, vs raw NIXL), fleet (8 P x 16 D registered in etcd: fleet ls/watch/check, registry "
-        "load, p99 with registration on vs off), or all; device (--device cuda: pushes between "
-        "VRAM pools vs raw NIXL and a torch copy; not part of all).", REQUIRED,
-        argument=True, show_default=False, kw={"autocompletion": complete.scenarios}),
-    Opt("quick", ("--quick",), bool, "Short smoke version (what CI runs); figures are rough.",
-        False),
-    Opt("json_out", ("--json",), bool,
-        "Print each scenario's full result as one JSON line instead of tables.", False,
-        key="bench.json", env_scope="bench"),
-    Opt("out_dir", ("--out-dir",), Path | None,
-        "Where results (<scenario>.json), charts (.svg) and worker logs go. "
-        "[default: ./bench-out]", None, kw={"file_okay": False}),
-    Opt("shell", ("shell",), Shell, "The shell to print a completion script for.", REQUIRED,
-        argument=True),
-    # --------------------------------------------------------------------- fleet
-    *FLEET_OPTS,
+#: key -> option of the endpoint table (serve-*; probe, drive and fleet take some of them).
+OPTIONS: dict[str, Opt] = {o.name: o for o in ENDPOINT_OPTS}
+assert len(OPTIONS) == len(ENDPOINT_OPTS), "two endpoint options share a name"
+
+#: The geometry options probe compares with the peer when given.
+GEOMETRY = ("layers", "block_bytes", "block_tokens", "kv_heads", "head_dim", "dtype", "kv_layout")
+#: probe's entries of the table: a tiny local endpoint's geometry, NIXL and security.
+PROBE: list[Entry] = [
+    "config", "auth_token_file", "device", *GEOMETRY, "kv_regions", "backends",
+    "progress_thread",
+]  # fmt: skip
+#: The registry options every fleet-aware command takes (declared with serve-*'s).
+REGISTRY: list[Entry] = [
+    "registry", "cluster", "registry_user", "registry_password_file", "registry_ca",
+    "registry_cert", "registry_key",
 ]  # fmt: skip
 
-#: key -> option. The key is the parameter name, or ``command.param`` where two commands give
-#: the same flag different meanings (probe's --timeout is per request, drive's per transfer).
-OPTIONS: dict[str, Opt] = {o.key: o for o in _OPTS}
-assert len(OPTIONS) == len(_OPTS), "two options share a key"
+AuthTokenFile = Annotated[str | None, OPTIONS["auth_token_file"].info()]
+Shape = Annotated[
+    str | None,
+    option(
+        "--shape",
+        help="A real model's KV geometry: llama-8b, llama-70b-tp8 (one rank of TP 8) or mla. "
+        "drive checks that the endpoints have it (and sizes --tokens in its blocks); demo "
+        "starts its endpoints with it.",
+        show_default=False,
+        autocompletion=complete.shapes,
+    ),
+]
+Concurrency = Annotated[int, option("--concurrency", "-c", help="Requests in flight at once.")]
+Blocks = Annotated[int, option("--blocks", help="Blocks per request.")]
 
-#: Variables that two option entries declare (drive's and demo's --blocks and --requests:
-#: per-command help, the same meaning). Any other variable two entries would share is a
-#: clash; an entry in several commands' tables (--concurrency, --shape, the geometry) means the
-#: same to each by construction.
-SHARED_ENV: frozenset[str] = frozenset({"KVPUSH_BLOCKS", "KVPUSH_REQUESTS"})
+#: Variables that two declarations share (drive's and demo's --requests; leg decode's and leg
+#: prefill's --blocks, the request's blocks: per-command help, the same meaning). Any other
+#: variable that two options with different help would share is a clash
+#: (``tests/test_cli_operator.py`` walks every command).
+SHARED_ENV: frozenset[str] = frozenset({"KVPUSH_REQUESTS", "KVPUSH_LEG_BLOCKS"})
+
+
+def help_text(doc: str) -> str:
+    """A command's help: ``doc`` with each paragraph joined into one line."""
+    paras = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(" ".join(p.split()) for p in paras)
 
 
 def signature(
+    fn: Callable[..., Any],
     entries: Sequence[Entry],
-    *,
-    ctx: bool = True,
     extra: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> inspect.Signature:
-    """A command signature of table entries (``key`` or ``(key, default)``), in order;
-    ``extra`` adds typer keywords to some (a callback that lives with its command)."""
-    params = []
-    if ctx:
-        params.append(
-            inspect.Parameter(
-                "ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context
-            )
-        )
+    """``fn``'s own parameters (its ``**kwargs`` left out), then the table ``entries`` (``key``
+    or ``(key, default)``), in order; ``extra`` adds typer keywords to some entries."""
+    own = inspect.signature(fn, eval_str=True).parameters.values()
+    params = [
+        p if p.name == "ctx" else p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        for p in own
+        if p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
     for e in entries:
         key, default = (e, None) if isinstance(e, str) else e
         params.append(OPTIONS[key].parameter(default, (extra or {}).get(key)))
     return inspect.Signature(params)
 
 
-def options_of(entries: Sequence[Entry]) -> list[Opt]:
-    return [OPTIONS[e if isinstance(e, str) else e[0]] for e in entries]
-
-
 def register(
     app: typer.Typer,
-    name: str | None,
-    body: Callable[..., Any],
-    entries: Sequence[Entry],
+    name: str,
+    fn: Callable[..., Any],
     doc: str,
+    entries: Sequence[Entry] = (),
     *,
     extra: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
-    """Register ``body(ctx=..., **params)`` as command ``name`` of ``app`` (None: the root
-    callback); the help is ``doc`` with each paragraph joined into one line."""
+    """Add ``fn`` as command ``name`` of ``app``, with ``doc`` as its help; ``entries`` of the
+    endpoint table reach ``fn`` as keyword arguments (its ``**kwargs``)."""
+    if not entries:
+        app.command(name, cls=Command, help=help_text(doc))(fn)
+        return
 
     def command(**params: Any) -> Any:
-        return body(**params)
+        return fn(**params)
 
-    command.__signature__ = signature(entries, extra=extra)  # type: ignore[attr-defined]
-    command.__name__ = (name or "root").replace("-", "_")
-    paras = inspect.cleandoc(doc).split("\n\n")
-    command.__doc__ = "\n\n".join(" ".join(p.split()) for p in paras)
-    if name is None:
-        app.callback()(command)
-    else:
-        app.command(name)(command)
+    command.__signature__ = signature(fn, entries, extra)  # type: ignore[attr-defined]
+    command.__name__ = name.replace("-", "_")
+    app.command(name, cls=Command, help=help_text(doc))(command)
 
 
-#: The geometry options probe compares with the peer when given.
-GEOMETRY = ("layers", "block_bytes", "block_tokens", "kv_heads", "head_dim", "dtype", "kv_layout")
-
-PROBE: list[Entry] = [
-    "address", "count", "probe.timeout", "probe.handshake", "ping", "stats", "probe.json",
-    "ranks", "peer_tp", "config", "auth_token_file", "device", *GEOMETRY, "kv_regions",
-    "backends", "progress_thread",
-]  # fmt: skip
-DRIVE: list[Entry] = [
-    "prefill", "decode", "requests", "concurrency", "rate", "drive.blocks", "shape", "tokens",
-    "drive.timeout", "drive.json", "kv_transfer_params", "request_id", "alloc_delay",
-    "auth_token_file", "trace", "peer_grace", *REGISTRY,
-]  # fmt: skip
-DEMO: list[Entry] = [
-    "demo.requests", "blocks", "decoders", "demo.tp", "shape", "concurrency", "live",
-    "demo.json", "keep_logs",
-]  # fmt: skip
-BENCH: list[Entry] = ["scenario", "quick", "bench.json", "out_dir", ("device", "cpu")]
-COMPLETION: list[Entry] = ["shell"]
-ROOT: list[Entry] = ["version", "debug"]
-
-#: Parameters whose value is a duration (the man page names them SECONDS).
-SECONDS = frozenset(o.name for o in _OPTS if o.seconds)
+def group(name: str, help: str) -> typer.Typer:
+    """A group of commands (``kvpush fleet ...``, ``kvpush leg ...``); ``app.add_typer`` it."""
+    return typer.Typer(
+        name=name,
+        cls=Group,
+        help=help,
+        no_args_is_help=True,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )

@@ -1,12 +1,11 @@
-"""What one option of the ``kvpush`` CLI is, and the names every option table shares.
+"""How an option of the ``kvpush`` CLI is declared, and the names every command shares.
 
-Owns ``Opt`` (flags, type, default, help, help panel of one option or positional argument, and
-how it becomes an annotated ``inspect.Parameter`` typer reads), the ``KVPUSH_<OPTION>`` variable
-names derived from long flags (``envvar``, ``param_name``; ``KVPUSH_<COMMAND>_<OPTION>`` for a
-flag that means different things to different commands), the help panels, and the enums of
-option values that are the CLI's own (``OutputMode``, ``LogLevel``, ``Shell``). The tables of
-options are ``kvpush.cli.serve_options`` (the endpoint commands) and ``kvpush.cli.options``
-(the others, and the one ``OPTIONS`` index the commands are built from).
+Owns ``option`` (the ``typer.Option`` of a plain typed parameter, with its ``KVPUSH_<OPTION>``
+variable), ``Opt`` (one option of the endpoint table, ``kvpush.cli.serve_options``, with its
+default, and how it becomes an annotated ``inspect.Parameter``), the variable names derived
+from long flags (``envvar``, ``param_name``; ``KVPUSH_<COMMAND>_<OPTION>`` for a flag that
+means different things to different commands), the help panels, and the enums of option values
+that are the CLI's own (``OutputMode``, ``LogLevel``, ``Shell``).
 
 Imports typer only (no torch, nixl or zmq: typer re-runs the program on every Tab press). Runs
 on the main thread at import time.
@@ -72,12 +71,32 @@ def envvar(long_opt: str, scope: str = "") -> str:
     return ENV_PREFIX + (scoped + param_name(long_opt)).upper()
 
 
-REQUIRED: Any = ...
+def option(
+    *decls: str,
+    help: str,
+    scope: str = "",
+    panel: str | None = None,
+    seconds: bool = False,
+    env: bool = True,
+    **kw: Any,
+) -> Any:
+    """The ``typer.Option`` of a plain typed parameter (``Annotated[int, option(...)] = 5``):
+    its ``KVPUSH_<OPTION>`` variable (``KVPUSH_<SCOPE>_<OPTION>`` with a command ``scope``, for
+    a flag that means something else to another command) is named in its help; a duration
+    (``seconds``) reads SECONDS."""
+    long = next((d for d in decls if d.startswith("--")), decls[0])
+    if seconds:
+        kw.setdefault("metavar", "SECONDS")
+    var = envvar(long, scope) if env else None
+    return typer.Option(
+        *decls, help=help, envvar=var, show_envvar=var is not None, rich_help_panel=panel, **kw
+    )
 
 
 @dataclass(frozen=True)
 class Opt:
-    """One option (or, with ``argument=True``, one positional argument) of the CLI."""
+    """One option of the endpoint table (``kvpush.cli.serve_options``): what ``option`` takes,
+    with its default, so that two commands built from the table declare it once."""
 
     name: str  # the parameter name the command receives
     decls: tuple[str, ...]
@@ -87,41 +106,19 @@ class Opt:
     panel: str | None = None
     metavar: str | None = None
     show_default: bool | str = True
-    seconds: bool = False  # its value is a duration (the man page says SECONDS)
-    env: bool = True
-    argument: bool = False
+    seconds: bool = False  # its value is a duration: it reads SECONDS, not <float>
     kw: Mapping[str, Any] = field(default_factory=dict)
-    key: str = ""  # the table key when two commands give one flag two meanings
-    # The command whose name the variable carries when two commands give one flag two
-    # meanings (``KVPUSH_PROBE_TIMEOUT`` and ``KVPUSH_DRIVE_TIMEOUT``): one variable set for
-    # one command never changes another. Empty: ``KVPUSH_<OPTION>``, shared by every command
-    # that has the option, because it means the same to each.
-    env_scope: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.key:
-            object.__setattr__(self, "key", self.name)
-
-    @property
-    def long(self) -> str:
-        return next((d for d in self.decls if d.startswith("--")), self.decls[0])
-
-    @property
-    def envvar(self) -> str | None:
-        return envvar(self.long, self.env_scope) if self.env and not self.argument else None
 
     def info(self, extra: Mapping[str, Any] | None = None) -> Any:
+        """The ``typer.Option`` (``extra``: more typer keywords, a command's own callback)."""
         kw = {**self.kw, **(extra or {})}
         if self.metavar is not None:
             kw["metavar"] = self.metavar
-        if self.argument:
-            return typer.Argument(help=self.help, show_default=self.show_default, **kw)
-        return typer.Option(
+        return option(
             *self.decls,
             help=self.help,
-            envvar=self.envvar,
-            show_envvar=self.envvar is not None,
-            rich_help_panel=self.panel,
+            panel=self.panel,
+            seconds=self.seconds,
             show_default=self.show_default,
             **kw,
         )
@@ -129,11 +126,11 @@ class Opt:
     def parameter(
         self, default: Any = None, extra: Mapping[str, Any] | None = None
     ) -> inspect.Parameter:
-        value = self.default if default is None else default
+        """The keyword parameter typer reads, ``default`` overriding the table's."""
         return inspect.Parameter(
             self.name,
             inspect.Parameter.KEYWORD_ONLY,
-            default=inspect.Parameter.empty if value is REQUIRED else value,
+            default=self.default if default is None else default,
             annotation=Annotated[self.type, self.info(extra)],
         )
 

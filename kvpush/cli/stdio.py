@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 
 class PipeSafe:
@@ -56,9 +56,9 @@ class PipeSafe:
 def install() -> None:
     """Wrap stdout and stderr (idempotent)."""
     if not isinstance(sys.stdout, PipeSafe):
-        sys.stdout = PipeSafe(sys.stdout)  # type: ignore[assignment]
+        sys.stdout = cast(TextIO, PipeSafe(sys.stdout))  # a proxy of the stream it wraps
     if not isinstance(sys.stderr, PipeSafe):
-        sys.stderr = PipeSafe(sys.stderr)  # type: ignore[assignment]
+        sys.stderr = cast(TextIO, PipeSafe(sys.stderr))
 
 
 def stdout_closed() -> bool:

@@ -197,7 +197,7 @@ def _contact(client: SideChannelClient, role: str, timeout_s: float) -> None:
             "a vLLM D gets kv_transfer_params from its router: give --decode a kvpush D "
             "(serve-decode --wire vllm --like <vLLM P>)"
             if role == "decode"
-            else "a vLLM P hands out its own kv_transfer_params: give them to 'kvpush drive "
+            else "a vLLM P hands out its own kv_transfer_params: give them to 'kvpush leg decode "
             "--decode D --kv-transfer-params', and --prefill a kvpush P (serve-prefill --wire "
             "vllm --like <vLLM D>)",
         )

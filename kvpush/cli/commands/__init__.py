@@ -12,11 +12,12 @@ import typer
 
 
 def register_all(app: typer.Typer) -> None:
-    from kvpush.cli.commands import bench, completion, demo, drive, fleet, probe, serve
+    from kvpush.cli.commands import bench, completion, demo, drive, fleet, leg, probe, serve
 
     serve.register(app)
     probe.register(app)
     drive.register(app)
+    leg.register(app)
     demo.register(app)
     fleet.register(app)
     bench.register(app)

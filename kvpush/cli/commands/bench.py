@@ -9,10 +9,12 @@ scenarios start and stop their own worker processes.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from kvpush.cli import options
+from kvpush.cli import complete, options
+from kvpush.cli.optspec import option
 
 DOC = """Measure kvpush against its baselines, in one run, on this host.
 
@@ -24,16 +26,46 @@ pushes between VRAM pools (not part of 'all'; scripts/gpu-check.sh runs it)."""
 
 
 def register(app: typer.Typer) -> None:
-    options.register(app, "bench", bench, options.BENCH, DOC)
+    options.register(app, "bench", bench, DOC)
 
 
 def bench(
-    ctx: typer.Context,
-    scenario: str,
-    quick: bool,
-    json_out: bool,
-    out_dir: Path | None,
-    device: str = "cpu",
+    scenario: Annotated[
+        str,
+        typer.Argument(
+            help="hol (head-of-line behind a slow new peer, deferred vs blocking writer), "
+            "handshake (notif-only vs full; agent metadata over the side channel vs etcd), "
+            "bandwidth (push GB/s vs raw NIXL, process_vm_writev, memcpy), rate (small "
+            "pushes/s vs raw NIXL), scale (many new peers at once), tp (N ranks vs N x one "
+            "rank), model (real model shapes, block ids contiguous, shuffled and after churn, "
+            "vs raw NIXL), fleet (8 P x 16 D registered in etcd: fleet ls/watch/check, "
+            "registry load, p99 with registration on vs off), or all; device (--device cuda: "
+            "pushes between VRAM pools vs raw NIXL and a torch copy; not part of all).",
+            show_default=False,
+            autocompletion=complete.scenarios,
+        ),
+    ],
+    quick: Annotated[
+        bool, option("--quick", help="Short smoke version (what CI runs); figures are rough.")
+    ] = False,
+    json_out: Annotated[
+        bool,
+        option(
+            "--json",
+            help="Print each scenario's full result as one JSON line instead of tables.",
+            scope="bench",
+        ),
+    ] = False,
+    out_dir: Annotated[
+        Path | None,
+        option(
+            "--out-dir",
+            help="Where results (<scenario>.json), charts (.svg) and worker logs go. "
+            "[default: ./bench-out]",
+            file_okay=False,
+        ),
+    ] = None,
+    device: Annotated[str, options.OPTIONS["device"].info()] = "cpu",
 ) -> None:
     from kvpush.bench.console import run_scenarios
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
 from kvpush.cli import options, stdio
+from kvpush.cli.optspec import option
 from kvpush.cli.signals import StopFlag
 from kvpush.cli.views import reports
 from kvpush.errors import ConfigError, ExitStatus
@@ -42,20 +43,39 @@ def parse_tp_shape(text: str) -> tuple[int, int]:
 
 
 def register(app: typer.Typer) -> None:
-    options.register(app, "demo", demo, options.DEMO, DOC)
+    options.register(app, "demo", demo, DOC)
 
 
 def demo(
-    ctx: typer.Context,
-    requests: int,
-    blocks: int,
-    decoders: int,
-    tp_shape: str,
-    shape: str | None,
-    concurrency: int,
-    live: bool | None,
-    json_out: bool,
-    keep_logs: bool,
+    requests: Annotated[int, option("--requests", "-n", help="Requests to drive.")] = 300,
+    blocks: options.Blocks = 4,
+    decoders: Annotated[int, option("--decoders", help="Decode endpoints at start.")] = 2,
+    tp_shape: Annotated[
+        str,
+        option(
+            "--tp",
+            help="Tensor-parallel ranks of P and of each D: N for both, or P,D (e.g. 4,2 or "
+            "1,4; the demo model has 4 KV heads, so 1, 2 or 4).",
+            scope="demo",
+            metavar="N|P,D",
+        ),
+    ] = "1",
+    shape: options.Shape = None,
+    concurrency: options.Concurrency = 8,
+    live: Annotated[
+        bool | None,
+        option(
+            "--live/--no-live",
+            help="Show P's live telemetry while driving (default: when stderr is a terminal).",
+            show_default=False,
+        ),
+    ] = None,
+    json_out: Annotated[
+        bool, option("--json", help="One JSON report on stdout.", scope="demo")
+    ] = False,
+    keep_logs: Annotated[
+        bool, option("--keep-logs", help="Keep the endpoints' logs (kept anyway on failure).")
+    ] = False,
 ) -> None:
     from kvpush.ops.demo import Demo, DemoConfig
 

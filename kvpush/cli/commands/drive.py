@@ -8,12 +8,9 @@ the partial summary is printed (every request accounted for) and the exit status
 Otherwise 0 only when every request succeeded and verified, else 1. Runs on the main thread;
 the driver owns its worker threads.
 
-With ``--kv-transfer-params`` or ``--request-id`` it drives one leg of a vLLM push deployment
-instead (``kvpush.ops.vllm_legs``): the flags are checked together first (one ``error:`` /
-``hint:`` for a wrong combination, before any peer is contacted), then one leg runs on the
-main thread and its report is printed (``views.reports.leg_report``) or, with ``--json``, one
-JSON object; a prefill leg prints the ``kv_transfer_params`` line before it waits. Exit status
-0 when the leg's push completed, 1 when it failed or lapsed.
+The old spelling of one vLLM leg (``drive --decode D --kv-transfer-params ...``, ``drive
+--prefill P --request-id ID --blocks N``: hidden options now) still runs that leg through
+``kvpush.cli.commands.leg``, after a one-line deprecation note on stderr.
 """
 
 from __future__ import annotations
@@ -21,12 +18,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
 from kvpush.cli import options, stdio, translate
+from kvpush.cli.commands import leg as legs
+from kvpush.cli.optspec import option
 from kvpush.cli.signals import StopFlag
 from kvpush.cli.views import reports
 from kvpush.errors import ConfigError, ExitStatus
@@ -45,32 +44,28 @@ request is accounted for. Ctrl-C stops intake, waits briefly for requests in fli
 prints the partial summary (exit 130). Exit status 0 when all requests succeeded and
 verified, 1 otherwise.
 
-One leg of a vLLM push deployment, with no router: 'drive --decode D --kv-transfer-params
-FILE|JSON' has a kvpush D (serve-decode --wire vllm) receive one request a vLLM P holds;
-'drive --prefill P --request-id ID --blocks N' has a kvpush P (serve-prefill --wire vllm)
-fill N blocks, prints the kv_transfer_params to hand a vLLM D as one JSON line, and waits
-for its push. Both report outcome, bytes and the sha256 of the KV; exit status 0 when the
-push completed, 1 otherwise.
-
 With --registry URL (and --cluster NAME) instead of --prefill/--decode, the Ps and Ds are the
 endpoints registered in etcd (serve-* --registry), and drive follows the registry while it runs:
 an endpoint that registers gets requests from the next one on, one whose key goes gets no new
 request (its requests in flight finish, or fail at once if it died). Every request is still
-accounted for."""
+accounted for.
+
+One leg of a vLLM push deployment, with no router, is 'kvpush leg decode' or 'kvpush leg
+prefill'."""
 
 PROGRESS_EVERY_S = 3.0
 
+#: What each leg of drive's old spelling takes; any other option given is refused.
+OLD_LEG = {
+    "decode": frozenset(
+        {"decode", "kv_transfer_params", "blocks", "alloc_delay", "timeout", "json_out"}
+    ),
+    "prefill": frozenset({"prefill", "request_id", "blocks", "timeout", "json_out"}),
+}
+
 
 def register(app: typer.Typer) -> None:
-    options.register(app, "drive", drive, options.DRIVE, DOC)
-
-
-LEG_HINT = (
-    "a vLLM leg is 'drive --decode D --kv-transfer-params FILE|JSON' or "
-    "'drive --prefill P --request-id ID --blocks N'"
-)
-#: Options of a load run that mean nothing for one leg.
-LOAD_ONLY = (("requests", "--requests"), ("concurrency", "--concurrency"), ("rate", "--rate"))
+    options.register(app, "drive", drive, DOC, options.REGISTRY)
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
@@ -78,95 +73,221 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return src is not None and src.name != "DEFAULT"
 
 
-def leg_of(
-    ctx: typer.Context,
-    prefill: list[str],
-    decode: list[str],
-    kv_transfer_params: str | None,
-    request_id: str | None,
-) -> str | None:
-    """Which vLLM leg these flags ask for ("decode", "prefill"), or None for a load run;
-    a wrong combination is refused here, before any peer is contacted."""
-    if kv_transfer_params is not None and request_id is not None:
-        raise ConfigError("--kv-transfer-params and --request-id are two different legs", LEG_HINT)
-    if kv_transfer_params is None and request_id is None:
-        if _given(ctx, "alloc_delay"):
-            raise ConfigError(
-                "--alloc-delay needs --kv-transfer-params",
-                "it delays the decode leg of one vLLM request: " + LEG_HINT,
-            )
-        return None
-    leg, flag = (
-        ("decode", "--kv-transfer-params") if request_id is None else ("prefill", "--request-id")
+def old_leg(ctx: typer.Context, token: bytes | None) -> None:
+    """``drive --kv-transfer-params`` / ``drive --request-id``: the leg, as ``kvpush leg``
+    runs it, after a deprecation note (refused with options of a load run)."""
+    p = ctx.params
+    leg = "decode" if p["request_id"] is None else "prefill"
+    flag = "--kv-transfer-params" if leg == "decode" else "--request-id"
+    Console(stderr=True, highlight=False, soft_wrap=True).print(
+        f"drive: note: 'drive {flag}' is deprecated: run 'kvpush leg {leg}' (the same options)"
     )
-    ours, other = (decode, prefill) if leg == "decode" else (prefill, decode)
-    own_flag, other_flag = (
-        ("--decode", "--prefill") if leg == "decode" else ("--prefill", "--decode")
-    )
-    if other:
-        hint = (
-            "the P is the one the kv_transfer_params name (remote_host, remote_port): drop "
-            "--prefill"
-            if leg == "decode"
-            else "hand the kv_transfer_params it prints to the vLLM D (what a router does): "
-            "drop --decode"
-        )
-        raise ConfigError(f"{flag} goes with {own_flag} only, not {other_flag}", hint)
-    if not ours:
-        what = (
-            "the kvpush D (serve-decode --wire vllm) that receives the vLLM P's push"
-            if leg == "decode"
-            else "the kvpush P (serve-prefill --wire vllm) that fills the request"
-        )
+    names = {prm.name: prm.opts[0] for prm in ctx.command.params if prm.name}
+    allowed = OLD_LEG[leg] | {"auth_token_file"}
+    extra = [names[n] for n in names if n not in allowed and _given(ctx, n)]
+    ends = p[leg] or []
+    if extra or len(ends) != 1:
+        what = f"no {', '.join(extra)}" if extra else f"one --{leg}, got {len(ends)}"
         raise ConfigError(
-            f"{flag} needs {own_flag} HOST:PORT", f"pass {own_flag} HOST:PORT of {what}"
+            f"drive {flag} runs one vLLM leg, which takes {what}",
+            f"run 'kvpush leg {leg} --{leg} HOST:PORT ...' (see 'kvpush leg {leg} --help')",
         )
-    if len(ours) > 1:
-        raise ConfigError(
-            f"{flag} drives one request through one endpoint, got {len(ours)} {own_flag}",
-            f"pass a single {own_flag}",
-        )
-    for name, opt in LOAD_ONLY:
-        if _given(ctx, name):
-            raise ConfigError(f"{opt} applies to a load run, not to one vLLM leg", f"drop {opt}")
-    if leg == "prefill" and not _given(ctx, "blocks"):
+    blocks = p["blocks"] if _given(ctx, "blocks") else None
+    if leg == "decode":
+        legs.decode_leg(
+            ends[0], p["kv_transfer_params"], blocks, p["timeout"], p["alloc_delay"], token,
+            p["json_out"],
+        )  # fmt: skip
+    if blocks is None:
         raise ConfigError(
             "--request-id needs --blocks N",
             "pass the request's prompt blocks: the vLLM D must allocate as many",
         )
-    if leg == "prefill" and _given(ctx, "alloc_delay"):
-        raise ConfigError(
-            "--alloc-delay applies to the decode leg (--kv-transfer-params)",
-            "a vLLM D decides itself when it allocates: drop --alloc-delay",
-        )
-    return leg
+    legs.prefill_leg(ends[0], p["request_id"], blocks, p["timeout"], token, p["json_out"], "drive")
+
+
+# drive's own options: each parameter's type carries its option (typer reads the signature).
+Prefill = Annotated[
+    list[str] | None,
+    option(
+        "--prefill",
+        "-p",
+        help="A prefill endpoint HOST:PORT (repeatable).",
+        metavar="HOST:PORT",
+        show_default=False,
+    ),
+]
+
+Decode = Annotated[
+    list[str] | None,
+    option(
+        "--decode",
+        "-d",
+        help="A decode endpoint HOST:PORT (repeatable).",
+        metavar="HOST:PORT",
+        show_default=False,
+    ),
+]
+
+Requests = Annotated[int, option("--requests", "-n", help="Requests to send.")]
+
+Rate = Annotated[
+    float | None,
+    option("--rate", help="Start at most this many requests per second.", show_default=False),
+]
+
+Tokens = Annotated[
+    int | None,
+    option(
+        "--tokens",
+        help="Tokens per request (with --shape): --blocks becomes ceil(tokens / the "
+        "shape's block tokens).",
+        show_default=False,
+    ),
+]
+
+Timeout = Annotated[
+    float,
+    option(
+        "--timeout",
+        help="Seconds a request may take before it fails.",
+        scope="drive",
+        seconds=True,
+    ),
+]
+
+JsonOut = Annotated[bool, option("--json", help="One JSON summary on stdout.", scope="drive")]
+
+# drive's old spelling of 'kvpush leg decode|prefill' (deprecated): hidden, no variable.
+KvTransferParams = Annotated[
+    str | None,
+    option(
+        "--kv-transfer-params",
+        help="Deprecated: 'kvpush leg decode'.",
+        env=False,
+        hidden=True,
+        metavar="FILE|JSON",
+    ),
+]
+
+RequestId = Annotated[
+    str | None,
+    option(
+        "--request-id",
+        help="Deprecated: 'kvpush leg prefill'.",
+        env=False,
+        hidden=True,
+        metavar="ID",
+    ),
+]
+
+AllocDelay = Annotated[
+    float,
+    option(
+        "--alloc-delay",
+        help="Deprecated: 'kvpush leg decode'.",
+        env=False,
+        hidden=True,
+        seconds=True,
+    ),
+]
+
+Trace = Annotated[
+    Path | None,
+    option(
+        "--trace",
+        help="Write one JSON line per request to FILE: transfer id, outcome, reason, and "
+        "the seconds from sending it to each phase (D allocated, PUSH_REG sent, P matched, "
+        "handshake done, WRITE posted and done, completion received, verified, answered), "
+        "both legs on drive's clock; a failed request's 'ended_at'. The summary adds "
+        "p50/p99 per phase.",
+        metavar="FILE",
+        dir_okay=False,
+    ),
+]
+
+PeerGrace = Annotated[
+    float,
+    option(
+        "--peer-grace",
+        help="While no P (or no D) is up, hold requests this long for one to come back (a "
+        "restart is a dip, not the end of the run); past it what is left fails as "
+        "unreachable.",
+        seconds=True,
+    ),
+]
 
 
 def drive(
     ctx: typer.Context,
-    prefill: list[str] | None,
-    decode: list[str] | None,
-    requests: int,
-    concurrency: int,
-    rate: float | None,
-    blocks: int,
-    timeout: float,
-    json_out: bool,
-    shape: str | None,
-    tokens: int | None,
-    kv_transfer_params: str | None,
-    request_id: str | None,
-    alloc_delay: float,
-    auth_token_file: str | None,
-    trace: Path | None = None,
-    peer_grace: float = 5.0,
-    **registry: Any,
+    prefill: Prefill = None,
+    decode: Decode = None,
+    requests: Requests = 100,
+    concurrency: options.Concurrency = 8,
+    rate: Rate = None,
+    blocks: options.Blocks = 4,
+    shape: options.Shape = None,
+    tokens: Tokens = None,
+    timeout: Timeout = 30.0,
+    json_out: JsonOut = False,
+    # drive's old spelling of 'kvpush leg decode|prefill' (deprecated): hidden, no variable
+    kv_transfer_params: KvTransferParams = None,
+    request_id: RequestId = None,
+    alloc_delay: AllocDelay = 0.0,
+    trace: Trace = None,
+    peer_grace: PeerGrace = 5.0,
+    auth_token_file: options.AuthTokenFile = None,
+    **registry: Any,  # options.REGISTRY: the endpoints' registry options
 ) -> None:
-    prefill, decode = list(prefill or ()), list(decode or ())
-    leg = leg_of(ctx, prefill, decode, kv_transfer_params, request_id)
     token = translate.auth_token(auth_token_file)
+    if kv_transfer_params is not None or request_id is not None:
+        old_leg(ctx, token)
+    if _given(ctx, "alloc_delay"):
+        raise ConfigError(
+            "--alloc-delay applies to one vLLM leg, not to a load run",
+            "run 'kvpush leg decode --alloc-delay SECONDS ...'",
+        )
+    # soft_wrap: one line per event whatever the width (a file or pipe is not 80 columns).
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    targets, prefill, decode = _endpoints(registry, list(prefill or ()), list(decode or ()), err)
+    from kvpush.ops.driver import DriveConfig
+
+    cfg = DriveConfig(
+        prefill=tuple(prefill),
+        decode=tuple(decode),
+        requests=requests,
+        concurrency=concurrency,
+        rate=rate,
+        blocks=_shaped_blocks(ctx, shape, tokens, blocks),
+        timeout_s=timeout,
+        auth_token=token,
+        shape=shape or "",
+        peer_grace_s=peer_grace,
+    )
+    if targets is not None:  # the registry's set, checked; one that left meanwhile is dropped
+        cfg = targets.preflight(cfg)
+    tty = sys.stderr.isatty() and not json_out
+    report, signame = _run(cfg, targets, trace, err, tty)
+    if report.interrupted:
+        err.print(
+            f"drive: interrupted ({signame or 'cancelled'}): intake stopped; the summary "
+            "counts requests never sent and those still in flight as cancelled"
+        )
+    if json_out:
+        stdio.out(json.dumps(report.to_dict()))
+    else:
+        Console().print(reports.drive_summary(report), soft_wrap=True)
+    if report.interrupted:
+        raise typer.Exit(int(ExitStatus.INTERRUPTED))
+    raise typer.Exit(0 if report.all_verified else 1)
+
+
+def _endpoints(
+    registry: dict[str, Any], prefill: list[str], decode: list[str], err: Console
+) -> tuple[Any, list[str], list[str]]:
+    """The registry's follower (or None) and the Ps and Ds to start with."""
     targets: Any = None
-    if registry.get("registry") and leg is None:
+    if registry.get("registry"):
         from kvpush.cli.commands.fleet import registry_source
         from kvpush.ops.fleet_targets import FleetTargets
 
@@ -175,50 +296,25 @@ def drive(
                 "--registry takes the Ps and Ds from the registry: not with --prefill/--decode",
                 "drop --prefill/--decode, or drop --registry",
             )
-        targets = FleetTargets(registry_source(registry), lambda text: event(text))
+        targets = FleetTargets(registry_source(registry), lambda text: err.print(f"drive: {text}"))
         prefill, decode = (list(x) for x in targets.initial())
-    if leg == "decode":
-        _decode_leg(
-            decode[0],
-            str(kv_transfer_params),
-            blocks if _given(ctx, "blocks") else None,
-            timeout,
-            alloc_delay,
-            token,
-            json_out,
-        )
-    if leg == "prefill":
-        _prefill_leg(prefill[0], str(request_id), blocks, timeout, token, json_out)
     if not prefill or not decode:
         missing = "--prefill" if not prefill else "--decode"
         raise ConfigError(
             f"drive needs {missing} HOST:PORT",
-            "a load run takes --prefill and --decode endpoints; " + LEG_HINT,
+            "a load run takes --prefill and --decode endpoints; one vLLM leg is 'kvpush leg "
+            "decode' or 'kvpush leg prefill'",
         )
-    from kvpush.ops.driver import DriveConfig, Driver
+    return targets, prefill, decode
 
-    blocks = _shaped_blocks(ctx, shape, tokens, blocks)
-    cfg = DriveConfig(
-        prefill=tuple(prefill),
-        decode=tuple(decode),
-        requests=requests,
-        concurrency=concurrency,
-        rate=rate,
-        blocks=blocks,
-        timeout_s=timeout,
-        auth_token=token,
-        shape=shape or "",
-        peer_grace_s=peer_grace,
-    )
-    if targets is not None:  # the registry's set, checked; one that left meanwhile is dropped
-        cfg = targets.preflight(cfg)
-    # soft_wrap: one line per event whatever the width (a file or pipe is not 80 columns).
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
 
-    def event(text: str) -> None:
-        err.print(f"drive: {text}")
+def _run(
+    cfg: Any, targets: Any, trace: Path | None, err: Console, tty: bool
+) -> tuple[Any, str | None]:
+    """Run the driver under a signal handler, with a progress bar (``tty``) or progress lines;
+    return its report and the signal that stopped it, if one did."""
+    from kvpush.ops.driver import Driver
 
-    tty = sys.stderr.isatty() and not json_out
     driver: Any = None
 
     def tick() -> None:
@@ -226,7 +322,7 @@ def drive(
             done, ok, failed = driver.progress()
             err.print(
                 reports.drive_progress_line(
-                    done, ok, failed, driver.in_flight(), requests, driver.health.rows()
+                    done, ok, failed, driver.in_flight(), cfg.requests, driver.health.rows()
                 )
             )
 
@@ -235,11 +331,11 @@ def drive(
     if trace is not None:
         from kvpush.ops.trace import Tracer
 
-        tracer = Tracer(trace, token, min(timeout, 5.0))
+        tracer = Tracer(trace, cfg.auth_token, min(cfg.timeout_s, 5.0))
     driver = Driver(
         cfg,
         on_result=lambda r: advance[0](r),
-        on_event=event,
+        on_event=lambda text: err.print(f"drive: {text}"),
         on_tick=tick,
         tick_s=PROGRESS_EVERY_S,
         tracer=tracer,
@@ -252,87 +348,30 @@ def drive(
         err.print(f"drive: note: {note}")
     stop = StopFlag(on_signal=driver.cancel).install()
     try:
-        if tty:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-            with Progress(
-                "[progress.description]{task.description}",
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                console=err,
-                transient=True,
-            ) as bar:
-                task = bar.add_task("requests", total=requests)
-                advance[0] = lambda r: bar.advance(task)
-                report = driver.run()
-        else:
-            report = driver.run()
+        report = _with_bar(driver, advance, err, cfg.requests) if tty else driver.run()
     finally:
         stop.restore()
         if targets is not None:
             targets.stop()
     for note in report.notes[told:]:
         err.print(f"drive: note: {note}")
-    if report.interrupted:
-        err.print(
-            f"drive: interrupted ({stop.signame or 'cancelled'}): intake stopped; the summary "
-            "counts requests never sent and those still in flight as cancelled"
-        )
-    if json_out:
-        stdio.out(json.dumps(report.to_dict()))
-    else:
-        Console().print(reports.drive_summary(report), soft_wrap=True)
-    if report.interrupted:
-        raise typer.Exit(int(ExitStatus.INTERRUPTED))
-    raise typer.Exit(0 if report.all_verified else 1)
+    return report, stop.signame
 
 
-# ------------------------------------------------------------------------------ vLLM legs
+def _with_bar(driver: Any, advance: list[Any], err: Console, requests: int) -> Any:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-
-def _finish_leg(report: Any, json_out: bool) -> None:
-    if json_out:
-        stdio.out(json.dumps(report.to_dict()))
-    else:
-        Console().print(reports.leg_report(report), soft_wrap=True)
-    raise typer.Exit(0 if report.ok else 1)
-
-
-def _decode_leg(
-    address: str,
-    params_arg: str,
-    blocks: int | None,
-    timeout: float,
-    alloc_delay: float,
-    token: bytes | None,
-    json_out: bool,
-) -> None:
-    from kvpush.ops import vllm_legs
-
-    params = vllm_legs.load_params(params_arg)
-    report = vllm_legs.decode_leg(address, params, blocks, timeout, token, alloc_delay)
-    _finish_leg(report, json_out)
-
-
-def _prefill_leg(
-    address: str, request_id: str, blocks: int, timeout: float, token: bytes | None, json_out: bool
-) -> None:
-    from kvpush.ops import vllm_legs
-
-    err = Console(stderr=True, highlight=False)
-
-    def hand_out(params: dict[str, Any]) -> None:
-        stdio.out(json.dumps(params))  # at once: the vLLM D needs it before the push can run
-        if not json_out:
-            err.print(
-                f"drive: hand these kv_transfer_params to the vLLM D; waiting up to {timeout:g}s "
-                "for its push",
-                soft_wrap=True,
-            )
-
-    report = vllm_legs.prefill_leg(address, request_id, blocks, timeout, token, on_params=hand_out)
-    _finish_leg(report, json_out)
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("requests", total=requests)
+        advance[0] = lambda r: bar.advance(task)
+        return driver.run()
 
 
 def _shaped_blocks(ctx: typer.Context, shape: str | None, tokens: int | None, blocks: int) -> int:

@@ -15,12 +15,13 @@ import os
 import re
 import sys
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
-from kvpush.cli import fleet_options, options, stdio, translate
+from kvpush.cli import options, stdio, translate
+from kvpush.cli.optspec import PANEL_OUT, option
 from kvpush.cli.signals import StopFlag
 from kvpush.errors import ConfigError, ExitStatus
 
@@ -60,15 +61,10 @@ the check ('left'). Exit status 0 when every pair that can work works, 3 when on
 
 
 def register(app: typer.Typer) -> None:
-    group = typer.Typer(
-        name="fleet",
-        help=HELP,
-        no_args_is_help=True,
-        context_settings={"help_option_names": ["-h", "--help"]},
-    )
-    options.register(group, "ls", ls, fleet_options.FLEET_LS, LS_DOC)
-    options.register(group, "watch", watch, fleet_options.FLEET_WATCH, WATCH_DOC)
-    options.register(group, "check", check, fleet_options.FLEET_CHECK, CHECK_DOC)
+    group = options.group("fleet", HELP)
+    options.register(group, "ls", ls, LS_DOC, options.REGISTRY)
+    options.register(group, "watch", watch, WATCH_DOC, options.REGISTRY)
+    options.register(group, "check", check, CHECK_DOC, options.REGISTRY)
     app.add_typer(group)
 
 
@@ -95,7 +91,13 @@ def registry_source(p: dict[str, Any]) -> Any:
 # --------------------------------------------------------------------------- ls
 
 
-def ls(ctx: typer.Context, json_out: bool, **p: Any) -> None:
+def ls(
+    json_out: Annotated[
+        bool,
+        option("--json", help="One JSON object on stdout.", scope="fleet_ls", panel=PANEL_OUT),
+    ] = False,
+    **p: Any,  # options.REGISTRY
+) -> None:
     from kvpush.cli.views import fleet as views
     from kvpush.ops.fleet_view import rows_of
 
@@ -112,7 +114,35 @@ def ls(ctx: typer.Context, json_out: bool, **p: Any) -> None:
 
 
 def watch(
-    ctx: typer.Context, json_out: bool, duration: float | None, interval: float, **p: Any
+    json_out: Annotated[
+        bool,
+        option(
+            "--json",
+            help="One JSON object per line on stdout: the listing at start ('snapshot'), then "
+            "each join, leave and restart, and a 'rows' line every --interval.",
+            scope="fleet_watch",
+            panel=PANEL_OUT,
+        ),
+    ] = False,
+    duration: Annotated[
+        float | None,
+        option(
+            "--duration",
+            help="Stop after this many seconds (default: until Ctrl-C).",
+            seconds=True,
+            show_default=False,
+        ),
+    ] = None,
+    interval: Annotated[
+        float,
+        option(
+            "--interval",
+            help="Seconds between redraws of the live view (and between 'rows' lines).",
+            scope="fleet",
+            seconds=True,
+        ),
+    ] = 1.0,
+    **p: Any,  # options.REGISTRY
 ) -> None:
     from kvpush.ops.fleet_watch import FleetWatch
 
@@ -218,15 +248,53 @@ def parse_size(text: str) -> int:
 
 
 def check(
-    ctx: typer.Context,
-    size: str,
-    pushes: int,
-    concurrency: int,
-    deadline: float,
-    strict: bool,
-    json_out: bool,
-    auth_token_file: str | None,
-    **p: Any,
+    size: Annotated[
+        str,
+        option(
+            "--size",
+            help="Bytes per check push (e.g. 1MiB, 256KiB, 4096): blocks = size / one block "
+            "of P (capped at the smaller pool).",
+        ),
+    ] = "1MiB",
+    pushes: Annotated[
+        int,
+        option(
+            "--pushes",
+            help="Verified pushes per pair (the first carries the handshake of a pair that "
+            "never met).",
+        ),
+    ] = 3,
+    concurrency: Annotated[
+        int, option("--concurrency", "-c", help="Pairs checked at once.", scope="fleet")
+    ] = 8,
+    deadline: Annotated[
+        float,
+        option(
+            "--deadline",
+            help="Seconds one pair's check may take (every push included); a pair past it "
+            "fails with 'deadline'.",
+            seconds=True,
+        ),
+    ] = 10.0,
+    strict: Annotated[
+        bool,
+        option(
+            "--strict",
+            help="Also fail (exit 3) on incompatible or skipped pairs, not only on pairs whose "
+            "pushes fail.",
+        ),
+    ] = False,
+    json_out: Annotated[
+        bool,
+        option(
+            "--json",
+            help="The whole matrix as one JSON object on stdout.",
+            scope="fleet_check",
+            panel=PANEL_OUT,
+        ),
+    ] = False,
+    auth_token_file: options.AuthTokenFile = None,
+    **p: Any,  # options.REGISTRY
 ) -> None:
     from kvpush.cli.views import fleet as views
     from kvpush.ops.fleet_check import CheckConfig, check_fleet

@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
 from kvpush.address import format_address, parse_address
 from kvpush.cli import options, stdio, translate
-from kvpush.config import HandshakeMode
+from kvpush.cli.optspec import option
+from kvpush.config import AgentConfig, HandshakeMode, PoolConfig
 from kvpush.errors import (
     ConfigError,
     ExitStatus,
@@ -37,7 +38,7 @@ exactly one JSON object on stdout, errors included."""
 
 
 def register(app: typer.Typer) -> None:
-    options.register(app, "probe", probe, options.PROBE, DOC)
+    options.register(app, "probe", probe, DOC, options.PROBE)
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
@@ -69,9 +70,54 @@ def error_object(address: str, e: KvpushError) -> dict[str, Any]:
     }
 
 
-def probe(ctx: typer.Context, address: str, json_out: bool, **params: Any) -> None:
+def probe(
+    ctx: typer.Context,
+    address: Annotated[str, typer.Argument(help="The peer's side channel, HOST:PORT.")],
+    count: Annotated[
+        int, option("--count", "-c", help="Round trips to measure (RTT, clock offset).")
+    ] = 5,
+    timeout: Annotated[
+        float,
+        option("--timeout", help="Seconds to wait per request.", scope="probe", seconds=True),
+    ] = 3.0,
+    handshake: Annotated[
+        HandshakeMode | None,
+        option(
+            "--handshake",
+            help="Also do a real NIXL handshake of this mode from a tiny local endpoint and "
+            "time its phases.",
+            scope="probe",
+            show_default=False,
+        ),
+    ] = None,
+    ping: Annotated[
+        int, option("--ping", help="Measure this many NIXL notification round trips.")
+    ] = 0,
+    stats: Annotated[bool, option("--stats", help="Show the peer's live telemetry.")] = False,
+    json_out: Annotated[
+        bool, option("--json", help="One JSON object on stdout.", scope="probe")
+    ] = False,
+    ranks: Annotated[
+        str,
+        option(
+            "--ranks",
+            help="The peer's (pp, tp) rank to ask for, as PP,TP (vLLM serves one per rank).",
+        ),
+    ] = "0,0",
+    peer_tp: Annotated[
+        int | None,
+        option(
+            "--peer-tp",
+            help="The vLLM peer's TP size (tp_size of its kv_transfer_params): needed to ask "
+            "it for a rank other than 0,0, since vLLM's listener dies on a rank it does not "
+            "serve.",
+            show_default=False,
+        ),
+    ] = None,
+    **endpoint: Any,  # options.PROBE: the local geometry, NIXL and security options
+) -> None:
     try:
-        _probe(ctx, address=address, json_out=json_out, **params)
+        _probe(ctx, **ctx.params)
     except KvpushError as e:
         if json_out:
             stdio.out(json.dumps(error_object(address, e)))
@@ -94,9 +140,7 @@ def _probe(
     progress_thread: bool,
     **geometry: Any,
 ) -> None:
-    from kvpush.config import AgentConfig, EndpointConfig, Timeouts
     from kvpush.ops import probe as core
-    from kvpush.ops import probe_kvpush, probe_vllm
     from kvpush.ops.probe_report import local_compat_fields
 
     p = ctx.params
@@ -119,8 +163,7 @@ def _probe(
         stats=stats,
         peer_tp=peer_tp,
     )
-    vllm_wire = report.kind == "vllm"
-    if ping > 0 and vllm_wire:
+    if ping > 0 and report.kind == "vllm":
         raise ConfigError(
             f"not pinging {report.address}: NIXL pings are kvpush notifications, and any "
             "notification but vLLM's three forms kills a vLLM engine's main thread",
@@ -130,26 +173,49 @@ def _probe(
         if report.differences:
             report.notes.append("incompatible peer: --handshake/--ping skipped")
         else:
-            base = EndpointConfig(
-                role="decode",
-                agent=AgentConfig(
-                    backends=translate.backends(backends), progress_thread=progress_thread
-                ),
-                timeouts=Timeouts(side_channel_s=timeout, handshake_s=max(timeout, 1.0)),
-                pool=translate.pool_config(p, num_blocks=4),
+            agent = AgentConfig(
+                backends=translate.backends(backends), progress_thread=progress_thread
             )
-            if vllm_wire:
-                # Loads the peer's agent (and, full, its descriptors); sends it nothing.
-                cfg = probe_vllm.tiny_vllm_config(report.address, base)
-            else:
-                cfg = probe_kvpush.tiny_local_config(report.metadata, local_pool, token, base)
-            hp = core.handshake_probe(report.address, cfg, handshake, ping, rank=asked[1])
-            report = dataclasses.replace(
-                report,
-                handshake_mode=hp.mode if handshake is not None else None,
-                handshake_timings_s=hp.timings_s if handshake is not None else None,
-                ping_s=hp.ping_s if ping > 0 else None,
-            )
+            report = _with_handshake(report, p, agent, local_pool, token, asked[1])
+    _print(report, json_out)
+
+
+def _with_handshake(
+    report: Any,
+    p: dict[str, Any],
+    agent: AgentConfig,
+    local_pool: PoolConfig | None,
+    token: bytes | None,
+    rank: int,
+) -> Any:
+    """``report`` with the timings of a real NIXL handshake (``--handshake``) and notification
+    pings (``--ping``) from a tiny local decode endpoint."""
+    from kvpush.config import EndpointConfig, Timeouts
+    from kvpush.ops import probe as core
+    from kvpush.ops import probe_kvpush, probe_vllm
+
+    timeout, handshake, ping = p["timeout"], p["handshake"], p["ping"]
+    base = EndpointConfig(
+        role="decode",
+        agent=agent,
+        timeouts=Timeouts(side_channel_s=timeout, handshake_s=max(timeout, 1.0)),
+        pool=translate.pool_config(p, num_blocks=4),
+    )
+    if report.kind == "vllm":
+        # Loads the peer's agent (and, full, its descriptors); sends it nothing.
+        cfg = probe_vllm.tiny_vllm_config(report.address, base)
+    else:
+        cfg = probe_kvpush.tiny_local_config(report.metadata, local_pool, token, base)
+    hp = core.handshake_probe(report.address, cfg, handshake, ping, rank=rank)
+    return dataclasses.replace(
+        report,
+        handshake_mode=hp.mode if handshake is not None else None,
+        handshake_timings_s=hp.timings_s if handshake is not None else None,
+        ping_s=hp.ping_s if ping > 0 else None,
+    )
+
+
+def _print(report: Any, json_out: bool) -> None:
     if json_out:
         stdio.out(json.dumps(report.to_dict(), default=str))
     else:

@@ -28,6 +28,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import typer
@@ -65,15 +67,24 @@ DOCS: dict[str, str] = {
 
 
 def register(app: typer.Typer) -> None:
-    for role in ("prefill", "decode"):
+    for role in ROLES:
+        options.register(
+            app, f"serve-{role}", _command(role), DOCS[role], options.serve_entries(role)
+        )
 
-        def body(ctx: typer.Context, role: Role = role, **params: Any) -> None:  # type: ignore[assignment]
-            del ctx
-            cfg = translate.endpoint_config(role, params)
-            opts = ServeOptions.from_params(params)
-            raise typer.Exit(serve(cfg, opts))
 
-        options.register(app, f"serve-{role}", body, options.serve_entries(role), DOCS[role])
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+
+def _command(role: Role) -> Callable[..., None]:
+    """The body of ``serve-<role>``: every option is an entry of the endpoint table."""
+
+    def body(**params: Any) -> None:
+        cfg = translate.endpoint_config(role, params)
+        opts = ServeOptions.from_params(params)
+        raise typer.Exit(serve(cfg, opts))
+
+    return body
 
 
 def setup_logging(console: Console, level: LogLevel | str, rich_handler: bool) -> None:
@@ -121,15 +132,41 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
     """Run one endpoint until SIGINT/SIGTERM/SIGHUP; return the exit status (raise typed
     errors)."""
     from kvpush.cli.views import lines
-    from kvpush.ops.engine import open_endpoint
 
-    output = choose_output(opts.output)
     console = Console(stderr=True)
-    if output is OutputMode.LIVE and not sys.stderr.isatty():
+    output = _output(cfg, opts, console)
+    stop = StopFlag().install()
+    run = _Running()
+    failure: BaseException | None = None
+    try:
+        _start(run, cfg, opts, stop)
+        if output is OutputMode.LIVE:
+            failure = _loop_live(run.ep, stop, console)
+        else:
+            failure = _loop_lines(run.ep, stop, output, opts.interval_s, lines)
+        if stop.signame:
+            log.info("%s received: draining (up to %gs)", stop.signame, cfg.timeouts.drain_s)
+    finally:
+        _stop(run, opts, failure)
+        stop.restore()
+    if failure is not None:
+        if isinstance(failure, KvpushError):
+            raise failure
+        raise KvpushError(
+            f"an internal thread of the endpoint failed: {type(failure).__name__}: {failure}",
+            "rerun with --debug --log-level debug and report the log",
+        ) from failure
+    log.info("stopped cleanly")
+    return int(ExitStatus.OK)
+
+
+def _output(cfg: EndpointConfig, opts: ServeOptions, console: Console) -> OutputMode:
+    """The output mode, once logging is set up (with its warnings: an exposed side channel
+    without a token, ``-o live`` without a terminal to draw on)."""
+    output = choose_output(opts.output)
+    live_refused = output is OutputMode.LIVE and not sys.stderr.isatty()
+    if live_refused:
         output = OutputMode.PLAIN
-        live_refused = True
-    else:
-        live_refused = False
     setup_logging(console, opts.log_level, rich_handler=sys.stderr.isatty())
     if cfg.allow_all_interfaces and cfg.auth_token is None:
         log.warning(
@@ -142,84 +179,78 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
             "-o live draws on stderr, which is not a terminal here: printing plain lines "
             "on stdout instead (-o plain or -o json says so without this warning)"
         )
-    stop = StopFlag().install()
+    return output
+
+
+@dataclass
+class _Running:
+    """What ``_start`` got running so far: ``_stop`` stops exactly that."""
+
     ep: Any = None
-    exporter = None
-    member = None
-    failure: BaseException | None = None
-    try:
-        if opts.metrics_port:
-            from kvpush.telemetry.prom import PrometheusExporter
+    exporter: Any = None
+    member: Any = None
 
-            # Bound before the pool is allocated (a busy port fails in milliseconds, not after
-            # gigabytes); served once the endpoint is up.
-            exporter = PrometheusExporter(
-                lambda: ep.snapshot(), opts.metrics_host, opts.metrics_port
-            )
-            exporter.reserve()
-        ep = open_endpoint(cfg)
-        stop.rearm()  # UCX took SIGHUP over while the endpoint started
-        # What exists now (the ~170k objects of torch, numpy, typer and the endpoint) lives as
-        # long as the process: keep it out of every later garbage collection. A full collection
-        # walks them all with the interpreter lock held, which stalls every thread of the
-        # endpoint (0.1 s of CPU here, seconds on a starved host).
-        gc.freeze()
-        health = _health(ep)
-        if exporter is not None:
-            exporter.health = health
-            exporter.start()
-        if opts.registry is not None:
-            from kvpush.fleet.member import Membership
 
-            member = Membership(ep, opts.registry, exporter.url if exporter else "")
-            health.registration = member.verdict
-            member.start()
-        if opts.ready_file:
-            info: dict[str, Any] = {
-                "address": ep.address,
-                "engine_id": cfg.engine_id,
-                "incarnation": ep.incarnation,
-                "pid": os.getpid(),
-                "role": cfg.role,
-            }
-            if exporter is not None:
-                info["metrics"] = exporter.url
-            write_ready_file(opts.ready_file, info)
-        log.info(
-            "%s endpoint ready on %s; Ctrl+C or SIGTERM drains and stops", cfg.role, ep.address
+def _start(run: _Running, cfg: EndpointConfig, opts: ServeOptions, stop: StopFlag) -> None:
+    from kvpush.ops.engine import open_endpoint
+
+    if opts.metrics_port:
+        from kvpush.telemetry.prom import PrometheusExporter
+
+        # Bound before the pool is allocated (a busy port fails in milliseconds, not after
+        # gigabytes); served once the endpoint is up.
+        run.exporter = PrometheusExporter(
+            lambda: run.ep.snapshot(), opts.metrics_host, opts.metrics_port
         )
-        if output is OutputMode.LIVE:
-            failure = _loop_live(ep, stop, console)
-        else:
-            failure = _loop_lines(ep, stop, output, opts.interval_s, lines)
-        if stop.signame:
-            log.info("%s received: draining (up to %gs)", stop.signame, cfg.timeouts.drain_s)
-    finally:
-        if member is not None:
-            # The key goes first, then the endpoint serves on for the leave grace, so routers
-            # (and drives) following the registry stop sending before intake stops.
-            grace = opts.registry.leave_grace_s if opts.registry is not None else 0.0
-            if member.leave() and grace > 0 and failure is None:
-                log.info("registry key removed: serving %gs more before the drain", grace)
-                time.sleep(grace)
-        if ep is not None:
-            ep.stop()
-            quickexit.request()  # nothing is left for the interpreter's finalization to do
-        if exporter is not None:
-            exporter.stop()
-        if opts.ready_file:
-            with contextlib.suppress(OSError):
-                os.unlink(opts.ready_file)
-        stop.restore()
-    if failure is not None:
-        if isinstance(failure, KvpushError):
-            raise failure
-        raise KvpushError(
-            f"an internal thread of the endpoint failed: {type(failure).__name__}: {failure}",
-            "rerun with --debug --log-level debug and report the log",
-        ) from failure
-    log.info("stopped cleanly")
-    return int(ExitStatus.OK)
+        run.exporter.reserve()
+    run.ep = ep = open_endpoint(cfg)
+    stop.rearm()  # UCX took SIGHUP over while the endpoint started
+    # What exists now (the ~170k objects of torch, numpy, typer and the endpoint) lives as
+    # long as the process: keep it out of every later garbage collection. A full collection
+    # walks them all with the interpreter lock held, which stalls every thread of the
+    # endpoint (0.1 s of CPU here, seconds on a starved host).
+    gc.freeze()
+    health = _health(ep)
+    if run.exporter is not None:
+        run.exporter.health = health
+        run.exporter.start()
+    if opts.registry is not None:
+        from kvpush.fleet.member import Membership
+
+        run.member = Membership(ep, opts.registry, run.exporter.url if run.exporter else "")
+        health.registration = run.member.verdict
+        run.member.start()
+    if opts.ready_file:
+        info: dict[str, Any] = {
+            "address": ep.address,
+            "engine_id": cfg.engine_id,
+            "incarnation": ep.incarnation,
+            "pid": os.getpid(),
+            "role": cfg.role,
+        }
+        if run.exporter is not None:
+            info["metrics"] = run.exporter.url
+        write_ready_file(opts.ready_file, info)
+    log.info("%s endpoint ready on %s; Ctrl+C or SIGTERM drains and stops", cfg.role, ep.address)
+
+
+def _stop(run: _Running, opts: ServeOptions, failure: BaseException | None) -> None:
+    """The ordered shutdown: registry key, leave grace, drain, exporter, ready file."""
+    if run.member is not None:
+        # The key goes first, then the endpoint serves on for the leave grace, so routers
+        # (and drives) following the registry stop sending before intake stops.
+        grace = opts.registry.leave_grace_s if opts.registry is not None else 0.0
+        if run.member.leave() and grace > 0 and failure is None:
+            log.info("registry key removed: serving %gs more before the drain", grace)
+            time.sleep(grace)
+    if run.ep is not None:
+        run.ep.stop()
+        quickexit.request()  # nothing is left for the interpreter's finalization to do
+    if run.exporter is not None:
+        run.exporter.stop()
+    if opts.ready_file:
+        with contextlib.suppress(OSError):
+            os.unlink(opts.ready_file)
 
 
 def _health(ep: Any) -> Any:
@@ -235,9 +266,9 @@ def _loop_lines(
     next_t = time.monotonic() + interval_s
     told = False
     while not stop.event.is_set():
-        failure = ep.failure()
+        failure: BaseException | None = ep.failure()
         if failure is not None:
-            return failure  # type: ignore[no-any-return]
+            return failure
         now = time.monotonic()
         if now >= next_t:
             sys.stdout.write(fn(ep.snapshot()) + "\n")
@@ -271,9 +302,9 @@ def _loop_live(ep: Any, stop: StopFlag, console: Console) -> BaseException | Non
         redirect_stderr=False,
     ) as live:
         while not stop.event.wait(LIVE_REFRESH_S):
-            failure = ep.failure()
+            failure: BaseException | None = ep.failure()
             if failure is not None:
-                return failure  # type: ignore[no-any-return]
+                return failure
             if console.size != size:
                 size = console.size
                 console.clear()

@@ -161,44 +161,8 @@ def check_text(rep: CheckReport) -> RenderableType:
         for n in rep.notes:
             parts.append(Text(f"note: {n}"))
         return Group(*parts)
-    m = _table(f"cluster {rep.cluster}: {len(rep.prefills)} P x {len(rep.decodes)} D")
-    m.add_column("P \\ D", no_wrap=True)
-    for i in range(len(rep.decodes)):
-        m.add_column(f"D{i}", no_wrap=True)
-    for p in rep.prefills:
-        m.add_row(p, *(_cell(rep.pair(p, d)) for d in rep.decodes))
-    parts.append(m)
-    legend = Text()
-    for i, d in enumerate(rep.decodes):
-        legend.append(f"D{i}={d}  ", style="dim")
-    parts.append(legend)
-    bad = [r for r in rep.pairs if r.outcome != "ok"]
-    if bad:
-        lines = Text()
-        for r in bad:
-            lines.append(
-                f"{r.outcome.upper()} {r.prefill} -> {r.decode}: "
-                f"{r.reason}{': ' + r.detail if r.detail else ''}\n",
-                style=_OUTCOME_STYLE.get(r.outcome, ""),
-            )
-        parts.append(lines)
-    t = _table("pairs")
-    for col in ("prefill", "decode", "outcome", "blocks", "pushes", "first ms", "handshake ms",
-                "p50 ms", "GB/s"):  # fmt: skip
-        t.add_column(col, no_wrap=True, justify="left" if col in ("prefill", "decode") else "right")
-    for r in rep.pairs:
-        t.add_row(
-            r.prefill,
-            r.decode,
-            Text(r.outcome, style=_OUTCOME_STYLE.get(r.outcome, "")),
-            str(r.blocks or "-"),
-            f"{r.pushes_ok}/{r.pushes}" if r.pushes else "-",
-            _ms(r.first_ms),
-            _ms(r.handshake_ms),
-            _ms(r.p50_ms),
-            "-" if r.gb_per_s is None else f"{r.gb_per_s:.3f}",
-        )
-    parts.append(t)
+    parts += _matrix(rep)
+    parts.append(_pairs_table(rep))
     counts = ", ".join(
         f"{rep.count(o)} {o}"
         for o in ("ok", "failed", "incompatible", "skipped", "left")
@@ -215,6 +179,53 @@ def check_text(rep: CheckReport) -> RenderableType:
     for n in rep.notes:
         parts.append(Text(f"note: {n}"))
     return Group(*parts)
+
+
+def _matrix(rep: CheckReport) -> list[RenderableType]:
+    """The matrix (rows P, columns D, one word per pair), its legend, and one line per pair
+    that is not ok."""
+    m = _table(f"cluster {rep.cluster}: {len(rep.prefills)} P x {len(rep.decodes)} D")
+    m.add_column("P \\ D", no_wrap=True)
+    for i in range(len(rep.decodes)):
+        m.add_column(f"D{i}", no_wrap=True)
+    for p in rep.prefills:
+        m.add_row(p, *(_cell(rep.pair(p, d)) for d in rep.decodes))
+    legend = Text()
+    for i, d in enumerate(rep.decodes):
+        legend.append(f"D{i}={d}  ", style="dim")
+    parts: list[RenderableType] = [m, legend]
+    bad = [r for r in rep.pairs if r.outcome != "ok"]
+    if bad:
+        lines = Text()
+        for r in bad:
+            lines.append(
+                f"{r.outcome.upper()} {r.prefill} -> {r.decode}: "
+                f"{r.reason}{': ' + r.detail if r.detail else ''}\n",
+                style=_OUTCOME_STYLE.get(r.outcome, ""),
+            )
+        parts.append(lines)
+    return parts
+
+
+def _pairs_table(rep: CheckReport) -> Table:
+    """Every pair's figures."""
+    t = _table("pairs")
+    for col in ("prefill", "decode", "outcome", "blocks", "pushes", "first ms", "handshake ms",
+                "p50 ms", "GB/s"):  # fmt: skip
+        t.add_column(col, no_wrap=True, justify="left" if col in ("prefill", "decode") else "right")
+    for r in rep.pairs:
+        t.add_row(
+            r.prefill,
+            r.decode,
+            Text(r.outcome, style=_OUTCOME_STYLE.get(r.outcome, "")),
+            str(r.blocks or "-"),
+            f"{r.pushes_ok}/{r.pushes}" if r.pushes else "-",
+            _ms(r.first_ms),
+            _ms(r.handshake_ms),
+            _ms(r.p50_ms),
+            "-" if r.gb_per_s is None else f"{r.gb_per_s:.3f}",
+        )
+    return t
 
 
 def check_json(rep: CheckReport) -> dict[str, Any]:

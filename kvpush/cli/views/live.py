@@ -18,6 +18,7 @@ as it always did.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from rich import box
 from rich.console import Group, RenderableType
@@ -119,7 +120,7 @@ def _devices(snap: Snapshot) -> str:
 # --- the live view ----------------------------------------------------------------------------
 
 
-def _section(title: str, **kw: object) -> Table:
+def _section(title: str, **kw: Any) -> Table:
     return Table(
         title=title,
         title_justify="left",
@@ -127,7 +128,7 @@ def _section(title: str, **kw: object) -> Table:
         box=box.SIMPLE_HEAD,
         pad_edge=False,
         show_edge=False,
-        **kw,  # type: ignore[arg-type]
+        **kw,
     )
 
 

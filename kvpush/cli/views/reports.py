@@ -103,26 +103,8 @@ def probe_report(r: Any) -> RenderableType:
         f"({len(rtt.samples_s)} samples)",
     )
     t.add("clock offset", f"{rtt.clock_offset_s * 1e3:+.3f} ms")
-    if r.differences:
-        t.add("compatible", "NO")
-        for f, local, remote in r.differences:
-            t.add("", f"{f}: local {local}, remote {remote}")
-    elif r.compat_checked:
-        t.add("compatible", "yes")
-    elif r.kind == "kvpush":
-        t.add("compatible", "protocol yes; geometry not checked (give --block-bytes, --layers...)")
-    if r.handshake_timings_s is not None:
-        phases = " · ".join(
-            f"{k.removesuffix('_s')} {fmt_ms(v)} ms" for k, v in r.handshake_timings_s.items()
-        )
-        t.add(f"handshake ({r.handshake_mode})", phases)
-    if r.ping_s:
-        pings = sorted(r.ping_s)
-        t.add(
-            "nixl ping",
-            f"min {fmt_ms(pings[0])} ms · median {fmt_ms(pings[len(pings) // 2])} ms · "
-            f"max {fmt_ms(pings[-1])} ms ({len(pings)} round trips)",
-        )
+    _compat_rows(t, r)
+    _timing_rows(t, r)
     mine = getattr(r, "local_versions", None)
     if mine:
         t.add(
@@ -137,6 +119,33 @@ def probe_report(r: Any) -> RenderableType:
     for i, line in enumerate(getattr(r, "suggest", [])):
         t.add("kvpush to fit it" if i == 0 else "", line)
     return Group(head, t.render())
+
+
+def _compat_rows(t: Rows, r: Any) -> None:
+    if r.differences:
+        t.add("compatible", "NO")
+        for f, local, remote in r.differences:
+            t.add("", f"{f}: local {local}, remote {remote}")
+    elif r.compat_checked:
+        t.add("compatible", "yes")
+    elif r.kind == "kvpush":
+        t.add("compatible", "protocol yes; geometry not checked (give --block-bytes, --layers...)")
+
+
+def _timing_rows(t: Rows, r: Any) -> None:
+    """The handshake's phases (``--handshake``) and the NIXL pings (``--ping``)."""
+    if r.handshake_timings_s is not None:
+        phases = " · ".join(
+            f"{k.removesuffix('_s')} {fmt_ms(v)} ms" for k, v in r.handshake_timings_s.items()
+        )
+        t.add(f"handshake ({r.handshake_mode})", phases)
+    if r.ping_s:
+        pings = sorted(r.ping_s)
+        t.add(
+            "nixl ping",
+            f"min {fmt_ms(pings[0])} ms · median {fmt_ms(pings[len(pings) // 2])} ms · "
+            f"max {fmt_ms(pings[-1])} ms ({len(pings)} round trips)",
+        )
 
 
 def probe_stats(r: Any) -> RenderableType | None:
