@@ -70,7 +70,7 @@ def test_vllm_p_tp2_to_kvpush_d(tp2: tuple[VllmPeer, Served], tmp_path: Path) ->
     assert params["tp_size"] == TP
     f = tmp_path / "params.json"
     f.write_text(json.dumps(params))
-    r = run_cli("drive", "--decode", d.address, "--kv-transfer-params", str(f), "--json")
+    r = run_cli("leg", "decode", "--decode", d.address, "--kv-transfer-params", str(f), "--json")
     out = json.loads(r.stdout) if r.stdout else {}
     pres = p.result(cid, timeout=LEASE_S + 60)
     p.assert_alive("vLLM P (TP 2) -> kvpush D")

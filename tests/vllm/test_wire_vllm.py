@@ -11,8 +11,8 @@
   the WRITE and its completion, and the bytes that landed hash like what kvpush filled.
 * a compatibility-hash mismatch fails the decode leg with ``incompatible``, naming both hashes,
   and sends vLLM's P nothing but ``get_meta_msg``.
-* the same two flows through the CLI, as an operator runs them: ``kvpush drive --decode
-  <kvpush D> --kv-transfer-params <what vLLM's P returned>`` and ``kvpush drive --prefill
+* the same two flows through the CLI, as an operator runs them: ``kvpush leg decode --decode
+  <kvpush D> --kv-transfer-params <what vLLM's P returned>`` and ``kvpush leg prefill --prefill
   <kvpush P> --request-id ID --blocks N``, whose first stdout line is handed to vLLM's D.
 
 After each, the vLLM peers are alive (process, listener, writer, no engine error) and every
@@ -239,7 +239,9 @@ def test_cli_decode_leg_from_vllm_p(vllm_p: VllmPeer, kvpush_d: Served, tmp_path
     cid = vllm_p.prefill(p_id, blocks)
     f = tmp_path / "params.json"
     f.write_text(json.dumps(vllm_p.result(cid, suffix=".params")["params"]))
-    r = run_cli("drive", "--decode", kvpush_d.address, "--kv-transfer-params", str(f), "--json")
+    r = run_cli(
+        "leg", "decode", "--decode", kvpush_d.address, "--kv-transfer-params", str(f), "--json"
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(r.stdout)
     pres = vllm_p.result(cid)
@@ -256,7 +258,17 @@ def test_cli_prefill_leg_into_vllm_d(vllm_d: VllmPeer, kvpush_p: Served) -> None
     d_blocks = [11, 4]
     mark = vllm_d.wire_mark()
     proc = subprocess.Popen(
-        [*KVPUSH, "drive", "--prefill", kvpush_p.address, "--request-id", p_id, "--blocks", "2"],
+        [
+            *KVPUSH,
+            "leg",
+            "prefill",
+            "--prefill",
+            kvpush_p.address,
+            "--request-id",
+            p_id,
+            "--blocks",
+            "2",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
