@@ -38,7 +38,7 @@ from kvpush.runtime.owner import OwnerThread, RankCrash, drain_notifications
 from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure, Gauge
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import NixlAgent, TransferError
+from kvpush.transport.agent import Agent, TransferError
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -49,7 +49,7 @@ class Receiver:
     def __init__(
         self,
         cfg: EndpointConfig,
-        agent: NixlAgent,
+        agent: Agent,
         pool: KvPool,
         handshakes: HandshakeManager,
         codec: Codec,

@@ -38,7 +38,7 @@ from kvpush.runtime.inbox import Inbox
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import NixlAgent, TransferError
+from kvpush.transport.agent import Agent, TransferError
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -50,7 +50,7 @@ MAX_EARLY_CANCELS = MAX_DECLINED_IDS
 class Outcomes:
     def __init__(
         self,
-        agent: NixlAgent,
+        agent: Agent,
         pool: KvPool,
         table: PushTable,
         handshakes: HandshakeManager,

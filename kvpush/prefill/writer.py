@@ -62,7 +62,7 @@ from kvpush.runtime.decline import Decliner
 from kvpush.runtime.owner import OwnerThread, RankCrash, drain_notifications
 from kvpush.telemetry.names import Counter, Failure, Gauge
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import NixlAgent
+from kvpush.transport.agent import Agent
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -73,7 +73,7 @@ class PushWriter:
     def __init__(
         self,
         cfg: EndpointConfig,
-        agent: NixlAgent,
+        agent: Agent,
         pool: KvPool,
         handshakes: HandshakeManager,
         codec: Codec,

@@ -20,7 +20,7 @@ from kvpush.peers.handshakes import HandshakeManager, PeerGone
 from kvpush.runtime.decline import Decliner
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import NixlAgent
+from kvpush.transport.agent import Agent
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -28,7 +28,7 @@ from kvpush.wire.notifs import Codec
 @dataclass(frozen=True)
 class EndpointContext:
     cfg: EndpointConfig
-    agent: NixlAgent
+    agent: Agent
     pool: KvPool
     handshakes: HandshakeManager
     codec: Codec

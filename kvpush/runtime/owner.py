@@ -42,7 +42,7 @@ from kvpush.runtime.inbox import Inbox
 from kvpush.telemetry.heartbeat import Heartbeat
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import NixlAgent, TransferError
+from kvpush.transport.agent import Agent, TransferError
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -300,7 +300,7 @@ class IdleWaiter:
 
 
 def drain_notifications(
-    agent: NixlAgent,
+    agent: Agent,
     codec: Codec,
     telemetry: Telemetry,
     rl: RateLimitedLog,
