@@ -106,7 +106,7 @@ class Raw:
 
     def ask(self, *frames: bytes, timeout_s: float = 5.0) -> list[bytes] | None:
         self.sock.send_multipart(list(frames))
-        if not self.sock.poll(timeout_s * 1000, zmq.POLLIN):
+        if not self.sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             return None
         return self.sock.recv_multipart()
 

@@ -11,6 +11,7 @@ tests wait for its effects with bounded waits, never on timing.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import uuid
@@ -147,6 +148,10 @@ def _make_rig(mode: WriterMode = WriterMode.DEFERRED) -> Rig:
     return Rig(agent, pool, tm, hs, w, owner, codec)
 
 
+def _settled(hs: HandshakeManager) -> bool:
+    return hs.counts()["connecting"] == 0
+
+
 @pytest.fixture
 def make_rig() -> Iterator[Callable[..., Rig]]:
     rigs: list[Rig] = []
@@ -162,7 +167,7 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
             r.owner.stop(2)
         for s in r.stubs:
             s.stop()
-        wait_until(lambda r=r: r.hs.counts()["connecting"] == 0, 10, "handshakes to settle")
+        wait_until(functools.partial(_settled, r.hs), 10, "handshakes to settle")
         r.hs.close()
 
 

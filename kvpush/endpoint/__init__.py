@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvpush.config import EndpointConfig
 from kvpush.decode.group import DecodeGroup
 from kvpush.decode.role import DecodeRole
@@ -20,7 +18,9 @@ def open_decode(cfg: EndpointConfig) -> Endpoint[DecodeRole, DecodeGroup]:
     return Endpoint(cfg, DecodeRole, DecodeGroup)
 
 
-def open_endpoint(cfg: EndpointConfig) -> Endpoint[Any, Any]:
+def open_endpoint(
+    cfg: EndpointConfig,
+) -> Endpoint[PrefillRole, PrefillGroup] | Endpoint[DecodeRole, DecodeGroup]:
     """A started endpoint of ``cfg.role`` (``cfg.tp_size`` ranks); ``stop()`` it when done."""
     return open_prefill(cfg) if cfg.role == "prefill" else open_decode(cfg)
 

@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from kvpush.address import format_address, parse_address
 from kvpush.config import EndpointConfig, HandshakeMode, Wire
@@ -78,7 +78,7 @@ class Endpoint(Generic[R, G]):
         self,
         cfg: EndpointConfig,
         make_role: Callable[[EndpointContext], R],
-        make_group: Callable[[list[Any], Telemetry | None], G],
+        make_group: Callable[[list[R], Telemetry | None], G],
     ) -> None:
         self.cfg = cfg
         self.incarnation = uuid.uuid4().hex

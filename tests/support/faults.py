@@ -45,7 +45,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +93,7 @@ class Cluster:
         role: str,
         name: str,
         *,
-        pool: dict[str, object] | None = None,
+        pool: Mapping[str, object] | None = None,
         timeouts: dict[str, float] | None = None,
         **extra: object,
     ) -> Proc:
