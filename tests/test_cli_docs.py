@@ -8,6 +8,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import click
 import pytest
 from typer.main import get_command
 
@@ -88,7 +89,8 @@ def _readme_invocations() -> list[list[str]]:
 
 def test_readme_usage_names_only_existing_commands_and_options() -> None:
     root = get_command(app)
-    commands = root.commands  # type: ignore[attr-defined]
+    assert isinstance(root, click.Group)
+    commands = root.commands
     global_opts = {o for p in root.params for o in (*p.opts, *getattr(p, "secondary_opts", []))}
     invocations = _readme_invocations()
     assert len(invocations) >= 10

@@ -14,7 +14,7 @@ import pytest
 
 from kvpush.cli import options
 from tests.conftest import SMALL, Done, run_cli
-from tests.support.procs import KVPUSH, Launcher, clean_env
+from tests.support.procs import KVPUSH, Launcher, Proc, clean_env
 
 HASH_ERROR = [
     "error: invalid compatibility hash {!r}",
@@ -118,15 +118,15 @@ def _drive(*args: str) -> subprocess.Popen[str]:
 
 @pytest.mark.integration
 def test_drive_goes_on_without_a_decode_that_is_down_at_start(
-    pd_pair: tuple[object, object], free_port: int
+    pd_pair: tuple[Proc, Proc], free_port: int
 ) -> None:
     p, d = pd_pair
     gone = f"127.0.0.1:{free_port}"
-    r = run_cli("drive", "-p", p.address, "-d", gone, "-d", d.address, "-n", "20",  # type: ignore[attr-defined]
+    r = run_cli("drive", "-p", p.address, "-d", gone, "-d", d.address, "-n", "20",
                 "-c", "4", "--json", env=clean_env(COLUMNS="80"))  # fmt: skip
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert (out["ok"], out["by_decode"]) == (20, {d.address: 20})  # type: ignore[attr-defined]
+    assert (out["ok"], out["by_decode"]) == (20, {d.address: 20})
     why = f"{gone}: connection refused"
     assert (
         f"drive: {gone} is down at start ({why}): requests avoid it until it answers"
@@ -142,17 +142,17 @@ def test_drive_goes_on_without_a_decode_that_is_down_at_start(
 
 
 @pytest.mark.integration
-def test_drive_exits_69_only_when_no_decode_is_up(pd_pair: tuple[object, object]) -> None:
+def test_drive_exits_69_only_when_no_decode_is_up(pd_pair: tuple[Proc, Proc]) -> None:
     p, _ = pd_pair
-    r = run_cli("drive", "-p", p.address, "-d", "127.0.0.1:1", "-d", "127.0.0.1:2", "-n", "2")  # type: ignore[attr-defined]
+    r = run_cli("drive", "-p", p.address, "-d", "127.0.0.1:1", "-d", "127.0.0.1:2", "-n", "2")
     assert r.returncode == 69
     assert r.err_lines[0] == "error: 127.0.0.1:1: connection refused"
 
 
 @pytest.mark.integration
-def test_a_short_timeout_is_reported_as_a_deadline(pd_pair: tuple[object, object]) -> None:
+def test_a_short_timeout_is_reported_as_a_deadline(pd_pair: tuple[Proc, Proc]) -> None:
     p, d = pd_pair
-    r = run_cli("drive", "-p", p.address, "-d", d.address, "-n", "4", "--timeout", "0.001",  # type: ignore[attr-defined]
+    r = run_cli("drive", "-p", p.address, "-d", d.address, "-n", "4", "--timeout", "0.001",
                 "--json")  # fmt: skip
     assert r.returncode == 1
     out = json.loads(r.stdout)
@@ -162,10 +162,10 @@ def test_a_short_timeout_is_reported_as_a_deadline(pd_pair: tuple[object, object
 
 @pytest.mark.integration
 def test_a_run_planned_far_longer_than_its_timeout_is_noted_before_it_starts(
-    pd_pair: tuple[object, object],
+    pd_pair: tuple[Proc, Proc],
 ) -> None:
     p, d = pd_pair
-    drive = _drive("-p", p.address, "-d", d.address, "--rate", "0.000001", "-n", "2",  # type: ignore[attr-defined]
+    drive = _drive("-p", p.address, "-d", d.address, "--rate", "0.000001", "-n", "2",
                    "--json")  # fmt: skip
     try:
         assert drive.stderr is not None

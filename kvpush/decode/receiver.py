@@ -167,11 +167,13 @@ class Receiver:
         for req in self.table.all_waiting():
             self._out.fail(req, reason, detail, notify_p=True)
         for item in self._owner.close_inboxes():
-            req = item[0] if isinstance(item, tuple) else item
-            live = isinstance(req, DRequest) and req.state in (DState.NEW, DState.HANDSHAKING)
-            if live and not req.future.done():
-                self._pool.allocator.release(req.request_id)
-                req.future.set_result(failed_rep(self._tm, req, reason, detail))
+            queued = item[0] if isinstance(item, tuple) else item
+            if not isinstance(queued, DRequest):
+                continue
+            live = queued.state in (DState.NEW, DState.HANDSHAKING)
+            if live and not queued.future.done():
+                self._pool.allocator.release(queued.request_id)
+                queued.future.set_result(failed_rep(self._tm, queued, reason, detail))
 
     def _crash_check(self) -> None:
         """Fault hook (tests): this rank's loop dies after its Nth request."""

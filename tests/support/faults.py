@@ -584,9 +584,10 @@ class Forger:
         self.agent_name = str(hello["agent"])
 
     def _read(self, timeout_s: float) -> dict[str, Any]:
-        assert self.popen.stdout is not None
+        stdout = self.popen.stdout
+        assert stdout is not None
         box: list[bytes] = []
-        t = threading.Thread(target=lambda: box.append(self.popen.stdout.readline()))  # type: ignore[union-attr]
+        t = threading.Thread(target=lambda: box.append(stdout.readline()))
         t.daemon = True
         t.start()
         t.join(timeout_s)
