@@ -251,7 +251,7 @@ class Endpoint(Generic[R, G]):
         return self.ranks[0].telemetry
 
     def forget_peer(self, address: str, incarnation: str | None, reason: str) -> None:
-        """Any thread: the peer endpoint at ``address`` (of ``incarnation``) is gone
+        """From any thread: the peer endpoint at ``address`` (of ``incarnation``) is gone
         (``reason`` ``peer_left``) or restarted (``peer_restarted``), as the fleet registry
         says. Every rank drops its connections to it at once, on its owner thread: the peer's
         NIXL agent and descriptors are released, and the work in flight with it fails with

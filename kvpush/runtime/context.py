@@ -69,5 +69,5 @@ class Role(Protocol):
         """Wake the owner thread (so it polls notifications now)."""
 
     def forget_peer(self, gone: PeerGone) -> None:
-        """Any thread: drop the peer ``gone`` names on the owner thread, at once (the work in
+        """From any thread: drop the peer ``gone`` names on the owner thread, at once (the work in
         flight with it fails with ``gone.reason``)."""
