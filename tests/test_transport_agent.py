@@ -80,7 +80,8 @@ def test_a_removed_agent_is_refused_as_peer_unknown(pair: tuple[_Side, _Side]) -
     a.agent.remove_remote(name)
     with pytest.raises(TransferError) as ei:
         a.agent.send_notif(name, b"late")
-    assert ei.value.kind is TransferKind.PEER_UNKNOWN and ei.value.kind == "peer_unknown"
+    assert ei.value.kind is TransferKind.PEER_UNKNOWN
+    assert json.dumps(ei.value.kind) == '"peer_unknown"'
     assert ei.value.kind in GONE
     assert ei.value.status == "stale_agent"
     assert a.agent.stale_agent_uses == 1
