@@ -1,5 +1,8 @@
 """The only module that imports ``nixl``: a narrow, typed wrapper around one NIXL agent.
 
+``NixlAgent`` implements ``kvpush.transport.agent.Agent`` (the engine's view of an agent); the
+handles, ``XferState``, ``TransferKind`` and ``TransferError`` live there and are re-exported here.
+
 It translates NIXL's exceptions into kvpush's typed errors, fixes the agent configuration kvpush
 relies on (no spinning progress thread by default, read/write thread-sync so background
 handshakes may load agents while the owning thread posts transfers) and keeps NIXL from writing
