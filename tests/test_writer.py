@@ -434,7 +434,7 @@ def test_write_error_while_polling(rig: Rig, kind: TransferKind) -> None:
     rig.agent.script_states(wr.xfer, TransferError(kind, "check_xfer_state: boom"))
     rig.step()
     assert wr.xfer.released
-    if kind == "peer_dead":
+    if kind is TransferKind.PEER_DEAD:
         # Nothing can land any more: P's blocks are free, the peer is evicted.
         assert rig.failures()["peer_dead"] == 1
         assert rig.free() == 32
