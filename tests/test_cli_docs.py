@@ -8,8 +8,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import click
 import pytest
+from typer.core import TyperGroup
 from typer.main import get_command
 
 from kvpush.cli import gendocs
@@ -89,7 +89,7 @@ def _readme_invocations() -> list[list[str]]:
 
 def test_readme_usage_names_only_existing_commands_and_options() -> None:
     root = get_command(app)
-    assert isinstance(root, click.Group)
+    assert isinstance(root, TyperGroup)
     commands = root.commands
     global_opts = {o for p in root.params for o in (*p.opts, *getattr(p, "secondary_opts", []))}
     invocations = _readme_invocations()
