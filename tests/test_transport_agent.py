@@ -20,7 +20,7 @@ from kvpush.config import AgentConfig
 from kvpush.memory.descriptors import block_descs
 from kvpush.transport.agent import GONE, Agent, TransferError, TransferKind, Xfer, XferState
 from kvpush.transport.nixl import NixlAgent, _translate
-from tests.fakes import FakeAgent, as_agent
+from tests.fakes import FakeAgent, as_agent, fake_agent_md
 
 BLOCKS, BLOCK_BYTES = 4, 4096
 
@@ -120,3 +120,16 @@ def test_the_fake_speaks_the_same_states() -> None:
     fake.script_states(x, XferState.ERR)
     assert agent.state(x) is XferState.ERR
     assert agent.state(x) is XferState.DONE  # then the default
+
+
+def test_the_fake_fetches_only_published_agents_and_drops_under() -> None:
+    fake = FakeAgent()
+    with pytest.raises(TransferError) as ei:
+        fake.fetch_remote("d#1", 0.1)
+    assert ei.value.kind is TransferKind.PEER_UNKNOWN
+    fake.published["d#1"] = fake_agent_md("d#1", full=True)
+    assert fake.fetch_remote("d#1", 0.1) == "d#1"
+    assert fake.loaded == {"d#1": "full"}
+    fake.drop_remote_under("d#1")
+    assert fake.loaded == {} and fake.dropped_under == ["d#1"]
+    assert fake.removed == []  # the adapter's own account is not a removal
