@@ -25,7 +25,7 @@ from kvpush.prefill.table import FenceEntry, FenceWrite, PushTable
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.agent import Agent, DList, TransferError, XferState
+from kvpush.transport.agent import XFER_DONE, Agent, DList, TransferError
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -129,6 +129,6 @@ class Fences:
             fw = FenceWrite(fence_id, xfer, conn, t, t + self._timeout_s, plan.nbytes, entries)
             self._table.fence_posted(fw)
             self._tm.inc(Counter.FENCES_SENT)
-            if st == XferState.DONE:
+            if st == XFER_DONE:
                 done.append(fw)
         return done

@@ -44,7 +44,15 @@ from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure, Hist
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.agent import GONE, Agent, DList, TransferError, TransferKind, XferState
+from kvpush.transport.agent import (
+    GONE,
+    XFER_DONE,
+    XFER_ERR,
+    Agent,
+    DList,
+    TransferError,
+    TransferKind,
+)
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -202,9 +210,9 @@ class Legs:
         leg = Leg(w, r, xfer, conn, t_post, deadline, plan.nbytes)
         w.t_posted = t_post
         self._table.leg_posted(leg)
-        if state == XferState.DONE:
+        if state == XFER_DONE:
             self.complete(leg)
-        elif state == XferState.ERR:
+        elif state == XFER_ERR:
             self.abandon(leg, Failure.WRITE_ERROR, "transfer() returned ERR")
 
     def poll(self) -> int:
@@ -244,12 +252,12 @@ class Legs:
             if self._transport_error(entry.conn, e):
                 self._evict_peer(entry.conn.key, f"transfer failed: {e.status}", _soft(e))
             return True
-        if st == XferState.DONE:
+        if st == XFER_DONE:
             self.complete(entry)
             if self._hs is not None:
                 self._hs.transport_ok(entry.conn.key)
             return True
-        if st == XferState.ERR:
+        if st == XFER_ERR:
             err = TransferError(TransferKind.XFER_ERROR, "transfer state ERR", "xfer_state_err")
             self.abandon(entry, Failure.WRITE_ERROR, str(err))
         elif now > entry.deadline:
