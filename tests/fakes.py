@@ -1,10 +1,11 @@
 """The one seam component tests fake: the NIXL agent. Plus real-socket peer stubs.
 
-``FakeAgent`` has the interface of ``kvpush.transport.nixl.NixlAgent`` that the writer, the decode
-receiver and the handshake manager use. It records every call, keeps the notifications sent and
-the WRITEs posted, and lets a test script what NIXL answers: the first state of a WRITE, the
-state of each posted WRITE, and ``TransferError(kind, msg)`` exceptions from any method. It is
-thread-safe (handshake threads load agents while the owner thread posts).
+``FakeAgent`` implements ``kvpush.transport.agent.Agent``, the protocol the writer, the decode
+receiver and the handshake manager are typed against (``NixlAgent`` is the real one). It records
+every call, keeps the notifications sent and the WRITEs posted, and lets a test script what NIXL
+answers: the first state of a WRITE, the state of each posted WRITE, and
+``TransferError(kind, msg)`` exceptions from any method. It is thread-safe (handshake threads
+load agents while the owner thread posts).
 
 Fake "agent metadata" is ``b"FAKE-FULL:" + name`` (full) or ``b"FAKE-CONN:" + name``
 (connection-only); ``add_remote`` accepts only those, so a test can tell which kind a handshake
@@ -28,7 +29,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 import numpy as np
@@ -36,8 +37,16 @@ import zmq
 
 from kvpush import PROTOCOL_VERSION, __version__
 from kvpush.address import format_address
-from kvpush.config import PoolConfig
-from kvpush.transport.nixl import DList, TransferError, Xfer
+from kvpush.config import PoolConfig, Role
+from kvpush.transport.agent import (
+    Agent,
+    DList,
+    Indices,
+    TransferError,
+    TransferKind,
+    Xfer,
+    XferState,
+)
 from kvpush.transport.sidechannel import ReplyFn, SideChannelServer, context
 from kvpush.wire import protocol
 from kvpush.wire.auth import Authenticator
@@ -120,13 +129,15 @@ class FakeAgent:
     at the first ``state`` call."""
 
     name: str = "P-fake#0"
-    post_state: str = "PROC"
-    default_state: str = "DONE"
+    post_state: XferState = XferState.PROC
+    default_state: XferState = XferState.DONE
     release_ok: bool = True
     etcd_metadata: bool = False  # --nixl-metadata etcd is a real-NIXL concern (tests/test_fleet_*)
-    calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
+    calls: list[tuple[str, tuple[object, ...]]] = field(default_factory=list)
     loaded: dict[str, str] = field(default_factory=dict)  # remote name -> "full" | "conn"
     removed: list[str] = field(default_factory=list)
+    dropped_under: list[str] = field(default_factory=list)
+    published: dict[str, bytes] = field(default_factory=dict)  # what fetch_remote finds
     connected: list[str] = field(default_factory=list)
     prepped_remote: list[Prepped] = field(default_factory=list)
     released_dlists: list[DList] = field(default_factory=list)
@@ -134,7 +145,7 @@ class FakeAgent:
     released_xfers: list[Xfer] = field(default_factory=list)
     sent: list[tuple[str, bytes]] = field(default_factory=list)
     _inbox: dict[str, list[bytes]] = field(default_factory=dict)
-    _states: dict[int, deque[str | BaseException]] = field(default_factory=dict)
+    _states: dict[int, deque[XferState | BaseException]] = field(default_factory=dict)
     _raises: dict[str, deque[BaseException]] = field(default_factory=dict)
     _hooks: dict[str, Callable[..., None]] = field(default_factory=dict)
     _lock: threading.RLock = field(default_factory=threading.RLock)
@@ -150,7 +161,7 @@ class FakeAgent:
         with self._lock:
             self._hooks[method] = hook
 
-    def script_states(self, xfer: Xfer, *states: str | BaseException) -> None:
+    def script_states(self, xfer: Xfer, *states: XferState | BaseException) -> None:
         """What successive ``state(xfer)`` calls return (an exception is raised); then
         ``default_state``."""
         with self._lock:
@@ -169,7 +180,7 @@ class FakeAgent:
         with self._lock:
             return [m for n, m in self.sent if n == name]
 
-    def _enter(self, method: str, *args: Any) -> None:
+    def _enter(self, method: str, *args: object) -> None:
         with self._lock:
             self.calls.append((method, args))
             hook = self._hooks.get(method)
@@ -196,8 +207,24 @@ class FakeAgent:
                     self.loaded[name] = kind
                 return name
         raise TransferError(
-            "nixl_error", f"add_remote_agent: unparseable metadata {metadata[:32]!r}"
+            TransferKind.NIXL_ERROR, f"add_remote_agent: unparseable metadata {metadata[:32]!r}"
         )
+
+    def fetch_remote(self, name: str, timeout_s: float) -> str:
+        """Load ``name`` from what a test ``published`` (NIXL's etcd backend, faked)."""
+        self._enter("fetch_remote", name, timeout_s)
+        with self._lock:
+            md = self.published.get(name)
+        if md is None:
+            raise TransferError(TransferKind.PEER_UNKNOWN, f"agent {name} not published")
+        return self.add_remote(md)
+
+    def drop_remote_under(self, name: str) -> None:
+        """NIXL forgets ``name`` (the fault the real adapter injects); kept in ``dropped_under``."""
+        self._enter("drop_remote_under", name)
+        with self._lock:
+            self.loaded.pop(name, None)
+            self.dropped_under.append(name)
 
     def remove_remote(self, name: str) -> None:
         self._enter("remove_remote", name)
@@ -230,11 +257,11 @@ class FakeAgent:
     def post_write(
         self,
         local: DList,
-        local_idx: np.ndarray,
+        local_idx: Indices,
         remote: DList,
-        remote_idx: np.ndarray,
+        remote_idx: Indices,
         notif: bytes,
-    ) -> tuple[Xfer, str]:
+    ) -> tuple[Xfer, XferState]:
         self._enter("post_write", local, local_idx, remote, remote_idx, notif)
         x = Xfer(FakeHandle("xfer"))
         with self._lock:
@@ -243,11 +270,11 @@ class FakeAgent:
             )
         return x, self.post_state
 
-    def state(self, x: Xfer) -> str:
+    def state(self, x: Xfer) -> XferState:
         self._enter("state", x)
         with self._lock:
             q = self._states.get(id(x.handle))
-            st: str | BaseException = q.popleft() if q else self.default_state
+            st: XferState | BaseException = q.popleft() if q else self.default_state
         if isinstance(st, BaseException):
             raise st
         return st
@@ -293,7 +320,7 @@ def stub_pool(**kw: Any) -> PoolConfig:
 
 
 def make_metadata(
-    role: str,
+    role: Role,
     pool: PoolConfig,
     *,
     engine_id: str,
@@ -309,7 +336,7 @@ def make_metadata(
         protocol_version=PROTOCOL_VERSION,
         kvpush_version=__version__,
         engine_id=engine_id,
-        role=role,  # type: ignore[arg-type]
+        role=role,
         incarnation=incarnation,
         agent_name=f"{engine_id}#{incarnation[:12]}",
         host=host,
@@ -331,6 +358,18 @@ def make_metadata(
     )
 
 
+class StubOptions(TypedDict, total=False):
+    """``StubPeer``'s keyword options, for test helpers that pass them on (``**kw``)."""
+
+    engine_id: str
+    hold: bool
+    error: str | None
+    tp_size: int
+    compat_hash: str | None
+    auth: Authenticator | None
+    port: int
+
+
 class StubPeer:
     """A real side-channel server that answers handshakes like an ``Endpoint`` (no NIXL).
 
@@ -341,7 +380,7 @@ class StubPeer:
 
     def __init__(
         self,
-        role: str = "decode",
+        role: Role = "decode",
         pool: PoolConfig | None = None,
         *,
         engine_id: str = "",
@@ -475,6 +514,11 @@ class BlackHole:
 
     def close(self) -> None:
         self.sock.close(0)
+
+
+def as_agent(fake: FakeAgent) -> Agent:
+    """``fake`` as the protocol type (mypy checks here that ``FakeAgent`` implements it)."""
+    return fake
 
 
 def decode_notif(data: bytes) -> protocol.Notif:

@@ -8,6 +8,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
@@ -202,9 +203,11 @@ def test_request_table_quarantine_limit_by_heap() -> None:
     ],
     ids=["push_wait.timeout_s", "decode.alloc_delay_s"],
 )
-def test_absurd_seconds_are_a_bad_value(make: object, value: float) -> None:
+def test_absurd_seconds_are_a_bad_value(
+    make: Callable[[float], protocol.SideRequest], value: float
+) -> None:
     with pytest.raises(BadValueError, match=r"Expected `float`"):
-        protocol.decode_request_body(protocol.encode(make(value)))  # type: ignore[operator]
+        protocol.decode_request_body(protocol.encode(make(value)))
 
 
 def test_deadline_bounds_and_wrong_types_stay_malformed() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import pytest
 
@@ -12,9 +13,9 @@ from kvpush.config import AgentConfig, EndpointConfig, KvRegions, PoolConfig, Ti
 from kvpush.errors import ConfigError, ExitStatus
 
 
-def err(fn: object, *a: object, **kw: object) -> ConfigError:
+def err(fn: Callable[..., object], *a: object, **kw: object) -> ConfigError:
     with pytest.raises(ConfigError) as ei:
-        fn(*a, **kw)  # type: ignore[operator]
+        fn(*a, **kw)
     assert ei.value.exit_status == ExitStatus.USAGE
     return ei.value
 

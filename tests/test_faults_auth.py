@@ -174,8 +174,9 @@ def test_forgeries_with_token(tmp_path: Path, sign: str | None) -> None:
         ):
             untagged.request(protocol.StatsReq())
         # A client that skips first contact and sends an untagged frame is refused by D itself.
-        rep = _raw_untagged_request(d.host, d.port)
-        assert isinstance(rep, protocol.ErrorRep) and rep.code == "auth_rejected", rep
+        untagged_rep = _raw_untagged_request(d.host, d.port)
+        assert isinstance(untagged_rep, protocol.ErrorRep), untagged_rep
+        assert untagged_rep.code == "auth_rejected", untagged_rep
         assert failures(d.address).get("auth_rejected", 0) >= 1
 
         victims = _forgeries(tmp_path, p, d, token=TOKEN, sign=sign)

@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -60,8 +60,15 @@ def json_lines(text: str) -> list[dict[str, object]]:
     return out
 
 
+def stamp(line: dict[str, object]) -> float:
+    """A telemetry line's ``ts`` (wall-clock seconds)."""
+    ts = line["ts"]
+    assert isinstance(ts, int | float | str), line
+    return float(ts)
+
+
 def gaps(lines: list[dict[str, object]]) -> float:
-    ts = [float(x["ts"]) for x in lines]  # type: ignore[arg-type]
+    ts = [stamp(x) for x in lines]
     return max((b - a for a, b in itertools.pairwise(ts)), default=0.0)
 
 
@@ -111,7 +118,9 @@ def launcher(tmp_path: Path) -> Iterator[Launcher]:
         lau.close()
 
 
-def wait_line(p: Proc, cond, timeout: float = 30.0) -> dict[str, object]:  # type: ignore[no-untyped-def]
+def wait_line(
+    p: Proc, cond: Callable[[dict[str, object]], bool], timeout: float = 30.0
+) -> dict[str, object]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         lines = json_lines(p.log_text())
@@ -126,7 +135,8 @@ def test_a_stopped_process_is_reported_by_its_watchdog(launcher: Launcher) -> No
     d = launcher.serve("decode", *SMALL, "--watchdog-timeout", "1")
     line = wait_line(d, lambda x: True)
     assert counter(line, "watchdog_stalls") == 0
-    assert "threads_stalled" in line["gauges"]  # type: ignore[operator]
+    gauges = line["gauges"]
+    assert isinstance(gauges, dict) and "threads_stalled" in gauges, line
     d.popen.send_signal(signal.SIGSTOP)
     time.sleep(3)
     d.popen.send_signal(signal.SIGCONT)
@@ -176,7 +186,7 @@ def test_p_stops_and_d_evictions_under_load(launcher: Launcher, tmp_path: Path) 
         lines = json_lines(d.log_text())
         assert d.popen.poll() is None, d.log_text()[-3000:]
         assert gaps(lines) < MAX_GAP_S, f"{d.log}: a telemetry gap of {gaps(lines):.1f}s"
-        assert float(lines[-1]["ts"]) > stop_at - MAX_GAP_S  # type: ignore[arg-type]
+        assert stamp(lines[-1]) > stop_at - MAX_GAP_S
         # Every rank of every P told this D it stopped, and was evicted for it.
         assert d.log_text().count("P stopped: shutting_down") == P_CYCLES * P_TP
         assert counter(lines[-1], "watchdog_stalls") == 0, d.log
@@ -248,7 +258,7 @@ def test_simultaneous_sigterms_under_load(tmp_path: Path) -> None:
                 exits.append(at - mono)
                 lines = json_lines(text)
                 assert gaps(lines) < MAX_GAP_S, f"{log}: a telemetry gap of {gaps(lines):.1f}s"
-                assert float(lines[-1]["ts"]) > wall - MAX_GAP_S, log  # type: ignore[arg-type]
+                assert stamp(lines[-1]) > wall - MAX_GAP_S, log
                 assert counter(lines[-1], "watchdog_stalls") == 0, log
     finally:
         load.close()

@@ -84,7 +84,12 @@ def test_black_hole_and_silent_side_channels(tmp_path: Path) -> None:
             t.join(20)
         assert len(stuck) == 4
         check_results(stuck)
-        named = {"stuck-0": hole, "stuck-1": mute, "stuck-2": hole, "stuck-3": mute}
+        named: dict[str, BlackHole | SilentListener] = {
+            "stuck-0": hole,
+            "stuck-1": mute,
+            "stuck-2": hole,
+            "stuck-3": mute,
+        }
         for r in stuck:
             peer = named[r.tid].address
             assert r.outcome == "failed" and r.reason == "prefill_unreachable", r
@@ -99,7 +104,8 @@ def test_black_hole_and_silent_side_channels(tmp_path: Path) -> None:
         forger = Forger(tmp_path)
         try:
             forger.connect(p.address)
-            for i, target in enumerate((hole, mute)):
+            targets: tuple[BlackHole | SilentListener, ...] = (hole, mute)
+            for i, target in enumerate(targets):
                 tid = f"to-nowhere-{i}"
                 forger.send(p.address, _push_reg(tid, "127.0.0.1", target.port, p.address, [0]))
                 wait_for(
@@ -121,9 +127,9 @@ def test_black_hole_and_silent_side_channels(tmp_path: Path) -> None:
                 2 * HANDSHAKE_S + 3,
                 "P's handshakes with the black hole and the silent listener to fail",
             )
-            for r in hole_rows():
-                assert r["peer"] in r["last_error"], r  # the error names the peer
-                assert r["duration_s"] < HANDSHAKE_S + 0.5, r  # within the deadline
+            for row in hole_rows():
+                assert row["peer"] in row["last_error"], row  # the error names the peer
+                assert row["duration_s"] < HANDSHAKE_S + 0.5, row  # within the deadline
             assert failures(p.address).get("decode_unreachable", 0) >= 2  # typed: no answer
         finally:
             forger.close()
@@ -132,7 +138,7 @@ def test_black_hole_and_silent_side_channels(tmp_path: Path) -> None:
         fresh_batch(p.address, [d.address], n=8, prefix="after")
 
 
-VARIANTS = {
+VARIANTS: dict[str, tuple[dict[str, object], set[str]]] = {
     "block_bytes": ({"block_bytes": 32 * 1024}, {"block_bytes"}),
     "layers": ({"layers": 3}, {"layers", "regions"}),
     "dtype": ({"dtype": "float32"}, {"dtype"}),

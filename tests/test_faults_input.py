@@ -43,7 +43,7 @@ PER_ROUND = 2000  # junk frames per endpoint and junk notifications per endpoint
 def _flood_side_channel(address: str, n: int, seed: int) -> int:
     """Send ``n`` junk requests on one DEALER socket; return how many replies came back.
     Then one frame over ZMQ's hard limit and 20 connections of raw TCP garbage."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.SNDHWM, 100_000)
@@ -159,16 +159,18 @@ def test_junk_flood_on_side_channel_and_notifications(tmp_path: Path) -> None:
 
         assert check_results(flow)["ok"] == len(flow) > 0, "requests failed during the flood"
         for a in (p.address, d.address):
-            f = failures(a)
-            rejected = sum(f.get(k, 0) for k in ("malformed_frame", "oversized_frame", "bad_value"))
+            fails = failures(a)
+            rejected = sum(
+                fails.get(k, 0) for k in ("malformed_frame", "oversized_frame", "bad_value")
+            )
             # Every junk request was answered with an error (a few are valid vLLM requests).
             n = ROUNDS * PER_ROUND
-            assert replies[a] >= n * 0.97 and rejected >= n * 0.83, (a, replies[a], f)
+            assert replies[a] >= n * 0.97 and rejected >= n * 0.83, (a, replies[a], fails)
             # Ten of the fifteen junk notification kinds are malformed or oversized; the rest
             # are well-formed nonsense (unknown ids), ignored and counted by kind.
-            bad_notifs = sum(f.get(k, 0) for k in ("malformed_notif", "auth_rejected"))
-            assert bad_notifs >= sent[a] * 0.6, (a, sent[a], f)
-            print(a, "rejected:", f)
+            bad_notifs = sum(fails.get(k, 0) for k in ("malformed_notif", "auth_rejected"))
+            assert bad_notifs >= sent[a] * 0.6, (a, sent[a], fails)
+            print(a, "rejected:", fails)
         fresh_batch(p.address, [d.address], n=16, prefix="after")
         for a in (p.address, d.address):
             settle(a, quarantine_clears=True)

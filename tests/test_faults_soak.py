@@ -47,7 +47,7 @@ def _only_when_selected(request: pytest.FixtureRequest) -> None:
 def _junk_burst(address: str, seed: int) -> None:
     import zmq
 
-    s = zmq.Context.instance().socket(zmq.DEALER)
+    s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(f"tcp://{address}")
     try:

@@ -8,6 +8,7 @@ from rich.console import Console
 
 from kvpush.cli.commands.fleet import parse_size
 from kvpush.cli.views import fleet as views
+from kvpush.config import Role
 from kvpush.errors import ConfigError, ExitStatus
 from kvpush.fleet.pairs import blocks_for_size, pair_differences, record_health
 from kvpush.fleet.record import EndpointRecord, Geometry, Load
@@ -18,7 +19,7 @@ T = 1_800_000_000.0
 
 
 def rec(
-    role: str = "decode",
+    role: Role = "decode",
     address: str = "10.0.0.2:5601",
     incarnation: str = "inc-1",
     *,
@@ -32,7 +33,7 @@ def rec(
     wire: str = "kvpush",
 ) -> EndpointRecord:
     return EndpointRecord(
-        role=role,  # type: ignore[arg-type]
+        role=role,
         engine_id=f"{role[0]}-{address}",
         incarnation=incarnation,
         address=address,

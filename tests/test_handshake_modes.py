@@ -10,12 +10,13 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Unpack
 
 import msgspec
 import numpy as np
 import pytest
 
-from kvpush.config import HandshakeMode, PoolConfig, Timeouts
+from kvpush.config import HandshakeMode, PoolConfig, Role, Timeouts
 from kvpush.errors import (
     HandshakeError,
     IncompatiblePeerError,
@@ -24,11 +25,12 @@ from kvpush.errors import (
 )
 from kvpush.peers.handshakes import HandshakeManager
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import TransferError
+from kvpush.transport.agent import TransferError, TransferKind
 from kvpush.wire.auth import Authenticator
 from tests.fakes import (
     BlackHole,
     FakeAgent,
+    StubOptions,
     StubPeer,
     closed_port,
     make_metadata,
@@ -46,7 +48,7 @@ class Env:
         self.tm = Telemetry("prefill", "p-hs")
         md = make_metadata("prefill", P_POOL, engine_id="p-hs", incarnation=uuid.uuid4().hex)
         self.hs = HandshakeManager(
-            self.agent,  # type: ignore[arg-type]
+            self.agent,
             md,
             Authenticator(token),
             timeouts,
@@ -55,8 +57,10 @@ class Env:
         self.stubs: list[StubPeer] = []
         self.holes: list[BlackHole] = []
 
-    def stub(self, role: str = "decode", pool: PoolConfig | None = None, **kw: object) -> StubPeer:
-        s = StubPeer(role, pool or stub_pool(num_blocks=40), **kw)  # type: ignore[arg-type]
+    def stub(
+        self, role: Role = "decode", pool: PoolConfig | None = None, **kw: Unpack[StubOptions]
+    ) -> StubPeer:
+        s = StubPeer(role, pool or stub_pool(num_blocks=40), **kw)
         self.stubs.append(s)
         return s
 
@@ -303,7 +307,7 @@ def test_agent_name_differing_from_announced_is_refused_and_removed(env: Env) ->
 @pytest.mark.parametrize("step", ["add_remote", "prep_remote", "make_connection"])
 def test_nixl_failure_during_handshake_leaves_nothing_loaded(env: Env, step: str) -> None:
     d = env.stub()
-    env.agent.raise_on(step, TransferError("backend", f"{step}: nixlBackendError"))
+    env.agent.raise_on(step, TransferError(TransferKind.BACKEND, f"{step}: nixlBackendError"))
     exc = _fail(env, d)
     assert isinstance(exc, HandshakeError)
     assert exc.peer == d.address and f"{step}: nixlBackendError" in exc.reason

@@ -35,7 +35,7 @@ def busy_telemetry() -> Telemetry:
         "pool_total": 1024,
         "handshake_workers": 4,
     }.items():
-        tel.gauge_fn(name, lambda v=value: v)
+        tel.gauge_fn(name, functools.partial(int, value))
     tel.peers_fn(
         lambda: [
             {

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Unpack
 
 import numpy as np
 import pytest
@@ -28,12 +29,13 @@ from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager
 from kvpush.runtime.context import EndpointContext
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import TransferError
+from kvpush.transport.agent import TransferError, TransferKind
 from kvpush.wire import protocol
 from kvpush.wire.auth import Authenticator
 from kvpush.wire.notifs import NotifCodec
 from tests.fakes import (
     FakeAgent,
+    StubOptions,
     StubPeer,
     closed_port,
     decode_notif,
@@ -56,8 +58,8 @@ class Rig:
     control: ThreadPoolExecutor
     stubs: list[StubPeer] = field(default_factory=list)
 
-    def stub(self, **kw: object) -> StubPeer:
-        s = StubPeer("prefill", stub_pool(num_blocks=32), **kw)  # type: ignore[arg-type]
+    def stub(self, **kw: Unpack[StubOptions]) -> StubPeer:
+        s = StubPeer("prefill", stub_pool(num_blocks=32), **kw)
         self.stubs.append(s)
         return s
 
@@ -133,12 +135,12 @@ def _make_rig(handshake: HandshakeMode = HandshakeMode.NOTIF, tp_size: int = 1) 
     md = make_metadata(
         "decode", D_POOL, engine_id="d-test", incarnation=uuid.uuid4().hex, tp_size=tp_size
     )
-    hs = HandshakeManager(agent, md, auth, cfg.timeouts, tm)  # type: ignore[arg-type]
+    hs = HandshakeManager(agent, md, auth, cfg.timeouts, tm)
     codec = NotifCodec(auth)
     control = ThreadPoolExecutor(1)
     ctx = EndpointContext(
         cfg=cfg,
-        agent=agent,  # type: ignore[arg-type]
+        agent=agent,
         pool=pool,
         handshakes=hs,
         codec=codec,
@@ -445,7 +447,7 @@ def test_dead_prefill_fails_its_requests_and_frees_blocks(rig: Rig) -> None:
     p = rig.stub()
     fut = rig.decode(p, "t1")
     rig.registered(p, "t1")
-    rig.agent.raise_on("send_notif", TransferError("peer_dead", "gone"))
+    rig.agent.raise_on("send_notif", TransferError(TransferKind.PEER_DEAD, "gone"))
     rig.housekeeping_at(time.monotonic() + 6)  # the heartbeat finds P dead
     rep = fut.result(1)
     assert rep.outcome == "failed" and rep.reason == "prefill_dead"

@@ -72,16 +72,16 @@ class Server:
             return
         reply(protocol.StatsRep(rid=req.rid, snapshot={"echo": type(req).__name__}))
 
-    def client(self, **kw: object) -> SideChannelClient:
-        return SideChannelClient("127.0.0.1", self.port, **kw)  # type: ignore[arg-type]
+    def client(self, auth: Authenticator | None = None) -> SideChannelClient:
+        return SideChannelClient("127.0.0.1", self.port, auth=auth)
 
 
 @pytest.fixture
 def make_server() -> Iterator[Callable[..., Server]]:
     servers: list[Server] = []
 
-    def make(**kw: object) -> Server:
-        s = Server(**kw)  # type: ignore[arg-type]
+    def make(token: bytes | None = None, max_frame_bytes: int = 64 * 1024) -> Server:
+        s = Server(token, max_frame_bytes)
         servers.append(s)
         return s
 
@@ -106,7 +106,7 @@ class Raw:
 
     def ask(self, *frames: bytes, timeout_s: float = 5.0) -> list[bytes] | None:
         self.sock.send_multipart(list(frames))
-        if not self.sock.poll(timeout_s * 1000, zmq.POLLIN):
+        if not self.sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             return None
         return self.sock.recv_multipart()
 
@@ -307,7 +307,9 @@ def test_late_replies_discarded_by_request_id() -> None:
     router = context().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind("tcp://127.0.0.1:*")
-    port = int(router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])  # type: ignore[union-attr]
+    ep = router.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(ep, bytes)
+    port = int(ep.decode().rsplit(":", 1)[1])
     auth = Authenticator(None)
     done = threading.Event()
 

@@ -275,7 +275,8 @@ class TestRefused:
         # (A sibling rank cancelled mid-handshake finishes that handshake a moment later.)
         deadline = time.monotonic() + 5.0
         while True:
-            peers: list[dict[str, Any]] = stats(d.address)["peers"]  # type: ignore[assignment]
+            peers = stats(d.address)["peers"]
+            assert isinstance(peers, list), peers
             rows = [row for row in peers if row["peer"] == p.address]
             if {row["state"] for row in rows} == {"failed"} or time.monotonic() > deadline:
                 break

@@ -15,10 +15,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
+from prometheus_client.core import Metric
 from rich.console import Console
 
 from kvpush.cli.views.live import render_live
@@ -26,13 +28,14 @@ from kvpush.runtime.watchdog import PROCESS, Watchdog
 from kvpush.telemetry.heartbeat import Heartbeat
 from kvpush.telemetry.names import Counter, Gauge
 from kvpush.telemetry.prom import snapshot_families
+from kvpush.telemetry.snapshot import Snapshot
 from kvpush.telemetry.store import Telemetry
 from tests.support.procs import ROOT, clean_env
 
 TIMEOUT = 0.4
 
 
-def wait_for(cond, timeout=10.0):  # type: ignore[no-untyped-def]
+def wait_for(cond: Callable[[], object], timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
@@ -44,11 +47,11 @@ def wait_for(cond, timeout=10.0):  # type: ignore[no-untyped-def]
 class _Registry:
     """A one-snapshot collector registry for ``generate_latest``."""
 
-    def __init__(self, snap: object) -> None:
+    def __init__(self, snap: Snapshot) -> None:
         self._snap = snap
 
-    def collect(self):  # type: ignore[no-untyped-def]
-        return snapshot_families(self._snap)  # type: ignore[arg-type]
+    def collect(self) -> list[Metric]:
+        return snapshot_families(self._snap)
 
 
 def _text(renderable: object) -> str:

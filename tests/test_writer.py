@@ -11,11 +11,13 @@ tests wait for its effects with bounded waits, never on timing.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Unpack
 
 import numpy as np
 import pytest
@@ -32,11 +34,19 @@ from kvpush.prefill.table import Finished, Registered, Registration, reg_key
 from kvpush.prefill.writer import PushWriter
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import TransferError
+from kvpush.transport.agent import TransferError, TransferKind, XferState
 from kvpush.wire import protocol
 from kvpush.wire.auth import Authenticator
 from kvpush.wire.notifs import NotifCodec
-from tests.fakes import FakeAgent, StubPeer, decode_notif, make_metadata, stub_pool, wait_until
+from tests.fakes import (
+    FakeAgent,
+    StubOptions,
+    StubPeer,
+    decode_notif,
+    make_metadata,
+    stub_pool,
+    wait_until,
+)
 
 P_POOL = stub_pool(num_blocks=32, layers=2, block_bytes=64)
 
@@ -53,8 +63,8 @@ class Rig:
     stubs: list[StubPeer] = field(default_factory=list)
 
     # -- peers ------------------------------------------------------------------------------
-    def stub(self, **kw: object) -> StubPeer:
-        s = StubPeer("decode", stub_pool(num_blocks=48), **kw)  # type: ignore[arg-type]
+    def stub(self, **kw: Unpack[StubOptions]) -> StubPeer:
+        s = StubPeer("decode", stub_pool(num_blocks=48), **kw)
         self.stubs.append(s)
         return s
 
@@ -129,14 +139,18 @@ def _make_rig(mode: WriterMode = WriterMode.DEFERRED) -> Rig:
     tm = Telemetry("prefill", "p-test")
     auth = Authenticator(None)
     md = make_metadata("prefill", P_POOL, engine_id="p-test", incarnation=uuid.uuid4().hex)
-    hs = HandshakeManager(agent, md, auth, cfg.timeouts, tm)  # type: ignore[arg-type]
+    hs = HandshakeManager(agent, md, auth, cfg.timeouts, tm)
     codec = NotifCodec(auth)
     owner = OwnerThread("push-writer", cfg.agent)
-    w = PushWriter(cfg, agent, pool, hs, codec, tm, owner, instruments=Instruments(writer=mode))  # type: ignore[arg-type]
+    w = PushWriter(cfg, agent, pool, hs, codec, tm, owner, instruments=Instruments(writer=mode))
     owner.export_gauges(tm)
     # What the owner thread does before its first pass: tests run passes themselves.
     w.on_start()
     return Rig(agent, pool, tm, hs, w, owner, codec)
+
+
+def _settled(hs: HandshakeManager) -> bool:
+    return hs.counts()["connecting"] == 0
 
 
 @pytest.fixture
@@ -154,7 +168,7 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
             r.owner.stop(2)
         for s in r.stubs:
             s.stop()
-        wait_until(lambda r=r: r.hs.counts()["connecting"] == 0, 10, "handshakes to settle")
+        wait_until(functools.partial(_settled, r.hs), 10, "handshakes to settle")
         r.hs.close()
 
 
@@ -204,7 +218,7 @@ def test_push_deferred_while_handshake_pending(rig: Rig) -> None:
 
 
 def test_handshake_completion_queues_wakes_and_writes_on_next_pass(rig: Rig) -> None:
-    rig.agent.default_state = "PROC"
+    rig.agent.default_state = XferState.PROC
     d, f = _pending_push(rig)
     w = rig.writer
     d.release()
@@ -228,7 +242,7 @@ def test_handshake_completion_queues_wakes_and_writes_on_next_pass(rig: Rig) -> 
     assert done.nbytes == 3 * P_POOL.regions * P_POOL.block_bytes
     assert rig.pool.allocator.state_of("t1") == BlockState.INFLIGHT
 
-    rig.agent.default_state = "DONE"
+    rig.agent.default_state = XferState.DONE
     rig.step()
     assert rig.free() == 32
     c = rig.counters()
@@ -396,7 +410,9 @@ def _post_one(rig: Rig, d: StubPeer, tid: str = "t1", request_id: str = "") -> N
 
 def test_write_post_peer_dead_fails_push_and_evicts_peer(rig: Rig) -> None:
     d = rig.stub()
-    rig.agent.raise_on("post_write", TransferError("peer_dead", "transfer: disconnected"))
+    rig.agent.raise_on(
+        "post_write", TransferError(TransferKind.PEER_DEAD, "transfer: disconnected")
+    )
     _post_one(rig, d)
     rig.step()
     assert rig.failures()["write_post_failed"] == 1
@@ -409,17 +425,17 @@ def test_write_post_peer_dead_fails_push_and_evicts_peer(rig: Rig) -> None:
     assert rig.counters()["peers_evicted"] == 1
 
 
-@pytest.mark.parametrize("kind", ["peer_dead", "backend"])
-def test_write_error_while_polling(rig: Rig, kind: str) -> None:
+@pytest.mark.parametrize("kind", [TransferKind.PEER_DEAD, TransferKind.BACKEND])
+def test_write_error_while_polling(rig: Rig, kind: TransferKind) -> None:
     d = rig.stub()
-    rig.agent.default_state = "PROC"
+    rig.agent.default_state = XferState.PROC
     _post_one(rig, d)
     rig.step()
     (wr,) = rig.agent.writes
     rig.agent.script_states(wr.xfer, TransferError(kind, "check_xfer_state: boom"))
     rig.step()
     assert wr.xfer.released
-    if kind == "peer_dead":
+    if kind is TransferKind.PEER_DEAD:
         # Nothing can land any more: P's blocks are free, the peer is evicted.
         assert rig.failures()["peer_dead"] == 1
         assert rig.free() == 32
@@ -435,7 +451,7 @@ def test_write_error_while_polling(rig: Rig, kind: str) -> None:
 @pytest.mark.parametrize("how", ["timeout", "err_state"])
 def test_abandoned_write_quarantines_then_fence_frees(rig: Rig, how: str) -> None:
     d = rig.stub()
-    rig.agent.default_state = "PROC"
+    rig.agent.default_state = XferState.PROC
     _post_one(rig, d, tid="t1", request_id="req-1")
     rig.step()
     (wr,) = rig.agent.writes
@@ -443,7 +459,7 @@ def test_abandoned_write_quarantines_then_fence_frees(rig: Rig, how: str) -> Non
         for infl in rig.writer.table.inflight():
             infl.deadline = 0.0  # its size-aware deadline has passed
     else:
-        rig.agent.script_states(wr.xfer, "ERR")
+        rig.agent.script_states(wr.xfer, XferState.ERR)
     rig.step()
     reason = "write_timeout" if how == "timeout" else "write_error"
     assert rig.failures()[reason] == 1
@@ -454,7 +470,7 @@ def test_abandoned_write_quarantines_then_fence_frees(rig: Rig, how: str) -> Non
     assert fail.request_id == "req-1" and fail.may_have_written
 
     # Housekeeping posts the fence: a one-block WRITE to the same peer with a Fence notif.
-    rig.agent.default_state = "DONE"
+    rig.agent.default_state = XferState.DONE
     rig.owner.force_housekeeping()
     rig.step()
     assert rig.counters()["fences_sent"] == 1
@@ -478,7 +494,7 @@ def test_write_timeouts_degrade_but_never_evict_so_the_fence_shares_their_connec
     not evicted -- its agent stays, so the fence goes through the same connection as the bytes
     it must follow (an eviction would send it through a fresh one that can overtake them)."""
     d = rig.stub()
-    rig.agent.default_state = "PROC"
+    rig.agent.default_state = XferState.PROC
     rig.connect(d)
     n = 4  # past the default limit of 3
     for i in range(n):
@@ -496,7 +512,7 @@ def test_write_timeouts_degrade_but_never_evict_so_the_fence_shares_their_connec
     conn = rig.hs.get(d.key)
     assert conn is not None and not conn.evicted
     assert d.agent_name not in rig.agent.removed
-    rig.agent.default_state = "DONE"
+    rig.agent.default_state = XferState.DONE
     rig.owner.force_housekeeping()
     rig.step()
     fence_wr = rig.agent.writes[n]
@@ -571,10 +587,11 @@ def test_cancel_ack_given_up_after_its_attempts_is_counted(rig: Rig) -> None:
     _cancel_from_unconnected(rig, d, "r9")
     acks = rig.writer._out.acks
     for i in range(1, MAX_ATTEMPTS + 1):
-        wait_until(
-            lambda i=i: _stepped(rig, len(d.requests) >= i and not acks._pending),
-            what=f"handshake {i}",
-        )
+
+        def tried(n: int = i) -> bool:
+            return _stepped(rig, len(d.requests) >= n and not acks._pending)
+
+        wait_until(tried, what=f"handshake {i}")
         acks.retry(time.monotonic() + 60)
     assert acks.n_owed == 0
     assert rig.failures()["cancel_unacknowledged"] == 1
@@ -628,13 +645,13 @@ def test_cancel_from_another_agent_than_the_registration_is_forged(rig: Rig) -> 
 
 def test_cancel_during_write_leaves_it_to_the_completion(rig: Rig) -> None:
     d = rig.stub()
-    rig.agent.default_state = "PROC"
+    rig.agent.default_state = XferState.PROC
     _post_one(rig, d)
     rig.step()
     rig.notify_from(d, protocol.Cancel(request_id="t1", transfer_id="t1"))
     rig.step()
     assert rig.sent_to(d) == []  # no "nothing was written" ack: bytes are moving
-    rig.agent.default_state = "DONE"
+    rig.agent.default_state = XferState.DONE
     rig.step()
     assert rig.free() == 32  # the WRITE's own completion notif tells D
 

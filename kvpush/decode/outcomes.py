@@ -23,7 +23,7 @@ from kvpush.memory.pool import KvPool
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import NixlAgent, TransferError
+from kvpush.transport.agent import Agent, TransferError
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -34,7 +34,7 @@ class Outcomes:
     def __init__(
         self,
         cfg: EndpointConfig,
-        agent: NixlAgent,
+        agent: Agent,
         pool: KvPool,
         codec: Codec,
         telemetry: Telemetry,

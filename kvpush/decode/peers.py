@@ -17,7 +17,7 @@ from kvpush.decode.requests import RequestTable
 from kvpush.peers.handshakes import HandshakeManager, PeerGone, PeerKey
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import NixlAgent, TransferError
+from kvpush.transport.agent import Agent, TransferError
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -27,7 +27,7 @@ HEARTBEAT_BATCH = 4096  # transfer ids per Heartbeat notification
 class PrefillPeers:
     def __init__(
         self,
-        agent: NixlAgent,
+        agent: Agent,
         handshakes: HandshakeManager,
         codec: Codec,
         telemetry: Telemetry,

@@ -39,7 +39,7 @@ from kvpush.runtime.owner import OwnerThread, RankCrash, drain_notifications
 from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure, Gauge
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import NixlAgent, TransferError
+from kvpush.transport.agent import Agent, TransferError
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -50,7 +50,7 @@ class Receiver:
     def __init__(
         self,
         cfg: EndpointConfig,
-        agent: NixlAgent,
+        agent: Agent,
         pool: KvPool,
         handshakes: HandshakeManager,
         codec: Codec,
@@ -170,11 +170,13 @@ class Receiver:
         for req in self.table.all_waiting():
             self._out.fail(req, reason, detail, notify_p=True)
         for item in self._owner.close_inboxes():
-            req = item[0] if isinstance(item, tuple) else item
-            live = isinstance(req, DRequest) and req.state in (DState.NEW, DState.HANDSHAKING)
-            if live and not req.future.done():
-                self._pool.allocator.release(req.request_id)
-                req.future.set_result(failed_rep(self._tm, req, reason, detail))
+            queued = item[0] if isinstance(item, tuple) else item
+            if not isinstance(queued, DRequest):
+                continue
+            live = queued.state in (DState.NEW, DState.HANDSHAKING)
+            if live and not queued.future.done():
+                self._pool.allocator.release(queued.request_id)
+                queued.future.set_result(failed_rep(self._tm, queued, reason, detail))
 
     def _crash_check(self) -> None:
         """Fault hook (tests): this rank's loop dies after its Nth request."""

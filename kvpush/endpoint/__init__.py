@@ -4,8 +4,6 @@ tests and measurements add their hooks (``kvpush.instruments``) and drive load t
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvpush.config import EndpointConfig
 from kvpush.decode.group import DecodeGroup
 from kvpush.decode.role import DecodeRole
@@ -29,7 +27,7 @@ def open_decode(
 
 def open_endpoint(
     cfg: EndpointConfig, instruments: Instruments = NO_INSTRUMENTS
-) -> Endpoint[Any, Any]:
+) -> Endpoint[PrefillRole, PrefillGroup] | Endpoint[DecodeRole, DecodeGroup]:
     """A started endpoint of ``cfg.role`` (``cfg.tp_size`` ranks); ``stop()`` it when done.
     ``instruments``: the hooks of tests and measurements (production: none)."""
     return (

@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from kvpush.address import format_address, parse_address
 from kvpush.config import EndpointConfig, HandshakeMode, Wire
@@ -79,7 +79,7 @@ class Endpoint(Generic[R, G]):
         self,
         cfg: EndpointConfig,
         make_role: Callable[[EndpointContext], R],
-        make_group: Callable[[list[Any], Telemetry | None], G],
+        make_group: Callable[[list[R], Telemetry | None], G],
         instruments: Instruments = NO_INSTRUMENTS,
     ) -> None:
         self.cfg = cfg
@@ -255,7 +255,7 @@ class Endpoint(Generic[R, G]):
         return self.ranks[0].telemetry
 
     def forget_peer(self, address: str, incarnation: str | None, reason: str) -> None:
-        """Any thread: the peer endpoint at ``address`` (of ``incarnation``) is gone
+        """From any thread: the peer endpoint at ``address`` (of ``incarnation``) is gone
         (``reason`` ``peer_left``) or restarted (``peer_restarted``), as the fleet registry
         says. Every rank drops its connections to it at once, on its owner thread: the peer's
         NIXL agent and descriptors are released, and the work in flight with it fails with

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from kvpush.config import HandshakeMode
 from kvpush.errors import KvpushError, PeerUnreachableError
 from kvpush.peers.handshakes import HandshakeManager, PeerConn
-from kvpush.transport.nixl import NixlAgent
+from kvpush.transport.agent import Agent
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 class Pinger:
     def __init__(
         self,
-        agent: NixlAgent,
+        agent: Agent,
         handshakes: HandshakeManager,
         codec: Codec,
         reply_to: tuple[str, int, int],

@@ -140,7 +140,7 @@ class Rank(Generic[R]):
             port=port,
             tp_rank=self.rank,
             tp_size=cfg.tp_size,
-            device_kind=pool.device_kind,  # type: ignore[arg-type]
+            device_kind=pool.device_kind,
             device_id=pool.device_id,
             num_blocks=cfg.pool.num_blocks,
             layers=cfg.pool.layers,

@@ -27,7 +27,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypedDict, TypeVar, cast
 from urllib.parse import urlsplit
 
 import requests
@@ -59,6 +59,22 @@ class WatchEvent:
     key: str
     value: bytes
     revision: int  # the etcd revision of this change (the key's mod_revision)
+
+
+class _Header(TypedDict):
+    revision: str  # etcd's gateway writes int64s as strings
+
+
+class _KeyValue(TypedDict, total=False):
+    key: str
+    value: str  # absent for an empty value
+
+
+class _Range(TypedDict, total=False):
+    """The gateway's answer to ``/kv/range`` (what kvpush reads of it)."""
+
+    header: _Header
+    kvs: list[_KeyValue]
 
 
 def _b64(data: str | bytes) -> str:
@@ -228,10 +244,13 @@ class Etcd:
     def get_prefix(self, prefix: str) -> tuple[list[tuple[str, bytes]], int]:
         """Every (key, value) under ``prefix`` sorted by key, and the store's revision then."""
 
-        def rng(c: Etcd3Client) -> Any:
-            return c.post(
-                c.get_url("/kv/range"),
-                json={"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))},
+        def rng(c: Etcd3Client) -> _Range:
+            return cast(
+                _Range,
+                c.post(
+                    c.get_url("/kv/range"),
+                    json={"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))},
+                ),
             )
 
         body = self._call("range", rng)
@@ -245,15 +264,15 @@ class Etcd:
     def get(self, key: str) -> bytes | None:
         """The value of ``key``, None when absent."""
 
-        def rng(c: Etcd3Client) -> Any:
-            return c.post(c.get_url("/kv/range"), json={"key": _b64(key)})
+        def rng(c: Etcd3Client) -> _Range:
+            return cast(_Range, c.post(c.get_url("/kv/range"), json={"key": _b64(key)}))
 
         kvs = self._call("get", rng).get("kvs", [])
         return _unb64(kvs[0].get("value", "")) if kvs else None
 
     def put(self, key: str, value: bytes, lease: int | None = None) -> int:
         """Write ``key``; with ``lease`` the key goes when the lease does. The new revision."""
-        payload: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        payload: dict[str, str] = {"key": _b64(key), "value": _b64(value)}
         if lease is not None:
             payload["lease"] = str(lease)
         body = self._call("put", lambda c: c.post(c.get_url("/kv/put"), json=payload))
@@ -322,10 +341,10 @@ class Etcd:
         ``WatchCompacted`` when ``start_revision`` is history etcd no longer keeps. Opening the
         watch is bounded by ``timeout_s`` per URL and fails over like every other call.
         """
-        create: dict[str, Any] = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
+        create: dict[str, str] = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
         if start_revision is not None:
             create["start_revision"] = str(start_revision)
-        state: dict[str, Any] = {"cancelled": False, "resp": None}
+        state: dict[str, bool] = {"cancelled": False}
 
         def open_stream(c: Etcd3Client) -> requests.Response:
             s = requests.Session()
@@ -356,7 +375,6 @@ class Etcd:
             return r
 
         resp = self._call("watch", open_stream)
-        state["resp"] = resp
 
         def cancel() -> None:
             state["cancelled"] = True
@@ -387,13 +405,17 @@ class _Client(Etcd3Client):
     ``REQUESTS_CA_BUNDLE`` / ``CURL_CA_BUNDLE`` override a session's ``verify`` (psf/requests
     #3829), so a CA set on the session alone is ignored wherever those variables are set."""
 
-    def post(self, url: str, *args: Any, json: Any = None, **kwargs: Any) -> Any:
+    def post(self, url: str, *args: object, json: object = None, **kwargs: object) -> object:
         return super().post(url, *args, json=json, **_verify(self), **kwargs)
 
 
-def _verify(c: Etcd3Client) -> dict[str, Any]:
+class _Verify(TypedDict, total=False):
+    verify: str  # the CA bundle's path
+
+
+def _verify(c: Etcd3Client) -> _Verify:
     v = c.session.verify
-    return {"verify": v} if isinstance(v, str) else {}
+    return _Verify(verify=v) if isinstance(v, str) else _Verify()
 
 
 def _read_watch(resp: requests.Response, prefix: str) -> Iterator[WatchEvent]:

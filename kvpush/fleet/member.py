@@ -17,11 +17,13 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from kvpush import __version__
 from kvpush.address import binds_all_interfaces, format_address, parse_address
+from kvpush.config import EndpointConfig
 from kvpush.errors import ConfigError, RegistryError, RegistryUnavailable
 from kvpush.fleet.config import RegistryConfig
 from kvpush.fleet.etcd import Etcd
@@ -31,11 +33,42 @@ from kvpush.fleet.store import Follow
 from kvpush.telemetry.health import Verdict
 from kvpush.telemetry.names import Failure
 from kvpush.telemetry.snapshot import Snapshot
+from kvpush.telemetry.store import Telemetry
 from kvpush.wire import protocol
 
 log = logging.getLogger(__name__)
 
 NIXL_CLEANUP_DELAY_S = 1.0
+
+
+class _Named(Protocol):
+    @property
+    def agent_name(self) -> str: ...
+
+
+class _Bound(Protocol):
+    @property
+    def port(self) -> int: ...
+
+
+class Member(Protocol):
+    """What a fleet member uses of its endpoint (``kvpush.endpoint.Endpoint``)."""
+
+    @property
+    def cfg(self) -> EndpointConfig: ...
+    @property
+    def incarnation(self) -> str: ...
+    @property
+    def metadata(self) -> protocol.EndpointMetadata: ...
+    @property
+    def ranks(self) -> Sequence[_Named]: ...
+    @property
+    def server(self) -> _Bound: ...
+    @property
+    def telemetry(self) -> Telemetry: ...
+    def snapshot(self) -> Snapshot: ...
+    def forget_peer(self, address: str, incarnation: str | None, reason: str) -> None: ...
+    def publish_nixl_metadata(self) -> None: ...
 
 
 def advertised_address(bind_host: str, port: int, advertise: str | None) -> str:
@@ -68,7 +101,7 @@ def load_of(snap: Snapshot) -> Load:
     )
 
 
-def endpoint_record(ep: Any, address: str, metrics_url: str = "") -> EndpointRecord:
+def endpoint_record(ep: Member, address: str, metrics_url: str = "") -> EndpointRecord:
     """What ``ep`` publishes (its load summary empty: the registrar fills it)."""
     cfg, md = ep.cfg, ep.metadata
     pool = cfg.pool
@@ -130,7 +163,7 @@ class PeerWatch:
     """Follows the cluster on its own thread; a peer that left or restarted is forgotten by
     the endpoint at once. The endpoint's own key going makes the registrar put it again."""
 
-    def __init__(self, ep: Any, cfg: RegistryConfig, own: str, registrar: Registrar) -> None:
+    def __init__(self, ep: Member, cfg: RegistryConfig, own: str, registrar: Registrar) -> None:
         self._ep = ep
         self._own = own
         self._registrar = registrar
@@ -201,7 +234,7 @@ class PeerWatch:
 class Membership:
     """Register ``ep`` in ``cfg.cluster`` and follow the cluster (see the module docstring)."""
 
-    def __init__(self, ep: Any, cfg: RegistryConfig, metrics_url: str = "") -> None:
+    def __init__(self, ep: Member, cfg: RegistryConfig, metrics_url: str = "") -> None:
         self.cfg = cfg
         self.address = advertised_address(ep.cfg.host, ep.server.port, cfg.advertise)
         self.key = endpoint_key(cfg.cluster, self.address)

@@ -20,6 +20,7 @@ from kvpush.errors import ConfigError, DeviceError
 from kvpush.memory.allocator import BlockAllocator
 from kvpush.memory.descriptors import block_descs
 from kvpush.memory.pattern import TAG_BYTES, read_tag, transfer_digest, write_expected
+from kvpush.wire.side_messages import DeviceKind
 
 POISON_BYTE = 0xA5
 """What ``scrub`` writes: neither zero nor a likely pattern byte run, easy to spot in a dump."""
@@ -37,7 +38,7 @@ def rank_device(spec: str, rank: int) -> str:
     return f"cuda:{base + rank}"
 
 
-def _resolve_device(spec: str) -> tuple[torch.device, str, int]:
+def _resolve_device(spec: str) -> tuple[torch.device, DeviceKind, int]:
     """``cpu`` / ``cuda`` / ``cuda:N`` -> (torch device, "DRAM" | "VRAM", device id)."""
     if spec == "cpu":
         return torch.device("cpu"), "DRAM", 0

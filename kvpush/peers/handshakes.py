@@ -61,8 +61,8 @@ from kvpush.peers.watch import PeerWatch, Target
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter, Failure, Hist, PeerState, transport_error_counter
 from kvpush.telemetry.store import Telemetry
+from kvpush.transport.agent import GONE, Agent, DList, TransferError, TransferKind
 from kvpush.transport.client import SideChannelClient
-from kvpush.transport.nixl import DList, NixlAgent, TransferError
 from kvpush.wire import protocol
 from kvpush.wire.auth import Authenticator
 
@@ -74,9 +74,9 @@ MAX_PEER_ROWS = 4096
 #: Consecutive transport errors after which a degraded peer is evicted (the default).
 TRANSPORT_ERROR_LIMIT = 3
 #: Transfer-error kinds that say the remote agent is gone: the peer is evicted on the first.
-_GONE = frozenset({"peer_dead", "peer_unknown"})
+_GONE = GONE
 #: Transfer-error kinds that only say nothing completed in time: they degrade, never evict.
-_SLOW = frozenset({"timeout"})
+_SLOW = frozenset({TransferKind.TIMEOUT})
 #: Incarnations remembered per peer address (to tell a restart from a first contact).
 _MAX_INCARNATIONS = 4096
 _LIVE = (PeerState.CONNECTED, PeerState.DEGRADED)
@@ -85,7 +85,7 @@ _LIVE = (PeerState.CONNECTED, PeerState.DEGRADED)
 class HandshakeManager:
     def __init__(
         self,
-        agent: NixlAgent,
+        agent: Agent,
         local_md: protocol.EndpointMetadata,
         auth: Authenticator,
         timeouts: Timeouts,

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpush import PROTOCOL_VERSION
-from kvpush.config import MLA_LAYOUT, VllmWireConfig
+from kvpush.config import MLA_LAYOUT, Role, VllmWireConfig
 from kvpush.errors import HandshakeError, IncompatiblePeerError, WrongWireError
-from kvpush.wire import protocol, vllm
+from kvpush.wire import protocol, side_messages, vllm
 
 
 @dataclass(frozen=True)
@@ -127,14 +127,16 @@ def check_vllm_answer(
         raise HandshakeError(peer, "block strides shorter than block lengths, or missing")
     if md.num_blocks < 1 or not md.agent_metadata:
         raise HandshakeError(peer, "metadata names no blocks or no NIXL agent")
-    mem = (md.region_mem_types or ["DRAM"])[0]
-    if mem not in ("DRAM", "VRAM"):
-        raise HandshakeError(peer, f"unknown memory type {mem!r}")
+    mem_type = (md.region_mem_types or ["DRAM"])[0]
+    mem = side_messages.device_kind(mem_type)
+    if mem is None:
+        raise HandshakeError(peer, f"unknown memory type {mem_type!r}")
+    role: Role = "decode" if peer_role == "decode" else "prefill"
     meta = protocol.EndpointMetadata(
         protocol_version=PROTOCOL_VERSION,
         kvpush_version="vllm",
         engine_id=md.engine_id,
-        role=peer_role,  # type: ignore[arg-type]
+        role=role,
         incarnation="",
         agent_name="",
         host="",
@@ -142,7 +144,7 @@ def check_vllm_answer(
         tp_rank=0,
         # A kvpush peer's own word; a vLLM engine's metadata has none (the router's is used).
         tp_size=kv.tp_size if kv is not None and kv.engine_id else max(1, hint.tp_size),
-        device_kind=mem,  # type: ignore[arg-type]
+        device_kind=mem,
         device_id=md.device_id,
         num_blocks=md.num_blocks,
         layers=local.layers,

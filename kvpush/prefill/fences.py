@@ -25,7 +25,7 @@ from kvpush.prefill.table import FenceEntry, FenceWrite, PushTable
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import DList, NixlAgent, TransferError
+from kvpush.transport.agent import XFER_DONE, Agent, DList, TransferError
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -37,7 +37,7 @@ MAX_PER_FENCE = 4096  # one Fence notification names at most this many requests
 class Fences:
     def __init__(
         self,
-        agent: NixlAgent,
+        agent: Agent,
         pool: KvPool,
         table: PushTable,
         handshakes: HandshakeManager,
@@ -129,6 +129,6 @@ class Fences:
             fw = FenceWrite(fence_id, xfer, conn, t, t + self._timeout_s, plan.nbytes, entries)
             self._table.fence_posted(fw)
             self._tm.inc(Counter.FENCES_SENT)
-            if st == "DONE":
+            if st == XFER_DONE:
                 done.append(fw)
         return done

@@ -44,7 +44,15 @@ from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure, Hist
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import DList, NixlAgent, TransferError
+from kvpush.transport.agent import (
+    GONE,
+    XFER_DONE,
+    XFER_ERR,
+    Agent,
+    DList,
+    TransferError,
+    TransferKind,
+)
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -55,7 +63,7 @@ class Legs:
     def __init__(
         self,
         cfg: EndpointConfig,
-        agent: NixlAgent,
+        agent: Agent,
         pool: KvPool,
         table: PushTable,
         codec: Codec,
@@ -202,9 +210,9 @@ class Legs:
         leg = Leg(w, r, xfer, conn, t_post, deadline, plan.nbytes)
         w.t_posted = t_post
         self._table.leg_posted(leg)
-        if state == "DONE":
+        if state == XFER_DONE:
             self.complete(leg)
-        elif state == "ERR":
+        elif state == XFER_ERR:
             self.abandon(leg, Failure.WRITE_ERROR, "transfer() returned ERR")
 
     def poll(self) -> int:
@@ -239,22 +247,22 @@ class Legs:
         try:
             st = self._agent.state(entry.xfer)
         except TransferError as e:
-            dead = e.kind == "peer_dead"
+            dead = e.kind == TransferKind.PEER_DEAD
             self.abandon(entry, Failure.PEER_DEAD if dead else Failure.WRITE_ERROR, str(e))
             if self._transport_error(entry.conn, e):
                 self._evict_peer(entry.conn.key, f"transfer failed: {e.status}", _soft(e))
             return True
-        if st == "DONE":
+        if st == XFER_DONE:
             self.complete(entry)
             if self._hs is not None:
                 self._hs.transport_ok(entry.conn.key)
             return True
-        if st == "ERR":
-            err = TransferError("xfer_error", "transfer state ERR", "xfer_state_err")
+        if st == XFER_ERR:
+            err = TransferError(TransferKind.XFER_ERROR, "transfer state ERR", "xfer_state_err")
             self.abandon(entry, Failure.WRITE_ERROR, str(err))
         elif now > entry.deadline:
             err = TransferError(
-                "timeout",
+                TransferKind.TIMEOUT,
                 f"WRITE of {entry.nbytes} bytes not done after {now - entry.t_post:.1f}s",
                 "write_timeout",
             )
@@ -268,7 +276,7 @@ class Legs:
     def _transport_error(self, conn: PeerConn, e: TransferError) -> bool:
         """Count ``e`` on ``conn``'s peer; True when the peer must be evicted now."""
         if self._hs is None:
-            return e.kind in ("peer_dead", "peer_unknown")
+            return e.kind in GONE
         if conn.evicted:
             return False  # already forgotten (an earlier leg's error evicted it)
         return self._hs.transport_error(conn.key, e)
@@ -379,4 +387,4 @@ class Legs:
 
 def _soft(e: TransferError) -> bool:
     """An error after which the peer may still be alive (its bytes may still land)."""
-    return e.kind not in ("peer_dead", "peer_unknown")
+    return e.kind not in GONE

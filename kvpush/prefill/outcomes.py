@@ -37,7 +37,7 @@ from kvpush.runtime.inbox import Inbox
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import NixlAgent, TransferError
+from kvpush.transport.agent import Agent, TransferError
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -51,7 +51,7 @@ ACK_RETRY_S = 1.0
 class Outcomes:
     def __init__(
         self,
-        agent: NixlAgent,
+        agent: Agent,
         pool: KvPool,
         table: PushTable,
         handshakes: HandshakeManager,

@@ -63,7 +63,7 @@ from kvpush.runtime.decline import Decliner
 from kvpush.runtime.owner import OwnerThread, RankCrash, drain_notifications
 from kvpush.telemetry.names import Counter, Failure, Gauge
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import NixlAgent
+from kvpush.transport.agent import Agent
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -74,7 +74,7 @@ class PushWriter:
     def __init__(
         self,
         cfg: EndpointConfig,
-        agent: NixlAgent,
+        agent: Agent,
         pool: KvPool,
         handshakes: HandshakeManager,
         codec: Codec,
@@ -409,7 +409,7 @@ class PushWriter:
 
     # ------------------------------------------------------------------ peers and shutdown
     def forget(self, g: PeerGone) -> None:
-        """Any thread: the registry says a D is gone or restarted; the writer drops it at once
+        """From any thread: the registry says a D is gone or restarted; the writer drops it at once
         (its WRITEs in flight fail with ``g.reason``). Dropped when the writer is stopping."""
         self._owner.hand_off(self.tasks, lambda: self._forget(g), _ignore_error)
 

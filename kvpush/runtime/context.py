@@ -21,7 +21,7 @@ from kvpush.peers.handshakes import HandshakeManager, PeerGone
 from kvpush.runtime.decline import Decliner
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import NixlAgent
+from kvpush.transport.agent import Agent
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -29,7 +29,7 @@ from kvpush.wire.notifs import Codec
 @dataclass(frozen=True)
 class EndpointContext:
     cfg: EndpointConfig
-    agent: NixlAgent
+    agent: Agent
     pool: KvPool
     handshakes: HandshakeManager
     codec: Codec
@@ -72,5 +72,5 @@ class Role(Protocol):
         """Wake the owner thread (so it polls notifications now)."""
 
     def forget_peer(self, gone: PeerGone) -> None:
-        """Any thread: drop the peer ``gone`` names on the owner thread, at once (the work in
+        """From any thread: drop the peer ``gone`` names on the owner thread, at once (the work in
         flight with it fails with ``gone.reason``)."""

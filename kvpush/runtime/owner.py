@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from kvpush.config import AgentConfig
 from kvpush.errors import AuthError, KvpushError, ProtocolError
@@ -42,7 +42,7 @@ from kvpush.runtime.inbox import Inbox
 from kvpush.telemetry.heartbeat import Heartbeat
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import NixlAgent, TransferError
+from kvpush.transport.agent import Agent, TransferError
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
@@ -84,11 +84,32 @@ class OwnerLoop(Protocol):
         everything the role holds, at once, with a reason that names the failure."""
 
 
+class _Drained(Protocol):
+    """One inbox with its handlers, whatever its item type (``_Route[T]``)."""
+
+    def drain(self) -> int: ...
+
+    def close(self) -> list[object]: ...
+
+
 @dataclass(frozen=True)
 class _Route(Generic[T]):
     inbox: Inbox[T]
     handle: Callable[[T], None]
     on_error: Callable[[T, Exception], None]
+
+    def drain(self) -> int:
+        n = 0
+        for item in self.inbox.drain():
+            n += 1
+            try:
+                self.handle(item)
+            except Exception as e:
+                self.on_error(item, e)
+        return n
+
+    def close(self) -> list[object]:
+        return list(self.inbox.close())
 
 
 class OwnerThread:
@@ -101,7 +122,7 @@ class OwnerThread:
     ) -> None:
         self.name = name
         self.wake = threading.Event()
-        self._routes: list[_Route[Any]] = []
+        self._routes: list[_Drained] = []
         self._last_resort: deque[Callable[[], None]] = deque()
         self._loop: OwnerLoop | None = None
         self._waiter = IdleWaiter(self.wake, agent_cfg)
@@ -180,11 +201,11 @@ class OwnerThread:
         if self._thread.is_alive():
             self._thread.join(drain_s + 5)
 
-    def close_inboxes(self) -> list[Any]:
+    def close_inboxes(self) -> list[object]:
         """Close every inbox; return what was still queued (for the role to fail)."""
-        rest: list[Any] = []
+        rest: list[object] = []
         for r in self._routes:
-            rest.extend(r.inbox.close())
+            rest.extend(r.close())
         return rest
 
     # ------------------------------------------------------------------ the loop
@@ -224,7 +245,7 @@ class OwnerThread:
         self.heartbeat.beat()
         n = 0
         for r in self._routes:
-            n += self._drain(r)
+            n += r.drain()
         while self._last_resort:
             self._last_resort.popleft()()
             n += 1
@@ -241,17 +262,6 @@ class OwnerThread:
     def force_housekeeping(self) -> None:
         """Let the next pass run housekeeping whatever the time (tests)."""
         self._next_hk = 0.0
-
-    @staticmethod
-    def _drain(r: _Route[Any]) -> int:
-        n = 0
-        for item in r.inbox.drain():
-            n += 1
-            try:
-                r.handle(item)
-            except Exception as e:
-                r.on_error(item, e)
-        return n
 
 
 def _published(owner: OwnerThread, name: str) -> float:
@@ -300,7 +310,7 @@ class IdleWaiter:
 
 
 def drain_notifications(
-    agent: NixlAgent,
+    agent: Agent,
     codec: Codec,
     telemetry: Telemetry,
     rl: RateLimitedLog,

@@ -55,8 +55,8 @@ import re
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import (
@@ -315,20 +315,17 @@ class _SnapshotCollector(Collector):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
+    def log_message(self, format: str, *args: object) -> None:
         """Scrapes and probes are not logged (one line per request would flood the log)."""
 
 
-_Start = Callable[[str, list[tuple[str, str]]], Any]
 _PROBES = {"/healthz": "live", "/readyz": "ready"}
 
 
-def _probe_app(
-    metrics: Callable[[dict[str, Any], _Start], Iterable[bytes]], health: Health | None
-) -> Callable[[dict[str, Any], _Start], Iterable[bytes]]:
+def _probe_app(metrics: WSGIApplication, health: Health | None) -> WSGIApplication:
     """``/healthz`` and ``/readyz`` from ``health``; every other path is the metrics page."""
 
-    def app(environ: dict[str, Any], start: _Start) -> Iterable[bytes]:
+    def app(environ: WSGIEnvironment, start: StartResponse) -> Iterable[bytes]:
         probe = _PROBES.get(str(environ.get("PATH_INFO", "")).rstrip("/") or "/")
         if probe is None or health is None:
             return metrics(environ, start)

@@ -1,5 +1,8 @@
 """The only module that imports ``nixl``: a narrow, typed wrapper around one NIXL agent.
 
+``NixlAgent`` implements ``kvpush.transport.agent.Agent`` (the engine's view of an agent); the
+handles, ``XferState``, ``TransferKind`` and ``TransferError`` live there and are re-exported here.
+
 It translates NIXL's exceptions into kvpush's typed errors, fixes the agent configuration kvpush
 relies on (no spinning progress thread by default, read/write thread-sync so background
 handshakes may load agents while the owning thread posts transfers) and keeps NIXL from writing
@@ -21,12 +24,25 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
+from collections.abc import Iterable
+from types import ModuleType
+from typing import Protocol
 
 import numpy as np
 
 from kvpush.config import AgentConfig
-from kvpush.errors import KvpushError, NixlUnavailableError
+from kvpush.errors import NixlUnavailableError
+from kvpush.transport.agent import (
+    DList,
+    Handle,
+    Indices,
+    TransferError,
+    TransferKind,
+    Xfer,
+    XferState,
+)
+
+__all__ = ["DList", "NixlAgent", "TransferError", "TransferKind", "Xfer", "XferState"]
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +56,8 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "FATAL")
 
 _AGENT_MD_MAGIC = b"nixlSerDes|Agent"  # how nixl 1.5's serialized agent metadata starts
 
-_nixl: Any = None
-_bind: Any = None
+_nixl: ModuleType | None = None
+_bind: ModuleType | None = None
 
 #: One agent at a time is created in this process (NIXL #1668: UCX 1.20.0 hangs when two agents
 #: initialise at once, which is what the ranks of one endpoint would do).
@@ -63,7 +79,7 @@ NIXL_STATUS = {
 }
 
 
-def _import_nixl() -> tuple[Any, Any]:
+def _import_nixl() -> tuple[ModuleType, ModuleType]:
     global _nixl, _bind
     if _nixl is None:
         try:
@@ -73,6 +89,7 @@ def _import_nixl() -> tuple[Any, Any]:
             raise NixlUnavailableError(f"NIXL is not available: {e}") from None
         logging.getLogger("nixl").setLevel(logging.WARNING)
         _nixl, _bind = api, bind
+    assert _bind is not None
     return _nixl, _bind
 
 
@@ -85,50 +102,58 @@ def nixl_version() -> str:
         return "unknown"
 
 
-class TransferError(KvpushError):
-    """A NIXL call on a transfer or notification failed.
+#: kvpush's failure kind by the exception class NIXL's Python API raises.
+_KINDS = {
+    "nixlRemoteDisconnectError": TransferKind.PEER_DEAD,
+    "nixlNotFoundError": TransferKind.PEER_UNKNOWN,
+    "nixlNotAllowedError": TransferKind.NOT_ALLOWED,
+    "nixlBackendError": TransferKind.BACKEND,
+    "nixlCancelledError": TransferKind.CANCELLED,
+}
 
-    ``kind`` is one of ``peer_dead`` (remote disconnected), ``peer_unknown`` (agent not loaded),
-    ``not_allowed``, ``backend`` or ``nixl_error``; ``status`` is NIXL's status name
-    (``NIXL_ERR_REMOTE_DISCONNECT``...), or ``xfer_state_err`` / ``stale_agent`` where NIXL
-    raised nothing (a transfer whose state turned ERR; a call refused by this adapter).
-    """
-
-    def __init__(self, kind: str, message: str, status: str = "NIXL_ERR_UNKNOWN") -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.status = status
+#: NIXL's state strings (``transfer`` / ``check_xfer_state``) as ``XferState``s: one dict look-up
+#: per poll.
+_STATES = {s.value: s for s in XferState}
 
 
 def _translate(e: BaseException, what: str) -> TransferError:
     name = type(e).__name__
-    kind = {
-        "nixlRemoteDisconnectError": "peer_dead",
-        "nixlNotFoundError": "peer_unknown",
-        "nixlNotAllowedError": "not_allowed",
-        "nixlBackendError": "backend",
-        "nixlCancelledError": "cancelled",
-    }.get(name, "nixl_error")
+    kind = _KINDS.get(name, TransferKind.NIXL_ERROR)
     return TransferError(kind, f"{what}: {name}: {e}", NIXL_STATUS.get(name, "NIXL_ERR_UNKNOWN"))
 
 
-class Xfer:
-    """One posted transfer; released exactly once by its owner."""
+class _RawAgent(Protocol):
+    """The calls this adapter makes on NIXL's ``nixl_agent`` (nixl 1.5's Python API)."""
 
-    __slots__ = ("handle", "released")
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-        self.released = False
-
-
-class DList:
-    __slots__ = ("count", "handle", "remote")
-
-    def __init__(self, handle: Any, count: int, remote: str = "") -> None:
-        self.handle = handle
-        self.count = count
-        self.remote = remote  # the remote agent it describes ("" for a local list)
+    def get_plugin_list(self) -> Iterable[str]: ...
+    def create_backend(self, backend: str, initParams: dict[str, str]) -> object: ...
+    def register_memory(self, reg_list: object, backends: list[str]) -> object: ...
+    def deregister_memory(self, dereg_list: object) -> None: ...
+    def get_agent_metadata(self) -> bytes: ...
+    def get_partial_agent_metadata(
+        self, descs: object, inc_conn_info: bool, backends: list[str]
+    ) -> bytes: ...
+    def send_local_metadata(self) -> None: ...
+    def invalidate_local_metadata(self) -> None: ...
+    def check_remote_metadata(self, remote_agent: str) -> bool: ...
+    def fetch_remote_metadata(self, remote_agent: str) -> None: ...
+    def add_remote_agent(self, metadata: bytes) -> bytes | str: ...
+    def remove_remote_agent(self, agent: str) -> None: ...
+    def make_connection(self, remote_agent: str) -> None: ...
+    def prep_xfer_dlist(self, agent_name: str, xfer_list: np.ndarray, mem_type: str) -> Handle: ...
+    def make_prepped_xfer(
+        self,
+        operation: str,
+        local_xfer_side: Handle,
+        local_indices: Indices,
+        remote_xfer_side: Handle,
+        remote_indices: Indices,
+        notif_msg: bytes,
+    ) -> Handle: ...
+    def transfer(self, handle: Handle) -> str: ...
+    def check_xfer_state(self, handle: Handle) -> str: ...
+    def send_notif(self, remote_agent_name: str, notif_msg: bytes) -> None: ...
+    def get_new_notifs(self) -> dict[str, list[bytes]]: ...
 
 
 class NixlAgent:
@@ -152,7 +177,7 @@ class NixlAgent:
         )
         with _CREATE_LOCK:
             self._agent = self._create(api, name, conf, cfg)
-        self._reg: Any = None
+        self._reg: object | None = None
         self._lock = threading.Lock()  # guards the two name sets (owner and handshake threads)
         # Serialises the calls that change which remote agents NIXL holds (load, connect,
         # fetch, remove). NIXL's remove_remote_agent (invalidateRemoteMD) keeps the interpreter
@@ -169,10 +194,10 @@ class NixlAgent:
         self._bind = bind
 
     @staticmethod
-    def _create(api: Any, name: str, conf: Any, cfg: AgentConfig) -> Any:
+    def _create(api: ModuleType, name: str, conf: object, cfg: AgentConfig) -> _RawAgent:
         """The agent and its backends (under ``_CREATE_LOCK``: backend start is UCX's init)."""
         try:
-            agent = api.nixl_agent(name, conf)
+            agent: _RawAgent = api.nixl_agent(name, conf)
         except Exception as e:
             raise NixlUnavailableError(f"cannot create a NIXL agent: {e}") from None
         available = list(agent.get_plugin_list())
@@ -191,7 +216,7 @@ class NixlAgent:
         return agent
 
     # ------------------------------------------------------------------ memory / metadata
-    def register(self, tensor: Any) -> None:
+    def register(self, tensor: object) -> None:
         try:
             self._reg = self._agent.register_memory(tensor, backends=list(self.cfg.backends))
         except Exception as e:
@@ -248,7 +273,7 @@ class NixlAgent:
             while not self._agent.check_remote_metadata(name):
                 if time.monotonic() > deadline:
                     raise TransferError(
-                        "peer_unknown",
+                        TransferKind.PEER_UNKNOWN,
                         f"agent {name} not in NIXL's etcd namespace "
                         f"{self.cfg.etcd_namespace} within {timeout_s:.1f}s",
                     )
@@ -268,7 +293,9 @@ class NixlAgent:
         # NIXL may crash on malformed metadata instead of raising: refuse what is plainly not
         # a serialized agent before NIXL parses it.
         if not metadata.startswith(_AGENT_MD_MAGIC):
-            raise TransferError("bad_metadata", "add_remote_agent: not NIXL agent metadata")
+            raise TransferError(
+                TransferKind.BAD_METADATA, "add_remote_agent: not NIXL agent metadata"
+            )
         try:
             with self._md_lock:
                 name = self._agent.add_remote_agent(metadata)
@@ -320,7 +347,9 @@ class NixlAgent:
                 self.stale_agent_uses += 1
         if stale:
             raise TransferError(
-                "peer_unknown", f"{what}: agent {name} was removed (stale)", "stale_agent"
+                TransferKind.PEER_UNKNOWN,
+                f"{what}: agent {name} was removed (stale)",
+                "stale_agent",
             )
 
     def make_connection(self, name: str) -> None:
@@ -355,11 +384,11 @@ class NixlAgent:
     def post_write(
         self,
         local: DList,
-        local_idx: np.ndarray | list[int],
+        local_idx: Indices,
         remote: DList,
-        remote_idx: np.ndarray | list[int],
+        remote_idx: Indices,
         notif: bytes,
-    ) -> tuple[Xfer, str]:
+    ) -> tuple[Xfer, XferState]:
         """Create and post a WRITE; returns the handle and its first state (DONE/PROC/ERR)."""
         if remote.remote:
             self._not_stale(remote.remote, "make_prepped_xfer")
@@ -371,15 +400,15 @@ class NixlAgent:
             raise _translate(e, "make_prepped_xfer") from None
         x = Xfer(h)
         try:
-            st = self._agent.transfer(h)
+            st = _STATES[self._agent.transfer(h)]
         except Exception as e:
             self.release(x)
             raise _translate(e, "transfer") from None
         return x, st
 
-    def state(self, x: Xfer) -> str:
+    def state(self, x: Xfer) -> XferState:
         try:
-            return str(self._agent.check_xfer_state(x.handle))
+            return _STATES[self._agent.check_xfer_state(x.handle)]
         except Exception as e:
             raise _translate(e, "check_xfer_state") from None
 

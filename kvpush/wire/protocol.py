@@ -169,9 +169,9 @@ class Envelope(Struct, array_like=True, frozen=True):
 
 _enc = msgspec.msgpack.Encoder()
 _env_dec = msgspec.msgpack.Decoder(Envelope)
-_req_dec = msgspec.msgpack.Decoder(SideRequest)  # type: ignore[arg-type]
-_rep_dec = msgspec.msgpack.Decoder(SideReply)  # type: ignore[arg-type]
-_notif_dec = msgspec.msgpack.Decoder(Notif)  # type: ignore[arg-type]
+_req_dec = msgspec.msgpack.Decoder(SideRequest)
+_rep_dec = msgspec.msgpack.Decoder(SideReply)
+_notif_dec = msgspec.msgpack.Decoder(Notif)
 _md_dec = msgspec.msgpack.Decoder(EndpointMetadata)
 _md_loose_dec = msgspec.msgpack.Decoder(dict[str, object])
 

@@ -33,6 +33,19 @@ MAX_DECLINE_BATCH = 1024  # transfers one DeclineReq may carry beyond its first
 # --------------------------------------------------------------------------- metadata / handshake
 
 
+#: Where an endpoint's KV pool lives, in NIXL's words.
+DeviceKind: TypeAlias = Literal["DRAM", "VRAM"]
+
+
+def device_kind(text: str) -> DeviceKind | None:
+    """``text`` as a ``DeviceKind``; None when it names no memory kvpush knows."""
+    if text == "DRAM":
+        return "DRAM"
+    if text == "VRAM":
+        return "VRAM"
+    return None
+
+
 class EndpointMetadata(Struct, frozen=True, kw_only=True):
     """What an endpoint tells a peer about itself (never contains NIXL metadata bytes)."""
 
@@ -46,7 +59,7 @@ class EndpointMetadata(Struct, frozen=True, kw_only=True):
     port: Port
     tp_rank: NonNeg
     tp_size: SmallPos
-    device_kind: Literal["DRAM", "VRAM"]
+    device_kind: DeviceKind
     device_id: NonNeg
     num_blocks: Pos
     layers: Pos

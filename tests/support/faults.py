@@ -45,7 +45,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +88,7 @@ class Cluster:
         role: str,
         name: str,
         *,
-        pool: dict[str, object] | None = None,
+        pool: Mapping[str, object] | None = None,
         timeouts: dict[str, float] | None = None,
         **extra: object,
     ) -> Proc:
@@ -579,9 +579,10 @@ class Forger:
         self.agent_name = str(hello["agent"])
 
     def _read(self, timeout_s: float) -> dict[str, Any]:
-        assert self.popen.stdout is not None
+        stdout = self.popen.stdout
+        assert stdout is not None
         box: list[bytes] = []
-        t = threading.Thread(target=lambda: box.append(self.popen.stdout.readline()))  # type: ignore[union-attr]
+        t = threading.Thread(target=lambda: box.append(stdout.readline()))
         t.daemon = True
         t.start()
         t.join(timeout_s)
