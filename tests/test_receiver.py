@@ -22,6 +22,7 @@ import pytest
 
 from kvpush.config import EndpointConfig, HandshakeMode, Timeouts
 from kvpush.decode.limits import QUARANTINE_REPORT_S
+from kvpush.decode.order import DecodeOrder
 from kvpush.decode.role import DecodeRole
 from kvpush.memory.allocator import BlockState
 from kvpush.memory.pool import KvPool
@@ -74,7 +75,7 @@ class Rig:
     def decode(
         self, p: StubPeer, tid: str, n: int = 2, deadline_s: float = 0.0
     ) -> Future[protocol.DecodeRep]:
-        return self.role.decode(tid, p.address, n, deadline_s)
+        return self.role.decode(DecodeOrder(tid, p.address, n, deadline_s))
 
     def registered(self, p: StubPeer, tid: str) -> protocol.PushReg:
         """Run passes until D sent P the PUSH_REG of ``tid``; return it."""
@@ -234,7 +235,7 @@ def test_handshake_pending_never_blocks_the_receiver(rig: Rig) -> None:
 
 def test_unreachable_prefill_fails_with_its_reason(rig: Rig) -> None:
     port = closed_port()
-    fut = rig.role.decode("t1", f"127.0.0.1:{port}", 2)
+    fut = rig.role.decode(DecodeOrder("t1", f"127.0.0.1:{port}", 2))
     rep = rig.result(fut, timeout_s=20)  # nothing accepts: the side-channel deadline (5 s)
     assert rep.outcome == "failed" and rep.reason == "prefill_unreachable"
     assert rig.free() == D_POOL.num_blocks
