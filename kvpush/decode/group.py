@@ -7,6 +7,12 @@ once: ok when every rank's share landed and verified; at the first rank that fai
 that rank's reason (named) -- the other ranks' shares are cancelled at once, so their P ranks
 stop and their blocks come back (quarantined until P says no byte can land, as for any cancel).
 
+A request comes in as one frozen ``DecodeOrder`` (``submit``; ``decode`` is the plain kvpush
+request) and each rank gets its share of it whole (``DecodeOrder.for_rank``). The ranks' answers
+meet in a ``TpJoin`` (``kvpush.decode.join``: pure, it decides); this module acts on what it
+decides (answer, cancel the other ranks, free the shares held for a digest) from the thread
+that resolved the last share it needed, under one lock per request.
+
 Request-level counters (requests ok/failed, decode latency) are counted here, once per request;
 each rank's own telemetry counts its share. Holds no request state beyond the futures it joins.
 """

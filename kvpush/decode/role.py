@@ -1,7 +1,8 @@
 """D's role: allocate blocks for a request, let the receiver register them with P, answer.
 
-``decode(transfer_id, P address, num_blocks)`` allocates blocks (all or nothing; refused at once
-with ``no_free_blocks``) and hands the request to the receiver (``kvpush.decode.receiver``, on
+``decode(order)`` (a ``DecodeOrder``: transfer id, P address, number of blocks...) allocates
+blocks (all or nothing; refused at once with ``no_free_blocks``), or holds the request back for
+its ``alloc_delay_s`` (capped), and hands it to the receiver (``kvpush.decode.receiver``, on
 this role's owner thread); the returned future resolves with a ``DecodeRep`` once the KV has
 landed and been verified, or failed with a reason -- it never raises for peer failures. Decode
 requests arrive on the side channel; their replies go out when the future resolves.
