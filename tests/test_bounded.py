@@ -13,7 +13,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from kvpush.decode.requests import Delay, DRequest, Phase, PRanks, RequestTable, Waiting
+from kvpush.decode.requests import Delay, DRequest, PRanks, RequestTable, Waiting, WaitPhase
 from kvpush.errors import BadValueError, ProtocolError
 from kvpush.logsafe import OneLineFilter, shown
 from kvpush.prefill.table import CancelledEarly, Finished, PushTable, Registration, reg_key
@@ -171,7 +171,7 @@ def test_request_table_deadlines_and_allocations_by_heap() -> None:
     assert t.expired(6.0) == []  # returned once
     # Due but still connecting to P: comes up again shortly, not lost.
     assert t.due_for_blocks(601.0) == []
-    t.move(held, Phase.WAITING_BLOCKS)
+    t.move(held, WaitPhase.WAITING_BLOCKS)
     assert t.due_for_blocks(601.1) == [(held, Delay(2, 600.0))]
     t.allocated(held, np.arange(2))
     assert t.n_delayed == 0 and held.delay is None

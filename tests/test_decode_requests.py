@@ -15,10 +15,10 @@ from kvpush.decode.requests import (
     Abandoned,
     Delay,
     DRequest,
-    Phase,
     PRanks,
     RequestTable,
     Waiting,
+    WaitPhase,
 )
 from kvpush.peers.handshakes import PeerConn
 from tests.fakes import make_metadata, stub_pool
@@ -60,20 +60,20 @@ def test_moves_keep_the_counts_per_phase() -> None:
     a, b, c = _waiting("a"), _waiting("b"), _waiting("c", delay=Delay(2, 5.0))
     for w in (a, b, c):
         t.add(w)
-    assert (t.count(Phase.NEW), t.n_waiting, t.n_delayed) == (3, 3, 1)
-    t.move(a, Phase.HANDSHAKING)
-    t.move(b, Phase.REGISTERED)
-    t.move(c, Phase.WAITING_BLOCKS)
-    assert [t.count(p) for p in Phase] == [0, 1, 1, 1, 0]
+    assert (t.count(WaitPhase.NEW), t.n_waiting, t.n_delayed) == (3, 3, 1)
+    t.move(a, WaitPhase.HANDSHAKING)
+    t.move(b, WaitPhase.REGISTERED)
+    t.move(c, WaitPhase.WAITING_BLOCKS)
+    assert [t.count(p) for p in WaitPhase] == [0, 1, 1, 1, 0]
     t.finish(b)
-    assert b.phase is Phase.ENDED and t.waiting("b") is None
-    assert t.count(Phase.REGISTERED) == 0 and t.n_waiting == 2
+    assert b.phase is WaitPhase.ENDED and t.waiting("b") is None
+    assert t.count(WaitPhase.REGISTERED) == 0 and t.n_waiting == 2
     t.finish(c)  # a delayed request that ends is no longer delayed
     assert t.n_delayed == 0 and c.delay is None
-    t.move(a, Phase.REGISTERED)
+    t.move(a, WaitPhase.REGISTERED)
     ab = t.abandon(a, {0})
-    assert a.phase is Phase.ENDED and t.waiting("a") is None and t.abandoned("a") is ab
-    assert sum(t.count(p) for p in Phase) == 0 and (t.n_waiting, t.n_abandoned) == (0, 1)
+    assert a.phase is WaitPhase.ENDED and t.waiting("a") is None and t.abandoned("a") is ab
+    assert sum(t.count(p) for p in WaitPhase) == 0 and (t.n_waiting, t.n_abandoned) == (0, 1)
     assert t.in_use("a") and not t.in_use("b")
     with pytest.raises(ValueError, match="in use"):
         t.add(_waiting("a"))  # its blocks are still quarantined under that id
@@ -100,8 +100,8 @@ def test_heartbeats_go_to_registered_and_fence_waiting_ranks_only() -> None:
     new, reg, held = _waiting("new"), _waiting("reg", sources=(0,)), _waiting("held", (1,))
     for w in (new, reg, held):
         t.add(w)
-    t.move(reg, Phase.REGISTERED)
-    t.move(held, Phase.WAITING_BLOCKS)
+    t.move(reg, WaitPhase.REGISTERED)
+    t.move(held, WaitPhase.WAITING_BLOCKS)
     fenced = _waiting("fenced", sources=(2,))
     t.add(fenced)
     t.abandon(fenced, {2})
@@ -147,7 +147,7 @@ def test_deadlines_and_allocation_times_come_up_once() -> None:
     w = _waiting("a", delay=Delay(3, 5.0))
     t.add(w)
     assert t.due_for_blocks(5.0) == []  # still connecting: comes up again shortly
-    t.move(w, Phase.WAITING_BLOCKS)
+    t.move(w, WaitPhase.WAITING_BLOCKS)
     assert t.due_for_blocks(5.06) == [(w, Delay(3, 5.0))]
     assert t.due_for_blocks(6.0) == []
     t.allocated(w, np.arange(3))

@@ -29,10 +29,10 @@ from kvpush.decode.requests import (
     Abandoned,
     Delay,
     DRequest,
-    Phase,
     PRanks,
     RequestTable,
     Waiting,
+    WaitPhase,
 )
 from kvpush.errors import IncompatiblePeerError, NoFreeBlocksError
 from kvpush.memory.pool import KvPool
@@ -175,7 +175,7 @@ class Receiver:
             self._out.fail(w, reason, detail, notify_p=True)
         for item in self._owner.close_inboxes():
             w = item[0] if isinstance(item, tuple) else item
-            live = isinstance(w, Waiting) and w.phase in (Phase.NEW, Phase.HANDSHAKING)
+            live = isinstance(w, Waiting) and w.phase in (WaitPhase.NEW, WaitPhase.HANDSHAKING)
             if live and not w.req.future.done():
                 self._pool.allocator.release(w.req.request_id)
                 w.req.future.set_result(failed_rep(self._tm, w.req, reason, detail))
@@ -191,7 +191,7 @@ class Receiver:
         self._tm.fail(Failure.INTERNAL_ERROR)
         log.exception("receiver: handling %r failed", item)
         w = item[0] if isinstance(item, tuple) else item
-        if isinstance(w, Waiting) and w.phase is not Phase.ENDED:
+        if isinstance(w, Waiting) and w.phase is not WaitPhase.ENDED:
             self._out.fail(w, Failure.INTERNAL_ERROR, repr(e))
 
     def _on_new(self, w: Waiting) -> None:
@@ -282,7 +282,7 @@ class Receiver:
                 continue
             conn = self._conn_or_wait(w, ranks.key(s), attach=not waiting)
             if conn is None:
-                if w.phase is Phase.ENDED:
+                if w.phase is WaitPhase.ENDED:
                     return False
                 waiting = True
                 if claimed:
@@ -377,7 +377,7 @@ class Receiver:
             hint = PeerHint(req.p_engine_id, req.p_tp_size, role="prefill")
             fut = self._hs.ensure(key, mode, hint)
             if fut is not None:
-                self.table.move(w, Phase.HANDSHAKING)
+                self.table.move(w, WaitPhase.HANDSHAKING)
                 if attach:
                     fut.add_done_callback(lambda f: self._handshake_done(w, f))
                 return None
@@ -400,7 +400,7 @@ class Receiver:
 
     def _on_ready(self, item: tuple[Waiting, BaseException | None]) -> None:
         w, error = item
-        if w.phase is Phase.ENDED:
+        if w.phase is WaitPhase.ENDED:
             return
         if error is not None:
             if self._relearn_after_failure(w):
@@ -425,7 +425,7 @@ class Receiver:
         """PUSH_REG to every source P rank not registered with yet."""
         if w.delay is not None:
             # Held in D's queue: P's lease is heartbeated meanwhile, blocks come later.
-            self.table.move(w, Phase.WAITING_BLOCKS)
+            self.table.move(w, WaitPhase.WAITING_BLOCKS)
             return
         ids = [w.block_ids.tolist()]
         # Stamped before the sends: P may match a PUSH_REG before this thread runs again.
@@ -444,7 +444,7 @@ class Receiver:
             self._hs.transport_ok(w.ranks.key(s))
             w.registered.add(s)
             self._tm.inc(Counter.PUSH_REGS_SENT)
-        self.table.move(w, Phase.REGISTERED)
+        self.table.move(w, WaitPhase.REGISTERED)
 
     def _push_reg(self, w: Waiting, conn: PeerConn, ids: list[list[int]]) -> protocol.PushReg:
         md, req = self._md, w.req

@@ -13,7 +13,7 @@ with and heard complete; a delayed one (``Delay``) gets its blocks at its alloca
 ``Abandoned`` request keeps its blocks quarantined (never handed to another request) until P's
 fence or the WRITE's own completion says no more bytes can land from each ``outstanding`` rank,
 until P is gone, or -- on vLLM's wire, where P cannot fence -- until ``quarantine_until``. A
-request that leaves the table (done, or moved to ``Abandoned``) is ``Phase.ENDED``.
+request that leaves the table (done, or moved to ``Abandoned``) is ``WaitPhase.ENDED``.
 
 The table moves requests between states and keeps the counts (per phase, delayed, abandoned).
 Housekeeping touches only what is due: deadlines, allocation times, quarantine limits and
@@ -38,7 +38,7 @@ from kvpush.telemetry.names import StrEnum
 from kvpush.wire import protocol
 
 
-class Phase(StrEnum):
+class WaitPhase(StrEnum):
     NEW = "new"
     HANDSHAKING = "handshaking"
     WAITING_BLOCKS = "waiting_blocks"  # connected to P, blocks not allocated yet
@@ -119,7 +119,7 @@ class Waiting:
     ranks: PRanks
     block_ids: np.ndarray
     delay: Delay | None = None
-    phase: Phase = Phase.NEW
+    phase: WaitPhase = WaitPhase.NEW
     registered: set[int] = field(default_factory=set)
     completions: dict[int, int] = field(default_factory=dict)
 
@@ -154,7 +154,7 @@ class RequestTable:
         self._report_after_s = report_after_s
         self._waiting: dict[str, Waiting] = {}
         self._abandoned: dict[str, Abandoned] = {}
-        self._counts: dict[Phase, int] = dict.fromkeys(Phase, 0)
+        self._counts: dict[WaitPhase, int] = dict.fromkeys(WaitPhase, 0)
         self._deadlines: DueHeap[Waiting] = DueHeap()
         self._allocs: DueHeap[Waiting] = DueHeap()
         self._quarantines: DueHeap[Abandoned] = DueHeap()
@@ -171,7 +171,7 @@ class RequestTable:
     def in_use(self, request_id: str) -> bool:
         return request_id in self._waiting or request_id in self._abandoned
 
-    def count(self, phase: Phase) -> int:
+    def count(self, phase: WaitPhase) -> int:
         """Waiting requests in ``phase`` (ENDED: none, they left)."""
         return self._counts[phase]
 
@@ -204,7 +204,7 @@ class RequestTable:
         for w in self._allocs.pop_due(now):
             if not self._holds(w) or w.delay is None:
                 continue
-            if w.phase is Phase.WAITING_BLOCKS:
+            if w.phase is WaitPhase.WAITING_BLOCKS:
                 out.append((w, w.delay))
             else:
                 later.append(w)
@@ -247,7 +247,7 @@ class RequestTable:
         with nothing else registered still frees those blocks when the send fails."""
         by_p: dict[str, tuple[PeerConn, list[str]]] = {}
         for w in self._waiting.values():
-            if w.phase in (Phase.REGISTERED, Phase.WAITING_BLOCKS):
+            if w.phase in (WaitPhase.REGISTERED, WaitPhase.WAITING_BLOCKS):
                 for conn in w.ranks.conns.values():
                     by_p.setdefault(conn.agent_name, (conn, []))[1].append(w.req.transfer_id)
         for ab in self._fenced():
@@ -290,7 +290,7 @@ class RequestTable:
             self.n_delayed += 1
             self._allocs.push(w.delay.alloc_at, w)
 
-    def move(self, w: Waiting, phase: Phase) -> None:
+    def move(self, w: Waiting, phase: WaitPhase) -> None:
         """A waiting request's next phase (HANDSHAKING, WAITING_BLOCKS, REGISTERED)."""
         if self._holds(w):
             self._counts[w.phase] -= 1
@@ -311,7 +311,7 @@ class RequestTable:
         if self._waiting.pop(w.req.request_id, None) is w:
             self._counts[w.phase] -= 1
             self._undelay(w)
-        w.phase = Phase.ENDED
+        w.phase = WaitPhase.ENDED
 
     def finish(self, w: Waiting) -> None:
         """Done (ok or failed, nothing more can land): forget it."""
