@@ -8,6 +8,8 @@ or is gone. On vLLM's wire there is no cancel and no fence: the blocks wait for 
 no longer renewed, to run out.
 
 Thread: the receiver's owner thread (``Receiver`` calls it); ``failed_rep`` from any thread.
+Logs under its own name (``kvpush.decode.outcomes``): each failed request, rate-limited per
+reason, and each quarantine released (debug).
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ class Outcomes:
         telemetry: Telemetry,
         metadata: protocol.EndpointMetadata,
         table: RequestTable,
-        rl: RateLimitedLog,
     ) -> None:
         self.cfg = cfg
         self._agent = agent
@@ -49,7 +50,7 @@ class Outcomes:
         self._tm = telemetry
         self._md = metadata
         self._table = table
-        self._rl = rl
+        self._rl = RateLimitedLog(log)
 
     def fail(
         self,

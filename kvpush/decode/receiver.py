@@ -86,7 +86,7 @@ class Receiver:
         self.declines = owner.inbox("decode-decline", 1 << 16, self._on_decline, self._item_failed)
         self.gone = owner.inbox("decode-gone", 1 << 10, self._on_gone, self._item_failed)
         self._rl = RateLimitedLog(log)
-        self._out = Outcomes(cfg, agent, pool, codec, telemetry, metadata, self.table, self._rl)
+        self._out = Outcomes(cfg, agent, pool, codec, telemetry, metadata, self.table)
         self._peers = PrefillPeers(agent, handshakes, codec, telemetry, self.table, self._out)
         self._next_hb = 0.0
         self._next_idle = 0.0
