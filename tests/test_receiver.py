@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from kvpush.config import EndpointConfig, HandshakeMode, Timeouts
+from kvpush.decode.group import DecodeGroup
 from kvpush.decode.limits import QUARANTINE_REPORT_S
 from kvpush.decode.order import DecodeOrder
 from kvpush.decode.role import DecodeRole
@@ -201,6 +202,29 @@ def test_duplicate_request_id_refused(rig: Rig) -> None:
     rep = rig.decode(p, "t1").result(1)
     assert rep.outcome == "failed" and rep.reason == "duplicate_request"
     assert rig.free() == D_POOL.num_blocks - 2  # the first request keeps its blocks
+
+
+def test_group_refusing_a_duplicate_id_cancels_no_rank(make_rig: Callable[..., Rig]) -> None:
+    """Two D ranks under one ``DecodeGroup``: a second request under an id both ranks hold is
+    refused at once on each, and the join cancels no rank -- the request that holds the id
+    keeps waiting on every rank (no Cancel reaches P)."""
+    ranks = [make_rig(), make_rig()]
+    p = ranks[0].stub()
+    group = DecodeGroup([r.role for r in ranks])
+    first = group.decode("t1", p.address, 2, request_id="r1")
+    for r in ranks:
+        r.registered(p, "t1")
+    dup = group.decode("t2", p.address, 2, request_id="r1")
+    rep = dup.result(1)
+    assert rep.outcome == "failed" and rep.reason == "duplicate_request"
+    assert rep.detail == "D rank 0: request id in use"
+    for _ in range(5):
+        for r in ranks:
+            r.step()
+    for r in ranks:
+        assert not any(isinstance(m, protocol.Cancel) for m in r.sent_to(p))
+        assert r.role.receiver.table.waiting("r1") is not None
+    assert not first.done()
 
 
 # ------------------------------------------------------------------ handshake and PUSH_REG

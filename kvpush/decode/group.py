@@ -118,7 +118,7 @@ class DecodeGroup:
         out: Future[protocol.DecodeRep] = Future()
         lock = threading.Lock()
         for rank, f in enumerate(subs):
-            f.add_done_callback(functools.partial(self._joined, join, lock, out, share, rank))
+            f.add_done_callback(functools.partial(self._joined, join, lock, out, share, subs, rank))
         return out
 
     def _dead_rank(self, order: DecodeOrder) -> Future[protocol.DecodeRep] | None:
@@ -147,16 +147,19 @@ class DecodeGroup:
         lock: threading.Lock,
         out: Future[protocol.DecodeRep],
         share: DecodeOrder,
+        subs: list[Future[protocol.DecodeRep]],
         rank: int,
         f: Future[protocol.DecodeRep],
     ) -> None:
-        """Rank ``rank`` answered its share: the join decides; this acts on what it says."""
+        """Rank ``rank`` answered its share: the join decides; this acts on what it says. Only
+        a share still unanswered is cancelled: one refused at once (a duplicate request id)
+        must not cancel the request that holds that id on its rank."""
         with lock:
             res = join.add(rank, f.result())
             if res is not None:
                 out.set_result(res)
             release = join.to_release()
-            cancel = join.to_cancel() if res is not None else []
+            cancel = [r for r in join.to_cancel() if not subs[r].done()]
         for r, rid in release:  # the shares held for the digest (a failed rank freed its own)
             self.roles[r].release_held(rid)
         if res is None:
