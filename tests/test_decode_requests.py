@@ -153,3 +153,16 @@ def test_deadlines_and_allocation_times_come_up_once() -> None:
     t.allocated(w, np.arange(3))
     assert w.delay is None and t.n_delayed == 0 and w.block_ids.tolist() == [0, 1, 2]
     assert t.expired(99.0) == [] and t.expired(100.0) == [w] and t.expired(200.0) == []
+
+
+def test_ending_a_request_the_table_does_not_hold_leaves_the_one_it_holds() -> None:
+    """A second request under an id in use (refused when added) ends without touching the
+    request that holds the id, or the counts."""
+    t = RequestTable()
+    held, dup = _waiting("a", delay=Delay(1, 5.0)), _waiting("a", delay=Delay(1, 5.0))
+    t.add(held)
+    with pytest.raises(ValueError, match="in use"):
+        t.add(dup)
+    t.finish(dup)
+    assert dup.phase is WaitPhase.ENDED and t.waiting("a") is held
+    assert (t.n_waiting, t.count(WaitPhase.NEW), t.n_delayed) == (1, 1, 1)

@@ -308,7 +308,8 @@ class RequestTable:
             self.n_delayed -= 1
 
     def _leave(self, w: Waiting) -> None:
-        if self._waiting.pop(w.req.request_id, None) is w:
+        if self._holds(w):  # (another request under its id stays)
+            del self._waiting[w.req.request_id]
             self._counts[w.phase] -= 1
             self._undelay(w)
         w.phase = WaitPhase.ENDED
