@@ -14,7 +14,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from kvpush.decode.requests import DRequest, DState, RequestTable
+from kvpush.decode.requests import Delay, DRequest, PRanks, RequestTable, Waiting, WaitPhase
 from kvpush.errors import BadValueError, ProtocolError
 from kvpush.logsafe import OneLineFilter, shown
 from kvpush.prefill.table import CancelledEarly, Finished, PushTable, Registration, reg_key
@@ -145,18 +145,18 @@ def test_push_table_heap_stays_bounded_when_states_move_on() -> None:
 # ------------------------------------------------------------------ D's request table
 
 
-def _dreq(rid: str, deadline: float, alloc_at: float = 0.0) -> DRequest:
-    return DRequest(
+def _dreq(rid: str, deadline: float, alloc_at: float | None = None) -> Waiting:
+    req = DRequest(
         request_id=rid,
         transfer_id=rid,
         p_addr=("127.0.0.1", 1),
-        block_ids=np.empty(0, dtype=np.int64),
         future=Future(),
         t_start=0.0,
         deadline=deadline,
         nbytes=0,
-        alloc_at=alloc_at,
     )
+    delay = None if alloc_at is None else Delay(2, alloc_at)
+    return Waiting(req, PRanks(req.p_addr), np.empty(0, dtype=np.int64), delay)
 
 
 def test_request_table_deadlines_and_allocations_by_heap() -> None:
@@ -172,10 +172,10 @@ def test_request_table_deadlines_and_allocations_by_heap() -> None:
     assert t.expired(6.0) == []  # returned once
     # Due but still connecting to P: comes up again shortly, not lost.
     assert t.due_for_blocks(601.0) == []
-    held.state = DState.WAITING_BLOCKS
-    assert t.due_for_blocks(601.1) == [held]
-    t.allocated(held)
-    assert t.n_delayed == 0 and held.alloc_at == 0.0
+    t.move(held, WaitPhase.WAITING_BLOCKS)
+    assert t.due_for_blocks(601.1) == [(held, Delay(2, 600.0))]
+    t.allocated(held, np.arange(2))
+    assert t.n_delayed == 0 and held.delay is None
     assert t.busy_among([("127.0.0.1", 1, 0), ("127.0.0.1", 9, 0)]) == {("127.0.0.1", 1, 0)}
     assert t.busy_among([]) == set()
 
@@ -184,9 +184,8 @@ def test_request_table_quarantine_limit_by_heap() -> None:
     t = RequestTable()
     r = _dreq("q", 10.0)
     t.add(r)
-    r.quarantine_until = 20.0
-    t.abandon(r)
-    assert t.quarantine_over(19.0) == [] and t.quarantine_over(21.0) == [r]
+    ab = t.abandon(r, {0}, quarantine_until=20.0)
+    assert t.quarantine_over(19.0) == [] and t.quarantine_over(21.0) == [ab]
 
 
 # ------------------------------------------------------------------ range checks at decode

@@ -22,7 +22,9 @@ import numpy as np
 import pytest
 
 from kvpush.config import EndpointConfig, HandshakeMode, Timeouts
+from kvpush.decode.group import DecodeGroup
 from kvpush.decode.limits import QUARANTINE_REPORT_S
+from kvpush.decode.order import DecodeOrder
 from kvpush.decode.role import DecodeRole
 from kvpush.memory.allocator import BlockState
 from kvpush.memory.pool import KvPool
@@ -76,7 +78,7 @@ class Rig:
     def decode(
         self, p: StubPeer, tid: str, n: int = 2, deadline_s: float = 0.0
     ) -> Future[protocol.DecodeRep]:
-        return self.role.decode(tid, p.address, n, deadline_s)
+        return self.role.decode(DecodeOrder(tid, p.address, n, deadline_s))
 
     def registered(self, p: StubPeer, tid: str) -> protocol.PushReg:
         """Run passes until D sent P the PUSH_REG of ``tid``; return it."""
@@ -204,6 +206,29 @@ def test_duplicate_request_id_refused(rig: Rig) -> None:
     assert rig.free() == D_POOL.num_blocks - 2  # the first request keeps its blocks
 
 
+def test_group_refusing_a_duplicate_id_cancels_no_rank(make_rig: Callable[..., Rig]) -> None:
+    """Two D ranks under one ``DecodeGroup``: a second request under an id both ranks hold is
+    refused at once on each, and the join cancels no rank -- the request that holds the id
+    keeps waiting on every rank (no Cancel reaches P)."""
+    ranks = [make_rig(), make_rig()]
+    p = ranks[0].stub()
+    group = DecodeGroup([r.role for r in ranks])
+    first = group.decode("t1", p.address, 2, request_id="r1")
+    for r in ranks:
+        r.registered(p, "t1")
+    dup = group.decode("t2", p.address, 2, request_id="r1")
+    rep = dup.result(1)
+    assert rep.outcome == "failed" and rep.reason == "duplicate_request"
+    assert rep.detail == "D rank 0: request id in use"
+    for _ in range(5):
+        for r in ranks:
+            r.step()
+    for r in ranks:
+        assert not any(isinstance(m, protocol.Cancel) for m in r.sent_to(p))
+        assert r.role.receiver.table.waiting("r1") is not None
+    assert not first.done()
+
+
 # ------------------------------------------------------------------ handshake and PUSH_REG
 
 
@@ -236,7 +261,7 @@ def test_handshake_pending_never_blocks_the_receiver(rig: Rig) -> None:
 
 def test_unreachable_prefill_fails_with_its_reason(rig: Rig) -> None:
     port = closed_port()
-    fut = rig.role.decode("t1", f"127.0.0.1:{port}", 2)
+    fut = rig.role.decode(DecodeOrder("t1", f"127.0.0.1:{port}", 2))
     rep = rig.result(fut, timeout_s=20)  # nothing accepts: the side-channel deadline (5 s)
     assert rep.outcome == "failed" and rep.reason == "prefill_unreachable"
     assert rig.free() == D_POOL.num_blocks

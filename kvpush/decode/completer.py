@@ -14,6 +14,8 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from kvpush.decode.requests import DRequest
 from kvpush.memory.pool import KvPool
 from kvpush.telemetry import phases
@@ -33,27 +35,28 @@ class Completer:
         )
         self._ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="completer")
 
-    def submit(self, req: DRequest) -> None:
-        """Complete ``req``: on the executor when its bytes are to be read (verify, digest),
-        else at once on the caller's thread -- the receiver's, which fails requests and
-        answers them the same way; a thread hop per request is most of a small one's cost."""
+    def submit(self, req: DRequest, block_ids: np.ndarray) -> None:
+        """Complete ``req``, whose KV landed in ``block_ids``: on the executor when its bytes are
+        to be read (verify, digest), else at once on the caller's thread -- the receiver's, which
+        fails requests and answers them the same way; a thread hop per request is most of a
+        small one's cost."""
         if req.digest or (self.verify and not req.p_engine_id):
-            self._ex.submit(self.complete, req)
+            self._ex.submit(self.complete, req, block_ids)
         else:
-            self.complete(req)
+            self.complete(req, block_ids)
 
     def close(self) -> None:
         self._ex.shutdown(wait=True)
 
-    def complete(self, req: DRequest) -> None:
+    def complete(self, req: DRequest, block_ids: np.ndarray) -> None:
         """Verify, give the blocks back, resolve the future (this thread)."""
         verified: bool | None = None
         sha = ""
         try:
             if req.digest:
-                sha = self._pool.digest(req.block_ids)
+                sha = self._pool.digest(block_ids)
             if self.verify and not req.p_engine_id:  # a vLLM P's bytes follow no kvpush pattern
-                verified = self._pool.verify(req.transfer_id, req.block_ids)
+                verified = self._pool.verify(req.transfer_id, block_ids)
                 phases.stamp(req.phases, phases.VERIFIED)
         except Exception:  # a verification bug must still resolve the request
             log.exception("verification of %s failed", req.request_id)

@@ -7,6 +7,12 @@ once: ok when every rank's share landed and verified; at the first rank that fai
 that rank's reason (named) -- the other ranks' shares are cancelled at once, so their P ranks
 stop and their blocks come back (quarantined until P says no byte can land, as for any cancel).
 
+A request comes in as one frozen ``DecodeOrder`` (``submit``; ``decode`` is the plain kvpush
+request) and each rank gets its share of it whole (``DecodeOrder.for_rank``). The ranks' answers
+meet in a ``TpJoin`` (``kvpush.decode.join``: pure, it decides); this module acts on what it
+decides (answer, cancel the other ranks, free the shares held for a digest) from the thread
+that resolved the last share it needed, under one lock per request.
+
 Request-level counters (requests ok/failed, decode latency) are counted here, once per request;
 each rank's own telemetry counts its share. Holds no request state beyond the futures it joins.
 """
@@ -14,6 +20,7 @@ each rank's own telemetry counts its share. Holds no request state beyond the fu
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import secrets
 import threading
@@ -22,10 +29,10 @@ from concurrent.futures import Future
 
 import msgspec
 
-from kvpush.address import format_address
-from kvpush.decode.role import DecodeRole, VllmLeg
+from kvpush.decode.join import TpJoin
+from kvpush.decode.order import DecodeOrder
+from kvpush.decode.role import DecodeRole
 from kvpush.errors import KvpushError
-from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure, Hist
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.sidechannel import ReplyFn
@@ -63,20 +70,7 @@ class DecodeGroup:
             return True
         if not isinstance(req, protocol.DecodeReq):
             return False
-        fut = self.decode(
-            req.transfer_id,
-            format_address(req.prefill_host, req.prefill_port),
-            req.num_blocks,
-            req.deadline_s,
-            req.request_id,
-            vllm_params=VllmLeg(
-                req.remote_engine_id, req.remote_request_id, req.remote_tp_size, req.remote_pp_size
-            )
-            if req.remote_engine_id
-            else None,
-            digest=req.digest,
-            alloc_delay_s=req.alloc_delay_s,
-        )
+        fut = self.submit(DecodeOrder.of(req))
         rid = req.rid
         fut.add_done_callback(lambda f: reply(msgspec.structs.replace(f.result(), rid=rid)))
         return True
@@ -92,18 +86,47 @@ class DecodeGroup:
         num_blocks: int,
         deadline_s: float = 0.0,
         request_id: str = "",
-        vllm_params: VllmLeg | None = None,
-        digest: bool = False,
-        alloc_delay_s: float = 0.0,
     ) -> Future[protocol.DecodeRep]:
+        """A plain kvpush request (``submit`` takes any ``DecodeOrder``)."""
+        return self.submit(
+            DecodeOrder(transfer_id, prefill_address, num_blocks, deadline_s, request_id)
+        )
+
+    def submit(self, order: DecodeOrder) -> Future[protocol.DecodeRep]:
         """``DecodeRole.decode`` on every rank; one answer (see the module docstring)."""
+        dead = self._dead_rank(order)
+        if dead is not None:
+            return dead
+        if len(self.roles) == 1:
+            fut = self.roles[0].decode(order)
+            fut.add_done_callback(lambda f: self._declined(order.prefill_address, f.result()))
+            return fut
+        request_id = order.request_id
+        if order.vllm_params is not None and not request_id:
+            base = vllm.base_request_id(order.vllm_params.remote_request_id or order.transfer_id)
+            request_id = f"{base}-{secrets.token_hex(4)}"
+        # A digest is of the whole model page: every rank keeps its blocks after its ok answer
+        # (``hold``) until the group has read them all, rank by rank within each block.
+        whole = order.digest or order.vllm_params is not None
+        join = TpJoin(len(self.roles), time.monotonic(), self._whole_digest if whole else None)
+        share = order.for_rank(request_id, hold=whole)
+        subs = [role.decode(share) for role in self.roles]
+        out: Future[protocol.DecodeRep] = Future()
+        lock = threading.Lock()
+        for rank, f in enumerate(subs):
+            f.add_done_callback(functools.partial(self._joined, join, lock, out, share, subs, rank))
+        return out
+
+    def _dead_rank(self, order: DecodeOrder) -> Future[protocol.DecodeRep] | None:
+        """A failed answer at once when a rank's loop died (more than one rank: a whole
+        request needs every rank); None when every rank is alive."""
         for r, role in enumerate(self.roles):
             err = role.failure()
             if err is not None and len(self.roles) > 1:
                 dead: Future[protocol.DecodeRep] = Future()
                 rep = protocol.DecodeRep(
-                    transfer_id=transfer_id,
-                    request_id=request_id,
+                    transfer_id=order.transfer_id,
+                    request_id=order.request_id,
                     outcome="failed",
                     reason=Failure.RANK_FAILED,
                     detail=f"D rank {r} failed ({type(err).__name__}: {err}): this endpoint "
@@ -112,98 +135,35 @@ class DecodeGroup:
                 dead.set_result(rep)
                 self._count(rep)
                 return dead
+        return None
 
-        def start(
-            role: DecodeRole, rid: str, dig: bool, hold: bool = False
-        ) -> Future[protocol.DecodeRep]:
-            return role.decode(
-                transfer_id,
-                prefill_address,
-                num_blocks,
-                deadline_s,
-                rid,
-                vllm_params,
-                dig,
-                alloc_delay_s,
-                hold,
-            )
-
-        if len(self.roles) == 1:
-            fut = start(self.roles[0], request_id, digest)
-            fut.add_done_callback(lambda f: self._declined(prefill_address, f.result()))
-            return fut
-        if vllm_params is not None and not request_id:
-            base = vllm.base_request_id(vllm_params.remote_request_id or transfer_id)
-            request_id = f"{base}-{secrets.token_hex(4)}"
-        t0 = time.monotonic()
-        # A digest is of the whole model page: every rank keeps its blocks after its ok answer
-        # (``hold``) until the group has read them all, rank by rank within each block.
-        whole = digest or vllm_params is not None
-        subs = [start(role, request_id, False, whole) for role in self.roles]
-        out: Future[protocol.DecodeRep] = Future()
-        lock = threading.Lock()
-
-        def joined(_f: Future[protocol.DecodeRep]) -> None:
-            with lock:
-                if out.done():
-                    # A share that landed after the request failed: nobody digests it.
-                    if whole and _f.result().outcome == "ok":
-                        self.roles[subs.index(_f)].release_held(_f.result().request_id)
-                    return
-                reps = [f.result() for f in subs if f.done()]
-                failed = next(
-                    (
-                        (r, rep)
-                        for r, f in enumerate(subs)
-                        if f.done() and (rep := f.result()).outcome != "ok"
-                    ),
-                    None,
-                )
-                if failed is None and len(reps) < len(subs):
-                    return
-                if failed is not None:
-                    rank, rep = failed
-                    res = msgspec.structs.replace(
-                        rep,
-                        reason=rep.reason or Failure.RANK_FAILED,
-                        detail=(
-                            rep.detail
-                            if rep.detail.startswith(f"D rank {rank} ")
-                            else f"D rank {rank}: {rep.detail}"
-                        )[:1000],
-                        latency_s=time.monotonic() - t0,
-                    )
-                else:
-                    res = protocol.DecodeRep(
-                        transfer_id=reps[0].transfer_id,
-                        request_id=reps[0].request_id,
-                        outcome="ok",
-                        latency_s=max(r.latency_s for r in reps),
-                        nbytes=sum(r.nbytes for r in reps),
-                        verified=(
-                            None
-                            if any(r.verified is None for r in reps)
-                            else all(bool(r.verified) for r in reps)
-                        ),
-                        sha256=self._whole_digest([r.request_id for r in reps]) if whole else "",
-                        phases=phases.merge(r.phases for r in reps),
-                    )
+    def _joined(
+        self,
+        join: TpJoin,
+        lock: threading.Lock,
+        out: Future[protocol.DecodeRep],
+        share: DecodeOrder,
+        subs: list[Future[protocol.DecodeRep]],
+        rank: int,
+        f: Future[protocol.DecodeRep],
+    ) -> None:
+        """Rank ``rank`` answered its share: the join decides; this acts on what it says. Only
+        a share still unanswered is cancelled: one refused at once (a duplicate request id)
+        must not cancel the request that holds that id on its rank."""
+        with lock:
+            res = join.add(rank, f.result())
+            if res is not None:
                 out.set_result(res)
-            if whole:  # the shares held for the digest (a failed rank freed its own)
-                for role, f in zip(self.roles, subs, strict=True):
-                    if f.done() and f.result().outcome == "ok":
-                        role.release_held(f.result().request_id)
-            if failed is not None:
-                # The other ranks' shares cannot make a whole request any more.
-                for r, f in enumerate(subs):
-                    if r != failed[0] and not f.done():
-                        self.roles[r].cancel(res.request_id or request_id or transfer_id)
-            self._count(res)
-            self._declined(prefill_address, res)
-
-        for f in subs:
-            f.add_done_callback(joined)
-        return out
+            release = join.to_release()
+            cancel = [r for r in join.to_cancel() if not subs[r].done()]
+        for r, rid in release:  # the shares held for the digest (a failed rank freed its own)
+            self.roles[r].release_held(rid)
+        if res is None:
+            return
+        for r in cancel:  # the other ranks' shares cannot make a whole request any more
+            self.roles[r].cancel(res.request_id or share.request_id or share.transfer_id)
+        self._count(res)
+        self._declined(share.prefill_address, res)
 
     def _whole_digest(self, request_ids: list[str]) -> str:
         """sha256 of the model's page of every block of the request, as a D at TP 1 holds it:

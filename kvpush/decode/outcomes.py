@@ -8,6 +8,8 @@ or is gone. On vLLM's wire there is no cancel and no fence: the blocks wait for 
 no longer renewed, to run out.
 
 Thread: the receiver's owner thread (``Receiver`` calls it); ``failed_rep`` from any thread.
+Logs under its own name (``kvpush.decode.outcomes``): each failed request, rate-limited per
+reason, and each quarantine released (debug).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 
 from kvpush.config import EndpointConfig
 from kvpush.decode.completer import answered
-from kvpush.decode.requests import DRequest, RequestTable
+from kvpush.decode.requests import Abandoned, DRequest, RequestTable, Waiting
 from kvpush.memory.pool import KvPool
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter, Failure
@@ -27,7 +29,7 @@ from kvpush.transport.agent import Agent, TransferError
 from kvpush.wire import protocol
 from kvpush.wire.notifs import Codec
 
-log = logging.getLogger("kvpush.decode.receiver")
+log = logging.getLogger(__name__)
 
 
 class Outcomes:
@@ -40,7 +42,6 @@ class Outcomes:
         telemetry: Telemetry,
         metadata: protocol.EndpointMetadata,
         table: RequestTable,
-        rl: RateLimitedLog,
     ) -> None:
         self.cfg = cfg
         self._agent = agent
@@ -49,11 +50,11 @@ class Outcomes:
         self._tm = telemetry
         self._md = metadata
         self._table = table
-        self._rl = rl
+        self._rl = RateLimitedLog(log)
 
     def fail(
         self,
-        req: DRequest,
+        w: Waiting,
         reason: Failure,
         detail: str,
         *,
@@ -64,10 +65,12 @@ class Outcomes:
         """Fail a request now. Its blocks stay quarantined while a P rank it registered with
         may still write (``settled``: ranks known to write nothing more; ``told``: ranks that
         need no Cancel); every other registered rank is told to drop it."""
+        req = w.req
         self._tm.fail(reason)
         self._rl.warning(str(reason), "request %s failed (%s): %s", req.request_id, reason, detail)
-        done = {s for s, n in req.completions.items() if n >= req.p_pp_size}
-        live = req.registered - done - (settled or set())
+        done = {s for s, n in w.completions.items() if n >= req.p_pp_size}
+        live = w.registered - done - (settled or set())
+        until: float | None = None  # the quarantine's time limit (None: until fenced)
         if live:
             cancel = protocol.Cancel(
                 request_id=req.request_id,
@@ -82,33 +85,32 @@ class Outcomes:
                     data = self._codec.encode(cancel)
                     for s in live - (told or set()):
                         with contextlib.suppress(TransferError):
-                            self._agent.send_notif(req.p_conns[s].agent_name, data)
+                            self._agent.send_notif(w.ranks.conns[s].agent_name, data)
             else:
                 # vLLM's wire has no cancel and no fence: P may still WRITE until its lease,
                 # no longer renewed, runs out; only then are these blocks anybody's again.
                 t = self.cfg.timeouts
-                req.quarantine_until = time.monotonic() + t.lease_s + t.write_base_s
+                until = time.monotonic() + t.lease_s + t.write_base_s
         if live:
-            req.outstanding = set(live)
             self._pool.allocator.quarantine(req.request_id, reason)
-            self._table.abandon(req)
+            self._table.abandon(w, live, until)
         else:
-            self._table.finish(req)
+            self._table.finish(w)
             self._pool.allocator.release(req.request_id)
         req.future.set_result(failed_rep(self._tm, req, reason, detail))
 
-    def settle_abandoned(self, req: DRequest, source: int, why: str) -> None:
+    def settle_abandoned(self, ab: Abandoned, source: int, why: str) -> None:
         """P rank ``source`` can write nothing more into an abandoned request's blocks; the
         last such rank frees them."""
-        req.outstanding.discard(source)
-        if not req.outstanding:
-            self.release_abandoned(req, why)
+        ab.outstanding.discard(source)
+        if not ab.outstanding:
+            self.release_abandoned(ab, why)
 
-    def release_abandoned(self, req: DRequest, why: str) -> None:
-        self._table.release_abandoned(req)
-        self._pool.allocator.release_quarantined(req.request_id)
+    def release_abandoned(self, ab: Abandoned, why: str) -> None:
+        self._table.release_abandoned(ab)
+        self._pool.allocator.release_quarantined(ab.req.request_id)
         self._tm.inc(Counter.QUARANTINE_RELEASED)
-        log.debug("blocks of %s released (%s)", req.request_id, why)
+        log.debug("blocks of %s released (%s)", ab.req.request_id, why)
 
 
 def failed_rep(

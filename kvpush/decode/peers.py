@@ -93,10 +93,10 @@ class PrefillPeers:
         conn = self._hs.evict(key, reason)
         rank = key[2]
         waiting, abandoned = self._table.of_peer(key)
-        for r in waiting:
-            if rank in r.registered and r.request_id != keep:
-                r.p_conns.pop(rank, None)
-                self._out.fail(r, why, reason, settled={rank})
+        for w in waiting:
+            if rank in w.registered and w.req.request_id != keep:
+                w.ranks.conns.pop(rank, None)
+                self._out.fail(w, why, reason, settled={rank})
         for ab in abandoned:
             self._out.settle_abandoned(ab, rank, "P removed")
         if conn is not None:

@@ -23,10 +23,17 @@ from concurrent.futures import Future
 from kvpush.address import format_address
 from kvpush.config import EndpointConfig, HandshakeMode, Wire
 from kvpush.decode.completer import Completer
-from kvpush.decode.limits import QUARANTINE_REPORT_S
 from kvpush.decode.outcomes import Outcomes, failed_rep
 from kvpush.decode.peers import PrefillPeers
-from kvpush.decode.requests import DRequest, DState, RequestTable
+from kvpush.decode.requests import (
+    Abandoned,
+    Delay,
+    DRequest,
+    PRanks,
+    RequestTable,
+    Waiting,
+    WaitPhase,
+)
 from kvpush.errors import IncompatiblePeerError, NoFreeBlocksError
 from kvpush.instruments import NO_INSTRUMENTS, Instruments
 from kvpush.memory.pool import KvPool
@@ -82,7 +89,7 @@ class Receiver:
         self.declines = owner.inbox("decode-decline", 1 << 16, self._on_decline, self._item_failed)
         self.gone = owner.inbox("decode-gone", 1 << 10, self._on_gone, self._item_failed)
         self._rl = RateLimitedLog(log)
-        self._out = Outcomes(cfg, agent, pool, codec, telemetry, metadata, self.table, self._rl)
+        self._out = Outcomes(cfg, agent, pool, codec, telemetry, metadata, self.table)
         self._peers = PrefillPeers(agent, handshakes, codec, telemetry, self.table, self._out)
         self._next_hb = 0.0
         self._next_idle = 0.0
@@ -109,11 +116,11 @@ class Receiver:
     def housekeeping(self, now: float) -> None:
         for ab in self.table.quarantine_over(now):
             self._out.release_abandoned(ab, "P's lease is over: nothing can land any more")
-        for req in self.table.due_for_blocks(now):
-            self._allocate_and_register(req)
-        for req in self.table.expired(now):
+        for w, delay in self.table.due_for_blocks(now):
+            self._allocate_and_register(w, delay)
+        for w in self.table.expired(now):
             self._out.fail(
-                req, Failure.DEADLINE, f"no KV after {now - req.t_start:.1f}s", notify_p=True
+                w, Failure.DEADLINE, f"no KV after {now - w.req.t_start:.1f}s", notify_p=True
             )
         if now >= self._next_hb:
             self._next_hb = now + self.cfg.timeouts.heartbeat_s
@@ -126,16 +133,16 @@ class Receiver:
             for key in idle:
                 if key not in busy:
                     self._peers.evict(key, "idle")
-            for ab in self.table.long_quarantined(now, QUARANTINE_REPORT_S):
+            for ab in self.table.long_quarantined(now):
                 self._report_quarantine(ab, now)
         for key, why in self._hs.down():  # its process is gone (kvpush.peers.watch)
             self._peers.evict(key, f"down: {why}")
 
-    def _report_quarantine(self, ab: DRequest, now: float) -> None:
+    def _report_quarantine(self, ab: Abandoned, now: float) -> None:
         """Say (once) what a long-quarantined request's blocks wait for."""
 
         def on(rank: int) -> str:
-            conn = ab.p_conns.get(rank)
+            conn = ab.ranks.conns.get(rank)
             state = (
                 "no connection"
                 if conn is None
@@ -143,14 +150,14 @@ class Receiver:
                 if conn.evicted
                 else f"agent {conn.agent_name}"
             )
-            return f"{format_address(*ab.p_addr)} rank {rank} ({state})"
+            return f"{format_address(*ab.req.p_addr)} rank {rank} ({state})"
 
         self._tm.inc(Counter.QUARANTINES_LONG)
         self._rl.warning(
             "quarantine",
             "blocks of %s (%d) quarantined for %.0fs, waiting for a fence, late completion or "
             "the end of: %s",
-            ab.request_id,
+            ab.req.request_id,
             len(ab.block_ids),
             now - ab.t_abandoned,
             "; ".join(on(r) for r in sorted(ab.outstanding)) or "nothing",
@@ -167,16 +174,16 @@ class Receiver:
         )
 
     def _fail_all(self, reason: Failure, detail: str) -> None:
-        for req in self.table.all_waiting():
-            self._out.fail(req, reason, detail, notify_p=True)
+        for w in self.table.all_waiting():
+            self._out.fail(w, reason, detail, notify_p=True)
         for item in self._owner.close_inboxes():
             queued = item[0] if isinstance(item, tuple) else item
-            if not isinstance(queued, DRequest):
+            if not isinstance(queued, Waiting):
                 continue
-            live = queued.state in (DState.NEW, DState.HANDSHAKING)
-            if live and not queued.future.done():
-                self._pool.allocator.release(queued.request_id)
-                queued.future.set_result(failed_rep(self._tm, queued, reason, detail))
+            live = queued.phase in (WaitPhase.NEW, WaitPhase.HANDSHAKING)
+            if live and not queued.req.future.done():
+                self._pool.allocator.release(queued.req.request_id)
+                queued.req.future.set_result(failed_rep(self._tm, queued.req, reason, detail))
 
     def _crash_check(self) -> None:
         """Fault hook (tests): this rank's loop dies after its Nth request."""
@@ -188,162 +195,182 @@ class Receiver:
     def _item_failed(self, item: object, e: Exception) -> None:
         self._tm.fail(Failure.INTERNAL_ERROR)
         log.exception("receiver: handling %r failed", item)
-        req = item[0] if isinstance(item, tuple) else item
-        if isinstance(req, DRequest) and req.state not in (DState.DONE, DState.ABANDONED):
-            self._out.fail(req, Failure.INTERNAL_ERROR, repr(e))
+        w = item[0] if isinstance(item, tuple) else item
+        if isinstance(w, Waiting) and w.phase is not WaitPhase.ENDED:
+            self._out.fail(w, Failure.INTERNAL_ERROR, repr(e))
 
-    def _on_new(self, req: DRequest) -> None:
+    def _on_new(self, w: Waiting) -> None:
         self._n_new += 1
-        self.table.add(req)
-        self._connect_and_register(req)
+        self.table.add(w)
+        self._connect_and_register(w)
         self._crash_check()
 
     def _on_gone(self, g: PeerGone) -> None:
         self._peers.forget(g)
 
     def _on_cancel(self, request_id: str) -> None:
-        req = self.table.waiting(request_id)
-        if req is not None:
-            self._out.fail(req, Failure.CANCELLED, "cancelled by D", notify_p=True)
+        w = self.table.waiting(request_id)
+        if w is not None:
+            self._out.fail(w, Failure.CANCELLED, "cancelled by D", notify_p=True)
 
     def _on_decline(self, msg: protocol.DeclineReq) -> None:
         """P will not serve this request (it said so over the side channel): fail it now with
         P's reason; P wrote nothing for it, so its blocks are free at once."""
-        req = self.table.waiting(msg.request_id) if msg.request_id else None
-        if req is None or req.transfer_id != msg.transfer_id:
+        w = self.table.waiting(msg.request_id) if msg.request_id else None
+        if w is None or w.req.transfer_id != msg.transfer_id:
             return
         reason = Failure.parse(msg.reason) or Failure.PREFILL_FAILED
         self._out.fail(
-            req, reason, f"P declined: {msg.detail}", settled=set(req.registered), notify_p=False
+            w, reason, f"P declined: {msg.detail}", settled=set(w.registered), notify_p=False
         )
 
-    def _connect_and_register(self, req: DRequest) -> None:
+    def _connect_and_register(self, w: Waiting) -> None:
         """Connect to every P rank the request draws from, then register with each.
 
         Re-entered after each handshake this request waited for; every step is idempotent.
         P's TP size comes from the request (a vLLM P's kv_transfer_params), from an earlier
         handshake with that P, or from P's rank 0 (which this D rank's rank-0 sibling draws
         from anyway)."""
-        if not req.sources:
-            tp = req.p_tp
-            if not tp:
-                tp = self._peer_tp.get(req.p_addr, 0)
-                req.tp_cached = bool(tp)
-            if not tp:
-                conn = self._conn_or_wait(req, req.key(0))
-                if conn is None:
-                    return  # waiting for the handshake, or failed
-                tp = conn.metadata.tp_size
-                req.p_conns.setdefault(0, conn)
-            try:
-                check_ratio(tp, self.cfg.tp_size, format_address(*req.p_addr))
-            except IncompatiblePeerError as e:
-                self._out.fail(req, Failure.INCOMPATIBLE, str(e))
-                return
-            req.p_tp = tp
-            req.sources = tuple(sources(self.cfg.tp_rank, self.cfg.tp_size, tp))
-            for s in list(req.p_conns):
-                if s not in req.sources:
-                    del req.p_conns[s]  # the discovery connection to rank 0 is not a source
-            if 0 not in req.sources:
-                self._forget_discovery(req, tp)
-        waiting = False
-        # A TP size the request claims (vLLM's remote_tp_size) is not trusted: P's ranks are
-        # asked one at a time, the first one's answer is checked against the claim, and the
-        # first rank that is not served ends the request (no handshake, no row, per claimed
-        # rank; a vLLM listener dies on a rank it does not serve).
-        claimed = bool(req.p_engine_id)
-        for s in req.sources:
-            if s not in req.p_conns:
-                conn = self._conn_or_wait(req, req.key(s), attach=not waiting)
-                if conn is None:
-                    if req.state in (DState.DONE, DState.ABANDONED):
-                        return
-                    waiting = True
-                    if claimed:
-                        break
-                    continue
-                if claimed and conn.metadata.tp_size != req.p_tp:
-                    self._out.fail(
-                        req,
-                        Failure.INCOMPATIBLE,
-                        f"{format_address(*req.p_addr)} has {conn.metadata.tp_size} TP "
-                        f"rank(s), the request claims {req.p_tp} (remote_tp_size)",
-                    )
-                    return
-                req.p_conns[s] = conn
-        if waiting:
-            return
-        stale = [s for s, c in req.p_conns.items() if c.metadata.tp_size != req.p_tp]
+        if not w.ranks.sources and not self._learn_sources(w):
+            return  # waiting for the handshake, or failed
+        if not self._connect_sources(w):
+            return  # waiting for a handshake, or failed
+        ranks = w.ranks
+        stale = [s for s, c in ranks.conns.items() if c.metadata.tp_size != ranks.p_tp]
         if stale:
-            self._relearn_tp(req, stale)
+            self._relearn_tp(w, stale)
             return
-        self._peer_tp[req.p_addr] = req.p_tp
-        self._register(req)
+        self._peer_tp[ranks.addr] = ranks.p_tp
+        self._register(w)
 
-    def _forget_discovery(self, req: DRequest, tp: int) -> None:
+    def _learn_sources(self, w: Waiting) -> bool:
+        """Learn P's TP size and so the P ranks that write into this D rank; False while the
+        handshake that tells it is under way, or when the request failed."""
+        ranks = w.ranks
+        tp = ranks.p_tp
+        if not tp:
+            tp = self._peer_tp.get(ranks.addr, 0)
+            ranks.tp_cached = bool(tp)
+        if not tp:
+            conn = self._conn_or_wait(w, ranks.key(0))
+            if conn is None:
+                return False
+            tp = conn.metadata.tp_size
+            ranks.conns.setdefault(0, conn)
+        try:
+            check_ratio(tp, self.cfg.tp_size, format_address(*ranks.addr))
+        except IncompatiblePeerError as e:
+            self._out.fail(w, Failure.INCOMPATIBLE, str(e))
+            return False
+        ranks.p_tp = tp
+        ranks.sources = tuple(sources(self.cfg.tp_rank, self.cfg.tp_size, tp))
+        for s in list(ranks.conns):
+            if s not in ranks.sources:
+                del ranks.conns[s]  # the discovery connection to rank 0 is not a source
+        if 0 not in ranks.sources:
+            self._forget_discovery(w, tp)
+        return True
+
+    def _connect_sources(self, w: Waiting) -> bool:
+        """A connection to every source rank; False while one is under way, or when the
+        request failed.
+
+        A TP size the request claims (vLLM's remote_tp_size) is not trusted: P's ranks are
+        asked one at a time, the first one's answer is checked against the claim, and the
+        first rank that is not served ends the request (no handshake, no row, per claimed
+        rank; a vLLM listener dies on a rank it does not serve)."""
+        ranks = w.ranks
+        waiting = False
+        claimed = bool(w.req.p_engine_id)
+        for s in ranks.sources:
+            if s in ranks.conns:
+                continue
+            conn = self._conn_or_wait(w, ranks.key(s), attach=not waiting)
+            if conn is None:
+                if w.phase is WaitPhase.ENDED:
+                    return False
+                waiting = True
+                if claimed:
+                    break
+                continue
+            if claimed and conn.metadata.tp_size != ranks.p_tp:
+                self._out.fail(
+                    w,
+                    Failure.INCOMPATIBLE,
+                    f"{format_address(*ranks.addr)} has {conn.metadata.tp_size} TP "
+                    f"rank(s), the request claims {ranks.p_tp} (remote_tp_size)",
+                )
+                return False
+            ranks.conns[s] = conn
+        return not waiting
+
+    def _forget_discovery(self, w: Waiting, tp: int) -> None:
         """A handshake with P's rank 0, when this D rank draws nothing from it, only told P's
         TP size: keep the size, drop the connection (no peer row stands for it, nothing
         outlives that P). One still connecting is dropped by the request that waits on it, when
         it comes back here; requests that waited on the same handshake find the size."""
-        self._peer_tp[req.p_addr] = tp
-        conn = self._hs.forget(req.key(0))
+        self._peer_tp[w.ranks.addr] = tp
+        conn = self._hs.forget(w.ranks.key(0))
         if conn is not None:
             self._hs.release_conn(conn)
 
-    def _relearn_tp(self, req: DRequest, stale: list[int]) -> None:
+    def _relearn_tp(self, w: Waiting, stale: list[int]) -> None:
         """P answered at another TP size than the request assumed (it restarted at another
         one): the newest connection tells P's size now; the connections of another size (an
         older incarnation's) are forgotten and the request starts over -- at most twice."""
-        assumed = req.p_tp
-        newest = max(req.p_conns.values(), key=lambda c: c.connected_at)
+        ranks = w.ranks
+        assumed = ranks.p_tp
+        newest = max(ranks.conns.values(), key=lambda c: c.connected_at)
         got = newest.metadata.tp_size
         # A vLLM router names P's TP size in the request (kv_transfer_params): that stands.
-        given = self.cfg.wire == Wire.VLLM and not req.tp_cached
-        if req.registered or req.relearns >= 2 or (given and got != assumed):
-            other = req.p_conns[stale[0]].metadata.tp_size
+        given = self.cfg.wire == Wire.VLLM and not ranks.tp_cached
+        if w.registered or ranks.relearns >= 2 or (given and got != assumed):
+            other = ranks.conns[stale[0]].metadata.tp_size
             self._out.fail(
-                req, Failure.INCOMPATIBLE, f"P's TP size changed from {assumed} to {other}"
+                w, Failure.INCOMPATIBLE, f"P's TP size changed from {assumed} to {other}"
             )
             return
-        req.relearns += 1
+        ranks.relearns += 1
         if got != assumed:
             log.info(
                 "P %s is at TP %d now (was %d): re-learnt",
-                format_address(*req.p_addr),
+                format_address(*ranks.addr),
                 got,
                 assumed,
             )
-        self._peer_tp[req.p_addr] = got
-        for s, c in list(req.p_conns.items()):
+        self._peer_tp[ranks.addr] = got
+        rid = w.req.request_id
+        for s, c in list(ranks.conns.items()):
             if c.metadata.tp_size != got:
-                del req.p_conns[s]
+                del ranks.conns[s]
                 if not c.evicted:
-                    self._peers.evict(req.key(s), "P's TP size changed", keep=req.request_id)
-        req.p_tp, req.sources, req.tp_cached = got, (), False
-        self._connect_and_register(req)
+                    self._peers.evict(ranks.key(s), "P's TP size changed", keep=rid)
+        ranks.p_tp, ranks.sources, ranks.tp_cached = got, (), False
+        self._connect_and_register(w)
 
-    def _relearn_after_failure(self, req: DRequest) -> bool:
+    def _relearn_after_failure(self, w: Waiting) -> bool:
         """A handshake to a P rank failed while the request assumed P's TP size from an earlier
         request: P may have restarted with fewer ranks; learn its size afresh from rank 0,
         once. A connection to rank 0 that still claims the failed size is an older
         incarnation's: it is forgotten first. False when that does not apply."""
-        if not req.tp_cached or req.relearns >= 2 or req.registered:
+        ranks = w.ranks
+        if not ranks.tp_cached or ranks.relearns >= 2 or w.registered:
             return False
-        req.relearns += 1
-        failed = req.p_tp
-        self._peer_tp.pop(req.p_addr, None)
-        conn0 = self._hs.get(req.key(0))
+        ranks.relearns += 1
+        failed = ranks.p_tp
+        self._peer_tp.pop(ranks.addr, None)
+        conn0 = self._hs.get(ranks.key(0))
         if conn0 is not None and conn0.metadata.tp_size == failed:
-            self._peers.evict(req.key(0), "stale: P's TP size changed", keep=req.request_id)
-        req.p_tp, req.sources, req.tp_cached = 0, (), False
-        req.p_conns.clear()
-        self._connect_and_register(req)
+            self._peers.evict(ranks.key(0), "stale: P's TP size changed", keep=w.req.request_id)
+        ranks.p_tp, ranks.sources, ranks.tp_cached = 0, (), False
+        ranks.conns.clear()
+        self._connect_and_register(w)
         return True
 
-    def _conn_or_wait(self, req: DRequest, key: PeerKey, attach: bool = True) -> PeerConn | None:
+    def _conn_or_wait(self, w: Waiting, key: PeerKey, attach: bool = True) -> PeerConn | None:
         """The connection to ``key``, or None: a handshake is under way (the request comes back
         through ``ready`` when it ends, if ``attach``) or it failed (the request is failed)."""
+        req = w.req
         conn = self._hs.get(key)
         if conn is not None and req.p_engine_id and conn.metadata.engine_id != req.p_engine_id:
             # The router names another engine at this address (vLLM's kv_transfer_params): P
@@ -355,115 +382,122 @@ class Receiver:
             hint = PeerHint(req.p_engine_id, req.p_tp_size, role="prefill")
             fut = self._hs.ensure(key, mode, hint)
             if fut is not None:
-                req.state = DState.HANDSHAKING
+                self.table.move(w, WaitPhase.HANDSHAKING)
                 if attach:
-                    fut.add_done_callback(lambda f: self._handshake_done(req, f))
+                    fut.add_done_callback(lambda f: self._handshake_done(w, f))
                 return None
             conn = self._hs.get(key)
         if conn is None:
-            self._out.fail(req, Failure.HANDSHAKE_FAILED, "P not connected after handshake")
+            self._out.fail(w, Failure.HANDSHAKE_FAILED, "P not connected after handshake")
         return conn
 
-    def _handshake_done(self, req: DRequest, fut: Future[PeerConn]) -> None:
+    def _handshake_done(self, w: Waiting, fut: Future[PeerConn]) -> None:
         """Runs on the handshake thread: hand the request back; never lose it."""
         try:
-            item = (req, fut.exception())
+            item = (w, fut.exception())
         except BaseException as e:
-            item = (req, e)
+            item = (w, e)
         self._owner.hand_off(
             self.ready,
             item,
-            lambda e: self._out.fail(req, Failure.CALLBACK_ERROR, repr(e)),
+            lambda e: self._out.fail(w, Failure.CALLBACK_ERROR, repr(e)),
         )
 
-    def _on_ready(self, item: tuple[DRequest, BaseException | None]) -> None:
-        req, error = item
-        if req.state in (DState.DONE, DState.ABANDONED):
+    def _on_ready(self, item: tuple[Waiting, BaseException | None]) -> None:
+        w, error = item
+        if w.phase is WaitPhase.ENDED:
             return
         if error is not None:
-            if self._relearn_after_failure(req):
+            if self._relearn_after_failure(w):
                 return
-            self._out.fail(req, handshake_failure(error, "prefill"), str(error))
+            self._out.fail(w, handshake_failure(error, "prefill"), str(error))
             return
-        self._connect_and_register(req)
+        self._connect_and_register(w)
 
-    def _allocate_and_register(self, req: DRequest) -> None:
+    def _allocate_and_register(self, w: Waiting, delay: Delay) -> None:
         """A held-back request's time has come: allocate its blocks, then register them."""
         try:
-            req.block_ids = self._pool.allocator.allocate(req.request_id, req.num_blocks)
+            block_ids = self._pool.allocator.allocate(w.req.request_id, delay.num_blocks)
         except NoFreeBlocksError as e:
             self._tm.fail(Failure.NO_FREE_BLOCKS)
-            self._out.fail(req, Failure.NO_FREE_BLOCKS, str(e), notify_p=False)
+            self._out.fail(w, Failure.NO_FREE_BLOCKS, str(e), notify_p=False)
             return
-        self.table.allocated(req)
-        phases.stamp(req.phases, phases.D_ALLOCATED)
-        self._register(req)
+        self.table.allocated(w, block_ids)
+        phases.stamp(w.req.phases, phases.D_ALLOCATED)
+        self._register(w)
 
-    def _register(self, req: DRequest) -> None:
+    def _register(self, w: Waiting) -> None:
         """PUSH_REG to every source P rank not registered with yet."""
-        md = self._md
-        if req.alloc_at > 0.0:
+        if w.delay is not None:
             # Held in D's queue: P's lease is heartbeated meanwhile, blocks come later.
-            req.state = DState.WAITING_BLOCKS
+            self.table.move(w, WaitPhase.WAITING_BLOCKS)
             return
-        ids = [req.block_ids.tolist()]
+        ids = [w.block_ids.tolist()]
         # Stamped before the sends: P may match a PUSH_REG before this thread runs again.
-        phases.stamp(req.phases, phases.PUSH_REG_SENT)
-        for s in req.sources:
-            if s in req.registered:
+        phases.stamp(w.req.phases, phases.PUSH_REG_SENT)
+        for s in w.ranks.sources:
+            if s in w.registered:
                 continue
-            conn = req.p_conns[s]
-            reg = protocol.PushReg(
-                request_id=req.request_id,
-                transfer_id=req.transfer_id,
-                decode_engine_id=md.engine_id,
-                decode_host=md.host,
-                decode_port=md.port,
-                decode_tp_size=md.tp_size,
-                local_block_ids=ids,
-                remote_engine_id=conn.metadata.engine_id,
-                remote_host=req.p_addr[0],
-                remote_port=req.p_addr[1],
-                remote_tp_size=req.p_tp,
-                remote_pp_size=req.p_pp_size,
-                decode_incarnation=md.incarnation,
-                decode_tp_rank=md.tp_rank,
-            )
+            conn = w.ranks.conns[s]
             try:
-                self._agent.send_notif(conn.agent_name, self._codec.encode(reg))
+                self._agent.send_notif(
+                    conn.agent_name, self._codec.encode(self._push_reg(w, conn, ids))
+                )
             except TransferError as e:
-                # (a connection evicted meanwhile is stale: its key may hold a new one)
-                stale = conn.evicted
-                evict = stale or self._hs.transport_error(req.key(s), e)
-                if evict and req.attempts < 1:
-                    # P restarted or vanished: forget that rank and handshake afresh once.
-                    req.attempts += 1
-                    del req.p_conns[s]
-                    if not stale:
-                        self._peers.evict(
-                            req.key(s), f"PUSH_REG failed: {e.status}", keep=req.request_id
-                        )
-                    self._connect_and_register(req)
-                    return
-                if evict and not stale:
-                    self._peers.evict(req.key(s), f"PUSH_REG failed: {e.status}")
-                self._out.fail(req, Failure.PREFILL_UNREACHABLE, str(e))
+                self._push_reg_failed(w, s, conn, e)
                 return
-            self._hs.transport_ok(req.key(s))
-            req.registered.add(s)
+            self._hs.transport_ok(w.ranks.key(s))
+            w.registered.add(s)
             self._tm.inc(Counter.PUSH_REGS_SENT)
-        req.state = DState.REGISTERED
+        self.table.move(w, WaitPhase.REGISTERED)
+
+    def _push_reg(self, w: Waiting, conn: PeerConn, ids: list[list[int]]) -> protocol.PushReg:
+        md, req = self._md, w.req
+        return protocol.PushReg(
+            request_id=req.request_id,
+            transfer_id=req.transfer_id,
+            decode_engine_id=md.engine_id,
+            decode_host=md.host,
+            decode_port=md.port,
+            decode_tp_size=md.tp_size,
+            local_block_ids=ids,
+            remote_engine_id=conn.metadata.engine_id,
+            remote_host=req.p_addr[0],
+            remote_port=req.p_addr[1],
+            remote_tp_size=w.ranks.p_tp,
+            remote_pp_size=req.p_pp_size,
+            decode_incarnation=md.incarnation,
+            decode_tp_rank=md.tp_rank,
+        )
+
+    def _push_reg_failed(self, w: Waiting, s: int, conn: PeerConn, e: TransferError) -> None:
+        """A PUSH_REG to source rank ``s`` could not be sent: P restarted or vanished. Forget
+        that rank and handshake afresh once; else the request fails."""
+        key = w.ranks.key(s)
+        # (a connection evicted meanwhile is stale: its key may hold a new one)
+        stale = conn.evicted
+        evict = stale or self._hs.transport_error(key, e)
+        if evict and w.ranks.attempts < 1:
+            w.ranks.attempts += 1
+            del w.ranks.conns[s]
+            if not stale:
+                self._peers.evict(key, f"PUSH_REG failed: {e.status}", keep=w.req.request_id)
+            self._connect_and_register(w)
+            return
+        if evict and not stale:
+            self._peers.evict(key, f"PUSH_REG failed: {e.status}")
+        self._out.fail(w, Failure.PREFILL_UNREACHABLE, str(e))
 
     # ------------------------------------------------------------------ notifications
-    def _source(self, req: DRequest, sender: str) -> int | None:
+    def _source(self, req: DRequest, ranks: PRanks, sender: str) -> int | None:
         """The source P rank ``sender`` is; anyone else may not complete or fail ``req``:
         counted (another rank of the same P: ``unexpected_rank``; else ``forged_notif``)."""
-        s = req.source_of(sender)
+        s = ranks.source_of(sender)
         if s is not None:
             return s
         other = any(
-            (c := self._hs.get(req.key(r))) is not None and c.agent_name == sender
-            for r in range(max(req.p_tp, 1))
+            (c := self._hs.get(ranks.key(r))) is not None and c.agent_name == sender
+            for r in range(max(ranks.p_tp, 1))
         )
         self._tm.fail(Failure.UNEXPECTED_RANK if other else Failure.FORGED_NOTIF)
         self._rl.warning(
@@ -475,6 +509,12 @@ class Receiver:
         )
         return None
 
+    def _settle(self, ab: Abandoned, sender: str, why: str) -> None:
+        """``sender`` says it writes nothing more into an abandoned request's blocks."""
+        s = self._source(ab.req, ab.ranks, sender)
+        if s is not None:
+            self._out.settle_abandoned(ab, s, why)
+
     def _on_notif(self, sender: str, msg: protocol.Notif) -> None:
         if isinstance(msg, protocol.Completion):
             self._on_completion(sender, msg)
@@ -485,9 +525,7 @@ class Receiver:
             for rid in msg.request_ids:
                 ab = self.table.abandoned(rid)
                 if ab is not None:
-                    s = self._source(ab, sender)
-                    if s is not None:
-                        self._out.settle_abandoned(ab, s, "fenced")
+                    self._settle(ab, sender, "fenced")
         elif isinstance(msg, protocol.Ping):
             if self._on_ping is not None:
                 self._on_ping(sender, msg)
@@ -495,34 +533,32 @@ class Receiver:
             self._tm.fail(Failure.UNEXPECTED_NOTIF)
 
     def _on_completion(self, sender: str, msg: protocol.Completion) -> None:
-        req = self.table.waiting(msg.request_id)
-        if req is not None:
-            s = self._source(req, sender)
+        w = self.table.waiting(msg.request_id)
+        if w is not None:
+            s = self._source(w.req, w.ranks, sender)
             if s is None:
                 return
-            n = req.completions.get(s, 0)
-            if n >= req.p_pp_size or s not in req.registered:
+            n = w.completions.get(s, 0)
+            if n >= w.req.p_pp_size or s not in w.registered:
                 # A P rank completing twice (or unasked) would hand D bytes it cannot trust.
                 self._tm.fail(Failure.DUPLICATE_COMPLETION)
                 self._rl.warning(
                     "dupcompl",
                     "refused a second completion of %s from P rank %d",
-                    req.request_id,
+                    w.req.request_id,
                     s,
                 )
                 return
-            req.completions[s] = n + 1
-            if req.received >= req.expected:
-                phases.stamp(req.phases, phases.COMPLETION_RECEIVED)
-                self.table.finish(req)
-                self._completer.submit(req)
+            w.completions[s] = n + 1
+            if w.received >= w.expected:
+                phases.stamp(w.req.phases, phases.COMPLETION_RECEIVED)
+                self.table.finish(w)
+                self._completer.submit(w.req, w.block_ids)
             return
         ab = self.table.abandoned(msg.request_id)
         if ab is not None:
-            s = self._source(ab, sender)
-            if s is not None:
-                # That rank's abandoned WRITE completed: its bytes have landed.
-                self._out.settle_abandoned(ab, s, "completed late")
+            # That rank's abandoned WRITE completed: its bytes have landed.
+            self._settle(ab, sender, "completed late")
             return
         self._tm.fail(Failure.UNKNOWN_COMPLETION)
 
@@ -530,25 +566,21 @@ class Receiver:
         if not msg.request_id:
             self._peers.stopped(sender, msg)
             return
-        req = self.table.waiting(msg.request_id)
-        if req is None:
+        w = self.table.waiting(msg.request_id)
+        if w is None:
             ab = self.table.abandoned(msg.request_id)
             if ab is not None and not msg.may_have_written:
-                s = self._source(ab, sender)
-                if s is not None:
-                    self._out.settle_abandoned(
-                        ab, s, f"P: {msg.reason}"
-                    )  # e.g. cancel acknowledged
+                self._settle(ab, sender, f"P: {msg.reason}")  # e.g. cancel acknowledged
             return
-        s = self._source(req, sender)
+        s = self._source(w.req, w.ranks, sender)
         if s is None:
             return
         reason = Failure.parse(msg.reason)
         detail = msg.detail if reason is not None else f"{msg.reason}: {msg.detail}"
-        if len(req.sources) > 1:
+        if len(w.ranks.sources) > 1:
             detail = f"P rank {s}: {detail}"
         self._out.fail(
-            req,
+            w,
             reason or Failure.PREFILL_FAILED,
             detail,
             settled=set() if msg.may_have_written else {s},

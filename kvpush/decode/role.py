@@ -1,7 +1,8 @@
 """D's role: allocate blocks for a request, let the receiver register them with P, answer.
 
-``decode(transfer_id, P address, num_blocks)`` allocates blocks (all or nothing; refused at once
-with ``no_free_blocks``) and hands the request to the receiver (``kvpush.decode.receiver``, on
+``decode(order)`` (a ``DecodeOrder``: transfer id, P address, number of blocks...) allocates
+blocks (all or nothing; refused at once with ``no_free_blocks``), or holds the request back for
+its ``alloc_delay_s`` (capped), and hands it to the receiver (``kvpush.decode.receiver``, on
 this role's owner thread); the returned future resolves with a ``DecodeRep`` once the KV has
 landed and been verified, or failed with a reason -- it never raises for peer failures. Decode
 requests arrive on the side channel; their replies go out when the future resolves.
@@ -15,7 +16,6 @@ import secrets
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,9 +23,10 @@ from kvpush.address import parse_address
 from kvpush.config import Wire
 from kvpush.decode.completer import Completer
 from kvpush.decode.limits import MAX_DELAYED_REQUESTS
+from kvpush.decode.order import DecodeOrder
 from kvpush.decode.outcomes import failed_rep
 from kvpush.decode.receiver import Receiver
-from kvpush.decode.requests import DRequest
+from kvpush.decode.requests import Delay, DRequest, PRanks, Waiting
 from kvpush.errors import KvpushError, NoFreeBlocksError
 from kvpush.peers.handshakes import PeerGone
 from kvpush.runtime.context import EndpointContext
@@ -33,17 +34,6 @@ from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry import phases
 from kvpush.telemetry.names import Failure
 from kvpush.wire import protocol, vllm
-
-
-@dataclass(frozen=True)
-class VllmLeg:
-    """The parts of a vLLM P's ``kv_transfer_params`` a D request needs."""
-
-    remote_engine_id: str
-    remote_request_id: str
-    remote_tp_size: int = 1
-    remote_pp_size: int = 1
-
 
 # A request names its P by address; parsing it once per address, not once per request.
 _parse_address = functools.lru_cache(maxsize=1024)(parse_address)
@@ -72,11 +62,11 @@ class DecodeRole:
         )
         self._stopping = threading.Event()
         self._lock = threading.Lock()
-        self._delayed = 0  # requests given an alloc_delay_s, not answered yet
+        self._delayed_n = 0  # requests given an alloc_delay_s, not answered yet
 
     def _delayed_done(self, _f: Future[protocol.DecodeRep]) -> None:
         with self._lock:
-            self._delayed -= 1
+            self._delayed_n -= 1
 
     # ------------------------------------------------------------------ Role
     def start(self) -> None:
@@ -108,108 +98,99 @@ class DecodeRole:
             self.receiver.gone.put(gone)
 
     # ------------------------------------------------------------------ API (any thread)
-    def decode(
-        self,
-        transfer_id: str,
-        prefill_address: str,
-        num_blocks: int,
-        deadline_s: float = 0.0,
-        request_id: str = "",
-        vllm_params: VllmLeg | None = None,
-        digest: bool = False,
-        alloc_delay_s: float = 0.0,
-        hold: bool = False,
-    ) -> Future[protocol.DecodeRep]:
-        """Register ``num_blocks`` blocks with P for ``transfer_id``; the future resolves with a
-        ``DecodeRep`` (ok, or failed with a reason).
-
-        ``vllm_params``: a vLLM P's coordinates from its ``kv_transfer_params``; D's request id
-        then shares the base of P's (``<base>-<8 hex>``, how vLLM matches them) and
-        ``transfer_id`` is P's request id (what heartbeats name).
-
-        ``alloc_delay_s``: hold the request that long before it gets blocks, as a vLLM request
-        waits in D's scheduler queue; D connects to P and heartbeats its lease meanwhile.
-
-        ``hold``: an ok answer keeps the blocks (no digest here): the rank group digests
-        every rank's share, then frees them (``release_held``)."""
-        p_addr = _parse_address(prefill_address)
-        if vllm_params is not None:
-            if self.ctx.cfg.wire != Wire.VLLM:
-                fut0: Future[protocol.DecodeRep] = Future()
-                fut0.set_result(
-                    protocol.DecodeRep(
-                        transfer_id=transfer_id,
-                        outcome="failed",
-                        reason=Failure.BAD_REQUEST,
-                        detail="vLLM kv_transfer_params need a D started with --wire vllm",
-                    )
+    def decode(self, order: DecodeOrder) -> Future[protocol.DecodeRep]:
+        """Register ``order.num_blocks`` blocks with P for its transfer; the future resolves
+        with a ``DecodeRep`` (ok, or failed with a reason). See ``DecodeOrder`` for what each
+        part of the order does."""
+        p_addr = _parse_address(order.prefill_address)
+        if order.vllm_params is not None and self.ctx.cfg.wire != Wire.VLLM:
+            fut0: Future[protocol.DecodeRep] = Future()
+            fut0.set_result(
+                protocol.DecodeRep(
+                    transfer_id=order.transfer_id,
+                    outcome="failed",
+                    reason=Failure.BAD_REQUEST,
+                    detail="vLLM kv_transfer_params need a D started with --wire vllm",
                 )
-                return fut0
-            transfer_id = vllm_params.remote_request_id or transfer_id
+            )
+            return fut0
+        w = self._request(order, p_addr)
+        if self._stopping.is_set():
+            return self._refuse(w, Failure.SHUTTING_DOWN, "D is stopping")
+        if order.alloc_delay_s > 0:
+            return self._delayed(w, order)
+        return self._allocated(w, order.num_blocks)
+
+    def _request(self, order: DecodeOrder, p_addr: tuple[str, int]) -> Waiting:
+        """The receiver's request for ``order`` (no blocks yet)."""
+        transfer_id, request_id, vp = order.transfer_id, order.request_id, order.vllm_params
+        if vp is not None:
+            transfer_id = vp.remote_request_id or transfer_id
             request_id = request_id or (
                 f"{vllm.base_request_id(transfer_id)}-{secrets.token_hex(4)}"
             )
-        rid = request_id or transfer_id
-        cfg, pool, tm = self.ctx.cfg, self.ctx.pool, self.ctx.telemetry
-        fut: Future[protocol.DecodeRep] = Future()
+        cfg = self.ctx.cfg
         t0 = time.monotonic()
-        dl = deadline_s if deadline_s > 0 else cfg.timeouts.request_deadline_s
+        dl = order.deadline_s if order.deadline_s > 0 else cfg.timeouts.request_deadline_s
+        if order.alloc_delay_s > 0:
+            dl += order.alloc_delay_s  # its deadline counts from its allocation time
+        p_tp = max(1, vp.remote_tp_size) if vp is not None else 0
         req = DRequest(
-            request_id=rid,
+            request_id=request_id or transfer_id,
             transfer_id=transfer_id,
             p_addr=p_addr,
-            block_ids=np.empty(0, dtype=np.int64),
-            future=fut,
+            future=Future(),
             t_start=t0,
             deadline=t0 + dl,
-            nbytes=num_blocks * cfg.pool.bytes_per_block_all_regions,
-            digest=(digest or vllm_params is not None) and not hold,
-            hold=hold,
+            nbytes=order.num_blocks * cfg.pool.bytes_per_block_all_regions,
+            digest=(order.digest or vp is not None) and not order.hold,
+            hold=order.hold,
+            p_engine_id=vp.remote_engine_id if vp is not None else "",
+            p_tp_size=p_tp or 1,
+            p_pp_size=vp.remote_pp_size if vp is not None else 1,
             phases={} if cfg.phase_stamps else None,
         )
-        if vllm_params is not None:
-            req.p_engine_id = vllm_params.remote_engine_id
-            req.p_tp_size = req.p_tp = max(1, vllm_params.remote_tp_size)
-            req.p_pp_size = vllm_params.remote_pp_size
+        return Waiting(req, PRanks(p_addr, p_tp=p_tp), np.empty(0, dtype=np.int64))
 
-        def refuse(reason: Failure, detail: str) -> Future[protocol.DecodeRep]:
-            fut.set_result(failed_rep(tm, req, reason, detail))
-            return fut
+    def _refuse(self, w: Waiting, reason: Failure, detail: str) -> Future[protocol.DecodeRep]:
+        w.req.future.set_result(failed_rep(self.ctx.telemetry, w.req, reason, detail))
+        return w.req.future
 
-        if self._stopping.is_set():
-            return refuse(Failure.SHUTTING_DOWN, "D is stopping")
-        if alloc_delay_s > 0:
-            if pool.allocator.state_of(rid) is not None:
-                return refuse(Failure.DUPLICATE_REQUEST, "request id in use")
-            with self._lock:
-                if self._delayed >= MAX_DELAYED_REQUESTS:
-                    full = True
-                else:
-                    full = False
-                    self._delayed += 1
-            if full:
-                tm.fail(Failure.TOO_MANY_DELAYED)
-                return refuse(
-                    Failure.TOO_MANY_DELAYED,
-                    f"{MAX_DELAYED_REQUESTS} requests already wait for their alloc_delay_s",
-                )
-            fut.add_done_callback(self._delayed_done)
-            req.num_blocks = num_blocks
-            req.alloc_at = t0 + alloc_delay_s
-            req.deadline += alloc_delay_s
-            return self._submit(req)
+    def _delayed(self, w: Waiting, order: DecodeOrder) -> Future[protocol.DecodeRep]:
+        """Held in D's queue for ``alloc_delay_s`` before it gets blocks (capped)."""
+        rid = w.req.request_id
+        if self.ctx.pool.allocator.state_of(rid) is not None:
+            return self._refuse(w, Failure.DUPLICATE_REQUEST, "request id in use")
+        with self._lock:
+            full = self._delayed_n >= MAX_DELAYED_REQUESTS
+            if not full:
+                self._delayed_n += 1
+        if full:
+            self.ctx.telemetry.fail(Failure.TOO_MANY_DELAYED)
+            return self._refuse(
+                w,
+                Failure.TOO_MANY_DELAYED,
+                f"{MAX_DELAYED_REQUESTS} requests already wait for their alloc_delay_s",
+            )
+        w.req.future.add_done_callback(self._delayed_done)
+        w.delay = Delay(order.num_blocks, w.req.t_start + order.alloc_delay_s)
+        return self._submit(w)
+
+    def _allocated(self, w: Waiting, num_blocks: int) -> Future[protocol.DecodeRep]:
+        """Blocks now (all or nothing), then to the receiver."""
+        pool, rid = self.ctx.pool, w.req.request_id
         try:
-            req.block_ids = pool.allocator.allocate(rid, num_blocks)
+            w.block_ids = pool.allocator.allocate(rid, num_blocks)
         except NoFreeBlocksError as e:
-            tm.fail(Failure.NO_FREE_BLOCKS)
-            return refuse(Failure.NO_FREE_BLOCKS, str(e))
+            self.ctx.telemetry.fail(Failure.NO_FREE_BLOCKS)
+            return self._refuse(w, Failure.NO_FREE_BLOCKS, str(e))
         except ValueError as e:
             if pool.allocator.state_of(rid) is not None:
                 # The id holds blocks: a waiting or quarantined request uses it.
-                return refuse(Failure.DUPLICATE_REQUEST, "request id in use")
-            return refuse(Failure.BAD_REQUEST, str(e))
-        phases.stamp(req.phases, phases.D_ALLOCATED)
-        return self._submit(req)
+                return self._refuse(w, Failure.DUPLICATE_REQUEST, "request id in use")
+            return self._refuse(w, Failure.BAD_REQUEST, str(e))
+        phases.stamp(w.req.phases, phases.D_ALLOCATED)
+        return self._submit(w)
 
     def held_blocks(self, request_id: str) -> np.ndarray:
         """The blocks an ok request answered with ``hold`` still keeps (empty: none)."""
@@ -219,13 +200,15 @@ class DecodeRole:
         """Free what ``hold`` kept (no-op when it holds nothing)."""
         self.ctx.pool.allocator.release(request_id)
 
-    def _submit(self, req: DRequest) -> Future[protocol.DecodeRep]:
+    def _submit(self, w: Waiting) -> Future[protocol.DecodeRep]:
         try:
-            self.receiver.new.put(req)
+            self.receiver.new.put(w)
         except KvpushError as e:
-            self.ctx.pool.allocator.release(req.request_id)
-            req.future.set_result(failed_rep(self.ctx.telemetry, req, Failure.OVERLOADED, str(e)))
-        return req.future
+            self.ctx.pool.allocator.release(w.req.request_id)
+            w.req.future.set_result(
+                failed_rep(self.ctx.telemetry, w.req, Failure.OVERLOADED, str(e))
+            )
+        return w.req.future
 
     def cancel(self, request_id: str) -> None:
         """Abort a waiting request (D-side abort). If its PUSH_REG went out, P is told to drop
