@@ -18,16 +18,14 @@ import logging
 import time
 
 from kvpush.config import HandshakeMode
-from kvpush.memory.pool import KvPool
-from kvpush.peers.handshakes import HandshakeManager, PeerKey
-from kvpush.prefill.plan import LocalGeometry, fence_plan
-from kvpush.prefill.table import FenceEntry, FenceWrite, PushTable
+from kvpush.peers.handshakes import PeerKey
+from kvpush.prefill.context import WriterContext
+from kvpush.prefill.plan import fence_plan
+from kvpush.prefill.table import FenceEntry, FenceWrite
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter, Failure
-from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import DList, NixlAgent, TransferError
+from kvpush.transport.nixl import DList, TransferError
 from kvpush.wire import protocol
-from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
@@ -35,25 +33,15 @@ MAX_PER_FENCE = 4096  # one Fence notification names at most this many requests
 
 
 class Fences:
-    def __init__(
-        self,
-        agent: NixlAgent,
-        pool: KvPool,
-        table: PushTable,
-        handshakes: HandshakeManager,
-        codec: Codec,
-        telemetry: Telemetry,
-        geometry: LocalGeometry,
-        fence_timeout_s: float,
-    ) -> None:
-        self._agent = agent
-        self._pool = pool
-        self._table = table
-        self._hs = handshakes
-        self._codec = codec
-        self._tm = telemetry
-        self._geom = geometry
-        self._timeout_s = fence_timeout_s
+    def __init__(self, ctx: WriterContext) -> None:
+        self._agent = ctx.agent
+        self._pool = ctx.pool
+        self._table = ctx.table
+        self._hs = ctx.handshakes
+        self._codec = ctx.codec
+        self._tm = ctx.telemetry
+        self._geom = ctx.geom
+        self._timeout_s = ctx.cfg.timeouts.fence_s
         self._pending: dict[PeerKey, list[FenceEntry]] = {}
         self._reconnect_at: dict[PeerKey, float] = {}  # next handshake for owed fences
         self._seq = 0

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 
 from kvpush.address import format_address
-from kvpush.memory.pool import KvPool
-from kvpush.peers.handshakes import HandshakeManager, PeerConn
+from kvpush.peers.handshakes import PeerConn
 from kvpush.prefill.acks import OwedAcks
+from kvpush.prefill.context import WriterContext
 from kvpush.prefill.limits import MAX_DECLINED_IDS
 from kvpush.prefill.table import (
     AwaitingHandshake,
@@ -24,7 +24,6 @@ from kvpush.prefill.table import (
     Leg,
     Push,
     PushOutcome,
-    PushTable,
     Registered,
     Registration,
     Waiting,
@@ -36,10 +35,8 @@ from kvpush.runtime.decline import Decliner
 from kvpush.runtime.inbox import Inbox
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.names import Counter, Failure
-from kvpush.telemetry.store import Telemetry
-from kvpush.transport.nixl import NixlAgent, TransferError
+from kvpush.transport.nixl import TransferError
 from kvpush.wire import protocol
-from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
@@ -51,29 +48,23 @@ ACK_RETRY_S = 1.0
 class Outcomes:
     def __init__(
         self,
-        agent: NixlAgent,
-        pool: KvPool,
-        table: PushTable,
-        handshakes: HandshakeManager,
-        codec: Codec,
-        telemetry: Telemetry,
+        ctx: WriterContext,
         owner: OwnerThread,
         tasks: Inbox[Callable[[], None]],
-        on_outcome: Callable[[PushOutcome], None],
         decliner: Decliner | None = None,
     ) -> None:
-        self._agent = agent
-        self._pool = pool
-        self.table = table
-        self._hs = handshakes
-        self._codec = codec
-        self._tm = telemetry
+        self._agent = ctx.agent
+        self._pool = ctx.pool
+        self.table = ctx.table
+        self._hs = ctx.handshakes
+        self._codec = ctx.codec
+        self._tm = ctx.telemetry
         self._owner = owner
-        self._tasks = tasks
-        self._on_outcome = on_outcome
+        self._tasks = tasks  # a cancel acknowledged once its handshake is up comes back here
+        self._on_outcome = ctx.report
         self._decliner = decliner
         self._rl = RateLimitedLog(log)
-        self.acks = OwedAcks(handshakes, owner, tasks, telemetry, self.notify, ACK_RETRY_S)
+        self.acks = OwedAcks(ctx.handshakes, owner, tasks, ctx.telemetry, self.notify, ACK_RETRY_S)
 
     def fail(self, push: Push, reason: Failure, detail: str) -> None:
         """A push that fails before any of its WRITEs was posted: every target D rank is told,
