@@ -34,13 +34,7 @@ MAX_PER_FENCE = 4096  # one Fence notification names at most this many requests
 
 class Fences:
     def __init__(self, ctx: WriterContext) -> None:
-        self._agent = ctx.agent
-        self._pool = ctx.pool
-        self._table = ctx.table
-        self._hs = ctx.handshakes
-        self._codec = ctx.codec
-        self._tm = ctx.telemetry
-        self._geom = ctx.geom
+        self._ctx = ctx
         self._timeout_s = ctx.cfg.timeouts.fence_s
         self._pending: dict[PeerKey, list[FenceEntry]] = {}
         self._reconnect_at: dict[PeerKey, float] = {}  # next handshake for owed fences
@@ -57,18 +51,18 @@ class Fences:
         """The peer is gone: nothing can land any more, its quarantined blocks are free."""
         self._reconnect_at.pop(peer, None)
         for e in self._pending.pop(peer, []):
-            self._pool.allocator.release_quarantined(e.key)
+            self._ctx.pool.allocator.release_quarantined(e.key)
 
     def completed(self, fw: FenceWrite) -> None:
         for e in fw.entries:
-            self._pool.allocator.release_quarantined(e.key)
-        self._tm.inc(Counter.FENCES_OK)
+            self._ctx.pool.allocator.release_quarantined(e.key)
+        self._ctx.telemetry.inc(Counter.FENCES_OK)
 
     def failed(self, fw: FenceWrite, peer_dead: bool) -> None:
-        self._tm.fail(Failure.FENCE_FAILED)
+        self._ctx.telemetry.fail(Failure.FENCE_FAILED)
         if peer_dead:  # nothing can land any more
             for e in fw.entries:
-                self._pool.allocator.release_quarantined(e.key)
+                self._ctx.pool.allocator.release_quarantined(e.key)
         else:  # peer stalled (e.g. frozen): fence again later; blocks stay quarantined
             self._pending.setdefault(fw.conn.key, []).extend(fw.entries)
 
@@ -76,7 +70,7 @@ class Fences:
         """Post one fence per peer with pending entries; return those already DONE at post."""
         done: list[FenceWrite] = []
         for peer, entries in list(self._pending.items()):
-            conn = self._hs.get(peer)
+            conn = self._ctx.handshakes.get(peer)
             if conn is None or conn.remote_dlist is None:
                 # Reconnecting, or evicted for transport errors while fences are owed: connect
                 # again (a peer that is really gone fails its handshake and is evicted for good
@@ -84,7 +78,7 @@ class Fences:
                 now = time.monotonic()
                 if now >= self._reconnect_at.get(peer, 0.0):
                     self._reconnect_at[peer] = now + self._timeout_s
-                    self._hs.ensure(peer, HandshakeMode.FULL)
+                    self._ctx.handshakes.ensure(peer, HandshakeMode.FULL)
                 continue
             del self._pending[peer]
             if len(entries) > MAX_PER_FENCE:
@@ -95,18 +89,18 @@ class Fences:
             # needs to be readable: P's own block 0 when the abandoned blocks are gone.
             src, remote_block = 0, entries[0].d_block
             for e in entries:
-                held = self._pool.allocator.blocks_of(e.key)
+                held = self._ctx.pool.allocator.blocks_of(e.key)
                 if len(held):
                     src, remote_block = int(held[0]), e.d_block
                     break
             self._seq += 1
             fence_id = f"fence-{self._seq}"
-            plan = fence_plan(src, remote_block, conn.metadata, self._geom)
-            notif = self._codec.encode(
+            plan = fence_plan(src, remote_block, conn.metadata, self._ctx.geom)
+            notif = self._ctx.codec.encode(
                 protocol.Fence(fence_id=fence_id, request_ids=[e.d_request_id for e in entries])
             )
             try:
-                xfer, st = self._agent.post_write(
+                xfer, st = self._ctx.agent.post_write(
                     local_dlist, plan.local_idx, conn.remote_dlist, plan.remote_idx, notif
                 )
             except TransferError as e:
@@ -115,8 +109,8 @@ class Fences:
                 continue
             t = time.monotonic()
             fw = FenceWrite(fence_id, xfer, conn, t, t + self._timeout_s, plan.nbytes, entries)
-            self._table.fence_posted(fw)
-            self._tm.inc(Counter.FENCES_SENT)
+            self._ctx.table.fence_posted(fw)
+            self._ctx.telemetry.inc(Counter.FENCES_SENT)
             if st == "DONE":
                 done.append(fw)
         return done
