@@ -11,9 +11,13 @@ are in flight and backs off when idle: with NIXL's progress thread off, this pol
 Never blocking on the network. When the P->D handshake is not ready, the handshake-wait strategy
 (``kvpush.prefill.strategy``) parks the push and returns; ``--writer blocking`` waits instead,
 for comparison only. A transfer's whole state is one typed entry of the ``PushTable``. This
-module decides *what* to write and when (matching, TP ranks, handshakes, declines, shutdown);
-posting the WRITEs, polling them and ending each exactly once is ``kvpush.prefill.legs``;
-which D ranks a PUSH_REG stands for is ``kvpush.prefill.ranks``.
+module decides *what* to write and when (matching, TP ranks, handshakes and the one
+incarnation check, declines, evictions, which WRITEs to poll when, shutdown); posting the
+WRITEs, polling one and ending each exactly once is ``kvpush.prefill.legs``; which D ranks a
+PUSH_REG stands for is ``kvpush.prefill.ranks``. The collaborators (``Outcomes``, ``Fences``,
+``Legs``) share one ``WriterContext`` (``kvpush.prefill.context``) and never call back up: what
+the writer must act on (a peer to evict, blocks to wait again) comes back as an event
+(``kvpush.prefill.events``) that ``_dispatch`` acts on.
 
 Every failure goes through ``Outcomes.fail`` (``kvpush.prefill.outcomes``: count, rate-limited
 log, Failure notification to D, blocks released or quarantined). P's blocks return to the pool
