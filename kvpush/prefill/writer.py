@@ -380,12 +380,15 @@ class PushWriter:
         the handshake's future while it runs; None when the push failed (D told)."""
         key = peer_of(r)
         conn = self._hs.get(key)
+        if again and (conn is None or conn.remote_dlist is None):
+            # The handshake said connected, yet there is no full connection.
+            self._out.fail(push, Failure.HANDSHAKE_FAILED, "peer not connected")
+            return None
         if conn is not None and not _current(r, conn):
             if again or conn.connected_at > time.time() - (time.monotonic() - r.t_arrived):
-                # We connected to this incarnation after the PUSH_REG arrived: it comes from an
-                # incarnation that has since died. Evicting the live one would fail its pushes;
-                # writing would hit blocks that belong to someone else. (``again``: connected
-                # just now.)
+                # We connected to this incarnation after the PUSH_REG arrived (``again``: just
+                # now): it comes from an incarnation that has since died. Evicting the live one
+                # would fail its pushes; writing would hit blocks that belong to someone else.
                 self._out.fail(push, Failure.STALE_REGISTRATION, "D restarted after this PUSH_REG")
                 return None
             # D restarted at the same address: forget the old incarnation first.
@@ -393,9 +396,6 @@ class PushWriter:
             conn = None
         if conn is not None and conn.remote_dlist is not None:
             return conn
-        if again:  # the handshake said connected, yet no full connection
-            self._out.fail(push, Failure.HANDSHAKE_FAILED, "peer not connected")
-            return None
         hint = PeerHint(r.reg.decode_engine_id, r.reg.decode_tp_size, role="decode")
         fut = self._hs.ensure(key, HandshakeMode.FULL, hint)
         return fut if fut is not None else self._connection(push, r, again=True)
