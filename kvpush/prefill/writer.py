@@ -370,8 +370,10 @@ class PushWriter:
                 return
             self._start_push(push.retry())  # blocking wait: another target may be pending
             return
-        for event in self._legs.start(push, conns):
-            self._dispatch(event)
+        events = self._legs.start(push, conns)
+        if events:  # (the hot path returns the shared empty tuple: nothing to iterate)
+            for event in events:
+                self._dispatch(event)
 
     def _connection(
         self, push: Push, r: Registration, again: bool = False
