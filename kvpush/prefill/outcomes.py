@@ -58,7 +58,7 @@ class Outcomes:
         self._decliner = decliner
         self._rl = RateLimitedLog(log)
         # A cancel acknowledged once its handshake is up comes back through ``tasks``.
-        self.acks = OwedAcks(ctx.handshakes, owner, tasks, ctx.telemetry, self.notify, ACK_RETRY_S)
+        self.acks = OwedAcks(ctx, owner, tasks, self.notify, ACK_RETRY_S)
 
     def fail(self, push: Push, reason: Failure, detail: str) -> None:
         """A push that fails before any of its WRITEs was posted: every target D rank is told,
