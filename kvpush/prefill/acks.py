@@ -20,11 +20,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvpush.config import HandshakeMode
-from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
+from kvpush.peers.handshakes import PeerConn, PeerKey
+from kvpush.prefill.context import WriterContext
 from kvpush.runtime.inbox import Inbox
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.names import Failure
-from kvpush.telemetry.store import Telemetry
 from kvpush.wire import protocol
 
 #: Handshakes tried for the acknowledgements owed to one D rank before they are given up.
@@ -36,17 +36,15 @@ MAX_OWED_ACKS = 4096
 class OwedAcks:
     def __init__(
         self,
-        handshakes: HandshakeManager,
+        ctx: WriterContext,
         owner: OwnerThread,
         tasks: Inbox[Callable[[], None]],
-        telemetry: Telemetry,
         notify: Callable[[PeerConn, protocol.Notif], bool],
         retry_s: float,
     ) -> None:
-        self._hs = handshakes
+        self._ctx = ctx
         self._owner = owner
         self._tasks = tasks
-        self._tm = telemetry
         self._notify = notify
         self._retry_s = max(retry_s, 0.05)
         self._owed: dict[PeerKey, list[protocol.Failure]] = {}
@@ -62,7 +60,7 @@ class OwedAcks:
     def add(self, key: PeerKey, ack: protocol.Failure) -> None:
         """Owe ``ack`` to D rank ``key``: send it once a connection to it is up."""
         if self._n >= MAX_OWED_ACKS:
-            self._tm.fail(Failure.CANCEL_UNACKNOWLEDGED)
+            self._ctx.telemetry.fail(Failure.CANCEL_UNACKNOWLEDGED)
             return
         self._owed.setdefault(key, []).append(ack)
         self._n += 1
@@ -83,7 +81,7 @@ class OwedAcks:
     def _connect(self, key: PeerKey) -> None:
         if key in self._pending:
             return
-        fut = self._hs.ensure(key, HandshakeMode.FULL)
+        fut = self._ctx.handshakes.ensure(key, HandshakeMode.FULL)
         if fut is None:  # connected already (or the handshake ended at once)
             self._flush(key)
             return
@@ -94,7 +92,7 @@ class OwedAcks:
             self._owner.hand_off(
                 self._tasks,
                 lambda: self._handshake_done(key, failed),
-                lambda e: self._tm.fail(Failure.CANCEL_UNACKNOWLEDGED),
+                lambda e: self._ctx.telemetry.fail(Failure.CANCEL_UNACKNOWLEDGED),
             )
 
         fut.add_done_callback(done)
@@ -107,7 +105,7 @@ class OwedAcks:
             self._flush(key)
 
     def _flush(self, key: PeerKey) -> None:
-        conn = self._hs.get(key)
+        conn = self._ctx.handshakes.get(key)
         acks = self._owed.get(key, [])
         if conn is None:
             self._failed(key)
@@ -138,4 +136,4 @@ class OwedAcks:
         self._due.pop(key, None)
         if counted:
             for _ in acks:
-                self._tm.fail(Failure.CANCEL_UNACKNOWLEDGED)
+                self._ctx.telemetry.fail(Failure.CANCEL_UNACKNOWLEDGED)

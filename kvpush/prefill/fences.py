@@ -18,16 +18,14 @@ import logging
 import time
 
 from kvpush.config import HandshakeMode
-from kvpush.memory.pool import KvPool
-from kvpush.peers.handshakes import HandshakeManager, PeerKey
-from kvpush.prefill.plan import LocalGeometry, fence_plan
-from kvpush.prefill.table import FenceEntry, FenceWrite, PushTable
+from kvpush.peers.handshakes import PeerKey
+from kvpush.prefill.context import WriterContext
+from kvpush.prefill.plan import fence_plan
+from kvpush.prefill.table import FenceEntry, FenceWrite
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter, Failure
-from kvpush.telemetry.store import Telemetry
-from kvpush.transport.agent import XFER_DONE, Agent, DList, TransferError
+from kvpush.transport.agent import XFER_DONE, DList, TransferError
 from kvpush.wire import protocol
-from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
@@ -35,25 +33,9 @@ MAX_PER_FENCE = 4096  # one Fence notification names at most this many requests
 
 
 class Fences:
-    def __init__(
-        self,
-        agent: Agent,
-        pool: KvPool,
-        table: PushTable,
-        handshakes: HandshakeManager,
-        codec: Codec,
-        telemetry: Telemetry,
-        geometry: LocalGeometry,
-        fence_timeout_s: float,
-    ) -> None:
-        self._agent = agent
-        self._pool = pool
-        self._table = table
-        self._hs = handshakes
-        self._codec = codec
-        self._tm = telemetry
-        self._geom = geometry
-        self._timeout_s = fence_timeout_s
+    def __init__(self, ctx: WriterContext) -> None:
+        self._ctx = ctx
+        self._timeout_s = ctx.cfg.timeouts.fence_s
         self._pending: dict[PeerKey, list[FenceEntry]] = {}
         self._reconnect_at: dict[PeerKey, float] = {}  # next handshake for owed fences
         self._seq = 0
@@ -69,18 +51,18 @@ class Fences:
         """The peer is gone: nothing can land any more, its quarantined blocks are free."""
         self._reconnect_at.pop(peer, None)
         for e in self._pending.pop(peer, []):
-            self._pool.allocator.release_quarantined(e.key)
+            self._ctx.pool.allocator.release_quarantined(e.key)
 
     def completed(self, fw: FenceWrite) -> None:
         for e in fw.entries:
-            self._pool.allocator.release_quarantined(e.key)
-        self._tm.inc(Counter.FENCES_OK)
+            self._ctx.pool.allocator.release_quarantined(e.key)
+        self._ctx.telemetry.inc(Counter.FENCES_OK)
 
     def failed(self, fw: FenceWrite, peer_dead: bool) -> None:
-        self._tm.fail(Failure.FENCE_FAILED)
+        self._ctx.telemetry.fail(Failure.FENCE_FAILED)
         if peer_dead:  # nothing can land any more
             for e in fw.entries:
-                self._pool.allocator.release_quarantined(e.key)
+                self._ctx.pool.allocator.release_quarantined(e.key)
         else:  # peer stalled (e.g. frozen): fence again later; blocks stay quarantined
             self._pending.setdefault(fw.conn.key, []).extend(fw.entries)
 
@@ -88,7 +70,7 @@ class Fences:
         """Post one fence per peer with pending entries; return those already DONE at post."""
         done: list[FenceWrite] = []
         for peer, entries in list(self._pending.items()):
-            conn = self._hs.get(peer)
+            conn = self._ctx.handshakes.get(peer)
             if conn is None or conn.remote_dlist is None:
                 # Reconnecting, or evicted for transport errors while fences are owed: connect
                 # again (a peer that is really gone fails its handshake and is evicted for good
@@ -96,7 +78,7 @@ class Fences:
                 now = time.monotonic()
                 if now >= self._reconnect_at.get(peer, 0.0):
                     self._reconnect_at[peer] = now + self._timeout_s
-                    self._hs.ensure(peer, HandshakeMode.FULL)
+                    self._ctx.handshakes.ensure(peer, HandshakeMode.FULL)
                 continue
             del self._pending[peer]
             if len(entries) > MAX_PER_FENCE:
@@ -107,18 +89,18 @@ class Fences:
             # needs to be readable: P's own block 0 when the abandoned blocks are gone.
             src, remote_block = 0, entries[0].d_block
             for e in entries:
-                held = self._pool.allocator.blocks_of(e.key)
+                held = self._ctx.pool.allocator.blocks_of(e.key)
                 if len(held):
                     src, remote_block = int(held[0]), e.d_block
                     break
             self._seq += 1
             fence_id = f"fence-{self._seq}"
-            plan = fence_plan(src, remote_block, conn.metadata, self._geom)
-            notif = self._codec.encode(
+            plan = fence_plan(src, remote_block, conn.metadata, self._ctx.geom)
+            notif = self._ctx.codec.encode(
                 protocol.Fence(fence_id=fence_id, request_ids=[e.d_request_id for e in entries])
             )
             try:
-                xfer, st = self._agent.post_write(
+                xfer, st = self._ctx.agent.post_write(
                     local_dlist, plan.local_idx, conn.remote_dlist, plan.remote_idx, notif
                 )
             except TransferError as e:
@@ -127,8 +109,8 @@ class Fences:
                 continue
             t = time.monotonic()
             fw = FenceWrite(fence_id, xfer, conn, t, t + self._timeout_s, plan.nbytes, entries)
-            self._table.fence_posted(fw)
-            self._tm.inc(Counter.FENCES_SENT)
+            self._ctx.table.fence_posted(fw)
+            self._ctx.telemetry.inc(Counter.FENCES_SENT)
             if st == XFER_DONE:
                 done.append(fw)
         return done

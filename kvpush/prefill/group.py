@@ -117,14 +117,7 @@ class PrefillGroup:
     def _prefill(
         self, transfer_id: str, num_blocks: int, request_id: str, digest: bool
     ) -> tuple[list[int], str]:
-        for r, role in enumerate(self.roles):
-            err = role.failure()
-            if err is not None:
-                raise RankFailedError(
-                    f"P rank {r} failed ({type(err).__name__}: {err}): this endpoint serves "
-                    "no request any more",
-                    "restart it; its log has the failure",
-                )
+        self._check_ranks()
         reserved: list[tuple[PrefillRole, np.ndarray]] = []
         try:
             for role in self.roles:
@@ -141,11 +134,25 @@ class PrefillGroup:
         if self.telemetry is not None:
             self.telemetry.inc(Counter.PREFILLS)
         if sha:
-            with self._lock:
-                self._digests[transfer_id] = sha
-                while len(self._digests) > 4096:
-                    self._digests.popitem(last=False)
+            self._remember_digest(transfer_id, sha)
         return reserved[0][1].tolist(), sha
+
+    def _check_ranks(self) -> None:
+        """Refuse every new transfer once any rank's loop failed."""
+        for r, role in enumerate(self.roles):
+            err = role.failure()
+            if err is not None:
+                raise RankFailedError(
+                    f"P rank {r} failed ({type(err).__name__}: {err}): this endpoint serves "
+                    "no request any more",
+                    "restart it; its log has the failure",
+                )
+
+    def _remember_digest(self, transfer_id: str, sha: str) -> None:
+        with self._lock:
+            self._digests[transfer_id] = sha
+            while len(self._digests) > 4096:
+                self._digests.popitem(last=False)
 
     def _digest(self, reserved: list[tuple[PrefillRole, np.ndarray]]) -> str:
         role0 = reserved[0][0]
@@ -190,6 +197,10 @@ class PrefillGroup:
         )
 
     # ------------------------------------------------------------------ push waits
+    def _unwatch(self, transfer_id: str) -> None:
+        for role in self.roles:
+            role.unwatch(transfer_id)
+
     def _serve_wait(self, req: protocol.PushWaitReq, reply: ReplyFn) -> None:
         """Answer when every rank's push of the transfer ended, or "pending" at ``timeout_s``.
 
@@ -208,8 +219,7 @@ class PrefillGroup:
                 for t in timers:
                     t.cancel()
             if not all(f.done() for f in futs):
-                for role in self.roles:
-                    role.unwatch(req.transfer_id)
+                self._unwatch(req.transfer_id)
                 reply(
                     protocol.PushWaitRep(
                         rid=req.rid, transfer_id=req.transfer_id, outcome="pending"
@@ -226,8 +236,7 @@ class PrefillGroup:
             if timer is not None:
                 timers.append(timer)
         if timer is None:
-            for role in self.roles:
-                role.unwatch(req.transfer_id)
+            self._unwatch(req.transfer_id)
             self._limit(Failure.TOO_MANY_WAITS)
             reply(
                 protocol.ErrorRep(

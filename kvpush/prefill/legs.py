@@ -10,6 +10,10 @@ are in-flight WRITEs too and end here. An ok push's outcome carries its phase st
 its steps go into the ``phase_*`` histograms. State lives in the ``PushTable`` (``Writing``,
 ``Leg``, ``FenceWrite``); this object only acts on it.
 
+Nothing here calls back up into the writer: a call that finds a peer to evict, or a push
+whose blocks must wait again, returns it as an event (``kvpush.prefill.events``) that the
+writer dispatches. Which entries are polled when is the writer's (``check`` polls one).
+
 Thread: the writer's owner thread, only (``PushWriter`` calls it from its passes and
 housekeeping); nothing here blocks.
 """
@@ -19,82 +23,61 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 
-from kvpush.config import EndpointConfig
-from kvpush.memory.pool import KvPool
-from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
+from kvpush.config import Wire
+from kvpush.peers.handshakes import PeerConn, PeerKey
 from kvpush.peers.tp import Slice
+from kvpush.prefill.context import WriterContext
+from kvpush.prefill.events import ENDED, NO_EVENTS, Ended, Event, EvictPeer, Rewait
 from kvpush.prefill.fences import Fences
 from kvpush.prefill.outcomes import Outcomes
-from kvpush.prefill.plan import LocalGeometry, PlanError, WritePlan, plan_write
+from kvpush.prefill.plan import PlanError, WritePlan, plan_write
 from kvpush.prefill.table import (
     FenceEntry,
     FenceWrite,
-    Finished,
     InFlight,
     Leg,
     Push,
     PushOutcome,
-    PushTable,
     Registration,
     Writing,
 )
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure, Hist
-from kvpush.telemetry.store import Telemetry
 from kvpush.transport.agent import (
     GONE,
     XFER_DONE,
     XFER_ERR,
-    Agent,
     DList,
     TransferError,
     TransferKind,
 )
 from kvpush.wire import protocol
-from kvpush.wire.notifs import Codec
 
-log = logging.getLogger("kvpush.prefill.writer")
+log = logging.getLogger(__name__)
 
 
 class Legs:
-    def __init__(
-        self,
-        cfg: EndpointConfig,
-        agent: Agent,
-        pool: KvPool,
-        table: PushTable,
-        codec: Codec,
-        telemetry: Telemetry,
-        out: Outcomes,
-        fences: Fences,
-        on_outcome: Callable[[PushOutcome], None],
-        evict_peer: Callable[[PeerKey, str, bool], None],
-        rewait: Callable[[Finished], None],
-        geom: LocalGeometry,
-        rl: RateLimitedLog,
-        vllm: bool,
-        handshakes: HandshakeManager | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self._agent = agent
-        self._pool = pool
-        self._table = table
-        self._codec = codec
-        self._tm = telemetry
+    def __init__(self, ctx: WriterContext, out: Outcomes, fences: Fences) -> None:
+        self.cfg = ctx.cfg
+        # Held one by one (not through ``ctx``): a push's post and poll read them.
+        self._agent = ctx.agent
+        self._pool = ctx.pool
+        self._table = ctx.table
+        self._codec = ctx.codec
+        self._tm = ctx.telemetry
+        self._hs = ctx.handshakes  # counts transport errors: degraded, then evicted
+        self._report = ctx.report
+        self._geom = ctx.geom
         self._out = out
         self._fences = fences
-        self._on_outcome = on_outcome
-        self._evict_peer = evict_peer  # the writer's: forget the peer, end its legs (peer_gone)
-        self._vllm = vllm  # vLLM's wire: no WRITE deadline (no fence could end a late one)
-        self._rewait = rewait  # a push whose PUSH_REG was forged: its blocks wait again
-        self._geom = geom
-        self._rl = rl
+        # vLLM's wire: no WRITE deadline (no fence could end a late one)
+        self._vllm = ctx.cfg.wire == Wire.VLLM
+        self._rl = RateLimitedLog(log)
         self.local_dlist: DList | None = None  # the whole pool's, from open() on
         self._chunk_dlists: dict[tuple[int, int], DList] = {}  # (offset, length) of each page
-        self._hs = handshakes  # counts transport errors: degraded, then evicted
         self._n_ok = 0  # pushes ok (the drop_agents_after fault hook)
 
     # ------------------------------------------------------------------ descriptor lists
@@ -114,15 +97,14 @@ class Legs:
             self.local_dlist = None
 
     # ------------------------------------------------------------------ posting
-    def start(self, push: Push, conns: dict[int, PeerConn]) -> None:
-        """One WRITE (a leg) per target D rank: this rank's page, or its chunk for that rank."""
+    def start(self, push: Push, conns: dict[int, PeerConn]) -> Sequence[Event]:
+        """One WRITE (a leg) per target D rank: this rank's page, or its chunk for that rank.
+        ``conns``: a full connection of each, of the incarnation that registered (the writer
+        checked). Returns what the writer must do next: the blocks wait again (a forged
+        PUSH_REG), or peers to evict (a post failed on their transport)."""
         plans: list[tuple[Registration, PeerConn, WritePlan, DList]] = []
         for r in push.registrations:
             reg, conn = r.reg, conns[r.reg.decode_tp_rank]
-            if reg.decode_incarnation and conn.metadata.incarnation != reg.decode_incarnation:
-                # Reconnected to a newer incarnation than the one that registered.
-                self._out.fail(push, Failure.STALE_REGISTRATION, "D restarted after this PUSH_REG")
-                return
             if (
                 r.sender
                 and r.sender != conn.agent_name
@@ -139,15 +121,14 @@ class Legs:
                     r.sender,
                     conn.agent_name,
                 )
-                self._rewait(push.finished)
-                return
+                return (Rewait(push.finished),)
             sl = conn.write  # computed (and checked) by the full handshake
             assert sl is not None, "a WRITE needs a full P -> D handshake"
             try:
                 plan = plan_write(push.finished.block_ids, reg, conn.metadata, self._geom, sl)
             except PlanError as e:
                 self._out.fail(push, e.reason, e.detail)
-                return
+                return NO_EVENTS
             plans.append((r, conn, plan, self._local_slice(sl)))
         # From the first post on, nothing frees these blocks except the completions, a fence
         # or the peers' death (``Writing`` in the table says so); the pool shows them INFLIGHT
@@ -155,14 +136,19 @@ class Legs:
         # WRITEs often are) goes straight back to free, without the state flip.
         w = Writing(push, unposted=len(plans), t_start=time.monotonic())
         self._table.writing(w)
+        evictions: list[Event] | None = None  # (none on the hot path)
         for r, conn, plan, local in plans:
             w.unposted -= 1
-            self.post(w, r, conn, plan, local)
+            ev = self.post(w, r, conn, plan, local)
+            if ev is not None:
+                evictions = evictions or []
+                evictions.append(ev)
         if w.legs and not w.settled:
             self._pool.allocator.mark_inflight(push.key)
         elif not w.legs and not w.settled:  # every leg failed at post, or the last one did
             self._table.forget(w)
             self.settle(w)
+        return evictions or NO_EVENTS
 
     def _local_slice(self, sl: Slice) -> DList:
         """The local descriptor list of a chunk of every page (prepared once per chunk)."""
@@ -178,9 +164,9 @@ class Legs:
 
     def post(
         self, w: Writing, r: Registration, conn: PeerConn, plan: WritePlan, local: DList
-    ) -> None:
+    ) -> EvictPeer | None:
         """Post one leg of ``w`` (its completion notification attached); a WRITE done or
-        failed at post ends here and then."""
+        failed at post ends here and then (its peer to evict, when the failure says so)."""
         reg = r.reg
         notif = self._codec.encode(
             protocol.Completion(
@@ -202,8 +188,8 @@ class Legs:
             self._out.tell(r, conn, Failure.WRITE_POST_FAILED, str(e), may_have_written=False)
             self._tm.fail(Failure.WRITE_POST_FAILED)
             if self._transport_error(conn, e):
-                self._evict_peer(conn.key, f"WRITE post failed: {e.status}", _soft(e))
-            return
+                return EvictPeer(conn.key, f"WRITE post failed: {e.status}", _soft(e))
+            return None
         deadline = (
             math.inf if self._vllm else t_post + self.cfg.timeouts.write_deadline_s(plan.nbytes)
         )
@@ -214,49 +200,24 @@ class Legs:
             self.complete(leg)
         elif state == XFER_ERR:
             self.abandon(leg, Failure.WRITE_ERROR, "transfer() returned ERR")
+        return None
 
-    def poll(self) -> int:
-        """Each peer's WRITEs oldest first, up to the first one still in progress: WRITEs on one
-        connection complete in order, so a pass costs one ``check_xfer_state`` per busy peer,
-        not one per WRITE (the raw loop's way). ``sweep`` (housekeeping) polls them all, so an
-        out-of-order completion waits at most one housekeeping period, and every deadline is
-        enforced there; the oldest one's deadline here too."""
-        if not self._table.has_inflight():
-            return 0
-        n = 0
-        now = time.monotonic()
-        for q in self._table.queues():
-            while q:
-                entry = next(iter(q.values()))
-                if not self._check(entry, now) or (q and next(iter(q.values())) is entry):
-                    break
-                n += 1
-        return n
-
-    def sweep(self, now: float) -> int:
-        """Poll every in-flight WRITE and fence, and enforce every deadline."""
-        n = 0
-        for entry in self._table.inflight():
-            # (an earlier entry's eviction may have ended this one meanwhile)
-            if self._table.tracks(entry) and self._check(entry, now):
-                n += 1
-        return n
-
-    def _check(self, entry: InFlight, now: float) -> bool:
-        """Poll one WRITE (or fence); True when it ended: completed, failed or timed out."""
+    def check(self, entry: InFlight, now: float) -> Ended | EvictPeer | None:
+        """Poll one WRITE (or fence): None while in progress; once it ended (completed, failed
+        or timed out) ``ENDED``, or the peer to evict when the error says so. The writer
+        chooses what to poll when (``PushWriter.poll``, ``housekeeping``)."""
         try:
             st = self._agent.state(entry.xfer)
         except TransferError as e:
             dead = e.kind == TransferKind.PEER_DEAD
             self.abandon(entry, Failure.PEER_DEAD if dead else Failure.WRITE_ERROR, str(e))
             if self._transport_error(entry.conn, e):
-                self._evict_peer(entry.conn.key, f"transfer failed: {e.status}", _soft(e))
-            return True
+                return EvictPeer(entry.conn.key, f"transfer failed: {e.status}", _soft(e))
+            return ENDED
         if st == XFER_DONE:
             self.complete(entry)
-            if self._hs is not None:
-                self._hs.transport_ok(entry.conn.key)
-            return True
+            self._hs.transport_ok(entry.conn.key)
+            return ENDED
         if st == XFER_ERR:
             err = TransferError(TransferKind.XFER_ERROR, "transfer state ERR", "xfer_state_err")
             self.abandon(entry, Failure.WRITE_ERROR, str(err))
@@ -268,15 +229,13 @@ class Legs:
             )
             self.abandon(entry, Failure.WRITE_TIMEOUT, str(err))
         else:
-            return False
+            return None
         if self._transport_error(entry.conn, err):
-            self._evict_peer(entry.conn.key, f"transfer failed: {err.status}", True)
-        return True
+            return EvictPeer(entry.conn.key, f"transfer failed: {err.status}", True)
+        return ENDED
 
     def _transport_error(self, conn: PeerConn, e: TransferError) -> bool:
         """Count ``e`` on ``conn``'s peer; True when the peer must be evicted now."""
-        if self._hs is None:
-            return e.kind in GONE
         if conn.evicted:
             return False  # already forgotten (an earlier leg's error evicted it)
         return self._hs.transport_error(conn.key, e)
@@ -334,16 +293,14 @@ class Legs:
         self._pool.allocator.release(push.key)
         self._tm.inc(Counter.PUSHES_OK)
         self._n_ok += 1
-        if self._n_ok == self.cfg.drop_agents_after and self._hs is not None:
+        if self._n_ok == self.cfg.drop_agents_after:
             for conn in self._hs.connected():  # fault hook: the transport lost under them
                 log.warning("fault injection: NIXL drops the agent of %s", conn.address)
                 self._agent.drop_remote_under(conn.agent_name)
         self._tm.inc(Counter.BYTES_PUSHED, w.nbytes)
         t_match = max(push.finished.t_finished, max(r.t_arrived for r in push.registrations))
         stamps = self._phases(w, t_match, now) if self.cfg.phase_stamps else {}
-        self._on_outcome(
-            PushOutcome(push.finished.transfer_id, True, nbytes=w.nbytes, phases=stamps)
-        )
+        self._report(PushOutcome(push.finished.transfer_id, True, nbytes=w.nbytes, phases=stamps))
         self._tm.observe(Hist.PUSH_LATENCY, now - t_match)
 
     def _phases(self, w: Writing, t_match: float, now: float) -> dict[str, float]:

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 
 from kvpush.address import format_address
-from kvpush.memory.pool import KvPool
-from kvpush.peers.handshakes import HandshakeManager, PeerConn
+from kvpush.peers.handshakes import PeerConn
 from kvpush.prefill.acks import OwedAcks
+from kvpush.prefill.context import WriterContext
 from kvpush.prefill.limits import MAX_DECLINED_IDS
 from kvpush.prefill.table import (
     AwaitingHandshake,
@@ -24,7 +24,6 @@ from kvpush.prefill.table import (
     Leg,
     Push,
     PushOutcome,
-    PushTable,
     Registered,
     Registration,
     Waiting,
@@ -36,10 +35,8 @@ from kvpush.runtime.decline import Decliner
 from kvpush.runtime.inbox import Inbox
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.names import Counter, Failure
-from kvpush.telemetry.store import Telemetry
-from kvpush.transport.agent import Agent, TransferError
+from kvpush.transport.agent import TransferError
 from kvpush.wire import protocol
-from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
@@ -51,37 +48,25 @@ ACK_RETRY_S = 1.0
 class Outcomes:
     def __init__(
         self,
-        agent: Agent,
-        pool: KvPool,
-        table: PushTable,
-        handshakes: HandshakeManager,
-        codec: Codec,
-        telemetry: Telemetry,
+        ctx: WriterContext,
         owner: OwnerThread,
         tasks: Inbox[Callable[[], None]],
-        on_outcome: Callable[[PushOutcome], None],
         decliner: Decliner | None = None,
     ) -> None:
-        self._agent = agent
-        self._pool = pool
-        self.table = table
-        self._hs = handshakes
-        self._codec = codec
-        self._tm = telemetry
-        self._owner = owner
-        self._tasks = tasks
-        self._on_outcome = on_outcome
+        self._ctx = ctx
+        self._codec = ctx.codec
         self._decliner = decliner
         self._rl = RateLimitedLog(log)
-        self.acks = OwedAcks(handshakes, owner, tasks, telemetry, self.notify, ACK_RETRY_S)
+        # A cancel acknowledged once its handshake is up comes back through ``tasks``.
+        self.acks = OwedAcks(ctx, owner, tasks, self.notify, ACK_RETRY_S)
 
     def fail(self, push: Push, reason: Failure, detail: str) -> None:
         """A push that fails before any of its WRITEs was posted: every target D rank is told,
         P's blocks go back (nothing can have moved)."""
-        st = self.table.get(push.key)
+        st = self._ctx.table.get(push.key)
         if isinstance(st, AwaitingHandshake) and st.push.finished is push.finished:
-            self.table.pop(push.key)
-        self._tm.fail(reason)
+            self._ctx.table.pop(push.key)
+        self._ctx.telemetry.fail(reason)
         self._rl.warning(str(reason), "push %s failed (%s): %s", push.key, reason, detail)
         for r in push.registrations:
             self.tell(r, None, reason, detail, may_have_written=False)
@@ -90,19 +75,19 @@ class Outcomes:
     def fail_leg(self, leg: Leg, reason: Failure, detail: str, may_have_written: bool) -> None:
         """One WRITE of a push will not complete normally: its D rank is told; the push's
         blocks are settled when its last leg ends (``settle``)."""
-        self._tm.fail(reason)
+        self._ctx.telemetry.fail(reason)
         self._rl.warning(str(reason), "push %s failed (%s): %s", leg.push.key, reason, detail)
         leg.writing.failed[leg.d_rank] = (reason, may_have_written)
         self.tell(leg.registration, leg.conn, reason, detail, may_have_written)
 
     def settle(self, push: Push, reason: str, detail: str, *, quarantine: bool) -> None:
         """A failed push is over: count it once, report it, quarantine or free its blocks."""
-        self._tm.inc(Counter.PUSHES_FAILED)
-        self._on_outcome(PushOutcome(push.finished.transfer_id, False, reason, detail))
+        self._ctx.telemetry.inc(Counter.PUSHES_FAILED)
+        self._ctx.report(PushOutcome(push.finished.transfer_id, False, reason, detail))
         if quarantine:
-            self._pool.allocator.quarantine(push.key, reason)
+            self._ctx.pool.allocator.quarantine(push.key, reason)
         else:
-            self._pool.allocator.release(push.key)
+            self._ctx.pool.allocator.release(push.key)
 
     def tell(
         self,
@@ -112,16 +97,9 @@ class Outcomes:
         detail: str,
         may_have_written: bool,
     ) -> None:
-        conn = conn or self._hs.get(peer_of(r))
-        told = conn is not None and self.notify(
-            conn,
-            protocol.Failure(
-                request_id=r.reg.request_id,
-                transfer_id=r.reg.transfer_id,
-                reason=reason,
-                detail=detail[:1000],
-                may_have_written=may_have_written,
-            ),
+        conn = conn or self._ctx.handshakes.get(peer_of(r))
+        told = conn is not None and self._notify_failure(
+            conn, r, reason, detail[:1000], may_have_written
         )
         if not told and conn is not None and not may_have_written:
             # The transport to D is gone (the notification failed too): tell D over its side
@@ -134,36 +112,41 @@ class Outcomes:
         if not self._codec.carries(msg):
             return False
         try:
-            self._agent.send_notif(conn.agent_name, self._codec.encode(msg))
+            self._ctx.agent.send_notif(conn.agent_name, self._codec.encode(msg))
             return True
         except TransferError as e:
             self._rl.warning("notify", "notification to %s failed: %s", conn.address, e)
             if not conn.evicted:  # counted and degraded; the next WRITE error evicts it
-                self._hs.transport_error(conn.key, e)
+                self._ctx.handshakes.transport_error(conn.key, e)
             return False
 
     def stopping(self, reason: Failure, detail: str) -> None:
         """This P rank writes nothing more: a request-less ``Failure`` to every connected D
         (kvpush's wire only; vLLM's has no such form and sees P's agent go)."""
         note = protocol.Failure(request_id="", transfer_id="", reason=reason, detail=detail)
-        for conn in self._hs.connected():
+        for conn in self._ctx.handshakes.connected():
             self.notify(conn, note)
 
     def refuse_registration(self, r: Registration, reason: Failure, detail: str) -> None:
         """Tell D (when connected) that a registration that never met its blocks is dropped;
         nothing was written, so D can free its blocks at once."""
-        conn = self._hs.get(peer_of(r))
-        told = conn is not None and self.notify(
-            conn,
-            protocol.Failure(
-                request_id=r.reg.request_id,
-                transfer_id=r.reg.transfer_id,
-                reason=reason,
-                detail=detail,
-            ),
-        )
+        conn = self._ctx.handshakes.get(peer_of(r))
+        told = conn is not None and self._notify_failure(conn, r, reason, detail, False)
         if not told:
             self.decline(r, reason, detail)
+
+    def _notify_failure(
+        self, conn: PeerConn, r: Registration, reason: Failure, detail: str, may_have_written: bool
+    ) -> bool:
+        """Tell ``r``'s D rank over NIXL that its request failed; False when not sent."""
+        note = protocol.Failure(
+            request_id=r.reg.request_id,
+            transfer_id=r.reg.transfer_id,
+            reason=reason,
+            detail=detail,
+            may_have_written=may_have_written,
+        )
+        return self.notify(conn, note)
 
     def decline(self, r: Registration, reason: str, detail: str) -> None:
         """Tell a registration's D over its side channel (no NIXL connection needed) that P
@@ -191,28 +174,28 @@ class Outcomes:
         Only the agent that sent the registration may cancel it (a PUSH_REG always precedes its
         Cancel on the same connection): a Cancel from anyone else is counted as forged."""
         key = msg.transfer_id or msg.request_id
-        st = self.table.get(key)
-        owners = self.table.senders(key)
+        st = self._ctx.table.get(key)
+        owners = self._ctx.table.senders(key)
         if (owners and sender not in owners) or (not owners and isinstance(st, Waiting)):
             # Not its D, or blocks waiting that nobody registered.
-            self._tm.fail(Failure.FORGED_NOTIF)
+            self._ctx.telemetry.fail(Failure.FORGED_NOTIF)
             self._rl.warning("forged", "ignored a Cancel for %s from %s (not its D)", key, sender)
             return
         if isinstance(st, Waiting):
             # Some of its D ranks registered, P's blocks are here, nothing was written yet.
-            self.table.pop(key)
-            self._pool.allocator.release(key)
-            self._on_outcome(
+            self._ctx.table.pop(key)
+            self._ctx.pool.allocator.release(key)
+            self._ctx.report(
                 PushOutcome(st.finished.transfer_id, False, Failure.CANCELLED, "cancelled by D")
             )
             self.ack_cancel(msg, sender)
         elif isinstance(st, Registered):
             # P has not finished its blocks yet: free them when they do, instead of holding
             # them until their lease lapses (a burst of aborts exhausted P).
-            if self.table.count(CancelledEarly) < MAX_EARLY_CANCELS:
-                self.table.cancel_early(key, time.monotonic())
+            if self._ctx.table.count(CancelledEarly) < MAX_EARLY_CANCELS:
+                self._ctx.table.cancel_early(key, time.monotonic())
             else:
-                self.table.pop(key)
+                self._ctx.table.pop(key)
             self.ack_cancel(msg, sender)
         elif isinstance(st, AwaitingHandshake):
             st.cancelled = True  # dropped (and acknowledged) when its handshake returns
@@ -233,12 +216,12 @@ class Outcomes:
             detail="cancel acknowledged; nothing was written",
             may_have_written=False,
         )
-        conn = self._hs.by_agent(sender)
+        conn = self._ctx.handshakes.by_agent(sender)
         if conn is not None:
             self.notify(conn, ack)
             return
         if not msg.decode_port:
-            self._tm.fail(Failure.CANCEL_UNACKNOWLEDGED)
+            self._ctx.telemetry.fail(Failure.CANCEL_UNACKNOWLEDGED)
             return
         # Owed until a connection is up: handshakes again if one fails (kvpush.prefill.acks).
         self.acks.add((msg.decode_host, msg.decode_port, msg.decode_tp_rank), ack)

@@ -11,9 +11,13 @@ are in flight and backs off when idle: with NIXL's progress thread off, this pol
 Never blocking on the network. When the P->D handshake is not ready, the handshake-wait strategy
 (``kvpush.prefill.strategy``) parks the push and returns; ``Instruments.writer`` waits instead,
 for comparison only. A transfer's whole state is one typed entry of the ``PushTable``. This
-module decides *what* to write and when (matching, TP ranks, handshakes, declines, shutdown);
-posting the WRITEs, polling them and ending each exactly once is ``kvpush.prefill.legs``;
-which D ranks a PUSH_REG stands for is ``kvpush.prefill.ranks``.
+module decides *what* to write and when (matching, TP ranks, handshakes and the one
+incarnation check, declines, evictions, which WRITEs to poll when, shutdown); posting the
+WRITEs, polling one and ending each exactly once is ``kvpush.prefill.legs``; which D ranks a
+PUSH_REG stands for is ``kvpush.prefill.ranks``. The collaborators (``Outcomes``, ``Fences``,
+``Legs``) share one ``WriterContext`` (``kvpush.prefill.context``) and never call back up: what
+the writer must act on (a peer to evict, blocks to wait again) comes back as an event
+(``kvpush.prefill.events``) that ``_dispatch`` acts on.
 
 Every failure goes through ``Outcomes.fail`` (``kvpush.prefill.outcomes``: count, rate-limited
 log, Failure notification to D, blocks released or quarantined). P's blocks return to the pool
@@ -35,6 +39,8 @@ from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone, PeerKey
 from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
+from kvpush.prefill.context import WriterContext
+from kvpush.prefill.events import Event, EvictPeer
 from kvpush.prefill.fences import Fences
 from kvpush.prefill.legs import Legs
 from kvpush.prefill.limits import MAX_PENDING_REGISTRATIONS
@@ -108,40 +114,14 @@ class PushWriter:
             if instruments.writer == WriterMode.BLOCKING
             else DeferredWait(self.table, owner, lambda: self.deferred, self._lost)
         )
-        self._geom = LocalGeometry(pool.cfg.num_blocks, pool.cfg.regions, pool.cfg.block_bytes)
-        self._out = Outcomes(
-            agent,
-            pool,
-            self.table,
-            handshakes,
-            codec,
-            telemetry,
-            owner,
-            self.tasks,
-            self._on_outcome,
-            decliner,
+        geom = LocalGeometry(pool.cfg.num_blocks, pool.cfg.regions, pool.cfg.block_bytes)
+        ctx = WriterContext(
+            cfg, agent, pool, self.table, handshakes, codec, telemetry, geom, self._on_outcome
         )
-        self._fences = Fences(
-            agent, pool, self.table, handshakes, codec, telemetry, self._geom, t.fence_s
-        )
+        self._out = Outcomes(ctx, owner, self.tasks, decliner)
+        self._fences = Fences(ctx)
+        self._legs = Legs(ctx, self._out, self._fences)
         self._rl = RateLimitedLog(log)
-        self._legs = Legs(
-            cfg,
-            agent,
-            pool,
-            self.table,
-            codec,
-            telemetry,
-            self._out,
-            self._fences,
-            self._on_outcome,
-            self._evict,
-            self._on_finished,
-            self._geom,
-            self._rl,
-            self._vllm,
-            handshakes=handshakes,
-        )
         self._n_finished = 0
         self._next_idle = 0.0
         self._ranks = RankRouter(cfg.tp_rank, cfg.tp_size, self._vllm, t.request_deadline_s)
@@ -153,7 +133,45 @@ class PushWriter:
 
     def poll(self) -> int:
         n = drain_notifications(self._agent, self._codec, self._tm, self._rl, self._on_notif)
-        return n + self._legs.poll()
+        return n + self._poll_legs() if self.table.has_inflight() else n
+
+    def _poll_legs(self) -> int:
+        """Each peer's WRITEs oldest first, up to the first one still in progress: WRITEs on one
+        connection complete in order, so a pass costs one ``check_xfer_state`` per busy peer,
+        not one per WRITE (the raw loop's way). ``housekeeping`` polls them all, so an
+        out-of-order completion waits at most one housekeeping period, and every deadline is
+        enforced there; the oldest one's deadline here too. A peer to evict is evicted at once,
+        before its queue is looked at again (the eviction ends its other WRITEs)."""
+        n = 0
+        now = time.monotonic()
+        for q in self.table.queues():
+            while q:
+                entry = next(iter(q.values()))
+                ended = self._legs.check(entry, now)
+                if ended is None:
+                    break
+                if isinstance(ended, EvictPeer):
+                    self._dispatch(ended)
+                if q and next(iter(q.values())) is entry:
+                    break
+                n += 1
+        return n
+
+    def _sweep(self, now: float) -> None:
+        """Poll every in-flight WRITE and fence, and enforce every deadline."""
+        for entry in self.table.inflight():
+            # (an earlier entry's eviction may have ended this one meanwhile)
+            if self.table.tracks(entry):
+                ended = self._legs.check(entry, now)
+                if isinstance(ended, EvictPeer):
+                    self._dispatch(ended)
+
+    def _dispatch(self, event: Event) -> None:
+        """Act on what a collaborator returned (``kvpush.prefill.events``)."""
+        if isinstance(event, EvictPeer):
+            self._evict(event.key, event.reason, True if event.soft else Failure.PEER_DEAD)
+        else:  # Rewait: a forged PUSH_REG was refused; the blocks wait for the real one
+            self._on_finished(event.finished)
 
     def pending(self) -> bool:
         return self.table.has_inflight()
@@ -170,7 +188,7 @@ class PushWriter:
 
     def housekeeping(self, now: float) -> None:
         if self.table.has_inflight():
-            self._legs.sweep(now)
+            self._sweep(now)
         fins, regs = self.table.expire(now)
         for f in fins:
             self._tm.fail(Failure.LEASE_EXPIRED)
@@ -336,38 +354,13 @@ class PushWriter:
         conns: dict[int, PeerConn] = {}
         pending: Future[PeerConn] | None = None
         for r in push.registrations:
-            reg, key = r.reg, peer_of(r)
-            conn = self._hs.get(key)
-            if (
-                conn is not None
-                and reg.decode_incarnation
-                and conn.metadata.incarnation != reg.decode_incarnation
-            ):
-                arrived_wall = time.time() - (time.monotonic() - r.t_arrived)
-                if conn.connected_at > arrived_wall:
-                    # We connected to this incarnation after the PUSH_REG arrived: it comes
-                    # from an incarnation that has since died. Evicting the live one would
-                    # fail its pushes; writing would hit blocks that belong to someone else.
-                    self._out.fail(
-                        push, Failure.STALE_REGISTRATION, "D restarted after this PUSH_REG"
-                    )
-                    return
-                # D restarted at the same address: forget the old incarnation first.
-                self._evict(
-                    key, f"new incarnation {reg.decode_incarnation}", Failure.PEER_RESTARTED
-                )
-                conn = None
-            if conn is None or conn.remote_dlist is None:
-                hint = PeerHint(reg.decode_engine_id, reg.decode_tp_size, role="decode")
-                fut = self._hs.ensure(key, HandshakeMode.FULL, hint)
-                if fut is not None:
-                    pending = pending or fut
-                    continue
-                conn = self._hs.get(key)
-                if conn is None or conn.remote_dlist is None:
-                    self._out.fail(push, Failure.HANDSHAKE_FAILED, "peer not connected")
-                    return
-            conns[reg.decode_tp_rank] = conn
+            got = self._connection(push, r)
+            if got is None:
+                return  # the push failed (D told)
+            if isinstance(got, Future):
+                pending = pending or got
+            else:
+                conns[r.reg.decode_tp_rank] = got
         if pending is not None:
             if push.attempt >= 3 + len(push.registrations):
                 self._out.fail(push, Failure.HANDSHAKE_FAILED, "peer kept disconnecting")
@@ -380,7 +373,37 @@ class PushWriter:
                 return
             self._start_push(push.retry())  # blocking wait: another target may be pending
             return
-        self._legs.start(push, conns)
+        events = self._legs.start(push, conns)
+        if events:  # (the hot path returns the shared empty tuple: nothing to iterate)
+            for event in events:
+                self._dispatch(event)
+
+    def _connection(
+        self, push: Push, r: Registration, again: bool = False
+    ) -> PeerConn | Future[PeerConn] | None:
+        """The full connection ``r``'s leg is written on, of the incarnation that registered;
+        the handshake's future while it runs; None when the push failed (D told)."""
+        key = peer_of(r)
+        conn = self._hs.get(key)
+        if again and (conn is None or conn.remote_dlist is None):
+            # The handshake said connected, yet there is no full connection.
+            self._out.fail(push, Failure.HANDSHAKE_FAILED, "peer not connected")
+            return None
+        if conn is not None and not _current(r, conn):
+            if again or conn.connected_at > time.time() - (time.monotonic() - r.t_arrived):
+                # We connected to this incarnation after the PUSH_REG arrived (``again``: just
+                # now): it comes from an incarnation that has since died. Evicting the live one
+                # would fail its pushes; writing would hit blocks that belong to someone else.
+                self._out.fail(push, Failure.STALE_REGISTRATION, "D restarted after this PUSH_REG")
+                return None
+            # D restarted at the same address: forget the old incarnation first.
+            self._evict(key, f"new incarnation {r.reg.decode_incarnation}", Failure.PEER_RESTARTED)
+            conn = None
+        if conn is not None and conn.remote_dlist is not None:
+            return conn
+        hint = PeerHint(r.reg.decode_engine_id, r.reg.decode_tp_size, role="decode")
+        fut = self._hs.ensure(key, HandshakeMode.FULL, hint)
+        return fut if fut is not None else self._connection(push, r, again=True)
 
     # ------------------------------------------------------------------ notifications
     def _on_notif(self, sender: str, msg: protocol.Notif) -> None:
@@ -488,6 +511,13 @@ class PushWriter:
         rank, after = self._instruments.crash_rank_after
         if rank == self.cfg.tp_rank and 0 < after <= self._n_finished:
             raise RankCrash(f"fault injection: rank {rank} crashed after {after} transfers")
+
+
+def _current(r: Registration, conn: PeerConn) -> bool:
+    """The one incarnation check: ``conn`` reaches the D incarnation that sent ``r`` (a
+    PUSH_REG without an incarnation matches any)."""
+    inc = r.reg.decode_incarnation
+    return not inc or conn.metadata.incarnation == inc
 
 
 def _call(task: Callable[[], None]) -> None:

@@ -1,0 +1,39 @@
+"""What P's writer and its collaborators share: one frozen context, built once per rank.
+
+``PushWriter`` builds a ``WriterContext`` and hands it to ``Outcomes``, ``Fences`` and
+``Legs`` instead of each taking the same long list of collaborators. Collaborators never call
+back up into the writer: what the writer must act on comes back as an event
+(``kvpush.prefill.events``). ``report`` is the outward sink of push outcomes (the role's
+watches), not a way back into the writer.
+
+Built on the thread that makes the writer; read only by the writer's owner thread after that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpush.config import EndpointConfig
+from kvpush.memory.pool import KvPool
+from kvpush.peers.handshakes import HandshakeManager
+from kvpush.prefill.plan import LocalGeometry
+from kvpush.prefill.table import PushOutcome, PushTable
+from kvpush.telemetry.store import Telemetry
+from kvpush.transport.agent import Agent
+from kvpush.wire.notifs import Codec
+
+
+@dataclass(frozen=True)
+class WriterContext:
+    """The collaborators of one P rank's writer (all owned elsewhere; shared, never replaced)."""
+
+    cfg: EndpointConfig
+    agent: Agent
+    pool: KvPool
+    table: PushTable
+    handshakes: HandshakeManager
+    codec: Codec
+    telemetry: Telemetry
+    geom: LocalGeometry
+    report: Callable[[PushOutcome], None]  # how each push ended, to whoever waits for it
