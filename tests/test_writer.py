@@ -25,6 +25,7 @@ from kvpush.errors import ShuttingDownError
 from kvpush.memory.allocator import BlockState
 from kvpush.memory.descriptors import xfer_indices
 from kvpush.memory.pool import KvPool
+from kvpush.peers.dialect import KvpushDialect
 from kvpush.peers.handshakes import HandshakeManager
 from kvpush.prefill.table import Finished, Registered, Registration, reg_key
 from kvpush.prefill.writer import PushWriter
@@ -130,8 +131,9 @@ def _make_rig(mode: WriterMode = WriterMode.DEFERRED) -> Rig:
     md = make_metadata("prefill", P_POOL, engine_id="p-test", incarnation=uuid.uuid4().hex)
     hs = HandshakeManager(agent, md, auth, cfg.timeouts, tm)  # type: ignore[arg-type]
     codec = NotifCodec(auth)
+    dialect = KvpushDialect(auth)
     owner = OwnerThread("push-writer", cfg.agent)
-    w = PushWriter(cfg, agent, pool, hs, codec, tm, owner)  # type: ignore[arg-type]
+    w = PushWriter(cfg, agent, pool, hs, codec, tm, owner, dialect=dialect)  # type: ignore[arg-type]
     owner.export_gauges(tm)
     # What the owner thread does before its first pass: tests run passes themselves.
     w.on_start()

@@ -20,6 +20,7 @@ from kvpush.config import EndpointConfig
 from kvpush.decode.completer import answered
 from kvpush.decode.requests import DRequest, RequestTable
 from kvpush.memory.pool import KvPool
+from kvpush.peers.dialect import Dialect
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
@@ -41,6 +42,7 @@ class Outcomes:
         metadata: protocol.EndpointMetadata,
         table: RequestTable,
         rl: RateLimitedLog,
+        dialect: Dialect,
     ) -> None:
         self.cfg = cfg
         self._agent = agent
@@ -50,6 +52,7 @@ class Outcomes:
         self._md = metadata
         self._table = table
         self._rl = rl
+        self._dialect = dialect  # whether P is told with a Cancel, or its lease is waited out
 
     def fail(
         self,
@@ -76,7 +79,8 @@ class Outcomes:
                 decode_port=self._md.port,
                 decode_tp_rank=self._md.tp_rank,
             )
-            if self._codec.carries(cancel):
+            held = self._dialect.abandoned_until(time.monotonic(), self.cfg.timeouts)
+            if held is None:
                 # Tell P to drop it; P's WRITE completion (or fence) tells us when bytes stop.
                 if notify_p:
                     data = self._codec.encode(cancel)
@@ -86,8 +90,7 @@ class Outcomes:
             else:
                 # vLLM's wire has no cancel and no fence: P may still WRITE until its lease,
                 # no longer renewed, runs out; only then are these blocks anybody's again.
-                t = self.cfg.timeouts
-                req.quarantine_until = time.monotonic() + t.lease_s + t.write_base_s
+                req.quarantine_until = held
         if live:
             req.outstanding = set(live)
             self._pool.allocator.quarantine(req.request_id, reason)

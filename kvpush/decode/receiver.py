@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvpush.address import format_address
-from kvpush.config import EndpointConfig, HandshakeMode, Wire
+from kvpush.config import EndpointConfig, HandshakeMode
 from kvpush.decode.completer import Completer
 from kvpush.decode.limits import QUARANTINE_REPORT_S
 from kvpush.decode.outcomes import Outcomes, failed_rep
@@ -29,6 +29,7 @@ from kvpush.decode.peers import PrefillPeers
 from kvpush.decode.requests import DRequest, DState, RequestTable
 from kvpush.errors import IncompatiblePeerError, NoFreeBlocksError
 from kvpush.memory.pool import KvPool
+from kvpush.peers.dialect import Dialect
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone, PeerKey
 from kvpush.peers.tp import check_ratio, sources
 from kvpush.peers.validation import handshake_failure
@@ -59,6 +60,8 @@ class Receiver:
         owner: OwnerThread,
         on_ping: Callable[[str, protocol.Ping], None] | None = None,
         peer_tp: dict[tuple[str, int], int] | None = None,
+        *,
+        dialect: Dialect,
     ) -> None:
         self.cfg = cfg
         # P's TP size by side-channel address, shared by this endpoint's ranks.
@@ -67,6 +70,7 @@ class Receiver:
         self._pool = pool
         self._hs = handshakes
         self._codec = codec
+        self._dialect = dialect
         self._tm = telemetry
         self._md = metadata
         self._completer = completer
@@ -79,7 +83,9 @@ class Receiver:
         self.declines = owner.inbox("decode-decline", 1 << 16, self._on_decline, self._item_failed)
         self.gone = owner.inbox("decode-gone", 1 << 10, self._on_gone, self._item_failed)
         self._rl = RateLimitedLog(log)
-        self._out = Outcomes(cfg, agent, pool, codec, telemetry, metadata, self.table, self._rl)
+        self._out = Outcomes(
+            cfg, agent, pool, codec, telemetry, metadata, self.table, self._rl, dialect
+        )
         self._peers = PrefillPeers(agent, handshakes, codec, telemetry, self.table, self._out)
         self._next_hb = 0.0
         self._next_idle = 0.0
@@ -294,7 +300,7 @@ class Receiver:
         newest = max(req.p_conns.values(), key=lambda c: c.connected_at)
         got = newest.metadata.tp_size
         # A vLLM router names P's TP size in the request (kv_transfer_params): that stands.
-        given = self.cfg.wire == Wire.VLLM and not req.tp_cached
+        given = self._dialect.kv_transfer_params and not req.tp_cached
         if req.registered or req.relearns >= 2 or (given and got != assumed):
             other = req.p_conns[stale[0]].metadata.tp_size
             self._out.fail(

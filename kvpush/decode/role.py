@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpush.address import parse_address
-from kvpush.config import Wire
 from kvpush.decode.completer import Completer
 from kvpush.decode.limits import MAX_DELAYED_REQUESTS
 from kvpush.decode.outcomes import failed_rep
@@ -68,6 +67,7 @@ class DecodeRole:
             self.owner,
             on_ping=ctx.on_ping,
             peer_tp=ctx.peer_tp,
+            dialect=ctx.dialect,
         )
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -133,7 +133,7 @@ class DecodeRole:
         every rank's share, then frees them (``release_held``)."""
         p_addr = _parse_address(prefill_address)
         if vllm_params is not None:
-            if self.ctx.cfg.wire != Wire.VLLM:
+            if not self.ctx.dialect.kv_transfer_params:
                 fut0: Future[protocol.DecodeRep] = Future()
                 fut0.set_result(
                     protocol.DecodeRep(

@@ -31,7 +31,6 @@ from kvpush.fleet.store import Follow
 from kvpush.telemetry.health import Verdict
 from kvpush.telemetry.names import Failure
 from kvpush.telemetry.snapshot import Snapshot
-from kvpush.wire import protocol
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +71,7 @@ def endpoint_record(ep: Any, address: str, metrics_url: str = "") -> EndpointRec
     """What ``ep`` publishes (its load summary empty: the registrar fills it)."""
     cfg, md = ep.cfg, ep.metadata
     pool = cfg.pool
-    compat = cfg.vllm.compat_hash if cfg.vllm is not None else protocol.compat_hash(md)
+    compat = ep.dialect.compat_hash(md)
     return EndpointRecord(
         role=cfg.role,
         engine_id=cfg.engine_id,

@@ -17,12 +17,12 @@ housekeeping); nothing here blocks.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 
 from kvpush.config import EndpointConfig
 from kvpush.memory.pool import KvPool
+from kvpush.peers.dialect import Dialect
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerKey
 from kvpush.peers.tp import Slice
 from kvpush.prefill.fences import Fences
@@ -67,7 +67,7 @@ class Legs:
         rewait: Callable[[Finished], None],
         geom: LocalGeometry,
         rl: RateLimitedLog,
-        vllm: bool,
+        dialect: Dialect,
         handshakes: HandshakeManager | None = None,
     ) -> None:
         self.cfg = cfg
@@ -80,7 +80,7 @@ class Legs:
         self._fences = fences
         self._on_outcome = on_outcome
         self._evict_peer = evict_peer  # the writer's: forget the peer, end its legs (peer_gone)
-        self._vllm = vllm  # vLLM's wire: no WRITE deadline (no fence could end a late one)
+        self._dialect = dialect  # WRITE deadlines (vLLM's wire: none, no fence could end one)
         self._rewait = rewait  # a push whose PUSH_REG was forged: its blocks wait again
         self._geom = geom
         self._rl = rl
@@ -196,9 +196,7 @@ class Legs:
             if self._transport_error(conn, e):
                 self._evict_peer(conn.key, f"WRITE post failed: {e.status}", _soft(e))
             return
-        deadline = (
-            math.inf if self._vllm else t_post + self.cfg.timeouts.write_deadline_s(plan.nbytes)
-        )
+        deadline = self._dialect.write_deadline(t_post, plan.nbytes, self.cfg.timeouts)
         leg = Leg(w, r, xfer, conn, t_post, deadline, plan.nbytes)
         w.t_posted = t_post
         self._table.leg_posted(leg)

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from kvpush.config import EndpointConfig
 from kvpush.memory.pool import KvPool
+from kvpush.peers.dialect import Dialect
 from kvpush.peers.handshakes import HandshakeManager, PeerGone
 from kvpush.runtime.decline import Decliner
 from kvpush.runtime.owner import OwnerThread
@@ -31,7 +32,9 @@ class EndpointContext:
     agent: NixlAgent
     pool: KvPool
     handshakes: HandshakeManager
-    codec: Codec
+    codec: Codec  # the dialect's
+    # The wire the endpoint speaks (keys, deadlines, ranks, handshakes): asked, never tested.
+    dialect: Dialect
     telemetry: Telemetry
     metadata: protocol.EndpointMetadata
     # Ping notifications are the endpoint's business; the role's owner thread hands them over.
