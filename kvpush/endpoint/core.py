@@ -100,8 +100,7 @@ class Endpoint(Generic[R, G]):
         peer_tp: dict[tuple[str, int], int] = {}
         self.ranks: list[Rank[R]] = []
         # vLLM's wire has no such message: a vLLM peer would drop the connection on it.
-        # The wire this endpoint speaks, chosen once: its ranks and its side channel ask it.
-        self.dialect = dialect_for(cfg, self.auth)
+        self.dialect = dialect_for(cfg, self.auth)  # the wire, chosen once: ranks share it
         self.decliner = Decliner(self.auth, cfg.timeouts) if self.dialect.declines else None
         with contextlib.ExitStack() as undo:
             undo.callback(self._control.shutdown, wait=False, cancel_futures=True)

@@ -1,10 +1,10 @@
 """What an endpoint hands its role: the shared resources, built complete, and the role contract.
 
 The endpoint core (``kvpush.endpoint``) builds every shared resource before any role exists --
-pool, NIXL agent, handshake manager, codec, telemetry, its own metadata -- and passes them in one
-``EndpointContext``; the role (P's ``PrefillRole``, D's ``DecodeRole``) owns its ``OwnerThread``
-and serves its side-channel requests. Composition, not a template: roles never import the
-endpoint, and nothing here is Optional until some start() ran.
+pool, NIXL agent, handshake manager, the wire's dialect and its codec, telemetry, its own
+metadata -- and passes them in one ``EndpointContext``; the role (P's ``PrefillRole``, D's
+``DecodeRole``) owns its ``OwnerThread`` and serves its side-channel requests. Composition, not
+a template: roles never import the endpoint, and nothing here is Optional until some start() ran.
 """
 
 from __future__ import annotations
