@@ -419,6 +419,7 @@ class HandshakeManager:
         }
         if from_etcd:
             timings["etcd_load_s"] = t2 - t1  # the agent came from NIXL's etcd backend
+        rtt = t1 - t0
         return PeerConn(
             key=key,
             metadata=md,
@@ -427,7 +428,7 @@ class HandshakeManager:
             remote_dlist=dlist,
             timings=timings,
             write=sl,
-            rtt_s=t1 - t0,
+            rtt_s=rtt,
             clock_offset_s=clock_offset,
         )
 
