@@ -374,22 +374,11 @@ class HandshakeManager:
         the remote descriptor list (full mode) and warm the connection; undone on failure.
         ``t0``/``t1``: when the side-channel fetch began and ended."""
         md, peer = got.metadata, peer_name(key)
-        p_tp, d_tp = (
-            (self._local.tp_size, md.tp_size)
-            if self._local.role == "prefill"
-            else (md.tp_size, self._local.tp_size)
-        )
+        p_tp, d_tp = self._tp_sizes(md)
         check_ratio(p_tp, d_tp, peer)
         if time.monotonic() > deadline:
             raise HandshakeError(peer, f"deadline of {self._timeouts.handshake_s:g}s passed")
-        # --nixl-metadata etcd: the agent comes from NIXL's etcd backend, not the answer (a
-        # vLLM peer's names no agent: it always comes from the answer).
-        from_etcd = self._agent.etcd_metadata and bool(md.agent_name)
-        if from_etcd:
-            left = max(0.1, deadline - time.monotonic())
-            name = self._agent.fetch_remote(md.agent_name, left)
-        else:
-            name = self._agent.add_remote(got.agent_metadata)
+        name, from_etcd = self._add_agent(got, deadline)
         t2 = time.perf_counter()
         dlist: DList | None = None
         sl: Slice | None = None  # P -> D full: this rank's part of each of D's pages
@@ -431,6 +420,22 @@ class HandshakeManager:
             rtt_s=rtt,
             clock_offset_s=clock_offset,
         )
+
+    def _tp_sizes(self, md: protocol.EndpointMetadata) -> tuple[int, int]:
+        """(P's TP size, D's TP size) of this endpoint and the peer ``md`` describes."""
+        if self._local.role == "prefill":
+            return self._local.tp_size, md.tp_size
+        return md.tp_size, self._local.tp_size
+
+    def _add_agent(self, got: Fetched, deadline: float) -> tuple[str, bool]:
+        """Load the peer's agent from its answer, or with --nixl-metadata etcd from NIXL's etcd
+        backend (a vLLM peer's answer names no agent: it always comes from the answer); its
+        name, and whether it came from etcd."""
+        md = got.metadata
+        if self._agent.etcd_metadata and md.agent_name:
+            left = max(0.1, deadline - time.monotonic())
+            return self._agent.fetch_remote(md.agent_name, left), True
+        return self._agent.add_remote(got.agent_metadata), False
 
     def _write_slice(
         self, md: protocol.EndpointMetadata, p_tp: int, d_tp: int, peer: str
