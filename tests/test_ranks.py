@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from kvpush.config import VllmWireConfig
+from kvpush.peers.dialect import Dialect, KvpushDialect, VllmDialect
 from kvpush.prefill.ranks import RankRouter, Refused, Routed
 from kvpush.prefill.table import Registration
 from kvpush.wire import protocol
+from kvpush.wire.auth import Authenticator
+
+KVPUSH: Dialect = KvpushDialect(Authenticator(None))
+VLLM: Dialect = VllmDialect(VllmWireConfig(compat_hash="0" * 64))
 
 
 def _reg(d_rank: int, d_tp: int, rid: str = "r1", sender: str = "d#0") -> Registration:
@@ -38,7 +44,7 @@ def _reg(d_rank: int, d_tp: int, rid: str = "r1", sender: str = "d#0") -> Regist
 def test_kvpush_wire_routes_the_named_rank(
     p_rank: int, p_tp: int, d_rank: int, d_tp: int, expected: int
 ) -> None:
-    got = RankRouter(p_rank, p_tp, vllm=False, ttl_s=60).route(_reg(d_rank, d_tp), 0.0)
+    got = RankRouter(p_rank, p_tp, KVPUSH, ttl_s=60).route(_reg(d_rank, d_tp), 0.0)
     assert isinstance(got, Routed) and got.expected == expected
     assert [r.reg.decode_tp_rank for r in got.registrations] == [d_rank]
     assert not got.registrations[0].any_rank
@@ -56,7 +62,8 @@ def test_kvpush_wire_routes_the_named_rank(
 )
 def test_other_ranks_are_refused(p_rank: int, p_tp: int, d_rank: int, d_tp: int) -> None:
     for vllm in (False, True):
-        got = RankRouter(p_rank, p_tp, vllm=vllm, ttl_s=60).route(_reg(d_rank, d_tp), 0.0)
+        dialect = VLLM if vllm else KVPUSH
+        got = RankRouter(p_rank, p_tp, dialect, ttl_s=60).route(_reg(d_rank, d_tp), 0.0)
         if vllm and not (p_tp % d_tp and d_tp % p_tp):
             continue  # vLLM's PUSH_REG names no rank: it is never "the wrong one"
         assert got == Refused(d_rank, d_tp)
@@ -65,13 +72,13 @@ def test_other_ranks_are_refused(p_rank: int, p_tp: int, d_rank: int, d_tp: int)
 def test_vllm_wire_one_target_takes_that_rank() -> None:
     """P_tp = 2 D_tp: vLLM's PUSH_REG says rank 0 (it has no field); P rank 3 of 4 writes D
     rank 1 of 2 and routes it there."""
-    got = RankRouter(3, 4, vllm=True, ttl_s=60).route(_reg(0, 2), 0.0)
+    got = RankRouter(3, 4, VLLM, ttl_s=60).route(_reg(0, 2), 0.0)
     assert isinstance(got, Routed) and got.expected == 1
     assert [r.reg.decode_tp_rank for r in got.registrations] == [1]
 
 
 def test_vllm_wire_fan_out_stands_for_every_rank_once() -> None:
-    router = RankRouter(1, 2, vllm=True, ttl_s=10)  # P rank 1 of 2, D at 4: D ranks 2 and 3
+    router = RankRouter(1, 2, VLLM, ttl_s=10)  # P rank 1 of 2, D at 4: D ranks 2 and 3
     first = router.route(_reg(0, 4, sender="d#2"), 0.0)
     assert isinstance(first, Routed) and first.expected == 2
     assert [r.reg.decode_tp_rank for r in first.registrations] == [2, 3]

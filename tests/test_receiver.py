@@ -28,6 +28,7 @@ from kvpush.decode.order import DecodeOrder
 from kvpush.decode.role import DecodeRole
 from kvpush.memory.allocator import BlockState
 from kvpush.memory.pool import KvPool
+from kvpush.peers.dialect import KvpushDialect
 from kvpush.peers.handshakes import HandshakeManager
 from kvpush.runtime.context import EndpointContext
 from kvpush.telemetry.store import Telemetry
@@ -139,6 +140,7 @@ def _make_rig(handshake: HandshakeMode = HandshakeMode.NOTIF, tp_size: int = 1) 
     )
     hs = HandshakeManager(agent, md, auth, cfg.timeouts, tm)
     codec = NotifCodec(auth)
+    dialect = KvpushDialect(auth)
     control = ThreadPoolExecutor(1)
     ctx = EndpointContext(
         cfg=cfg,
@@ -146,6 +148,7 @@ def _make_rig(handshake: HandshakeMode = HandshakeMode.NOTIF, tp_size: int = 1) 
         pool=pool,
         handshakes=hs,
         codec=codec,
+        dialect=dialect,
         telemetry=tm,
         metadata=md,
         on_ping=lambda sender, msg: None,

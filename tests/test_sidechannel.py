@@ -55,7 +55,7 @@ class Server:
             self.handle,
             Authenticator(token),
             max_frame_bytes=max_frame_bytes,
-            vllm_handler=lambda pp, tp: self.vllm(pp, tp) if self.vllm else [],
+            get_meta=lambda pp, tp: self.vllm(pp, tp) if self.vllm else [],
             on_reject=self.rejects.append,
         )
         self.srv.start()

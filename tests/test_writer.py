@@ -28,6 +28,7 @@ from kvpush.instruments import Instruments, WriterMode
 from kvpush.memory.allocator import BlockState
 from kvpush.memory.descriptors import xfer_indices
 from kvpush.memory.pool import KvPool
+from kvpush.peers.dialect import KvpushDialect
 from kvpush.peers.handshakes import HandshakeManager
 from kvpush.prefill.acks import MAX_ATTEMPTS
 from kvpush.prefill.table import Finished, Registered, Registration, reg_key
@@ -141,8 +142,19 @@ def _make_rig(mode: WriterMode = WriterMode.DEFERRED) -> Rig:
     md = make_metadata("prefill", P_POOL, engine_id="p-test", incarnation=uuid.uuid4().hex)
     hs = HandshakeManager(agent, md, auth, cfg.timeouts, tm)
     codec = NotifCodec(auth)
+    dialect = KvpushDialect(auth)
     owner = OwnerThread("push-writer", cfg.agent)
-    w = PushWriter(cfg, agent, pool, hs, codec, tm, owner, instruments=Instruments(writer=mode))
+    w = PushWriter(
+        cfg,
+        agent,
+        pool,
+        hs,
+        codec,
+        tm,
+        owner,
+        instruments=Instruments(writer=mode),
+        dialect=dialect,
+    )
     owner.export_gauges(tm)
     # What the owner thread does before its first pass: tests run passes themselves.
     w.on_start()

@@ -22,6 +22,7 @@ from kvpush.config import EndpointConfig
 from kvpush.decode.completer import answered
 from kvpush.decode.requests import Abandoned, DRequest, RequestTable, Waiting
 from kvpush.memory.pool import KvPool
+from kvpush.peers.dialect import Dialect
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
@@ -42,6 +43,7 @@ class Outcomes:
         telemetry: Telemetry,
         metadata: protocol.EndpointMetadata,
         table: RequestTable,
+        dialect: Dialect,
     ) -> None:
         self.cfg = cfg
         self._agent = agent
@@ -51,6 +53,7 @@ class Outcomes:
         self._md = metadata
         self._table = table
         self._rl = RateLimitedLog(log)
+        self._dialect = dialect  # whether P is told with a Cancel, or its lease is waited out
 
     def fail(
         self,
@@ -79,7 +82,8 @@ class Outcomes:
                 decode_port=self._md.port,
                 decode_tp_rank=self._md.tp_rank,
             )
-            if self._codec.carries(cancel):
+            held = self._dialect.abandoned_until(time.monotonic(), self.cfg.timeouts)
+            if held is None:
                 # Tell P to drop it; P's WRITE completion (or fence) tells us when bytes stop.
                 if notify_p:
                     data = self._codec.encode(cancel)
@@ -89,8 +93,7 @@ class Outcomes:
             else:
                 # vLLM's wire has no cancel and no fence: P may still WRITE until its lease,
                 # no longer renewed, runs out; only then are these blocks anybody's again.
-                t = self.cfg.timeouts
-                until = time.monotonic() + t.lease_s + t.write_base_s
+                until = held
         if live:
             self._pool.allocator.quarantine(req.request_id, reason)
             self._table.abandon(w, live, until)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvpush.address import format_address
-from kvpush.config import EndpointConfig, HandshakeMode, Wire
+from kvpush.config import EndpointConfig, HandshakeMode
 from kvpush.decode.completer import Completer
 from kvpush.decode.outcomes import Outcomes, failed_rep
 from kvpush.decode.peers import PrefillPeers
@@ -37,6 +37,7 @@ from kvpush.decode.requests import (
 from kvpush.errors import IncompatiblePeerError, NoFreeBlocksError
 from kvpush.instruments import NO_INSTRUMENTS, Instruments
 from kvpush.memory.pool import KvPool
+from kvpush.peers.dialect import Dialect
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone, PeerKey
 from kvpush.peers.tp import check_ratio, sources
 from kvpush.peers.validation import handshake_failure
@@ -68,6 +69,8 @@ class Receiver:
         on_ping: Callable[[str, protocol.Ping], None] | None = None,
         peer_tp: dict[tuple[str, int], int] | None = None,
         instruments: Instruments = NO_INSTRUMENTS,
+        *,
+        dialect: Dialect,
     ) -> None:
         self.cfg = cfg
         self._instruments = instruments
@@ -77,6 +80,7 @@ class Receiver:
         self._pool = pool
         self._hs = handshakes
         self._codec = codec
+        self._dialect = dialect
         self._tm = telemetry
         self._md = metadata
         self._completer = completer
@@ -89,7 +93,7 @@ class Receiver:
         self.declines = owner.inbox("decode-decline", 1 << 16, self._on_decline, self._item_failed)
         self.gone = owner.inbox("decode-gone", 1 << 10, self._on_gone, self._item_failed)
         self._rl = RateLimitedLog(log)
-        self._out = Outcomes(cfg, agent, pool, codec, telemetry, metadata, self.table)
+        self._out = Outcomes(cfg, agent, pool, codec, telemetry, metadata, self.table, dialect)
         self._peers = PrefillPeers(agent, handshakes, codec, telemetry, self.table, self._out)
         self._next_hb = 0.0
         self._next_idle = 0.0
@@ -323,7 +327,7 @@ class Receiver:
         newest = max(ranks.conns.values(), key=lambda c: c.connected_at)
         got = newest.metadata.tp_size
         # A vLLM router names P's TP size in the request (kv_transfer_params): that stands.
-        given = self.cfg.wire == Wire.VLLM and not ranks.tp_cached
+        given = self._dialect.kv_transfer_params and not ranks.tp_cached
         if w.registered or ranks.relearns >= 2 or (given and got != assumed):
             other = ranks.conns[stale[0]].metadata.tp_size
             self._out.fail(

@@ -20,7 +20,6 @@ from concurrent.futures import Future
 import numpy as np
 
 from kvpush.address import parse_address
-from kvpush.config import Wire
 from kvpush.decode.completer import Completer
 from kvpush.decode.limits import MAX_DELAYED_REQUESTS
 from kvpush.decode.order import DecodeOrder
@@ -59,6 +58,7 @@ class DecodeRole:
             on_ping=ctx.on_ping,
             peer_tp=ctx.peer_tp,
             instruments=ctx.instruments,
+            dialect=ctx.dialect,
         )
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -103,7 +103,7 @@ class DecodeRole:
         with a ``DecodeRep`` (ok, or failed with a reason). See ``DecodeOrder`` for what each
         part of the order does."""
         p_addr = _parse_address(order.prefill_address)
-        if order.vllm_params is not None and self.ctx.cfg.wire != Wire.VLLM:
+        if order.vllm_params is not None and not self.ctx.dialect.kv_transfer_params:
             fut0: Future[protocol.DecodeRep] = Future()
             fut0.set_result(
                 protocol.DecodeRep(

@@ -10,20 +10,25 @@ vLLM's two-part form:
 * on vLLM's wire (``--wire vllm``) it is a real ``NixlHandshakePayload``: the configured
   compatibility hash and ``NixlAgentMetadata`` that passes vLLM's full validation, plus the
   kvpush key (wire ``vllm``), so kvpush tools still know who answered.
+
+What a served rank's answer carries is the endpoint's dialect's (``kvpush.peers.dialect``);
+who may be told anything (token, starting, rank) is decided here, the same for both wires.
 """
 
 from __future__ import annotations
 
 from kvpush import PROTOCOL_VERSION, __version__
-from kvpush.config import EndpointConfig, Wire
+from kvpush.peers.dialect import Dialect
 from kvpush.wire import protocol, vllm
 
 
-def _identity(md: protocol.EndpointMetadata, wire: Wire, error: str = "") -> vllm.KvpushIdentity:
+def _identity(
+    md: protocol.EndpointMetadata, dialect: Dialect, error: str = ""
+) -> vllm.KvpushIdentity:
     return vllm.KvpushIdentity(
         protocol=PROTOCOL_VERSION,
         version=__version__,
-        wire=wire.value,
+        wire=dialect.wire.value,
         role=md.role,
         engine_id=md.engine_id,
         incarnation=md.incarnation,
@@ -35,7 +40,7 @@ def _identity(md: protocol.EndpointMetadata, wire: Wire, error: str = "") -> vll
 
 def get_meta_payload(
     md: protocol.EndpointMetadata | None,
-    cfg: EndpointConfig,
+    dialect: Dialect,
     auth_enabled: bool,
     agent_md_full: bytes,
     ranks: tuple[int, int],
@@ -47,42 +52,23 @@ def get_meta_payload(
         return vllm.HandshakePayload("", b"", ident)
     if ranks != (0, md.tp_rank):
         error = f"rank ({ranks[0]}, {ranks[1]}) is not served here"
-        return vllm.HandshakePayload("", b"", _identity(md, cfg.wire, error))
-    if cfg.wire == Wire.KVPUSH or cfg.vllm is None:
-        return vllm.HandshakePayload(
-            "kvpush:" + protocol.compat_hash(md), b"", _identity(md, cfg.wire)
-        )
-    v = cfg.vllm
-    amd = vllm.build_agent_metadata(
-        engine_id=md.engine_id,
-        agent_metadata=agent_md_full,
-        base_addrs=list(md.region_base_addrs),
-        device_id=md.device_id,
-        num_blocks=md.num_blocks,
-        block_len=md.block_bytes,
-        kv_cache_layout=md.kv_layout,
-        block_size=v.block_size,
-        attn_backend_name=v.attn_backend_name,
-        region_names=list(v.region_names) if v.region_names else None,
-        mem_type=md.device_kind,
-    )
-    return vllm.HandshakePayload(v.compat_hash, amd, _identity(md, cfg.wire))
+        return vllm.HandshakePayload("", b"", _identity(md, dialect, error))
+    compat_hash, amd = dialect.answer(md, agent_md_full)
+    return vllm.HandshakePayload(compat_hash, amd, _identity(md, dialect))
 
 
-def refuse_handshake(cfg: EndpointConfig, req: protocol.HandshakeReq) -> protocol.ErrorRep | None:
+def refuse_handshake(
+    dialect: Dialect, tp_size: int, req: protocol.HandshakeReq
+) -> protocol.ErrorRep | None:
     """kvpush's own handshake is refused on vLLM's wire and for a rank this endpoint lacks."""
-    if cfg.wire == Wire.VLLM:
-        return protocol.ErrorRep(
-            rid=req.rid,
-            code="wrong_wire",
-            message="this endpoint speaks vLLM's push wire (--wire vllm)",
-            hint="handshake with it as a vLLM peer: start the other side with --wire vllm",
-        )
-    if req.tp_rank >= cfg.tp_size:
+    refusal = dialect.refuse_handshake(req)
+    if refusal is not None:
+        return refusal
+    if req.tp_rank >= tp_size:
         return protocol.ErrorRep(
             rid=req.rid,
             code="no_such_rank",
-            message=f"rank {req.tp_rank} is not served here (ranks 0..{cfg.tp_size - 1})",
+            message=f"rank {req.tp_rank} is not served here (ranks 0..{tp_size - 1})",
             hint="ask for a rank the endpoint serves ('kvpush probe' lists them)",
         )
     return None

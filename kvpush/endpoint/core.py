@@ -36,12 +36,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, Protocol, TypeVar
 
 from kvpush.address import format_address, parse_address
-from kvpush.config import EndpointConfig, HandshakeMode, Wire
+from kvpush.config import EndpointConfig, HandshakeMode
 from kvpush.endpoint import answers
 from kvpush.endpoint.rank import Rank
 from kvpush.errors import KvpushError, PeerUnreachableError
 from kvpush.instruments import NO_INSTRUMENTS, Instruments
 from kvpush.memory.pool import KvPool
+from kvpush.peers.dialect import dialect_for
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone
 from kvpush.runtime.context import EndpointContext, Role
 from kvpush.runtime.decline import Decliner
@@ -102,7 +103,8 @@ class Endpoint(Generic[R, G]):
         peer_tp: dict[tuple[str, int], int] = {}
         self.ranks: list[Rank[R]] = []
         # vLLM's wire has no such message: a vLLM peer would drop the connection on it.
-        self.decliner = Decliner(self.auth, cfg.timeouts) if cfg.wire == Wire.KVPUSH else None
+        self.dialect = dialect_for(cfg, self.auth)  # the wire, chosen once: ranks share it
+        self.decliner = Decliner(self.auth, cfg.timeouts) if self.dialect.declines else None
         with contextlib.ExitStack() as undo:
             undo.callback(self._control.shutdown, wait=False, cancel_futures=True)
             if self.decliner is not None:
@@ -113,7 +115,7 @@ class Endpoint(Generic[R, G]):
                 self._handle_request,
                 self.auth,
                 max_frame_bytes=cfg.max_frame_bytes,
-                vllm_handler=self._answer_get_meta,
+                get_meta=self._answer_get_meta,
                 on_reject=self._rejected,
                 name=f"sidechannel-{cfg.role}",
             )
@@ -132,6 +134,7 @@ class Endpoint(Generic[R, G]):
                     peer_tp,
                     self.decliner,
                     instruments,
+                    self.dialect,
                 )
                 undo.callback(rank.close)
                 self.ranks.append(rank)
@@ -335,7 +338,7 @@ class Endpoint(Generic[R, G]):
             )
 
     def _reply_handshake(self, req: protocol.HandshakeReq, reply: ReplyFn) -> None:
-        refusal = answers.refuse_handshake(self.cfg, req)
+        refusal = answers.refuse_handshake(self.dialect, self.cfg.tp_size, req)
         if refusal is not None:
             reply(refusal)
             return
@@ -370,7 +373,7 @@ class Endpoint(Generic[R, G]):
         md = (rk or self.ranks[0]).metadata if ready else None
         payload = answers.get_meta_payload(
             md,
-            self.cfg,
+            self.dialect,
             self.auth.enabled,
             rk.agent_md_full if rk is not None else b"",
             (pp_rank, tp_rank),

@@ -20,10 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, TypeVar
 
 from kvpush import PROTOCOL_VERSION, __version__
-from kvpush.config import EndpointConfig, Wire
+from kvpush.config import EndpointConfig
 from kvpush.endpoint.ping import Pinger
 from kvpush.instruments import NO_INSTRUMENTS, Instruments
 from kvpush.memory.pool import KvPool
+from kvpush.peers.dialect import Dialect, dialect_for
 from kvpush.peers.handshakes import HandshakeManager
 from kvpush.runtime.context import EndpointContext, Role
 from kvpush.runtime.decline import Decliner
@@ -33,7 +34,7 @@ from kvpush.transport.nixl import NixlAgent, nixl_version
 from kvpush.transport.versions import local_versions
 from kvpush.wire import protocol
 from kvpush.wire.auth import Authenticator
-from kvpush.wire.notifs import Codec, NotifCodec, VllmNotifCodec
+from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
@@ -66,17 +67,16 @@ class Rank(Generic[R]):
         peer_tp: dict[tuple[str, int], int] | None = None,
         decliner: Decliner | None = None,
         instruments: Instruments = NO_INSTRUMENTS,
+        dialect: Dialect | None = None,
     ) -> None:
         self.cfg = cfg
         self.instruments = instruments
         self.rank = cfg.tp_rank
         self.agent_name = agent_name(cfg.engine_id, incarnation, self.rank)
         self.telemetry = Telemetry(cfg.role, cfg.engine_id, incarnation)
-        self.codec: Codec = (
-            VllmNotifCodec(cfg.max_notif_bytes)
-            if cfg.wire == Wire.VLLM
-            else NotifCodec(auth, cfg.max_notif_bytes)
-        )
+        # The wire this rank speaks, chosen here once (the endpoint's, shared by its ranks).
+        self.dialect = dialect or dialect_for(cfg, auth)
+        self.codec: Codec = self.dialect.codec
         with contextlib.ExitStack() as undo:
             self.pool = KvPool(cfg.pool, rank=self.rank)
             self.agent = NixlAgent(self.agent_name, cfg.agent)
@@ -95,8 +95,7 @@ class Rank(Generic[R]):
                 auth,
                 cfg.timeouts,
                 self.telemetry,
-                wire=cfg.wire,
-                vllm_wire=cfg.vllm,
+                dialect=self.dialect,
                 error_limit=cfg.evict_after_errors,
             )
             undo.callback(self.release_peers)
@@ -113,6 +112,7 @@ class Rank(Generic[R]):
                 pool=self.pool,
                 handshakes=self.handshakes,
                 codec=self.codec,
+                dialect=self.dialect,
                 telemetry=self.telemetry,
                 metadata=self.metadata,
                 on_ping=self.pinger.on_ping,

@@ -51,6 +51,10 @@ class _Bound(Protocol):
     def port(self) -> int: ...
 
 
+class _Hashes(Protocol):
+    def compat_hash(self, md: protocol.EndpointMetadata) -> str: ...
+
+
 class Member(Protocol):
     """What a fleet member uses of its endpoint (``kvpush.endpoint.Endpoint``)."""
 
@@ -60,6 +64,8 @@ class Member(Protocol):
     def incarnation(self) -> str: ...
     @property
     def metadata(self) -> protocol.EndpointMetadata: ...
+    @property
+    def dialect(self) -> _Hashes: ...
     @property
     def ranks(self) -> Sequence[_Named]: ...
     @property
@@ -105,7 +111,7 @@ def endpoint_record(ep: Member, address: str, metrics_url: str = "") -> Endpoint
     """What ``ep`` publishes (its load summary empty: the registrar fills it)."""
     cfg, md = ep.cfg, ep.metadata
     pool = cfg.pool
-    compat = cfg.vllm.compat_hash if cfg.vllm is not None else protocol.compat_hash(md)
+    compat = ep.dialect.compat_hash(md)
     return EndpointRecord(
         role=cfg.role,
         engine_id=cfg.engine_id,

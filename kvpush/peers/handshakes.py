@@ -32,6 +32,9 @@ degrades the peer but never evicts it: its bytes may still be on the way, and on
 the same connection proves they landed (a fence through a fresh agent after an eviction could
 free D's blocks before the old connection's bytes arrive: measured, tests/test_faults_netns.py).
 A handshake that finds a new incarnation at an address it knew counts ``peer_restarts``.
+
+What differs between the wires -- how the peer's metadata is fetched and checked -- is the
+endpoint's dialect's (``kvpush.peers.dialect``); loading it into NIXL is shared.
 """
 
 from __future__ import annotations
@@ -41,22 +44,20 @@ import threading
 import time
 from concurrent.futures import Future
 
-import msgspec
-
-from kvpush.config import HandshakeMode, Timeouts, VllmWireConfig, Wire
+from kvpush.config import HandshakeMode, Timeouts
 from kvpush.errors import (
     HandshakeError,
     IncompatiblePeerError,
     KvpushError,
     PeerUnreachableError,
     ShuttingDownError,
-    WrongWireError,
 )
 from kvpush.memory.descriptors import block_descs
+from kvpush.peers.dialect import Ask, Dialect, Fetched, KvpushDialect
 from kvpush.peers.state import PeerConn, PeerEntry, PeerGone, PeerKey, peer_key, peer_name
 from kvpush.peers.tp import Slice, check_ratio, write_slice
-from kvpush.peers.validation import check_reply, mode_satisfies
-from kvpush.peers.vllm_peer import PeerHint, check_peer_role, check_vllm_answer
+from kvpush.peers.validation import mode_satisfies
+from kvpush.peers.vllm_peer import PeerHint
 from kvpush.peers.watch import PeerWatch, Target
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter, Failure, Hist, PeerState, transport_error_counter
@@ -93,14 +94,11 @@ class HandshakeManager:
         *,
         max_concurrent: int = 64,
         max_pending: int = 256,
-        wire: Wire = Wire.KVPUSH,
-        vllm_wire: VllmWireConfig | None = None,
+        dialect: Dialect | None = None,
         error_limit: int = TRANSPORT_ERROR_LIMIT,
     ) -> None:
-        if wire == Wire.VLLM and vllm_wire is None:
-            raise ValueError("a vLLM-wire handshake manager needs the vLLM wire config")
-        self._wire = wire
-        self._vllm = vllm_wire
+        # How a peer's metadata is fetched and checked: the endpoint's wire (kvpush's by default).
+        self._dialect: Dialect = dialect or KvpushDialect(auth)
         self._agent = agent
         self._local = local_md
         self._local_hash = protocol.compat_hash(local_md)
@@ -343,67 +341,44 @@ class HandshakeManager:
         return HandshakeError(peer, f"{type(exc).__name__}: {exc}")
 
     def _handshake(self, key: PeerKey, mode: HandshakeMode, hint: PeerHint) -> PeerConn:
+        """Fetch and check the peer rank's metadata in this endpoint's dialect, then load it."""
         host, port, rank = key
         peer = peer_name(key)
         deadline = time.monotonic() + self._timeouts.handshake_s
         timeout = min(self._timeouts.side_channel_s, self._timeouts.handshake_s)
+        ask = Ask(peer, rank, mode, hint, self._local, self._local_hash)
         t0 = time.perf_counter()
         w0 = time.time()
-        strides: list[int] | None = None
         with SideChannelClient(host, port, auth=self._auth, timeout_s=timeout) as client:
             try:
-                if self._wire == Wire.VLLM:
-                    assert self._vllm is not None
-                    ident = client.identify(0, rank)
-                    role = "decode" if self._local.role == "prefill" else "prefill"
-                    vp = check_vllm_answer(peer, ident.payload, self._local, self._vllm, hint, role)
-                    md, agent_md, strides = vp.metadata, vp.agent_metadata, vp.block_strides
-                    md = msgspec.structs.replace(md, tp_rank=rank)
-                    server_clock = time.time() - (time.perf_counter() - ident.remote_clock)
-                else:
-                    client.identify(0, 0)
-                    kv = client.identity.kvpush if client.identity is not None else None
-                    if kv is not None and kv.wire == "vllm":
-                        raise WrongWireError(
-                            f"{peer} is a kvpush endpoint speaking vLLM's wire (--wire vllm)",
-                            "vllm",
-                            "start this endpoint with --wire vllm too, or that one without it",
-                        )
-                    if kv is not None:  # without a token: who it is, before anything is sent
-                        check_peer_role(
-                            peer, hint, kv.role, kv.incarnation, self._local.incarnation
-                        )
-                    rep = client.request(
-                        protocol.HandshakeReq(
-                            mode=mode.value, requester=self._local.engine_id, tp_rank=rank
-                        ),
-                    )
-                    if not isinstance(rep, protocol.HandshakeRep):
-                        raise HandshakeError(peer, f"unexpected reply {type(rep).__name__}")
-                    md = check_reply(self._local, self._local_hash, rep, peer)
-                    check_peer_role(peer, hint, md.role, md.incarnation, self._local.incarnation)
-                    if md.tp_rank != rank:
-                        raise HandshakeError(peer, f"asked for rank {rank}, got rank {md.tp_rank}")
-                    agent_md, server_clock = rep.agent_metadata, rep.server_clock
+                got = self._dialect.fetch(client, ask)
             except PeerUnreachableError as e:
                 raise PeerUnreachableError(f"handshake with {peer} failed: {e}") from None
         t1 = time.perf_counter()
         w1 = time.time()
-        p_tp, d_tp = (
-            (self._local.tp_size, md.tp_size)
-            if self._local.role == "prefill"
-            else (md.tp_size, self._local.tp_size)
-        )
+        offset = got.server_clock - (w0 + w1) / 2
+        return self._load(key, mode, got, deadline, t0=t0, t1=t1, clock_offset=offset)
+
+    def _load(
+        self,
+        key: PeerKey,
+        mode: HandshakeMode,
+        got: Fetched,
+        deadline: float,
+        *,
+        t0: float,
+        t1: float,
+        clock_offset: float,
+    ) -> PeerConn:
+        """Both wires: load the peer's agent (from its answer, or NIXL's etcd backend), prepare
+        the remote descriptor list (full mode) and warm the connection; undone on failure.
+        ``t0``/``t1``: when the side-channel fetch began and ended."""
+        md, peer = got.metadata, peer_name(key)
+        p_tp, d_tp = self._tp_sizes(md)
         check_ratio(p_tp, d_tp, peer)
         if time.monotonic() > deadline:
             raise HandshakeError(peer, f"deadline of {self._timeouts.handshake_s:g}s passed")
-        from_etcd = self._agent.etcd_metadata and self._wire == Wire.KVPUSH and bool(md.agent_name)
-        if from_etcd:
-            # --nixl-metadata etcd: the agent comes from NIXL's etcd backend, not the reply.
-            left = max(0.1, deadline - time.monotonic())
-            name = self._agent.fetch_remote(md.agent_name, left)
-        else:
-            name = self._agent.add_remote(agent_md)
+        name, from_etcd = self._add_agent(got, deadline)
         t2 = time.perf_counter()
         dlist: DList | None = None
         sl: Slice | None = None  # P -> D full: this rank's part of each of D's pages
@@ -413,37 +388,8 @@ class HandshakeManager:
                     peer, f"NIXL agent name {name!r} differs from the announced {md.agent_name!r}"
                 )
             if mode == HandshakeMode.FULL:
-                # P writes its share (or a chunk) of each page at an offset in D's page; any
-                # other full handshake (D measuring one, kvpush probe) covers whole pages.
-                offset, length = 0, md.block_bytes
-                if self._local.role == "prefill" and md.role == "decode":
-                    try:
-                        sl = write_slice(
-                            self._local.tp_rank,
-                            md.tp_rank,
-                            p_tp,
-                            d_tp,
-                            self._local.block_bytes,
-                            md.block_bytes,
-                            self._local.kv_heads == 1,
-                        )
-                    except ValueError as e:
-                        raise IncompatiblePeerError(
-                            f"{peer} is incompatible: {e}",
-                            [],
-                            "give --kv-heads as the model's KV heads over all ranks, and check "
-                            "--block-bytes on both sides",
-                        ) from None
-                    offset, length = sl.remote_offset, sl.length
-                descs = block_descs(
-                    md.region_base_addrs,
-                    md.num_blocks,
-                    length,
-                    md.device_id,
-                    strides or [md.block_bytes] * md.regions,
-                    offset,
-                )
-                dlist = self._agent.prep_remote(name, descs, md.device_kind)
+                sl = self._write_slice(md, p_tp, d_tp, peer)
+                dlist = self._prep_remote(name, md, sl, got.block_strides)
             t3 = time.perf_counter()
             # Warm the connection now, not on the request path (UCX wire-up costs 4-9 RTT).
             self._agent.make_connection(name)
@@ -453,8 +399,6 @@ class HandshakeManager:
                 self._agent.release_dlist(dlist)
             self._agent.remove_remote(name)
             raise
-        rtt = t1 - t0
-        clock_offset = server_clock - (w0 + w1) / 2
         timings = {
             "side_channel_s": t1 - t0,
             "load_s": t2 - t1,
@@ -464,6 +408,7 @@ class HandshakeManager:
         }
         if from_etcd:
             timings["etcd_load_s"] = t2 - t1  # the agent came from NIXL's etcd backend
+        rtt = t1 - t0
         return PeerConn(
             key=key,
             metadata=md,
@@ -475,6 +420,63 @@ class HandshakeManager:
             rtt_s=rtt,
             clock_offset_s=clock_offset,
         )
+
+    def _tp_sizes(self, md: protocol.EndpointMetadata) -> tuple[int, int]:
+        """(P's TP size, D's TP size) of this endpoint and the peer ``md`` describes."""
+        if self._local.role == "prefill":
+            return self._local.tp_size, md.tp_size
+        return md.tp_size, self._local.tp_size
+
+    def _add_agent(self, got: Fetched, deadline: float) -> tuple[str, bool]:
+        """Load the peer's agent from its answer, or with --nixl-metadata etcd from NIXL's etcd
+        backend (a vLLM peer's answer names no agent: it always comes from the answer); its
+        name, and whether it came from etcd."""
+        md = got.metadata
+        if self._agent.etcd_metadata and md.agent_name:
+            left = max(0.1, deadline - time.monotonic())
+            return self._agent.fetch_remote(md.agent_name, left), True
+        return self._agent.add_remote(got.agent_metadata), False
+
+    def _write_slice(
+        self, md: protocol.EndpointMetadata, p_tp: int, d_tp: int, peer: str
+    ) -> Slice | None:
+        """P -> D: what this P rank writes of each of that D rank's pages (its share, or a
+        chunk); None for any other full handshake (D measuring one, kvpush probe)."""
+        if self._local.role != "prefill" or md.role != "decode":
+            return None
+        try:
+            return write_slice(
+                self._local.tp_rank,
+                md.tp_rank,
+                p_tp,
+                d_tp,
+                self._local.block_bytes,
+                md.block_bytes,
+                self._local.kv_heads == 1,
+            )
+        except ValueError as e:
+            raise IncompatiblePeerError(
+                f"{peer} is incompatible: {e}",
+                [],
+                "give --kv-heads as the model's KV heads over all ranks, and check "
+                "--block-bytes on both sides",
+            ) from None
+
+    def _prep_remote(
+        self, name: str, md: protocol.EndpointMetadata, sl: Slice | None, strides: list[int] | None
+    ) -> DList:
+        """The remote descriptor list of every block of every region: whole pages, or the
+        slice of each page this rank writes."""
+        offset, length = (sl.remote_offset, sl.length) if sl is not None else (0, md.block_bytes)
+        descs = block_descs(
+            md.region_base_addrs,
+            md.num_blocks,
+            length,
+            md.device_id,
+            strides or [md.block_bytes] * md.regions,
+            offset,
+        )
+        return self._agent.prep_remote(name, descs, md.device_kind)
 
     # ------------------------------------------------------------------ transport health
     def transport_error(self, key: PeerKey, err: TransferError) -> bool:

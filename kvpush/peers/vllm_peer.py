@@ -68,24 +68,11 @@ def check_vllm_answer(
     hint: PeerHint,
     peer_role: str,
 ) -> VllmPeer:
+    """The peer's answer checked in vLLM's order: who answered (a kvpush endpoint says), the
+    compatibility hash before anything is decoded, the engine id, then the geometry."""
     kv = payload.kvpush
-    if kv is not None and kv.wire != "vllm":
-        raise WrongWireError(
-            f"{peer} is a kvpush endpoint speaking kvpush's wire, not vLLM's",
-            "kvpush",
-            "start that endpoint with --wire vllm too, or this one without it",
-        )
     if kv is not None:
-        check_peer_role(peer, hint, kv.role, kv.incarnation, local.incarnation)
-    if kv is not None and kv.engine_id and hint.role and hint.tp_size != kv.tp_size:
-        # A kvpush endpoint says its own TP size: a request that claims another is refused
-        # before any other rank is asked for (a vLLM engine's own metadata has no TP size).
-        raise IncompatiblePeerError(
-            f"{peer} has {kv.tp_size} TP rank(s), the request claims {hint.tp_size} "
-            "(remote_tp_size)",
-            [("tp_size", hint.tp_size, kv.tp_size)],
-            "pass the P's own tp_size from its kv_transfer_params",
-        )
+        _check_identity(peer, kv, local, hint)
     if not payload.compatibility_hash or not payload.agent_metadata_bytes:
         why = kv.error if kv is not None and kv.error else "no metadata in its answer"
         raise HandshakeError(peer, why)
@@ -103,6 +90,72 @@ def check_vllm_answer(
             f"engine id {md.engine_id!r}, expected {hint.engine_id!r}",
             "check the engine id in kv_transfer_params / PUSH_REG: another engine answers there",
         )
+    strides = _check_geometry(peer, md, local, wire, hint)
+    mem_type = (md.region_mem_types or ["DRAM"])[0]
+    mem = side_messages.device_kind(mem_type)
+    if mem is None:
+        raise HandshakeError(peer, f"unknown memory type {mem_type!r}")
+    role: Role = "decode" if peer_role == "decode" else "prefill"
+    # A kvpush peer's own word on its TP size; a vLLM engine's metadata has none (the
+    # router's is used).
+    tp_size = kv.tp_size if kv is not None and kv.engine_id else max(1, hint.tp_size)
+    meta = protocol.EndpointMetadata(
+        protocol_version=PROTOCOL_VERSION,
+        kvpush_version="vllm",
+        engine_id=md.engine_id,
+        role=role,
+        incarnation="",
+        agent_name="",
+        host="",
+        port=0,
+        tp_rank=0,
+        tp_size=tp_size,
+        device_kind=mem,
+        device_id=md.device_id,
+        num_blocks=md.num_blocks,
+        layers=local.layers,
+        regions=len(md.kv_caches_base_addr),
+        block_bytes=md.block_lens[0] if md.block_lens else local.block_bytes,
+        dtype=local.dtype,
+        kv_layout=md.kv_cache_layout,
+        region_base_addrs=list(md.kv_caches_base_addr),
+        backends=["UCX"],
+    )
+    return VllmPeer(meta, md.agent_metadata, strides)
+
+
+def _check_identity(
+    peer: str, kv: vllm.KvpushIdentity, local: protocol.EndpointMetadata, hint: PeerHint
+) -> None:
+    """A kvpush endpoint answered: it must speak vLLM's wire, have the role asked for, not be
+    this endpoint, and have the TP size the request claims."""
+    if kv.wire != "vllm":
+        raise WrongWireError(
+            f"{peer} is a kvpush endpoint speaking kvpush's wire, not vLLM's",
+            "kvpush",
+            "start that endpoint with --wire vllm too, or this one without it",
+        )
+    check_peer_role(peer, hint, kv.role, kv.incarnation, local.incarnation)
+    if kv.engine_id and hint.role and hint.tp_size != kv.tp_size:
+        # A kvpush endpoint says its own TP size: a request that claims another is refused
+        # before any other rank is asked for (a vLLM engine's own metadata has no TP size).
+        raise IncompatiblePeerError(
+            f"{peer} has {kv.tp_size} TP rank(s), the request claims {hint.tp_size} "
+            "(remote_tp_size)",
+            [("tp_size", hint.tp_size, kv.tp_size)],
+            "pass the P's own tp_size from its kv_transfer_params",
+        )
+
+
+def _check_geometry(
+    peer: str,
+    md: vllm.AgentMetadata,
+    local: protocol.EndpointMetadata,
+    wire: VllmWireConfig,
+    hint: PeerHint,
+) -> list[int]:
+    """What a WRITE between the two needs to match (every difference named with both
+    values); the peer's block stride per region."""
     regions = len(md.kv_caches_base_addr)
     strides = list(md.block_strides) if md.block_strides is not None else list(md.block_lens)
     diffs: list[tuple[str, object, object]] = []
@@ -127,35 +180,7 @@ def check_vllm_answer(
         raise HandshakeError(peer, "block strides shorter than block lengths, or missing")
     if md.num_blocks < 1 or not md.agent_metadata:
         raise HandshakeError(peer, "metadata names no blocks or no NIXL agent")
-    mem_type = (md.region_mem_types or ["DRAM"])[0]
-    mem = side_messages.device_kind(mem_type)
-    if mem is None:
-        raise HandshakeError(peer, f"unknown memory type {mem_type!r}")
-    role: Role = "decode" if peer_role == "decode" else "prefill"
-    meta = protocol.EndpointMetadata(
-        protocol_version=PROTOCOL_VERSION,
-        kvpush_version="vllm",
-        engine_id=md.engine_id,
-        role=role,
-        incarnation="",
-        agent_name="",
-        host="",
-        port=0,
-        tp_rank=0,
-        # A kvpush peer's own word; a vLLM engine's metadata has none (the router's is used).
-        tp_size=kv.tp_size if kv is not None and kv.engine_id else max(1, hint.tp_size),
-        device_kind=mem,
-        device_id=md.device_id,
-        num_blocks=md.num_blocks,
-        layers=local.layers,
-        regions=regions,
-        block_bytes=md.block_lens[0] if md.block_lens else local.block_bytes,
-        dtype=local.dtype,
-        kv_layout=md.kv_cache_layout,
-        region_base_addrs=list(md.kv_caches_base_addr),
-        backends=["UCX"],
-    )
-    return VllmPeer(meta, md.agent_metadata, strides)
+    return strides
 
 
 def _peer_page(local: protocol.EndpointMetadata, hint: PeerHint) -> int:

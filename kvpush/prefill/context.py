@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvpush.config import EndpointConfig
 from kvpush.memory.pool import KvPool
+from kvpush.peers.dialect import Dialect
 from kvpush.peers.handshakes import HandshakeManager
 from kvpush.prefill.plan import LocalGeometry
 from kvpush.prefill.table import PushOutcome, PushTable
@@ -37,3 +38,4 @@ class WriterContext:
     telemetry: Telemetry
     geom: LocalGeometry
     report: Callable[[PushOutcome], None]  # how each push ended, to whoever waits for it
+    dialect: Dialect  # what differs between the wires (keys, WRITE deadlines)

@@ -182,7 +182,7 @@ class PrefillGroup:
             self._refuse(req.transfer_id, Failure.INTERNAL_ERROR, detail)
             return
         role0 = self.roles[0]
-        vllm_wire = role0.ctx.cfg.wire.value == "vllm"
+        vllm_wire = role0.ctx.dialect.kv_transfer_params
         reply(
             protocol.PrefillRep(
                 rid=req.rid,

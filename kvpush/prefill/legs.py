@@ -21,11 +21,9 @@ housekeeping); nothing here blocks.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Sequence
 
-from kvpush.config import Wire
 from kvpush.peers.handshakes import PeerConn, PeerKey
 from kvpush.peers.tp import Slice
 from kvpush.prefill.context import WriterContext
@@ -73,8 +71,7 @@ class Legs:
         self._geom = ctx.geom
         self._out = out
         self._fences = fences
-        # vLLM's wire: no WRITE deadline (no fence could end a late one)
-        self._vllm = ctx.cfg.wire == Wire.VLLM
+        self._dialect = ctx.dialect  # WRITE deadlines (vLLM's wire: none, no fence ends one)
         self._rl = RateLimitedLog(log)
         self.local_dlist: DList | None = None  # the whole pool's, from open() on
         self._chunk_dlists: dict[tuple[int, int], DList] = {}  # (offset, length) of each page
@@ -190,9 +187,7 @@ class Legs:
             if self._transport_error(conn, e):
                 return EvictPeer(conn.key, f"WRITE post failed: {e.status}", _soft(e))
             return None
-        deadline = (
-            math.inf if self._vllm else t_post + self.cfg.timeouts.write_deadline_s(plan.nbytes)
-        )
+        deadline = self._dialect.write_deadline(t_post, plan.nbytes, self.cfg.timeouts)
         leg = Leg(w, r, xfer, conn, t_post, deadline, plan.nbytes)
         w.t_posted = t_post
         self._table.leg_posted(leg)

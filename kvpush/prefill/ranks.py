@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from kvpush.peers.dialect import Dialect
 from kvpush.peers.tp import targets
 from kvpush.prefill.table import Registration
 
@@ -45,9 +46,9 @@ class Refused:
 
 
 class RankRouter:
-    def __init__(self, p_rank: int, p_tp: int, vllm: bool, ttl_s: float) -> None:
+    def __init__(self, p_rank: int, p_tp: int, dialect: Dialect, ttl_s: float) -> None:
         self.p_rank, self.p_tp = p_rank, p_tp
-        self._vllm = vllm
+        self._dialect = dialect  # which D rank a PUSH_REG names (vLLM's: none)
         self._ttl_s = ttl_s  # how long a fan-out absorbs the other ranks' PUSH_REGs
         self._fanned: OrderedDict[str, float] = OrderedDict()  # request key -> first seen
 
@@ -58,10 +59,11 @@ class RankRouter:
         mine = targets(self.p_rank, p_tp, d_tp)
         if p_tp % d_tp and d_tp % p_tp:
             return Refused(d_rank, d_tp)
-        if self._vllm:
-            if len(mine) > 1:
-                return self._fan_out(r, mine, now)
-            d_rank = mine[0]
+        named = self._dialect.d_rank(reg, mine)
+        if named is None:
+            return self._fan_out(r, mine, now)
+        if named != d_rank:
+            d_rank = named
             r = dataclasses.replace(r, reg=msgspec.structs.replace(reg, decode_tp_rank=d_rank))
         if d_rank >= d_tp or d_rank not in mine:
             return Refused(d_rank, d_tp)

@@ -20,10 +20,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from kvpush.config import Wire
 from kvpush.errors import KvpushError, NoFreeBlocksError, ShuttingDownError
 from kvpush.peers.handshakes import PeerGone
-from kvpush.prefill.table import Finished, PushOutcome, transfer_key
+from kvpush.prefill.table import Finished, PushOutcome
 from kvpush.prefill.writer import PushWriter
 from kvpush.runtime.context import EndpointContext
 from kvpush.runtime.owner import OwnerThread
@@ -50,9 +49,9 @@ class PrefillRole:
             on_outcome=self._outcome,
             decliner=ctx.decliner,
             instruments=ctx.instruments,
+            dialect=ctx.dialect,
         )
         self._stopping = threading.Event()
-        self._vllm = ctx.cfg.wire == Wire.VLLM
         self._lock = threading.Lock()
         self._watches: dict[str, Future[PushOutcome]] = {}
         self._waiters: dict[str, int] = {}  # waits per watched transfer
@@ -127,7 +126,7 @@ class PrefillRole:
 
     def key(self, transfer_id: str) -> str:
         """The writer's table key, which also owns the blocks."""
-        return transfer_key(transfer_id, self._vllm)
+        return self.ctx.dialect.transfer_key(transfer_id)
 
     # ------------------------------------------------------------------ outcomes
     def watch(self, transfer_id: str) -> Future[PushOutcome]:

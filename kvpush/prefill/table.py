@@ -36,7 +36,7 @@ import numpy as np
 from kvpush.peers.handshakes import PeerConn, PeerKey
 from kvpush.runtime.timers import DueHeap
 from kvpush.transport.nixl import Xfer
-from kvpush.wire import protocol, vllm
+from kvpush.wire import protocol
 
 
 @dataclass(frozen=True)
@@ -107,12 +107,6 @@ class PushOutcome:
     detail: str = ""
     nbytes: int = 0
     phases: dict[str, float] = field(default_factory=dict)  # kvpush.telemetry.phases, wall clock
-
-
-def transfer_key(transfer_id: str, vllm_ids: bool) -> str:
-    """The table key of a transfer: its id, or on vLLM's wire its base request id (vLLM's P
-    and D request ids share a base and differ in a ``-<8 hex>`` suffix)."""
-    return vllm.base_request_id(transfer_id) if vllm_ids else transfer_id
 
 
 # --------------------------------------------------------------------------- the typed states

@@ -33,9 +33,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from kvpush.config import EndpointConfig, HandshakeMode, Wire
+from kvpush.config import EndpointConfig, HandshakeMode
 from kvpush.instruments import NO_INSTRUMENTS, Instruments, WriterMode
 from kvpush.memory.pool import KvPool
+from kvpush.peers.dialect import Dialect
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone, PeerKey
 from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
@@ -61,8 +62,6 @@ from kvpush.prefill.table import (
     Waiting,
     Writing,
     peer_of,
-    reg_key,
-    transfer_key,
 )
 from kvpush.ratelog import RateLimitedLog
 from kvpush.runtime.decline import Decliner
@@ -90,6 +89,8 @@ class PushWriter:
         on_outcome: Callable[[PushOutcome], None] | None = None,
         decliner: Decliner | None = None,
         instruments: Instruments = NO_INSTRUMENTS,
+        *,
+        dialect: Dialect,
     ) -> None:
         self.cfg = cfg
         self._instruments = instruments
@@ -101,9 +102,9 @@ class PushWriter:
         self._owner = owner
         self._on_ping = on_ping
         self._on_outcome = on_outcome or _ignore
-        # vLLM's wire: matched by base request id, no WRITE deadline (vLLM has none and no fence
-        # could tell a vLLM D that a late WRITE is over), no kvpush notifications.
-        self._vllm = cfg.wire == Wire.VLLM
+        # The wire's: transfer keys (vLLM's: base request ids), WRITE deadlines (vLLM's: none,
+        # no fence could tell a vLLM D that a late WRITE is over), which D ranks a PUSH_REG names.
+        self._dialect = dialect
         t = cfg.timeouts
         self.table = PushTable(lease_s=t.lease_s, reg_ttl_s=t.request_deadline_s)
         self.finished = owner.inbox("finished", 1 << 16, self._on_finished, self._item_failed)
@@ -116,7 +117,16 @@ class PushWriter:
         )
         geom = LocalGeometry(pool.cfg.num_blocks, pool.cfg.regions, pool.cfg.block_bytes)
         ctx = WriterContext(
-            cfg, agent, pool, self.table, handshakes, codec, telemetry, geom, self._on_outcome
+            cfg,
+            agent,
+            pool,
+            self.table,
+            handshakes,
+            codec,
+            telemetry,
+            geom,
+            self._on_outcome,
+            dialect,
         )
         self._out = Outcomes(ctx, owner, self.tasks, decliner)
         self._fences = Fences(ctx)
@@ -124,7 +134,7 @@ class PushWriter:
         self._rl = RateLimitedLog(log)
         self._n_finished = 0
         self._next_idle = 0.0
-        self._ranks = RankRouter(cfg.tp_rank, cfg.tp_size, self._vllm, t.request_deadline_s)
+        self._ranks = RankRouter(cfg.tp_rank, cfg.tp_size, self._dialect, t.request_deadline_s)
         owner.attach(self)
 
     # ------------------------------------------------------------------ OwnerLoop
@@ -303,7 +313,7 @@ class PushWriter:
         """D cannot take ``transfer_id`` (it said so over the side channel, before any
         registration of it could be served): free its finished blocks now, or the moment they
         finish, instead of holding them until the lease lapses."""
-        key = transfer_key(transfer_id, self._vllm)
+        key = self._dialect.transfer_key(transfer_id)
         st = self.table.get(key)
         detail = f"D declined: {detail}"
         if isinstance(st, Waiting):
@@ -319,7 +329,7 @@ class PushWriter:
     def refused_by_p(self, transfer_id: str, reason: str, detail: str) -> None:
         """P refused the prefill of ``transfer_id``: every D rank that registered (or will) is
         told at once, so D fails the request now instead of at its deadline."""
-        key = transfer_key(transfer_id, self._vllm)
+        key = self._dialect.transfer_key(transfer_id)
         st = self.table.get(key)
         if isinstance(st, Registered):
             self.table.pop(key)
@@ -409,7 +419,7 @@ class PushWriter:
     def _on_notif(self, sender: str, msg: protocol.Notif) -> None:
         if isinstance(msg, protocol.PushReg):
             self._tm.inc(Counter.PUSH_REGS_RECEIVED)
-            key = transfer_key(msg.request_id, True) if self._vllm else reg_key(msg)
+            key = self._dialect.registration_key(msg)
             r = Registration(key, msg, sender, time.monotonic())
             if self._owner.stopping:
                 # Too late to be served: D hears why now, not when P's agent is gone.
@@ -418,7 +428,7 @@ class PushWriter:
                 self._on_registration(r)
         elif isinstance(msg, protocol.Heartbeat):
             self._tm.inc(Counter.HEARTBEATS_RECEIVED)
-            keys = [transfer_key(t, self._vllm) for t in msg.transfer_ids]
+            keys = [self._dialect.transfer_key(t) for t in msg.transfer_ids]
             self.table.renew(keys, time.monotonic())
         elif isinstance(msg, protocol.Cancel):
             self._tm.inc(Counter.CANCELS_RECEIVED)

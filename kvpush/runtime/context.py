@@ -1,10 +1,10 @@
 """What an endpoint hands its role: the shared resources, built complete, and the role contract.
 
 The endpoint core (``kvpush.endpoint``) builds every shared resource before any role exists --
-pool, NIXL agent, handshake manager, codec, telemetry, its own metadata -- and passes them in one
-``EndpointContext``; the role (P's ``PrefillRole``, D's ``DecodeRole``) owns its ``OwnerThread``
-and serves its side-channel requests. Composition, not a template: roles never import the
-endpoint, and nothing here is Optional until some start() ran.
+pool, NIXL agent, handshake manager, the wire's dialect and its codec, telemetry, its own
+metadata -- and passes them in one ``EndpointContext``; the role (P's ``PrefillRole``, D's
+``DecodeRole``) owns its ``OwnerThread`` and serves its side-channel requests. Composition, not
+a template: roles never import the endpoint, and nothing here is Optional until some start() ran.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Protocol
 from kvpush.config import EndpointConfig
 from kvpush.instruments import NO_INSTRUMENTS, Instruments
 from kvpush.memory.pool import KvPool
+from kvpush.peers.dialect import Dialect
 from kvpush.peers.handshakes import HandshakeManager, PeerGone
 from kvpush.runtime.decline import Decliner
 from kvpush.runtime.owner import OwnerThread
@@ -32,7 +33,9 @@ class EndpointContext:
     agent: Agent
     pool: KvPool
     handshakes: HandshakeManager
-    codec: Codec
+    codec: Codec  # the dialect's
+    # The wire the endpoint speaks (keys, deadlines, ranks, handshakes): asked, never tested.
+    dialect: Dialect
     telemetry: Telemetry
     metadata: protocol.EndpointMetadata
     # Ping notifications are the endpoint's business; the role's owner thread hands them over.

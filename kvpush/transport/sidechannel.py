@@ -43,7 +43,8 @@ BAD_VALUE_HINT = "every time is seconds in [0, 3600] (a deadline: [0, 86400]); n
 
 ReplyFn = Callable[[protocol.SideReply], None]
 Handler = Callable[[protocol.SideRequest, ReplyFn], None]
-VllmHandler = Callable[[int, int], list[bytes]]
+# Answers vLLM's ``get_meta_msg`` for (pp, tp): every client's first contact, on either wire.
+GetMetaHandler = Callable[[int, int], list[bytes]]
 RejectFn = Callable[[Failure], None]
 
 _ctx_lock = threading.Lock()
@@ -63,7 +64,7 @@ class SideChannelServer:
         auth: Authenticator,
         *,
         max_frame_bytes: int = protocol.MAX_FRAME_BYTES,
-        vllm_handler: VllmHandler | None = None,
+        get_meta: GetMetaHandler | None = None,
         on_reject: RejectFn | None = None,
         name: str = "sidechannel",
     ) -> None:
@@ -72,7 +73,7 @@ class SideChannelServer:
         self._handler = handler
         self._auth = auth
         self._max = max_frame_bytes
-        self._vllm = vllm_handler
+        self._get_meta = get_meta
         self._on_reject = on_reject or (lambda kind: None)
         self._replies: deque[list[bytes]] = deque()
         self._rfd, self._wfd = os.pipe()
@@ -205,9 +206,9 @@ class SideChannelServer:
             self._wake()
 
     def _answer_get_meta(self, pp_rank: int, tp_rank: int) -> list[bytes]:
-        if self._vllm is not None:
+        if self._get_meta is not None:
             try:
-                return self._vllm(pp_rank, tp_rank)
+                return self._get_meta(pp_rank, tp_rank)
             except Exception as e:  # a handler bug must not kill the side channel
                 log.exception("side channel: answering get_meta_msg failed")
                 self._on_reject(Failure.INTERNAL_ERROR)
