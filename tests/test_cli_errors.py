@@ -450,10 +450,10 @@ def test_every_table_of_a_shared_config_file_is_checked(kvpush_run, tmp_path: Pa
     ]
     assert r.returncode == USAGE
     wrong = tmp_path / "wrong-role.toml"
-    wrong.write_text('[decode]\nwriter = "blocking"\n')
+    wrong.write_text("[decode]\nwrite_timeout = 2.0\n")
     r = kvpush_run("serve-prefill", "--config", str(wrong))
     assert r.err_lines == [
-        f"error: key 'writer' in table [decode] of config file {wrong} is not an option of "
+        f"error: key 'write_timeout' in table [decode] of config file {wrong} is not an option of "
         "serve-decode",
         "hint: move it to the table of the role it applies to, or to the top level",
     ]
