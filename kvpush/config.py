@@ -412,20 +412,24 @@ class EndpointConfig:
                 "pass --expose to bind every interface on purpose (and set --auth-token-file)",
             )
         if self.wire == Wire.VLLM:
-            if self.vllm is None:
-                raise ConfigError(
-                    "--wire vllm needs the vLLM peer's compatibility hash and geometry",
-                    "pass --like HOST:PORT of a running vLLM peer, or --compat-hash",
-                )
-            if self.auth_token is not None:
-                raise ConfigError(
-                    "--wire vllm cannot authenticate: vLLM's push wire has no tokens",
-                    "drop --auth-token-file, and keep the endpoint on a private network",
-                )
-            if self.pool.regions > 1 << 16:
-                raise ConfigError("too many regions for a vLLM peer", "use fewer --layers")
+            self._check_vllm_wire()
         if self.auth_token is not None and len(self.auth_token) < 16:
             raise ConfigError(
                 "auth token is shorter than 16 bytes",
                 "generate one: head -c 32 /dev/urandom | xxd -p",
             )
+
+    def _check_vllm_wire(self) -> None:
+        """``--wire vllm``: a vLLM peer's hash and geometry, no token, regions in 16 bits."""
+        if self.vllm is None:
+            raise ConfigError(
+                "--wire vllm needs the vLLM peer's compatibility hash and geometry",
+                "pass --like HOST:PORT of a running vLLM peer, or --compat-hash",
+            )
+        if self.auth_token is not None:
+            raise ConfigError(
+                "--wire vllm cannot authenticate: vLLM's push wire has no tokens",
+                "drop --auth-token-file, and keep the endpoint on a private network",
+            )
+        if self.pool.regions > 1 << 16:
+            raise ConfigError("too many regions for a vLLM peer", "use fewer --layers")

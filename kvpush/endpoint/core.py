@@ -148,6 +148,11 @@ class Endpoint(Generic[R, G]):
             undo.pop_all()
         self.watchdog = self._start_watchdog()
         self._ready.set()
+        self._log_ready()
+
+    def _log_ready(self) -> None:
+        """Say the endpoint is ready, and warn of known issues of the NIXL/UCX in use."""
+        cfg = self.cfg
         pc = cfg.pool
         log.info(
             "%s endpoint %s (%s) ready on %s: %d rank(s) x %d blocks x %d regions x %d B on %s",

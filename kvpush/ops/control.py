@@ -188,23 +188,28 @@ def tcp_contact(address: str, timeout_s: float, look: bool = True) -> Contact:
             return Contact(addr, "unreachable", e.strerror or str(e))
         if not look:
             return Contact(addr, "zmq", "accepts connections")
-        first = _read_some(s, min(GREETING_WAIT_S, max(0.05, deadline - time.monotonic())))
-        if first is None:
-            return Contact(addr, "closed", "closed the connection without a word")
-        if first:
-            return _classify(addr, first)
-        try:
-            s.sendall(HTTP_PROBE)
-        except OSError:
-            return Contact(addr, "closed", "closed the connection without a word")
-        reply = _read_some(s, max(0.05, deadline - time.monotonic()))
-        if reply is None:
-            return Contact(addr, "closed", "accepted the connection, then closed it unanswered")
-        if reply:
-            return _classify(addr, reply)
-        return Contact(
-            addr, "silent", f"accepted the connection but sent nothing within {timeout_s:g}s"
-        )
+        return _look(s, addr, deadline, timeout_s)
+
+
+def _look(s: socket.socket, addr: str, deadline: float, timeout_s: float) -> Contact:
+    """Classify a connected peer: by what it says first, else by its answer to an HTTP probe."""
+    first = _read_some(s, min(GREETING_WAIT_S, max(0.05, deadline - time.monotonic())))
+    if first is None:
+        return Contact(addr, "closed", "closed the connection without a word")
+    if first:
+        return _classify(addr, first)
+    try:
+        s.sendall(HTTP_PROBE)
+    except OSError:
+        return Contact(addr, "closed", "closed the connection without a word")
+    reply = _read_some(s, max(0.05, deadline - time.monotonic()))
+    if reply is None:
+        return Contact(addr, "closed", "accepted the connection, then closed it unanswered")
+    if reply:
+        return _classify(addr, reply)
+    return Contact(
+        addr, "silent", f"accepted the connection but sent nothing within {timeout_s:g}s"
+    )
 
 
 def _read_some(s: socket.socket, wait_s: float) -> bytes | None:

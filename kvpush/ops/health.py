@@ -230,40 +230,50 @@ class Health:
             self._mark_down(p, "restarted as a new incarnation", dead=True)
             return
         if up:
-            if (suspect or busy) and (suspect or now - p.last_tcp >= TCP_EVERY_S):
-                p.last_tcp = now
-                c = control.tcp_contact(p.address, self._liveness, look=False)
-                if not c.is_zmq:
-                    self._mark_down(p, f"{c.detail}", dead=c.kind == "refused")
-                    return
-            if (suspect or stalled) and now - p.last_liveness >= self._stall:
-                p.last_liveness = now
-                why = self._answers(p)
-                if why:
-                    if why == "no answer":
-                        why = f"no answer to a liveness check within {self._liveness:g}s"
-                    self._mark_down(p, why, dead=False)
-                    return
-                self.replied(p.address)
+            self._check_up(p, now, suspect=suspect, busy=busy, stalled=stalled)
             return
         if not p.left and now - p.last_recheck >= self._recheck:
-            p.last_recheck = now
+            self._recheck_down(p, now)
+
+    def _check_up(self, p: Peer, now: float, *, suspect: bool, busy: bool, stalled: bool) -> None:
+        """A peer that is up: a TCP look when suspect or busy, a liveness check when suspect or
+        stalled; down when either fails."""
+        if (suspect or busy) and (suspect or now - p.last_tcp >= TCP_EVERY_S):
+            p.last_tcp = now
             c = control.tcp_contact(p.address, self._liveness, look=False)
             if not c.is_zmq:
+                self._mark_down(p, f"{c.detail}", dead=c.kind == "refused")
                 return
+        if (suspect or stalled) and now - p.last_liveness >= self._stall:
+            p.last_liveness = now
             why = self._answers(p)
-            if why == "no answer":
-                return
-            if not why and self._readmit is not None:
-                why = self._readmit(p.address, p.role)
             if why:
-                if why != p.why:
-                    self._on_event(f"{p.role} {p.address} answers but stays down: {why}")
-                p.why = why
+                if why == "no answer":
+                    why = f"no answer to a liveness check within {self._liveness:g}s"
+                self._mark_down(p, why, dead=False)
                 return
-            with self._lock:
-                p.up, p.why, p.last_reply, p.restarted = True, "", time.monotonic(), False
-            self._on_event(f"{p.role} {p.address} is back up: it takes requests again")
+            self.replied(p.address)
+
+    def _recheck_down(self, p: Peer, now: float) -> None:
+        """A peer that is down, due a recheck: back up when it answers as a ready endpoint (and
+        is readmitted)."""
+        p.last_recheck = now
+        c = control.tcp_contact(p.address, self._liveness, look=False)
+        if not c.is_zmq:
+            return
+        why = self._answers(p)
+        if why == "no answer":
+            return
+        if not why and self._readmit is not None:
+            why = self._readmit(p.address, p.role)
+        if why:
+            if why != p.why:
+                self._on_event(f"{p.role} {p.address} answers but stays down: {why}")
+            p.why = why
+            return
+        with self._lock:
+            p.up, p.why, p.last_reply, p.restarted = True, "", time.monotonic(), False
+        self._on_event(f"{p.role} {p.address} is back up: it takes requests again")
 
     def _answers(self, p: Peer) -> str:
         """ "" when ``p`` answers a ``get_meta_msg`` as a ready endpoint, else "no answer" or

@@ -45,6 +45,20 @@ def check_peers(
     # A short --timeout bounds each request, not the first contact: below a second a live
     # peer's connection set-up alone could exceed it, and it would be reported unreachable.
     wait = min(timeout_s, max(cfg.timeout_s, MIN_CONTACT_S))
+    meta, down = _contact(cfg, wait)
+    up = [a for a in (*cfg.prefill, *cfg.decode) if a in meta]
+    _check_pools(cfg, meta, up)
+    ref = next(a for a in cfg.prefill if a in meta)
+    _check_compat(meta, up, ref)
+    if cfg.shape:
+        _check_shape(cfg.shape, ref, meta[ref])
+    _check_tp(cfg, meta)
+    return meta, down
+
+
+def _contact(cfg: DriveConfig, wait: float) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Every peer's metadata (by address) and the peers that are down (address -> why); a
+    peer of the wrong role, or a role with no peer up, is an error."""
     meta: dict[str, dict[str, Any]] = {}
     down: dict[str, str] = {}
     for role, addrs in (("prefill", cfg.prefill), ("decode", cfg.decode)):
@@ -64,7 +78,11 @@ def check_peers(
                 )
         if first is not None and all(a in down for a in addrs):
             raise first
-    up = [a for a in (*cfg.prefill, *cfg.decode) if a in meta]
+    return meta, down
+
+
+def _check_pools(cfg: DriveConfig, meta: dict[str, dict[str, Any]], up: list[str]) -> None:
+    """``--blocks`` fits the pool of every peer that is up."""
     for addr in up:
         pool = meta[addr].get("num_blocks")
         if isinstance(pool, int) and cfg.blocks > pool:
@@ -72,7 +90,10 @@ def check_peers(
                 f"--blocks {cfg.blocks} exceeds the pool of {addr} ({pool} blocks)",
                 f"use --blocks {pool} or fewer",
             )
-    ref = next(a for a in cfg.prefill if a in meta)
+
+
+def _check_compat(meta: dict[str, dict[str, Any]], up: list[str], ref: str) -> None:
+    """Every peer that is up has the geometry of ``ref``, the first prefill peer up."""
     # The model's page (every rank's share together) is what P and D share, whatever their TP.
     ref_fields = protocol.compat_fields_loose(meta[ref])
     for addr in up:
@@ -89,8 +110,10 @@ def check_peers(
                 "P and D must agree on dtype, kv layout, block size and layers: start them "
                 "with the same geometry options",
             )
-    if cfg.shape:
-        _check_shape(cfg.shape, ref, meta[ref])
+
+
+def _check_tp(cfg: DriveConfig, meta: dict[str, dict[str, Any]]) -> None:
+    """Each pair of P and D up has TP sizes of which one divides the other."""
     for p_addr in (a for a in cfg.prefill if a in meta):
         for d_addr in (a for a in cfg.decode if a in meta):
             p_tp, d_tp = meta[p_addr].get("tp_size", 1), meta[d_addr].get("tp_size", 1)
@@ -101,7 +124,6 @@ def check_peers(
                     [("tp_size", p_tp, d_tp)],
                     "run P and D at TP sizes that divide one another (e.g. 8 and 4)",
                 )
-    return meta, down
 
 
 def _check_shape(name: str, address: str, md: dict[str, Any]) -> None:

@@ -37,6 +37,26 @@ def _incompatible_protocol(address: str, e: ProtocolError) -> IncompatiblePeerEr
     )
 
 
+def _handshakes(
+    addr: str, client: Any, req: protocol.HandshakeReq, count: int
+) -> tuple[list[tuple[float, float, float]], protocol.HandshakeRep | None]:
+    """``count`` handshakes: the (sent, received, server clock) of each, and the last reply."""
+    samples: list[tuple[float, float, float]] = []
+    rep: protocol.HandshakeRep | None = None
+    for _ in range(count):
+        t0 = _KVPUSH_CLOCK()
+        try:
+            r = control.call(client, req)
+        except ProtocolError as e:
+            raise _incompatible_protocol(addr, e) from None
+        t1 = _KVPUSH_CLOCK()
+        if not isinstance(r, protocol.HandshakeRep):
+            raise PeerError(f"{addr} answered a handshake request with {type(r).__name__}")
+        rep = r
+        samples.append((t0, t1, r.server_clock))
+    return samples, rep
+
+
 def measure(
     addr: str,
     client: Any,
@@ -49,20 +69,8 @@ def measure(
     kv = ident.kvpush
     if kv.error:
         raise PeerError(f"{addr} is a kvpush endpoint: {kv.error}", "ask for rank 0,0")
-    samples: list[tuple[float, float, float]] = []
-    rep: protocol.HandshakeRep | None = None
     req = protocol.HandshakeReq(mode="notif", requester="kvpush-probe", tp_rank=tp_rank)
-    for _ in range(count):
-        t0 = _KVPUSH_CLOCK()
-        try:
-            r = control.call(client, req)
-        except ProtocolError as e:
-            raise _incompatible_protocol(addr, e) from None
-        t1 = _KVPUSH_CLOCK()
-        if not isinstance(r, protocol.HandshakeRep):
-            raise PeerError(f"{addr} answered a handshake request with {type(r).__name__}")
-        rep = r
-        samples.append((t0, t1, r.server_clock))
+    samples, rep = _handshakes(addr, client, req, count)
     stats_d: dict[str, Any] | None = None
     if want_stats:
         s = control.call(client, protocol.StatsReq())

@@ -40,29 +40,37 @@ _PREFILL_CLASS_NAMES: dict[str, Failure] = {
 }
 
 
+# The typed errors whose reason is their class alone, in the order they are tried (a subclass
+# before its base): those tried before the generic ``PeerError``, and those after it.
+_BEFORE_PEER_ERROR: tuple[tuple[type[KvpushError], Failure], ...] = (
+    (AuthError, Failure.AUTH_REJECTED),
+    (IncompatiblePeerError, Failure.INCOMPATIBLE),
+    (ShuttingDownError, Failure.SHUTTING_DOWN),
+    (NoFreeBlocksError, Failure.NO_FREE_BLOCKS),
+)
+_AFTER_PEER_ERROR: tuple[tuple[type[KvpushError], Failure], ...] = (
+    (ProtocolError, Failure.MALFORMED_FRAME),
+    (KvpushError, Failure.INTERNAL_ERROR),
+)
+
+
 def from_error(e: BaseException, leg: Leg) -> tuple[Failure, str]:
     """The reason and detail of an exception raised while sending ``leg``."""
     if isinstance(e, PeerTimeoutError):  # it took the request: a timeout, not unreachable
         return Failure.DEADLINE, e.message
     if isinstance(e, PeerUnreachableError):
         return UNREACHABLE[leg], e.message
-    if isinstance(e, AuthError):
-        return Failure.AUTH_REJECTED, e.message
-    if isinstance(e, IncompatiblePeerError):
-        return Failure.INCOMPATIBLE, e.message
-    if isinstance(e, ShuttingDownError):
-        return Failure.SHUTTING_DOWN, e.message
-    if isinstance(e, NoFreeBlocksError):
-        return Failure.NO_FREE_BLOCKS, e.message
+    for cls, reason in _BEFORE_PEER_ERROR:
+        if isinstance(e, cls):
+            return reason, e.message
     if isinstance(e, PeerError):
         # An ErrorRep: the client does not pass its code on yet, only the message.
         if "shutting down" in e.message:
             return Failure.SHUTTING_DOWN, e.message
         return Failure.BAD_REQUEST, e.message
-    if isinstance(e, ProtocolError):
-        return Failure.MALFORMED_FRAME, e.message
-    if isinstance(e, KvpushError):
-        return Failure.INTERNAL_ERROR, e.message
+    for cls, reason in _AFTER_PEER_ERROR:
+        if isinstance(e, cls):
+            return reason, e.message
     return Failure.INTERNAL_ERROR, f"{type(e).__name__}: {e}"
 
 

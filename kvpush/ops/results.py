@@ -60,6 +60,12 @@ class DriveConfig:
                 dict.fromkeys(format_address(*parse_address(a)) for a in getattr(self, name))
             )
             object.__setattr__(self, name, norm)
+        self._check_numbers()
+        if not self.run_id:
+            object.__setattr__(self, "run_id", uuid.uuid4().hex[:8])
+
+    def _check_numbers(self) -> None:
+        """Counts, sizes, the rate and the time limits: each in its range."""
         for flag, value in (
             ("--requests", self.requests),
             ("--concurrency", self.concurrency),
@@ -82,8 +88,6 @@ class DriveConfig:
             raise ConfigError(
                 f"--timeout must be positive, got {self.timeout_s:g}", "pass --timeout > 0"
             )
-        if not self.run_id:
-            object.__setattr__(self, "run_id", uuid.uuid4().hex[:8])
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ import re
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
@@ -140,7 +141,20 @@ def snapshot_families(snap: Snapshot) -> list[Metric]:
     return out
 
 
-def _families(snap: Snapshot) -> Iterator[Metric]:
+@dataclass(frozen=True)
+class _View:
+    """How one snapshot's series are labelled: the rank-level ``parts`` (one per rank, with
+    its ``rank`` label, or the one snapshot) and the names the endpoint counts once."""
+
+    snap: Snapshot
+    base: list[str]
+    parts: list[tuple[list[str], Snapshot]]
+    lab: list[str]
+    once_counters: frozenset[str]
+    once_hists: frozenset[str]
+
+
+def _view(snap: Snapshot) -> _View:
     ranked = bool(snap.ranks)
     base = [snap.role, snap.engine_id]
     # The series of rank-level data: one part per rank (rank label) or the one snapshot.
@@ -149,38 +163,66 @@ def _families(snap: Snapshot) -> Iterator[Metric]:
         if ranked
         else [(base, snap)]
     )
-    lab = [*_BASE, "rank"] if ranked else list(_BASE)
-    once_counters = ENDPOINT_COUNTERS if ranked else frozenset()
-    once_hists = ENDPOINT_HISTS if ranked else frozenset()
+    return _View(
+        snap=snap,
+        base=base,
+        parts=parts,
+        lab=[*_BASE, "rank"] if ranked else list(_BASE),
+        once_counters=ENDPOINT_COUNTERS if ranked else frozenset(),
+        once_hists=ENDPOINT_HISTS if ranked else frozenset(),
+    )
 
+
+def _families(snap: Snapshot) -> Iterator[Metric]:
+    v = _view(snap)
+    yield from _counter_families(v)
+    yield _failure_family(v)
+    yield from _gauge_families(v)
+    yield from _hist_families(v)
+    yield from _peer_families(v)
+    up = GaugeMetricFamily(
+        "kvpush_uptime_seconds", "Seconds since the endpoint started", labels=_BASE
+    )
+    up.add_metric(v.base, snap.uptime_s)
+    yield up
+    yield from _info(snap, v.parts)
+
+
+def _counter_families(v: _View) -> Iterator[Metric]:
     # Every counter this version knows is on the page from the first scrape, at 0 until it
     # moves (rate() and increase() then see the first event, and an absent series means a
     # missing endpoint, not a quiet one), whatever the TP size.
-    names = {c for _, s in parts for c in s.counters if c not in once_counters}
+    once_counters, snap = v.once_counters, v.snap
+    names = {c for _, s in v.parts for c in s.counters if c not in once_counters}
     names |= {c for c in snap.counters if c in once_counters}
     names |= {str(c) for c in Counter}
     for counter in sorted(names):
         doc = f"kvpush counter {counter}"
         if counter in once_counters:
             c = CounterMetricFamily(_counter_base(counter), doc, labels=_BASE)
-            c.add_metric(base, snap.counters.get(counter, 0))
+            c.add_metric(v.base, snap.counters.get(counter, 0))
         else:
-            c = CounterMetricFamily(_counter_base(counter), doc, labels=lab)
-            for key, s in parts:
+            c = CounterMetricFamily(_counter_base(counter), doc, labels=v.lab)
+            for key, s in v.parts:
                 c.add_metric(key, s.counters.get(counter, 0))
         yield c
 
+
+def _failure_family(v: _View) -> Metric:
     fails = CounterMetricFamily(
         "kvpush_failures",
         "Failures by kind (each counted once, where handled)",
-        labels=[*lab, "kind"],
+        labels=[*v.lab, "kind"],
     )
-    for key, s in parts:
+    for key, s in v.parts:
         known = {str(k): 0 for k in Failure}  # every kind at 0 from the start, as counters
         for kind, value in sorted({**known, **s.failures}.items()):
             fails.add_metric([*key, kind], value)
-    yield fails
+    return fails
 
+
+def _gauge_families(v: _View) -> Iterator[Metric]:
+    lab = v.lab
     queues = GaugeMetricFamily(
         "kvpush_queue_depth", "Items waiting in each queue", labels=[*lab, "queue"]
     )
@@ -188,7 +230,7 @@ def _families(snap: Snapshot) -> Iterator[Metric]:
         "kvpush_pool_blocks", "KV blocks of the pool by state", labels=[*lab, "state"]
     )
     others: dict[str, GaugeMetricFamily] = {}
-    for key, s in parts:
+    for key, s in v.parts:
         for gauge, level in sorted(s.gauges.items()):
             if gauge in QUEUE_GAUGES:
                 queues.add_metric([*key, gauge], level)
@@ -197,37 +239,40 @@ def _families(snap: Snapshot) -> Iterator[Metric]:
             else:
                 g = others.get(gauge)
                 if g is None:
-                    g = others[gauge] = (
-                        GaugeMetricFamily(
-                            "kvpush_pool_capacity_blocks", "KV blocks in the pool", labels=lab
-                        )
-                        if gauge == "pool_total"
-                        else GaugeMetricFamily(
-                            f"kvpush_{metric_name(gauge)}", f"kvpush gauge {gauge}", labels=lab
-                        )
-                    )
+                    g = others[gauge] = _other_gauge(gauge, lab)
                 g.add_metric(key, level)
     yield queues
     yield pool
     yield from (others[g] for g in sorted(others))
 
-    hist_names = {h for _, s in parts for h in s.histograms if h not in once_hists}
+
+def _other_gauge(gauge: str, lab: list[str]) -> GaugeMetricFamily:
+    if gauge == "pool_total":
+        return GaugeMetricFamily("kvpush_pool_capacity_blocks", "KV blocks in the pool", labels=lab)
+    return GaugeMetricFamily(f"kvpush_{metric_name(gauge)}", f"kvpush gauge {gauge}", labels=lab)
+
+
+def _hist_families(v: _View) -> Iterator[Metric]:
+    once_hists, snap = v.once_hists, v.snap
+    hist_names = {h for _, s in v.parts for h in s.histograms if h not in once_hists}
     hist_names |= {h for h in snap.histograms if h in once_hists}
     for hist in sorted(hist_names):
         doc = f"kvpush {hist} in seconds"
         if hist in once_hists:
             fam = HistogramMetricFamily(_hist_name(hist), doc, labels=_BASE)
-            _add_hist(fam, base, snap.histograms[hist])
+            _add_hist(fam, v.base, snap.histograms[hist])
         else:
-            fam = HistogramMetricFamily(_hist_name(hist), doc, labels=lab)
-            for key, s in parts:
+            fam = HistogramMetricFamily(_hist_name(hist), doc, labels=v.lab)
+            for key, s in v.parts:
                 if hist in s.histograms:
                     _add_hist(fam, key, s.histograms[hist])
         yield fam
 
+
+def _peer_families(v: _View) -> Iterator[Metric]:
     # ``peer`` is the peer endpoint's side-channel address and ``peer_rank`` its rank (each
     # rank is its own NIXL agent and handshake), so both group and filter as plain values.
-    peer_lab = [*lab, "peer", "peer_rank"]
+    peer_lab = [*v.lab, "peer", "peer_rank"]
     state = GaugeMetricFamily(
         "kvpush_peer_handshake_state",
         "1 for each peer, labelled with its handshake mode and state",
@@ -243,7 +288,7 @@ def _families(snap: Snapshot) -> Iterator[Metric]:
         "Duration of the last handshake per peer",
         labels=peer_lab,
     )
-    for key, s in parts:
+    for key, s in v.parts:
         for row in s.peers:
             peer = [*key, *split_peer(str(row.get("peer", "")))]
             mode, st = str(row.get("mode", "")), str(row.get("state", ""))
@@ -257,14 +302,6 @@ def _families(snap: Snapshot) -> Iterator[Metric]:
     yield state
     yield failures
     yield duration
-
-    up = GaugeMetricFamily(
-        "kvpush_uptime_seconds", "Seconds since the endpoint started", labels=_BASE
-    )
-    up.add_metric(base, snap.uptime_s)
-    yield up
-
-    yield from _info(snap, parts)
 
 
 def _add_hist(fam: HistogramMetricFamily, key: list[str], h: HistSnapshot) -> None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from kvpush.cli.views.live import section
 from kvpush.cli.views.readings import fmt_rate, fmt_uptime
 from kvpush.ops.fleet_check import CheckReport, PairResult
 from kvpush.ops.fleet_view import Change, FleetRow
@@ -50,23 +50,12 @@ def _rate(rate: float | None) -> str:
     return "-" if rate is None else fmt_rate(rate)
 
 
-def _table(title: str | None = None) -> Table:
-    return Table(
-        title=title,
-        title_justify="left",
-        title_style="bold cyan",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        show_edge=False,
-    )
-
-
 def ls_table(rows: Sequence[FleetRow], cluster: str, *, rate: bool = False) -> RenderableType:
     """The fleet as a table; ``rate`` adds the push rate column (the watch has two summaries)."""
     if not rows:
         return Text(f"cluster {cluster!r}: no endpoint registered", style="dim")
     n_p = sum(1 for r in rows if r.record.role == "prefill")
-    t = _table(f"cluster {cluster}: {n_p} prefill, {len(rows) - n_p} decode")
+    t = section(f"cluster {cluster}: {n_p} prefill, {len(rows) - n_p} decode")
     for col, right in (
         ("role", False), ("address", False), ("host", False), ("engine id", False),
         ("incarnation", False), ("tp", True), ("wire", False), ("age", True),
@@ -184,7 +173,7 @@ def check_text(rep: CheckReport) -> RenderableType:
 def _matrix(rep: CheckReport) -> list[RenderableType]:
     """The matrix (rows P, columns D, one word per pair), its legend, and one line per pair
     that is not ok."""
-    m = _table(f"cluster {rep.cluster}: {len(rep.prefills)} P x {len(rep.decodes)} D")
+    m = section(f"cluster {rep.cluster}: {len(rep.prefills)} P x {len(rep.decodes)} D")
     m.add_column("P \\ D", no_wrap=True)
     for i in range(len(rep.decodes)):
         m.add_column(f"D{i}", no_wrap=True)
@@ -209,7 +198,7 @@ def _matrix(rep: CheckReport) -> list[RenderableType]:
 
 def _pairs_table(rep: CheckReport) -> Table:
     """Every pair's figures."""
-    t = _table("pairs")
+    t = section("pairs")
     for col in ("prefill", "decode", "outcome", "blocks", "pushes", "first ms", "handshake ms",
                 "p50 ms", "GB/s"):  # fmt: skip
         t.add_column(col, no_wrap=True, justify="left" if col in ("prefill", "decode") else "right")

@@ -120,7 +120,9 @@ def _devices(snap: Snapshot) -> str:
 # --- the live view ----------------------------------------------------------------------------
 
 
-def _section(title: str, **kw: Any) -> Table:
+def section(title: str | None = None, **kw: Any) -> Table:
+    """A table as every view draws one: a bold cyan title on the left, a rule under the
+    header, no edges."""
     return Table(
         title=title,
         title_justify="left",
@@ -155,7 +157,7 @@ def _header(snap: Snapshot) -> Text:
 
 def _handshakes(snap: Snapshot) -> Table:
     ok = sum(1 for r in snap.peers if peer_ok(r))
-    t = _section(f"Handshakes  {ok}/{len(snap.peers)} ready", expand=True)
+    t = section(f"Handshakes  {ok}/{len(snap.peers)} ready", expand=True)
     ranked = bool(snap.ranks)  # merged rows name the rank that holds the peer
     if ranked:
         t.add_column("rank", justify="right", no_wrap=True)
@@ -192,7 +194,7 @@ def _handshakes(snap: Snapshot) -> Table:
 
 
 def _queues(snap: Snapshot) -> Table:
-    t = _section("Queues")
+    t = section("Queues")
     t.add_column("queue")
     t.add_column("depth", justify="right")
     shown = [(name, label) for name, label in QUEUE_GAUGES.items() if name in snap.gauges]
@@ -206,7 +208,7 @@ def _queues(snap: Snapshot) -> Table:
 
 def _throughput(snap: Snapshot) -> Table:
     r, c = snap.rates, snap.counters
-    t = _section("Throughput")
+    t = section("Throughput")
     t.add_column("")
     t.add_column("now", justify="right")
     t.add_column("total", justify="right")
@@ -221,7 +223,7 @@ def _throughput(snap: Snapshot) -> Table:
 
 
 def _latency(snap: Snapshot) -> Table:
-    t = _section("Latency (ms)")
+    t = section("Latency (ms)")
     t.add_column("histogram", no_wrap=True, max_width=22, overflow="ellipsis")
     for col in ("count", "p50", "p90", "p99", "max"):
         t.add_column(col, justify="right", no_wrap=True)
@@ -238,7 +240,7 @@ def _latency(snap: Snapshot) -> Table:
 
 
 def _failures(snap: Snapshot) -> Table:
-    t = _section("Failures")
+    t = section("Failures")
     t.add_column("kind", no_wrap=True, max_width=24, overflow="ellipsis")
     t.add_column("count", justify="right")
     nonzero = sorted(((n, k) for k, n in snap.failures.items() if n), reverse=True)
@@ -258,7 +260,7 @@ def _failures(snap: Snapshot) -> Table:
 
 def _pool(snap: Snapshot) -> RenderableType:
     total = int_gauge(snap, Gauge.POOL_TOTAL)
-    t = _section("Pool", show_header=False)
+    t = section("Pool", show_header=False)
     t.add_column("")
     if not total:
         t.add_row(Text("no block pool reported", style="dim"))
@@ -298,7 +300,7 @@ def _ranks(snap: Snapshot) -> Table:
     """One row per rank: queue depths, pool blocks, handshakes, throughput now."""
     ranks = snap.ranks
     # ok/conn/fail: the rank's handshake peers connected, connecting, failed.
-    t = _section("Ranks", collapse_padding=True)
+    t = section("Ranks", collapse_padding=True)
     queues = [(g, k) for g, k in _RANK_QUEUE_COLUMNS.items() if any(g in r.gauges for r in ranks)]
     pool = [(g, k) for g, k in _RANK_POOL_COLUMNS if any(g in r.gauges for r in ranks)]
     rates = RANK_THROUGHPUT.get(snap.role, RANK_THROUGHPUT["prefill"])
