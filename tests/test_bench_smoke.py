@@ -138,7 +138,17 @@ def _my_workers() -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("name", bench.SCENARIOS)
+# The three longest scenarios run in the slow suite (``make test`` stays near 10 minutes).
+_SLOW_SCENARIOS = {"hol", "model", "fleet"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_SCENARIOS else n
+        for n in bench.SCENARIOS
+    ],
+)
 def test_scenario_quick(name: str, tmp_path: Path) -> None:
     r = bench.run(name, quick=True, out_dir=tmp_path)
     _check_result(r, name, tmp_path)

@@ -73,6 +73,7 @@ def test_trace_phases_are_ordered_and_add_up_to_the_latency(serve, kvpush_run, t
         assert f"kvpush_{h}_seconds_count{{" in prom, h
 
 
+@pytest.mark.slow
 def test_a_request_failed_at_a_known_phase_says_so(serve, tmp_path) -> None:
     """P freezes after D's first request: the second is allocated and registered by D, then
     never pushed -- its record ends at push_reg_sent, with the reason."""

@@ -151,6 +151,7 @@ def _raw_untagged_request(host: str, port: int) -> protocol.SideReply:
         sock.close(0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sign", [None, "wrong-token-wrong-token-wrong"], ids=["untagged", "bad-tag"]
 )

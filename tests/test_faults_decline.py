@@ -133,6 +133,7 @@ def test_p_stopping_gracefully_is_shutting_down_not_dead(tmp_path: Path) -> None
         assert g["pool_quarantined"] == 0, g
 
 
+@pytest.mark.slow
 def test_p_stopping_mid_load_is_shutting_down_for_every_request_in_flight(
     tmp_path: Path,
 ) -> None:

@@ -56,6 +56,7 @@ def _push_reg(tid: str, d_host: str, d_port: int, p_addr: str, blocks: list[int]
     }
 
 
+@pytest.mark.slow
 def test_black_hole_and_silent_side_channels(tmp_path: Path) -> None:
     with cluster_ctx(tmp_path) as c, BlackHole() as hole, SilentListener() as mute:
         p = c.start("prefill", "p")

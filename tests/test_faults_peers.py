@@ -67,6 +67,7 @@ def _load(
     return t, out
 
 
+@pytest.mark.slow
 def test_d_killed_before_and_during_pushes(tmp_path: Path) -> None:
     with cluster_ctx(tmp_path) as c:
         p = c.start("prefill", "p")
@@ -141,6 +142,7 @@ def test_d_killed_before_and_during_pushes(tmp_path: Path) -> None:
         p_start.assert_bounded(ProcStats.of(p.popen.pid), "P after two D deaths")
 
 
+@pytest.mark.slow
 def test_d_frozen_then_resumed(tmp_path: Path) -> None:
     with cluster_ctx(tmp_path) as c:
         p = c.start("prefill", "p")
@@ -181,6 +183,7 @@ def test_d_frozen_then_resumed(tmp_path: Path) -> None:
         p_start.assert_bounded(ProcStats.of(p.popen.pid), "P after a frozen D")
 
 
+@pytest.mark.slow
 def test_d_restarted_at_same_address(tmp_path: Path) -> None:
     port = free_port()
     with cluster_ctx(tmp_path) as c:
@@ -239,6 +242,7 @@ def test_d_restarted_at_same_address(tmp_path: Path) -> None:
             settle(a, quarantine_clears=True)
 
 
+@pytest.mark.slow
 def test_p_killed_mid_push_then_restarted(tmp_path: Path) -> None:
     port = free_port()
     deadline_s = 9.0

@@ -37,6 +37,7 @@ def test_a_d_rank_keeps_no_row_for_ps_rank_0_it_only_asked_for_ps_tp(serve: Laun
     assert rows == [(0, p.address, "connected"), (1, f"{p.address} rank 1", "connected")], rows
 
 
+@pytest.mark.slow
 def test_dead_peers_leave_the_tables_at_once(serve: Launcher, free_port: int) -> None:
     p = serve.serve("prefill", *SMALL, "--metrics-port", str(free_port))
     d1 = serve.serve("decode", *SMALL)
