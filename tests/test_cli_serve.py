@@ -66,6 +66,29 @@ def test_second_signal_forces_exit_130() -> None:
     assert p.stderr == "kvpush: second signal: exiting without draining\n"
 
 
+def test_a_signal_while_the_main_thread_holds_the_flags_lock_does_not_deadlock() -> None:
+    """The freeze of issue 16, made deterministic: the signal arrives while the main thread is
+    inside ``Event.wait`` (it holds the event's lock there). The handler must not take that
+    lock: it returns, and the relay thread sets the flag once the lock is free."""
+    code = (
+        "import os, signal\n"
+        "from kvpush.cli.signals import StopFlag\n"
+        "f = StopFlag(); f.install()\n"
+        "with f.event._cond:  # where Event.wait holds it\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    for _ in range(10000):  # the handler runs between these bytecodes\n"
+        "        pass\n"
+        "    assert f.signame == 'SIGTERM' and not f.event.is_set()\n"
+        "assert f.event.wait(10)\n"
+        "print('ok')\n"
+    )
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the signal handler deadlocked on the flag's lock (the main thread held it)")
+    assert p.returncode == 0 and p.stdout == "ok\n", p.stderr
+
+
 def test_plain_lines(serve) -> None:
     s = serve.start("decode", *SMALL, output="plain")
     deadline = time.monotonic() + 30
