@@ -255,6 +255,24 @@ class Clock:
         return self.t
 
 
+def test_probes_closer_than_half_a_second_keep_the_successes_they_bracket() -> None:
+    """Idle probe, four quick successes, probe 0.3 s later, then only failures: not ready
+    (a sample that moved was dropped for coming too soon, and the old idle base then counted
+    the four successes against the failures: /readyz stayed 200 in a CI run)."""
+    clock = Clock()
+    tm = Telemetry("decode", "d", clock=clock)
+    h = Health(tm.snapshot, lambda: None, lambda: False, window_s=10, clock=clock)
+    assert h.ready().ok
+    tm.inc("requests_ok", 4)
+    clock.t += 0.3
+    assert h.ready().ok
+    tm.inc("requests_failed", 3)
+    tm.fail("prefill_unreachable", 3)
+    clock.t += 2.0
+    v = h.ready()
+    assert not v.ok and "3 requests failed and none succeeded" in v.reason, v
+
+
 def test_health_windows_and_order_of_checks() -> None:
     clock = Clock()
     tm = Telemetry("decode", "d", clock=clock)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from kvpush.telemetry.snapshot import Snapshot
 
 WINDOW_S = 10.0
+#: Counter samples kept (probes faster than 0.5 s apart with traffic between them add one each).
+MAX_SAMPLES = 256
 
 #: The counters of a push / request that succeeded and of one that failed, by role.
 OUTCOME_COUNTERS = {
@@ -118,8 +120,17 @@ class Health:
                 if cur.ok > prev.ok:
                     base = cur
                     break
-            if not samples or now.t - samples[-1].t >= 0.5:
+            # One sample per 0.5 s, but never drop one whose counts moved: probes closer than
+            # that (a quick run between two) must still see the successes they bracket.
+            last = samples[-1] if samples else None
+            if (
+                last is None
+                or now.t - last.t >= 0.5
+                or (now.ok, now.failed) != (last.ok, last.failed)
+            ):
                 samples.append(now)
+                if len(samples) > MAX_SAMPLES:
+                    samples.popleft()
         return data_path(base, now, snap.role)
 
     def ready(self) -> Verdict:
