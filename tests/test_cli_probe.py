@@ -260,7 +260,8 @@ def test_vllm_listener_survives_every_probe_mode(vllm_listener, kvpush_run) -> N
         ("--handshake", "full"),
         ("--layers", "2", "--block-bytes", "32768"),
     ):
-        r = kvpush_run("probe", addr, "--timeout", "2", *args)
+        # A bound, not a speed claim: a probe slower than 2 s on a loaded host is no failure.
+        r = kvpush_run("probe", addr, "--timeout", "10", *args)
         assert r.returncode in (0, 3), (args, r.stdout, r.stderr)
         assert vllm_listener.alive, (args, vllm_listener.died)
     # Refused before anything is sent: a NIXL ping (a foreign notification kills a vLLM engine),

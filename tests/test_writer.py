@@ -624,6 +624,24 @@ def test_cancel_while_handshaking_acknowledged_without_write(rig: Rig) -> None:
     assert ack.reason == "cancelled" and not ack.may_have_written
 
 
+def test_cancel_while_a_failing_handshake_is_acknowledged_once_d_answers(rig: Rig) -> None:
+    """The handshake under way when D cancelled fails: the acknowledgement is owed (to the
+    address in D's PUSH_REG) and sent once a later handshake succeeds -- not dropped, which
+    left D's blocks quarantined for as long as P lived (the fault soak)."""
+    d, _ = _pending_push(rig)
+    rig.notify_from(d, protocol.Cancel(request_id="t1", transfer_id="t1"))
+    rig.step()
+    d.release(error="not_ready")  # the held handshake is answered with an error
+    wait_until(lambda: _stepped(rig, rig.writer._out.acks.n_owed == 1), what="an owed ack")
+    assert not _acks_to(rig, d) and rig.free() == 32
+    d.hold = False  # D answers handshakes now: the ack's own handshake, held, too
+    d.release()
+    wait_until(lambda: _stepped(rig, bool(_acks_to(rig, d))), what="the acknowledgement")
+    (ack,) = _acks_to(rig, d)
+    assert ack.reason == "cancelled" and not ack.may_have_written
+    assert rig.agent.count("post_write") == 0
+
+
 def test_cancel_of_unknown_transfer_is_acknowledged_but_cannot_drop_a_later_one(
     rig: Rig,
 ) -> None:

@@ -349,7 +349,15 @@ class PushWriter:
         if cancelled:
             self._pool.allocator.release(d.push.key)
             reg = d.push.registration
-            cancel = protocol.Cancel(request_id=reg.reg.request_id, transfer_id=reg.reg.transfer_id)
+            # With D's address: when the handshake failed there is no connection yet, and the
+            # acknowledgement is owed until one is up (kvpush.prefill.acks), not dropped.
+            cancel = protocol.Cancel(
+                request_id=reg.reg.request_id,
+                transfer_id=reg.reg.transfer_id,
+                decode_host=reg.reg.decode_host,
+                decode_port=reg.reg.decode_port,
+                decode_tp_rank=reg.reg.decode_tp_rank,
+            )
             self._out.ack_cancel(cancel, reg.sender)
         elif d.error is not None:
             self._out.fail(d.push, handshake_failure(d.error, "decode"), str(d.error))
