@@ -267,7 +267,7 @@ def test_vllm_listener_survives_every_probe_mode(vllm_listener, kvpush_run) -> N
     # Refused before anything is sent: a NIXL ping (a foreign notification kills a vLLM engine),
     # and a rank the engine may not serve (vLLM's listener dies on it: KeyError).
     for args in (("--ping", "2"), ("--ranks", "0,1"), ("--ranks", "0,1", "--peer-tp", "1")):
-        r = kvpush_run("probe", addr, "--timeout", "1", *args)
+        r = kvpush_run("probe", addr, "--timeout", "10", *args)
         assert r.returncode == 2, (args, r.stderr)
         assert vllm_listener.alive, (args, vllm_listener.died)  # it got get_meta_msg (0,0) only
     r = kvpush_run("probe", addr, "--ranks", "0,1", "--peer-tp", "2", "--timeout", "1")
