@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -54,7 +55,7 @@ def test_second_signal_forces_exit_130() -> None:
     # queue standard signals), so the flag's contract is checked in a process signalling itself.
     code = (
         "import os, signal, time\n"
-        "from kvpush.cli.signals import StopFlag\n"
+        "from kvpush.runtime.signals import StopFlag\n"
         "f = StopFlag(); f.install()\n"
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n"
         "assert f.event.is_set() and f.signame == 'SIGTERM'\n"
@@ -72,7 +73,7 @@ def test_a_signal_while_the_main_thread_holds_the_flags_lock_does_not_deadlock()
     lock: it returns, and the relay thread sets the flag once the lock is free."""
     code = (
         "import os, signal\n"
-        "from kvpush.cli.signals import StopFlag\n"
+        "from kvpush.runtime.signals import StopFlag\n"
         "f = StopFlag(); f.install()\n"
         "with f.event._cond:  # where Event.wait holds it\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -87,6 +88,22 @@ def test_a_signal_while_the_main_thread_holds_the_flags_lock_does_not_deadlock()
     except subprocess.TimeoutExpired:
         pytest.fail("the signal handler deadlocked on the flag's lock (the main thread held it)")
     assert p.returncode == 0 and p.stdout == "ok\n", p.stderr
+
+
+def test_every_signal_handler_of_kvpush_is_the_stop_flags() -> None:
+    """The deadlock above was in a second place: the test and bench worker
+    ``kvpush.ops.node`` set a ``threading.Event`` from its own handler (a CI run's D did not
+    stop within 20 s of SIGTERM). Only ``StopFlag`` installs handlers."""
+    root = Path(__file__).resolve().parents[1] / "kvpush"
+    own = root / "runtime" / "signals.py"
+    found = [
+        f"{path.relative_to(root.parent)}:{n}"
+        for path in sorted(root.rglob("*.py"))
+        if path != own
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "signal.signal(" in line
+    ]
+    assert not found, f"signal handlers outside StopFlag: {found}"
 
 
 def test_plain_lines(serve) -> None:

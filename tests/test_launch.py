@@ -82,3 +82,32 @@ def test_stop_all_kills_what_ignores_the_ask(tmp_path: Path) -> None:
         time.sleep(0.05)
     codes = launch.stop_all([p, polite], launch.terminate, 1.0, group=True)
     assert codes == [-signal.SIGKILL, -signal.SIGTERM]
+
+
+def test_the_tests_launcher_dumps_the_stacks_of_a_process_that_does_not_stop(
+    tmp_path: Path,
+) -> None:
+    """``tests/support/procs.Proc.stop``: a child still running at the deadline gets its
+    stacks (``py-spy dump``) appended to its log before the SIGKILL -- a frozen endpoint in any
+    suite says where it froze."""
+    from tests.support.procs import Proc
+
+    log = tmp_path / "stuck.log"
+    code = (
+        "import signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('armed', flush=True)\n"
+        "def stuck_here():\n"
+        "    time.sleep(60)\n"
+        "stuck_here()\n"
+    )
+    popen = launch.spawn([PY, "-c", code], log, launch.child_env(keep_kvpush=True))
+    p = Proc(popen=popen, address="127.0.0.1:1", engine_id="", incarnation="", log=log)
+    for _ in range(200):
+        if "armed" in log.read_text():
+            break
+        time.sleep(0.05)
+    assert p.stop(timeout=1.0) == -signal.SIGKILL
+    text = log.read_text()
+    assert "did not exit within 1s of SIGTERM; py-spy dump before SIGKILL" in text, text
+    assert "stuck_here" in text, text

@@ -5,7 +5,9 @@ fields (``pool``, ``timeouts`` and ``agent`` as nested maps) and, at the same le
 ``kvpush.instruments.Instruments`` that no serve command has (``handshake_reply_delay_s``,
 ``crash_rank_after``, ``start_delay_s``, ``writer_mode``: ``build`` sorts them out). Writes
 READY_FILE (JSON: address, engine_id, incarnation, pid) atomically once started; SIGTERM/SIGINT
-stop it gracefully (exit 0).
+stop it gracefully (exit 0; a second signal exits at once with 130). The handlers are
+``kvpush.runtime.signals.StopFlag``'s, which take no lock: a handler that set a
+``threading.Event`` itself froze this worker now and then, as it froze ``serve`` (issue 16).
 Operators use ``kvpush serve-prefill`` / ``serve-decode`` instead.
 """
 
@@ -16,7 +18,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 from typing import Any
 
 from kvpush import logsafe
@@ -30,6 +31,7 @@ from kvpush.config import (
 )
 from kvpush.instruments import Instruments, WriterMode
 from kvpush.ops.engine import open_endpoint
+from kvpush.runtime.signals import StopFlag
 
 
 def build(d: dict[str, Any]) -> tuple[EndpointConfig, Instruments]:
@@ -70,9 +72,7 @@ def main() -> int:
     cfg, instruments = build(json.loads(sys.argv[1]))
     ready = sys.argv[2]
     ep = open_endpoint(cfg, instruments)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = StopFlag().install((signal.SIGTERM, signal.SIGINT))
     tmp = ready + ".tmp"
     with open(tmp, "w") as f:
         json.dump(
@@ -85,7 +85,7 @@ def main() -> int:
             f,
         )
     os.replace(tmp, ready)
-    while not stop.wait(0.2):
+    while not stop.event.wait(0.2):
         if ep.failure() is not None:
             print(f"endpoint thread failed: {ep.failure()!r}", file=sys.stderr)
             ep.stop(1.0)

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.ports import free_port as free_port
-from tests.support.procs import ROOT, Proc, start_endpoint
+from tests.support.procs import ROOT, Proc, dump_stacks, start_endpoint
 
 # Deadlines short enough that every fault costs seconds, not minutes.
 FAST_TIMEOUTS: dict[str, float] = {
@@ -154,7 +154,7 @@ class Cluster:
                 continue
             rc = p.stop() if pid not in self._stopped else p.popen.returncode
             if rc != 0:
-                problems.append(f"{name} exited {rc}:\n{p.log_text()[-4000:]}")
+                problems.append(f"{name} exited {rc}:\n{p.log_text()[-12000:]}")
         for name, p in self.procs.items():
             text = p.log_text()
             if "Traceback" in text and name not in self._crashed:
@@ -966,6 +966,11 @@ class NsProc:
         try:
             return self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError), self.log.open("a") as f:
+                f.write(
+                    f"\n--- test harness: no exit within {timeout:g}s of SIGTERM; py-spy dump "
+                    f"before SIGKILL ---\n{dump_stacks(self.pid)}\n"
+                )
             self.kill()
             return None
 

@@ -31,6 +31,18 @@ ROOT = Path(__file__).resolve().parents[2]
 KVPUSH = [sys.executable, "-m", "kvpush"]
 
 
+def dump_stacks(pid: int) -> str:
+    """Every thread's Python and native stack of ``pid`` (``py-spy``, a dev dependency), or why
+    there is none."""
+    spy = Path(sys.executable).with_name("py-spy")
+    cmd = [str(spy) if spy.exists() else "py-spy", "dump", "--native", "--pid", str(pid)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"(no stack: {e})"
+    return (r.stdout + r.stderr).strip()
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPUSH_")}
     env.update({"NO_COLOR": "1", "COLUMNS": "200", "TERM": "dumb", "PYTHONUNBUFFERED": "1"})
@@ -73,10 +85,21 @@ class Proc:
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
+                self._dump_stacks(f"did not exit within {timeout:g}s of {signal.Signals(sig).name}")
                 self.popen.kill()
                 self.popen.wait(10)
         self.returncode = self.popen.returncode
         return self.returncode
+
+    def _dump_stacks(self, why: str) -> None:
+        """Append every thread's stack (``py-spy dump --native``) to the log before a SIGKILL:
+        a process that froze says where (the log tail is what a failing test prints)."""
+        out = dump_stacks(self.popen.pid)
+        try:
+            with self.log.open("a") as f:
+                f.write(f"\n--- test harness: {why}; py-spy dump before SIGKILL ---\n{out}\n")
+        except OSError:
+            pass
 
     def kill(self) -> None:
         if self.popen.poll() is None:

@@ -19,9 +19,9 @@ from rich.console import Console
 
 from kvpush.cli import options, stdio
 from kvpush.cli.optspec import option
-from kvpush.cli.signals import StopFlag
 from kvpush.cli.views import reports
 from kvpush.errors import ConfigError, ExitStatus
+from kvpush.runtime.signals import StopFlag
 
 DOC = """Start one P and two D endpoints on loopback, push a few hundred requests through them.
 

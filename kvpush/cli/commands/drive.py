@@ -26,9 +26,9 @@ from rich.console import Console
 from kvpush.cli import options, stdio, translate
 from kvpush.cli.commands import leg as legs
 from kvpush.cli.optspec import option
-from kvpush.cli.signals import StopFlag
 from kvpush.cli.views import reports
 from kvpush.errors import ConfigError, ExitStatus
+from kvpush.runtime.signals import StopFlag
 
 DOC = """Act as the router: send both legs of N requests to running P and D endpoints.
 

@@ -22,8 +22,8 @@ from rich.console import Console
 
 from kvpush.cli import options, stdio, translate
 from kvpush.cli.optspec import PANEL_OUT, option
-from kvpush.cli.signals import StopFlag
 from kvpush.errors import ConfigError, ExitStatus
+from kvpush.runtime.signals import StopFlag
 
 #: Columns of a table written to a pipe when COLUMNS does not say.
 PIPE_WIDTH = 200

@@ -38,10 +38,10 @@ from rich.console import Console
 from kvpush import logsafe
 from kvpush.cli import options, quickexit, stdio, translate
 from kvpush.cli.options import LogLevel, OutputMode
-from kvpush.cli.signals import StopFlag
 from kvpush.cli.translate import ServeOptions
 from kvpush.config import EndpointConfig, Role
 from kvpush.errors import ExitStatus, KvpushError
+from kvpush.runtime.signals import StopFlag
 
 log = logging.getLogger("kvpush.serve")
 
