@@ -47,20 +47,22 @@ KVPUSH = [sys.executable, "-m", "kvpush"]
 _ROOT = Path(__file__).resolve().parents[2]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FleetParams:
+    """What ``--quick`` sizes down has no default; the rest is the same in both runs."""
+
     prefills: int
     decodes: int
     grid: tuple[tuple[int, int], ...]  # (Ps, Ds) of each check
-    num_blocks: int
-    layers: int
-    block_bytes: int
-    check_size: int  # bytes per check push
+    num_blocks: int = 64
+    layers: int = 2
+    block_bytes: int = 4096
+    check_size: int = 64 << 10  # bytes per check push
     idle_s: float  # window for the idle registry rate
     drive_requests: int
     drive_rounds: int
     drive_concurrency: int
-    drive_blocks: int
+    drive_blocks: int = 4
     cli_runs: int  # fleet ls / watch start-ups timed
 
 
@@ -68,30 +70,20 @@ FULL = FleetParams(
     prefills=8,
     decodes=16,
     grid=((2, 4), (4, 8), (8, 16)),
-    num_blocks=64,
-    layers=2,
-    block_bytes=4096,
-    check_size=64 << 10,
     idle_s=20.0,
     drive_requests=1500,
     drive_rounds=3,
     drive_concurrency=4,
-    drive_blocks=4,
     cli_runs=3,
 )
 QUICK = FleetParams(
     prefills=2,
     decodes=2,
     grid=((1, 1), (2, 2)),
-    num_blocks=64,
-    layers=2,
-    block_bytes=4096,
-    check_size=64 << 10,
     idle_s=3.0,
     drive_requests=100,
     drive_rounds=1,
     drive_concurrency=2,
-    drive_blocks=4,
     cli_runs=1,
 )
 

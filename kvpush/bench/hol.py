@@ -28,30 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench import noise
-from kvpush.bench.common import (
-    PREFILL_AHEAD_S,
-    Progress,
-    endpoint_cfg,
-    logs_dir,
-    start_at,
-    warmup_s,
-)
+from kvpush.bench.common import Progress, endpoint_cfg, logs_dir, start_at
 from kvpush.bench.hol_report import MODES, report
-from kvpush.bench.passes import steady_load
+from kvpush.bench.passes import SteadyLoad, join_request, steady_load, steady_phases
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report
-from kvpush.bench.stats import summary, window
 
 NEVER_S = 3600.0  # "never": the joining D answers handshakes after an hour
 
 
-@dataclass(frozen=True)
-class HolParams:
-    rate: float  # D1 requests per second (open loop)
-    blocks: int
-    layers: int
-    block_bytes: int
-    num_blocks: int
+@dataclass(frozen=True, kw_only=True)
+class HolParams(SteadyLoad):
     before_s: float
     delay_s: float  # H: how late a slow peer answers handshakes
     timeout_s: float  # P's side-channel/handshake timeout: the dead peer's stall
@@ -59,29 +46,9 @@ class HolParams:
     repeats: int  # every (case, writer) window is run this many times with fresh new peers
 
 
-FULL = HolParams(
-    rate=200,
-    blocks=1,
-    layers=2,
-    block_bytes=16384,
-    num_blocks=2048,
-    before_s=2.0,
-    delay_s=2.0,
-    timeout_s=3.0,
-    after_s=1.0,
-    repeats=3,
-)
+FULL = HolParams(before_s=2.0, delay_s=2.0, timeout_s=3.0, after_s=1.0, repeats=3)
 QUICK = HolParams(
-    rate=100,
-    blocks=1,
-    layers=2,
-    block_bytes=16384,
-    num_blocks=512,
-    before_s=0.4,
-    delay_s=0.3,
-    timeout_s=0.6,
-    after_s=0.2,
-    repeats=1,
+    rate=100, num_blocks=512, before_s=0.4, delay_s=0.3, timeout_s=0.6, after_s=0.2, repeats=1
 )
 
 
@@ -257,7 +224,7 @@ def _window(
     t = [x - p.before_s for x in r["t_call"]]  # seconds since the join
     lat, ok = r["latency_s"], r["ok"]
     return {
-        "phases": _phases(t, lat, ok, p, win),
+        "phases": steady_phases(t, lat, ok, p.before_s, win),
         "window_s": win,
         "joiners": joined,
         "series": [[round(a, 4), round(b, 6)] for a, b, g in zip(t, lat, ok, strict=True) if g],
@@ -281,36 +248,13 @@ def _join(
     it just ahead); the futures of their ``decode_at`` answers by joiner name."""
     jf = {}
     for name, _, offset in case.joiners:
-        tid = f"{prefix}{name}"
-        jf[name] = joiners[name].call_async(
-            "decode_at",
-            p_addr=pw.address,
-            transfer_id=tid,
-            t_wall=t_join + offset,
-            blocks=p.blocks,
+        jf[name] = join_request(
+            pw,
+            joiners[name],
+            f"{prefix}{name}",
+            t_join + offset,
+            p.blocks,
             deadline_s=max(p.timeout_s, 2 * p.delay_s) + p.after_s + 1.0,
             wait_s=wait_s,
         )
-        pw.call_async(
-            "prefill_at",
-            transfer_id=tid,
-            t_wall=t_join + offset - PREFILL_AHEAD_S,
-            blocks=p.blocks,
-        )
     return jf
-
-
-def _phases(
-    t: list[float], lat: list[float], ok: list[bool], p: HolParams, win: float
-) -> dict[str, dict[str, Any]]:
-    """D1's latencies before, during and after the join window (``t``: seconds since the
-    join; the first seconds before it are warm-up)."""
-    phases = {}
-    for ph, lo, hi in (
-        ("before", -p.before_s + warmup_s(p.before_s), 0.0),
-        ("during", 0.0, win),
-        ("after", win, math.inf),
-    ):
-        vals, failed = window(t, lat, ok, lo, hi)
-        phases[ph] = {**summary(vals), "failed": failed}
-    return phases

@@ -9,11 +9,27 @@ Runs on the scenario's thread.
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
-from kvpush.bench.common import PREFILL_AHEAD_S
+from kvpush.bench.common import PREFILL_AHEAD_S, warmup_s
 from kvpush.bench.procs import Worker
+from kvpush.bench.stats import summary, window
+
+
+@dataclass(frozen=True, kw_only=True)
+class SteadyLoad:
+    """D1's open-loop load and the pools it runs on, as ``hol`` and ``scale`` measure it (their
+    parameters extend this one). The defaults are the full runs'; ``--quick`` lowers the rate
+    and the pools."""
+
+    rate: float = 200  # D1 requests per second (open loop)
+    blocks: int = 1
+    layers: int = 2
+    block_bytes: int = 16384
+    num_blocks: int = 2048
 
 
 def steady_load(
@@ -48,6 +64,45 @@ def steady_load(
         blocks=blocks,
     )
     return fd, fp
+
+
+def join_request(
+    pw: Worker, dw: Worker, transfer_id: str, t_wall: float, blocks: int, **decode: Any
+) -> Future[Any]:
+    """D sends one request to P at ``t_wall`` (a peer joining), P prefilling it
+    ``PREFILL_AHEAD_S`` ahead (``decode``: more ``decode_at`` arguments). The future of D's
+    ``decode_at`` answer."""
+    f = dw.call_async(
+        "decode_at",
+        p_addr=pw.address,
+        transfer_id=transfer_id,
+        t_wall=t_wall,
+        blocks=blocks,
+        **decode,
+    )
+    pw.call_async(
+        "prefill_at",
+        transfer_id=transfer_id,
+        t_wall=t_wall - PREFILL_AHEAD_S,
+        blocks=blocks,
+    )
+    return f
+
+
+def steady_phases(
+    t: list[float], lat: list[float], ok: list[bool], before_s: float, during_s: float
+) -> dict[str, dict[str, Any]]:
+    """D1's latencies before, during and after a join (``t``: seconds since the join; the
+    join's window lasts ``during_s``; the first seconds of the steady load are warm-up)."""
+    phases = {}
+    for ph, lo, hi in (
+        ("before", -before_s + warmup_s(before_s), 0.0),
+        ("during", 0.0, during_s),
+        ("after", during_s, math.inf),
+    ):
+        vals, failed = window(t, lat, ok, lo, hi)
+        phases[ph] = {**summary(vals), "failed": failed}
+    return phases
 
 
 def closed_loop(

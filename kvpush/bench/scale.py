@@ -17,55 +17,23 @@ from typing import Any
 
 from kvpush.bench import noise
 from kvpush.bench.chart import Panel, Series, line_chart
-from kvpush.bench.common import (
-    PREFILL_AHEAD_S,
-    Progress,
-    endpoint_cfg,
-    logs_dir,
-    start_at,
-    warmup_s,
-)
-from kvpush.bench.passes import steady_load
+from kvpush.bench.common import Progress, endpoint_cfg, logs_dir, start_at, warmup_s
+from kvpush.bench.passes import SteadyLoad, join_request, steady_load, steady_phases
 from kvpush.bench.procs import Cluster
 from kvpush.bench.report import Report, fmt_ms, fmt_x
-from kvpush.bench.stats import median, ratio, summary, window
+from kvpush.bench.stats import median, ratio
 
 
-@dataclass(frozen=True)
-class ScaleParams:
+@dataclass(frozen=True, kw_only=True)
+class ScaleParams(SteadyLoad):
     new_peers: int
-    rate: float
-    blocks: int
-    layers: int
-    block_bytes: int
-    num_blocks: int
     before_s: float
     storm_s: float  # how long D1's "during" recording lasts at least
     after_s: float
 
 
-FULL = ScaleParams(
-    new_peers=8,
-    rate=200,
-    blocks=1,
-    layers=2,
-    block_bytes=16384,
-    num_blocks=2048,
-    before_s=2.0,
-    storm_s=1.0,
-    after_s=1.0,
-)
-QUICK = ScaleParams(
-    new_peers=4,
-    rate=100,
-    blocks=1,
-    layers=2,
-    block_bytes=16384,
-    num_blocks=512,
-    before_s=0.6,
-    storm_s=0.5,
-    after_s=0.3,
-)
+FULL = ScaleParams(new_peers=8, before_s=2.0, storm_s=1.0, after_s=1.0)
+QUICK = ScaleParams(new_peers=4, rate=100, num_blocks=512, before_s=0.6, storm_s=0.5, after_s=0.3)
 
 
 def _stall_cell(stalls: list[tuple[float, float]], lo: float, hi: float) -> str:
@@ -126,22 +94,7 @@ def _measure(p: ScaleParams, out_dir: Path, progress: Progress) -> _Storm:
         t0 = start_at(0.6)
         t_join = t0 + p.before_s
         fd, fp = steady_load(pw, d1, "s.", p.rate, t0, total, p.blocks, total + 60)
-        jf = {}
-        for n in names:
-            jf[n] = ws[n].call_async(
-                "decode_at",
-                p_addr=pw.address,
-                transfer_id=f"storm.{n}",
-                t_wall=t_join,
-                blocks=p.blocks,
-                wait_s=120,
-            )
-            pw.call_async(
-                "prefill_at",
-                transfer_id=f"storm.{n}",
-                t_wall=t_join - PREFILL_AHEAD_S,
-                blocks=p.blocks,
-            )
+        jf = {n: join_request(pw, ws[n], f"storm.{n}", t_join, p.blocks, wait_s=120) for n in names}
         r = fd.result(total + 120)
         p_late = fp.result(60)["max_late_s"]
         joins = {n: jf[n].result(180) for n in names}
@@ -167,15 +120,8 @@ def _report(rep: Report, p: ScaleParams, m: _Storm, out_dir: Path) -> None:
     during_end = max(p.storm_s, all_connected if math.isfinite(all_connected) else p.storm_s)
     t = [x - p.before_s for x in r["t_call"]]
     lat, ok = r["latency_s"], r["ok"]
-    phases = {}
-    w0 = -p.before_s + warmup_s(p.before_s)
-    for ph, lo, hi in (
-        ("before", w0, 0.0),
-        ("during", 0.0, during_end),
-        ("after", during_end, math.inf),
-    ):
-        vals, failed = window(t, lat, ok, lo, hi)
-        phases[ph] = {**summary(vals), "failed": failed}
+    phases = steady_phases(t, lat, ok, p.before_s, during_end)
+    w0 = -p.before_s + warmup_s(p.before_s)  # where "before" starts, as steady_phases counts it
     rep.table(
         f"D1 latency (ms, D-measured) at {p.rate:g} req/s while {p.new_peers} new Ds join",
         [
