@@ -29,7 +29,7 @@ from typing import Any
 
 from kvpush.bench.bandwidth_report import kib, report
 from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
-from kvpush.bench.passes import closed_loop, raw_pair, verified_pass
+from kvpush.bench.passes import ClosedLoop, raw_pair
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report
 
@@ -136,7 +136,7 @@ def _size(
             )
     # Verified pass: P writes the pattern, D checks every byte of every block.
     nv = 4
-    v = verified_pass(pw, dw, "verify.", nv, blocks, nv, call_timeout=300)
+    v = ClosedLoop(pw, dw, "verify.", nv, blocks, nv).verified(call_timeout=300)
     verified = sum(1 for x in v["verified"] if x is True)
     for w in ws.values():
         cl.stop(w)
@@ -250,7 +250,7 @@ def _raw_round(
 
 def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, blocks: int, bs: int) -> dict[str, Any]:
     w0 = _write_time(pw)
-    r, c0, c1 = closed_loop(pw, dw, prefix, n, blocks, INFLIGHT)
+    r, c0, c1 = ClosedLoop(pw, dw, prefix, n, blocks, INFLIGHT).timed()
     w1 = _write_time(pw)
     el = r["elapsed_s"]
     nbytes = sum(1 for x in r["ok"] if x) * blocks * REGIONS * bs

@@ -166,7 +166,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
 
 
 def _warm(pw: Worker, d1: Worker, p: HolParams, prefix: str) -> None:
-    fd, fp = steady_load(pw, d1, prefix, p.rate, start_at(), 0.3, p.blocks, 60.0)
+    fd, fp = steady_load(pw, d1, p, prefix, start_at(), 0.3, 60.0)
     fp.result(120)
     fd.result(60)
 
@@ -199,7 +199,7 @@ def _window(
     t_join = t0 + p.before_s
     prefix = f"{case.key}.{mode}.{rep}."
     wait_s = total + 2 * win + 30
-    fd, fp = steady_load(pw, d1, prefix, p.rate, t0, total, p.blocks, wait_s)
+    fd, fp = steady_load(pw, d1, p, prefix, t0, total, wait_s)
     jf = _join(pw, joiners, case, f"join.{case.key}.{mode}.{rep}.", t_join, p, wait_s)
     r = fd.result(wait_s + 30)
     p_late = fp.result(60)["max_late_s"]

@@ -33,7 +33,7 @@ from typing import Any
 from kvpush.bench.churn import ChurnSpec, alloc_cost
 from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
 from kvpush.bench.model_report import COST_SERIES, PATTERNS, report
-from kvpush.bench.passes import closed_loop, verified_pass
+from kvpush.bench.passes import ClosedLoop
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report
 from kvpush.bench.stats import median
@@ -379,7 +379,7 @@ def _kvpush(
     pw: Worker, dw: Worker, prefix: str, n: int, shape: Shape, blocks: int, inflight: int
 ) -> dict[str, Any]:
     regions = shape.regions
-    r, c0, c1 = closed_loop(pw, dw, prefix, n, blocks, inflight, 120.0, wait_s=600.0)
+    r, c0, c1 = ClosedLoop(pw, dw, prefix, n, blocks, inflight).timed(120.0, wait_s=600.0)
     lp = pw.call("model_recorded", prefix=prefix)
     ld = dw.call("model_recorded", prefix=prefix)
     keys = sorted(set(lp) & set(ld), key=lambda k: int(k.rsplit(".", 1)[1]))
@@ -408,7 +408,7 @@ def _verified_pass(
     """P writes the pattern, D checks every byte, on the pools as the pattern left them."""
     nv = max(2, inflight)
     try:
-        v = verified_pass(pw, dw, prefix, nv, blocks, inflight, 300.0, call_timeout=600)
+        v = ClosedLoop(pw, dw, prefix, nv, blocks, inflight).verified(300.0, call_timeout=600)
     finally:
         dw.call("set_verify", verify=False)
     pw.call("model_recorded", prefix=prefix)

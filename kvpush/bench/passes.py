@@ -1,8 +1,9 @@
 """The passes scenarios drive from the orchestrator, on workers started by
-``kvpush.bench.procs``: open-loop steady load (``steady_load``), a timed closed-loop pass
-(``closed_loop``), a verified pass (``verified_pass``) and fresh raw NIXL nodes for a baseline
-(``raw_pair``). Each sends worker commands (``kvpush.bench.loadgen``, ``kvpush.bench.raw_node``)
-and returns their answers; the measuring happens inside the workers.
+``kvpush.bench.procs``: open-loop steady load (``steady_load``) and its latency phases
+(``steady_phases``), a join request (``join_request``), a timed or verified closed-loop pass
+(``ClosedLoop``) and fresh raw NIXL nodes for a baseline (``raw_pair``). Each sends worker
+commands (``kvpush.bench.loadgen``, ``kvpush.bench.raw_node``) and returns their answers; the
+measuring happens inside the workers.
 
 Runs on the scenario's thread.
 """
@@ -33,60 +34,42 @@ class SteadyLoad:
 
 
 def steady_load(
-    pw: Worker,
-    dw: Worker,
-    prefix: str,
-    rate: float,
-    t0: float,
-    duration: float,
-    blocks: int,
-    wait_s: float,
+    pw: Worker, dw: Worker, load: SteadyLoad, prefix: str, t0: float, duration: float, wait_s: float
 ) -> tuple[Future[Any], Future[Any]]:
-    """Open-loop load from ``t0`` for ``duration`` s: D decodes ``{prefix}{i}`` at ``rate``
-    per second while P finishes the same transfers ``PREFILL_AHEAD_S`` ahead. The futures of
-    D's ``steady_decode`` and P's ``steady_prefill`` answers."""
-    fd = dw.call_async(
-        "steady_decode",
-        p_addr=pw.address,
-        prefix=prefix,
-        rate=rate,
-        t0=t0,
-        duration=duration,
-        blocks=blocks,
-        wait_s=wait_s,
-    )
-    fp = pw.call_async(
-        "steady_prefill",
-        prefix=prefix,
-        rate=rate,
-        t0=t0 - PREFILL_AHEAD_S,
-        duration=duration,
-        blocks=blocks,
-    )
-    return fd, fp
+    """Open-loop load from ``t0`` for ``duration`` s: D decodes ``{prefix}{i}`` at ``load.rate``
+    per second while P finishes the same transfers ahead. The futures of D's ``steady_decode``
+    and P's ``steady_prefill`` answers."""
+    args = {
+        "prefix": prefix,
+        "rate": load.rate,
+        "t0": t0,
+        "duration": duration,
+        "blocks": load.blocks,
+    }
+    cmds = ("steady_decode", "steady_prefill")
+    return _p_ahead(pw, dw, cmds, "t0", args, wait_s=wait_s)
 
 
 def join_request(
     pw: Worker, dw: Worker, transfer_id: str, t_wall: float, blocks: int, **decode: Any
 ) -> Future[Any]:
-    """D sends one request to P at ``t_wall`` (a peer joining), P prefilling it
-    ``PREFILL_AHEAD_S`` ahead (``decode``: more ``decode_at`` arguments). The future of D's
-    ``decode_at`` answer."""
-    f = dw.call_async(
-        "decode_at",
-        p_addr=pw.address,
-        transfer_id=transfer_id,
-        t_wall=t_wall,
-        blocks=blocks,
-        **decode,
-    )
-    pw.call_async(
-        "prefill_at",
-        transfer_id=transfer_id,
-        t_wall=t_wall - PREFILL_AHEAD_S,
-        blocks=blocks,
-    )
-    return f
+    """D sends one request to P at ``t_wall`` (a peer joining), P prefilling it ahead
+    (``decode``: more ``decode_at`` arguments). The future of D's ``decode_at`` answer."""
+    args = {"transfer_id": transfer_id, "t_wall": t_wall, "blocks": blocks}
+    fd, _ = _p_ahead(pw, dw, ("decode_at", "prefill_at"), "t_wall", args, **decode)
+    return fd
+
+
+def _p_ahead(
+    pw: Worker, dw: Worker, cmds: tuple[str, str], at: str, args: dict[str, Any], **decode: Any
+) -> tuple[Future[Any], Future[Any]]:
+    """D's command of ``cmds`` (D's, P's) with ``args``, and P's with the same ``args`` but its
+    start time (argument ``at``) ``PREFILL_AHEAD_S`` earlier, so that D's latency measures the
+    push, not P catching up. The futures of D's and P's answers."""
+    d_cmd, p_cmd = cmds
+    fd = dw.call_async(d_cmd, p_addr=pw.address, **args, **decode)
+    fp = pw.call_async(p_cmd, **{**args, at: args[at] - PREFILL_AHEAD_S})
+    return fd, fp
 
 
 def steady_phases(
@@ -105,60 +88,52 @@ def steady_phases(
     return phases
 
 
-def closed_loop(
-    pw: Worker,
-    dw: Worker,
-    prefix: str,
-    n: int,
-    blocks: int,
-    inflight: int,
-    finish_wait_s: float = 60.0,
-    **decode: Any,
-) -> tuple[dict[str, Any], dict[str, float], dict[str, float]]:
-    """A timed closed-loop pass: P finishes ``n`` transfers (no bytes written) as fast as its
-    pool allows while D decodes them with ``inflight`` outstanding (``decode``: more
-    ``decode_many`` arguments). Returns D's ``decode_many`` answer and P's thread CPU seconds
-    before and after it."""
-    fp = pw.call_async("finish_many", prefix=prefix, n=n, blocks=blocks)
-    c0: dict[str, float] = pw.call("cpu")
-    r = _decode_many(pw, dw, prefix, n, blocks, inflight, {"call_timeout": 900, **decode})
-    c1: dict[str, float] = pw.call("cpu")
-    fp.result(finish_wait_s)
-    return r, c0, c1
+@dataclass(frozen=True)
+class ClosedLoop:
+    """A closed-loop pass: D decodes ``{prefix}0`` .. ``{prefix}{n - 1}`` from P, ``blocks``
+    blocks each, ``inflight`` outstanding. ``timed`` and ``verified`` run it."""
 
+    pw: Worker
+    dw: Worker
+    prefix: str
+    n: int
+    blocks: int
+    inflight: int
 
-def verified_pass(
-    pw: Worker,
-    dw: Worker,
-    prefix: str,
-    n: int,
-    blocks: int,
-    inflight: int,
-    prefill_wait_s: float = 60.0,
-    **decode: Any,
-) -> dict[str, Any]:
-    """P writes the pattern into ``n`` transfers and D, its verification switched on, checks
-    every byte (``decode``: more ``decode_many`` arguments). D's ``decode_many`` answer."""
-    dw.call("set_verify", verify=True)
-    fv = pw.call_async("prefill_many", prefix=prefix, n=n, blocks=blocks)
-    v = _decode_many(pw, dw, prefix, n, blocks, inflight, decode)
-    fv.result(prefill_wait_s)
-    return v
+    def timed(
+        self, finish_wait_s: float = 60.0, **decode: Any
+    ) -> tuple[dict[str, Any], dict[str, float], dict[str, float]]:
+        """P finishes the transfers (no bytes written) as fast as its pool allows while D
+        decodes them (``decode``: more ``decode_many`` arguments). Returns D's ``decode_many``
+        answer and P's thread CPU seconds before and after it."""
+        pw = self.pw
+        fp = pw.call_async("finish_many", prefix=self.prefix, n=self.n, blocks=self.blocks)
+        c0: dict[str, float] = pw.call("cpu")
+        r = self._decode_many({"call_timeout": 900, **decode})
+        c1: dict[str, float] = pw.call("cpu")
+        fp.result(finish_wait_s)
+        return r, c0, c1
 
+    def verified(self, prefill_wait_s: float = 60.0, **decode: Any) -> dict[str, Any]:
+        """P writes the pattern into the transfers and D, its verification switched on, checks
+        every byte (``decode``: more ``decode_many`` arguments). D's ``decode_many`` answer."""
+        self.dw.call("set_verify", verify=True)
+        fv = self.pw.call_async("prefill_many", prefix=self.prefix, n=self.n, blocks=self.blocks)
+        v = self._decode_many(decode)
+        fv.result(prefill_wait_s)
+        return v
 
-def _decode_many(
-    pw: Worker, dw: Worker, prefix: str, n: int, blocks: int, inflight: int, more: dict[str, Any]
-) -> dict[str, Any]:
-    r: dict[str, Any] = dw.call(
-        "decode_many",
-        p_addr=pw.address,
-        prefix=prefix,
-        n=n,
-        blocks=blocks,
-        inflight=inflight,
-        **more,
-    )
-    return r
+    def _decode_many(self, more: dict[str, Any]) -> dict[str, Any]:
+        r: dict[str, Any] = self.dw.call(
+            "decode_many",
+            p_addr=self.pw.address,
+            prefix=self.prefix,
+            n=self.n,
+            blocks=self.blocks,
+            inflight=self.inflight,
+            **more,
+        )
+        return r
 
 
 def raw_pair(

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
-from kvpush.bench.passes import closed_loop, raw_pair, verified_pass
+from kvpush.bench.passes import ClosedLoop, raw_pair
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report, fmt_ms, fmt_num
 from kvpush.bench.stats import median, ratio, summary
@@ -127,12 +127,12 @@ def _raw_round(rt: Worker, ri: Worker, n: int, inflight: int) -> dict[str, Any]:
 
 def _verified_pass(pw: Worker, dw: Worker, n: int) -> int:
     """``n`` pushes written with the pattern and checked byte by byte on D: how many passed."""
-    v = verified_pass(pw, dw, "verify.", n, 1, n, call_timeout=300)
+    v = ClosedLoop(pw, dw, "verify.", n, 1, n).verified(call_timeout=300)
     return sum(1 for x in v["verified"] if x is True)
 
 
 def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, inflight: int) -> dict[str, Any]:
-    r, c0, c1 = closed_loop(pw, dw, prefix, n, 1, inflight)
+    r, c0, c1 = ClosedLoop(pw, dw, prefix, n, 1, inflight).timed()
     ok = sum(1 for x in r["ok"] if x)
     lat = [x for x, g in zip(r["latency_s"], r["ok"], strict=True) if g]
     return {

@@ -93,7 +93,7 @@ def _measure(p: ScaleParams, out_dir: Path, progress: Progress) -> _Storm:
         total = p.before_s + p.storm_s + p.after_s + 1.0
         t0 = start_at(0.6)
         t_join = t0 + p.before_s
-        fd, fp = steady_load(pw, d1, "s.", p.rate, t0, total, p.blocks, total + 60)
+        fd, fp = steady_load(pw, d1, p, "s.", t0, total, total + 60)
         jf = {n: join_request(pw, ws[n], f"storm.{n}", t_join, p.blocks, wait_s=120) for n in names}
         r = fd.result(total + 120)
         p_late = fp.result(60)["max_late_s"]

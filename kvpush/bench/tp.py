@@ -24,7 +24,7 @@ from typing import Any
 
 from kvpush.bench.chart import Panel, Series, line_chart
 from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
-from kvpush.bench.passes import verified_pass
+from kvpush.bench.passes import ClosedLoop
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report, fmt_num
 from kvpush.bench.stats import median, ratio
@@ -127,7 +127,7 @@ def _push(pairs: list[tuple[Worker, Worker]], prefix: str, n: int) -> dict[str, 
 
 def _verified(pw: Worker, dw: Worker, tp: int) -> float:
     """A verified pass at TP ``tp``: P writes every rank's heads, D checks every byte."""
-    r = verified_pass(pw, dw, "v.", 16, BLOCKS, 4)
+    r = ClosedLoop(pw, dw, "v.", 16, BLOCKS, 4).verified()
     dw.call("set_verify", verify=False)
     return sum(1 for v in r["verified"] if v) / 16
 
