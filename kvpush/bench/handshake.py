@@ -24,12 +24,12 @@ from typing import Any
 from kvpush.bench import handshake_etcd
 from kvpush.bench.chart import Panel, Series, line_chart
 from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.bench.handshake_etcd import PHASE_COLUMNS, PHASES, phase_cells
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report, fmt_ms, fmt_x
 from kvpush.bench.stats import median, percentile, ratio
 
 BLOCK_BYTES = 128  # small blocks: many descriptors without gigabytes of pool
-PHASES = ("side_channel_s", "load_s", "prep_s", "warm_s", "total_s")
 MODES = ("notif", "full")
 
 FULL_SIZES = ((4, 128), (16, 512), (64, 1024), (512, 1024))  # (layers, blocks): regions = 2*layers
@@ -138,12 +138,7 @@ def _report(rep: Report, sizes: list[dict[str, Any]], out_dir: Path) -> None:
                     f"{e['descriptors']:,}",
                     f"{e['regions']} x {e['blocks']}",
                     m,
-                    fmt_ms(t["side_channel_s"]),
-                    fmt_ms(t["load_s"]),
-                    fmt_ms(t["prep_s"]),
-                    fmt_ms(t["warm_s"]),
-                    fmt_ms(t["total_s"]),
-                    fmt_ms(t["total_p90_s"]),
+                    *phase_cells(t, "total_p90_s"),
                     f"{md:,}",
                 ]
             )
@@ -153,11 +148,7 @@ def _report(rep: Report, sizes: list[dict[str, Any]], out_dir: Path) -> None:
             "descriptors",
             "regions x blocks",
             "mode",
-            "side channel",
-            "load agent",
-            "prep descs",
-            "warm conn",
-            "total",
+            *PHASE_COLUMNS,
             "total p90",
             "agent md B",
         ],

@@ -31,7 +31,15 @@ NAMESPACE = "/nixl/kvpush/bench-handshake"
 TRANSPORTS = ("sidechannel", "etcd")
 #: (label, the worker that asks, the peer it asks, mode)
 KINDS = (("D->P notif", "d", "p", "notif"), ("P->D full", "p", "d", "full"))
+#: The phases of a handshake as kvpush times them (here and in ``kvpush.bench.handshake``), and
+#: the columns that show their medians.
 PHASES = ("side_channel_s", "load_s", "prep_s", "warm_s", "total_s")
+PHASE_COLUMNS = ["side channel", "load agent", "prep descs", "warm conn", "total"]
+
+
+def phase_cells(e: dict[str, float], tail: str) -> list[str]:
+    """The ``PHASE_COLUMNS`` cells of one entry of phase medians, then its ``tail`` key (ms)."""
+    return [fmt_ms(e[ph]) for ph in (*PHASES, tail)]
 
 
 def start_etcd(stack: contextlib.ExitStack, run_dir: Path, progress: Progress) -> tuple[str, str]:
@@ -113,12 +121,7 @@ def report(
                     label,
                     t,
                     str(len(got)),
-                    fmt_ms(e["side_channel_s"]),
-                    fmt_ms(e["load_s"]),
-                    fmt_ms(e["prep_s"]),
-                    fmt_ms(e["warm_s"]),
-                    fmt_ms(e["total_s"]),
-                    fmt_ms(e["total_p99_s"]),
+                    *phase_cells(e, "total_p99_s"),
                 ]
             )
     descs = 2 * LAYERS * BLOCKS
@@ -129,11 +132,7 @@ def report(
             "handshake",
             "agent metadata",
             "n",
-            "side channel",
-            "load agent",
-            "prep descs",
-            "warm conn",
-            "total",
+            *PHASE_COLUMNS,
             "total p99",
         ],
         rows,
