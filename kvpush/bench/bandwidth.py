@@ -36,6 +36,8 @@ from kvpush.bench.report import Report
 BLOCKS = 4
 INFLIGHT = 8
 REGIONS = 2  # layers=1
+#: The push geometry as a scenario's parameters report it (``tp`` pushes with the same one).
+PUSH_PARAMS = {"blocks_per_request": BLOCKS, "regions": REGIONS, "inflight": INFLIGHT}
 P_POOL_BYTES = 256 << 20
 FULL_SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 QUICK_SIZES = (256 << 10,)
@@ -55,9 +57,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         quick,
         params={
             "block_sizes": list(sizes),
-            "blocks_per_request": BLOCKS,
-            "regions": REGIONS,
-            "inflight": INFLIGHT,
+            **PUSH_PARAMS,
             "bytes_per_measurement": total,
             "rounds": rounds,
         },

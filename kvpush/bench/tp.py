@@ -2,7 +2,8 @@
 
 Same host, same rounds. Each rank's page is ``PAGE`` bytes per region (one KV head of the
 model per rank, ``kv_heads = N``), ``BLOCKS`` blocks per request, ``INFLIGHT`` requests in
-flight; D does not verify in the timed part (a verified pass follows).
+flight (``bandwidth``'s push geometry); D does not verify in the timed part (a verified pass
+follows).
 
 * **one rank**: a P and a D endpoint at TP 1 -- the base, ``B1``.
 * **N ranks as threads** (kvpush's process model): a P and a D endpoint at TP N, each rank with
@@ -22,6 +23,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvpush.bench.bandwidth import BLOCKS, INFLIGHT, PUSH_PARAMS, REGIONS
 from kvpush.bench.chart import Panel, Series, line_chart
 from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
 from kvpush.bench.passes import ClosedLoop
@@ -30,9 +32,6 @@ from kvpush.bench.report import Report, fmt_num
 from kvpush.bench.stats import median, ratio
 
 PAGE = 256 << 10
-BLOCKS = 4
-INFLIGHT = 8
-REGIONS = 2  # layers=1
 FULL_TPS = (1, 2, 4)
 QUICK_TPS = (1, 2)
 
@@ -54,9 +53,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         quick,
         params={
             "page_bytes": PAGE,
-            "blocks_per_request": BLOCKS,
-            "regions": REGIONS,
-            "inflight": INFLIGHT,
+            **PUSH_PARAMS,
             "bytes_per_rank_per_measurement": per_rank,
             "rounds": rounds,
             "tp_sizes": list(tps),
