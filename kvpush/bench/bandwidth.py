@@ -220,31 +220,19 @@ def _raw_round(
     a memcpy (appended to ``mem`` when given)."""
     _, p_blocks, d_blocks = _geometry(bs)
     ti = raw_pair(rt, ri, REGIONS, d_blocks, p_blocks, bs, progress_thread=progress_thread)
+    same = {"blocks": blocks, "n": n, "call_timeout": 600}  # every baseline moves the same bytes
     raw: dict[str, Any] = ri.call(
-        "raw_write_loop",
-        target=ti,
-        blocks=blocks,
-        n=n,
-        inflight=INFLIGHT,
-        notif=True,
-        call_timeout=600,
+        "raw_write_loop", target=ti, inflight=INFLIGHT, notif=True, **same
     )
     if not progress_thread:
-        pvw.append(ri.call("pvw_loop", target=ti, blocks=blocks, n=n, call_timeout=600)["gbps"])
+        pvw.append(ri.call("pvw_loop", target=ti, **same)["gbps"])
     ri.call("raw_close")
     rt.call("raw_close")
     if not progress_thread and mem is not None:
-        mem.append(
-            ri.call(
-                "memcpy_loop",
-                regions=REGIONS,
-                num_blocks=p_blocks,
-                block_bytes=bs,
-                blocks=blocks,
-                n=n,
-                call_timeout=600,
-            )["gbps"]
+        memcpy = ri.call(
+            "memcpy_loop", regions=REGIONS, num_blocks=p_blocks, block_bytes=bs, **same
         )
+        mem.append(memcpy["gbps"])
     return raw
 
 

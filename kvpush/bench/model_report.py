@@ -212,6 +212,19 @@ def _cost_table(rep: Report, cost: list[dict[str, Any]]) -> None:
     )
 
 
+def _share_target(
+    rep: Report, name: str, floor: float, r: float, gbps: tuple[float, float]
+) -> None:
+    """The target "``r`` >= ``floor``" for a share of two median rates (``gbps``: the numerator's
+    and the denominator's), shown as a percent with the rates beside it."""
+    rep.target(
+        name,
+        f">= {floor:.0%}",
+        f"{_pct(r)} ({fmt_num(gbps[0])} / {fmt_num(gbps[1])} GB/s)",
+        r >= floor if math.isfinite(r) else None,
+    )
+
+
 def _targets(
     rep: Report,
     plan: Plan,
@@ -226,24 +239,22 @@ def _targets(
     for shape in plan.shapes:
         for t in plan.tokens:
             f = by[(shape.name, t, "contiguous")]
-            r = f["kvpush_over_raw"]
-            rep.target(
+            _share_target(
+                rep,
                 f"contiguous ids, {shape.name}, {t:,} tokens: kvpush / raw NIXL",
-                ">= 90%",
-                f"{_pct(r)} ({fmt_num(f['kvpush_median_gbps'])} / "
-                f"{fmt_num(f['raw_median_gbps'])} GB/s)",
-                r >= 0.9 if math.isfinite(r) else None,
+                0.9,
+                f["kvpush_over_raw"],
+                (f["kvpush_median_gbps"], f["raw_median_gbps"]),
             )
     for shape in plan.shapes:
         for t in plan.tokens:
             c, fresh = by[(shape.name, t, "churn")], by[(shape.name, t, "contiguous")]
-            r = _per_round(c["kvpush_gbps"], fresh["kvpush_gbps"])
-            rep.target(
+            _share_target(
+                rep,
                 f"after churn, {shape.name}, {t:,} tokens: kvpush / kvpush on a fresh pool",
-                ">= 80%",
-                f"{_pct(r)} ({fmt_num(c['kvpush_median_gbps'])} / "
-                f"{fmt_num(fresh['kvpush_median_gbps'])} GB/s)",
-                r >= 0.8 if math.isfinite(r) else None,
+                0.8,
+                _per_round(c["kvpush_gbps"], fresh["kvpush_gbps"]),
+                (c["kvpush_median_gbps"], fresh["kvpush_median_gbps"]),
             )
     for shape in plan.shapes:
         if shape.page_bytes != 4096:
