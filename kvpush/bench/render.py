@@ -37,6 +37,21 @@ def _numeric(cell: str) -> bool:
         return False
 
 
+def _md_table_lines(t: dict[str, Any]) -> list[str]:
+    rows = ["| " + " | ".join(row) + " |" for row in t["rows"]]
+    return [
+        "| " + " | ".join(t["columns"]) + " |",
+        "|" + "|".join("---" for _ in t["columns"]) + "|",
+        *rows,
+    ]
+
+
+def _load(machine: dict[str, Any]) -> str:
+    """The host's 1-minute load average at the scenario's start and end."""
+    start, end = machine["loadavg"][0], machine["loadavg_end"][0]
+    return f"load average {start:.2f} at start, {end:.2f} at end"
+
+
 def _met(m: bool | None) -> str:
     return "met" if m is True else "MISSED" if m is False else "n/a"
 
@@ -44,9 +59,7 @@ def _met(m: bool | None) -> str:
 def render_text(r: dict[str, Any]) -> str:
     lines = [f"== {r['title']} ({r['command']}, {r['elapsed_s']:.0f}s) =="]
     for t in r["tables"]:
-        lines.append("")
-        lines.append(t["title"])
-        lines.extend(_table_lines(t))
+        lines += ["", t["title"], *_table_lines(t)]
         if t.get("note"):
             lines.append(f"  {t['note']}")
     if r["targets"]:
@@ -67,25 +80,16 @@ def render_text(r: dict[str, Any]) -> str:
 
         lines.append(describe(r["host_noise"]))
     m = r["machine"]
-    lines.append(
-        f"host: {m.get('cpus')} CPUs ({m.get('cpu', '?')}), load average "
-        f"{m['loadavg'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} at end"
-    )
+    lines.append(f"host: {m.get('cpus')} CPUs ({m.get('cpu', '?')}), {_load(m)}")
     return "\n".join(lines)
 
 
 def render_markdown(r: dict[str, Any]) -> str:
     out = [f"### {r['title']}", "", f"`{r['command']}` — {r['elapsed_s']:.0f} s", ""]
     for t in r["tables"]:
-        out.append(f"**{t['title']}**")
-        out.append("")
-        out.append("| " + " | ".join(t["columns"]) + " |")
-        out.append("|" + "|".join("---" for _ in t["columns"]) + "|")
-        for row in t["rows"]:
-            out.append("| " + " | ".join(row) + " |")
+        out += [f"**{t['title']}**", "", *_md_table_lines(t)]
         if t.get("note"):
-            out.append("")
-            out.append(t["note"])
+            out += ["", t["note"]]
         out.append("")
     if r["targets"]:
         out.append("| target | asked | measured | |")
@@ -99,11 +103,7 @@ def render_markdown(r: dict[str, Any]) -> str:
     if r.get("host_noise"):
         from kvpush.bench.noise import describe
 
-        m = r["machine"]
-        notes.append(
-            describe(r["host_noise"])
-            + f"; load average {m['loadavg'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} at end"
-        )
+        notes.append(f"{describe(r['host_noise'])}; {_load(r['machine'])}")
     for n in notes:
         out.append(f"- {n}")
     if notes:
