@@ -92,12 +92,11 @@ def render_markdown(r: dict[str, Any]) -> str:
             out += ["", t["note"]]
         out.append("")
     if r["targets"]:
-        out.append("| target | asked | measured | |")
-        out.append("|---|---|---|---|")
-        for tg in r["targets"]:
-            out.append(
-                f"| {tg['name']} | {tg['target']} | {tg['measured']} | **{_met(tg['met'])}** |"
-            )
+        out += ["| target | asked | measured | |", "|---|---|---|---|"]
+        out += [
+            f"| {tg['name']} | {tg['target']} | {tg['measured']} | **{_met(tg['met'])}** |"
+            for tg in r["targets"]
+        ]
         out.append("")
     notes = list(r["notes"])
     if r.get("host_noise"):
