@@ -492,7 +492,7 @@ def test_nixl_etcd_backend_behaviour_this_version() -> None:
     (re-)registration); a delete of an agent's keys by someone else makes a peer's NIXL drop
     that agent (kvpush's cleanup after a lapse relies on it); an agent removed and loaded from
     etcd again is usable (kvpush's stale-agent guard forgets it)."""
-    script = Path(__file__).parent / "support" / "nixl_etcd_probe.py"
+    script = Path(__file__).parents[1] / "support" / "nixl_etcd_probe.py"
     r = subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,

@@ -94,7 +94,7 @@ def test_every_signal_handler_of_kvpush_is_the_stop_flags() -> None:
     """The deadlock above was in a second place: the test and bench worker
     ``kvpush.ops.node`` set a ``threading.Event`` from its own handler (a CI run's D did not
     stop within 20 s of SIGTERM). Only ``StopFlag`` installs handlers."""
-    root = Path(__file__).resolve().parents[1] / "kvpush"
+    root = Path(__file__).resolve().parents[2] / "kvpush"
     own = root / "runtime" / "signals.py"
     found = [
         f"{path.relative_to(root.parent)}:{n}"

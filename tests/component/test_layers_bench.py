@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LINT = str(Path(sys.executable).with_name("lint-imports"))
 NAME = "the bench drives endpoints only through kvpush.endpoint.facade"
 

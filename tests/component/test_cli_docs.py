@@ -15,7 +15,7 @@ from typer.main import get_command
 from kvpush.cli import gendocs
 from kvpush.cli.app import app
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_committed_docs_match_the_cli() -> None:
