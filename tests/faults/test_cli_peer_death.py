@@ -10,8 +10,9 @@ import time
 import pytest
 
 from tests.conftest import SMALL
-from tests.support.faults import Result, run_leg, wait_for
+from tests.support.fault_legs import Result, run_leg
 from tests.support.procs import Launcher
+from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 

@@ -23,16 +23,11 @@ from kvpush.transport import nixl
 from kvpush.transport.nixl import NixlAgent
 from kvpush.wire.auth import Authenticator
 from tests.fakes import make_metadata
-from tests.support.faults import (
-    check_results,
-    cluster_ctx,
-    counters,
-    fresh_batch,
-    run_leg,
-    settle,
-    snapshot,
-    wait_for,
-)
+from tests.support.cluster import cluster_ctx
+from tests.support.fault_legs import run_leg
+from tests.support.invariants import check_results, fresh_batch, settle
+from tests.support.side import counters, snapshot
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -19,22 +19,13 @@ import pytest
 from kvpush.errors import AuthError
 from kvpush.transport.client import SideChannelClient
 from kvpush.wire import protocol
-from tests.support.faults import (
-    Forger,
-    Result,
-    check_results,
-    cluster_ctx,
-    counters,
-    failures,
-    fresh_batch,
-    gauges,
-    request,
-    run_leg,
-    settle,
-    snapshot,
-    wait_for,
-)
+from tests.support.cluster import cluster_ctx
+from tests.support.fault_legs import Result, run_leg
+from tests.support.forger import Forger
+from tests.support.invariants import check_results, fresh_batch, settle
 from tests.support.procs import Proc
+from tests.support.side import counters, failures, gauges, request, snapshot
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.integration
 

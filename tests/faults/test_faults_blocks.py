@@ -18,20 +18,12 @@ from pathlib import Path
 import pytest
 
 from kvpush.wire import protocol
-from tests.support.faults import (
-    ProcStats,
-    Result,
-    check_results,
-    cluster_ctx,
-    counters,
-    failures,
-    fresh_batch,
-    gauges,
-    request,
-    run_leg,
-    settle,
-    wait_for,
-)
+from tests.support.cluster import cluster_ctx
+from tests.support.fault_legs import Result, run_leg
+from tests.support.invariants import check_results, fresh_batch, settle
+from tests.support.procstats import ProcStats
+from tests.support.side import counters, failures, gauges, request
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -17,20 +17,11 @@ from pathlib import Path
 import pytest
 
 from kvpush.wire import protocol
-from tests.support.faults import (
-    FAST_TIMEOUTS,
-    Result,
-    check_results,
-    cluster_ctx,
-    counters,
-    failures,
-    gauges,
-    request,
-    run_leg,
-    run_legs,
-    settle,
-    wait_for,
-)
+from tests.support.cluster import FAST_TIMEOUTS, cluster_ctx
+from tests.support.fault_legs import Result, run_leg, run_legs
+from tests.support.invariants import check_results, settle
+from tests.support.side import counters, failures, gauges, request
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.integration
 

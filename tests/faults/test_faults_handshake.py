@@ -17,23 +17,13 @@ from pathlib import Path
 import pytest
 
 from kvpush.wire import protocol
-from tests.support.faults import (
-    FAST_TIMEOUTS,
-    SMALL_POOL,
-    BlackHole,
-    Forger,
-    Result,
-    SilentListener,
-    check_results,
-    cluster_ctx,
-    failures,
-    fresh_batch,
-    request,
-    run_leg,
-    settle,
-    snapshot,
-    wait_for,
-)
+from tests.support.cluster import FAST_TIMEOUTS, SMALL_POOL, cluster_ctx
+from tests.support.fault_legs import Result, run_leg
+from tests.support.forger import Forger
+from tests.support.invariants import check_results, fresh_batch, settle
+from tests.support.side import failures, request, snapshot
+from tests.support.silent_peers import BlackHole, SilentListener
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -18,20 +18,14 @@ from pathlib import Path
 import pytest
 import zmq
 
-from tests.support.faults import (
-    Forger,
-    ProcStats,
-    Result,
-    check_results,
-    cluster_ctx,
-    counters,
-    failures,
-    fresh_batch,
-    junk_frames,
-    run_legs,
-    settle,
-    wait_for,
-)
+from tests.support.cluster import cluster_ctx
+from tests.support.fault_legs import Result, run_legs
+from tests.support.forger import Forger
+from tests.support.invariants import check_results, fresh_batch, settle
+from tests.support.junk import junk_frames
+from tests.support.procstats import ProcStats
+from tests.support.side import counters, failures
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -23,17 +23,10 @@ from typing import Any
 
 import pytest
 
-from tests.support.faults import (
-    FAST_TIMEOUTS,
-    SMALL_POOL,
-    NetnsPair,
-    NsProc,
-    Relay,
-    netns_unavailable,
-    run_in_netns,
-    skip_unless_marker_selected,
-    start_in_netns,
-)
+from tests.support.cluster import FAST_TIMEOUTS, SMALL_POOL
+from tests.support.marks import skip_unless_marker_selected
+from tests.support.netns import NetnsPair, NsProc, netns_unavailable, run_in_netns, start_in_netns
+from tests.support.relay import Relay
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.netns]
 

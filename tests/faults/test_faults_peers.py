@@ -1,6 +1,6 @@
 """Peer death, freeze and restart (issue 5, tests 1-4): real processes, real NIXL on 127.0.0.1.
 
-Every test checks the invariants of ``tests.support.faults``: every request ends ok (verified by
+Every test checks the invariants of ``tests.support.invariants``: every request ends ok (verified by
 D) or failed with a reason; pools return to their start (or differ by exactly the quarantined
 blocks); handles, threads and memory stay bounded; the survivors serve a fresh batch afterwards.
 """
@@ -16,22 +16,13 @@ from typing import Any
 import pytest
 
 from kvpush.wire import protocol
-from tests.support.faults import (
-    ProcStats,
-    Result,
-    check_results,
-    cluster_ctx,
-    counters,
-    failures,
-    free_port,
-    fresh_batch,
-    gauges,
-    request,
-    run_leg,
-    settle,
-    snapshot,
-    wait_for,
-)
+from tests.support.cluster import cluster_ctx
+from tests.support.fault_legs import Result, run_leg
+from tests.support.invariants import check_results, fresh_batch, settle
+from tests.support.ports import free_port
+from tests.support.procstats import ProcStats
+from tests.support.side import counters, failures, gauges, request, snapshot
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.integration
 # Longer than the write deadline plus the fence deadline: the fence must be retried.

@@ -20,19 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.faults import (
-    Forger,
-    ProcStats,
-    Result,
-    check_results,
-    cluster_ctx,
-    free_port,
-    fresh_batch,
-    junk_frames,
-    run_leg,
-    settle,
-    skip_unless_marker_selected,
-)
+from tests.support.cluster import cluster_ctx
+from tests.support.fault_legs import Result, run_leg
+from tests.support.forger import Forger
+from tests.support.invariants import check_results, fresh_batch, settle
+from tests.support.junk import junk_frames
+from tests.support.marks import skip_unless_marker_selected
+from tests.support.ports import free_port
+from tests.support.procstats import ProcStats
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -15,17 +15,11 @@ from typing import Any
 
 import pytest
 
-from tests.support.faults import (
-    Result,
-    check_results,
-    cluster_ctx,
-    fresh_batch,
-    gauges,
-    run_leg,
-    settle,
-    snapshot,
-    wait_for,
-)
+from tests.support.cluster import cluster_ctx
+from tests.support.fault_legs import Result, run_leg
+from tests.support.invariants import check_results, fresh_batch, settle
+from tests.support.side import gauges, snapshot
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.integration
 

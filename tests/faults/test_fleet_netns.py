@@ -35,7 +35,8 @@ import pytest
 
 from tests.conftest import SMALL, run_cli
 from tests.support.etcd import EtcdServer
-from tests.support.faults import netns_unavailable, skip_unless_marker_selected
+from tests.support.marks import skip_unless_marker_selected
+from tests.support.netns import netns_unavailable
 from tests.support.procs import ROOT, clean_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.netns]

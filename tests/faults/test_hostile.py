@@ -28,9 +28,10 @@ from kvpush.prefill.limits import MAX_DECLINED_IDS, MAX_PUSH_WAITS
 from kvpush.wire import protocol
 from kvpush.wire.side_messages import MAX_DECLINE_BATCH
 from tests.conftest import SMALL, Done, Served, ServeFactory, run_cli, unused_port
-from tests.support.faults import ProcStats, failures, request, snapshot
 from tests.support.hostile import Drive, Flood, reason_of, thread_count
 from tests.support.procs import KVPUSH, clean_env, wait_ready
+from tests.support.procstats import ProcStats
+from tests.support.side import failures, request, snapshot
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,9 @@ import time
 import pytest
 
 from tests.conftest import SMALL, run_cli
-from tests.support.faults import snapshot, wait_for
 from tests.support.procs import Launcher
+from tests.support.side import snapshot
+from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

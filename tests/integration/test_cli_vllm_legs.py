@@ -27,8 +27,8 @@ import msgspec
 import pytest
 
 from tests.conftest import Done, Served, ServeFactory, run_cli
-from tests.support.faults import counters, failures, gauges
 from tests.support.procs import KVPUSH, clean_env, wait_ready
+from tests.support.side import counters, failures, gauges
 
 USAGE, ERROR, NOT_READY, UNREACHABLE = 2, 1, 3, 69
 HASH = "5" * 64

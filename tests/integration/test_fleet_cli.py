@@ -163,7 +163,7 @@ def test_fleet_watch_reports_join_restart_leave(etcd: EtcdServer, serve: Launche
 
 def _fill_pool(p: Proc, d: Proc, blocks: int, hold_s: float) -> None:
     """D allocates ``blocks`` for a request P never prefills: its pool is full for ``hold_s``."""
-    from tests.support.faults import run_leg
+    from tests.support.fault_legs import run_leg
 
     t = threading.Thread(
         target=run_leg,
@@ -186,7 +186,7 @@ def test_fleet_check_names_incompatible_and_full_pairs(etcd: EtcdServer, serve: 
     wait_listed(etcd, lambda e: addresses(e) == want)
     _fill_pool(p, full, 64, hold_s=30.0)
     deadline = time.monotonic() + 10
-    from tests.support.faults import gauges
+    from tests.support.side import gauges
 
     while gauges(full.address)["pool_free"] != 0:
         assert time.monotonic() < deadline, gauges(full.address)
@@ -274,7 +274,7 @@ def test_drive_registry_stops_sending_to_a_d_whose_key_goes(
     d2 = start(serve, etcd, "decode")
     wait_listed(etcd, lambda e: addresses(e) == {p.address, d1.address, d2.address})
     drive = _drive(etcd, "-n", "500", "--rate", "50", "-c", "4")  # 10 s of requests
-    from tests.support.faults import counters
+    from tests.support.side import counters
 
     deadline = time.monotonic() + 60  # d2 is in the drive's rotation: it has answered some
     while counters(d2.address).get("requests_ok", 0) < 10:

@@ -24,8 +24,8 @@ import pytest
 from kvpush.config import PoolConfig
 from kvpush.memory.pool import KvPool
 from kvpush.peers.tp import sources, targets, write_slice
-from tests.support.faults import free_port
 from tests.support.legs import Outcome, run_many, run_request, stats
+from tests.support.ports import free_port
 from tests.support.procs import Proc, launch, node_cmd, wait_ready
 
 pytestmark = pytest.mark.integration
