@@ -132,7 +132,7 @@ class FakeAgent:
     post_state: XferState = XferState.PROC
     default_state: XferState = XferState.DONE
     release_ok: bool = True
-    etcd_metadata: bool = False  # --nixl-metadata etcd is a real-NIXL concern (tests/test_fleet_*)
+    etcd_metadata: bool = False  # --nixl-metadata etcd is a real-NIXL concern (test_fleet_*)
     calls: list[tuple[str, tuple[object, ...]]] = field(default_factory=list)
     loaded: dict[str, str] = field(default_factory=dict)  # remote name -> "full" | "conn"
     removed: list[str] = field(default_factory=list)

@@ -132,7 +132,7 @@ def test_force_color_does_not_select_the_live_view(serve, make_env) -> None:
 
 def test_live_output_forced_without_a_terminal_says_so_and_prints_lines(serve) -> None:
     # -o live with stderr in a file cannot draw: one warning, then the plain lines (the live
-    # view on a real terminal: tests/test_cli_live.py).
+    # view on a real terminal: tests/integration/test_cli_live.py).
     s = serve.start("prefill", *SMALL, output="live")
     time.sleep(1.5)
     assert s.stop() == 0
