@@ -27,7 +27,7 @@ from kvpush.peers.handshakes import HandshakeManager
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.agent import TransferError, TransferKind
 from kvpush.wire.auth import Authenticator
-from tests.fakes import (
+from tests.support.fakes import (
     BlackHole,
     FakeAgent,
     StubOptions,

@@ -1,6 +1,6 @@
 """Component tests of D's receiver, the layer P's writer has: real pool, telemetry, codec,
 request table, owner loop, completer and HandshakeManager (talking over real ZMQ to stub P
-peers); only the NIXL agent is faked (``tests.fakes``).
+peers); only the NIXL agent is faked (``tests.support.fakes``).
 
 Tests call ``DecodeRole.decode`` as the side channel would, run one owner pass at a time
 (``rig.step()``) and deliver P's notifications to the fake agent, so each step is observable:
@@ -36,7 +36,7 @@ from kvpush.transport.agent import TransferError, TransferKind
 from kvpush.wire import protocol
 from kvpush.wire.auth import Authenticator
 from kvpush.wire.notifs import NotifCodec
-from tests.fakes import (
+from tests.support.fakes import (
     FakeAgent,
     StubOptions,
     StubPeer,

@@ -23,7 +23,7 @@ from kvpush.transport.client import SideChannelClient
 from kvpush.transport.sidechannel import ReplyFn, SideChannelServer, context
 from kvpush.wire import protocol, vllm
 from kvpush.wire.auth import CH_REPLY, CH_REQUEST, Authenticator
-from tests.fakes import closed_port
+from tests.support.fakes import closed_port
 
 TOKEN = b"side-channel-token-0123456789"
 

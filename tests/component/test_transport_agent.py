@@ -20,7 +20,7 @@ from kvpush.config import AgentConfig
 from kvpush.memory.descriptors import block_descs
 from kvpush.transport.agent import GONE, Agent, TransferError, TransferKind, Xfer, XferState
 from kvpush.transport.nixl import NixlAgent, _translate
-from tests.fakes import FakeAgent, as_agent, fake_agent_md
+from tests.support.fakes import FakeAgent, as_agent, fake_agent_md
 
 BLOCKS, BLOCK_BYTES = 4, 4096
 

@@ -1,6 +1,6 @@
 """Component tests of P's PushWriter: real pool, telemetry, codec, push table, owner loop and
 HandshakeManager (talking over real ZMQ to stub D peers); only the NIXL agent is faked
-(``tests.fakes``).
+(``tests.support.fakes``).
 
 Most tests drive the writer without its thread: they put items on its inboxes (or deliver NIXL
 notifications to the fake agent) and run one owner pass at a time (``rig.step()``), so each step
@@ -39,7 +39,7 @@ from kvpush.transport.agent import TransferError, TransferKind, XferState
 from kvpush.wire import protocol
 from kvpush.wire.auth import Authenticator
 from kvpush.wire.notifs import NotifCodec
-from tests.fakes import (
+from tests.support.fakes import (
     FakeAgent,
     StubOptions,
     StubPeer,

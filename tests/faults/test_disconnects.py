@@ -22,8 +22,8 @@ from kvpush.telemetry.store import Telemetry
 from kvpush.transport import nixl
 from kvpush.transport.nixl import NixlAgent
 from kvpush.wire.auth import Authenticator
-from tests.fakes import make_metadata
 from tests.support.cluster import cluster_ctx
+from tests.support.fakes import make_metadata
 from tests.support.fault_legs import run_leg
 from tests.support.invariants import check_results, fresh_batch, settle
 from tests.support.side import counters, snapshot

@@ -21,7 +21,7 @@ from kvpush.decode.requests import (
     WaitPhase,
 )
 from kvpush.peers.handshakes import PeerConn
-from tests.fakes import make_metadata, stub_pool
+from tests.support.fakes import make_metadata, stub_pool
 
 P_ADDR = ("127.0.0.1", 7000)
 

@@ -11,7 +11,6 @@ import math
 import uuid
 
 import pytest
-from fakes import make_metadata, stub_pool
 
 from kvpush.config import EndpointConfig, Timeouts, VllmWireConfig, Wire
 from kvpush.errors import IncompatiblePeerError
@@ -20,6 +19,7 @@ from kvpush.peers.vllm_peer import PeerHint, check_vllm_answer
 from kvpush.wire import protocol, vllm
 from kvpush.wire.auth import Authenticator
 from kvpush.wire.notifs import NotifCodec, VllmNotifCodec
+from tests.support.fakes import make_metadata, stub_pool
 
 HASH = "ab" * 32
 WIRE = VllmWireConfig(compat_hash=HASH, block_size=32, attn_backend_name="CPU_ATTN")

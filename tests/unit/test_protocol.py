@@ -20,7 +20,7 @@ from kvpush.errors import AuthError, ProtocolError
 from kvpush.wire import protocol, vllm
 from kvpush.wire.auth import CH_NOTIF, CH_REQUEST, Authenticator
 from kvpush.wire.notifs import NotifCodec
-from tests.fakes import make_metadata, stub_pool
+from tests.support.fakes import make_metadata, stub_pool
 
 MD = make_metadata("decode", stub_pool(), engine_id="d-1", incarnation="f" * 32, port=5600)
 
