@@ -7,7 +7,7 @@
 #
 # Steps: (1) size of what travels (checkout + gpu-wheels/ < 64 MiB); (2) install the wheels of
 # the packages the host lacks (into a private folder, never into the host's Python); (3) CUDA
-# present (else a clear error, exit 2); versions of torch, NIXL, UCX; (4) tests/test_gpu_path.py
+# present (else a clear error, exit 2); versions of torch, NIXL, UCX; (4) tests/integration/test_gpu_path.py
 # (P and D with --device cuda, TP 1 at llama-8b and llama-70b-tp8, TP 2 where two GPUs allow,
 # every byte verified at D, telemetry showing the device); (5) kvpush bench device --device
 # cuda (kvpush push-only GB/s vs a raw NIXL VRAM->VRAM WRITE loop vs a torch device-to-device
@@ -106,10 +106,10 @@ PYEOF
 
 rc=0
 # (4) endpoints at model shapes, every byte verified, telemetry shows the device
-say "== tests/test_gpu_path.py (device $DEVICE)"
+say "== tests/integration/test_gpu_path.py (device $DEVICE)"
 t=$(date +%s)
 KVPUSH_GPU_DEVICE="$DEVICE" KVPUSH_GPU_OUT="$OUTDIR" timeout 200 "$PY" -m pytest -q -p no:cacheprovider \
-    -m gpu -rs tests/test_gpu_path.py 2>&1 | tee -a "$LOG"
+    -m gpu -rs tests/integration/test_gpu_path.py 2>&1 | tee -a "$LOG"
 tests_rc=${PIPESTATUS[0]}
 say "tests: exit $tests_rc in $(( $(date +%s) - t )) s"
 [ "$tests_rc" = 0 ] || rc=1

@@ -23,9 +23,10 @@ import uuid
 from pathlib import Path
 
 from kvpush.wire import protocol
-from tests.support.faults import ProcStats, request, snapshot
 from tests.support.hostile import Flood, reason_of
 from tests.support.procs import KVPUSH, Launcher, clean_env, wait_ready
+from tests.support.procstats import ProcStats
+from tests.support.side import request, snapshot
 
 
 def free():

@@ -8,7 +8,7 @@ command: typed ``KvpushError`` s and click's usage errors become one ``error:`` 
 reader that went away from stdout is no error at all (``kvpush.cli.stdio``).
 
 Importing this module stays cheap (typer re-runs the program on every Tab press): torch, nixl
-and zmq are only imported inside command bodies (``tests/test_cli_import.py`` checks it).
+and zmq are only imported inside command bodies (``tests/component/test_cli_import.py`` checks it).
 Runs on the main thread.
 """
 

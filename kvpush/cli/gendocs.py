@@ -1,7 +1,7 @@
 """Generate ``completions/`` and ``man/kvpush.1`` from the one CLI definition (the typer app).
 
 ``python -m kvpush.cli.gendocs`` rewrites the committed files; ``--check`` exits 1 when any of
-them differs from what the app generates now (``tests/test_cli_docs.py`` runs the same check).
+them differs from what the app generates now (``tests/component/test_cli_docs.py`` checks it).
 typer >= 0.26 ships its own copy of click, so click-man does not work on it: this walks the
 click command tree that typer builds and writes roff itself. Output is deterministic (no dates,
 no terminal widths) so that the drift check is exact. Runs on the main thread.

@@ -99,7 +99,7 @@ Blocks = Annotated[int, option("--blocks", help="Blocks per request.")]
 #: Variables that two declarations share (drive's and demo's --requests; leg decode's and leg
 #: prefill's --blocks, the request's blocks: per-command help, the same meaning). Any other
 #: variable that two options with different help would share is a clash
-#: (``tests/test_cli_operator.py`` walks every command).
+#: (``tests/integration/test_cli_operator.py`` walks every command).
 SHARED_ENV: frozenset[str] = frozenset({"KVPUSH_REQUESTS", "KVPUSH_LEG_BLOCKS"})
 
 

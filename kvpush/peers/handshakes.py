@@ -30,7 +30,7 @@ errors of which the last is one NIXL reported; one success (``transport_ok``) ma
 connected again. A WRITE or fence that only *timed out* (a frozen, slow or partitioned peer)
 degrades the peer but never evicts it: its bytes may still be on the way, and only a fence on
 the same connection proves they landed (a fence through a fresh agent after an eviction could
-free D's blocks before the old connection's bytes arrive: measured, tests/test_faults_netns.py).
+free D's blocks before the old bytes arrive: measured, tests/faults/test_faults_netns.py).
 A handshake that finds a new incarnation at an address it knew counts ``peer_restarts``.
 
 What differs between the wires -- how the peer's metadata is fetched and checked -- is the

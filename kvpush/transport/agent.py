@@ -1,7 +1,7 @@
 """The NIXL agent as the engine sees it: the ``Agent`` protocol, its handles and its words.
 
 ``kvpush.transport.nixl.NixlAgent`` is the one real implementation (the only module that imports
-``nixl``); the component tests' ``FakeAgent`` (tests/fakes.py) is the other. The writer, the decode
+``nixl``); the tests' ``FakeAgent`` (tests/support/fakes.py) is the other. The writer, the decode
 receiver, the handshake manager, the owner loop and the fence path are typed against ``Agent``, so
 either can be handed to them as it is.
 

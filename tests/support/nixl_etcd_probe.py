@@ -1,7 +1,7 @@
 """What NIXL 1.5.1's etcd backend does when etcd is down at publish time, and whether its watcher
 drops an agent whose keys someone else deletes. Run as a script, with the repository on
 PYTHONPATH, in a process of its own (NIXL reads NIXL_ETCD_* once, process-wide). Prints one JSON
-object; ``tests/test_fleet_registry.py`` asserts on it.
+object; ``tests/faults/test_fleet_registry.py`` asserts on it.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ launched: ``serve_cmd`` -- the operator's ``python -m kvpush serve-prefill|serve
 the CLI does not expose (integration and fault suites). ``Launcher`` keeps the processes of one
 test or module and stops the live ones at the end.
 
-``start_endpoint(cfg, tmp, name)`` is the node form that ``tests/support/faults.py`` uses: to
+``start_endpoint(cfg, tmp, name)`` is the node form that ``tests/support/cluster.py`` uses: to
 move the fault suites onto ``Launcher`` later is to call ``launch(node_cmd(cfg, ready), ...)``.
 Children get ``clean_env``: the caller's environment without ``KVPUSH_*`` (a developer's own
 settings must not leak into a test), with ``NO_COLOR`` and a wide ``COLUMNS`` so that output is

@@ -1,0 +1,154 @@
+"""A bounded soak with randomly injected faults (issue 5, test 11). Marked ``slow``.
+
+One P and three Ds at fixed ports serve a continuous mixed load (sizes 1-16 blocks, some
+requests with deadlines short enough to abort after their PUSH_REG) for ``SOAK_S`` seconds while
+an injector, every couple of seconds, picks one fault at random: SIGKILL a D and restart it at
+its address, SIGKILL P and restart it, freeze a D (SIGSTOP) and thaw it, a burst of junk frames
+on a side channel, or forged notifications from a third process. Afterwards every request has
+ended (ok with every byte verified, or failed with a reason), the pools settle with nothing
+quarantined, memory and handles are bounded and every endpoint serves a fresh batch.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.support.cluster import cluster_ctx
+from tests.support.fault_legs import Result, run_leg
+from tests.support.forger import Forger
+from tests.support.invariants import check_results, fresh_batch, settle
+from tests.support.junk import junk_frames
+from tests.support.marks import skip_unless_marker_selected
+from tests.support.ports import free_port
+from tests.support.procstats import ProcStats
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SOAK_S = float(os.environ.get("KVPUSH_SOAK_S", "40"))
+
+
+@pytest.fixture(autouse=True)
+def _only_when_selected(request: pytest.FixtureRequest) -> None:
+    skip_unless_marker_selected(request, "slow")
+
+
+def _junk_burst(address: str, seed: int) -> None:
+    import zmq
+
+    s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"tcp://{address}")
+    try:
+        for frames in junk_frames(seed, 300, 4 << 20):
+            s.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+    finally:
+        s.close(0)
+
+
+def test_soak_with_random_faults(tmp_path: Path) -> None:
+    rng = random.Random(int(os.environ.get("KVPUSH_SOAK_SEED", "11")))
+    ports = {n: free_port() for n in ("p", "d0", "d1", "d2")}
+    with cluster_ctx(tmp_path) as c:
+        p = c.start("prefill", "p", port=ports["p"], engine_id="p-soak")
+        ds = [c.start("decode", f"d{i}", port=ports[f"d{i}"]) for i in range(3)]
+        d_addrs = [d.address for d in ds]
+        fresh_batch(p.address, d_addrs, n=12)
+        # Baselines by name: a restarted endpoint is held to its predecessor's numbers.
+        base = {n: ProcStats.of(proc.popen.pid) for n, proc in c.procs.items()}
+
+        results: list[Result] = []
+        lock = threading.Lock()
+        stop = threading.Event()
+
+        def client(k: int) -> None:
+            crng = random.Random(k)
+            i = 0
+            while not stop.is_set():
+                i += 1
+                deadline = crng.choice([0.0, 0.0, 0.0, crng.uniform(0.005, 0.05)])
+                r = run_leg(
+                    f"soak-{k}-{i}",
+                    p.address,
+                    crng.choice(d_addrs),
+                    crng.randint(1, 16),
+                    deadline_s=deadline,
+                    p_delay_s=crng.choice([0.0, 0.0, crng.uniform(0, 0.05)]),
+                    d_timeout_s=10,
+                    p_timeout_s=3,
+                )
+                with lock:
+                    results.append(r)
+
+        clients = [threading.Thread(target=client, args=(k,), name=f"c{k}") for k in range(4)]
+        for t in clients:
+            t.start()
+        faults: Counter[str] = Counter()
+        forger = Forger(tmp_path)
+        try:
+            end = time.monotonic() + SOAK_S
+            while time.monotonic() < end:
+                time.sleep(rng.uniform(1.0, 3.0))
+                kind = rng.choice(
+                    ["kill_d", "kill_d", "freeze_d", "freeze_d", "kill_p", "junk", "forge"]
+                )
+                faults[kind] += 1
+                name = f"d{rng.randrange(3)}"
+                if kind == "kill_d":
+                    c.kill(name)
+                    time.sleep(rng.uniform(0.1, 1.0))
+                    c.restart(name)
+                elif kind == "freeze_d":
+                    c.freeze(name)
+                    time.sleep(rng.uniform(0.5, 3.0))
+                    c.thaw(name)
+                elif kind == "kill_p":
+                    c.kill("p")
+                    time.sleep(rng.uniform(0.1, 1.0))
+                    p = c.restart("p")
+                elif kind == "junk":
+                    _junk_burst(rng.choice([p.address, *d_addrs]), rng.randrange(1000))
+                else:
+                    forger.connect(p.address)
+                    forger.send(
+                        p.address,
+                        {
+                            "type": "PushReg",
+                            "request_id": "soak-forged",
+                            "transfer_id": f"soak-0-{rng.randrange(1, 50)}",
+                            "decode_engine_id": "x",
+                            "decode_host": "127.0.0.1",
+                            "decode_port": ports[name],
+                            "local_block_ids": [[0]],
+                            "remote_engine_id": "p-soak",
+                            "remote_host": "127.0.0.1",
+                            "remote_port": ports["p"],
+                        },
+                    )
+        finally:
+            stop.set()
+            forger.close()
+            for n in ("d0", "d1", "d2"):
+                c.thaw(n)
+            for t in clients:
+                t.join(60)
+
+        reasons = check_results(results)
+        print(f"soak {SOAK_S:.0f}s: faults {dict(faults)}; requests {dict(reasons)}")
+        assert reasons["ok"] > 100, reasons
+        # P (and Ds) were restarted at the same ports: every pair re-handshakes as needed.
+        p = c.procs["p"]
+        d_addrs = [c.procs[f"d{i}"].address for i in range(3)]
+        fresh_batch(p.address, d_addrs, n=24, prefix="after-soak")
+        for a in (p.address, *d_addrs):
+            settle(a, timeout_s=15, quarantine_clears=True)
+        for n, proc in c.procs.items():
+            base[n].assert_bounded(ProcStats.of(proc.popen.pid), f"{n} after the soak")

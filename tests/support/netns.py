@@ -1,0 +1,222 @@
+"""Network namespaces for the netns suites (root only): two namespaces joined by TUN devices,
+and endpoints and request drivers run inside them.
+
+``netns_unavailable`` says why a namespace test cannot run here. ``NetnsPair`` creates two
+namespaces, each with one TUN device whose fd stays here for a ``tests.support.relay.Relay`` to
+carry packets between them (this kernel has no ``tc netem``; DESIGN.md section 3).
+``start_in_netns`` starts an endpoint (``-m kvpush.ops.node``) inside a namespace, optionally under
+``unshare --pid --ipc`` (no shared memory or CMA: UCX takes the network), and returns an ``NsProc``;
+``run_in_netns`` runs ``python -m tests.support.fault_legs`` there and returns its JSON output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import signal
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.support.procs import ROOT, dump_stacks
+
+_TUNSETIFF = 0x400454CA
+_IFF_TUN = 0x0001
+_IFF_NO_PI = 0x1000
+
+
+def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, check=check, capture_output=True, text=True, timeout=30)
+
+
+def netns_unavailable() -> str | None:
+    """Why the netns test cannot run here (None: it can)."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, TUN devices)"
+    if not os.path.exists("/dev/net/tun"):
+        return "no /dev/net/tun"
+    for tool in ("ip", "unshare"):
+        if not any(os.access(os.path.join(d, tool), os.X_OK) for d in os.get_exec_path()):
+            return f"{tool} not installed"
+    name = f"kvpchk{os.getpid()}"
+    r = _sh("ip", "netns", "add", name, check=False)
+    if r.returncode != 0:
+        return f"cannot create a network namespace: {r.stderr.strip()}"
+    _sh("ip", "netns", "del", name, check=False)
+    r = _sh("unshare", "--pid", "--ipc", "--mount", "--fork", "--mount-proc", "true", check=False)
+    if r.returncode != 0:
+        return f"cannot unshare PID/IPC namespaces: {r.stderr.strip()}"
+    return None
+
+
+def _open_tun(name: str) -> int:
+    fd = os.open("/dev/net/tun", os.O_RDWR)
+    fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH", name.encode(), _IFF_TUN | _IFF_NO_PI))
+    return fd
+
+
+@dataclass
+class NetnsPair:
+    """Two namespaces, each with one TUN device; a ``Relay`` carries packets between them.
+
+    Addresses exist only inside these namespaces: ``a_ip`` in ``ns_a``, ``b_ip`` in ``ns_b``.
+    """
+
+    tag: str = field(default_factory=lambda: f"{os.getpid() % 10000}{secrets.token_hex(2)}")
+    a_ip: str = "10.200.7.1"
+    b_ip: str = "10.200.7.2"
+    mtu: int = 9000
+
+    def __post_init__(self) -> None:
+        self.ns_a = f"kvpa{self.tag}"
+        self.ns_b = f"kvpb{self.tag}"
+        self.dev_a = f"kvta{self.tag}"[:15]
+        self.dev_b = f"kvtb{self.tag}"[:15]
+        self.fds: list[int] = []
+
+    def create(self) -> tuple[int, int]:
+        for ns, dev, ip, peer in (
+            (self.ns_a, self.dev_a, self.a_ip, self.b_ip),
+            (self.ns_b, self.dev_b, self.b_ip, self.a_ip),
+        ):
+            _sh("ip", "netns", "add", ns)
+            fd = _open_tun(dev)
+            self.fds.append(fd)
+            _sh("ip", "link", "set", dev, "netns", ns)
+            ex = ("ip", "netns", "exec", ns)
+            _sh(*ex, "ip", "link", "set", "lo", "up")
+            _sh(*ex, "ip", "link", "set", dev, "mtu", str(self.mtu), "up")
+            _sh(*ex, "ip", "addr", "add", f"{ip}/32", "peer", f"{peer}/32", "dev", dev)
+        return self.fds[0], self.fds[1]
+
+    def destroy(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+        for ns in (self.ns_a, self.ns_b):
+            _sh("ip", "netns", "del", ns, check=False)
+
+
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        cur = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{cur}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{cur}/task/{tid}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except OSError:
+                continue
+            out.extend(kids)
+            todo.extend(kids)
+    return out
+
+
+@dataclass
+class NsProc:
+    """An endpoint started inside a network namespace (optionally under ``unshare``).
+
+    ``pid`` is the endpoint's host PID: ``unshare --fork`` ignores SIGTERM, so signals go to
+    the endpoint itself, which is PID 1 of its own PID namespace when unshared.
+    """
+
+    popen: subprocess.Popen[bytes]
+    pid: int
+    address: str
+    log: Path
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError), self.log.open("a") as f:
+                f.write(
+                    f"\n--- test harness: no exit within {timeout:g}s of SIGTERM; py-spy dump "
+                    f"before SIGKILL ---\n{dump_stacks(self.pid)}\n"
+                )
+            self.kill()
+            return None
+
+    def kill(self) -> None:
+        for pid in (self.pid, self.popen.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(5)
+
+    def log_text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def start_in_netns(
+    cfg: dict[str, object],
+    tmp: Path,
+    name: str,
+    netns: str,
+    *,
+    unshare: bool = False,
+    env: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> NsProc:
+    ready = tmp / f"{name}.ready"
+    log = tmp / f"{name}.log"
+    ready.unlink(missing_ok=True)
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    cmd = ["ip", "netns", "exec", netns]
+    if unshare:
+        cmd += ["unshare", "--pid", "--ipc", "--mount", "--fork", "--mount-proc"]
+    cmd += [sys.executable, "-m", "kvpush.ops.node", json.dumps(cfg), str(ready)]
+    with open(log, "ab") as lf:
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=lf, stderr=subprocess.STDOUT, env=full_env)
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        if p.poll() is not None:
+            raise RuntimeError(f"{name} exited with {p.returncode}:\n{log.read_text()}")
+        if time.monotonic() > deadline:
+            p.kill()
+            raise RuntimeError(f"{name} did not start in {timeout}s:\n{log.read_text()}")
+        time.sleep(0.02)
+    info = json.loads(ready.read_text())
+    pid = p.pid
+    for cand in [p.pid, *_descendants(p.pid)]:
+        with contextlib.suppress(OSError), open(f"/proc/{cand}/cmdline", "rb") as f:
+            if b"kvpush.ops.node" in f.read():
+                pid = cand
+    return NsProc(p, pid, info["address"], log)
+
+
+def run_in_netns(netns: str, *args: str, timeout: float = 120.0) -> Any:
+    """Run ``python -m tests.support.fault_legs ARGS`` inside ``netns``; return its JSON output."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run(
+        ["ip", "netns", "exec", netns, sys.executable, "-m", "tests.support.fault_legs", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if r.returncode != 0:
+        raise AssertionError(f"{args[0]} in {netns} failed ({r.returncode}):\n{r.stderr[-4000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
