@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpush.config import require_counts
 from kvpush.errors import KvpushError
 from kvpush.ops import control
 from kvpush.ops.cluster import Child, Cluster, DemoInterrupted
@@ -58,14 +59,12 @@ class DemoConfig:
     def __post_init__(self) -> None:
         from kvpush.errors import ConfigError
 
-        for name, v in (
+        require_counts(
             ("--requests", self.requests),
             ("--blocks", self.blocks),
             ("--decoders", self.decoders),
             ("--concurrency", self.concurrency),
-        ):
-            if v < 1:
-                raise ConfigError(f"{name} must be positive, got {v}", f"pass {name} 1 or more")
+        )
         if self.shape:
             from kvpush.memory.shapes import get_shape
 

@@ -27,6 +27,7 @@ from kvpush.cli import options, stdio, translate
 from kvpush.cli.commands import leg as legs
 from kvpush.cli.optspec import option
 from kvpush.cli.views import reports
+from kvpush.config import require_counts
 from kvpush.errors import ConfigError, ExitStatus
 from kvpush.runtime.signals import StopFlag
 
@@ -384,8 +385,7 @@ def _shaped_blocks(ctx: typer.Context, shape: str | None, tokens: int | None, bl
         raise ConfigError(
             "--tokens and --blocks both size the requests", "give one of them, not both"
         )
-    if tokens < 1:
-        raise ConfigError(f"--tokens must be positive, got {tokens}", "pass --tokens 1 or more")
+    require_counts(("--tokens", tokens))
     from kvpush.memory.shapes import get_shape
 
     return get_shape(shape).blocks_for(tokens)
