@@ -15,7 +15,6 @@ The old spelling of one vLLM leg (``drive --decode D --kv-transfer-params ...``,
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -23,12 +22,13 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from kvpush.cli import options, stdio, translate
+from kvpush.cli import options, translate
 from kvpush.cli.commands import leg as legs
+from kvpush.cli.commands.ending import finish
 from kvpush.cli.optspec import option
 from kvpush.cli.views import reports
 from kvpush.config import require_counts
-from kvpush.errors import ConfigError, ExitStatus
+from kvpush.errors import ConfigError
 from kvpush.runtime.signals import StopFlag
 
 DOC = """Act as the router: send both legs of N requests to running P and D endpoints.
@@ -274,13 +274,13 @@ def drive(
             f"drive: interrupted ({signame or 'cancelled'}): intake stopped; the summary "
             "counts requests never sent and those still in flight as cancelled"
         )
-    if json_out:
-        stdio.out(json.dumps(report.to_dict()))
-    else:
-        Console().print(reports.drive_summary(report), soft_wrap=True)
-    if report.interrupted:
-        raise typer.Exit(int(ExitStatus.INTERRUPTED))
-    raise typer.Exit(0 if report.all_verified else 1)
+    finish(
+        report,
+        reports.drive_summary,
+        json_out,
+        ok=report.all_verified,
+        interrupted=report.interrupted,
+    )
 
 
 def _endpoints(
