@@ -27,7 +27,7 @@ from kvpush.config import require_counts
 from kvpush.errors import KvpushError
 from kvpush.ops import control
 from kvpush.ops.cluster import Child, Cluster, DemoInterrupted
-from kvpush.ops.driver import DriveConfig, Driver, DriveReport, RequestResult
+from kvpush.ops.driver import DriveConfig, DriveHooks, Driver, DriveReport, RequestResult
 from kvpush.wire import protocol
 
 
@@ -203,7 +203,8 @@ class Demo:
             blocks=self.cfg.blocks,
             timeout_s=self.cfg.timeout_s,
         )
-        self._driver = Driver(cfg, on_result=on_result, before_request=self._before_request)
+        hooks = DriveHooks(on_result=on_result, before_request=self._before_request)
+        self._driver = Driver(cfg, hooks)
         self._event(f"driving {self.cfg.requests} requests")
 
         def run() -> None:

@@ -183,7 +183,7 @@ def check_pair(p: EndpointRecord, d: EndpointRecord, cfg: CheckConfig) -> PairRe
 
 
 def _drive_pair(p: str, d: str, blocks: int, cfg: CheckConfig, note: str, t0: float) -> PairResult:
-    from kvpush.ops.driver import Driver
+    from kvpush.ops.driver import DriveHooks, Driver
 
     results: list[RequestResult] = []
     lock = threading.Lock()
@@ -215,7 +215,7 @@ def _drive_pair(p: str, d: str, blocks: int, cfg: CheckConfig, note: str, t0: fl
             driver.cancel()
             driver.cancel()  # the second call ends the grace as well
 
-    driver = Driver(dcfg, on_result=keep)
+    driver = Driver(dcfg, DriveHooks(on_result=keep))
 
     timer = threading.Timer(cfg.deadline_s, lapse)
     timer.daemon = True

@@ -314,7 +314,7 @@ def _run(
 ) -> tuple[Any, str | None]:
     """Run the driver under a signal handler, with a progress bar (``tty``) or progress lines;
     return its report and the signal that stopped it, if one did."""
-    from kvpush.ops.driver import Driver
+    from kvpush.ops.driver import DriveHooks, Driver
 
     driver: Any = None
 
@@ -333,14 +333,13 @@ def _run(
         from kvpush.ops.trace import Tracer
 
         tracer = Tracer(trace, cfg.auth_token, min(cfg.timeout_s, 5.0))
-    driver = Driver(
-        cfg,
+    hooks = DriveHooks(
         on_result=lambda r: advance[0](r),
         on_event=lambda text: err.print(f"drive: {text}"),
         on_tick=tick,
         tick_s=PROGRESS_EVERY_S,
-        tracer=tracer,
     )
+    driver = Driver(cfg, hooks, tracer)
     if targets is not None:
         driver.notes.extend(dict.fromkeys(targets.notes))
         targets.follow(driver)
