@@ -234,42 +234,28 @@ ENDPOINT_OPTS: list[Opt] = [
         metavar="FILE", show_default=False),
 ]  # fmt: skip
 
-#: The options of each endpoint command, in help order; a role set marks role-only options.
+#: The options of each endpoint command, in help order.
+_SERVE_ORDER = (
+    "config", "host", "port", "expose", "engine_id", "auth_token_file", "device", "num_blocks",
+    "layers", "block_bytes", "block_tokens", "kv_heads", "head_dim", "tp", "dtype", "kv_layout",
+    "backends", "progress_thread", "nixl_threads", "idle_poll_max_us", "busy_spin_us", "handshake",
+    "verify", "side_channel_timeout", "handshake_timeout", "lease", "heartbeat",
+    "request_deadline", "peer_idle_ttl", "write_timeout", "write_min_gbps", "fence_timeout",
+    "drain_timeout", "metrics_port", "metrics_host", "output", "interval", "log_level",
+    "ready_file", "kv_regions", "wire", "like", "compat_hash", "vllm_block_size", "attn_backend",
+    "registry", "cluster", "registry_ttl", "registry_load_period", "registry_leave_grace",
+    "advertise", "nixl_metadata", "registry_user", "registry_password_file", "registry_ca",
+    "registry_cert", "registry_key", "evict_after_errors", "watchdog_timeout",
+)  # fmt: skip
+#: The options only one role takes (every other one both do).
+_ROLE_ONLY = {
+    "handshake": "decode", "verify": "decode", "request_deadline": "decode",
+    "write_timeout": "prefill", "write_min_gbps": "prefill",
+}  # fmt: skip
+#: Each endpoint command's options, in help order, with the roles that take them.
 SERVE: list[tuple[str, frozenset[str]]] = [
-    (k, frozenset(r.split())) for k, r in (
-        ("config", "prefill decode"), ("host", "prefill decode"), ("port", "prefill decode"),
-        ("expose", "prefill decode"), ("engine_id", "prefill decode"),
-        ("auth_token_file", "prefill decode"), ("device", "prefill decode"),
-        ("num_blocks", "prefill decode"), ("layers", "prefill decode"),
-        ("block_bytes", "prefill decode"), ("block_tokens", "prefill decode"),
-        ("kv_heads", "prefill decode"), ("head_dim", "prefill decode"),
-        ("tp", "prefill decode"), ("dtype", "prefill decode"), ("kv_layout", "prefill decode"),
-        ("backends", "prefill decode"), ("progress_thread", "prefill decode"),
-        ("nixl_threads", "prefill decode"), ("idle_poll_max_us", "prefill decode"),
-        ("busy_spin_us", "prefill decode"), ("handshake", "decode"),
-        ("verify", "decode"), ("side_channel_timeout", "prefill decode"),
-        ("handshake_timeout", "prefill decode"), ("lease", "prefill decode"),
-        ("heartbeat", "prefill decode"), ("request_deadline", "decode"),
-        ("peer_idle_ttl", "prefill decode"), ("write_timeout", "prefill"),
-        ("write_min_gbps", "prefill"), ("fence_timeout", "prefill decode"),
-        ("drain_timeout", "prefill decode"), ("metrics_port", "prefill decode"),
-        ("metrics_host", "prefill decode"), ("output", "prefill decode"),
-        ("interval", "prefill decode"), ("log_level", "prefill decode"),
-        ("ready_file", "prefill decode"), ("kv_regions", "prefill decode"),
-        ("wire", "prefill decode"), ("like", "prefill decode"),
-        ("compat_hash", "prefill decode"), ("vllm_block_size", "prefill decode"),
-        ("attn_backend", "prefill decode"),
-        ("registry", "prefill decode"), ("cluster", "prefill decode"),
-        ("registry_ttl", "prefill decode"), ("registry_load_period", "prefill decode"),
-        ("registry_leave_grace", "prefill decode"),
-        ("advertise", "prefill decode"), ("nixl_metadata", "prefill decode"),
-        ("registry_user", "prefill decode"), ("registry_password_file", "prefill decode"),
-        ("registry_ca", "prefill decode"), ("registry_cert", "prefill decode"),
-        ("registry_key", "prefill decode"),
-        ("evict_after_errors", "prefill decode"),
-        ("watchdog_timeout", "prefill decode"),
-    )
-]  # fmt: skip
+    (k, frozenset(_ROLE_ONLY.get(k, "prefill decode").split())) for k in _SERVE_ORDER
+]
 SERVE_PORT = {"prefill": 5600, "decode": 5601}
 
 
