@@ -66,6 +66,20 @@ def _positive(name: str, value: float, hint: str = "") -> None:
         raise ConfigError(f"{name} must be positive, got {value}", hint or f"pass {name} > 0")
 
 
+def require_counts(*counts: tuple[str, int]) -> None:
+    """Each ``(flag, value)`` a count of 1 or more; else a ConfigError naming the first that is
+    not (the commands' ``--requests``, ``--blocks``, ``--concurrency``...)."""
+    for flag, value in counts:
+        if value < 1:
+            raise ConfigError(f"{flag} must be positive, got {value}", f"pass {flag} 1 or more")
+
+
+def require_positive(flag: str, value: float, hint: str = "") -> None:
+    """``value`` above 0 (NaN is not); else a ConfigError naming ``flag`` (seconds, rates)."""
+    if not value > 0:
+        raise ConfigError(f"{flag} must be positive, got {value:g}", hint or f"pass {flag} > 0")
+
+
 #: The field<->flag table, written once: each configuration field -> the CLI option that sets it.
 #: Validation messages name the option an operator typed; ``kvpush.cli.translate`` builds the
 #: configuration from the options through these tables (the option's parameter name is the flag

@@ -53,9 +53,16 @@ def _pool(name: str) -> Any:
     return getattr(PoolConfig, name)
 
 
-def _timeout(option: str) -> float:
-    fld = {param_name(flag): f for f, flag in TIMEOUT_FLAGS.items()}[option]
-    return float(getattr(Timeouts, fld))
+def _pool_opt(name: str, type_: Any, help: str, **kw: Any) -> Opt:
+    """The option of ``PoolConfig.<name>``: its flag and default from the configuration."""
+    return Opt(name, (POOL_FLAGS[name],), type_, help, _pool(name), PANEL_GEOM, **kw)
+
+
+def _timeout_opt(fld: str, help: str, seconds: bool = True) -> Opt:
+    """The option of ``Timeouts.<fld>``: its flag and default from the configuration."""
+    flag = TIMEOUT_FLAGS[fld]
+    default = float(getattr(Timeouts, fld))
+    return Opt(param_name(flag), (flag,), float, help, default, PANEL_TIME, seconds=seconds)
 
 
 def _agent(option: str) -> Any:
@@ -83,12 +90,10 @@ ENDPOINT_OPTS: list[Opt] = [
         "File holding a shared secret (>= 16 bytes, mode 600): every side-channel message and "
         "notification is then authenticated with HMAC-SHA256.", None, PANEL_SEC,
         metavar="FILE"),
-    Opt("device", (POOL_FLAGS["device"],), str, "Where the KV pool lives: cpu, cuda or cuda:N.",
-        _pool("device"), PANEL_GEOM, kw={"autocompletion": complete.devices}),
-    Opt("num_blocks", (POOL_FLAGS["num_blocks"],), int, "Blocks in the KV pool.",
-        _pool("num_blocks"), PANEL_GEOM),
-    Opt("layers", (POOL_FLAGS["layers"],), int, "Layers; each has a K and a V region.",
-        _pool("layers"), PANEL_GEOM),
+    _pool_opt("device", str, "Where the KV pool lives: cpu, cuda or cuda:N.",
+              kw={"autocompletion": complete.devices}),
+    _pool_opt("num_blocks", int, "Blocks in the KV pool."),
+    _pool_opt("layers", int, "Layers; each has a K and a V region."),
     Opt("block_bytes", (POOL_FLAGS["block_bytes"],), int | None,
         f"Bytes per block per region (default {_pool('block_bytes')}). Or give the model-like "
         "trio --block-tokens, --kv-heads, --head-dim instead.", None, PANEL_GEOM,
@@ -104,10 +109,9 @@ ENDPOINT_OPTS: list[Opt] = [
         "cuda) and writer/receiver, behind this one side channel.", 1, PANEL_GEOM),
     Opt("head_dim", ("--head-dim",), int | None, "Head dimension (model-like geometry).", None,
         PANEL_GEOM),
-    Opt("dtype", (POOL_FLAGS["dtype"],), str, "Element type of the KV cache.", _pool("dtype"),
-        PANEL_GEOM, kw={"autocompletion": complete.dtypes}),
-    Opt("kv_layout", (POOL_FLAGS["kv_layout"],), str, "KV cache layout name; peers must agree.",
-        _pool("kv_layout"), PANEL_GEOM),
+    _pool_opt("dtype", str, "Element type of the KV cache.",
+              kw={"autocompletion": complete.dtypes}),
+    _pool_opt("kv_layout", str, "KV cache layout name; peers must agree."),
     Opt("kv_regions", ("--kv-regions",), KvRegions,
         "per-kv: a K and a V region per layer; per-layer: one region per layer with K|V inside "
         "(vLLM's layout on CPU).", _pool("kv_regions"), PANEL_GEOM),
@@ -149,40 +153,22 @@ ENDPOINT_OPTS: list[Opt] = [
     Opt("verify", ("--verify/--no-verify",), bool,
         "Check every landed byte against the transfer's pattern before reporting success.",
         True, PANEL_NIXL),
-    Opt("side_channel_timeout", (TIMEOUT_FLAGS["side_channel_s"],), float,
-        "Deadline of one side-channel request.", _timeout("side_channel_timeout"), PANEL_TIME,
-        seconds=True),
-    Opt("handshake_timeout", (TIMEOUT_FLAGS["handshake_s"],), float,
-        "Deadline of one handshake with a peer.", _timeout("handshake_timeout"), PANEL_TIME,
-        seconds=True),
-    Opt("lease", (TIMEOUT_FLAGS["lease_s"],), float,
-        "P keeps a request's finished blocks this long without news.", _timeout("lease"),
-        PANEL_TIME, seconds=True),
-    Opt("heartbeat", (TIMEOUT_FLAGS["heartbeat_s"],), float,
-        "D renews the leases of waiting requests this often.", _timeout("heartbeat"),
-        PANEL_TIME, seconds=True),
-    Opt("request_deadline", (TIMEOUT_FLAGS["request_deadline_s"],), float,
-        "D fails a request not done by then.", _timeout("request_deadline"), PANEL_TIME,
-        seconds=True),
-    Opt("peer_idle_ttl", (TIMEOUT_FLAGS["peer_idle_ttl_s"],), float,
-        "Forget (remove) a peer agent idle this long.", _timeout("peer_idle_ttl"), PANEL_TIME,
-        seconds=True),
+    _timeout_opt("side_channel_s", "Deadline of one side-channel request."),
+    _timeout_opt("handshake_s", "Deadline of one handshake with a peer."),
+    _timeout_opt("lease_s", "P keeps a request's finished blocks this long without news."),
+    _timeout_opt("heartbeat_s", "D renews the leases of waiting requests this often."),
+    _timeout_opt("request_deadline_s", "D fails a request not done by then."),
+    _timeout_opt("peer_idle_ttl_s", "Forget (remove) a peer agent idle this long."),
     Opt("evict_after_errors", ("--evict-after-errors",), int,
         "Evict a peer after this many transport errors in a row (failed WRITE or notification; "
         "timeouts only degrade it); the next request handshakes afresh. A disconnect evicts "
         "at once.", 3,
         PANEL_TIME),
-    Opt("write_timeout", (TIMEOUT_FLAGS["write_base_s"],), float,
-        "Fixed part of a WRITE's deadline; the size-aware part is bytes / --write-min-gbps.",
-        _timeout("write_timeout"), PANEL_TIME, seconds=True),
-    Opt("write_min_gbps", (TIMEOUT_FLAGS["write_min_gbps"],), float,
-        "Slowest bandwidth (GB/s) a WRITE may run at.", _timeout("write_min_gbps"), PANEL_TIME),
-    Opt("fence_timeout", (TIMEOUT_FLAGS["fence_s"],), float,
-        "Deadline of a fence after a cancelled WRITE.", _timeout("fence_timeout"), PANEL_TIME,
-        seconds=True),
-    Opt("drain_timeout", (TIMEOUT_FLAGS["drain_s"],), float,
-        "On SIGINT/SIGTERM, wait this long for in-flight pushes.", _timeout("drain_timeout"),
-        PANEL_TIME, seconds=True),
+    _timeout_opt("write_base_s",
+        "Fixed part of a WRITE's deadline; the size-aware part is bytes / --write-min-gbps."),
+    _timeout_opt("write_min_gbps", "Slowest bandwidth (GB/s) a WRITE may run at.", seconds=False),
+    _timeout_opt("fence_s", "Deadline of a fence after a cancelled WRITE."),
+    _timeout_opt("drain_s", "On SIGINT/SIGTERM, wait this long for in-flight pushes."),
     Opt("watchdog_timeout", (WATCHDOG_FLAG,), float,
         "Report a thread (side channel, writer, receiver) that made no progress this long, "
         "with its stack, once per stall; 0: off.", Timeouts.watchdog_s, PANEL_TIME,
@@ -248,42 +234,28 @@ ENDPOINT_OPTS: list[Opt] = [
         metavar="FILE", show_default=False),
 ]  # fmt: skip
 
-#: The options of each endpoint command, in help order; a role set marks role-only options.
+#: The options of each endpoint command, in help order.
+_SERVE_ORDER = (
+    "config", "host", "port", "expose", "engine_id", "auth_token_file", "device", "num_blocks",
+    "layers", "block_bytes", "block_tokens", "kv_heads", "head_dim", "tp", "dtype", "kv_layout",
+    "backends", "progress_thread", "nixl_threads", "idle_poll_max_us", "busy_spin_us", "handshake",
+    "verify", "side_channel_timeout", "handshake_timeout", "lease", "heartbeat",
+    "request_deadline", "peer_idle_ttl", "write_timeout", "write_min_gbps", "fence_timeout",
+    "drain_timeout", "metrics_port", "metrics_host", "output", "interval", "log_level",
+    "ready_file", "kv_regions", "wire", "like", "compat_hash", "vllm_block_size", "attn_backend",
+    "registry", "cluster", "registry_ttl", "registry_load_period", "registry_leave_grace",
+    "advertise", "nixl_metadata", "registry_user", "registry_password_file", "registry_ca",
+    "registry_cert", "registry_key", "evict_after_errors", "watchdog_timeout",
+)  # fmt: skip
+#: The options only one role takes (every other one both do).
+_ROLE_ONLY = {
+    "handshake": "decode", "verify": "decode", "request_deadline": "decode",
+    "write_timeout": "prefill", "write_min_gbps": "prefill",
+}  # fmt: skip
+#: Each endpoint command's options, in help order, with the roles that take them.
 SERVE: list[tuple[str, frozenset[str]]] = [
-    (k, frozenset(r.split())) for k, r in (
-        ("config", "prefill decode"), ("host", "prefill decode"), ("port", "prefill decode"),
-        ("expose", "prefill decode"), ("engine_id", "prefill decode"),
-        ("auth_token_file", "prefill decode"), ("device", "prefill decode"),
-        ("num_blocks", "prefill decode"), ("layers", "prefill decode"),
-        ("block_bytes", "prefill decode"), ("block_tokens", "prefill decode"),
-        ("kv_heads", "prefill decode"), ("head_dim", "prefill decode"),
-        ("tp", "prefill decode"), ("dtype", "prefill decode"), ("kv_layout", "prefill decode"),
-        ("backends", "prefill decode"), ("progress_thread", "prefill decode"),
-        ("nixl_threads", "prefill decode"), ("idle_poll_max_us", "prefill decode"),
-        ("busy_spin_us", "prefill decode"), ("handshake", "decode"),
-        ("verify", "decode"), ("side_channel_timeout", "prefill decode"),
-        ("handshake_timeout", "prefill decode"), ("lease", "prefill decode"),
-        ("heartbeat", "prefill decode"), ("request_deadline", "decode"),
-        ("peer_idle_ttl", "prefill decode"), ("write_timeout", "prefill"),
-        ("write_min_gbps", "prefill"), ("fence_timeout", "prefill decode"),
-        ("drain_timeout", "prefill decode"), ("metrics_port", "prefill decode"),
-        ("metrics_host", "prefill decode"), ("output", "prefill decode"),
-        ("interval", "prefill decode"), ("log_level", "prefill decode"),
-        ("ready_file", "prefill decode"), ("kv_regions", "prefill decode"),
-        ("wire", "prefill decode"), ("like", "prefill decode"),
-        ("compat_hash", "prefill decode"), ("vllm_block_size", "prefill decode"),
-        ("attn_backend", "prefill decode"),
-        ("registry", "prefill decode"), ("cluster", "prefill decode"),
-        ("registry_ttl", "prefill decode"), ("registry_load_period", "prefill decode"),
-        ("registry_leave_grace", "prefill decode"),
-        ("advertise", "prefill decode"), ("nixl_metadata", "prefill decode"),
-        ("registry_user", "prefill decode"), ("registry_password_file", "prefill decode"),
-        ("registry_ca", "prefill decode"), ("registry_cert", "prefill decode"),
-        ("registry_key", "prefill decode"),
-        ("evict_after_errors", "prefill decode"),
-        ("watchdog_timeout", "prefill decode"),
-    )
-]  # fmt: skip
+    (k, frozenset(_ROLE_ONLY.get(k, "prefill decode").split())) for k in _SERVE_ORDER
+]
 SERVE_PORT = {"prefill": 5600, "decode": 5601}
 
 

@@ -30,6 +30,7 @@ from kvpush.config import (
     Timeouts,
     VllmWireConfig,
     Wire,
+    require_positive,
 )
 from kvpush.errors import ConfigError
 
@@ -37,11 +38,6 @@ if TYPE_CHECKING:
     from kvpush.fleet.config import RegistryConfig
 
 MODEL_LIKE = ("--block-tokens", "--kv-heads", "--head-dim")
-
-
-def require_positive(flag: str, value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"{flag} must be positive, got {value:g}", f"pass {flag} > 0")
 
 
 def pool_config(p: Mapping[str, Any], num_blocks: int | None = None) -> PoolConfig:

@@ -41,9 +41,9 @@ from kvpush.errors import (
     RegistryUnavailable,
     WatchCompacted,
 )
-from kvpush.fleet.config import parse_urls
+from kvpush.fleet.config import RegistryConfig, parse_urls
 
-__all__ = ["Etcd", "WatchEvent", "parse_urls", "prefix_end"]
+__all__ = ["Etcd", "WatchEvent", "make_etcd", "parse_urls", "prefix_end"]
 
 log = logging.getLogger(__name__)
 
@@ -483,3 +483,16 @@ def _reason(e: BaseException) -> str:
         if key in text:
             return key.lower()
     return (text.strip().splitlines()[0] if text.strip() else type(e).__name__)[:200]
+
+
+def make_etcd(cfg: RegistryConfig) -> Etcd:
+    """A client of the registry ``cfg`` names, with its credentials and call timeout."""
+    return Etcd(
+        cfg.urls,
+        user=cfg.user,
+        password=cfg.password,
+        ca_cert=cfg.ca_cert,
+        cert=cfg.cert,
+        key=cfg.key,
+        timeout_s=cfg.timeout_s,
+    )

@@ -26,8 +26,8 @@ from kvpush.address import binds_all_interfaces, format_address, parse_address
 from kvpush.config import EndpointConfig
 from kvpush.errors import ConfigError, RegistryError, RegistryUnavailable
 from kvpush.fleet.config import RegistryConfig
-from kvpush.fleet.etcd import Etcd
-from kvpush.fleet.record import EndpointRecord, Geometry, Load, endpoint_key
+from kvpush.fleet.etcd import make_etcd
+from kvpush.fleet.record import EndpointRecord, Geometry, Load
 from kvpush.fleet.registrar import Registrar
 from kvpush.fleet.store import Follow
 from kvpush.telemetry.health import Verdict
@@ -153,18 +153,6 @@ def reachable_url(url: str, address: str) -> str:
     return u._replace(netloc=format_address(host, u.port or 80)).geturl()
 
 
-def make_etcd(cfg: RegistryConfig) -> Etcd:
-    return Etcd(
-        cfg.urls,
-        user=cfg.user,
-        password=cfg.password,
-        ca_cert=cfg.ca_cert,
-        cert=cfg.cert,
-        key=cfg.key,
-        timeout_s=cfg.timeout_s,
-    )
-
-
 class PeerWatch:
     """Follows the cluster on its own thread; a peer that left or restarted is forgotten by
     the endpoint at once. The endpoint's own key going makes the registrar put it again."""
@@ -243,12 +231,9 @@ class Membership:
     def __init__(self, ep: Member, cfg: RegistryConfig, metrics_url: str = "") -> None:
         self.cfg = cfg
         self.address = advertised_address(ep.cfg.host, ep.server.port, cfg.advertise)
-        self.key = endpoint_key(cfg.cluster, self.address)
         self.record = endpoint_record(ep, self.address, reachable_url(metrics_url, self.address))
         self.registrar = Registrar(
             cfg,
-            make_etcd(cfg),
-            self.key,
             self.record,
             lambda: load_of(ep.snapshot()),
             ep.telemetry,

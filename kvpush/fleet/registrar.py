@@ -34,8 +34,8 @@ import msgspec
 
 from kvpush.errors import LeaseLost, RegistryError, RegistryUnavailable
 from kvpush.fleet.config import LOAD_REFRESH_PERIODS, RegistryConfig
-from kvpush.fleet.etcd import Etcd
-from kvpush.fleet.record import EndpointRecord, Load, encode
+from kvpush.fleet.etcd import make_etcd
+from kvpush.fleet.record import EndpointRecord, Load, encode, endpoint_key
 from kvpush.telemetry.health import Verdict
 from kvpush.telemetry.names import Counter, Gauge
 from kvpush.telemetry.store import Telemetry
@@ -54,16 +54,14 @@ class Registrar:
     def __init__(
         self,
         cfg: RegistryConfig,
-        etcd: Etcd,
-        key: str,
         record: EndpointRecord,
         load: Callable[[], Load],
         telemetry: Telemetry | None = None,
         on_register: Callable[[], None] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.key = key
-        self._etcd = etcd
+        self.key = endpoint_key(cfg.cluster, record.address)  # what it registers: ``record``
+        self._etcd = make_etcd(cfg)
         self._record = record
         self._load = load
         self._tm = telemetry

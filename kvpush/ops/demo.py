@@ -23,11 +23,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpush.config import require_counts
 from kvpush.errors import KvpushError
 from kvpush.ops import control
 from kvpush.ops.cluster import Child, Cluster, DemoInterrupted
-from kvpush.ops.driver import DriveConfig, Driver, DriveReport, RequestResult
+from kvpush.ops.driver import DriveConfig, DriveHooks, Driver, DriveReport, RequestResult
 from kvpush.wire import protocol
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    """The KV geometry of the demo's endpoints. By default a small model: 2 layers x (K, V) x
+    256 blocks of 16 tokens x 4 KV heads x 64 x bf16 (8 KiB per region of a block, the whole
+    model) = 8 MiB per endpoint, split over its ranks."""
+
+    num_blocks: int = 256
+    layers: int = 2
+    block_tokens: int = 16
+    kv_heads: int = 4
+    head_dim: int = 64
+
+    def options(self) -> list[str]:
+        """The ``serve-*`` options that give an endpoint this geometry."""
+        return [
+            "--num-blocks", str(self.num_blocks), "--layers", str(self.layers),
+            "--block-tokens", str(self.block_tokens), "--kv-heads", str(self.kv_heads),
+            "--head-dim", str(self.head_dim),
+        ]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -37,18 +59,12 @@ class DemoConfig:
     decoders: int = 2
     concurrency: int = 8
     extra_decoder: bool = True
-    # A small model: 2 layers x (K, V) x 256 blocks of 16 tokens x 4 KV heads x 64 x bf16 (8 KiB
-    # per region of a block, the whole model) = 8 MiB per endpoint, split over its ranks.
-    num_blocks: int = 256
-    layers: int = 2
-    block_tokens: int = 16
-    kv_heads: int = 4
-    head_dim: int = 64
+    model: DemoModel = DemoModel()
     # Tensor parallelism of P and of every D (their ratio follows VLLM_INTEROP.md section 4).
     p_tp: int = 1
     d_tp: int = 1
-    # A named model shape (``kvpush.memory.shapes``) instead of the small model above; the
-    # pools then hold just what the requests in flight need.
+    # A named model shape (``kvpush.memory.shapes``) instead of ``model``; the pools then hold
+    # just what the requests in flight need.
     shape: str = ""
     timeout_s: float = 30.0
     start_timeout_s: float = 90.0
@@ -58,30 +74,29 @@ class DemoConfig:
     def __post_init__(self) -> None:
         from kvpush.errors import ConfigError
 
-        for name, v in (
+        require_counts(
             ("--requests", self.requests),
             ("--blocks", self.blocks),
             ("--decoders", self.decoders),
             ("--concurrency", self.concurrency),
-        ):
-            if v < 1:
-                raise ConfigError(f"{name} must be positive, got {v}", f"pass {name} 1 or more")
+        )
         if self.shape:
             from kvpush.memory.shapes import get_shape
 
             sh = get_shape(self.shape)
-            for name, v in (
-                ("layers", sh.layers),
-                ("block_tokens", sh.block_tokens),
-                ("kv_heads", sh.kv_heads),
-                ("head_dim", sh.head_dim),
-                ("num_blocks", max(self.blocks * self.concurrency * 2, 16)),
-            ):
-                object.__setattr__(self, name, v)
+            model = DemoModel(
+                num_blocks=max(self.blocks * self.concurrency * 2, 16),
+                layers=sh.layers,
+                block_tokens=sh.block_tokens,
+                kv_heads=sh.kv_heads,
+                head_dim=sh.head_dim,
+            )
+            object.__setattr__(self, "model", model)
+        heads = self.model.kv_heads
         for flag, tp in (("--tp (P)", self.p_tp), ("--tp (D)", self.d_tp)):
-            if tp < 1 or (self.kv_heads > 1 and self.kv_heads % tp):
+            if tp < 1 or (heads > 1 and heads % tp):
                 raise ConfigError(
-                    f"{flag} {tp} does not divide the demo model's {self.kv_heads} KV heads",
+                    f"{flag} {tp} does not divide the demo model's {heads} KV heads",
                     "use a --tp that divides them (or P,D, e.g. --tp 4,2)",
                 )
         if self.p_tp % self.d_tp and self.d_tp % self.p_tp:
@@ -89,10 +104,10 @@ class DemoConfig:
                 f"--tp {self.p_tp},{self.d_tp}: P's and D's TP sizes must divide one another",
                 "e.g. --tp 4,2 or --tp 2,4",
             )
-        if self.blocks * self.concurrency > self.num_blocks:
+        if self.blocks * self.concurrency > self.model.num_blocks:
             raise ConfigError(
                 f"--blocks {self.blocks} x --concurrency {self.concurrency} exceeds the demo "
-                f"pool of {self.num_blocks} blocks",
+                f"pool of {self.model.num_blocks} blocks",
                 "lower --blocks or --concurrency",
             )
 
@@ -204,7 +219,8 @@ class Demo:
             blocks=self.cfg.blocks,
             timeout_s=self.cfg.timeout_s,
         )
-        self._driver = Driver(cfg, on_result=on_result, before_request=self._before_request)
+        hooks = DriveHooks(on_result=on_result, before_request=self._before_request)
+        self._driver = Driver(cfg, hooks)
         self._event(f"driving {self.cfg.requests} requests")
 
         def run() -> None:
@@ -326,4 +342,13 @@ def run_demo(
         raise
 
 
-__all__ = ["Child", "Cluster", "Demo", "DemoConfig", "DemoReport", "RequestResult", "run_demo"]
+__all__ = [
+    "Child",
+    "Cluster",
+    "Demo",
+    "DemoConfig",
+    "DemoModel",
+    "DemoReport",
+    "RequestResult",
+    "run_demo",
+]

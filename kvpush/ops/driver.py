@@ -35,6 +35,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvpush.address import format_address, parse_address
 from kvpush.errors import KvpushError, PeerUnreachableError
@@ -63,29 +64,40 @@ CONTACT_S = 5.0
 #: Workers replaced after their peer died under them (each keeps its socket until its deadline).
 REPLACEMENT_RESERVE = 20
 
-__all__ = ["DriveConfig", "DriveReport", "Driver", "RequestResult", "drive", "summarize"]
+__all__ = [
+    "DriveConfig",
+    "DriveHooks",
+    "DriveReport",
+    "Driver",
+    "RequestResult",
+    "drive",
+    "summarize",
+]
+
+
+@dataclass(frozen=True)
+class DriveHooks:
+    """What the caller of a ``Driver`` is told while it runs (None: nothing): ``on_result`` of
+    each request and ``on_event`` of each peer event (on the workers' and the monitor's threads),
+    ``before_request`` with a request's index before it is sent (on a worker), ``on_tick``
+    every ``tick_s`` (on the thread of ``run``)."""
+
+    on_result: Callable[[RequestResult], None] | None = None
+    before_request: Callable[[int], None] | None = None
+    on_event: Callable[[str], None] | None = None
+    on_tick: Callable[[], None] | None = None
+    tick_s: float = 3.0
 
 
 class Driver:
     """Runs one batch of requests; ``add_decode`` may grow the D rotation while it runs."""
 
     def __init__(
-        self,
-        cfg: DriveConfig,
-        on_result: Callable[[RequestResult], None] | None = None,
-        before_request: Callable[[int], None] | None = None,
-        on_event: Callable[[str], None] | None = None,
-        on_tick: Callable[[], None] | None = None,
-        tick_s: float = 3.0,
-        tracer: Tracer | None = None,
+        self, cfg: DriveConfig, hooks: DriveHooks | None = None, tracer: Tracer | None = None
     ) -> None:
         self.cfg = cfg
+        self.hooks = hooks or DriveHooks()
         self._tracer = tracer  # drive --trace (kvpush.ops.trace)
-        self._on_tick = on_tick
-        self._tick_s = tick_s
-        self._on_result = on_result
-        self._before = before_request
-        self._on_event_cb = on_event
         self._lock = threading.Lock()
         self._results: list[RequestResult | None] = [None] * cfg.requests
         self._t_sent: dict[int, tuple[float, str, str]] = {}  # index -> (t0, P, D)
@@ -121,10 +133,7 @@ class Driver:
         self._p_exec = {p: Senders(p_threads, f"drive-p{i}") for i, p in enumerate(cfg.prefill)}
         self._readmission: Readmission | None = None  # set by run() from the preflight
         self.health = Health(
-            cfg.auth_token,
-            liveness_s=cfg.liveness_s,
-            stall_s=cfg.stall_s,
-            recheck_s=cfg.recheck_s,
+            cfg,
             on_down=self._on_down,
             on_event=self._event,
             readmit=self._readmit,
@@ -179,8 +188,8 @@ class Driver:
         with self._lock:
             self.events.append(line)
         log.info("%s", text)
-        if self._on_event_cb is not None:
-            self._on_event_cb(text)
+        if self.hooks.on_event is not None:
+            self.hooks.on_event(text)
 
     # ------------------------------------------------------------------ run
     def run(self) -> DriveReport:
@@ -232,11 +241,11 @@ class Driver:
 
     def _wait(self) -> None:
         grace_until: float | None = None
-        next_tick = time.monotonic() + self._tick_s
+        next_tick = time.monotonic() + self.hooks.tick_s
         while not self._all_done.wait(0.05):
-            if self._on_tick is not None and time.monotonic() >= next_tick:
-                next_tick = time.monotonic() + self._tick_s
-                self._on_tick()
+            if self.hooks.on_tick is not None and time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + self.hooks.tick_s
+                self.hooks.on_tick()
             if self._cancel.is_set():
                 if grace_until is None:
                     grace_until = time.monotonic() + self.cfg.grace_s
@@ -281,9 +290,9 @@ class Driver:
                 self._all_done.set()
         if self._tracer is not None:
             self._tracer.resolved(result)
-        if self._on_result is not None:
+        if self.hooks.on_result is not None:
             try:
-                self._on_result(result)
+                self.hooks.on_result(result)
             except Exception:
                 log.exception("on_result callback failed")
         return True
@@ -321,8 +330,8 @@ class Driver:
                 return None
             i = self._next
             self._next += 1
-        if self._before is not None:
-            self._before(i)
+        if self.hooks.before_request is not None:
+            self.hooks.before_request(i)
         if self.cfg.rate:
             wait = self._t0 + i / self.cfg.rate - time.monotonic()
             if wait > 0:
@@ -521,4 +530,4 @@ class Driver:
 def drive(
     cfg: DriveConfig, on_result: Callable[[RequestResult], None] | None = None
 ) -> DriveReport:
-    return Driver(cfg, on_result).run()
+    return Driver(cfg, DriveHooks(on_result=on_result)).run()

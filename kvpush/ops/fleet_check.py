@@ -37,7 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from kvpush.errors import ConfigError, ExitStatus, IncompatiblePeerError, KvpushError
+from kvpush.config import require_counts, require_positive
+from kvpush.errors import ExitStatus, IncompatiblePeerError, KvpushError
 from kvpush.fleet.pairs import Difference, blocks_for_size, format_differences, pair_differences
 from kvpush.fleet.record import EndpointRecord
 from kvpush.ops import reasons
@@ -62,17 +63,12 @@ class CheckConfig:
     auth_token: bytes | None = None
 
     def __post_init__(self) -> None:
-        for flag, value in (
+        require_counts(
             ("--pushes", self.pushes),
             ("--size", self.size_bytes),
             ("--concurrency", self.concurrency),
-        ):
-            if value < 1:
-                raise ConfigError(f"{flag} must be positive, got {value}", f"pass {flag} 1 or more")
-        if not self.deadline_s > 0:
-            raise ConfigError(
-                f"--deadline must be positive, got {self.deadline_s:g}", "pass --deadline > 0"
-            )
+        )
+        require_positive("--deadline", self.deadline_s)
 
 
 @dataclass(frozen=True)
@@ -187,7 +183,7 @@ def check_pair(p: EndpointRecord, d: EndpointRecord, cfg: CheckConfig) -> PairRe
 
 
 def _drive_pair(p: str, d: str, blocks: int, cfg: CheckConfig, note: str, t0: float) -> PairResult:
-    from kvpush.ops.driver import Driver
+    from kvpush.ops.driver import DriveHooks, Driver
 
     results: list[RequestResult] = []
     lock = threading.Lock()
@@ -219,7 +215,7 @@ def _drive_pair(p: str, d: str, blocks: int, cfg: CheckConfig, note: str, t0: fl
             driver.cancel()
             driver.cancel()  # the second call ends the grace as well
 
-    driver = Driver(dcfg, on_result=keep)
+    driver = Driver(dcfg, DriveHooks(on_result=keep))
 
     timer = threading.Timer(cfg.deadline_s, lapse)
     timer.daemon = True

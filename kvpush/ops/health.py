@@ -33,6 +33,7 @@ from typing import Any
 from kvpush.errors import KvpushError
 from kvpush.ops import control
 from kvpush.ops.reasons import Leg
+from kvpush.ops.results import DriveConfig
 
 log = logging.getLogger(__name__)
 
@@ -63,19 +64,13 @@ OnDown = Callable[[Peer, bool, list[int]], None]
 class Health:
     def __init__(
         self,
-        token: bytes | None,
+        cfg: DriveConfig,
         *,
-        liveness_s: float,
-        stall_s: float,
-        recheck_s: float,
         on_down: OnDown,
         on_event: Callable[[str], None],
         readmit: Callable[[str, Leg], str] | None = None,
     ) -> None:
-        self._token = token
-        self._liveness = liveness_s
-        self._stall = stall_s
-        self._recheck = recheck_s
+        self.cfg = cfg  # its auth token and liveness_s, stall_s, recheck_s
         self._on_down = on_down
         self._on_event = on_event
         self._readmit = readmit
@@ -201,7 +196,7 @@ class Health:
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(self._liveness + 2.0)
+            self._thread.join(self.cfg.liveness_s + 2.0)
 
     def _run(self) -> None:
         try:
@@ -224,7 +219,7 @@ class Health:
     def _check(self, p: Peer, now: float) -> None:
         with self._lock:
             up, suspect, busy = p.up, p.suspect, bool(p.inflight)
-            stalled = busy and now - p.last_reply >= self._stall
+            stalled = busy and now - p.last_reply >= self.cfg.stall_s
             p.suspect = False
         if up and p.restarted:
             self._mark_down(p, "restarted as a new incarnation", dead=True)
@@ -232,7 +227,7 @@ class Health:
         if up:
             self._check_up(p, now, suspect=suspect, busy=busy, stalled=stalled)
             return
-        if not p.left and now - p.last_recheck >= self._recheck:
+        if not p.left and now - p.last_recheck >= self.cfg.recheck_s:
             self._recheck_down(p, now)
 
     def _check_up(self, p: Peer, now: float, *, suspect: bool, busy: bool, stalled: bool) -> None:
@@ -240,16 +235,16 @@ class Health:
         stalled; down when either fails."""
         if (suspect or busy) and (suspect or now - p.last_tcp >= TCP_EVERY_S):
             p.last_tcp = now
-            c = control.tcp_contact(p.address, self._liveness, look=False)
+            c = control.tcp_contact(p.address, self.cfg.liveness_s, look=False)
             if not c.is_zmq:
                 self._mark_down(p, f"{c.detail}", dead=c.kind == "refused")
                 return
-        if (suspect or stalled) and now - p.last_liveness >= self._stall:
+        if (suspect or stalled) and now - p.last_liveness >= self.cfg.stall_s:
             p.last_liveness = now
             why = self._answers(p)
             if why:
                 if why == "no answer":
-                    why = f"no answer to a liveness check within {self._liveness:g}s"
+                    why = f"no answer to a liveness check within {self.cfg.liveness_s:g}s"
                 self._mark_down(p, why, dead=False)
                 return
             self.replied(p.address)
@@ -258,7 +253,7 @@ class Health:
         """A peer that is down, due a recheck: back up when it answers as a ready endpoint (and
         is readmitted)."""
         p.last_recheck = now
-        c = control.tcp_contact(p.address, self._liveness, look=False)
+        c = control.tcp_contact(p.address, self.cfg.liveness_s, look=False)
         if not c.is_zmq:
             return
         why = self._answers(p)
@@ -280,9 +275,10 @@ class Health:
         "still starting" (an endpoint still starting answers, but is not ready)."""
         c = self._clients.get(p.address)
         if c is None:
-            c = self._clients[p.address] = control.connect(p.address, self._token, self._liveness)
+            c = control.connect(p.address, self.cfg.auth_token, self.cfg.liveness_s)
+            self._clients[p.address] = c
         try:
-            ident = c.identify(timeout_s=self._liveness)
+            ident = c.identify(timeout_s=self.cfg.liveness_s)
         except KvpushError:
             return "no answer"
         kv = ident.payload.kvpush

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvpush.address import format_address, parse_address
-from kvpush.config import EndpointConfig, HandshakeMode
+from kvpush.config import EndpointConfig, HandshakeMode, require_counts
 from kvpush.errors import ConfigError, PeerError, PeerUnreachableError, ProtocolError
 from kvpush.ops import control, probe_kvpush, probe_vllm
 from kvpush.ops.probe_report import ProbeReport, served_ranks
@@ -62,8 +62,7 @@ def probe(
     must say its TP size (``peer_tp``), because vLLM 0.33's listener thread dies on a rank the
     engine does not serve and never answers again.
     """
-    if count < 1:
-        raise ConfigError(f"--count must be positive, got {count}", "pass --count 1 or more")
+    require_counts(("--count", count))
     host, port = parse_address(address)
     addr = format_address(host, port)
     control.first_contact(addr, timeout_s)

@@ -25,14 +25,8 @@ class RttStats:
 
     samples_s: tuple[float, ...]
     clock_offset_s: float
-
-    @property
-    def min_s(self) -> float:
-        return min(self.samples_s)
-
-    @property
-    def median_s(self) -> float:
-        return median(self.samples_s)
+    min_s: float
+    median_s: float
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -53,7 +47,8 @@ def rtt_stats(samples: list[tuple[float, float, float]]) -> RttStats:
         raise ValueError("no samples")
     best = min(samples, key=lambda s: s[1] - s[0])
     offset = best[2] - (best[0] + best[1]) / 2
-    return RttStats(tuple(t1 - t0 for t0, t1, _ in samples), offset)
+    rtts = tuple(t1 - t0 for t0, t1, _ in samples)
+    return RttStats(rtts, offset, min(rtts), median(rtts))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.address import format_address, parse_address
+from kvpush.config import require_counts, require_positive
 from kvpush.errors import ConfigError
 from kvpush.ops.stats import percentile
 
@@ -66,13 +67,11 @@ class DriveConfig:
 
     def _check_numbers(self) -> None:
         """Counts, sizes, the rate and the time limits: each in its range."""
-        for flag, value in (
+        require_counts(
             ("--requests", self.requests),
             ("--concurrency", self.concurrency),
             ("--blocks", self.blocks),
-        ):
-            if value < 1:
-                raise ConfigError(f"{flag} must be positive, got {value}", f"pass {flag} 1 or more")
+        )
         if self.blocks > 1 << 16:
             raise ConfigError(f"--blocks {self.blocks} is too large", "use at most 65536")
         if not self.peer_grace_s >= 0:
@@ -80,14 +79,9 @@ class DriveConfig:
                 f"--peer-grace must be 0 or more, got {self.peer_grace_s:g}",
                 "pass --peer-grace 0 to fail at once when no peer of a role is up",
             )
-        if self.rate is not None and not self.rate > 0:
-            raise ConfigError(
-                f"--rate must be positive, got {self.rate:g}", "omit --rate for no limit"
-            )
-        if not self.timeout_s > 0:
-            raise ConfigError(
-                f"--timeout must be positive, got {self.timeout_s:g}", "pass --timeout > 0"
-            )
+        if self.rate is not None:
+            require_positive("--rate", self.rate, "omit --rate for no limit")
+        require_positive("--timeout", self.timeout_s)
 
 
 @dataclass(frozen=True)

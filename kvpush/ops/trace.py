@@ -77,7 +77,7 @@ def measure_offset(address: str, token: bytes | None, timeout_s: float) -> Clock
     if not samples:
         raise KvpushError(f"{address} did not answer a handshake request")
     st = rtt_stats(samples)
-    return ClockOffset(st.clock_offset_s, min(t1 - t0 for t0, t1, _ in samples) / 2)
+    return ClockOffset(st.clock_offset_s, st.min_s / 2)
 
 
 @dataclass

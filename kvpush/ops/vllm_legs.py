@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpush.address import format_address, parse_address
+from kvpush.config import require_positive
 from kvpush.errors import ConfigError, KvpushError, PeerError, WrongWireError
 from kvpush.ops import control
 from kvpush.wire import protocol
@@ -176,11 +177,6 @@ def check_blocks(blocks: int) -> int:
     return blocks
 
 
-def check_timeout(timeout_s: float) -> None:
-    if not timeout_s > 0:
-        raise ConfigError(f"--timeout must be positive, got {timeout_s:g}", "pass --timeout > 0")
-
-
 def _contact(client: SideChannelClient, role: str, timeout_s: float) -> None:
     """Identify the leg's endpoint on the leg's own connection (``get_meta_msg``: safe for a
     vLLM engine) and refuse one that cannot serve this leg, before anything else is sent."""
@@ -224,7 +220,7 @@ def decode_leg(
     vLLM request does), heartbeating P's lease meanwhile."""
     params = check_params(dict(params))
     n = blocks_of(params, blocks)
-    check_timeout(timeout_s)
+    require_positive("--timeout", timeout_s)
     if not 0 <= alloc_delay_s <= MAX_ALLOC_DELAY_S:
         raise ConfigError(
             f"--alloc-delay must be in 0..{MAX_ALLOC_DELAY_S:g} seconds, got {alloc_delay_s:g}",
@@ -278,7 +274,7 @@ def prefill_leg(
     if len(request_id.encode()) > 256:
         raise ConfigError("--request-id is longer than 256 bytes", "pass a shorter request id")
     check_blocks(blocks)
-    check_timeout(timeout_s)
+    require_positive("--timeout", timeout_s)
     host, port = parse_address(p_address)
     addr = format_address(host, port)
     t0 = time.monotonic()

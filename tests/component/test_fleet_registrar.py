@@ -69,7 +69,7 @@ class Loads:
 
 def registrar(url: str, ttl: int = 3, load: Loads | None = None, tm: Telemetry | None = None):
     cfg = RegistryConfig(urls=url, cluster="t", ttl_s=ttl, timeout_s=1.0, load_period_s=0.2)
-    return Registrar(cfg, Etcd([url], timeout_s=1.0), KEY, rec(), load or Loads(), tm)
+    return Registrar(cfg, rec(), load or Loads(), tm)
 
 
 def value(e: Etcd) -> EndpointRecord | None:

@@ -9,7 +9,6 @@ children and its driver thread.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from typing import Annotated, Any
@@ -17,10 +16,11 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from kvpush.cli import options, stdio
+from kvpush.cli import options
+from kvpush.cli.commands.ending import finish
 from kvpush.cli.optspec import option
 from kvpush.cli.views import reports
-from kvpush.errors import ConfigError, ExitStatus
+from kvpush.errors import ConfigError
 from kvpush.runtime.signals import StopFlag
 
 DOC = """Start one P and two D endpoints on loopback, push a few hundred requests through them.
@@ -108,13 +108,7 @@ def demo(
             f"demo: interrupted by {stop.signame}: endpoints stopped; "
             f"{_logs(report.kept_logs, d.workdir)}"
         )
-    if json_out:
-        stdio.out(json.dumps(report.to_dict()))
-    else:
-        Console().print(reports.demo_summary(report), soft_wrap=True)
-    if report.interrupted:
-        raise typer.Exit(int(ExitStatus.INTERRUPTED))
-    raise typer.Exit(0 if report.ok else 1)
+    finish(report, reports.demo_summary, json_out, ok=report.ok, interrupted=report.interrupted)
 
 
 def _logs(kept: bool, workdir: Any) -> str:

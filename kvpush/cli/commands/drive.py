@@ -15,7 +15,6 @@ The old spelling of one vLLM leg (``drive --decode D --kv-transfer-params ...``,
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -23,11 +22,13 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from kvpush.cli import options, stdio, translate
+from kvpush.cli import options, translate
 from kvpush.cli.commands import leg as legs
+from kvpush.cli.commands.ending import finish
 from kvpush.cli.optspec import option
 from kvpush.cli.views import reports
-from kvpush.errors import ConfigError, ExitStatus
+from kvpush.config import require_counts
+from kvpush.errors import ConfigError
 from kvpush.runtime.signals import StopFlag
 
 DOC = """Act as the router: send both legs of N requests to running P and D endpoints.
@@ -273,13 +274,13 @@ def drive(
             f"drive: interrupted ({signame or 'cancelled'}): intake stopped; the summary "
             "counts requests never sent and those still in flight as cancelled"
         )
-    if json_out:
-        stdio.out(json.dumps(report.to_dict()))
-    else:
-        Console().print(reports.drive_summary(report), soft_wrap=True)
-    if report.interrupted:
-        raise typer.Exit(int(ExitStatus.INTERRUPTED))
-    raise typer.Exit(0 if report.all_verified else 1)
+    finish(
+        report,
+        reports.drive_summary,
+        json_out,
+        ok=report.all_verified,
+        interrupted=report.interrupted,
+    )
 
 
 def _endpoints(
@@ -313,7 +314,7 @@ def _run(
 ) -> tuple[Any, str | None]:
     """Run the driver under a signal handler, with a progress bar (``tty``) or progress lines;
     return its report and the signal that stopped it, if one did."""
-    from kvpush.ops.driver import Driver
+    from kvpush.ops.driver import DriveHooks, Driver
 
     driver: Any = None
 
@@ -332,14 +333,13 @@ def _run(
         from kvpush.ops.trace import Tracer
 
         tracer = Tracer(trace, cfg.auth_token, min(cfg.timeout_s, 5.0))
-    driver = Driver(
-        cfg,
+    hooks = DriveHooks(
         on_result=lambda r: advance[0](r),
         on_event=lambda text: err.print(f"drive: {text}"),
         on_tick=tick,
         tick_s=PROGRESS_EVERY_S,
-        tracer=tracer,
     )
+    driver = Driver(cfg, hooks, tracer)
     if targets is not None:
         driver.notes.extend(dict.fromkeys(targets.notes))
         targets.follow(driver)
@@ -384,8 +384,7 @@ def _shaped_blocks(ctx: typer.Context, shape: str | None, tokens: int | None, bl
         raise ConfigError(
             "--tokens and --blocks both size the requests", "give one of them, not both"
         )
-    if tokens < 1:
-        raise ConfigError(f"--tokens must be positive, got {tokens}", "pass --tokens 1 or more")
+    require_counts(("--tokens", tokens))
     from kvpush.memory.shapes import get_shape
 
     return get_shape(shape).blocks_for(tokens)

@@ -22,6 +22,7 @@ from rich.console import Console
 
 from kvpush.cli import options, stdio, translate
 from kvpush.cli.optspec import PANEL_OUT, option
+from kvpush.config import require_positive
 from kvpush.errors import ConfigError, ExitStatus
 from kvpush.runtime.signals import StopFlag
 
@@ -146,9 +147,9 @@ def watch(
 ) -> None:
     from kvpush.ops.fleet_watch import FleetWatch
 
-    translate.require_positive("--interval", interval)
+    require_positive("--interval", interval)
     if duration is not None:
-        translate.require_positive("--duration", duration)
+        require_positive("--duration", duration)
     w = FleetWatch(registry_source(p))
     w.start()
     stop = StopFlag().install()

@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 
 from kvpush.cli import options, stdio, translate
+from kvpush.cli.commands.ending import finish
 from kvpush.cli.optspec import PANEL_VLLM, option
 from kvpush.cli.views import reports
 
@@ -166,7 +167,7 @@ def decode_leg(
 
     params = vllm_legs.load_params(params_arg)
     report = vllm_legs.decode_leg(address, params, blocks, timeout, token, alloc_delay)
-    _finish(report, json_out)
+    finish(report, reports.leg_report, json_out, ok=report.ok)
 
 
 def prefill_leg(
@@ -192,12 +193,4 @@ def prefill_leg(
             )
 
     report = vllm_legs.prefill_leg(address, request_id, blocks, timeout, token, on_params=hand_out)
-    _finish(report, json_out)
-
-
-def _finish(report: Any, json_out: bool) -> None:
-    if json_out:
-        stdio.out(json.dumps(report.to_dict()))
-    else:
-        Console().print(reports.leg_report(report), soft_wrap=True)
-    raise typer.Exit(0 if report.ok else 1)
+    finish(report, reports.leg_report, json_out, ok=report.ok)

@@ -18,7 +18,7 @@ import typer
 from kvpush.address import format_address, parse_address
 from kvpush.cli import options, stdio, translate
 from kvpush.cli.optspec import option
-from kvpush.config import AgentConfig, HandshakeMode, PoolConfig
+from kvpush.config import AgentConfig, HandshakeMode, PoolConfig, require_positive
 from kvpush.errors import (
     ConfigError,
     ExitStatus,
@@ -150,8 +150,7 @@ def _probe(
     local = local_compat_fields(local_pool) if local_pool is not None else None
     if ping < 0:
         raise ConfigError(f"--ping must be >= 0, got {ping}", "pass --ping N with N >= 1")
-    if not timeout > 0:
-        raise ConfigError(f"--timeout must be positive, got {timeout:g}", "pass --timeout > 0")
+    require_positive("--timeout", timeout)
     asked = translate.parse_ranks(ranks)
     report = core.probe(
         address,

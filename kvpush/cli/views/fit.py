@@ -18,30 +18,28 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
-from kvpush.cli.views.live import THROUGHPUT, render_live
+from kvpush.cli.views.live import THROUGHPUT, pool_bar, ranks_table, render_live
 from kvpush.cli.views.readings import (
     BYTE_COUNTERS,
     PLAIN_QUEUE_KEYS,
-    RANK_THROUGHPUT,
     fmt_bytes,
     fmt_ms,
     fmt_rate,
     fmt_uptime,
-    handshake_counts,
     int_gauge,
     peer_ok,
-    rank_name,
 )
 from kvpush.telemetry.names import QUEUE_GAUGES, Gauge
 from kvpush.telemetry.snapshot import Snapshot
 
 __all__ = ["FittedView", "render_compact"]
 
+#: The pool's legend (its bar is the full view's, ``live.pool_bar``).
 _POOL = (
-    (Gauge.POOL_ALLOCATED, "allocated", "█", "blue"),
-    (Gauge.POOL_INFLIGHT, "inflight", "█", "magenta"),
-    (Gauge.POOL_QUARANTINED, "quar.", "█", "red"),
-    (Gauge.POOL_FREE, "free", "░", "green"),
+    (Gauge.POOL_ALLOCATED, "allocated"),
+    (Gauge.POOL_INFLIGHT, "inflight"),
+    (Gauge.POOL_QUARANTINED, "quar."),
+    (Gauge.POOL_FREE, "free"),
 )
 #: Short names of the ``Ranks`` columns (the full view's words do not fit 80 columns at TP 2).
 _RANK_QUEUES = {
@@ -153,49 +151,17 @@ def _pool(snap: Snapshot, width: int) -> list[Text]:
     total = int_gauge(snap, Gauge.POOL_TOTAL)
     if not total:
         return [_words("Pool", [("no block pool reported", "")])]
-    legend = [(label, f"{int_gauge(snap, g):,}") for g, label, _, _ in _POOL if g in snap.gauges]
+    legend = [(label, f"{int_gauge(snap, g):,}") for g, label in _POOL if g in snap.gauges]
     legend.append(("of", f"{total:,} blocks"))
     bar = Text()
     bar.append(f"{'Pool':<9}", style="bold cyan")
-    cells_left = max(10, min(60, width - 10))
-    used = 0
-    for i, (g, _, char, style) in enumerate(_POOL):
-        n = int_gauge(snap, g)
-        want = max(round(cells_left * n / total), 1 if n else 0)
-        cells = cells_left - used if i == len(_POOL) - 1 else min(cells_left - used, want)
-        bar.append(char * max(cells, 0), style=style)
-        used += max(cells, 0)
-    return [bar, _words("", legend)]
+    return [pool_bar(bar, snap, total, max(10, min(60, width - 10))), _words("", legend)]
 
 
 def _ranks(snap: Snapshot) -> Table:
-    ranks = snap.ranks
     t = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), title="Ranks",
               title_justify="left", title_style="bold cyan")  # fmt: skip
-    queues = [(g, k) for g, k in _RANK_QUEUES.items() if any(g in r.gauges for r in ranks)]
-    pool = [(g, k) for g, k in _RANK_POOL if any(g in r.gauges for r in ranks)]
-    rates = RANK_THROUGHPUT.get(snap.role, RANK_THROUGHPUT["prefill"])
-    t.add_column("rank", justify="right", no_wrap=True)
-    for _, label in (*queues, *pool):
-        t.add_column(label, justify="right", no_wrap=True)
-    t.add_column("peers", justify="right", no_wrap=True)
-    for label, _ in rates:
-        t.add_column(label, justify="right", no_wrap=True)
-    for i, r in enumerate(ranks):
-        ok, connecting, failed = handshake_counts(r.peers)
-        t.add_row(
-            rank_name(r, i),
-            *(f"{int_gauge(r, g):,}" for g, _ in queues),
-            *(f"{int_gauge(r, g):,}" if g in r.gauges else "-" for g, _ in pool),
-            Text(f"{ok}/{connecting}/{failed}", style="red" if failed else ""),
-            *(
-                (f"{r.rates[n] / 1e9:.2f}" if n in BYTE_COUNTERS else fmt_rate(r.rates[n]))
-                if n in r.rates
-                else "-"
-                for _, n in rates
-            ),
-        )
-    return t
+    return ranks_table(t, snap, _RANK_QUEUES, _RANK_POOL, "peers", styled_depths=False)
 
 
 def _peers(snap: Snapshot, room: int) -> list[RenderableType]:

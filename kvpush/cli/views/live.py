@@ -17,7 +17,7 @@ as it always did.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rich import box
@@ -45,7 +45,7 @@ from kvpush.cli.views.readings import (
 from kvpush.telemetry.names import QUEUE_GAUGES, Counter, Gauge
 from kvpush.telemetry.snapshot import Snapshot
 
-__all__ = ["render_live", "render_summary_table"]
+__all__ = ["pool_bar", "ranks_table", "render_live", "render_summary_table"]
 
 WIDTH = 100
 
@@ -265,16 +265,7 @@ def _pool(snap: Snapshot) -> RenderableType:
     if not total:
         t.add_row(Text("no block pool reported", style="dim"))
         return t
-    bar = Text()
-    used = 0
-    for i, (gauge, _, char, style) in enumerate(_POOL_STATES):
-        n = int_gauge(snap, gauge)
-        # A non-empty state shows at least one cell; free takes the remainder, so the bar
-        # never overflows.
-        want = max(round(_BAR_WIDTH * n / total), 1 if n else 0)
-        cells = _BAR_WIDTH - used if i == len(_POOL_STATES) - 1 else min(_BAR_WIDTH - used, want)
-        bar.append(char * max(cells, 0), style=style)
-        used += max(cells, 0)
+    bar = pool_bar(Text(), snap, total, _BAR_WIDTH)
     legend = Text()
     for gauge, label, _, style in _POOL_STATES:
         if gauge in snap.gauges:
@@ -296,18 +287,40 @@ def _pool(snap: Snapshot) -> RenderableType:
     return t
 
 
-def _ranks(snap: Snapshot) -> Table:
-    """One row per rank: queue depths, pool blocks, handshakes, throughput now."""
+def pool_bar(bar: Text, snap: Snapshot, total: int, width: int) -> Text:
+    """``bar`` with the pool's states appended in ``width`` cells (``total`` blocks)."""
+    used = 0
+    for i, (gauge, _, char, style) in enumerate(_POOL_STATES):
+        n = int_gauge(snap, gauge)
+        # A non-empty state shows at least one cell; free takes the remainder, so the bar
+        # never overflows.
+        want = max(round(width * n / total), 1 if n else 0)
+        cells = width - used if i == len(_POOL_STATES) - 1 else min(width - used, want)
+        bar.append(char * max(cells, 0), style=style)
+        used += max(cells, 0)
+    return bar
+
+
+def ranks_table(
+    t: Table,
+    snap: Snapshot,
+    queue_columns: Mapping[Gauge, str],
+    pool_columns: Iterable[tuple[Gauge, str]],
+    peers_label: str,
+    *,
+    styled_depths: bool,
+) -> Table:
+    """``t`` filled with one row per rank: queue depths, pool blocks, handshakes (ok/connecting/
+    failed), throughput now; only the columns some rank reports. The full view styles the
+    depths (bold when non-zero), the condensed view keeps them plain."""
     ranks = snap.ranks
-    # ok/conn/fail: the rank's handshake peers connected, connecting, failed.
-    t = section("Ranks", collapse_padding=True)
-    queues = [(g, k) for g, k in _RANK_QUEUE_COLUMNS.items() if any(g in r.gauges for r in ranks)]
-    pool = [(g, k) for g, k in _RANK_POOL_COLUMNS if any(g in r.gauges for r in ranks)]
+    queues = [(g, k) for g, k in queue_columns.items() if any(g in r.gauges for r in ranks)]
+    pool = [(g, k) for g, k in pool_columns if any(g in r.gauges for r in ranks)]
     rates = RANK_THROUGHPUT.get(snap.role, RANK_THROUGHPUT["prefill"])
     t.add_column("rank", justify="right", no_wrap=True)
     for _, label in (*queues, *pool):
         t.add_column(label, justify="right", no_wrap=True)
-    t.add_column("ok/conn/fail", justify="right", no_wrap=True)
+    t.add_column(peers_label, justify="right", no_wrap=True)
     for label, _ in rates:
         t.add_column(label, justify="right", no_wrap=True)
     for i, r in enumerate(ranks):
@@ -315,12 +328,24 @@ def _ranks(snap: Snapshot) -> Table:
         ok, connecting, failed = handshake_counts(r.peers)
         t.add_row(
             rank_name(r, i),
-            *(Text(f"{n:,}", style="bold" if n else "dim") for n in depths),
+            *(
+                Text(f"{n:,}", style="bold" if n else "dim") if styled_depths else f"{n:,}"
+                for n in depths
+            ),
             *(f"{int_gauge(r, g):,}" if g in r.gauges else "-" for g, _ in pool),
             Text(f"{ok}/{connecting}/{failed}", style="red" if failed else ""),
             *(_rank_rate(r, name) for _, name in rates),
         )
     return t
+
+
+def _ranks(snap: Snapshot) -> Table:
+    """One row per rank: queue depths, pool blocks, handshakes, throughput now."""
+    # ok/conn/fail: the rank's handshake peers connected, connecting, failed.
+    t = section("Ranks", collapse_padding=True)
+    return ranks_table(
+        t, snap, _RANK_QUEUE_COLUMNS, _RANK_POOL_COLUMNS, "ok/conn/fail", styled_depths=True
+    )
 
 
 def _side_by_side(*parts: RenderableType) -> Table:

@@ -99,8 +99,7 @@ def probe_report(r: Any) -> RenderableType:
     rtt = r.rtt
     t.add(
         "rtt",
-        f"min {fmt_ms(rtt.min_s)} ms · median {fmt_ms(rtt.median_s)} ms "
-        f"({len(rtt.samples_s)} samples)",
+        f"{_in_ms(('min', rtt.min_s), ('median', rtt.median_s))} ({len(rtt.samples_s)} samples)",
     )
     t.add("clock offset", f"{rtt.clock_offset_s * 1e3:+.3f} ms")
     _compat_rows(t, r)
@@ -121,6 +120,11 @@ def probe_report(r: Any) -> RenderableType:
     return Group(head, t.render())
 
 
+def _in_ms(*figures: tuple[str, float]) -> str:
+    """Named durations in seconds, for a person: ``min 0.120 ms · median 0.250 ms``."""
+    return " · ".join(f"{name} {fmt_ms(s)} ms" for name, s in figures)
+
+
 def _compat_rows(t: Rows, r: Any) -> None:
     if r.differences:
         t.add("compatible", "NO")
@@ -135,17 +139,12 @@ def _compat_rows(t: Rows, r: Any) -> None:
 def _timing_rows(t: Rows, r: Any) -> None:
     """The handshake's phases (``--handshake``) and the NIXL pings (``--ping``)."""
     if r.handshake_timings_s is not None:
-        phases = " · ".join(
-            f"{k.removesuffix('_s')} {fmt_ms(v)} ms" for k, v in r.handshake_timings_s.items()
-        )
-        t.add(f"handshake ({r.handshake_mode})", phases)
+        phases = [(k.removesuffix("_s"), v) for k, v in r.handshake_timings_s.items()]
+        t.add(f"handshake ({r.handshake_mode})", _in_ms(*phases))
     if r.ping_s:
         pings = sorted(r.ping_s)
-        t.add(
-            "nixl ping",
-            f"min {fmt_ms(pings[0])} ms · median {fmt_ms(pings[len(pings) // 2])} ms · "
-            f"max {fmt_ms(pings[-1])} ms ({len(pings)} round trips)",
-        )
+        figures = _in_ms(("min", pings[0]), ("median", pings[len(pings) // 2]), ("max", pings[-1]))
+        t.add("nixl ping", f"{figures} ({len(pings)} round trips)")
 
 
 def probe_stats(r: Any) -> RenderableType | None:
@@ -164,12 +163,7 @@ def drive_summary(r: Any, title: str = "drive") -> RenderableType:
         t.add("", f"{n} × {reason}")
     for line in r.first_failures:
         t.add("", f"e.g. {line}")
-    lat = r.latency_s
-    t.add(
-        "latency",
-        f"p50 {fmt_ms(lat['p50'])} ms · p90 {fmt_ms(lat['p90'])} ms · "
-        f"p99 {fmt_ms(lat['p99'])} ms · max {fmt_ms(lat['max'])} ms",
-    )
+    t.add("latency", _in_ms(*((q, r.latency_s[q]) for q in ("p50", "p90", "p99", "max"))))
     t.add("throughput", f"{r.requests_per_s:.1f} requests/s · {r.gb_per_s:.3f} GB/s")
     t.add("bytes", f"{fmt_bytes(r.bytes_total)} in {r.elapsed_s:.2f} s")
     t.add("by decode", " · ".join(f"{a} {n}" for a, n in r.by_decode.items()))
@@ -184,7 +178,7 @@ def drive_summary(r: Any, title: str = "drive") -> RenderableType:
     for i, (name, st) in enumerate(getattr(r, "phases", {}).items()):
         t.add(
             "phases (since sent)" if i == 0 else "",
-            f"{name}: p50 {fmt_ms(st['p50'])} ms · p99 {fmt_ms(st['p99'])} ms",
+            f"{name}: {_in_ms(('p50', st['p50']), ('p99', st['p99']))}",
         )
     for e in getattr(r, "peer_events", []):
         t.add("peer event", e)
