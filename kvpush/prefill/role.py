@@ -37,20 +37,7 @@ class PrefillRole:
     def __init__(self, ctx: EndpointContext) -> None:
         self.ctx = ctx
         self.owner = OwnerThread("push-writer", ctx.cfg.agent)
-        self.writer = PushWriter(
-            ctx.cfg,
-            ctx.agent,
-            ctx.pool,
-            ctx.handshakes,
-            ctx.codec,
-            ctx.telemetry,
-            self.owner,
-            on_ping=ctx.on_ping,
-            on_outcome=self._outcome,
-            decliner=ctx.decliner,
-            instruments=ctx.instruments,
-            dialect=ctx.dialect,
-        )
+        self.writer = PushWriter(ctx, self.owner, on_outcome=self._outcome)
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._watches: dict[str, Future[PushOutcome]] = {}

@@ -33,11 +33,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from kvpush.config import EndpointConfig, HandshakeMode
-from kvpush.instruments import NO_INSTRUMENTS, Instruments, WriterMode
-from kvpush.memory.pool import KvPool
-from kvpush.peers.dialect import Dialect
-from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone, PeerKey
+from kvpush.config import HandshakeMode
+from kvpush.instruments import WriterMode
+from kvpush.peers.handshakes import PeerConn, PeerGone, PeerKey
 from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
 from kvpush.prefill.context import WriterContext
@@ -46,7 +44,6 @@ from kvpush.prefill.fences import Fences
 from kvpush.prefill.legs import Legs
 from kvpush.prefill.limits import MAX_PENDING_REGISTRATIONS
 from kvpush.prefill.outcomes import MAX_EARLY_CANCELS, Outcomes
-from kvpush.prefill.plan import LocalGeometry
 from kvpush.prefill.ranks import RankRouter, Refused
 from kvpush.prefill.strategy import BlockingWait, Deferred, DeferredWait, HandshakeWait
 from kvpush.prefill.table import (
@@ -64,13 +61,10 @@ from kvpush.prefill.table import (
     peer_of,
 )
 from kvpush.ratelog import RateLimitedLog
-from kvpush.runtime.decline import Decliner
+from kvpush.runtime.context import EndpointContext
 from kvpush.runtime.owner import OwnerThread, RankCrash, drain_notifications
 from kvpush.telemetry.names import Counter, Failure, Gauge
-from kvpush.telemetry.store import Telemetry
-from kvpush.transport.agent import Agent
 from kvpush.wire import protocol
-from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
@@ -78,63 +72,37 @@ log = logging.getLogger(__name__)
 class PushWriter:
     def __init__(
         self,
-        cfg: EndpointConfig,
-        agent: Agent,
-        pool: KvPool,
-        handshakes: HandshakeManager,
-        codec: Codec,
-        telemetry: Telemetry,
+        ep: EndpointContext,
         owner: OwnerThread,
-        on_ping: Callable[[str, protocol.Ping], None] | None = None,
         on_outcome: Callable[[PushOutcome], None] | None = None,
-        decliner: Decliner | None = None,
-        instruments: Instruments = NO_INSTRUMENTS,
-        *,
-        dialect: Dialect,
     ) -> None:
-        self.cfg = cfg
-        self._instruments = instruments
-        self._agent = agent
-        self._pool = pool
-        self._hs = handshakes
-        self._codec = codec
-        self._tm = telemetry
+        self.cfg = ep.cfg
+        self._instruments = ep.instruments
+        self._on_ping = ep.on_ping
         self._owner = owner
-        self._on_ping = on_ping
-        self._on_outcome = on_outcome or _ignore
-        # The wire's: transfer keys (vLLM's: base request ids), WRITE deadlines (vLLM's: none,
-        # no fence could tell a vLLM D that a late WRITE is over), which D ranks a PUSH_REG names.
-        self._dialect = dialect
-        t = cfg.timeouts
+        t = ep.cfg.timeouts
         self.table = PushTable(lease_s=t.lease_s, reg_ttl_s=t.request_deadline_s)
+        # What the writer shares with its collaborators. The dialect is the wire's: transfer
+        # keys (vLLM's: base request ids), WRITE deadlines (vLLM's: none, no fence could tell a
+        # vLLM D that a late WRITE is over), which D ranks a PUSH_REG names.
+        self._ctx = ctx = WriterContext.of(ep, self.table, on_outcome or _ignore)
         self.finished = owner.inbox("finished", 1 << 16, self._on_finished, self._item_failed)
         self.deferred = owner.inbox("deferred", 1 << 16, self._on_deferred, self._item_failed)
         self.tasks = owner.inbox("tasks", 1 << 16, _call, self._item_failed)
         self._wait: HandshakeWait = (
             BlockingWait(t.handshake_s + 1)
-            if instruments.writer == WriterMode.BLOCKING
+            if ep.instruments.writer == WriterMode.BLOCKING
             else DeferredWait(self.table, owner, lambda: self.deferred, self._lost)
         )
-        geom = LocalGeometry(pool.cfg.num_blocks, pool.cfg.regions, pool.cfg.block_bytes)
-        ctx = WriterContext(
-            cfg,
-            agent,
-            pool,
-            self.table,
-            handshakes,
-            codec,
-            telemetry,
-            geom,
-            self._on_outcome,
-            dialect,
-        )
-        self._out = Outcomes(ctx, owner, self.tasks, decliner)
+        self._out = Outcomes(ctx, owner, self.tasks, ep.decliner)
         self._fences = Fences(ctx)
         self._legs = Legs(ctx, self._out, self._fences)
         self._rl = RateLimitedLog(log)
         self._n_finished = 0
         self._next_idle = 0.0
-        self._ranks = RankRouter(cfg.tp_rank, cfg.tp_size, self._dialect, t.request_deadline_s)
+        self._ranks = RankRouter(
+            self.cfg.tp_rank, self.cfg.tp_size, ep.dialect, t.request_deadline_s
+        )
         owner.attach(self)
 
     # ------------------------------------------------------------------ OwnerLoop
@@ -142,7 +110,9 @@ class PushWriter:
         self._legs.open()
 
     def poll(self) -> int:
-        n = drain_notifications(self._agent, self._codec, self._tm, self._rl, self._on_notif)
+        n = drain_notifications(
+            self._ctx.agent, self._ctx.codec, self._ctx.telemetry, self._rl, self._on_notif
+        )
         return n + self._poll_legs() if self.table.has_inflight() else n
 
     def _poll_legs(self) -> int:
@@ -201,12 +171,12 @@ class PushWriter:
             self._sweep(now)
         fins, regs = self.table.expire(now)
         for f in fins:
-            self._tm.fail(Failure.LEASE_EXPIRED)
+            self._ctx.telemetry.fail(Failure.LEASE_EXPIRED)
             self._rl.warning("lease", "lease of %s lapsed before D registered", f.key)
-            self._pool.allocator.release(f.key)
-            self._on_outcome(PushOutcome(f.transfer_id, False, Failure.LEASE_EXPIRED))
+            self._ctx.pool.allocator.release(f.key)
+            self._ctx.report(PushOutcome(f.transfer_id, False, Failure.LEASE_EXPIRED))
         for r in regs:
-            self._tm.fail(Failure.REGISTRATION_EXPIRED)
+            self._ctx.telemetry.fail(Failure.REGISTRATION_EXPIRED)
             self._out.refuse_registration(r, Failure.NO_BLOCKS, "P never finished blocks for it")
         if self._fences and self._legs.local_dlist is not None:
             for fw in self._fences.send(self._legs.local_dlist):
@@ -214,18 +184,18 @@ class PushWriter:
         self._out.acks.retry(now)
         if now >= self._next_idle:  # once a second: a pass over the peer rows
             self._next_idle = now + 1.0
-            idle = self._hs.idle(self.cfg.timeouts.peer_idle_ttl_s)
+            idle = self._ctx.handshakes.idle(self.cfg.timeouts.peer_idle_ttl_s)
             busy = self.table.peers_in_flight() if idle else set()
             for key in idle:
                 if key not in busy:
                     self._evict(key, "idle")
-        for key, why in self._hs.down():  # its process is gone (kvpush.peers.watch)
+        for key, why in self._ctx.handshakes.down():  # its process is gone (kvpush.peers.watch)
             self._evict(key, f"down: {why}")
 
     # ------------------------------------------------------------------ inbox handlers
     def _item_failed(self, item: object, e: Exception) -> None:
         """An unexpected error fails that item, never the thread."""
-        self._tm.fail(Failure.INTERNAL_ERROR)
+        self._ctx.telemetry.fail(Failure.INTERNAL_ERROR)
         log.exception("writer: handling %r failed", item)
         push = item.push if isinstance(item, Deferred) else item
         if isinstance(push, Push):
@@ -239,12 +209,12 @@ class PushWriter:
         try:
             got = self.table.add_finished(f, time.monotonic())
         except DuplicateError as e:
-            self._tm.fail(Failure.DUPLICATE_TRANSFER)
+            self._ctx.telemetry.fail(Failure.DUPLICATE_TRANSFER)
             self._rl.warning("dup", "writer: %s", e)
             return
         if isinstance(got, CancelledEarly):
-            self._pool.allocator.release(f.key)
-            self._on_outcome(PushOutcome(f.transfer_id, False, got.reason, got.detail))
+            self._ctx.pool.allocator.release(f.key)
+            self._ctx.report(PushOutcome(f.transfer_id, False, got.reason, got.detail))
         elif got is not None:
             self._start_push(got)
         self._crash_check()
@@ -252,7 +222,7 @@ class PushWriter:
     def _on_registration(self, r: Registration) -> None:
         got = self._ranks.route(r, time.monotonic())
         if isinstance(got, Refused):
-            self._tm.fail(Failure.UNEXPECTED_RANK)
+            self._ctx.telemetry.fail(Failure.UNEXPECTED_RANK)
             self._rl.warning(
                 "rank",
                 "writer: dropped PUSH_REG for %s from D rank %d of %d: P rank %d of %d "
@@ -274,7 +244,7 @@ class PushWriter:
             self.table.get(r.key) is None
             and self.table.count(Registered) >= MAX_PENDING_REGISTRATIONS
         ):
-            self._tm.fail(Failure.TOO_MANY_REGISTRATIONS)
+            self._ctx.telemetry.fail(Failure.TOO_MANY_REGISTRATIONS)
             self._rl.warning(
                 "regcap",
                 "writer: declined PUSH_REG of %s: %d registrations already wait for blocks",
@@ -291,7 +261,7 @@ class PushWriter:
         try:
             got = self.table.add_registration(r, expected=expected)
         except DuplicateError as e:
-            self._tm.fail(Failure.DUPLICATE_REGISTRATION)
+            self._ctx.telemetry.fail(Failure.DUPLICATE_REGISTRATION)
             self._rl.warning("dupreg", "writer: %s", e)
             if r.reg.request_id not in held:
                 # The same transfer under another request id: that request can never be
@@ -313,13 +283,13 @@ class PushWriter:
         """D cannot take ``transfer_id`` (it said so over the side channel, before any
         registration of it could be served): free its finished blocks now, or the moment they
         finish, instead of holding them until the lease lapses."""
-        key = self._dialect.transfer_key(transfer_id)
+        key = self._ctx.dialect.transfer_key(transfer_id)
         st = self.table.get(key)
         detail = f"D declined: {detail}"
         if isinstance(st, Waiting):
             self.table.pop(key)
-            self._pool.allocator.release(key)
-            self._on_outcome(PushOutcome(st.finished.transfer_id, False, reason, detail))
+            self._ctx.pool.allocator.release(key)
+            self._ctx.report(PushOutcome(st.finished.transfer_id, False, reason, detail))
         elif (st is None or isinstance(st, Registered)) and self.table.count(
             CancelledEarly
         ) < MAX_EARLY_CANCELS:
@@ -329,7 +299,7 @@ class PushWriter:
     def refused_by_p(self, transfer_id: str, reason: str, detail: str) -> None:
         """P refused the prefill of ``transfer_id``: every D rank that registered (or will) is
         told at once, so D fails the request now instead of at its deadline."""
-        key = self._dialect.transfer_key(transfer_id)
+        key = self._ctx.dialect.transfer_key(transfer_id)
         st = self.table.get(key)
         if isinstance(st, Registered):
             self.table.pop(key)
@@ -347,7 +317,7 @@ class PushWriter:
             cancelled = st.cancelled
             self.table.pop(d.push.key)
         if cancelled:
-            self._pool.allocator.release(d.push.key)
+            self._ctx.pool.allocator.release(d.push.key)
             reg = d.push.registration
             # With D's address: when the handshake failed there is no connection yet, and the
             # acknowledgement is owed until one is up (kvpush.prefill.acks), not dropped.
@@ -402,7 +372,7 @@ class PushWriter:
         """The full connection ``r``'s leg is written on, of the incarnation that registered;
         the handshake's future while it runs; None when the push failed (D told)."""
         key = peer_of(r)
-        conn = self._hs.get(key)
+        conn = self._ctx.handshakes.get(key)
         if again and (conn is None or conn.remote_dlist is None):
             # The handshake said connected, yet there is no full connection.
             self._out.fail(push, Failure.HANDSHAKE_FAILED, "peer not connected")
@@ -420,14 +390,14 @@ class PushWriter:
         if conn is not None and conn.remote_dlist is not None:
             return conn
         hint = PeerHint(r.reg.decode_engine_id, r.reg.decode_tp_size, role="decode")
-        fut = self._hs.ensure(key, HandshakeMode.FULL, hint)
+        fut = self._ctx.handshakes.ensure(key, HandshakeMode.FULL, hint)
         return fut if fut is not None else self._connection(push, r, again=True)
 
     # ------------------------------------------------------------------ notifications
     def _on_notif(self, sender: str, msg: protocol.Notif) -> None:
         if isinstance(msg, protocol.PushReg):
-            self._tm.inc(Counter.PUSH_REGS_RECEIVED)
-            key = self._dialect.registration_key(msg)
+            self._ctx.telemetry.inc(Counter.PUSH_REGS_RECEIVED)
+            key = self._ctx.dialect.registration_key(msg)
             r = Registration(key, msg, sender, time.monotonic())
             if self._owner.stopping:
                 # Too late to be served: D hears why now, not when P's agent is gone.
@@ -435,17 +405,16 @@ class PushWriter:
             else:
                 self._on_registration(r)
         elif isinstance(msg, protocol.Heartbeat):
-            self._tm.inc(Counter.HEARTBEATS_RECEIVED)
-            keys = [self._dialect.transfer_key(t) for t in msg.transfer_ids]
+            self._ctx.telemetry.inc(Counter.HEARTBEATS_RECEIVED)
+            keys = [self._ctx.dialect.transfer_key(t) for t in msg.transfer_ids]
             self.table.renew(keys, time.monotonic())
         elif isinstance(msg, protocol.Cancel):
-            self._tm.inc(Counter.CANCELS_RECEIVED)
+            self._ctx.telemetry.inc(Counter.CANCELS_RECEIVED)
             self._out.on_cancel(msg, sender)
         elif isinstance(msg, protocol.Ping):
-            if self._on_ping is not None:
-                self._on_ping(sender, msg)
+            self._on_ping(sender, msg)
         else:
-            self._tm.fail(Failure.UNEXPECTED_NOTIF)
+            self._ctx.telemetry.fail(Failure.UNEXPECTED_NOTIF)
             self._rl.warning("unexpected", "unexpected %s from %s", type(msg).__name__, sender)
 
     # ------------------------------------------------------------------ peers and shutdown
@@ -455,7 +424,7 @@ class PushWriter:
         self._owner.hand_off(self.tasks, lambda: self._forget(g), _ignore_error)
 
     def _forget(self, g: PeerGone) -> None:
-        for key in self._hs.gone(g):
+        for key in self._ctx.handshakes.gone(g):
             self._evict(key, g.detail, g.reason)
 
     def _evict(
@@ -464,7 +433,7 @@ class PushWriter:
         """Forget a peer. ``failure`` is what its legs in flight fail with, or True for a
         peer evicted for transport errors that may still be alive: its legs are abandoned as
         bytes that may still land, and its fences stay owed (sent once connected again)."""
-        conn = self._hs.evict(key, reason)
+        conn = self._ctx.handshakes.evict(key, reason)
         if failure is True:
             self._legs.peer_unhealthy(key, reason)
         else:
@@ -472,7 +441,7 @@ class PushWriter:
             self._fences.forget_peer(key)
             self._out.acks.forget(key)
         if conn is not None:
-            self._hs.release_conn(conn)
+            self._ctx.handshakes.release_conn(conn)
 
     def drain(self, deadline: float, why: tuple[Failure, str] | None = None) -> None:
         """Stop intake, fail what cannot finish, wait for in-flight WRITEs until the deadline.
@@ -480,12 +449,12 @@ class PushWriter:
         ``shutting_down``); every D that registered is told, so it frees its blocks at once."""
         reason, detail = why or self._stop_why()
         for f in self.finished.close():
-            self._pool.allocator.release(f.key)
-            self._on_outcome(PushOutcome(f.transfer_id, False, reason, detail))
+            self._ctx.pool.allocator.release(f.key)
+            self._ctx.report(PushOutcome(f.transfer_id, False, reason, detail))
         fins, regs = self.table.drain_waiting()
         for f in fins:
-            self._pool.allocator.release(f.key)
-            self._on_outcome(PushOutcome(f.transfer_id, False, reason, detail))
+            self._ctx.pool.allocator.release(f.key)
+            self._ctx.report(PushOutcome(f.transfer_id, False, reason, detail))
         for r in regs:
             self._out.refuse_registration(r, reason, detail)
         while (

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Unpack
 
@@ -33,6 +34,7 @@ from kvpush.peers.handshakes import HandshakeManager
 from kvpush.prefill.acks import MAX_ATTEMPTS
 from kvpush.prefill.table import Finished, Registered, Registration, reg_key
 from kvpush.prefill.writer import PushWriter
+from kvpush.runtime.context import EndpointContext
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.agent import TransferError, TransferKind, XferState
@@ -61,6 +63,7 @@ class Rig:
     writer: PushWriter
     owner: OwnerThread
     codec: NotifCodec
+    control: ThreadPoolExecutor
     stubs: list[StubPeer] = field(default_factory=list)
 
     # -- peers ------------------------------------------------------------------------------
@@ -144,21 +147,25 @@ def _make_rig(mode: WriterMode = WriterMode.DEFERRED) -> Rig:
     codec = NotifCodec(auth)
     dialect = KvpushDialect(auth)
     owner = OwnerThread("push-writer", cfg.agent)
-    w = PushWriter(
-        cfg,
-        agent,
-        pool,
-        hs,
-        codec,
-        tm,
-        owner,
-        instruments=Instruments(writer=mode),
+    control = ThreadPoolExecutor(1)  # the writer submits nothing to it
+    ctx = EndpointContext(
+        cfg=cfg,
+        agent=agent,
+        pool=pool,
+        handshakes=hs,
+        codec=codec,
         dialect=dialect,
+        telemetry=tm,
+        metadata=md,
+        on_ping=lambda sender, msg: None,
+        control=control,
+        instruments=Instruments(writer=mode),
     )
+    w = PushWriter(ctx, owner)
     owner.export_gauges(tm)
     # What the owner thread does before its first pass: tests run passes themselves.
     w.on_start()
-    return Rig(agent, pool, tm, hs, w, owner, codec)
+    return Rig(agent, pool, tm, hs, w, owner, codec, control)
 
 
 def _settled(hs: HandshakeManager) -> bool:
@@ -178,6 +185,7 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
     for r in rigs:
         if r.owner.alive:
             r.owner.stop(2)
+        r.control.shutdown()
         for s in r.stubs:
             s.stop()
         wait_until(functools.partial(_settled, r.hs), 10, "handshakes to settle")
