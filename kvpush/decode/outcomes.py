@@ -18,42 +18,24 @@ import contextlib
 import logging
 import time
 
-from kvpush.config import EndpointConfig
 from kvpush.decode.completer import answered
 from kvpush.decode.requests import Abandoned, DRequest, RequestTable, Waiting
-from kvpush.memory.pool import KvPool
-from kvpush.peers.dialect import Dialect
 from kvpush.ratelog import RateLimitedLog
+from kvpush.runtime.context import EndpointContext
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.agent import Agent, TransferError
+from kvpush.transport.agent import TransferError
 from kvpush.wire import protocol
-from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
 
 class Outcomes:
-    def __init__(
-        self,
-        cfg: EndpointConfig,
-        agent: Agent,
-        pool: KvPool,
-        codec: Codec,
-        telemetry: Telemetry,
-        metadata: protocol.EndpointMetadata,
-        table: RequestTable,
-        dialect: Dialect,
-    ) -> None:
-        self.cfg = cfg
-        self._agent = agent
-        self._pool = pool
-        self._codec = codec
-        self._tm = telemetry
-        self._md = metadata
+    def __init__(self, ctx: EndpointContext, table: RequestTable) -> None:
+        # ``ctx.dialect``: whether P is told with a Cancel, or its lease is waited out.
+        self._ctx = ctx
         self._table = table
         self._rl = RateLimitedLog(log)
-        self._dialect = dialect  # whether P is told with a Cancel, or its lease is waited out
 
     def fail(
         self,
@@ -69,7 +51,7 @@ class Outcomes:
         may still write (``settled``: ranks known to write nothing more; ``told``: ranks that
         need no Cancel); every other registered rank is told to drop it."""
         req = w.req
-        self._tm.fail(reason)
+        self._ctx.telemetry.fail(reason)
         self._rl.warning(str(reason), "request %s failed (%s): %s", req.request_id, reason, detail)
         done = {s for s, n in w.completions.items() if n >= req.p_pp_size}
         live = w.registered - done - (settled or set())
@@ -78,29 +60,29 @@ class Outcomes:
             cancel = protocol.Cancel(
                 request_id=req.request_id,
                 transfer_id=req.transfer_id,
-                decode_host=self.cfg.host,
-                decode_port=self._md.port,
-                decode_tp_rank=self._md.tp_rank,
+                decode_host=self._ctx.cfg.host,
+                decode_port=self._ctx.metadata.port,
+                decode_tp_rank=self._ctx.metadata.tp_rank,
             )
-            held = self._dialect.abandoned_until(time.monotonic(), self.cfg.timeouts)
+            held = self._ctx.dialect.abandoned_until(time.monotonic(), self._ctx.cfg.timeouts)
             if held is None:
                 # Tell P to drop it; P's WRITE completion (or fence) tells us when bytes stop.
                 if notify_p:
-                    data = self._codec.encode(cancel)
+                    data = self._ctx.codec.encode(cancel)
                     for s in live - (told or set()):
                         with contextlib.suppress(TransferError):
-                            self._agent.send_notif(w.ranks.conns[s].agent_name, data)
+                            self._ctx.agent.send_notif(w.ranks.conns[s].agent_name, data)
             else:
                 # vLLM's wire has no cancel and no fence: P may still WRITE until its lease,
                 # no longer renewed, runs out; only then are these blocks anybody's again.
                 until = held
         if live:
-            self._pool.allocator.quarantine(req.request_id, reason)
+            self._ctx.pool.allocator.quarantine(req.request_id, reason)
             self._table.abandon(w, live, until)
         else:
             self._table.finish(w)
-            self._pool.allocator.release(req.request_id)
-        req.future.set_result(failed_rep(self._tm, req, reason, detail))
+            self._ctx.pool.allocator.release(req.request_id)
+        req.future.set_result(failed_rep(self._ctx.telemetry, req, reason, detail))
 
     def settle_abandoned(self, ab: Abandoned, source: int, why: str) -> None:
         """P rank ``source`` can write nothing more into an abandoned request's blocks; the
@@ -111,8 +93,8 @@ class Outcomes:
 
     def release_abandoned(self, ab: Abandoned, why: str) -> None:
         self._table.release_abandoned(ab)
-        self._pool.allocator.release_quarantined(ab.req.request_id)
-        self._tm.inc(Counter.QUARANTINE_RELEASED)
+        self._ctx.pool.allocator.release_quarantined(ab.req.request_id)
+        self._ctx.telemetry.inc(Counter.QUARANTINE_RELEASED)
         log.debug("blocks of %s released (%s)", ab.req.request_id, why)
 
 

@@ -14,37 +14,25 @@ from __future__ import annotations
 
 from kvpush.decode.outcomes import Outcomes
 from kvpush.decode.requests import RequestTable
-from kvpush.peers.handshakes import HandshakeManager, PeerGone, PeerKey
+from kvpush.peers.handshakes import PeerGone, PeerKey
+from kvpush.runtime.context import EndpointContext
 from kvpush.telemetry.names import Counter, Failure
-from kvpush.telemetry.store import Telemetry
-from kvpush.transport.agent import Agent, TransferError
+from kvpush.transport.agent import TransferError
 from kvpush.wire import protocol
-from kvpush.wire.notifs import Codec
 
 HEARTBEAT_BATCH = 4096  # transfer ids per Heartbeat notification
 
 
 class PrefillPeers:
-    def __init__(
-        self,
-        agent: Agent,
-        handshakes: HandshakeManager,
-        codec: Codec,
-        telemetry: Telemetry,
-        table: RequestTable,
-        out: Outcomes,
-    ) -> None:
-        self._agent = agent
-        self._hs = handshakes
-        self._codec = codec
-        self._tm = telemetry
+    def __init__(self, ctx: EndpointContext, table: RequestTable, out: Outcomes) -> None:
+        self._ctx = ctx
         self._table = table
         self._out = out
 
     def stopped(self, sender: str, msg: protocol.Failure) -> None:
         """A P rank said it stopped (its drain is over: it writes nothing more): every request
         still waiting on it ends now with P's reason, not when a heartbeat finds it gone."""
-        conn = self._hs.by_agent(sender)
+        conn = self._ctx.handshakes.by_agent(sender)
         if conn is None:
             return  # not a P this D knows: nothing draws on it
         reason = Failure.parse(msg.reason) or Failure.PREFILL_FAILED
@@ -58,7 +46,7 @@ class PrefillPeers:
 
     def forget(self, g: PeerGone) -> None:
         """The registry says a P is gone or restarted: drop every rank of it this D holds."""
-        for key in self._hs.gone(g):
+        for key in self._ctx.handshakes.gone(g):
             self.evict(key, g.detail, why=g.reason)
 
     def heartbeat(self) -> None:
@@ -72,16 +60,16 @@ class PrefillPeers:
         for conn, tids in self._table.heartbeat_groups():
             for i in range(0, max(len(tids), 1), HEARTBEAT_BATCH):
                 try:
-                    self._agent.send_notif(
+                    self._ctx.agent.send_notif(
                         conn.agent_name,
-                        self._codec.encode(
+                        self._ctx.codec.encode(
                             protocol.Heartbeat(transfer_ids=tids[i : i + HEARTBEAT_BATCH])
                         ),
                     )
-                    self._tm.inc(Counter.HEARTBEATS_SENT)
-                    self._hs.transport_ok(conn.key)
+                    self._ctx.telemetry.inc(Counter.HEARTBEATS_SENT)
+                    self._ctx.handshakes.transport_ok(conn.key)
                 except TransferError as e:
-                    if not conn.evicted and self._hs.transport_error(conn.key, e):
+                    if not conn.evicted and self._ctx.handshakes.transport_error(conn.key, e):
                         self.evict(conn.key, f"heartbeat failed: {e.status}")
                         break
 
@@ -90,7 +78,7 @@ class PrefillPeers:
     ) -> None:
         """A P rank is gone (or restarted): fail the requests it writes for with ``why`` (the
         other ranks are told to drop them), settle what it left quarantined."""
-        conn = self._hs.evict(key, reason)
+        conn = self._ctx.handshakes.evict(key, reason)
         rank = key[2]
         waiting, abandoned = self._table.of_peer(key)
         for w in waiting:
@@ -100,4 +88,4 @@ class PrefillPeers:
         for ab in abandoned:
             self._out.settle_abandoned(ab, rank, "P removed")
         if conn is not None:
-            self._hs.release_conn(conn)
+            self._ctx.handshakes.release_conn(conn)

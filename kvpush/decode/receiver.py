@@ -10,18 +10,18 @@ completion says no more bytes can land (vLLM's C1: never hand them to the next r
 how a failed request ends and when its blocks come back is ``kvpush.decode.outcomes``;
 heartbeats and P ranks that are gone or stopped are ``kvpush.decode.peers``.
 
-Seams: everything it touches is handed in (agent, pool, handshakes, codec, telemetry, the local
-metadata, the completer), so component tests drive it with the one fake agent.
+Seams: everything it touches is handed in (the rank's ``EndpointContext``: agent, pool,
+handshakes, codec, telemetry, the local metadata; and the completer), so component tests drive
+it with the one fake agent. ``Outcomes`` and ``PrefillPeers`` share that context and its table.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvpush.address import format_address
-from kvpush.config import EndpointConfig, HandshakeMode
+from kvpush.config import HandshakeMode
 from kvpush.decode.completer import Completer
 from kvpush.decode.outcomes import Outcomes, failed_rep
 from kvpush.decode.peers import PrefillPeers
@@ -35,57 +35,29 @@ from kvpush.decode.requests import (
     WaitPhase,
 )
 from kvpush.errors import IncompatiblePeerError, NoFreeBlocksError
-from kvpush.instruments import NO_INSTRUMENTS, Instruments
-from kvpush.memory.pool import KvPool
-from kvpush.peers.dialect import Dialect
-from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone, PeerKey
+from kvpush.peers.handshakes import PeerConn, PeerGone, PeerKey
 from kvpush.peers.tp import check_ratio, sources
 from kvpush.peers.validation import handshake_failure
 from kvpush.peers.vllm_peer import PeerHint
 from kvpush.ratelog import RateLimitedLog
+from kvpush.runtime.context import EndpointContext
 from kvpush.runtime.owner import OwnerThread, RankCrash, drain_notifications
 from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure, Gauge
-from kvpush.telemetry.store import Telemetry
-from kvpush.transport.agent import Agent, TransferError
+from kvpush.transport.agent import TransferError
 from kvpush.wire import protocol
-from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
 
 class Receiver:
-    def __init__(
-        self,
-        cfg: EndpointConfig,
-        agent: Agent,
-        pool: KvPool,
-        handshakes: HandshakeManager,
-        codec: Codec,
-        telemetry: Telemetry,
-        metadata: protocol.EndpointMetadata,
-        completer: Completer,
-        owner: OwnerThread,
-        on_ping: Callable[[str, protocol.Ping], None] | None = None,
-        peer_tp: dict[tuple[str, int], int] | None = None,
-        instruments: Instruments = NO_INSTRUMENTS,
-        *,
-        dialect: Dialect,
-    ) -> None:
-        self.cfg = cfg
-        self._instruments = instruments
-        # P's TP size by side-channel address, shared by this endpoint's ranks.
-        self._peer_tp: dict[tuple[str, int], int] = {} if peer_tp is None else peer_tp
-        self._agent = agent
-        self._pool = pool
-        self._hs = handshakes
-        self._codec = codec
-        self._dialect = dialect
-        self._tm = telemetry
-        self._md = metadata
+    def __init__(self, ctx: EndpointContext, completer: Completer, owner: OwnerThread) -> None:
+        self.cfg = ctx.cfg
+        # The rank's collaborators, read through ``ctx``; P's TP size by side-channel address
+        # is ``ctx.peer_tp``, shared by this endpoint's ranks.
+        self._ctx = ctx
         self._completer = completer
         self._owner = owner
-        self._on_ping = on_ping
         self.table = RequestTable()
         self.new = owner.inbox("decode-new", 1 << 16, self._on_new, self._item_failed)
         self.ready = owner.inbox("decode-ready", 1 << 16, self._on_ready, self._item_failed)
@@ -93,8 +65,8 @@ class Receiver:
         self.declines = owner.inbox("decode-decline", 1 << 16, self._on_decline, self._item_failed)
         self.gone = owner.inbox("decode-gone", 1 << 10, self._on_gone, self._item_failed)
         self._rl = RateLimitedLog(log)
-        self._out = Outcomes(cfg, agent, pool, codec, telemetry, metadata, self.table, dialect)
-        self._peers = PrefillPeers(agent, handshakes, codec, telemetry, self.table, self._out)
+        self._out = Outcomes(ctx, self.table)
+        self._peers = PrefillPeers(ctx, self.table, self._out)
         self._next_hb = 0.0
         self._next_idle = 0.0
         self._n_new = 0
@@ -105,7 +77,9 @@ class Receiver:
         pass
 
     def poll(self) -> int:
-        return drain_notifications(self._agent, self._codec, self._tm, self._rl, self._on_notif)
+        return drain_notifications(
+            self._ctx.agent, self._ctx.codec, self._ctx.telemetry, self._rl, self._on_notif
+        )
 
     def pending(self) -> bool:
         return False
@@ -132,14 +106,14 @@ class Receiver:
         if now >= self._next_idle:
             # Once a second, and a pass over the table only when some peer is idle.
             self._next_idle = now + 1.0
-            idle = self._hs.idle(self.cfg.timeouts.peer_idle_ttl_s)
+            idle = self._ctx.handshakes.idle(self.cfg.timeouts.peer_idle_ttl_s)
             busy = self.table.busy_among(idle)
             for key in idle:
                 if key not in busy:
                     self._peers.evict(key, "idle")
             for ab in self.table.long_quarantined(now):
                 self._report_quarantine(ab, now)
-        for key, why in self._hs.down():  # its process is gone (kvpush.peers.watch)
+        for key, why in self._ctx.handshakes.down():  # its process is gone (kvpush.peers.watch)
             self._peers.evict(key, f"down: {why}")
 
     def _report_quarantine(self, ab: Abandoned, now: float) -> None:
@@ -156,7 +130,7 @@ class Receiver:
             )
             return f"{format_address(*ab.req.p_addr)} rank {rank} ({state})"
 
-        self._tm.inc(Counter.QUARANTINES_LONG)
+        self._ctx.telemetry.inc(Counter.QUARANTINES_LONG)
         self._rl.warning(
             "quarantine",
             "blocks of %s (%d) quarantined for %.0fs, waiting for a fence, late completion or "
@@ -186,18 +160,20 @@ class Receiver:
                 continue
             live = queued.phase in (WaitPhase.NEW, WaitPhase.HANDSHAKING)
             if live and not queued.req.future.done():
-                self._pool.allocator.release(queued.req.request_id)
-                queued.req.future.set_result(failed_rep(self._tm, queued.req, reason, detail))
+                self._ctx.pool.allocator.release(queued.req.request_id)
+                queued.req.future.set_result(
+                    failed_rep(self._ctx.telemetry, queued.req, reason, detail)
+                )
 
     def _crash_check(self) -> None:
         """Fault hook (tests): this rank's loop dies after its Nth request."""
-        rank, after = self._instruments.crash_rank_after
+        rank, after = self._ctx.instruments.crash_rank_after
         if rank == self.cfg.tp_rank and 0 < after <= self._n_new:
             raise RankCrash(f"fault injection: rank {rank} crashed after {after} requests")
 
     # ------------------------------------------------------------------ inbox handlers
     def _item_failed(self, item: object, e: Exception) -> None:
-        self._tm.fail(Failure.INTERNAL_ERROR)
+        self._ctx.telemetry.fail(Failure.INTERNAL_ERROR)
         log.exception("receiver: handling %r failed", item)
         w = item[0] if isinstance(item, tuple) else item
         if isinstance(w, Waiting) and w.phase is not WaitPhase.ENDED:
@@ -244,7 +220,7 @@ class Receiver:
         if stale:
             self._relearn_tp(w, stale)
             return
-        self._peer_tp[ranks.addr] = ranks.p_tp
+        self._ctx.peer_tp[ranks.addr] = ranks.p_tp
         self._register(w)
 
     def _learn_sources(self, w: Waiting) -> bool:
@@ -253,7 +229,7 @@ class Receiver:
         ranks = w.ranks
         tp = ranks.p_tp
         if not tp:
-            tp = self._peer_tp.get(ranks.addr, 0)
+            tp = self._ctx.peer_tp.get(ranks.addr, 0)
             ranks.tp_cached = bool(tp)
         if not tp:
             conn = self._conn_or_wait(w, ranks.key(0))
@@ -313,10 +289,10 @@ class Receiver:
         TP size: keep the size, drop the connection (no peer row stands for it, nothing
         outlives that P). One still connecting is dropped by the request that waits on it, when
         it comes back here; requests that waited on the same handshake find the size."""
-        self._peer_tp[w.ranks.addr] = tp
-        conn = self._hs.forget(w.ranks.key(0))
+        self._ctx.peer_tp[w.ranks.addr] = tp
+        conn = self._ctx.handshakes.forget(w.ranks.key(0))
         if conn is not None:
-            self._hs.release_conn(conn)
+            self._ctx.handshakes.release_conn(conn)
 
     def _relearn_tp(self, w: Waiting, stale: list[int]) -> None:
         """P answered at another TP size than the request assumed (it restarted at another
@@ -327,7 +303,7 @@ class Receiver:
         newest = max(ranks.conns.values(), key=lambda c: c.connected_at)
         got = newest.metadata.tp_size
         # A vLLM router names P's TP size in the request (kv_transfer_params): that stands.
-        given = self._dialect.kv_transfer_params and not ranks.tp_cached
+        given = self._ctx.dialect.kv_transfer_params and not ranks.tp_cached
         if w.registered or ranks.relearns >= 2 or (given and got != assumed):
             other = ranks.conns[stale[0]].metadata.tp_size
             self._out.fail(
@@ -342,7 +318,7 @@ class Receiver:
                 got,
                 assumed,
             )
-        self._peer_tp[ranks.addr] = got
+        self._ctx.peer_tp[ranks.addr] = got
         rid = w.req.request_id
         for s, c in list(ranks.conns.items()):
             if c.metadata.tp_size != got:
@@ -362,8 +338,8 @@ class Receiver:
             return False
         ranks.relearns += 1
         failed = ranks.p_tp
-        self._peer_tp.pop(ranks.addr, None)
-        conn0 = self._hs.get(ranks.key(0))
+        self._ctx.peer_tp.pop(ranks.addr, None)
+        conn0 = self._ctx.handshakes.get(ranks.key(0))
         if conn0 is not None and conn0.metadata.tp_size == failed:
             self._peers.evict(ranks.key(0), "stale: P's TP size changed", keep=w.req.request_id)
         ranks.p_tp, ranks.sources, ranks.tp_cached = 0, (), False
@@ -375,7 +351,7 @@ class Receiver:
         """The connection to ``key``, or None: a handshake is under way (the request comes back
         through ``ready`` when it ends, if ``attach``) or it failed (the request is failed)."""
         req = w.req
-        conn = self._hs.get(key)
+        conn = self._ctx.handshakes.get(key)
         if conn is not None and req.p_engine_id and conn.metadata.engine_id != req.p_engine_id:
             # The router names another engine at this address (vLLM's kv_transfer_params): P
             # restarted there. Its old agent goes before anything is sent (vLLM PR #50047).
@@ -384,13 +360,13 @@ class Receiver:
         mode = self.cfg.handshake_mode
         if conn is None or (mode == HandshakeMode.FULL and conn.mode != HandshakeMode.FULL):
             hint = PeerHint(req.p_engine_id, req.p_tp_size, role="prefill")
-            fut = self._hs.ensure(key, mode, hint)
+            fut = self._ctx.handshakes.ensure(key, mode, hint)
             if fut is not None:
                 self.table.move(w, WaitPhase.HANDSHAKING)
                 if attach:
                     fut.add_done_callback(lambda f: self._handshake_done(w, f))
                 return None
-            conn = self._hs.get(key)
+            conn = self._ctx.handshakes.get(key)
         if conn is None:
             self._out.fail(w, Failure.HANDSHAKE_FAILED, "P not connected after handshake")
         return conn
@@ -421,9 +397,9 @@ class Receiver:
     def _allocate_and_register(self, w: Waiting, delay: Delay) -> None:
         """A held-back request's time has come: allocate its blocks, then register them."""
         try:
-            block_ids = self._pool.allocator.allocate(w.req.request_id, delay.num_blocks)
+            block_ids = self._ctx.pool.allocator.allocate(w.req.request_id, delay.num_blocks)
         except NoFreeBlocksError as e:
-            self._tm.fail(Failure.NO_FREE_BLOCKS)
+            self._ctx.telemetry.fail(Failure.NO_FREE_BLOCKS)
             self._out.fail(w, Failure.NO_FREE_BLOCKS, str(e), notify_p=False)
             return
         self.table.allocated(w, block_ids)
@@ -444,19 +420,19 @@ class Receiver:
                 continue
             conn = w.ranks.conns[s]
             try:
-                self._agent.send_notif(
-                    conn.agent_name, self._codec.encode(self._push_reg(w, conn, ids))
+                self._ctx.agent.send_notif(
+                    conn.agent_name, self._ctx.codec.encode(self._push_reg(w, conn, ids))
                 )
             except TransferError as e:
                 self._push_reg_failed(w, s, conn, e)
                 return
-            self._hs.transport_ok(w.ranks.key(s))
+            self._ctx.handshakes.transport_ok(w.ranks.key(s))
             w.registered.add(s)
-            self._tm.inc(Counter.PUSH_REGS_SENT)
+            self._ctx.telemetry.inc(Counter.PUSH_REGS_SENT)
         self.table.move(w, WaitPhase.REGISTERED)
 
     def _push_reg(self, w: Waiting, conn: PeerConn, ids: list[list[int]]) -> protocol.PushReg:
-        md, req = self._md, w.req
+        md, req = self._ctx.metadata, w.req
         return protocol.PushReg(
             request_id=req.request_id,
             transfer_id=req.transfer_id,
@@ -480,7 +456,7 @@ class Receiver:
         key = w.ranks.key(s)
         # (a connection evicted meanwhile is stale: its key may hold a new one)
         stale = conn.evicted
-        evict = stale or self._hs.transport_error(key, e)
+        evict = stale or self._ctx.handshakes.transport_error(key, e)
         if evict and w.ranks.attempts < 1:
             w.ranks.attempts += 1
             del w.ranks.conns[s]
@@ -500,10 +476,10 @@ class Receiver:
         if s is not None:
             return s
         other = any(
-            (c := self._hs.get(ranks.key(r))) is not None and c.agent_name == sender
+            (c := self._ctx.handshakes.get(ranks.key(r))) is not None and c.agent_name == sender
             for r in range(max(ranks.p_tp, 1))
         )
-        self._tm.fail(Failure.UNEXPECTED_RANK if other else Failure.FORGED_NOTIF)
+        self._ctx.telemetry.fail(Failure.UNEXPECTED_RANK if other else Failure.FORGED_NOTIF)
         self._rl.warning(
             "forged",
             "ignored a notification for %s from %s (%s)",
@@ -525,16 +501,15 @@ class Receiver:
         elif isinstance(msg, protocol.Failure):
             self._on_failure(sender, msg)
         elif isinstance(msg, protocol.Fence):
-            self._tm.inc(Counter.FENCES_RECEIVED)
+            self._ctx.telemetry.inc(Counter.FENCES_RECEIVED)
             for rid in msg.request_ids:
                 ab = self.table.abandoned(rid)
                 if ab is not None:
                     self._settle(ab, sender, "fenced")
         elif isinstance(msg, protocol.Ping):
-            if self._on_ping is not None:
-                self._on_ping(sender, msg)
+            self._ctx.on_ping(sender, msg)
         else:
-            self._tm.fail(Failure.UNEXPECTED_NOTIF)
+            self._ctx.telemetry.fail(Failure.UNEXPECTED_NOTIF)
 
     def _on_completion(self, sender: str, msg: protocol.Completion) -> None:
         w = self.table.waiting(msg.request_id)
@@ -545,7 +520,7 @@ class Receiver:
             n = w.completions.get(s, 0)
             if n >= w.req.p_pp_size or s not in w.registered:
                 # A P rank completing twice (or unasked) would hand D bytes it cannot trust.
-                self._tm.fail(Failure.DUPLICATE_COMPLETION)
+                self._ctx.telemetry.fail(Failure.DUPLICATE_COMPLETION)
                 self._rl.warning(
                     "dupcompl",
                     "refused a second completion of %s from P rank %d",
@@ -564,7 +539,7 @@ class Receiver:
             # That rank's abandoned WRITE completed: its bytes have landed.
             self._settle(ab, sender, "completed late")
             return
-        self._tm.fail(Failure.UNKNOWN_COMPLETION)
+        self._ctx.telemetry.fail(Failure.UNKNOWN_COMPLETION)
 
     def _on_failure(self, sender: str, msg: protocol.Failure) -> None:
         if not msg.request_id:

@@ -45,21 +45,7 @@ class DecodeRole:
         self.ctx = ctx
         self.owner = OwnerThread("decode-receiver", ctx.cfg.agent)
         self.completer = Completer(ctx.pool, ctx.telemetry, ctx.cfg.verify)
-        self.receiver = Receiver(
-            ctx.cfg,
-            ctx.agent,
-            ctx.pool,
-            ctx.handshakes,
-            ctx.codec,
-            ctx.telemetry,
-            ctx.metadata,
-            self.completer,
-            self.owner,
-            on_ping=ctx.on_ping,
-            peer_tp=ctx.peer_tp,
-            instruments=ctx.instruments,
-            dialect=ctx.dialect,
-        )
+        self.receiver = Receiver(ctx, self.completer, self.owner)
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._delayed_n = 0  # requests given an alloc_delay_s, not answered yet
