@@ -310,11 +310,7 @@ class Endpoint(Generic[R, G]):
     # ------------------------------------------------------------------ side channel
     def _handle_request(self, req: protocol.SideRequest, reply: ReplyFn) -> None:
         if not self._ready.is_set():
-            reply(
-                protocol.ErrorRep(
-                    rid=req.rid, code="not_ready", message="starting", hint="retry shortly"
-                )
-            )
+            _refuse(reply, req, "not_ready", "starting", "retry shortly")
             return
         if isinstance(req, protocol.HandshakeReq):
             self._reply_handshake(req, reply)
@@ -322,25 +318,14 @@ class Endpoint(Generic[R, G]):
         if isinstance(req, protocol.StatsReq):
             reply(protocol.StatsRep(rid=req.rid, snapshot=self.snapshot().to_dict()))
             return
+        role = self.cfg.role
         if self._stopping.is_set():
-            reply(
-                protocol.ErrorRep(
-                    rid=req.rid,
-                    code="not_ready",
-                    message=f"{self.cfg.role} endpoint is shutting down",
-                    hint="retry shortly",
-                )
-            )
+            _refuse(reply, req, "not_ready", f"{role} endpoint is shutting down", "retry shortly")
             return
         if not self.group.handle(req, reply):
-            reply(
-                protocol.ErrorRep(
-                    rid=req.rid,
-                    code="unsupported",
-                    message=f"a {self.cfg.role} endpoint does not serve {type(req).__name__}",
-                    hint="send prefill requests to P and decode requests to D",
-                )
-            )
+            what = f"a {role} endpoint does not serve {type(req).__name__}"
+            hint = "send prefill requests to P and decode requests to D"
+            _refuse(reply, req, "unsupported", what, hint)
 
     def _reply_handshake(self, req: protocol.HandshakeReq, reply: ReplyFn) -> None:
         refusal = answers.refuse_handshake(self.dialect, self.cfg.tp_size, req)
@@ -414,3 +399,8 @@ class RankFailure(RuntimeError):
         super().__init__(f"rank {rank}: {error!r}")
         self.rank = rank
         self.error = error
+
+
+def _refuse(reply: ReplyFn, req: protocol.SideRequest, code: str, message: str, hint: str) -> None:
+    """Answer a side-channel request with an error (the endpoint's own refusals)."""
+    reply(protocol.ErrorRep(rid=req.rid, code=code, message=message, hint=hint))

@@ -83,6 +83,13 @@ _MAX_INCARNATIONS = 4096
 _LIVE = (PeerState.CONNECTED, PeerState.DEGRADED)
 
 
+def _failed(error: BaseException) -> Future[PeerConn]:
+    """A handshake refused before it started: its future, already failed with ``error``."""
+    f: Future[PeerConn] = Future()
+    f.set_exception(error)
+    return f
+
+
 class HandshakeManager:
     def __init__(
         self,
@@ -183,14 +190,13 @@ class HandshakeManager:
         and its TP size); ignored on kvpush's wire, where the peer tells both."""
         with self._lock:
             if self._closed:
-                f: Future[PeerConn] = Future()
-                f.set_exception(ShuttingDownError("endpoint is shutting down"))
-                return f
+                return _failed(ShuttingDownError("endpoint is shutting down"))
             e = self._peers.get(key)
             if e is not None and e.state == PeerState.DOWN:
-                f = Future()
-                f.set_exception(PeerUnreachableError(f"{peer_name(key)} is down: {e.last_error}"))
-                return f  # its process is gone: evicted at the owner's next housekeeping
+                down = PeerUnreachableError(f"{peer_name(key)} is down: {e.last_error}")
+                return _failed(
+                    down
+                )  # its process is gone: evicted at the owner's next housekeeping
             if e is not None:
                 if e.state in _LIVE and e.conn is not None and mode_satisfies(e.mode, mode):
                     e.conn.last_used = time.monotonic()
@@ -203,8 +209,7 @@ class HandshakeManager:
                     pass
             if e is None and len(self._peers) >= MAX_PEER_ROWS and not self._make_room():
                 self._tm.fail(Failure.TOO_MANY_PEERS)
-                f = Future()
-                f.set_exception(
+                return _failed(
                     HandshakeError(
                         peer_name(key),
                         f"{MAX_PEER_ROWS} peers already known (too_many_peers)",
@@ -212,18 +217,15 @@ class HandshakeManager:
                         "a peer may be naming many addresses",
                     )
                 )
-                return f
             if self._pending >= self._max_pending:
                 self._tm.fail(Failure.HANDSHAKE_OVERLOAD)
-                f = Future()
-                f.set_exception(
+                return _failed(
                     HandshakeError(
                         peer_name(key),
                         f"{self._pending} handshakes already in flight",
                         "retry later; if this persists, a peer may be flooding this endpoint",
                     )
                 )
-                return f
             self._pending += 1
             fut: Future[PeerConn] = Future()
             fut.set_running_or_notify_cancel()
