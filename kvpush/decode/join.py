@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -25,44 +26,37 @@ from kvpush.wire import protocol
 Digest = Callable[[list[str]], str]
 
 
+@dataclass(eq=False)
 class TpJoin:
-    def __init__(
-        self,
-        n_ranks: int,
-        t0: float,
-        digest: Digest | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        """``digest``: the ranks hold their ok shares for it (``hold``); None: no digest."""
-        self._n = n_ranks
-        self._t0 = t0
-        self._digest = digest
-        self._clock = clock
-        self._reps: dict[int, protocol.DecodeRep] = {}
-        self._held: dict[int, str] = {}  # ok shares held for the digest, by rank
-        self.final: protocol.DecodeRep | None = None
+    n_ranks: int
+    t0: float  # when the request came (its latency is counted from here)
+    digest: Digest | None = None  # the ranks hold their ok shares for it (``hold``); None: none
+    clock: Callable[[], float] = time.monotonic
+    final: protocol.DecodeRep | None = field(default=None, init=False)
+    _reps: dict[int, protocol.DecodeRep] = field(default_factory=dict, init=False)
+    _held: dict[int, str] = field(default_factory=dict, init=False)  # ok shares held, by rank
 
     def add(self, rank: int, rep: protocol.DecodeRep) -> protocol.DecodeRep | None:
         """Rank ``rank``'s share: the request's answer when this share decides it, else None
         (more shares to come, or decided before)."""
-        if not 0 <= rank < self._n or rank in self._reps:
-            raise ValueError(f"rank {rank}: not a rank of {self._n}, or answered twice")
+        if not 0 <= rank < self.n_ranks or rank in self._reps:
+            raise ValueError(f"rank {rank}: not a rank of {self.n_ranks}, or answered twice")
         self._reps[rank] = rep
-        if self._digest is not None and rep.outcome == "ok":
+        if self.digest is not None and rep.outcome == "ok":
             self._held[rank] = rep.request_id
         if self.final is not None:
             return None
         if rep.outcome != "ok":
             self.final = self._failed(rank, rep)
-        elif len(self._reps) == self._n:
-            self.final = self._ok([self._reps[r] for r in range(self._n)])
+        elif len(self._reps) == self.n_ranks:
+            self.final = self._ok([self._reps[r] for r in range(self.n_ranks)])
         return self.final
 
     def to_cancel(self) -> list[int]:
         """The ranks whose shares are still out, once the request failed (else none)."""
         if self.final is None or self.final.outcome == "ok":
             return []
-        return [r for r in range(self._n) if r not in self._reps]
+        return [r for r in range(self.n_ranks) if r not in self._reps]
 
     def to_release(self) -> list[tuple[int, str]]:
         """(rank, request id) of the ok shares held for the digest that nobody reads any more
@@ -79,7 +73,7 @@ class TpJoin:
             rep,
             reason=rep.reason or Failure.RANK_FAILED,
             detail=(rep.detail if named else f"D rank {rank}: {rep.detail}")[:1000],
-            latency_s=self._clock() - self._t0,
+            latency_s=self.clock() - self.t0,
         )
 
     def _ok(self, reps: list[protocol.DecodeRep]) -> protocol.DecodeRep:
@@ -91,6 +85,6 @@ class TpJoin:
             latency_s=max(r.latency_s for r in reps),
             nbytes=sum(r.nbytes for r in reps),
             verified=None if unverified else all(bool(r.verified) for r in reps),
-            sha256=self._digest([r.request_id for r in reps]) if self._digest else "",
+            sha256=self.digest([r.request_id for r in reps]) if self.digest else "",
             phases=phases.merge(r.phases for r in reps),
         )

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 from kvpush.config import HandshakeMode
 from kvpush.errors import KvpushError, PeerUnreachableError
@@ -24,23 +25,16 @@ from kvpush.wire.notifs import Codec
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Pinger:
-    def __init__(
-        self,
-        agent: Agent,
-        handshakes: HandshakeManager,
-        codec: Codec,
-        reply_to: tuple[str, int, int],
-        timeout_s: float,
-    ) -> None:
-        self._agent = agent
-        self._hs = handshakes
-        self._codec = codec
-        self._reply_to = reply_to
-        self._timeout_s = timeout_s
-        self._lock = threading.Lock()
-        self._waiters: dict[int, Future[float]] = {}
-        self._seq = 0
+    agent: Agent
+    handshakes: HandshakeManager
+    codec: Codec
+    reply_to: tuple[str, int, int]  # where a peer's answers go: this rank's side channel
+    timeout_s: float  # how long one round trip may take
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _waiters: dict[int, Future[float]] = field(default_factory=dict, init=False)
+    _seq: int = field(default=0, init=False)
 
     def ping(self, conn: PeerConn, count: int, poke: Callable[[], None]) -> list[float]:
         """``count`` round trips to ``conn`` (a first, warm-up trip is not counted)."""
@@ -54,15 +48,15 @@ class Pinger:
             t0 = time.perf_counter()
             msg = protocol.Ping(
                 seq=seq,
-                reply_host=self._reply_to[0],
-                reply_port=self._reply_to[1],
-                reply_rank=self._reply_to[2],
+                reply_host=self.reply_to[0],
+                reply_port=self.reply_to[1],
+                reply_rank=self.reply_to[2],
                 sent_at=time.time(),
             )
-            self._agent.send_notif(conn.agent_name, self._codec.encode(msg))
+            self.agent.send_notif(conn.agent_name, self.codec.encode(msg))
             poke()
             try:
-                t1 = fut.result(self._timeout_s)
+                t1 = fut.result(self.timeout_s)
             except TimeoutError:
                 raise PeerUnreachableError(
                     f"{conn.address} did not answer NIXL ping {i} in time"
@@ -83,7 +77,7 @@ class Pinger:
                 fut.set_result(time.perf_counter())
             return
         key = (msg.reply_host, msg.reply_port, msg.reply_rank)
-        agent, codec = self._agent, self._codec
+        agent, codec = self.agent, self.codec
 
         def answer(conn: PeerConn) -> None:
             try:
@@ -93,9 +87,9 @@ class Pinger:
             except KvpushError as e:
                 log.debug("ping reply failed: %s", e)
 
-        hs_fut = self._hs.ensure(key, HandshakeMode.NOTIF)
+        hs_fut = self.handshakes.ensure(key, HandshakeMode.NOTIF)
         if hs_fut is None:
-            conn = self._hs.get(key)
+            conn = self.handshakes.get(key)
             if conn is not None:
                 answer(conn)
             return

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
 from kvpush.telemetry.snapshot import Snapshot
 
@@ -74,38 +74,31 @@ def data_path(base: Sample, now: Sample, role: str) -> Verdict:
     )
 
 
+@dataclass(eq=False)
 class Health:
     """The probes of one endpoint. ``registration`` (set when a registry is given) answers
     whether the endpoint is registered, and why not."""
 
-    def __init__(
-        self,
-        snapshot: Callable[[], Snapshot],
-        failure: Callable[[], BaseException | None],
-        stopping: Callable[[], bool],
-        *,
-        window_s: float = WINDOW_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._snapshot = snapshot
-        self._failure = failure
-        self._stopping = stopping
-        self.window_s = window_s
-        self._clock = clock
-        self.registration: Callable[[], Verdict] | None = None
-        self._lock = threading.Lock()
-        self._samples: deque[Sample] = deque()
+    snapshot: Callable[[], Snapshot]
+    failure: Callable[[], BaseException | None]
+    stopping: Callable[[], bool]
+    _: KW_ONLY
+    window_s: float = WINDOW_S
+    clock: Callable[[], float] = time.monotonic
+    registration: Callable[[], Verdict] | None = field(default=None, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _samples: deque[Sample] = field(default_factory=deque, init=False)
 
     def live(self) -> Verdict:
-        f = self._failure()
+        f = self.failure()
         if f is not None:
             return Verdict(False, f"a thread of the endpoint failed: {type(f).__name__}: {f}")
         return Verdict(True, "ok")
 
     def sample(self) -> Verdict:
         """Take a counter sample now; the data path's verdict over the window."""
-        snap = self._snapshot()
-        now = sample_of(snap, self._clock())
+        snap = self.snapshot()
+        now = sample_of(snap, self.clock())
         with self._lock:
             samples = self._samples
             # The window's base: the newest sample at least a window old, else the oldest.
@@ -137,7 +130,7 @@ class Health:
         live = self.live()
         if not live.ok:
             return live
-        if self._stopping():
+        if self.stopping():
             return Verdict(False, "stopping: draining in-flight work")
         if self.registration is not None:
             reg = self.registration()
