@@ -65,36 +65,33 @@ class Completer:
             if not req.hold or verified is False:
                 self._pool.allocator.release(req.request_id)
         latency = time.monotonic() - req.t_start
-        stamps = answered(self._tm, req, observe=verified is not False)
-        if verified is False:
-            self._tm.fail(Failure.VERIFY_FAILED)
-            self._tm.inc(Counter.REQUESTS_FAILED)
-            rep = protocol.DecodeRep(
-                transfer_id=req.transfer_id,
-                request_id=req.request_id,
-                outcome="failed",
-                reason=Failure.VERIFY_FAILED,
-                detail="received bytes differ from the transfer's pattern",
-                latency_s=latency,
-                nbytes=req.nbytes,
-                verified=False,
-                phases=stamps,
-            )
-        else:
+        ok = verified is not False
+        stamps = answered(self._tm, req, observe=ok)
+        reason = detail = ""
+        if ok:
             self._tm.inc(Counter.REQUESTS_OK)
             self._tm.inc(Counter.BYTES_RECEIVED, req.nbytes)
             self._tm.observe(Hist.DECODE_LATENCY, latency)
-            rep = protocol.DecodeRep(
+        else:
+            self._tm.fail(Failure.VERIFY_FAILED)
+            self._tm.inc(Counter.REQUESTS_FAILED)
+            reason = Failure.VERIFY_FAILED
+            detail = "received bytes differ from the transfer's pattern"
+            sha = ""  # a failed answer carries no digest
+        req.future.set_result(
+            protocol.DecodeRep(
                 transfer_id=req.transfer_id,
                 request_id=req.request_id,
-                outcome="ok",
+                outcome="ok" if ok else "failed",
+                reason=reason,
+                detail=detail,
                 latency_s=latency,
                 nbytes=req.nbytes,
                 verified=verified,
                 sha256=sha,
                 phases=stamps,
             )
-        req.future.set_result(rep)
+        )
 
 
 def answered(tm: Telemetry, req: DRequest, observe: bool) -> dict[str, float]:
