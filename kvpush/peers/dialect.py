@@ -67,22 +67,13 @@ class Fetched:
 class Dialect(Protocol):
     """The wire an endpoint speaks, as the engine asks it (see the module's docstring)."""
 
-    @property
-    def wire(self) -> Wire: ...
-
-    @property
-    def codec(self) -> Codec: ...
-
-    @property
-    def kv_transfer_params(self) -> bool:
-        """Requests carry a vLLM router's ``kv_transfer_params`` (P names its engine id,
-        request id and TP size there, and that stands)."""
-        ...
-
-    @property
-    def declines(self) -> bool:
-        """Side-channel declines exist (kvpush's own message; a vLLM peer drops on it)."""
-        ...
+    wire: Wire
+    codec: Codec
+    # Requests carry a vLLM router's ``kv_transfer_params`` (P names its engine id, request id
+    # and TP size there, and that stands).
+    kv_transfer_params: bool
+    # Side-channel declines exist (kvpush's own message; a vLLM peer drops on it).
+    declines: bool
 
     def transfer_key(self, transfer_id: str) -> str:
         """P's table key of a transfer (also the owner of its blocks)."""
