@@ -38,7 +38,7 @@ from typing import Generic, Protocol, TypeVar
 from kvpush.address import format_address, parse_address
 from kvpush.config import EndpointConfig, HandshakeMode
 from kvpush.endpoint import answers
-from kvpush.endpoint.rank import Rank
+from kvpush.endpoint.rank import Rank, Shared
 from kvpush.errors import KvpushError, PeerUnreachableError
 from kvpush.instruments import NO_INSTRUMENTS, Instruments
 from kvpush.memory.pool import KvPool
@@ -100,7 +100,6 @@ class Endpoint(Generic[R, G]):
             self._group_tm.declare(
                 counters=REQUEST_COUNTERS[cfg.role], histograms=REQUEST_HISTS[cfg.role]
             )
-        peer_tp: dict[tuple[str, int], int] = {}
         self.ranks: list[Rank[R]] = []
         # vLLM's wire has no such message: a vLLM peer would drop the connection on it.
         self.dialect = dialect_for(cfg, self.auth)  # the wire, chosen once: ranks share it
@@ -123,19 +122,17 @@ class Endpoint(Generic[R, G]):
             undo.callback(self.server.stop)
             if instruments.start_delay_s > 0:  # a slow start, "starting" meanwhile
                 time.sleep(instruments.start_delay_s)
+            shared = Shared(
+                self.incarnation,
+                self.server.port,
+                self.auth,
+                self._control,
+                self.decliner,
+                instruments,
+                self.dialect,
+            )
             for r in range(cfg.tp_size):
-                rank = Rank(
-                    dataclasses.replace(cfg, tp_rank=r),
-                    self.incarnation,
-                    self.server.port,
-                    self.auth,
-                    self._control,
-                    make_role,
-                    peer_tp,
-                    self.decliner,
-                    instruments,
-                    self.dialect,
-                )
+                rank = Rank(dataclasses.replace(cfg, tp_rank=r), shared, make_role)
                 undo.callback(rank.close)
                 self.ranks.append(rank)
             if self.decliner is not None:

@@ -4,7 +4,8 @@ A rank is what a vLLM worker is to its engine: rank ``r`` of an endpoint at TP `
 its own pool (on ``cuda:r`` with ``--device cuda``), answers for ``(0, r)`` on the endpoint's
 one side channel, handshakes and writes or receives with its own agent, and runs its own role
 (P's writer or D's receiver) on its own owner thread. Ranks share nothing but the side channel,
-the control executor and the endpoint's identity (engine id, incarnation).
+the control executor and the endpoint's identity (engine id, incarnation), the wire and what
+they learn of peers: one ``Shared``, built by the endpoint and handed to each rank.
 
 Built complete by the constructor (undone in reverse when a step raises); ``start`` starts the
 role's owner thread. Runs on the caller's thread; the rank's threads are its role's.
@@ -17,14 +18,15 @@ import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from kvpush import PROTOCOL_VERSION, __version__
 from kvpush.config import EndpointConfig
 from kvpush.endpoint.ping import Pinger
-from kvpush.instruments import NO_INSTRUMENTS, Instruments
+from kvpush.instruments import Instruments
 from kvpush.memory.pool import KvPool
-from kvpush.peers.dialect import Dialect, dialect_for
+from kvpush.peers.dialect import Dialect
 from kvpush.peers.handshakes import HandshakeManager
 from kvpush.runtime.context import EndpointContext, Role
 from kvpush.runtime.decline import Decliner
@@ -55,34 +57,40 @@ def agent_name(engine_id: str, incarnation: str, rank: int) -> str:
     return base if rank == 0 else f"{base}.r{rank}"
 
 
+@dataclass(frozen=True)
+class Shared:
+    """What every rank of an endpoint shares: its identity, side channel, authenticator,
+    control executor, what it learns of its peers, and the wire it speaks."""
+
+    incarnation: str
+    port: int  # the side channel's
+    auth: Authenticator
+    control: ThreadPoolExecutor
+    decliner: Decliner | None
+    instruments: Instruments
+    dialect: Dialect  # chosen once per endpoint
+    # Peers' TP sizes by side-channel address (D learns P's once, for all its ranks).
+    peer_tp: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
 class Rank(Generic[R]):
     def __init__(
-        self,
-        cfg: EndpointConfig,
-        incarnation: str,
-        port: int,
-        auth: Authenticator,
-        control: ThreadPoolExecutor,
-        make_role: Callable[[EndpointContext], R],
-        peer_tp: dict[tuple[str, int], int] | None = None,
-        decliner: Decliner | None = None,
-        instruments: Instruments = NO_INSTRUMENTS,
-        dialect: Dialect | None = None,
+        self, cfg: EndpointConfig, shared: Shared, make_role: Callable[[EndpointContext], R]
     ) -> None:
         self.cfg = cfg
-        self.instruments = instruments
+        self.instruments = shared.instruments
         self.rank = cfg.tp_rank
-        self.agent_name = agent_name(cfg.engine_id, incarnation, self.rank)
-        self.telemetry = Telemetry(cfg.role, cfg.engine_id, incarnation)
-        # The wire this rank speaks, chosen here once (the endpoint's, shared by its ranks).
-        self.dialect = dialect or dialect_for(cfg, auth)
+        self.agent_name = agent_name(cfg.engine_id, shared.incarnation, self.rank)
+        self.telemetry = Telemetry(cfg.role, cfg.engine_id, shared.incarnation)
+        self.dialect = shared.dialect
         self.codec: Codec = self.dialect.codec
+        auth, port = shared.auth, shared.port
         with contextlib.ExitStack() as undo:
             self.pool = KvPool(cfg.pool, rank=self.rank)
             self.agent = NixlAgent(self.agent_name, cfg.agent)
             undo.callback(self.agent.close)
             self.agent.register(self.pool.tensor)
-            self.metadata = self._build_metadata(incarnation, port, auth)
+            self.metadata = self._build_metadata(shared.incarnation, port, auth)
             self.md_bytes = protocol.encode_metadata(self.metadata)
             self.agent_md_full = self.agent.metadata_full()
             self.agent_md_conn = self.agent.metadata_conn_only()
@@ -116,10 +124,10 @@ class Rank(Generic[R]):
                 telemetry=self.telemetry,
                 metadata=self.metadata,
                 on_ping=self.pinger.on_ping,
-                control=control,
-                peer_tp={} if peer_tp is None else peer_tp,
-                decliner=decliner,
-                instruments=instruments,
+                control=shared.control,
+                peer_tp=shared.peer_tp,
+                decliner=shared.decliner,
+                instruments=shared.instruments,
             )
             self.role: R = make_role(self.ctx)
             self._wire_telemetry(auth)
