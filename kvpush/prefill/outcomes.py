@@ -28,7 +28,6 @@ from kvpush.prefill.table import (
     Registration,
     Waiting,
     Writing,
-    peer_of,
 )
 from kvpush.ratelog import RateLimitedLog
 from kvpush.runtime.decline import Decliner
@@ -97,7 +96,7 @@ class Outcomes:
         detail: str,
         may_have_written: bool,
     ) -> None:
-        conn = conn or self._ctx.handshakes.get(peer_of(r))
+        conn = conn or self._ctx.handshakes.get(r.peer)
         told = conn is not None and self._notify_failure(
             conn, r, reason, detail[:1000], may_have_written
         )
@@ -130,7 +129,7 @@ class Outcomes:
     def refuse_registration(self, r: Registration, reason: Failure, detail: str) -> None:
         """Tell D (when connected) that a registration that never met its blocks is dropped;
         nothing was written, so D can free its blocks at once."""
-        conn = self._ctx.handshakes.get(peer_of(r))
+        conn = self._ctx.handshakes.get(r.peer)
         told = conn is not None and self._notify_failure(conn, r, reason, detail, False)
         if not told:
             self.decline(r, reason, detail)

@@ -62,6 +62,12 @@ class Registration:
     # _fan_out), so its sender may be the agent of any of them.
     any_rank: bool = False
 
+    @property
+    def peer(self) -> PeerKey:
+        """The D rank that registered: its side-channel address and TP rank."""
+        reg = self.reg
+        return (reg.decode_host, reg.decode_port, reg.decode_tp_rank)
+
 
 @dataclass(frozen=True)
 class Push:
@@ -82,15 +88,10 @@ class Push:
 
     @property
     def peer(self) -> PeerKey:
-        return peer_of(self.registration)
+        return self.registration.peer
 
     def retry(self) -> Push:
         return Push(self.finished, self.registrations, self.attempt + 1)
-
-
-def peer_of(r: Registration) -> PeerKey:
-    reg = r.reg
-    return (reg.decode_host, reg.decode_port, reg.decode_tp_rank)
 
 
 def reg_key(reg: protocol.PushReg) -> str:

@@ -58,7 +58,6 @@ from kvpush.prefill.table import (
     Registration,
     Waiting,
     Writing,
-    peer_of,
 )
 from kvpush.ratelog import RateLimitedLog
 from kvpush.runtime.context import EndpointContext
@@ -371,7 +370,7 @@ class PushWriter:
     ) -> PeerConn | Future[PeerConn] | None:
         """The full connection ``r``'s leg is written on, of the incarnation that registered;
         the handshake's future while it runs; None when the push failed (D told)."""
-        key = peer_of(r)
+        key = r.peer
         conn = self._ctx.handshakes.get(key)
         if again and (conn is None or conn.remote_dlist is None):
             # The handshake said connected, yet there is no full connection.
