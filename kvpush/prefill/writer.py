@@ -14,8 +14,9 @@ for comparison only. A transfer's whole state is one typed entry of the ``PushTa
 module decides *what* to write and when (matching, TP ranks, handshakes and the one
 incarnation check, declines, evictions, which WRITEs to poll when, shutdown); posting the
 WRITEs, polling one and ending each exactly once is ``kvpush.prefill.legs``; which D ranks a
-PUSH_REG stands for is ``kvpush.prefill.ranks``. The collaborators (``Outcomes``, ``Fences``,
-``Legs``) share one ``WriterContext`` (``kvpush.prefill.context``) and never call back up: what
+PUSH_REG stands for is ``kvpush.prefill.ranks``. The writer is handed its rank's
+``EndpointContext``; it and its collaborators (``Outcomes``, ``Fences``, ``Legs``) share one
+``WriterContext`` built from it (``kvpush.prefill.context``), and they never call back up: what
 the writer must act on (a peer to evict, blocks to wait again) comes back as an event
 (``kvpush.prefill.events``) that ``_dispatch`` acts on.
 
