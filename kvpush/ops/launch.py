@@ -1,14 +1,18 @@
-"""The one way kvpush's own tools start and stop child processes (the demo's endpoints, the
-bench's workers; tests may use it too).
+"""The one way kvpush starts and stops child processes: the demo's endpoints, the bench's
+workers and every process the test suites launch (``tests/support/procs.py`` adds only the
+tests' commands and conveniences on top).
 
 ``spawn`` starts a command with its output in a log file (stderr only when the caller reads the
 child's stdout as a protocol), optionally in a session of its own (a terminal's Ctrl-C then
 reaches the parent only, and ``kill`` takes the child's whole process group). ``child_env``
 is the environment children get: the caller's, with or without the operator's ``KVPUSH_*``
-settings, and this checkout first on ``PYTHONPATH`` when asked. ``stop_all`` asks every child
-to stop, waits for all of them against one deadline and kills those still running: nothing is
-left behind, however the caller ends. ``wait_ready_file`` polls for the JSON ready file a
-child writes once it serves.
+settings, this checkout first on ``PYTHONPATH`` when asked, and ``PLAIN_OUTPUT`` (no colour, a
+fixed wide terminal, unbuffered) when the output is for a log or a program to read.
+``stop_all`` asks every child to stop, waits for all of them against one deadline and kills
+those still running (``before_kill`` sees each first: the tests dump its stacks there);
+nothing is left behind, however the caller ends, and the exit statuses come back. ``stop`` is
+the same for one child; ``terminate`` and ``sender(sig)`` are the usual asks.
+``wait_ready_file`` polls for the JSON ready file a child writes once it serves.
 
 Runs on the caller's thread; owns no thread.
 """
@@ -21,11 +25,9 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-from kvpush.errors import KvpushError
 
 ROOT = Path(__file__).resolve().parents[2]
 """The checkout (or installation) this kvpush runs from."""
@@ -33,11 +35,26 @@ ROOT = Path(__file__).resolve().parents[2]
 Popen = subprocess.Popen[bytes]
 
 
-def child_env(*, keep_kvpush: bool, on_path: bool = False, **extra: str) -> dict[str, str]:
+PLAIN_OUTPUT: Mapping[str, str] = {
+    "NO_COLOR": "1",
+    "COLUMNS": "200",
+    "TERM": "dumb",
+    "PYTHONUNBUFFERED": "1",
+}
+"""A child's output for a log or a program, not a person: no colour, one wide fixed width, no
+terminal tricks, each line written as it comes."""
+
+
+def child_env(
+    *, keep_kvpush: bool, on_path: bool = False, plain: bool = False, **extra: str
+) -> dict[str, str]:
     """The caller's environment for a child: without ``KVPUSH_*`` unless ``keep_kvpush`` (an
-    operator's own settings are for their endpoints, not a tool's children), this kvpush first
-    on ``PYTHONPATH`` when ``on_path``, then ``extra``."""
+    operator's own settings are for their endpoints, not a tool's children), with
+    ``PLAIN_OUTPUT`` when ``plain``, this kvpush first on ``PYTHONPATH`` when ``on_path``, then
+    ``extra``."""
     env = {k: v for k, v in os.environ.items() if keep_kvpush or not k.startswith("KVPUSH_")}
+    if plain:
+        env.update(PLAIN_OUTPUT)
     if on_path:
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
@@ -87,9 +104,12 @@ def stop_all(
     ask: Callable[[Popen], object],
     timeout_s: float,
     group: bool = False,
+    before_kill: Callable[[Popen], object] | None = None,
 ) -> list[int | None]:
     """``ask`` every running child to stop, wait for them all until one deadline, then ``kill``
-    the rest. Returns the exit statuses, in order."""
+    the rest, each after ``before_kill`` (while it still runs: a stack dump, a note in its log).
+    Returns the exit statuses, in order (a negative signal number for a killed child; None only
+    for one that not even SIGKILL ended in time)."""
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -100,8 +120,22 @@ def stop_all(
         try:
             codes.append(p.wait(max(0.1, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
+            if before_kill is not None:
+                before_kill(p)
             codes.append(kill(p, group))
     return codes
+
+
+def stop(
+    proc: Popen,
+    timeout_s: float,
+    ask: Callable[[Popen], object] | None = None,
+    *,
+    group: bool = False,
+    before_kill: Callable[[Popen], object] | None = None,
+) -> int | None:
+    """``stop_all`` for one child (``ask`` defaults to ``terminate``): its exit status."""
+    return stop_all([proc], ask or terminate, timeout_s, group, before_kill)[0]
 
 
 def terminate(proc: Popen) -> None:
@@ -109,16 +143,26 @@ def terminate(proc: Popen) -> None:
     proc.send_signal(signal.SIGTERM)
 
 
+def sender(sig: int) -> Callable[[Popen], None]:
+    """The ``ask`` that sends ``sig`` (``terminate`` is ``sender(SIGTERM)``)."""
+
+    def ask(proc: Popen) -> None:
+        proc.send_signal(sig)
+
+    return ask
+
+
 def wait_ready_file(
     proc: Popen,
     ready_path: Path,
     timeout_s: float,
-    failed: Callable[[str], KvpushError],
+    failed: Callable[[str], Exception],
     cancelled: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Poll until ``proc`` has written its JSON ready file and return it. Raises
-    ``failed(why)`` if the child exits first or ``timeout_s`` passes; ``cancelled`` is called on
-    each turn and may raise to give up early."""
+    ``failed(why)`` if the child exits first or ``timeout_s`` passes (a ``KvpushError`` for the
+    operator's tools, an ``AssertionError`` with the log for the tests); ``cancelled`` is called
+    on each turn and may raise to give up early."""
     deadline = time.monotonic() + timeout_s
     while True:
         if ready_path.exists():

@@ -5,7 +5,8 @@ and endpoints and request drivers run inside them.
 namespaces, each with one TUN device whose fd stays here for a ``tests.support.relay.Relay`` to
 carry packets between them (this kernel has no ``tc netem``; DESIGN.md section 3).
 ``start_in_netns`` starts an endpoint (``-m kvpush.ops.node``) inside a namespace, optionally under
-``unshare --pid --ipc`` (no shared memory or CMA: UCX takes the network), and returns an ``NsProc``;
+``unshare --pid --ipc`` (no shared memory or CMA: UCX takes the network), and returns an ``NsProc``
+(started, waited for and stopped by ``tests.support.procs`` over ``kvpush.ops.launch``);
 ``run_in_netns`` runs ``python -m tests.support.fault_legs`` there and returns its JSON output.
 """
 
@@ -20,12 +21,13 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.support.procs import ROOT, dump_stacks
+from kvpush.ops import launch
+from tests.support.procs import ROOT, dump_stacks_to_log, node_cmd, read_log
+from tests.support.procs import launch as launch_proc
 
 _TUNSETIFF = 0x400454CA
 _IFF_TUN = 0x0001
@@ -139,31 +141,26 @@ class NsProc:
     log: Path
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        with contextlib.suppress(ProcessLookupError):
+        """SIGTERM the endpoint, wait; after ``timeout``, its stacks into the log and SIGKILL
+        (``kvpush.ops.launch.stop``). Returns the exit status."""
+
+        def ask(_: object) -> None:
             os.kill(self.pid, signal.SIGTERM)
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(OSError), self.log.open("a") as f:
-                f.write(
-                    f"\n--- test harness: no exit within {timeout:g}s of SIGTERM; py-spy dump "
-                    f"before SIGKILL ---\n{dump_stacks(self.pid)}\n"
-                )
-            self.kill()
-            return None
+
+        def before_kill(_: object) -> None:
+            dump_stacks_to_log(self.pid, self.log, f"no exit within {timeout:g}s of SIGTERM")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)  # the endpoint: SIGKILL on unshare spares it
+
+        return launch.stop(self.popen, timeout, ask, before_kill=before_kill)
 
     def kill(self) -> None:
-        for pid in (self.pid, self.popen.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(5)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        launch.kill(self.popen)
 
     def log_text(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")
-        except OSError:
-            return ""
+        return read_log(self.log)
 
 
 def start_in_netns(
@@ -176,39 +173,26 @@ def start_in_netns(
     env: dict[str, str] | None = None,
     timeout: float = 30.0,
 ) -> NsProc:
-    ready = tmp / f"{name}.ready"
-    log = tmp / f"{name}.log"
-    ready.unlink(missing_ok=True)
-    full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
-    full_env.update(env or {})
+    """``-m kvpush.ops.node`` inside ``netns`` (``tests.support.procs.launch``), ready."""
     cmd = ["ip", "netns", "exec", netns]
     if unshare:
         cmd += ["unshare", "--pid", "--ipc", "--mount", "--fork", "--mount-proc"]
-    cmd += [sys.executable, "-m", "kvpush.ops.node", json.dumps(cfg), str(ready)]
-    with open(log, "ab") as lf:
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=lf, stderr=subprocess.STDOUT, env=full_env)
-    deadline = time.monotonic() + timeout
-    while not ready.exists():
-        if p.poll() is not None:
-            raise RuntimeError(f"{name} exited with {p.returncode}:\n{log.read_text()}")
-        if time.monotonic() > deadline:
-            p.kill()
-            raise RuntimeError(f"{name} did not start in {timeout}s:\n{log.read_text()}")
-        time.sleep(0.02)
-    info = json.loads(ready.read_text())
-    pid = p.pid
-    for cand in [p.pid, *_descendants(p.pid)]:
+    ready = tmp / f"{name}.ready"
+    cmd += node_cmd(cfg, ready)
+    full_env = launch.child_env(keep_kvpush=True, on_path=True)
+    full_env.update(env or {})
+    p = launch_proc(cmd, ready, tmp / f"{name}.log", env=full_env, timeout=timeout)
+    pid = p.popen.pid
+    for cand in [p.popen.pid, *_descendants(p.popen.pid)]:
         with contextlib.suppress(OSError), open(f"/proc/{cand}/cmdline", "rb") as f:
             if b"kvpush.ops.node" in f.read():
                 pid = cand
-    return NsProc(p, pid, info["address"], log)
+    return NsProc(p.popen, pid, p.address, p.log)
 
 
 def run_in_netns(netns: str, *args: str, timeout: float = 120.0) -> Any:
     """Run ``python -m tests.support.fault_legs ARGS`` inside ``netns``; return its JSON output."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env = launch.child_env(keep_kvpush=True, on_path=True)
     r = subprocess.run(
         ["ip", "netns", "exec", netns, sys.executable, "-m", "tests.support.fault_legs", *args],
         cwd=ROOT,

@@ -1,33 +1,35 @@
-"""The one launcher of endpoint processes for tests: real processes, a ready file, a log.
+"""The tests' commands and conveniences over ``kvpush.ops.launch``, the one launcher of child
+processes (the demo's and the bench's too): real processes, a ready file, a log.
 
-Every test process goes through ``launch``: it starts a command with its output in a log file,
-waits until the command has written its ready file (JSON with at least ``address``), and hands
-back a ``Proc`` that can be stopped (SIGTERM, then SIGKILL), killed, or read. Two commands are
-launched: ``serve_cmd`` -- the operator's ``python -m kvpush serve-prefill|serve-decode``
-(CLI suites) -- and ``node_cmd`` -- ``python -m kvpush.ops.node CONFIG_JSON READY`` with knobs
-the CLI does not expose (integration and fault suites). ``Launcher`` keeps the processes of one
-test or module and stops the live ones at the end.
-
-``start_endpoint(cfg, tmp, name)`` is the node form that ``tests/support/cluster.py`` uses: to
-move the fault suites onto ``Launcher`` later is to call ``launch(node_cmd(cfg, ready), ...)``.
+Every test process goes through ``launch``: it starts a command with its output in a log file
+(``launch.spawn``), waits until the command has written its ready file (JSON with at least
+``address``; ``launch.wait_ready_file``), and hands back a ``Proc`` that can be stopped (a
+signal, then SIGKILL: ``launch.stop_all``, with the child's stacks dumped into its log before
+the SIGKILL), killed, or read. A start that fails is an ``AssertionError`` carrying the log.
+Two commands are launched: ``serve_cmd`` -- the operator's ``python -m kvpush
+serve-prefill|serve-decode`` (CLI suites) -- and ``node_cmd`` -- ``python -m kvpush.ops.node
+CONFIG_JSON READY`` with knobs the CLI does not expose (integration and fault suites).
+``Launcher`` keeps the processes of one test or module and stops the live ones at the end;
+``start_endpoint(cfg, tmp, name)`` is the node form that ``tests/support/cluster.py`` uses.
 Children get ``clean_env``: the caller's environment without ``KVPUSH_*`` (a developer's own
-settings must not leak into a test), with ``NO_COLOR`` and a wide ``COLUMNS`` so that output is
-stable.
+settings must not leak into a test), with ``launch.PLAIN_OUTPUT`` (``NO_COLOR``, a wide
+``COLUMNS``) so that output is stable.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from kvpush.ops import launch as _launch
+
+ROOT = _launch.ROOT
 KVPUSH = [sys.executable, "-m", "kvpush"]
 
 
@@ -43,12 +45,27 @@ def dump_stacks(pid: int) -> str:
     return (r.stdout + r.stderr).strip()
 
 
+def dump_stacks_to_log(pid: int, log: Path, why: str) -> None:
+    """Append ``pid``'s stacks to ``log`` before a SIGKILL: a process that froze says where
+    (the log tail is what a failing test prints)."""
+    out = dump_stacks(pid)
+    try:
+        with log.open("a") as f:
+            f.write(f"\n--- test harness: {why}; py-spy dump before SIGKILL ---\n{out}\n")
+    except OSError:
+        pass
+
+
+def read_log(log: Path) -> str:
+    """The text of a child's log ("" when there is none)."""
+    try:
+        return log.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPUSH_")}
-    env.update({"NO_COLOR": "1", "COLUMNS": "200", "TERM": "dumb", "PYTHONUNBUFFERED": "1"})
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
+    return _launch.child_env(keep_kvpush=False, on_path=True, plain=True, **extra)
 
 
 @dataclass
@@ -79,39 +96,38 @@ class Proc:
         return int(self.address.rsplit(":", 1)[1])
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
-        """Signal, wait; SIGKILL after ``timeout``. Returns the exit status."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(sig)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self._dump_stacks(f"did not exit within {timeout:g}s of {signal.Signals(sig).name}")
-                self.popen.kill()
-                self.popen.wait(10)
-        self.returncode = self.popen.returncode
-        return self.returncode
-
-    def _dump_stacks(self, why: str) -> None:
-        """Append every thread's stack (``py-spy dump --native``) to the log before a SIGKILL:
-        a process that froze says where (the log tail is what a failing test prints)."""
-        out = dump_stacks(self.popen.pid)
-        try:
-            with self.log.open("a") as f:
-                f.write(f"\n--- test harness: {why}; py-spy dump before SIGKILL ---\n{out}\n")
-        except OSError:
-            pass
+        """Signal, wait; after ``timeout``, the stacks into the log and SIGKILL. Returns the
+        exit status."""
+        return stop_procs([self], sig, timeout)[0]
 
     def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait(10)
+        _launch.kill(self.popen, wait_s=10)
         self.returncode = self.popen.returncode
 
     def log_text(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")
-        except OSError:
-            return ""
+        return read_log(self.log)
+
+
+def stop_procs(
+    procs: Sequence[Proc], sig: int = signal.SIGTERM, timeout: float = 20.0
+) -> list[int]:
+    """Send ``sig`` to each running process, wait for all until one deadline; one still running
+    then gets its stacks dumped into its log and a SIGKILL. Returns (and records) the exit
+    statuses."""
+    by_popen = {p.popen: p for p in procs}
+    why = f"did not exit within {timeout:g}s of {signal.Signals(sig).name}"
+    codes = _launch.stop_all(
+        [p.popen for p in procs],
+        _launch.sender(sig),
+        timeout,
+        before_kill=lambda popen: dump_stacks_to_log(popen.pid, by_popen[popen].log, why),
+    )
+    out: list[int] = []
+    for p, rc in zip(procs, codes, strict=True):
+        status = rc if rc is not None else p.popen.wait(10)
+        p.returncode = status
+        out.append(status)
+    return out
 
 
 def serve_cmd(role: str, ready: Path, *args: str, output: str | None = "json") -> list[str]:
@@ -140,17 +156,8 @@ def launch(
     timeout: float = 60.0,
 ) -> Proc:
     """Start ``cmd`` (output appended to ``log``); with ``wait``, return once it is ready."""
-    if ready.exists():
-        ready.unlink()
-    with open(log, "ab") as f:
-        popen = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env or clean_env(),
-        )
+    ready.unlink(missing_ok=True)
+    popen = _launch.spawn(cmd, log, env or clean_env(), cwd=ROOT)
     p = Proc(popen, "", "", "", log, role=role, ready_file=ready)
     if wait:
         wait_ready(p, timeout)
@@ -158,39 +165,31 @@ def launch(
 
 
 def wait_ready(p: Proc, timeout: float = 60.0) -> None:
-    """Wait for ``p``'s ready file; fail with its log if it exits or takes too long."""
+    """Wait for ``p``'s ready file; fail with its log if it exits or takes too long (and then
+    kill it)."""
     assert p.ready_file is not None
     what = f"serve-{p.role}" if p.role else p.log.stem
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if p.ready_file.exists():
-            try:
-                p.info = json.loads(p.ready_file.read_text())
-            except ValueError:  # written atomically by both commands; be lenient anyway
-                time.sleep(0.02)
-                continue
-            p.address = str(p.info["address"])
-            p.engine_id = str(p.info.get("engine_id", ""))
-            p.incarnation = str(p.info.get("incarnation", ""))
-            return
-        if p.popen.poll() is not None:
-            raise AssertionError(
-                f"{what} exited with {p.popen.returncode} before it was ready:\n" + p.log_text()
-            )
-        time.sleep(0.02)
-    p.kill()
-    raise AssertionError(f"{what} not ready within {timeout}s:\n" + p.log_text())
+
+    def failed(why: str) -> AssertionError:
+        p.kill()  # not ready in time: leave nothing running (a no-op once it has exited)
+        return AssertionError(f"{what} {why}:\n" + p.log_text())
+
+    p.info = _launch.wait_ready_file(p.popen, p.ready_file, timeout, failed)
+    p.address = str(p.info["address"])
+    p.engine_id = str(p.info.get("engine_id", ""))
+    p.incarnation = str(p.info.get("incarnation", ""))
 
 
 def start_endpoint(cfg: dict[str, object], tmp: Path, name: str, timeout: float = 60.0) -> Proc:
-    """A node endpoint named ``name`` in ``tmp``, ready (the fault suites' entry point)."""
+    """A node endpoint named ``name`` in ``tmp``, ready (the fault suites' entry point). It keeps
+    the caller's ``KVPUSH_*`` settings and output (unlike ``clean_env``)."""
     ready = tmp / f"{name}.ready"
     return launch(
         node_cmd(cfg, ready),
         ready,
         tmp / f"{name}.log",
         role=str(cfg.get("role", "")),
-        env=dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")),
+        env=_launch.child_env(keep_kvpush=True, on_path=True),
         timeout=timeout,
     )
 
@@ -234,8 +233,5 @@ class Launcher:
         return p
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.popen.poll() is None:
-                p.popen.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            p.stop()
+        """SIGTERM every live process, wait for all of them (20 s), SIGKILL the rest."""
+        stop_procs(self.procs)
