@@ -11,12 +11,25 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal
 
 from kvpush.address import binds_all_interfaces
 from kvpush.errors import ConfigError
 
-Role = Literal["prefill", "decode"]
+
+class Role(str, Enum):
+    """Which side of the push an endpoint is: P (prefill, pushes) or D (decode, receives).
+
+    A ``str`` whose ``str()`` and format are its value, so logs, JSON, etcd records and the CLI
+    read ``prefill`` / ``decode`` as before. A string from outside becomes one with ``Role(s)``
+    (``ValueError`` for any other value); ``EndpointConfig`` turns that into a ``ConfigError``.
+    """
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
 
 DTYPE_SIZES: dict[str, int] = {
     "uint8": 1,
@@ -399,8 +412,10 @@ class EndpointConfig:
     evict_after_errors: int = 3
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ConfigError(f"unknown role {self.role!r}", "use prefill or decode")
+        try:
+            object.__setattr__(self, "role", Role(self.role))
+        except ValueError:
+            raise ConfigError(f"unknown role {self.role!r}", "use prefill or decode") from None
         if not (0 <= self.port <= 65535):
             raise ConfigError(f"invalid port {self.port}", "use 1-65535, or 0 to pick a free port")
         if not self.engine_id:

@@ -32,6 +32,7 @@ from kvpush.bench.common import Progress, endpoint_cfg, logs_dir
 from kvpush.bench.passes import ClosedLoop, raw_pair
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report
+from kvpush.config import Role
 
 BLOCKS = 4
 INFLIGHT = 8
@@ -175,11 +176,13 @@ def _endpoints(
     second pair whose D does not keep polling after activity (busy_spin_us=0)."""
     extra: dict[str, dict[str, Any]] = {}
     if nospin:
-        dcfg = endpoint_cfg("decode", layers=1, block_bytes=bs, num_blocks=d_blocks, verify=False)
+        dcfg = endpoint_cfg(
+            Role.DECODE, layers=1, block_bytes=bs, num_blocks=d_blocks, verify=False
+        )
         dcfg["agent"]["busy_spin_us"] = 0
         extra = {
             f"p-{tag}-nospin": endpoint_cfg(
-                "prefill", layers=1, block_bytes=bs, num_blocks=p_blocks
+                Role.PREFILL, layers=1, block_bytes=bs, num_blocks=p_blocks
             ),
             f"d-{tag}-nospin": dcfg,
         }
@@ -187,14 +190,14 @@ def _endpoints(
         {
             **extra,
             f"p-{tag}": endpoint_cfg(
-                "prefill",
+                Role.PREFILL,
                 layers=1,
                 block_bytes=bs,
                 num_blocks=p_blocks,
                 progress_thread=progress_thread,
             ),
             f"d-{tag}": endpoint_cfg(
-                "decode",
+                Role.DECODE,
                 layers=1,
                 block_bytes=bs,
                 num_blocks=d_blocks,

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvpush.config import Role
+
 Progress = Callable[[str], None]
 
 #: Lead time between scheduling an open-loop window and its start, so that every worker has
@@ -28,7 +30,7 @@ def warmup_s(before_s: float) -> float:
 
 
 def endpoint_cfg(
-    role: str,
+    role: Role,
     *,
     layers: int,
     block_bytes: int,

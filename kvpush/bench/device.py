@@ -29,6 +29,7 @@ from kvpush.bench.model import _endpoint, _kvpush, _verified_pass, inflight_for
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report, fmt_num, fmt_x
 from kvpush.bench.stats import median
+from kvpush.config import Role
 from kvpush.memory.pool import check_device
 from kvpush.memory.shapes import SHAPES, Shape
 
@@ -45,7 +46,7 @@ FULL_ROUNDS = 3
 
 def _specs(shape: Shape, nb: int, device: str) -> dict[str, dict[str, Any]]:
     out = {}
-    for role in ("prefill", "decode"):
+    for role in (Role.PREFILL, Role.DECODE):
         cfg = _endpoint(role, shape, nb)
         cfg["pool"]["device"] = device
         out[f"{role[0]}-{shape.name.replace('/', '-')}"] = cfg

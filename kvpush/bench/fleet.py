@@ -41,6 +41,7 @@ from kvpush.bench.common import Progress, logs_dir
 from kvpush.bench.procs import BenchError
 from kvpush.bench.report import Report, fmt_ms, fmt_num, fmt_x
 from kvpush.bench.stats import median, ratio
+from kvpush.config import Role
 
 CLUSTER = "bench"
 KVPUSH = [sys.executable, "-m", "kvpush"]
@@ -160,7 +161,7 @@ class Fleet:
             time.sleep(0.2)
         raise BenchError(f"etcd did not come up within {timeout_s:g}s (see etcd.log)")
 
-    def serve(self, role: str, name: str, p: FleetParams, registered: bool) -> Path:
+    def serve(self, role: Role, name: str, p: FleetParams, registered: bool) -> Path:
         ready = self.run_dir / f"{name}.ready.json"
         cmd = [
             *KVPUSH, f"serve-{role}", "--port", "0", "--ready-file", str(ready),
@@ -285,10 +286,16 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         url = fl.start_etcd()
         n = p.prefills + p.decodes
         progress(f"fleet: starting {n} registered endpoints and two unregistered pairs")
-        readies = [fl.serve("prefill", f"p{i}", p, True) for i in range(p.prefills)]
-        readies += [fl.serve("decode", f"d{i}", p, True) for i in range(p.decodes)]
-        readies += [fl.serve("prefill", "p-off", p, False), fl.serve("decode", "d-off", p, False)]
-        readies += [fl.serve("prefill", "p-off2", p, False), fl.serve("decode", "d-off2", p, False)]
+        readies = [fl.serve(Role.PREFILL, f"p{i}", p, True) for i in range(p.prefills)]
+        readies += [fl.serve(Role.DECODE, f"d{i}", p, True) for i in range(p.decodes)]
+        readies += [
+            fl.serve(Role.PREFILL, "p-off", p, False),
+            fl.serve(Role.DECODE, "d-off", p, False),
+        ]
+        readies += [
+            fl.serve(Role.PREFILL, "p-off2", p, False),
+            fl.serve(Role.DECODE, "d-off2", p, False),
+        ]
         infos = _wait_ready(readies, timeout_s=120 + 10 * n)
         off_p, off_d = infos[-4]["address"], infos[-3]["address"]
         off2_p, off2_d = infos[-2]["address"], infos[-1]["address"]
@@ -313,8 +320,8 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         time.sleep(p.idle_s)
         idle = _rate(before, etcd_requests(url), p.idle_s)
 
-        ps = sorted((r for r in records if r.role == "prefill"), key=lambda r: r.address)
-        ds = sorted((r for r in records if r.role == "decode"), key=lambda r: r.address)
+        ps = sorted((r for r in records if r.role == Role.PREFILL), key=lambda r: r.address)
+        ds = sorted((r for r in records if r.role == Role.DECODE), key=lambda r: r.address)
         checks = _checks(url, ps, ds, p, progress)
 
         progress("fleet: push p99, registration on vs off")

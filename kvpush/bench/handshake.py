@@ -28,6 +28,7 @@ from kvpush.bench.handshake_etcd import PHASE_COLUMNS, PHASES, phase_cells
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report, fmt_ms, fmt_x
 from kvpush.bench.stats import median, percentile, ratio
+from kvpush.config import Role
 
 BLOCK_BYTES = 128  # small blocks: many descriptors without gigabytes of pool
 MODES = ("notif", "full")
@@ -72,10 +73,10 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         for layers, blocks in sizes:
             descs = 2 * layers * blocks
             specs[f"p-{descs}"] = endpoint_cfg(
-                "prefill", layers=layers, block_bytes=BLOCK_BYTES, num_blocks=blocks
+                Role.PREFILL, layers=layers, block_bytes=BLOCK_BYTES, num_blocks=blocks
             )
             specs[f"d-{descs}"] = endpoint_cfg(
-                "decode", layers=layers, block_bytes=BLOCK_BYTES, num_blocks=4
+                Role.DECODE, layers=layers, block_bytes=BLOCK_BYTES, num_blocks=4
             )
         specs.update(handshake_etcd.specs(etcd_url))
         ws = cl.endpoints(specs, timeout_s=180)

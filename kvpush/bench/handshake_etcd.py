@@ -23,6 +23,7 @@ from kvpush.bench.common import Progress, endpoint_cfg
 from kvpush.bench.procs import BenchError, Worker
 from kvpush.bench.report import Report, fmt_ms, fmt_x
 from kvpush.bench.stats import median, percentile, ratio
+from kvpush.config import Role
 
 LAYERS = 4  # 8 regions x 128 blocks = 1,024 descriptors on either side
 BLOCKS = 128
@@ -64,7 +65,7 @@ def specs(etcd_url: str) -> dict[str, dict[str, Any]]:
     for t in TRANSPORTS:
         if t == "etcd" and not etcd_url:
             continue
-        for role, short in (("prefill", "p"), ("decode", "d")):
+        for role, short in ((Role.PREFILL, "p"), (Role.DECODE, "d")):
             cfg = endpoint_cfg(role, layers=LAYERS, block_bytes=BLOCK_BYTES, num_blocks=BLOCKS)
             if t == "etcd":
                 cfg["agent"] = {

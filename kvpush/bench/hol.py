@@ -33,6 +33,7 @@ from kvpush.bench.hol_report import MODES, report
 from kvpush.bench.passes import SteadyLoad, join_request, steady_load, steady_phases
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report
+from kvpush.config import Role
 
 NEVER_S = 3600.0  # "never": the joining D answers handshakes after an hour
 
@@ -101,7 +102,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         # --quick starts every process at once to save start-up time.
         joiner_specs = {
             c.key: {
-                name: endpoint_cfg("decode", **geo, num_blocks=64, reply_delay_s=delay)
+                name: endpoint_cfg(Role.DECODE, **geo, num_blocks=64, reply_delay_s=delay)
                 for name, delay, _ in c.joiners
             }
             for c in cases
@@ -111,12 +112,20 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
             {
                 **early,
                 "p-deferred": endpoint_cfg(
-                    "prefill", **geo, num_blocks=p.num_blocks, writer="deferred", timeouts=timeouts
+                    Role.PREFILL,
+                    **geo,
+                    num_blocks=p.num_blocks,
+                    writer="deferred",
+                    timeouts=timeouts,
                 ),
                 "p-blocking": endpoint_cfg(
-                    "prefill", **geo, num_blocks=p.num_blocks, writer="blocking", timeouts=timeouts
+                    Role.PREFILL,
+                    **geo,
+                    num_blocks=p.num_blocks,
+                    writer="blocking",
+                    timeouts=timeouts,
                 ),
-                "d1": endpoint_cfg("decode", **geo, num_blocks=p.num_blocks),
+                "d1": endpoint_cfg(Role.DECODE, **geo, num_blocks=p.num_blocks),
             }
         )
         ps = {m: ws[f"p-{m}"] for m in MODES}

@@ -37,7 +37,7 @@ from kvpush.bench.passes import ClosedLoop
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report
 from kvpush.bench.stats import median
-from kvpush.config import KvRegions
+from kvpush.config import KvRegions, Role
 from kvpush.memory.allocator import BlockAllocator, FreeListAllocator
 from kvpush.memory.descriptors import merged_descriptors
 from kvpush.memory.shapes import SHAPES, Shape
@@ -171,7 +171,7 @@ def _alloc_costs(quick: bool) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- one shape
 
 
-def _endpoint(role: str, shape: Shape, num_blocks: int) -> dict[str, Any]:
+def _endpoint(role: Role, shape: Shape, num_blocks: int) -> dict[str, Any]:
     cfg = endpoint_cfg(
         role,
         layers=shape.layers,
@@ -188,7 +188,10 @@ def _endpoint(role: str, shape: Shape, num_blocks: int) -> dict[str, Any]:
 def _specs(shape: Shape, plan: Plan) -> dict[str, dict[str, Any]]:
     nb = plan.pool_blocks[shape.name]
     tag = shape.name.replace("/", "-")
-    return {f"p-{tag}": _endpoint("prefill", shape, nb), f"d-{tag}": _endpoint("decode", shape, nb)}
+    return {
+        f"p-{tag}": _endpoint(Role.PREFILL, shape, nb),
+        f"d-{tag}": _endpoint(Role.DECODE, shape, nb),
+    }
 
 
 def _shape(

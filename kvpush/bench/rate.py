@@ -24,6 +24,7 @@ from kvpush.bench.passes import ClosedLoop, raw_pair
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report, fmt_ms, fmt_num
 from kvpush.bench.stats import median, ratio, summary
+from kvpush.config import Role
 
 BLOCK_BYTES = 16 << 10
 REGIONS = 2
@@ -88,21 +89,21 @@ def _endpoints(cl: Cluster, quick: bool) -> dict[str, Worker]:
     nospin: dict[str, dict[str, Any]] = {}
     if not quick:
         dcfg = endpoint_cfg(
-            "decode", layers=1, block_bytes=BLOCK_BYTES, num_blocks=D_BLOCKS, verify=False
+            Role.DECODE, layers=1, block_bytes=BLOCK_BYTES, num_blocks=D_BLOCKS, verify=False
         )
         dcfg["agent"]["busy_spin_us"] = 0
         nospin = {
             "p-nospin": endpoint_cfg(
-                "prefill", layers=1, block_bytes=BLOCK_BYTES, num_blocks=P_BLOCKS
+                Role.PREFILL, layers=1, block_bytes=BLOCK_BYTES, num_blocks=P_BLOCKS
             ),
             "d-nospin": dcfg,
         }
     return cl.endpoints(
         {
             **nospin,
-            "p": endpoint_cfg("prefill", layers=1, block_bytes=BLOCK_BYTES, num_blocks=P_BLOCKS),
+            "p": endpoint_cfg(Role.PREFILL, layers=1, block_bytes=BLOCK_BYTES, num_blocks=P_BLOCKS),
             "d": endpoint_cfg(
-                "decode", layers=1, block_bytes=BLOCK_BYTES, num_blocks=D_BLOCKS, verify=False
+                Role.DECODE, layers=1, block_bytes=BLOCK_BYTES, num_blocks=D_BLOCKS, verify=False
             ),
         }
     )

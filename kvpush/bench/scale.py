@@ -22,6 +22,7 @@ from kvpush.bench.passes import SteadyLoad, join_request, steady_load, steady_ph
 from kvpush.bench.procs import Cluster
 from kvpush.bench.report import Report, fmt_ms, fmt_x
 from kvpush.bench.stats import median, ratio
+from kvpush.config import Role
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,10 +77,10 @@ def _measure(p: ScaleParams, out_dir: Path, progress: Progress) -> _Storm:
     with Cluster(logs_dir(out_dir, "scale")) as cl:
         progress(f"scale: starting P, D1 and {p.new_peers} new D endpoints")
         specs = {
-            "p": endpoint_cfg("prefill", **geo, num_blocks=p.num_blocks),
-            "d1": endpoint_cfg("decode", **geo, num_blocks=p.num_blocks),
+            "p": endpoint_cfg(Role.PREFILL, **geo, num_blocks=p.num_blocks),
+            "d1": endpoint_cfg(Role.DECODE, **geo, num_blocks=p.num_blocks),
         }
-        specs.update({n: endpoint_cfg("decode", **geo, num_blocks=16) for n in names})
+        specs.update({n: endpoint_cfg(Role.DECODE, **geo, num_blocks=16) for n in names})
         ws = cl.endpoints(specs, timeout_s=180)
         pw, d1 = ws["p"], ws["d1"]
         # D1 joins in quiet time (the reference join), then warms up.

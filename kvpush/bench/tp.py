@@ -30,14 +30,17 @@ from kvpush.bench.passes import ClosedLoop
 from kvpush.bench.procs import Cluster, Worker
 from kvpush.bench.report import Report, fmt_num
 from kvpush.bench.stats import median, ratio
+from kvpush.config import Role
 
 PAGE = 256 << 10
 FULL_TPS = (1, 2, 4)
 QUICK_TPS = (1, 2)
 
 
-def _cfg(role: str, tp: int, blocks: int) -> dict[str, Any]:
-    cfg = endpoint_cfg(role, layers=1, block_bytes=PAGE, num_blocks=blocks, verify=role != "decode")
+def _cfg(role: Role, tp: int, blocks: int) -> dict[str, Any]:
+    cfg = endpoint_cfg(
+        role, layers=1, block_bytes=PAGE, num_blocks=blocks, verify=role != Role.DECODE
+    )
     cfg["tp_size"] = tp
     cfg["pool"]["kv_heads"] = tp  # one head per rank: every rank's page is PAGE bytes
     return cfg
@@ -67,13 +70,13 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         for tp in tps:
             progress(f"tp: {tp} rank(s)")
             cfgs = {
-                f"p-tp{tp}": _cfg("prefill", tp, p_blocks),
-                f"d-tp{tp}": _cfg("decode", tp, d_blocks),
+                f"p-tp{tp}": _cfg(Role.PREFILL, tp, p_blocks),
+                f"d-tp{tp}": _cfg(Role.DECODE, tp, d_blocks),
             }
             if tp > 1:
                 for i in range(tp):
-                    cfgs[f"p-proc{tp}-{i}"] = _cfg("prefill", 1, p_blocks)
-                    cfgs[f"d-proc{tp}-{i}"] = _cfg("decode", 1, d_blocks)
+                    cfgs[f"p-proc{tp}-{i}"] = _cfg(Role.PREFILL, 1, p_blocks)
+                    cfgs[f"d-proc{tp}-{i}"] = _cfg(Role.DECODE, 1, d_blocks)
             ws = cl.endpoints(cfgs)
             pairs = [(ws[f"p-tp{tp}"], ws[f"d-tp{tp}"])]
             procs = (

@@ -21,6 +21,7 @@ from typing import Any
 
 import typer
 
+from kvpush.config import Role
 from kvpush.errors import ConfigError
 
 #: ``ctx.meta`` key of the loaded file's path (for messages about values it set).
@@ -29,8 +30,8 @@ CONFIG_PATH = "kvpush.config_path"
 #: Keys naming files that do not end in ``_file``: relative to the config file like those.
 PATH_KEYS = frozenset({"registry_ca", "registry_cert", "registry_key"})
 
-#: Tables and the command each applies to.
-SECTIONS = {"prefill": "serve-prefill", "decode": "serve-decode"}
+#: Tables (named by role) and the command each applies to.
+SECTIONS: dict[str, str] = {Role.PREFILL: "serve-prefill", Role.DECODE: "serve-decode"}
 
 
 def toml_load(path: str) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from kvpush.config import (
     HandshakeMode,
     KvRegions,
     PoolConfig,
+    Role,
     Timeouts,
     Wire,
 )
@@ -248,18 +249,18 @@ _SERVE_ORDER = (
     "registry_cert", "registry_key", "evict_after_errors", "watchdog_timeout",
 )  # fmt: skip
 #: The options only one role takes (every other one both do).
-_ROLE_ONLY = {
-    "handshake": "decode", "verify": "decode", "request_deadline": "decode",
-    "write_timeout": "prefill", "write_min_gbps": "prefill",
+_ROLE_ONLY: dict[str, Role] = {
+    "handshake": Role.DECODE, "verify": Role.DECODE, "request_deadline": Role.DECODE,
+    "write_timeout": Role.PREFILL, "write_min_gbps": Role.PREFILL,
 }  # fmt: skip
 #: Each endpoint command's options, in help order, with the roles that take them.
-SERVE: list[tuple[str, frozenset[str]]] = [
-    (k, frozenset(_ROLE_ONLY.get(k, "prefill decode").split())) for k in _SERVE_ORDER
+SERVE: list[tuple[str, frozenset[Role]]] = [
+    (k, frozenset({_ROLE_ONLY[k]} if k in _ROLE_ONLY else Role)) for k in _SERVE_ORDER
 ]
-SERVE_PORT = {"prefill": 5600, "decode": 5601}
+SERVE_PORT = {Role.PREFILL: 5600, Role.DECODE: 5601}
 
 
-def serve_entries(role: str) -> list[Entry]:
+def serve_entries(role: Role) -> list[Entry]:
     return [
         ("port", SERVE_PORT[role]) if key == "port" else key
         for key, roles in SERVE

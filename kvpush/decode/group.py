@@ -29,6 +29,7 @@ from concurrent.futures import Future
 
 import msgspec
 
+from kvpush.config import Role
 from kvpush.decode.join import TpJoin
 from kvpush.decode.order import DecodeOrder
 from kvpush.decode.role import DecodeRole
@@ -61,7 +62,7 @@ class DecodeGroup:
         """Nothing of its own to stop (each rank's role stops its threads)."""
 
     def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
-        if isinstance(req, protocol.DeclineReq) and req.origin == "prefill":
+        if isinstance(req, protocol.DeclineReq) and req.origin == Role.PREFILL:
             for role in self.roles:
                 role.ctx.telemetry.inc(Counter.DECLINES_RECEIVED)
                 with contextlib.suppress(KvpushError):  # a closed inbox: the rank is stopping
@@ -196,7 +197,7 @@ class DecodeGroup:
                 request_id=rep.request_id,
                 reason=rep.reason,
                 detail=rep.detail,
-                origin="decode",
+                origin=Role.DECODE,
             ),
         )
 

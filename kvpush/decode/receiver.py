@@ -21,7 +21,7 @@ import logging
 from concurrent.futures import Future
 
 from kvpush.address import format_address
-from kvpush.config import HandshakeMode
+from kvpush.config import HandshakeMode, Role
 from kvpush.decode.completer import Completer
 from kvpush.decode.outcomes import Outcomes, failed_rep
 from kvpush.decode.peers import PrefillPeers
@@ -359,7 +359,7 @@ class Receiver:
             conn = None
         mode = self.cfg.handshake_mode
         if conn is None or (mode == HandshakeMode.FULL and conn.mode != HandshakeMode.FULL):
-            hint = PeerHint(req.p_engine_id, req.p_tp_size, role="prefill")
+            hint = PeerHint(req.p_engine_id, req.p_tp_size, role=Role.PREFILL)
             fut = self._ctx.handshakes.ensure(key, mode, hint)
             if fut is not None:
                 self.table.move(w, WaitPhase.HANDSHAKING)
@@ -390,7 +390,7 @@ class Receiver:
         if error is not None:
             if self._relearn_after_failure(w):
                 return
-            self._out.fail(w, handshake_failure(error, "prefill"), str(error))
+            self._out.fail(w, handshake_failure(error, Role.PREFILL), str(error))
             return
         self._connect_and_register(w)
 

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from kvpush.address import parse_address
+from kvpush.config import Role
 from kvpush.decode.completer import Completer
 from kvpush.decode.limits import MAX_DELAYED_REQUESTS
 from kvpush.decode.order import DecodeOrder
@@ -39,7 +40,7 @@ _parse_address = functools.lru_cache(maxsize=1024)(parse_address)
 
 
 class DecodeRole:
-    name = "decode"
+    name = Role.DECODE
 
     def __init__(self, ctx: EndpointContext) -> None:
         self.ctx = ctx
@@ -54,7 +55,7 @@ class DecodeRole:
         with self._lock:
             self._delayed_n -= 1
 
-    # ------------------------------------------------------------------ Role
+    # ------------------------------------------------------------------ RoleWorker
     def start(self) -> None:
         self.owner.start()
 

@@ -4,7 +4,7 @@ tests and measurements add their hooks (``kvpush.instruments``) and drive load t
 
 from __future__ import annotations
 
-from kvpush.config import EndpointConfig
+from kvpush.config import EndpointConfig, Role
 from kvpush.decode.group import DecodeGroup
 from kvpush.decode.role import DecodeRole
 from kvpush.endpoint.core import Endpoint, RankFailure
@@ -31,7 +31,9 @@ def open_endpoint(
     """A started endpoint of ``cfg.role`` (``cfg.tp_size`` ranks); ``stop()`` it when done.
     ``instruments``: the hooks of tests and measurements (production: none)."""
     return (
-        open_prefill(cfg, instruments) if cfg.role == "prefill" else open_decode(cfg, instruments)
+        open_prefill(cfg, instruments)
+        if cfg.role == Role.PREFILL
+        else open_decode(cfg, instruments)
     )
 
 

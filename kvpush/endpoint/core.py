@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, Protocol, TypeVar
 
 from kvpush.address import format_address, parse_address
-from kvpush.config import EndpointConfig, HandshakeMode
+from kvpush.config import EndpointConfig, HandshakeMode, Role
 from kvpush.endpoint import answers
 from kvpush.endpoint.rank import Rank, Shared
 from kvpush.errors import KvpushError, PeerUnreachableError
@@ -44,7 +44,7 @@ from kvpush.instruments import NO_INSTRUMENTS, Instruments
 from kvpush.memory.pool import KvPool
 from kvpush.peers.dialect import dialect_for
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone
-from kvpush.runtime.context import EndpointContext, Role
+from kvpush.runtime.context import EndpointContext, RoleWorker
 from kvpush.runtime.decline import Decliner
 from kvpush.runtime.watchdog import Watchdog
 from kvpush.telemetry.merge import merge
@@ -71,7 +71,7 @@ class Group(Protocol):
         ...
 
 
-R = TypeVar("R", bound=Role)
+R = TypeVar("R", bound=RoleWorker)
 G = TypeVar("G", bound=Group)
 
 
@@ -229,7 +229,7 @@ class Endpoint(Generic[R, G]):
             # The others' work ends with the reason that stopped them, not "shutting down".
             why = (
                 Failure.RANK_FAILED,
-                f"{'P' if self.cfg.role == 'prefill' else 'D'} rank {dead.rank} failed: "
+                f"{'P' if self.cfg.role == Role.PREFILL else 'D'} rank {dead.rank} failed: "
                 f"{type(dead.error).__name__}: {dead.error}",
             )
             for rk in self.ranks:

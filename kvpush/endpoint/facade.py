@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvpush.address import parse_address
-from kvpush.config import EndpointConfig, HandshakeMode
+from kvpush.config import EndpointConfig, HandshakeMode, Role
 from kvpush.decode.group import DecodeGroup
 from kvpush.decode.role import DecodeRole
 from kvpush.endpoint import open_decode, open_prefill
@@ -63,7 +63,7 @@ class LoadFacade:
         self._p: PrefillEndpoint | None = None
         self._d: DecodeEndpoint | None = None
         self._ep: PrefillEndpoint | DecodeEndpoint
-        if cfg.role == "prefill":
+        if cfg.role == Role.PREFILL:
             self._ep = self._p = open_prefill(cfg, instruments)
             self.prefill = self._p.group.prefill
         else:

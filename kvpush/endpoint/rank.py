@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from kvpush import PROTOCOL_VERSION, __version__
-from kvpush.config import EndpointConfig
+from kvpush.config import EndpointConfig, Role
 from kvpush.endpoint.ping import Pinger
 from kvpush.instruments import Instruments
 from kvpush.memory.pool import KvPool
 from kvpush.peers.dialect import Dialect
 from kvpush.peers.handshakes import HandshakeManager
-from kvpush.runtime.context import EndpointContext, Role
+from kvpush.runtime.context import EndpointContext, RoleWorker
 from kvpush.runtime.decline import Decliner
 from kvpush.telemetry.names import Gauge
 from kvpush.telemetry.store import Telemetry
@@ -40,7 +40,7 @@ from kvpush.wire.notifs import Codec
 
 log = logging.getLogger(__name__)
 
-R = TypeVar("R", bound=Role)
+R = TypeVar("R", bound=RoleWorker)
 
 _POOL_GAUGES = {
     Gauge.POOL_FREE: "free",
@@ -178,7 +178,7 @@ class Rank(Generic[R]):
             "rank": self.rank,
             "tp_size": cfg.tp_size,
         }
-        if cfg.role == "prefill":
+        if cfg.role == Role.PREFILL:
             info["writer"] = self.instruments.writer.value
         else:
             info["handshake"] = cfg.handshake_mode.value

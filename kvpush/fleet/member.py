@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from kvpush import __version__
 from kvpush.address import binds_all_interfaces, format_address, parse_address
-from kvpush.config import EndpointConfig
+from kvpush.config import EndpointConfig, Role
 from kvpush.errors import ConfigError, RegistryError, RegistryUnavailable
 from kvpush.fleet.config import RegistryConfig
 from kvpush.fleet.etcd import make_etcd
@@ -92,7 +92,7 @@ def advertised_address(bind_host: str, port: int, advertise: str | None) -> str:
 def load_of(snap: Snapshot) -> Load:
     """The load summary in a snapshot (free blocks, work in flight, cumulative outcomes)."""
     g, c = snap.gauges, snap.counters
-    if snap.role == "prefill":
+    if snap.role == Role.PREFILL:
         in_flight = g.get("inflight_writes", 0) + g.get("deferred", 0)
         ok, failed = c.get("pushes_ok", 0), c.get("pushes_failed", 0)
     else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from kvpush.config import Role
 from kvpush.fleet.record import EndpointRecord
 
 #: A load summary older than this is "stale": the endpoint stopped refreshing it (frozen, or cut
@@ -63,7 +64,7 @@ def record_health(rec: EndpointRecord, now: float, stale_s: float = STALE_S) -> 
     updated = rec.load.updated_at or rec.started_at
     if updated and now - updated > stale_s:
         return "stale"
-    if rec.role == "decode" and rec.load.updated_at and rec.load.free_blocks == 0:
+    if rec.role == Role.DECODE and rec.load.updated_at and rec.load.free_blocks == 0:
         return "full"
     return "ok"
 

@@ -14,10 +14,11 @@ Declarations and pure functions only: no I/O, no threads.
 from __future__ import annotations
 
 import re
-from typing import Literal
 
 import msgspec
 from msgspec import Struct
+
+from kvpush.config import Role
 
 SCHEMA = 1
 ROOT = "/kvpush/v1"
@@ -51,7 +52,7 @@ class EndpointRecord(Struct, frozen=True, kw_only=True):
     """One endpoint as a router or an operator needs it."""
 
     schema: int = SCHEMA
-    role: Literal["prefill", "decode"]
+    role: Role
     engine_id: str
     incarnation: str
     address: str  # advertised side-channel HOST:PORT (the key)

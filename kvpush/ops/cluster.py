@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvpush.config import Role
 from kvpush.errors import ExitStatus, KvpushError
 from kvpush.ops import launch
 
@@ -32,7 +33,7 @@ class DemoInterrupted(KvpushError):
 @dataclass
 class Child:
     name: str
-    role: str
+    role: Role
     proc: subprocess.Popen[bytes]
     log_path: Path
     ready_path: Path
@@ -71,7 +72,7 @@ class Cluster:
             return []
         return ["--kv-layout", "MLA", "--kv-regions", "per-layer"]
 
-    def spawn(self, role: str, name: str, tp: int = 1) -> Child:
+    def spawn(self, role: Role, name: str, tp: int = 1) -> Child:
         ready = self.workdir / f"{name}.ready.json"
         log_path = self.workdir / f"{name}.log"
         cmd = [

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush.config import require_counts
+from kvpush.config import Role, require_counts
 from kvpush.errors import KvpushError
 from kvpush.ops import control
 from kvpush.ops.cluster import Child, Cluster, DemoInterrupted
@@ -170,9 +170,10 @@ class Demo:
     # ------------------------------------------------------------------ cluster
     def start(self) -> None:
         """Spawn P and the decoders in parallel and wait until all are ready."""
-        self.prefill = self.cluster.spawn("prefill", "p0", self.cfg.p_tp)
+        self.prefill = self.cluster.spawn(Role.PREFILL, "p0", self.cfg.p_tp)
         self.decoders = [
-            self.cluster.spawn("decode", f"d{i}", self.cfg.d_tp) for i in range(self.cfg.decoders)
+            self.cluster.spawn(Role.DECODE, f"d{i}", self.cfg.d_tp)
+            for i in range(self.cfg.decoders)
         ]
         for c in [self.prefill, *self.decoders]:
             self.cluster.wait_ready(c)
@@ -180,7 +181,7 @@ class Demo:
 
     def _spawn_extra(self) -> None:
         try:
-            child = self.cluster.spawn("decode", f"d{self.cfg.decoders}", self.cfg.d_tp)
+            child = self.cluster.spawn(Role.DECODE, f"d{self.cfg.decoders}", self.cfg.d_tp)
             self.extra = child
             self._event(f"{child.name} starting (mid-run)")
             self.cluster.wait_ready(child)
@@ -293,7 +294,7 @@ class Demo:
                 "address": c.address,
                 "returncode": c.returncode,
                 "requests": self._report.by_decode.get(c.address, 0)
-                if c.role == "decode"
+                if c.role == Role.DECODE
                 else self._report.by_prefill.get(c.address, 0),
                 "extra": c is self.extra,
                 "log": str(c.log_path),

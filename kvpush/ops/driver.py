@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpush.address import format_address, parse_address
+from kvpush.config import Role
 from kvpush.errors import KvpushError, PeerUnreachableError
 from kvpush.ops import control, reasons
 from kvpush.ops.drive_notes import down_at_start_note, long_run_note
@@ -140,13 +141,13 @@ class Driver:
         )
         self.grace = PeerGrace(cfg.peer_grace_s, self.health.any_up)
         for p in cfg.prefill:
-            self.health.add(p, "prefill")
+            self.health.add(p, Role.PREFILL)
         for d in cfg.decode:
-            self.health.add(d, "decode")
+            self.health.add(d, Role.DECODE)
 
     # ------------------------------------------------------------------ control (any thread)
     def add_decode(self, address: str) -> None:
-        self.health.add(format_address(*parse_address(address)), "decode")
+        self.health.add(format_address(*parse_address(address)), Role.DECODE)
 
     def add_prefill(self, address: str) -> None:
         """A P that joined while the run goes on (``drive --registry``): its own prefill-leg
@@ -157,7 +158,7 @@ class Driver:
                 n = min(PREFILL_THREADS, self.cfg.concurrency, self.cfg.requests)
                 self._p_exec[p] = Senders(n, f"drive-p{len(self._p_exec)}")
                 self._p_pool.grow(n)
-        self.health.add(p, "prefill")
+        self.health.add(p, Role.PREFILL)
 
     def remove_peer(self, address: str) -> bool:
         """No new request goes to ``address`` (its registry key went); those in flight there
@@ -172,7 +173,7 @@ class Driver:
 
     @property
     def decodes(self) -> list[str]:
-        return [a for a, role, *_ in self.health.rows() if role == "decode"]
+        return [a for a, role, *_ in self.health.rows() if role == Role.DECODE]
 
     def progress(self) -> tuple[int, int, int]:
         """(done, ok, failed) so far."""
@@ -257,7 +258,7 @@ class Driver:
 
     def _past_grace(self) -> None:
         """No peer of a role up for longer than the grace: what is left fails now."""
-        for role in ("prefill", "decode"):
+        for role in (Role.PREFILL, Role.DECODE):
             if self.grace.expired(role):  # type: ignore[arg-type]
                 self._fail_untaken(
                     reasons.UNREACHABLE[role],
@@ -370,18 +371,18 @@ class Driver:
         # the Ds): a D that freezes holds only its own workers, in their requests already
         # sent there, while the others keep every healthy D busy. Fewer workers than Ds go
         # round robin.
-        home = wid if self.workers >= self.health.count("decode") else None
+        home = wid if self.workers >= self.health.count(Role.DECODE) else None
         while True:
-            p = self.health.pick("prefill")
-            d = self.health.pick("decode", home, tried)
+            p = self.health.pick(Role.PREFILL)
+            d = self.health.pick(Role.DECODE, home, tried)
             if p is None or d is None:
-                if p is not None and tried and self.health.any_up("decode"):
+                if p is not None and tried and self.health.any_up(Role.DECODE):
                     # every D that is up could not be reached just now
                     last = sorted(tried)[-1]
-                    self._fail(i, reasons.UNREACHABLE["decode"], f"D {last}: no contact")
+                    self._fail(i, reasons.UNREACHABLE[Role.DECODE], f"D {last}: no contact")
                     return
                 tried.clear()  # the Ds tried went down meanwhile: wait for one (the grace)
-                role: reasons.Leg = "prefill" if p is None else "decode"
+                role: reasons.Leg = Role.PREFILL if p is None else Role.DECODE
                 if self._held(role, i):
                     continue  # one is back up within the grace
                 self._fail(i, reasons.UNREACHABLE[role], self.health.down_reason(role))
@@ -412,7 +413,7 @@ class Driver:
                 replace = (
                     wid is not None
                     and wid not in self._retired
-                    and peer.role == "decode"
+                    and peer.role == Role.DECODE
                     and self._replacements < REPLACEMENT_RESERVE
                 )
                 if replace:
@@ -444,7 +445,7 @@ class Driver:
                     )
                 self.health.replied(p)
             except KvpushError as e:
-                reason, detail = reasons.from_error(e, "prefill")
+                reason, detail = reasons.from_error(e, Role.PREFILL)
                 if isinstance(e, PeerUnreachableError):  # refused or timed out: check it
                     self.health.suspect(p)
                 if reason is Failure.DEADLINE:
@@ -477,7 +478,7 @@ class Driver:
                 if not self._same_incarnation(d, ident.payload.kvpush):
                     return False  # nothing sent: it is re-checked before it gets traffic
                 if not self.health.sent(p, i):
-                    self._fail(i, reasons.UNREACHABLE["prefill"], f"P {p} went down")
+                    self._fail(i, reasons.UNREACHABLE[Role.PREFILL], f"P {p} went down")
                     return True
                 try:
                     pfut = self._p_exec[p].submit(self._prefill_leg, i, p)
@@ -499,7 +500,7 @@ class Driver:
                 finally:
                     pfut.result()  # short: P answers once its blocks are filled
         except KvpushError as e:
-            reason, detail = reasons.from_error(e, "decode")
+            reason, detail = reasons.from_error(e, Role.DECODE)
             if isinstance(e, PeerUnreachableError):  # refused or timed out: check it
                 self.health.suspect(d)
             self._fail(i, reason, f"D {d}: {detail}")

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from kvpush.config import require_counts, require_positive
+from kvpush.config import Role, require_counts, require_positive
 from kvpush.errors import ExitStatus, IncompatiblePeerError, KvpushError
 from kvpush.fleet.pairs import Difference, blocks_for_size, format_differences, pair_differences
 from kvpush.fleet.record import EndpointRecord
@@ -144,8 +144,8 @@ def plan_pairs(
 ) -> tuple[list[str], list[str], dict[str, EndpointRecord]]:
     """The prefill and decode addresses (sorted) and every record by address."""
     by_addr = {r.address: r for r in records}
-    ps = sorted(r.address for r in records if r.role == "prefill")
-    ds = sorted(r.address for r in records if r.role == "decode")
+    ps = sorted(r.address for r in records if r.role == Role.PREFILL)
+    ds = sorted(r.address for r in records if r.role == Role.DECODE)
     return ps, ds, by_addr
 
 
@@ -173,7 +173,7 @@ def check_pair(p: EndpointRecord, d: EndpointRecord, cfg: CheckConfig) -> PairRe
     except KvpushError as e:
         # The preflight's error names the endpoint it is about.
         leg: reasons.Leg = (
-            "prefill" if p.address in e.message and d.address not in e.message else "decode"
+            Role.PREFILL if p.address in e.message and d.address not in e.message else Role.DECODE
         )
         reason, detail = reasons.from_error(e, leg)
         return PairResult(
@@ -280,7 +280,7 @@ def check_fleet(
     ps, ds, by_addr = plan_pairs(records)
     notes: list[str] = []
     if not ps or not ds:
-        missing = "prefill" if not ps else "decode"
+        missing = Role.PREFILL if not ps else Role.DECODE
         notes.append(f"no {missing} endpoint registered: no pair to check")
     pairs = [(p, d) for p in ps for d in ds]
     out: dict[tuple[str, str], PairResult] = {}

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from kvpush.config import Role
 from kvpush.errors import ConfigError, PeerUnreachableError
 from kvpush.fleet.pairs import format_differences, pair_differences
 from kvpush.fleet.record import EndpointRecord
@@ -49,7 +50,7 @@ class FleetTargets:
     def initial(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The Ps and Ds registered now that can work with the first P."""
         records = self.source.list()
-        ps = [r for r in records if r.role == "prefill" and r.wire == "kvpush"]
+        ps = [r for r in records if r.role == Role.PREFILL and r.wire == "kvpush"]
         if not ps:
             raise ConfigError(
                 f"no kvpush prefill endpoint registered in cluster {self.source.cluster!r}",
@@ -58,8 +59,8 @@ class FleetTargets:
             )
         self.reference = ps[0]
         keep = [r for r in records if self._fits(r, at_start=True)]
-        pre = tuple(r.address for r in keep if r.role == "prefill")
-        dec = tuple(r.address for r in keep if r.role == "decode")
+        pre = tuple(r.address for r in keep if r.role == Role.PREFILL)
+        dec = tuple(r.address for r in keep if r.role == Role.DECODE)
         self._rotation = {*pre, *dec}
         if not dec:
             raise ConfigError(
@@ -145,7 +146,7 @@ class FleetTargets:
             rec = ev.record
             if not self._fits(rec, at_start=False):
                 return
-            if rec.role == "decode":
+            if rec.role == Role.DECODE:
                 d.add_decode(rec.address)
             else:
                 d.add_prefill(rec.address)

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvpush.config import Role
 from kvpush.fleet.pairs import record_health
 from kvpush.fleet.record import EndpointRecord
 
@@ -31,7 +32,7 @@ class Change:
     t: float  # unix time the watcher saw it
     kind: EventKind
     address: str
-    role: str
+    role: Role
     host: str
     incarnation: str  # the new one (join, restart) or the last one known (leave)
     previous: str = ""  # restart: the incarnation it replaced
@@ -144,7 +145,7 @@ class FleetModel:
                 health = "failing"
             age = max(0.0, now - r.started_at) if r.started_at else 0.0
             out.append(FleetRow(r, age, health, e.rate))
-        out.sort(key=lambda row: (row.record.role != "prefill", row.record.address))
+        out.sort(key=lambda row: (row.record.role != Role.PREFILL, row.record.address))
         return out
 
 

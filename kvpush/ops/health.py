@@ -30,6 +30,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpush.config import Role
 from kvpush.errors import KvpushError
 from kvpush.ops import control
 from kvpush.ops.reasons import Leg
@@ -76,8 +77,8 @@ class Health:
         self._readmit = readmit
         self._lock = threading.Lock()
         self._peers: dict[str, Peer] = {}
-        self._order: dict[str, list[str]] = {"prefill": [], "decode": []}
-        self._rr: dict[str, int] = {"prefill": 0, "decode": 0}
+        self._order: dict[Leg, list[str]] = {Role.PREFILL: [], Role.DECODE: []}
+        self._rr: dict[Leg, int] = {Role.PREFILL: 0, Role.DECODE: 0}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._clients: dict[str, Any] = {}  # monitor thread only
@@ -183,7 +184,7 @@ class Health:
             p.restarted = p.suspect = True
         self._wake.set()
 
-    def rows(self) -> list[tuple[str, str, bool, str, int]]:
+    def rows(self) -> list[tuple[str, Leg, bool, str, int]]:
         """(address, role, up, why, in flight) of every peer."""
         with self._lock:
             return [(p.address, p.role, p.up, p.why, len(p.inflight)) for p in self._peers.values()]

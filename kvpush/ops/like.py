@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpush.address import format_address, parse_address
-from kvpush.config import KvRegions, VllmWireConfig
+from kvpush.config import KvRegions, Role, VllmWireConfig
 from kvpush.errors import IncompatiblePeerError, PeerError
 from kvpush.transport.client import SideChannelClient
 from kvpush.wire import vllm
@@ -31,7 +31,7 @@ class Likeness:
     kv_layout: str
     num_blocks: int  # the peer's; a kvpush endpoint chooses its own
 
-    def options(self, role: str) -> list[str]:
+    def options(self, role: Role) -> list[str]:
         opts = [
             f"serve-{role}",
             "--wire",

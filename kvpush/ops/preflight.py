@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpush.config import Role
 from kvpush.errors import ConfigError, IncompatiblePeerError, PeerError, PeerUnreachableError
 from kvpush.ops import control
 from kvpush.ops.results import DriveConfig
@@ -61,7 +62,7 @@ def _contact(cfg: DriveConfig, wait: float) -> tuple[dict[str, dict[str, Any]], 
     peer of the wrong role, or a role with no peer up, is an error."""
     meta: dict[str, dict[str, Any]] = {}
     down: dict[str, str] = {}
-    for role, addrs in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+    for role, addrs in ((Role.PREFILL, cfg.prefill), (Role.DECODE, cfg.decode)):
         first: PeerUnreachableError | None = None
         for addr in addrs:
             try:
@@ -71,7 +72,7 @@ def _contact(cfg: DriveConfig, wait: float) -> tuple[dict[str, dict[str, Any]], 
                 first = first or e
                 continue
             if md.get("role") != role:
-                flag = "--prefill" if role == "prefill" else "--decode"
+                flag = "--prefill" if role == Role.PREFILL else "--decode"
                 raise ConfigError(
                     f"{addr} is a {md.get('role')} endpoint, not {role}",
                     f"give {flag} only {role} endpoints",

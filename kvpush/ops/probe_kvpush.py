@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from kvpush import PROTOCOL_VERSION
-from kvpush.config import EndpointConfig, KvRegions, PoolConfig
+from kvpush.config import EndpointConfig, KvRegions, PoolConfig, Role
 from kvpush.errors import IncompatiblePeerError, PeerError, ProtocolError
 from kvpush.ops import control
 from kvpush.ops.probe_report import ProbeReport, rtt_stats
@@ -142,7 +142,7 @@ def tiny_local_config(
             kv_heads=kv_heads,
         )
     return EndpointConfig(
-        role="decode",
+        role=Role.DECODE,
         host=base.host,
         port=0,
         engine_id=base.engine_id,

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from kvpush.config import EndpointConfig, PoolConfig
+from kvpush.config import EndpointConfig, PoolConfig, Role
 from kvpush.errors import KvpushError, PeerError
 from kvpush.ops.like import likeness_of
 from kvpush.ops.probe_report import ProbeReport, rtt_stats
@@ -75,7 +75,7 @@ def measure(
         suggest = [
             f"kvpush serve-decode --wire vllm --like {addr}   # receive its pushes",
             f"kvpush serve-prefill --wire vllm --like {addr}   # push into it",
-            "kvpush " + " ".join(lk.options("decode")) + "   # the same, without the peer up",
+            "kvpush " + " ".join(lk.options(Role.DECODE)) + "   # the same, without the peer up",
         ]
     except KvpushError as e:
         notes.append(f"kvpush cannot stand in for it: {e.message}")
@@ -112,7 +112,7 @@ def tiny_vllm_config(address: str, base: EndpointConfig) -> EndpointConfig:
         kv_regions=lk.kv_regions,
     )
     return EndpointConfig(
-        role="decode",
+        role=Role.DECODE,
         host=base.host,
         port=0,
         pool=pool,

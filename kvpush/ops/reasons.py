@@ -9,8 +9,9 @@ thread.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TypeAlias
 
+from kvpush.config import Role
 from kvpush.errors import (
     AuthError,
     IncompatiblePeerError,
@@ -24,11 +25,11 @@ from kvpush.errors import (
 )
 from kvpush.telemetry.names import Failure
 
-Leg = Literal["prefill", "decode"]
+Leg: TypeAlias = Role  # the leg of a request: the role of the endpoint it talks to
 
-UNREACHABLE: dict[str, Failure] = {
-    "prefill": Failure.PREFILL_UNREACHABLE,
-    "decode": Failure.DECODE_UNREACHABLE,
+UNREACHABLE: dict[Leg, Failure] = {
+    Role.PREFILL: Failure.PREFILL_UNREACHABLE,
+    Role.DECODE: Failure.DECODE_UNREACHABLE,
 }
 
 # Reasons P's PrefillRep carries today: a Failure value, an exception's class name, or

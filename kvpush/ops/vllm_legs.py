@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpush.address import format_address, parse_address
-from kvpush.config import require_positive
+from kvpush.config import Role, require_positive
 from kvpush.errors import ConfigError, KvpushError, PeerError, WrongWireError
 from kvpush.ops import control
 from kvpush.wire import protocol
@@ -54,7 +54,7 @@ MAX_ALLOC_DELAY_S = 3600.0
 
 @dataclass(frozen=True)
 class LegReport:
-    leg: str  # "decode" | "prefill"
+    leg: Role
     address: str
     request_id: str
     outcome: str  # "ok" | "failed" | "pending"
@@ -177,14 +177,14 @@ def check_blocks(blocks: int) -> int:
     return blocks
 
 
-def _contact(client: SideChannelClient, role: str, timeout_s: float) -> None:
+def _contact(client: SideChannelClient, role: Role, timeout_s: float) -> None:
     """Identify the leg's endpoint on the leg's own connection (``get_meta_msg``: safe for a
     vLLM engine) and refuse one that cannot serve this leg, before anything else is sent."""
     addr = client.address
     wait = min(CONTACT_S, timeout_s)
     control.first_contact(addr, wait)
     kv = client.identify(timeout_s=wait).kvpush
-    flag = "--decode" if role == "decode" else "--prefill"
+    flag = "--decode" if role == Role.DECODE else "--prefill"
     if kv is None:
         raise WrongWireError(
             f"{addr} is a vLLM engine's side channel, not a kvpush {role} endpoint; nothing "
@@ -192,7 +192,7 @@ def _contact(client: SideChannelClient, role: str, timeout_s: float) -> None:
             "vllm",
             "a vLLM D gets kv_transfer_params from its router: give --decode a kvpush D "
             "(serve-decode --wire vllm --like <vLLM P>)"
-            if role == "decode"
+            if role == Role.DECODE
             else "a vLLM P hands out its own kv_transfer_params: give them to 'kvpush leg decode "
             "--decode D --kv-transfer-params', and --prefill a kvpush P (serve-prefill --wire "
             "vllm --like <vLLM D>)",
@@ -201,7 +201,7 @@ def _contact(client: SideChannelClient, role: str, timeout_s: float) -> None:
         raise ConfigError(
             f"{addr} is a {kv.role} endpoint, not {role}", f"give {flag} a {role} endpoint"
         )
-    if role == "prefill" and (kv.auth or (kv.wire and kv.wire != "vllm")):
+    if role == Role.PREFILL and (kv.auth or (kv.wire and kv.wire != "vllm")):
         raise PeerError(
             f"{addr} is a kvpush P on kvpush's own wire: it cannot push into a vLLM D",
             "start it with serve-prefill --wire vllm --like <vLLM D>",
@@ -243,12 +243,12 @@ def decode_leg(
     )
     t0 = time.monotonic()
     with control.connect(addr, token, timeout_s) as client:
-        _contact(client, "decode", timeout_s)
+        _contact(client, Role.DECODE, timeout_s)
         rep = client.request(req, timeout_s=timeout_s + alloc_delay_s + 5)
     if not isinstance(rep, protocol.DecodeRep):
         raise PeerError(f"{addr} answered a decode leg with {type(rep).__name__}")
     return LegReport(
-        leg="decode",
+        leg=Role.DECODE,
         address=addr,
         request_id=rep.request_id,
         outcome=rep.outcome,
@@ -279,7 +279,7 @@ def prefill_leg(
     addr = format_address(host, port)
     t0 = time.monotonic()
     with control.connect(addr, token, timeout_s) as client:
-        _contact(client, "prefill", timeout_s)
+        _contact(client, Role.PREFILL, timeout_s)
         rep = client.request(
             protocol.PrefillReq(
                 transfer_id=request_id, num_blocks=blocks, request_id=request_id, digest=True
@@ -289,7 +289,7 @@ def prefill_leg(
             raise PeerError(f"{addr} answered a prefill leg with {type(rep).__name__}")
         if rep.outcome != "ok":
             return LegReport(
-                leg="prefill",
+                leg=Role.PREFILL,
                 address=addr,
                 request_id=request_id,
                 outcome="failed",
@@ -318,7 +318,7 @@ def prefill_leg(
     if not isinstance(done, protocol.PushWaitRep):
         raise PeerError(f"{addr} answered a push wait with {type(done).__name__}")
     return LegReport(
-        leg="prefill",
+        leg=Role.PREFILL,
         address=addr,
         request_id=request_id,
         outcome=done.outcome,

@@ -32,7 +32,7 @@ from typing import Protocol
 
 import msgspec
 
-from kvpush.config import EndpointConfig, HandshakeMode, Timeouts, VllmWireConfig, Wire
+from kvpush.config import EndpointConfig, HandshakeMode, Role, Timeouts, VllmWireConfig, Wire
 from kvpush.errors import HandshakeError, WrongWireError
 from kvpush.peers.validation import check_reply
 from kvpush.peers.vllm_peer import PeerHint, check_peer_role, check_vllm_answer
@@ -207,7 +207,7 @@ class VllmDialect:
 
     def fetch(self, client: SideChannelClient, ask: Ask) -> Fetched:
         ident = client.identify(0, ask.rank)
-        role = "decode" if ask.local.role == "prefill" else "prefill"
+        role = Role.DECODE if ask.local.role == Role.PREFILL else Role.PREFILL
         vp = check_vllm_answer(ask.peer, ident.payload, ask.local, self.config, ask.hint, role)
         md = msgspec.structs.replace(vp.metadata, tp_rank=ask.rank)
         server_clock = time.time() - (time.perf_counter() - ident.remote_clock)

@@ -44,7 +44,7 @@ import threading
 import time
 from concurrent.futures import Future
 
-from kvpush.config import HandshakeMode, Timeouts
+from kvpush.config import HandshakeMode, Role, Timeouts
 from kvpush.errors import (
     HandshakeError,
     IncompatiblePeerError,
@@ -425,7 +425,7 @@ class HandshakeManager:
 
     def _tp_sizes(self, md: protocol.EndpointMetadata) -> tuple[int, int]:
         """(P's TP size, D's TP size) of this endpoint and the peer ``md`` describes."""
-        if self._local.role == "prefill":
+        if self._local.role == Role.PREFILL:
             return self._local.tp_size, md.tp_size
         return md.tp_size, self._local.tp_size
 
@@ -444,7 +444,7 @@ class HandshakeManager:
     ) -> Slice | None:
         """P -> D: what this P rank writes of each of that D rank's pages (its share, or a
         chunk); None for any other full handshake (D measuring one, kvpush probe)."""
-        if self._local.role != "prefill" or md.role != "decode":
+        if self._local.role != Role.PREFILL or md.role != Role.DECODE:
             return None
         try:
             return write_slice(

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from kvpush.config import HandshakeMode
+from kvpush.config import HandshakeMode, Role
 from kvpush.errors import HandshakeError, IncompatiblePeerError, PeerUnreachableError
 from kvpush.telemetry.names import Failure
 from kvpush.wire import protocol
 
 
-def handshake_failure(exc: BaseException, peer_role: str) -> Failure:
+def handshake_failure(exc: BaseException, peer_role: Role) -> Failure:
     """The failure kind of a handshake error, by its type (never by its message text)."""
     if isinstance(exc, PeerUnreachableError):
-        return Failure.PREFILL_UNREACHABLE if peer_role == "prefill" else Failure.DECODE_UNREACHABLE
+        return (
+            Failure.PREFILL_UNREACHABLE if peer_role == Role.PREFILL else Failure.DECODE_UNREACHABLE
+        )
     if isinstance(exc, IncompatiblePeerError):
         return Failure.INCOMPATIBLE
     return Failure.HANDSHAKE_FAILED

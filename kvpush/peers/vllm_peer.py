@@ -25,14 +25,15 @@ class PeerHint:
 
     engine_id: str = ""
     tp_size: int = 1
-    # The role the peer must have ("prefill" / "decode"; "" for any, e.g. probe): a peer of
-    # another role, or this endpoint itself, fails the handshake before its agent is loaded.
-    role: str = ""
+    # The role the peer must have (None for any, e.g. probe): a peer of another role, or this
+    # endpoint itself, fails the handshake before its agent is loaded.
+    role: Role | None = None
 
 
 def check_peer_role(peer: str, hint: PeerHint, role: str, incarnation: str, local_inc: str) -> None:
     """Refuse a peer that is not what the caller needs: this endpoint itself, or an endpoint
-    of another role than ``hint.role`` (both named). Empty values are not known yet."""
+    of another role than ``hint.role`` (both named). ``role`` is the peer's own word, as it
+    came (a kvpush peer's ``KvpushIdentity.role``); empty values are not known yet."""
     if incarnation and incarnation == local_inc:
         raise HandshakeError(
             peer,
@@ -66,7 +67,7 @@ def check_vllm_answer(
     local: protocol.EndpointMetadata,
     wire: VllmWireConfig,
     hint: PeerHint,
-    peer_role: str,
+    peer_role: Role,
 ) -> VllmPeer:
     """The peer's answer checked in vLLM's order: who answered (a kvpush endpoint says), the
     compatibility hash before anything is decoded, the engine id, then the geometry."""
@@ -95,7 +96,6 @@ def check_vllm_answer(
     mem = side_messages.device_kind(mem_type)
     if mem is None:
         raise HandshakeError(peer, f"unknown memory type {mem_type!r}")
-    role: Role = "decode" if peer_role == "decode" else "prefill"
     # A kvpush peer's own word on its TP size; a vLLM engine's metadata has none (the
     # router's is used).
     tp_size = kv.tp_size if kv is not None and kv.engine_id else max(1, hint.tp_size)
@@ -103,7 +103,7 @@ def check_vllm_answer(
         protocol_version=PROTOCOL_VERSION,
         kvpush_version="vllm",
         engine_id=md.engine_id,
-        role=role,
+        role=peer_role,
         incarnation="",
         agent_name="",
         host="",

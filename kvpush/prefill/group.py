@@ -21,6 +21,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from kvpush.config import Role
 from kvpush.errors import KvpushError, NoFreeBlocksError, RankFailedError, ShuttingDownError
 from kvpush.prefill.limits import MAX_DECLINED_IDS, MAX_PUSH_WAITS
 from kvpush.prefill.role import PrefillRole
@@ -52,7 +53,7 @@ class PrefillGroup:
         if isinstance(req, protocol.PushWaitReq):
             self._serve_wait(req, reply)
             return True
-        if isinstance(req, protocol.DeclineReq) and req.origin == "decode":
+        if isinstance(req, protocol.DeclineReq) and req.origin == Role.DECODE:
             tids = [req.transfer_id, *req.also]
             with self._lock:
                 # Remembered by the writers, plus handed to them and not taken in yet (the

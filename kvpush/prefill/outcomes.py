@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from kvpush.address import format_address
+from kvpush.config import Role
 from kvpush.peers.handshakes import PeerConn
 from kvpush.prefill.acks import OwedAcks
 from kvpush.prefill.context import WriterContext
@@ -160,7 +161,7 @@ class Outcomes:
                 request_id=reg.request_id,
                 reason=reason,
                 detail=detail[:1000],
-                origin="prefill",
+                origin=Role.PREFILL,
             ),
         )
 

@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from kvpush.config import Role
 from kvpush.errors import KvpushError, NoFreeBlocksError, ShuttingDownError
 from kvpush.peers.handshakes import PeerGone
 from kvpush.prefill.table import Finished, PushOutcome
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class PrefillRole:
-    name = "prefill"
+    name = Role.PREFILL
 
     def __init__(self, ctx: EndpointContext) -> None:
         self.ctx = ctx
@@ -44,7 +45,7 @@ class PrefillRole:
         self._waiters: dict[str, int] = {}  # waits per watched transfer
         self._recent: OrderedDict[str, PushOutcome] = OrderedDict()
 
-    # ------------------------------------------------------------------ Role
+    # ------------------------------------------------------------------ RoleWorker
     def start(self) -> None:
         self.owner.start()
 

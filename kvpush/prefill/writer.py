@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from kvpush.config import HandshakeMode
+from kvpush.config import HandshakeMode, Role
 from kvpush.instruments import WriterMode
 from kvpush.peers.handshakes import PeerConn, PeerGone, PeerKey
 from kvpush.peers.validation import handshake_failure
@@ -330,7 +330,7 @@ class PushWriter:
             )
             self._out.ack_cancel(cancel, reg.sender)
         elif d.error is not None:
-            self._out.fail(d.push, handshake_failure(d.error, "decode"), str(d.error))
+            self._out.fail(d.push, handshake_failure(d.error, Role.DECODE), str(d.error))
         elif self._owner.stopping:
             self._out.fail(d.push, Failure.SHUTTING_DOWN, "P is shutting down")
         else:
@@ -357,7 +357,7 @@ class PushWriter:
                 if not self._wait.pending(push, pending):
                     return  # parked: it comes back through the deferred inbox
             except BaseException as e:
-                self._out.fail(push, handshake_failure(e, "decode"), str(e))
+                self._out.fail(push, handshake_failure(e, Role.DECODE), str(e))
                 return
             self._start_push(push.retry())  # blocking wait: another target may be pending
             return
@@ -389,7 +389,7 @@ class PushWriter:
             conn = None
         if conn is not None and conn.remote_dlist is not None:
             return conn
-        hint = PeerHint(r.reg.decode_engine_id, r.reg.decode_tp_size, role="decode")
+        hint = PeerHint(r.reg.decode_engine_id, r.reg.decode_tp_size, role=Role.DECODE)
         fut = self._ctx.handshakes.ensure(key, HandshakeMode.FULL, hint)
         return fut if fut is not None else self._connection(push, r, again=True)
 

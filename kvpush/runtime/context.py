@@ -1,4 +1,5 @@
-"""What an endpoint hands its role: the shared resources, built complete, and the role contract.
+"""What an endpoint hands its role: the shared resources, built complete, and the role contract
+(``RoleWorker``).
 
 The endpoint core (``kvpush.endpoint``) builds every shared resource before any role exists --
 pool, NIXL agent, handshake manager, the wire's dialect and its codec, telemetry, its own
@@ -54,8 +55,8 @@ class EndpointContext:
         return self.metadata.incarnation
 
 
-class Role(Protocol):
-    """P's or D's part of an endpoint."""
+class RoleWorker(Protocol):
+    """P's or D's part of an endpoint (what runs for its ``kvpush.config.Role``)."""
 
     owner: OwnerThread
 

@@ -23,7 +23,7 @@ import threading
 import msgspec
 
 from kvpush.address import parse_address
-from kvpush.config import Timeouts
+from kvpush.config import Role, Timeouts
 from kvpush.errors import KvpushError
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter
@@ -45,7 +45,8 @@ class Decliner:
         self, auth: Authenticator, timeouts: Timeouts, telemetry: Telemetry | None = None
     ) -> None:
         self._auth = auth
-        self.telemetry = telemetry or Telemetry("decliner", "")  # the endpoint sets its rank 0's
+        # A stand-in until the endpoint sets its rank 0's (never read: its role is any).
+        self.telemetry = telemetry or Telemetry(Role.DECODE, "decliner")
         self._timeout = min(SEND_TIMEOUT_S, timeouts.side_channel_s)
         self._q: queue.Queue[tuple[str, protocol.DeclineReq] | None] = queue.Queue(QUEUE)
         self._clients: dict[str, SideChannelClient] = {}
@@ -137,7 +138,7 @@ def batched(
     groups: list[tuple[str, protocol.DeclineReq, list[str]]] = []
     open_: dict[tuple[str, str], int] = {}  # merge key -> index in groups
     for address, msg in items:
-        if msg.origin == "decode":
+        if msg.origin == Role.DECODE:
             k = (address, msg.reason)
             i = open_.get(k)
             if i is not None and len(groups[i][2]) < MAX_DECLINE_BATCH:

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 
+from kvpush.config import Role
 from kvpush.telemetry.snapshot import Snapshot
 
 WINDOW_S = 10.0
@@ -30,8 +31,8 @@ MAX_SAMPLES = 256
 
 #: The counters of a push / request that succeeded and of one that failed, by role.
 OUTCOME_COUNTERS = {
-    "prefill": ("pushes_ok", "pushes_failed"),
-    "decode": ("requests_ok", "requests_failed"),
+    Role.PREFILL: ("pushes_ok", "pushes_failed"),
+    Role.DECODE: ("requests_ok", "requests_failed"),
 }
 
 
@@ -57,7 +58,7 @@ def sample_of(snap: Snapshot, t: float) -> Sample:
     )  # fmt: skip
 
 
-def data_path(base: Sample, now: Sample, role: str) -> Verdict:
+def data_path(base: Sample, now: Sample, role: Role) -> Verdict:
     """Pure: not healthy when, between ``base`` and ``now``, some attempts failed and none
     succeeded; the reason names the most frequent failure kinds."""
     ok, failed = now.ok - base.ok, now.failed - base.failed
@@ -65,7 +66,7 @@ def data_path(base: Sample, now: Sample, role: str) -> Verdict:
         return Verdict(True, "ok")
     kinds = {k: v - base.failures.get(k, 0) for k, v in now.failures.items()}
     top = sorted(((n, k) for k, n in kinds.items() if n > 0), reverse=True)[:3]
-    what = "pushes" if role == "prefill" else "requests"
+    what = "pushes" if role == Role.PREFILL else "requests"
     why = ", ".join(f"{k} x{n}" for n, k in top) or "no reason counted"
     return Verdict(
         False,

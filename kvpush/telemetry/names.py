@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from kvpush.config import Role
+
 
 class StrEnum(str, Enum):
     """A ``str`` whose value is its name on the wire and in telemetry (as 3.11's StrEnum)."""
@@ -201,10 +203,10 @@ RATE_COUNTERS: tuple[Counter, ...] = (
 #: What a multi-rank endpoint counts once per request, by role (each of its ranks counts its
 #: own share of every request in its own telemetry).
 REQUEST_COUNTERS: dict[str, tuple[Counter, ...]] = {
-    "prefill": (Counter.PREFILLS,),
-    "decode": (Counter.REQUESTS_OK, Counter.REQUESTS_FAILED),
+    Role.PREFILL: (Counter.PREFILLS,),
+    Role.DECODE: (Counter.REQUESTS_OK, Counter.REQUESTS_FAILED),
 }
-REQUEST_HISTS: dict[str, tuple[Hist, ...]] = {"prefill": (), "decode": (Hist.DECODE_LATENCY,)}
+REQUEST_HISTS: dict[str, tuple[Hist, ...]] = {Role.PREFILL: (), Role.DECODE: (Hist.DECODE_LATENCY,)}
 
 #: Gauges that are queue depths, with the words the live view shows for them.
 QUEUE_GAUGES: dict[Gauge, str] = {

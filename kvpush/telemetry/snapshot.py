@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from kvpush.config import Role
 from kvpush.telemetry.names import POOL_GAUGES, QUEUE_GAUGES, RATE_COUNTERS
 
 __all__ = [
@@ -92,7 +93,7 @@ class Snapshot(msgspec.Struct, frozen=True, omit_defaults=True):
     """
 
     ts: float  # wall clock, seconds since the epoch
-    role: str
+    role: Role
     engine_id: str
     incarnation: str
     uptime_s: float

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from kvpush.config import Role
 from kvpush.telemetry.names import RATE_COUNTERS
 from kvpush.telemetry.snapshot import (
     _HIGH,
@@ -112,7 +113,7 @@ class Telemetry:
 
     def __init__(
         self,
-        role: str,
+        role: Role,
         engine_id: str,
         incarnation: str = "",
         *,

@@ -14,6 +14,7 @@ from typing import Annotated, Literal, TypeAlias
 
 from msgspec import Meta, Struct
 
+from kvpush.config import Role
 from kvpush.wire.fields import (
     MAX_AGENT_METADATA_BYTES,
     Addr,
@@ -52,7 +53,7 @@ class EndpointMetadata(Struct, frozen=True, kw_only=True):
     protocol_version: int
     kvpush_version: Str128
     engine_id: Str128
-    role: Literal["prefill", "decode"]
+    role: Role
     incarnation: Str128
     agent_name: Str256
     host: Str256
@@ -266,7 +267,7 @@ class DeclineReq(Struct, tag="decline", frozen=True, kw_only=True):
     request_id: Str256 = ""  # D's request id (P -> D)
     reason: Str128
     detail: Str1k = ""
-    origin: Literal["prefill", "decode"]
+    origin: Role
     # D -> P: more transfers declined for the same reason (a refusing D under load batches
     # what queued up while the last one was sent, so P frees blocks as fast as D refuses);
     # ``request_id`` and ``detail`` are the first one's.

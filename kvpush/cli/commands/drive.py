@@ -27,7 +27,7 @@ from kvpush.cli.commands import leg as legs
 from kvpush.cli.commands.ending import finish
 from kvpush.cli.optspec import option
 from kvpush.cli.views import reports
-from kvpush.config import require_counts
+from kvpush.config import Role, require_counts
 from kvpush.errors import ConfigError
 from kvpush.runtime.signals import StopFlag
 
@@ -58,10 +58,10 @@ PROGRESS_EVERY_S = 3.0
 
 #: What each leg of drive's old spelling takes; any other option given is refused.
 OLD_LEG = {
-    "decode": frozenset(
+    Role.DECODE: frozenset(
         {"decode", "kv_transfer_params", "blocks", "alloc_delay", "timeout", "json_out"}
     ),
-    "prefill": frozenset({"prefill", "request_id", "blocks", "timeout", "json_out"}),
+    Role.PREFILL: frozenset({"prefill", "request_id", "blocks", "timeout", "json_out"}),
 }
 
 
@@ -78,8 +78,8 @@ def old_leg(ctx: typer.Context, token: bytes | None) -> None:
     """``drive --kv-transfer-params`` / ``drive --request-id``: the leg, as ``kvpush leg``
     runs it, after a deprecation note (refused with options of a load run)."""
     p = ctx.params
-    leg = "decode" if p["request_id"] is None else "prefill"
-    flag = "--kv-transfer-params" if leg == "decode" else "--request-id"
+    leg = Role.DECODE if p["request_id"] is None else Role.PREFILL
+    flag = "--kv-transfer-params" if leg == Role.DECODE else "--request-id"
     Console(stderr=True, highlight=False, soft_wrap=True).print(
         f"drive: note: 'drive {flag}' is deprecated: run 'kvpush leg {leg}' (the same options)"
     )
@@ -94,7 +94,7 @@ def old_leg(ctx: typer.Context, token: bytes | None) -> None:
             f"run 'kvpush leg {leg} --{leg} HOST:PORT ...' (see 'kvpush leg {leg} --help')",
         )
     blocks = p["blocks"] if _given(ctx, "blocks") else None
-    if leg == "decode":
+    if leg == Role.DECODE:
         legs.decode_leg(
             ends[0], p["kv_transfer_params"], blocks, p["timeout"], p["alloc_delay"], token,
             p["json_out"],

@@ -22,7 +22,7 @@ from rich.console import Console
 
 from kvpush.cli import options, stdio, translate
 from kvpush.cli.optspec import PANEL_OUT, option
-from kvpush.config import require_positive
+from kvpush.config import Role, require_positive
 from kvpush.errors import ConfigError, ExitStatus
 from kvpush.runtime.signals import StopFlag
 
@@ -312,7 +312,7 @@ def check(
     etcd = src.open()
     records = src.list(etcd)
     err = Console(stderr=True, highlight=False)
-    n_p = sum(1 for r in records if r.role == "prefill")
+    n_p = sum(1 for r in records if r.role == Role.PREFILL)
     if not json_out:
         err.print(
             f"fleet check: {n_p} P x {len(records) - n_p} D of cluster {src.cluster}, "

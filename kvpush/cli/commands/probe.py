@@ -18,7 +18,7 @@ import typer
 from kvpush.address import format_address, parse_address
 from kvpush.cli import options, stdio, translate
 from kvpush.cli.optspec import option
-from kvpush.config import AgentConfig, HandshakeMode, PoolConfig, require_positive
+from kvpush.config import AgentConfig, HandshakeMode, PoolConfig, Role, require_positive
 from kvpush.errors import (
     ConfigError,
     ExitStatus,
@@ -195,7 +195,7 @@ def _with_handshake(
 
     timeout, handshake, ping = p["timeout"], p["handshake"], p["ping"]
     base = EndpointConfig(
-        role="decode",
+        role=Role.DECODE,
         agent=agent,
         timeouts=Timeouts(side_channel_s=timeout, handshake_s=max(timeout, 1.0)),
         pool=translate.pool_config(p, num_blocks=4),

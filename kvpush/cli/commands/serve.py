@@ -48,7 +48,7 @@ log = logging.getLogger("kvpush.serve")
 LIVE_REFRESH_S = 0.25
 
 DOCS: dict[str, str] = {
-    "prefill": """Run a prefill endpoint (P): fill blocks on request and push them to decode
+    Role.PREFILL: """Run a prefill endpoint (P): fill blocks on request and push them to decode
     endpoints.
 
     P marks a request's blocks finished, matches them with D's PUSH_REG registration (either
@@ -56,7 +56,7 @@ DOCS: dict[str, str] = {
     memory with a completion notification. SIGINT, SIGTERM and SIGHUP drain and exit 0; a
     second signal exits at once (130). A closed stdout stops the telemetry lines, not the
     endpoint.""",
-    "decode": """Run a decode endpoint (D): allocate blocks on request and receive P's push into
+    Role.DECODE: """Run a decode endpoint (D): allocate blocks on request and receive P's push into
     them.
 
     D allocates blocks, handshakes with P (notification-only by default: D only ever notifies
@@ -73,7 +73,7 @@ def register(app: typer.Typer) -> None:
         )
 
 
-ROLES: tuple[Role, ...] = ("prefill", "decode")
+ROLES: tuple[Role, ...] = (Role.PREFILL, Role.DECODE)
 
 
 def _command(role: Role) -> Callable[..., None]:

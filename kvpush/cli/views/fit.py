@@ -29,6 +29,7 @@ from kvpush.cli.views.readings import (
     int_gauge,
     peer_ok,
 )
+from kvpush.config import Role
 from kvpush.telemetry.names import QUEUE_GAUGES, Gauge
 from kvpush.telemetry.snapshot import Snapshot
 
@@ -111,7 +112,7 @@ def _queues(snap: Snapshot) -> Text:
 def _rates(snap: Snapshot) -> tuple[Text, Text]:
     rates: list[tuple[str, str]] = []
     totals: list[tuple[str, str]] = []
-    for label, name in THROUGHPUT.get(snap.role, THROUGHPUT["prefill"]):
+    for label, name in THROUGHPUT.get(snap.role, THROUGHPUT[Role.PREFILL]):
         r = snap.rates.get(name)
         if name in BYTE_COUNTERS:
             rates.append((label, "-" if r is None else f"{r / 1e9:.2f}"))

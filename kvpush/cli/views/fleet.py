@@ -18,6 +18,7 @@ from rich.text import Text
 
 from kvpush.cli.views.live import section
 from kvpush.cli.views.readings import fmt_rate, fmt_uptime
+from kvpush.config import Role
 from kvpush.ops.fleet_check import CheckReport, PairResult
 from kvpush.ops.fleet_view import Change, FleetRow
 
@@ -54,7 +55,7 @@ def ls_table(rows: Sequence[FleetRow], cluster: str, *, rate: bool = False) -> R
     """The fleet as a table; ``rate`` adds the push rate column (the watch has two summaries)."""
     if not rows:
         return Text(f"cluster {cluster!r}: no endpoint registered", style="dim")
-    n_p = sum(1 for r in rows if r.record.role == "prefill")
+    n_p = sum(1 for r in rows if r.record.role == Role.PREFILL)
     t = section(f"cluster {cluster}: {n_p} prefill, {len(rows) - n_p} decode")
     for col, right in (
         ("role", False), ("address", False), ("host", False), ("engine id", False),
@@ -68,7 +69,7 @@ def ls_table(rows: Sequence[FleetRow], cluster: str, *, rate: bool = False) -> R
     for row in rows:
         r = row.record
         cells: list[Any] = [
-            "P" if r.role == "prefill" else "D",
+            "P" if r.role == Role.PREFILL else "D",
             r.address,
             r.host,
             r.engine_id,
@@ -95,8 +96,7 @@ def rows_json(rows: Iterable[FleetRow], cluster: str) -> dict[str, Any]:
 
 def event_line(ev: Change, t0: float) -> str:
     """One event as a plain line: ``+12.3s restart decode 10.0.0.7:5601 (host) ab12cd34 -> ...``."""
-    role = "prefill" if ev.role == "prefill" else "decode"
-    text = f"+{ev.t - t0:.1f}s {ev.kind} {role} {ev.address} ({ev.host}) "
+    text = f"+{ev.t - t0:.1f}s {ev.kind} {ev.role} {ev.address} ({ev.host}) "
     if ev.kind == "restart":
         return text + f"incarnation {short(ev.previous)} -> {short(ev.incarnation)}"
     return text + f"incarnation {short(ev.incarnation)}"

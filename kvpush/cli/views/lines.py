@@ -24,6 +24,7 @@ from kvpush.cli.views.readings import (
     primary_latency,
     rank_name,
 )
+from kvpush.config import Role
 from kvpush.telemetry.names import Counter, Gauge
 from kvpush.telemetry.snapshot import Snapshot
 
@@ -47,7 +48,7 @@ def render_plain(snap: Snapshot) -> str:
 def rank_line(snap: Snapshot, rank: str, tp: int) -> str:
     """One rank's short line: its throughput, queues, free blocks, peers and failures."""
     parts = [fmt_ts(snap.ts), _token(snap.role), _token(snap.engine_id), f"rank={rank}/{tp}"]
-    for label, name in RANK_THROUGHPUT.get(snap.role, RANK_THROUGHPUT["prefill"]):
+    for label, name in RANK_THROUGHPUT.get(snap.role, RANK_THROUGHPUT[Role.PREFILL]):
         rate = snap.rates.get(name, 0.0)
         value = f"{rate / 1e9:.2f}" if name in BYTE_COUNTERS else f"{rate:.0f}"
         parts.append(f"{label}={value}")

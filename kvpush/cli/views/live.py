@@ -42,6 +42,7 @@ from kvpush.cli.views.readings import (
     primary_latency,
     rank_name,
 )
+from kvpush.config import Role
 from kvpush.telemetry.names import QUEUE_GAUGES, Counter, Gauge
 from kvpush.telemetry.snapshot import Snapshot
 
@@ -57,19 +58,19 @@ _POOL_STATES = (  # gauge, label, bar character, style
 )
 #: The ``info`` keys the header shows, by role (a D has no writer mode, a P no D->P handshake).
 HEADER_INFO = {
-    "prefill": ("address", "device", "writer", "backends", "version"),
-    "decode": ("address", "device", "handshake", "backends", "version"),
+    Role.PREFILL: ("address", "device", "writer", "backends", "version"),
+    Role.DECODE: ("address", "device", "handshake", "backends", "version"),
 }
 #: Throughput rows by role: the rate's label and its counter (the ``now`` column is the rate,
 #: ``total`` the count). A P completes no requests itself (its requests are its pushes) and a D
 #: pushes nothing: each role shows only the rates it has.
 THROUGHPUT = {
-    "prefill": (
+    Role.PREFILL: (
         ("pushes/s", Counter.PUSHES_OK),
         ("GB/s", Counter.BYTES_PUSHED),
         ("notifs/s", Counter.NOTIFS_RECEIVED),
     ),
-    "decode": (
+    Role.DECODE: (
         ("requests/s", Counter.REQUESTS_OK),
         ("GB/s", Counter.BYTES_RECEIVED),
         ("notifs/s", Counter.NOTIFS_RECEIVED),
@@ -141,7 +142,7 @@ def _header(snap: Snapshot) -> Text:
     text.append(f"  {snap.engine_id}")
     if snap.incarnation:
         text.append(f" ({snap.incarnation})", style="dim")
-    for key in HEADER_INFO.get(snap.role, HEADER_INFO["prefill"]):
+    for key in HEADER_INFO.get(snap.role, HEADER_INFO[Role.PREFILL]):
         if key in info:
             text.append(f"  {key} ", style="dim")
             text.append(_devices(snap) if key == "device" and snap.ranks else str(info[key]))
@@ -212,7 +213,7 @@ def _throughput(snap: Snapshot) -> Table:
     t.add_column("")
     t.add_column("now", justify="right")
     t.add_column("total", justify="right")
-    for label, name in THROUGHPUT.get(snap.role, THROUGHPUT["prefill"]):
+    for label, name in THROUGHPUT.get(snap.role, THROUGHPUT[Role.PREFILL]):
         if name in (Counter.BYTES_PUSHED, Counter.BYTES_RECEIVED):
             now = f"{r[name] / 1e9:.2f}" if name in r else "-"
             t.add_row(label, now, fmt_bytes(c.get(name, 0)))
@@ -316,7 +317,7 @@ def ranks_table(
     ranks = snap.ranks
     queues = [(g, k) for g, k in queue_columns.items() if any(g in r.gauges for r in ranks)]
     pool = [(g, k) for g, k in pool_columns if any(g in r.gauges for r in ranks)]
-    rates = RANK_THROUGHPUT.get(snap.role, RANK_THROUGHPUT["prefill"])
+    rates = RANK_THROUGHPUT.get(snap.role, RANK_THROUGHPUT[Role.PREFILL])
     t.add_column("rank", justify="right", no_wrap=True)
     for _, label in (*queues, *pool):
         t.add_column(label, justify="right", no_wrap=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as _dt
 from collections.abc import Iterable
 
+from kvpush.config import Role
 from kvpush.telemetry.names import Counter, Gauge, Hist, PeerState
 from kvpush.telemetry.snapshot import HistSnapshot, Snapshot
 
@@ -22,7 +23,7 @@ OK_STATES = frozenset({PeerState.CONNECTED})
 BAD_STATES = frozenset({PeerState.FAILED, PeerState.DOWN})
 
 #: The latency that the plain line reports as ``p99`` for each role (else the first histogram).
-PRIMARY_LATENCY = {"prefill": Hist.PUSH_LATENCY, "decode": Hist.DECODE_LATENCY}
+PRIMARY_LATENCY = {Role.PREFILL: Hist.PUSH_LATENCY, Role.DECODE: Hist.DECODE_LATENCY}
 
 #: The queue gauges of a plain line (and the ``Ranks`` table), by the key they print as.
 PLAIN_QUEUE_KEYS = {
@@ -34,8 +35,8 @@ PLAIN_QUEUE_KEYS = {
 }
 #: The per-rank throughput by role: label, counter whose rate it shows.
 RANK_THROUGHPUT = {
-    "prefill": (("pushes/s", Counter.PUSHES_OK), ("GB/s", Counter.BYTES_PUSHED)),
-    "decode": (("req/s", Counter.REQUESTS_OK), ("notifs/s", Counter.NOTIFS_RECEIVED)),
+    Role.PREFILL: (("pushes/s", Counter.PUSHES_OK), ("GB/s", Counter.BYTES_PUSHED)),
+    Role.DECODE: (("req/s", Counter.REQUESTS_OK), ("notifs/s", Counter.NOTIFS_RECEIVED)),
 }
 BYTE_COUNTERS = frozenset({Counter.BYTES_PUSHED, Counter.BYTES_RECEIVED})
 

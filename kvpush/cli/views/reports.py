@@ -17,6 +17,7 @@ from rich.text import Text
 
 from kvpush.cli.views.live import render_live
 from kvpush.cli.views.readings import fmt_bytes, fmt_ms
+from kvpush.config import Role
 from kvpush.ops.probe_report import served_ranks  # pure: no sockets, safe for Tab completion
 from kvpush.telemetry.snapshot import snapshot_from_dict
 
@@ -209,7 +210,7 @@ def leg_report(r: Any) -> RenderableType:
         f"{params.get('remote_engine_id', '?')} at {params.get('remote_host', '?')}:"
         f"{params.get('remote_port', '?')} (tp {params.get('tp_size', 1)})"
     )
-    if r.leg == "decode":
+    if r.leg == Role.DECODE:
         t.add("D", r.address)
         t.add("P", peer)
         t.add("request", f"{r.request_id or '?'} (P's {params.get('remote_request_id', '?')})")
@@ -218,7 +219,7 @@ def leg_report(r: Any) -> RenderableType:
         t.add("request", r.request_id)
     if r.detail:
         t.add("detail", r.detail)
-    moved = "received" if r.leg == "decode" else "pushed"
+    moved = "received" if r.leg == Role.DECODE else "pushed"
     t.add(moved, f"{fmt_bytes(r.nbytes)} ({r.nbytes} bytes) in {r.seconds:.2f} s")
     if r.sha256:
         t.add("sha256", r.sha256)
