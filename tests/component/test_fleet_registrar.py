@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from kvpush.config import Role
 from kvpush.errors import ConfigError
 from kvpush.fleet.config import RegistryConfig, read_password_file
 from kvpush.fleet.etcd import Etcd
@@ -29,7 +30,7 @@ KEY = endpoint_key("t", ADDR)
 
 def rec() -> EndpointRecord:
     return EndpointRecord(
-        role="decode",
+        role=Role.DECODE,
         engine_id="d1",
         incarnation="inc-1",
         address=ADDR,
@@ -82,7 +83,7 @@ def value(e: Etcd) -> EndpointRecord | None:
 
 def test_registers_refreshes_and_leaves(etcd) -> None:
     e = Etcd([etcd.url])
-    tm = Telemetry("decode", "d1")
+    tm = Telemetry(Role.DECODE, "d1")
     r = registrar(etcd.url, tm=tm)
     r.start()
     until("registered", lambda: value(e))
@@ -139,7 +140,7 @@ def test_etcd_down_at_start_then_up(tmp_path: Path, caplog: pytest.LogCaptureFix
 
     caplog.set_level(logging.INFO, "kvpush.fleet.registrar")
     server = EtcdServer(tmp_path / "late")
-    tm = Telemetry("decode", "d1")
+    tm = Telemetry(Role.DECODE, "d1")
     r = registrar(server.url, tm=tm)
     r.start()
     until("errors counted", lambda: r.errors >= 3)
@@ -232,19 +233,19 @@ def s(t: float, ok: int, failed: int, **fails: int) -> Sample:
 
 
 def test_data_path_verdicts() -> None:
-    assert data_path(s(0, 0, 0), s(10, 0, 0), "decode").ok  # idle: ready
-    assert data_path(s(0, 0, 0), s(10, 5, 3), "decode").ok  # some succeed: ready
+    assert data_path(s(0, 0, 0), s(10, 0, 0), Role.DECODE).ok  # idle: ready
+    assert data_path(s(0, 0, 0), s(10, 5, 3), Role.DECODE).ok  # some succeed: ready
     v = data_path(
         s(0, 2, 1, prefill_unreachable=1),
         s(10, 2, 7, prefill_unreachable=5, deadline=2),
-        "decode",
+        Role.DECODE,
     )
     assert not v.ok
     assert v.reason == (
         "data path failing: 6 requests failed and none succeeded in the last 10s "
         "(prefill_unreachable x4, deadline x2)"
     )
-    assert "pushes failed" in data_path(s(0, 0, 0), s(3, 0, 1), "prefill").reason
+    assert "pushes failed" in data_path(s(0, 0, 0), s(3, 0, 1), Role.PREFILL).reason
 
 
 class Clock:
@@ -260,7 +261,7 @@ def test_probes_closer_than_half_a_second_keep_the_successes_they_bracket() -> N
     (a sample that moved was dropped for coming too soon, and the old idle base then counted
     the four successes against the failures: /readyz stayed 200 in a CI run)."""
     clock = Clock()
-    tm = Telemetry("decode", "d", clock=clock)
+    tm = Telemetry(Role.DECODE, "d", clock=clock)
     h = Health(tm.snapshot, lambda: None, lambda: False, window_s=10, clock=clock)
     assert h.ready().ok
     tm.inc("requests_ok", 4)
@@ -275,7 +276,7 @@ def test_probes_closer_than_half_a_second_keep_the_successes_they_bracket() -> N
 
 def test_health_windows_and_order_of_checks() -> None:
     clock = Clock()
-    tm = Telemetry("decode", "d", clock=clock)
+    tm = Telemetry(Role.DECODE, "d", clock=clock)
     failure: list[BaseException] = []
     stopping: list[bool] = []
     h = Health(
@@ -310,7 +311,7 @@ def test_health_windows_and_order_of_checks() -> None:
     clock.t = 148.0
     v = h.ready()
     assert not v.ok and "2 requests failed" in v.reason, v
-    h.registration = lambda: data_path(s(0, 0, 0), s(1, 0, 1), "decode")
+    h.registration = lambda: data_path(s(0, 0, 0), s(1, 0, 1), Role.DECODE)
     assert h.ready().reason.startswith("data path failing")
     stopping.append(True)
     assert h.ready().reason.startswith("stopping")

@@ -45,8 +45,8 @@ NOTIF, FULL = HandshakeMode.NOTIF, HandshakeMode.FULL
 class Env:
     def __init__(self, timeouts: Timeouts, token: bytes | None) -> None:
         self.agent = FakeAgent(name="p-hs#fake")
-        self.tm = Telemetry("prefill", "p-hs")
-        md = make_metadata("prefill", P_POOL, engine_id="p-hs", incarnation=uuid.uuid4().hex)
+        self.tm = Telemetry(Role.PREFILL, "p-hs")
+        md = make_metadata(Role.PREFILL, P_POOL, engine_id="p-hs", incarnation=uuid.uuid4().hex)
         self.hs = HandshakeManager(
             self.agent,
             md,
@@ -58,7 +58,7 @@ class Env:
         self.holes: list[BlackHole] = []
 
     def stub(
-        self, role: Role = "decode", pool: PoolConfig | None = None, **kw: Unpack[StubOptions]
+        self, role: Role = Role.DECODE, pool: PoolConfig | None = None, **kw: Unpack[StubOptions]
     ) -> StubPeer:
         s = StubPeer(role, pool or stub_pool(num_blocks=40), **kw)
         self.stubs.append(s)

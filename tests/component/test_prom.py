@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpush.config import Role
 from kvpush.errors import BindError
 from kvpush.telemetry.merge import merge
 from kvpush.telemetry.names import Counter, Failure
@@ -25,7 +26,7 @@ from tests.support.procs import Launcher
 
 
 def busy_telemetry() -> Telemetry:
-    tel = Telemetry("prefill", "p-abc", "inc-1")
+    tel = Telemetry(Role.PREFILL, "p-abc", "inc-1")
     tel.info(device="cpu", writer="deferred", backends="UCX", version="0.1.0")
     for name, value in {
         "deferred": 2,
@@ -150,7 +151,7 @@ def test_port_in_use_is_a_bind_error(exporter: tuple[PrometheusExporter, Telemet
 
 
 def test_stop_closes_the_port_and_is_idempotent() -> None:
-    exp = PrometheusExporter(Telemetry("decode", "d-1").snapshot)
+    exp = PrometheusExporter(Telemetry(Role.DECODE, "d-1").snapshot)
     exp.start()
     url = exp.url
     with urllib.request.urlopen(url, timeout=5) as resp:
@@ -163,7 +164,7 @@ def test_stop_closes_the_port_and_is_idempotent() -> None:
 
 
 def test_family_names_are_sanitised_and_unique() -> None:
-    tel = Telemetry("prefill", "p-1")
+    tel = Telemetry(Role.PREFILL, "p-1")
     tel.inc("weird-name.x")
     tel.inc("already_total")
     tel.inc("failures")  # would clash with kvpush_failures_total: the first family wins
@@ -179,7 +180,7 @@ def test_family_names_are_sanitised_and_unique() -> None:
 
 def decode_rank(rank: int) -> Telemetry:
     """Rank ``rank`` of a TP-2 decode endpoint: its own queue, pool, peers and shares."""
-    tel = Telemetry("decode", "p-abc", "inc-1")
+    tel = Telemetry(Role.DECODE, "p-abc", "inc-1")
     tel.info(device=f"cuda:{rank}", agent=f"p-abc#inc.r{rank}", version="0.1.0", rank=rank,
              tp_size=2, handshake="notif")  # fmt: skip
     for name, value in {"d_waiting": 3 + rank, "pool_free": 60 - rank, "pool_total": 64}.items():
@@ -198,7 +199,7 @@ def decode_rank(rank: int) -> Telemetry:
 
 def test_ranks_have_a_rank_label_and_sums_count_once() -> None:
     ranks = [decode_rank(0), decode_rank(1)]
-    top = Telemetry("decode", "p-abc", "inc-1")
+    top = Telemetry(Role.DECODE, "p-abc", "inc-1")
     top.inc("requests_ok", 4)
     top.declare(counters=["requests_failed"])
     for _ in range(4):

@@ -21,7 +21,7 @@ from typing import Unpack
 import numpy as np
 import pytest
 
-from kvpush.config import EndpointConfig, HandshakeMode, Timeouts
+from kvpush.config import EndpointConfig, HandshakeMode, Role, Timeouts
 from kvpush.decode.group import DecodeGroup
 from kvpush.decode.limits import QUARANTINE_REPORT_S
 from kvpush.decode.order import DecodeOrder
@@ -62,7 +62,7 @@ class Rig:
     stubs: list[StubPeer] = field(default_factory=list)
 
     def stub(self, **kw: Unpack[StubOptions]) -> StubPeer:
-        s = StubPeer("prefill", stub_pool(num_blocks=32), **kw)
+        s = StubPeer(Role.PREFILL, stub_pool(num_blocks=32), **kw)
         self.stubs.append(s)
         return s
 
@@ -124,7 +124,7 @@ class Rig:
 
 def _make_rig(handshake: HandshakeMode = HandshakeMode.NOTIF, tp_size: int = 1) -> Rig:
     cfg = EndpointConfig(
-        role="decode",
+        role=Role.DECODE,
         engine_id="d-test",
         pool=D_POOL,
         timeouts=Timeouts(side_channel_s=5, handshake_s=5, heartbeat_s=5),
@@ -133,10 +133,10 @@ def _make_rig(handshake: HandshakeMode = HandshakeMode.NOTIF, tp_size: int = 1) 
     )
     agent = FakeAgent(name="d-test#fake")
     pool = KvPool(D_POOL)
-    tm = Telemetry("decode", "d-test")
+    tm = Telemetry(Role.DECODE, "d-test")
     auth = Authenticator(None)
     md = make_metadata(
-        "decode", D_POOL, engine_id="d-test", incarnation=uuid.uuid4().hex, tp_size=tp_size
+        Role.DECODE, D_POOL, engine_id="d-test", incarnation=uuid.uuid4().hex, tp_size=tp_size
     )
     hs = HandshakeManager(agent, md, auth, cfg.timeouts, tm)
     codec = NotifCodec(auth)

@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvpush.config import Role
 from kvpush.telemetry.merge import merge
 from kvpush.telemetry.names import RATE_COUNTERS
 from kvpush.telemetry.snapshot import (
@@ -43,7 +44,7 @@ class FakeClock:
 def sample_telemetry(clock: FakeClock | None = None) -> Telemetry:
     """A small but complete telemetry store: every section of a snapshot has content."""
     clock = clock or FakeClock()
-    tel = Telemetry("prefill", "p-abc", "inc-1", clock=clock, wall_clock=lambda: 1.8e9 + clock.t)
+    tel = Telemetry(Role.PREFILL, "p-abc", "inc-1", clock=clock, wall_clock=lambda: 1.8e9 + clock.t)
     tel.info(address="127.0.0.1:5600", device="cpu", writer="deferred", workers=4, ratio=0.5)
     tel.gauge_fn("deferred", lambda: 2)
     tel.gauge_fn("pool_free", lambda: 1000)
@@ -164,7 +165,7 @@ def test_buckets_are_sparse_cumulative_and_expand_to_every_bound() -> None:
 
 
 def test_counters_from_several_threads_sum_exactly() -> None:
-    tel = Telemetry("prefill", "p-1")
+    tel = Telemetry(Role.PREFILL, "p-1")
     n_threads, n_iter = 8, 5_000
     start = threading.Barrier(n_threads)
 
@@ -192,7 +193,7 @@ def test_counters_from_several_threads_sum_exactly() -> None:
 
 
 def test_declare_shows_names_at_zero() -> None:
-    tel = Telemetry("decode", "d-1")
+    tel = Telemetry(Role.DECODE, "d-1")
     tel.declare(counters=["requests_ok"], failures=["peer_dead"], histograms=["decode_latency"])
     tel.inc("requests_ok")
     s = tel.snapshot()
@@ -213,7 +214,7 @@ def test_window_rates_is_pure_arithmetic() -> None:
 
 def test_rates_follow_a_sliding_window() -> None:
     clock = FakeClock()
-    tel = Telemetry("prefill", "p-1", clock=clock)
+    tel = Telemetry(Role.PREFILL, "p-1", clock=clock)
     assert set(tel.snapshot().rates) == set(RATE_COUNTERS)
     # 1000 pushes/s and 1 MB/s for ten seconds, sampled every half second.
     for _ in range(20):
@@ -236,7 +237,7 @@ def test_rates_follow_a_sliding_window() -> None:
 
 def test_rate_uses_the_start_as_base_before_the_window_fills() -> None:
     clock = FakeClock()
-    tel = Telemetry("prefill", "p-1", clock=clock)
+    tel = Telemetry(Role.PREFILL, "p-1", clock=clock)
     clock.t += 0.5
     tel.inc("pushes_ok", 50)
     assert tel.snapshot().rates["pushes_ok"] == pytest.approx(100.0)
@@ -247,7 +248,7 @@ def test_rate_uses_the_start_as_base_before_the_window_fills() -> None:
 
 def test_gauges_and_peers_are_read_at_snapshot_time() -> None:
     depth = [3]
-    tel = Telemetry("prefill", "p-1")
+    tel = Telemetry(Role.PREFILL, "p-1")
     tel.gauge_fn("deferred", lambda: depth[0])
     tel.peers_fn(lambda: [{"peer": "a", "state": "ready"}])
     tel.peers_fn(
@@ -266,7 +267,7 @@ def test_gauges_and_peers_are_read_at_snapshot_time() -> None:
 
 
 def test_broken_gauge_is_left_out_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    tel = Telemetry("prefill", "p-1")
+    tel = Telemetry(Role.PREFILL, "p-1")
 
     def broken() -> float:
         raise RuntimeError("queue gone")
@@ -301,7 +302,7 @@ def test_snapshot_fields() -> None:
     assert s.histograms["push_latency"].count == 4
     assert s.peers[0]["peer"] == "127.0.0.1:5700"
     with pytest.raises(AttributeError):
-        s.role = "decode"  # type: ignore[misc]
+        s.role = Role.DECODE  # type: ignore[misc]
 
 
 def test_snapshot_round_trips_through_dict_json_and_msgpack() -> None:
@@ -363,7 +364,7 @@ def test_merged_fragmentation_gauges_are_not_summed() -> None:
     """Free blocks add up over ranks; the largest free run and the mean run length do not."""
     snaps = []
     for values in ((10.0, 8.0, 4.0), (6.0, 3.0, 2.0)):
-        t = Telemetry("decode", "d-x")
+        t = Telemetry(Role.DECODE, "d-x")
         names = ("pool_free", "pool_largest_free_run", "alloc_mean_run_len")
         for name, v in zip(names, values, strict=True):
             t.gauge_fn(name, functools.partial(float, v))

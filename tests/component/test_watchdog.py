@@ -24,6 +24,7 @@ from prometheus_client.core import Metric
 from rich.console import Console
 
 from kvpush.cli.views.live import render_live
+from kvpush.config import Role
 from kvpush.runtime.watchdog import PROCESS, Watchdog
 from kvpush.telemetry.heartbeat import Heartbeat
 from kvpush.telemetry.names import Counter, Gauge
@@ -92,7 +93,7 @@ class Looper:
 
 
 def test_a_blocked_thread_is_reported_once_with_its_stack_and_recovers() -> None:
-    tm = Telemetry("decode", "d-test")
+    tm = Telemetry(Role.DECODE, "d-test")
     wd = Watchdog(TIMEOUT, period_s=0.05)
     with Looper("receiver-test") as lp, Looper("sidechannel-test") as healthy:
         wd.watch(lp.hb, tm)

@@ -23,7 +23,7 @@ from typing import Unpack
 import numpy as np
 import pytest
 
-from kvpush.config import EndpointConfig, HandshakeMode, Timeouts
+from kvpush.config import EndpointConfig, HandshakeMode, Role, Timeouts
 from kvpush.errors import ShuttingDownError
 from kvpush.instruments import Instruments, WriterMode
 from kvpush.memory.allocator import BlockState
@@ -68,7 +68,7 @@ class Rig:
 
     # -- peers ------------------------------------------------------------------------------
     def stub(self, **kw: Unpack[StubOptions]) -> StubPeer:
-        s = StubPeer("decode", stub_pool(num_blocks=48), **kw)
+        s = StubPeer(Role.DECODE, stub_pool(num_blocks=48), **kw)
         self.stubs.append(s)
         return s
 
@@ -133,16 +133,16 @@ class Rig:
 
 def _make_rig(mode: WriterMode = WriterMode.DEFERRED) -> Rig:
     cfg = EndpointConfig(
-        role="prefill",
+        role=Role.PREFILL,
         engine_id="p-test",
         pool=P_POOL,
         timeouts=Timeouts(side_channel_s=5, handshake_s=5),
     )
     agent = FakeAgent(name="p-test#fake")
     pool = KvPool(P_POOL)
-    tm = Telemetry("prefill", "p-test")
+    tm = Telemetry(Role.PREFILL, "p-test")
     auth = Authenticator(None)
-    md = make_metadata("prefill", P_POOL, engine_id="p-test", incarnation=uuid.uuid4().hex)
+    md = make_metadata(Role.PREFILL, P_POOL, engine_id="p-test", incarnation=uuid.uuid4().hex)
     hs = HandshakeManager(agent, md, auth, cfg.timeouts, tm)
     codec = NotifCodec(auth)
     dialect = KvpushDialect(auth)

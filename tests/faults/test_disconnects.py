@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.config import AgentConfig, HandshakeMode, PoolConfig, Timeouts
+from kvpush.config import AgentConfig, HandshakeMode, PoolConfig, Role, Timeouts
 from kvpush.peers.handshakes import HandshakeManager
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport import nixl
@@ -158,8 +158,8 @@ def test_handshakes_to_one_peer_are_single_flight_with_a_real_agent(tmp_path: Pa
         p = c.start("prefill", "p")
         agent = _CountingAgent(f"d-sf#{uuid.uuid4().hex[:8]}")
         pool = PoolConfig(num_blocks=256, layers=2, block_bytes=16 * 1024)
-        md = make_metadata("decode", pool, engine_id="d-sf", incarnation=uuid.uuid4().hex)
-        tm = Telemetry("decode", "d-sf")
+        md = make_metadata(Role.DECODE, pool, engine_id="d-sf", incarnation=uuid.uuid4().hex)
+        tm = Telemetry(Role.DECODE, "d-sf")
         hs = HandshakeManager(agent, md, Authenticator(None), Timeouts(), tm)
         host, port = p.address.rsplit(":", 1)
         key = (host, int(port), 0)

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from kvpush.config import Role
 from kvpush.decode.limits import MAX_DELAYED_REQUESTS
 from kvpush.prefill.limits import MAX_DECLINED_IDS, MAX_PUSH_WAITS
 from kvpush.wire import protocol
@@ -95,7 +96,7 @@ def test_decline_flood_is_capped_and_p_keeps_pushing(serve: ServeFactory) -> Non
         ids = [f"{tag}-{i}-{j}" for j in range(per)]
         f.send(
             protocol.DeclineReq(
-                transfer_id=ids[0], also=ids[1:], reason="no_free_blocks", origin="decode"
+                transfer_id=ids[0], also=ids[1:], reason="no_free_blocks", origin=Role.DECODE
             )
         )
     reps = f.collect(n, 30)

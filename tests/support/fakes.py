@@ -380,7 +380,7 @@ class StubPeer:
 
     def __init__(
         self,
-        role: Role = "decode",
+        role: Role = Role.DECODE,
         pool: PoolConfig | None = None,
         *,
         engine_id: str = "",

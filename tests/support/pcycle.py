@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 
-from kvpush.config import EndpointConfig, PoolConfig
+from kvpush.config import EndpointConfig, PoolConfig, Role
 from kvpush.ops.driver import DriveConfig, Driver
 from kvpush.ops.engine import open_endpoint
 
@@ -32,7 +32,7 @@ def main() -> int:
     reasons: Counter[str] = Counter()
     for _ in range(cycles):
         ep = open_endpoint(
-            EndpointConfig(role="prefill", tp_size=tp, pool=replace(POOL_CFG, tp_size=tp))
+            EndpointConfig(role=Role.PREFILL, tp_size=tp, pool=replace(POOL_CFG, tp_size=tp))
         )
         try:
             rep = Driver(

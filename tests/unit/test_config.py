@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from kvpush.address import format_address, parse_address
-from kvpush.config import AgentConfig, EndpointConfig, KvRegions, PoolConfig, Timeouts
+from kvpush.config import AgentConfig, EndpointConfig, KvRegions, PoolConfig, Role, Timeouts
 from kvpush.errors import ConfigError, ExitStatus
 
 
@@ -180,11 +180,11 @@ def test_write_deadline_is_size_aware() -> None:
 
 
 def test_endpoint_defaults() -> None:
-    c = EndpointConfig(role="decode")
+    c = EndpointConfig(role=Role.DECODE)
     assert c.host == "127.0.0.1"  # loopback unless told otherwise
     assert c.engine_id.startswith("d-") and len(c.engine_id) == 14
-    assert EndpointConfig(role="decode").engine_id != c.engine_id
-    assert EndpointConfig(role="prefill", engine_id="p.1:a@b_c-d").engine_id == "p.1:a@b_c-d"
+    assert EndpointConfig(role=Role.DECODE).engine_id != c.engine_id
+    assert EndpointConfig(role=Role.PREFILL, engine_id="p.1:a@b_c-d").engine_id == "p.1:a@b_c-d"
 
 
 @pytest.mark.parametrize(
@@ -230,7 +230,7 @@ def test_endpoint_validation(kw: dict[str, object], message: str, hint: str | No
 
 
 def test_all_interfaces_only_on_purpose() -> None:
-    c = EndpointConfig(role="prefill", host="0.0.0.0", allow_all_interfaces=True)
+    c = EndpointConfig(role=Role.PREFILL, host="0.0.0.0", allow_all_interfaces=True)
     assert c.host == "0.0.0.0"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvpush.config import Role
 from kvpush.runtime.decline import batched
 from kvpush.wire import protocol
 from kvpush.wire.side_messages import MAX_DECLINE_BATCH
@@ -9,7 +10,7 @@ from kvpush.wire.side_messages import MAX_DECLINE_BATCH
 
 def _d(tid: str, reason: str = "no_free_blocks", detail: str = "") -> protocol.DeclineReq:
     return protocol.DeclineReq(
-        transfer_id=tid, request_id=f"d-{tid}", reason=reason, detail=detail, origin="decode"
+        transfer_id=tid, request_id=f"d-{tid}", reason=reason, detail=detail, origin=Role.DECODE
     )
 
 
@@ -31,7 +32,7 @@ def test_ds_declines_to_one_p_for_one_reason_go_together() -> None:
 
 def test_ps_declines_name_a_request_and_stay_alone() -> None:
     p_side = protocol.DeclineReq(
-        transfer_id="t", request_id="r", reason="shutting_down", origin="prefill"
+        transfer_id="t", request_id="r", reason="shutting_down", origin=Role.PREFILL
     )
     got = batched([("d:1", p_side), ("d:1", p_side)])
     assert [(m, n) for _, m, n in got] == [(p_side, 1), (p_side, 1)]

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from kvpush.config import HandshakeMode
+from kvpush.config import HandshakeMode, Role
 from kvpush.decode.requests import (
     Abandoned,
     Delay,
@@ -27,7 +27,7 @@ P_ADDR = ("127.0.0.1", 7000)
 
 
 def _conn(rank: int, agent: str = "") -> PeerConn:
-    md = make_metadata("prefill", stub_pool(num_blocks=4), engine_id="p", incarnation="i")
+    md = make_metadata(Role.PREFILL, stub_pool(num_blocks=4), engine_id="p", incarnation="i")
     return PeerConn(
         key=(*P_ADDR, rank),
         metadata=md,

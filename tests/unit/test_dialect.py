@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from kvpush.config import EndpointConfig, Timeouts, VllmWireConfig, Wire
+from kvpush.config import EndpointConfig, Role, Timeouts, VllmWireConfig, Wire
 from kvpush.errors import IncompatiblePeerError
 from kvpush.peers.dialect import KvpushDialect, VllmDialect, dialect_for
 from kvpush.peers.vllm_peer import PeerHint, check_vllm_answer
@@ -45,9 +45,9 @@ def _push_reg(request_id: str, transfer_id: str = "", d_rank: int = 0) -> protoc
 
 
 def test_the_config_chooses_the_dialect_and_its_codec() -> None:
-    kv = dialect_for(EndpointConfig(role="prefill"), Authenticator(None))
+    kv = dialect_for(EndpointConfig(role=Role.PREFILL), Authenticator(None))
     assert isinstance(kv, KvpushDialect) and isinstance(kv.codec, NotifCodec)
-    cfg = EndpointConfig(role="decode", wire=Wire.VLLM, vllm=WIRE, max_notif_bytes=4096)
+    cfg = EndpointConfig(role=Role.DECODE, wire=Wire.VLLM, vllm=WIRE, max_notif_bytes=4096)
     v = dialect_for(cfg, Authenticator(None))
     assert isinstance(v, VllmDialect) and isinstance(v.codec, VllmNotifCodec)
     assert v.codec.max_bytes == 4096
@@ -83,7 +83,7 @@ def test_a_failed_request_is_cancelled_or_held_for_ps_lease() -> None:
 
 
 def test_kvpush_answers_no_metadata_and_serves_its_own_handshake() -> None:
-    md = make_metadata("prefill", stub_pool(), engine_id="p", incarnation=uuid.uuid4().hex)
+    md = make_metadata(Role.PREFILL, stub_pool(), engine_id="p", incarnation=uuid.uuid4().hex)
     assert KVPUSH.answer(md, b"agent") == ("kvpush:" + protocol.compat_hash(md), b"")
     assert KVPUSH.compat_hash(md) == protocol.compat_hash(md)
     assert KVPUSH.refuse_handshake(protocol.HandshakeReq(mode="full", requester="d")) is None
@@ -95,15 +95,15 @@ def test_a_vllm_answer_passes_a_vllm_peers_checks() -> None:
     """What one ``--wire vllm`` endpoint answers, another with the same geometry accepts; a
     peer with another hash refuses it before decoding anything."""
     pool = stub_pool(kv_layout="NHD")
-    p = make_metadata("prefill", pool, engine_id="p", incarnation=uuid.uuid4().hex)
-    d = make_metadata("decode", pool, engine_id="d", incarnation=uuid.uuid4().hex)
+    p = make_metadata(Role.PREFILL, pool, engine_id="p", incarnation=uuid.uuid4().hex)
+    d = make_metadata(Role.DECODE, pool, engine_id="d", incarnation=uuid.uuid4().hex)
     compat, amd = VLLM.answer(p, b"nixl-agent-bytes")
     assert compat == HASH == VLLM.compat_hash(p)
     payload = vllm.HandshakePayload(compat, amd, None)
-    got = check_vllm_answer("p:1", payload, d, WIRE, PeerHint("p", 1, "prefill"), "prefill")
+    got = check_vllm_answer("p:1", payload, d, WIRE, PeerHint("p", 1, Role.PREFILL), Role.PREFILL)
     assert got.agent_metadata == b"nixl-agent-bytes"
     assert got.metadata.region_base_addrs == p.region_base_addrs
     assert got.block_strides == [pool.block_bytes] * pool.regions
     other = VllmWireConfig(compat_hash="cd" * 32, block_size=32, attn_backend_name="CPU_ATTN")
     with pytest.raises(IncompatiblePeerError, match="compatibility hash"):
-        check_vllm_answer("p:1", payload, d, other, PeerHint(), "prefill")
+        check_vllm_answer("p:1", payload, d, other, PeerHint(), Role.PREFILL)

@@ -19,7 +19,7 @@ T = 1_800_000_000.0
 
 
 def rec(
-    role: Role = "decode",
+    role: Role = Role.DECODE,
     address: str = "10.0.0.2:5601",
     incarnation: str = "inc-1",
     *,
@@ -58,7 +58,7 @@ def rec(
 
 
 def test_pair_differences_names_each_field() -> None:
-    p = rec("prefill", "10.0.0.1:5600")
+    p = rec(Role.PREFILL, "10.0.0.1:5600")
     assert pair_differences(p, rec()) == []
     d = rec(dtype="float16", layers=4, compat="h2")
     assert pair_differences(p, d) == [
@@ -67,7 +67,7 @@ def test_pair_differences_names_each_field() -> None:
     # Another protocol: the hash differs on no geometry field, and is named itself.
     assert pair_differences(p, rec(compat="h9")) == [("compat_hash", "h1", "h9")]
     # One model at TP 2 (per-rank page half the size) vs TP 1: the model's pages agree.
-    p2 = rec("prefill", "10.0.0.1:5600", tp=2, kv_heads=4, block_bytes=2048, compat="x")
+    p2 = rec(Role.PREFILL, "10.0.0.1:5600", tp=2, kv_heads=4, block_bytes=2048, compat="x")
     d1 = rec(tp=1, kv_heads=4, block_bytes=4096, compat="y")
     assert pair_differences(p2, d1) == [("compat_hash", "x", "y")]
     assert ("tp_size", 2, 3) in pair_differences(p2, rec(tp=3, compat="x"))
@@ -77,7 +77,7 @@ def test_record_health_and_blocks_for_size() -> None:
     assert record_health(rec(), T) == "ok"
     assert record_health(rec(load=Load(free_blocks=5, updated_at=T - 60)), T) == "stale"
     assert record_health(rec(load=Load(free_blocks=0, updated_at=T)), T) == "full"
-    p = rec("prefill", "10.0.0.1:5600")  # a block: 4 regions x 4096 = 16 KiB
+    p = rec(Role.PREFILL, "10.0.0.1:5600")  # a block: 4 regions x 4096 = 16 KiB
     assert blocks_for_size(1 << 20, p, rec()) == (64, "")
     assert blocks_for_size(1, p, rec()) == (1, "")
     n, note = blocks_for_size(4 << 20, p, rec())
@@ -86,7 +86,7 @@ def test_record_health_and_blocks_for_size() -> None:
 
 def test_model_join_update_restart_leave_and_rate() -> None:
     m = FleetModel()
-    m.load([rec("prefill", "10.0.0.1:5600")])
+    m.load([rec(Role.PREFILL, "10.0.0.1:5600")])
     a = "10.0.0.2:5601"
     ev = m.put(rec(address=a, load=Load(pushes_total=10, updated_at=T)), T)
     assert ev is not None and ev.kind == "join"
@@ -118,7 +118,7 @@ def _render(obj: object) -> str:
 
 
 def test_ls_table_and_json() -> None:
-    rows = rows_of([rec(), rec("prefill", "10.0.0.1:5600", "abcdef0123456789")], T)
+    rows = rows_of([rec(), rec(Role.PREFILL, "10.0.0.1:5600", "abcdef0123456789")], T)
     text = _render(views.ls_table(rows, "prod"))
     assert "cluster prod: 1 prefill, 1 decode" in text
     assert text.index("10.0.0.1:5600") < text.index("10.0.0.2:5601")  # P first

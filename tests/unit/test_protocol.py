@@ -16,13 +16,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvpush import PROTOCOL_VERSION
+from kvpush.config import Role
 from kvpush.errors import AuthError, ProtocolError
 from kvpush.wire import protocol, vllm
 from kvpush.wire.auth import CH_NOTIF, CH_REQUEST, Authenticator
 from kvpush.wire.notifs import NotifCodec
 from tests.support.fakes import make_metadata, stub_pool
 
-MD = make_metadata("decode", stub_pool(), engine_id="d-1", incarnation="f" * 32, port=5600)
+MD = make_metadata(Role.DECODE, stub_pool(), engine_id="d-1", incarnation="f" * 32, port=5600)
 
 REQUESTS: list[protocol.SideRequest] = [
     protocol.HandshakeReq(rid=1, mode="full", requester="p-1"),

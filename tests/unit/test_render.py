@@ -10,6 +10,7 @@ from rich.console import Console
 from kvpush.cli.views.lines import render_json, render_plain
 from kvpush.cli.views.live import render_live, render_summary_table
 from kvpush.cli.views.readings import fmt_ms, fmt_uptime
+from kvpush.config import Role
 from kvpush.telemetry.merge import merge
 from kvpush.telemetry.snapshot import Snapshot, snapshot_from_dict
 from kvpush.telemetry.store import Telemetry
@@ -21,7 +22,7 @@ def sample_snapshot(peers: list[dict[str, object]] | None = None) -> Snapshot:
     """A busy prefill endpoint at a fixed instant: deterministic, every section filled."""
     now = [0.0]
     tel = Telemetry(
-        "prefill", "p-7f3a9c21", "inc-1a2b", clock=lambda: now[0], wall_clock=lambda: T0 + now[0]
+        Role.PREFILL, "p-7f3a9c21", "inc-1a2b", clock=lambda: now[0], wall_clock=lambda: T0 + now[0]
     )
     tel.info(address="127.0.0.1:5600", device="cpu", writer="deferred", version="0.1.0")
     gauges = {
@@ -88,7 +89,7 @@ def test_live_view_has_every_section_and_fits_100_columns() -> None:
 
 
 def test_live_view_of_a_fresh_endpoint() -> None:
-    snap = Telemetry("decode", "d-1").snapshot()
+    snap = Telemetry(Role.DECODE, "d-1").snapshot()
     text = rendered(snap)
     assert "no peers yet" in text
     assert "none reported" in text
@@ -117,7 +118,7 @@ def test_plain_is_one_deterministic_line() -> None:
 
 
 def test_plain_of_a_fresh_endpoint() -> None:
-    snap = Telemetry("decode", "d 1", clock=lambda: 0.0, wall_clock=lambda: T0).snapshot()
+    snap = Telemetry(Role.DECODE, "d 1", clock=lambda: 0.0, wall_clock=lambda: T0).snapshot()
     assert render_plain(snap) == (
         "2026-11-18T11:06:40Z decode d_1 pushes/s=0 req/s=0 GB/s=0.00 p99=- fail=0 peers=0/0"
     )
@@ -135,7 +136,9 @@ def test_json_is_one_line_and_round_trips() -> None:
 
 def test_summary_table() -> None:
     console = Console(record=True, width=100)
-    console.print(render_summary_table([sample_snapshot(), Telemetry("decode", "d-1").snapshot()]))
+    console.print(
+        render_summary_table([sample_snapshot(), Telemetry(Role.DECODE, "d-1").snapshot()])
+    )
     text = console.export_text()
     assert "p-7f3a9c21" in text and "3.00 GB" in text and "d-1" in text
 
@@ -150,7 +153,7 @@ def test_formatters() -> None:
 # --- tensor-parallel ranks --------------------------------------------------------------------
 
 
-def rank_snapshot(rank: int, role: str = "prefill") -> Snapshot:
+def rank_snapshot(rank: int, role: Role = Role.PREFILL) -> Snapshot:
     """Rank ``rank`` of a TP-2 endpoint at a fixed instant: its own queues, pool and peers."""
     now = [0.0]
     tel = Telemetry(
@@ -193,7 +196,7 @@ def rank_snapshot(rank: int, role: str = "prefill") -> Snapshot:
     return tel.snapshot()
 
 
-def tp_snapshot(role: str = "prefill") -> Snapshot:
+def tp_snapshot(role: Role = Role.PREFILL) -> Snapshot:
     return merge([rank_snapshot(0, role), rank_snapshot(1, role)])
 
 
@@ -223,7 +226,7 @@ def test_live_view_with_ranks_adds_a_rank_table_under_the_totals() -> None:
 
 
 def test_rank_table_of_a_decode_endpoint_shows_its_queue_and_receive_rates() -> None:
-    lines = rendered(tp_snapshot("decode")).splitlines()
+    lines = rendered(tp_snapshot(Role.DECODE)).splitlines()
     head = lines.index(next(ln for ln in lines if ln.startswith("Ranks"))) + 1
     assert lines[head].split() == [
         "rank", "waiting", "free", "inflight", "quar.", "ok/conn/fail", "req/s", "notifs/s",
@@ -250,7 +253,7 @@ def test_plain_with_ranks_is_the_totals_line_then_a_line_per_rank() -> None:
         "2026-11-18T11:06:42Z prefill p-7f3a9c21 rank=1/2 pushes/s=1000 GB/s=1.00 finished=4 "
         "regs=0 deferred=1 inflight=18 fail=1 pool_free=999/1024 peers=1/2",
     ]
-    assert render_plain(tp_snapshot("decode")).splitlines()[2] == (
+    assert render_plain(tp_snapshot(Role.DECODE)).splitlines()[2] == (
         "2026-11-18T11:06:42Z decode p-7f3a9c21 rank=1/2 req/s=300 notifs/s=200 waiting=6 "
         "fail=1 pool_free=999/1024 peers=1/2"
     )
@@ -281,7 +284,7 @@ def _fitted(snap: Snapshot, width: int, height: int) -> list[str]:
 
 
 def test_fitted_view_of_a_decode_at_tp_4_fits_80x24_with_rates_named_as_rates() -> None:
-    snap = merge([rank_snapshot(r, "decode") for r in range(4)])
+    snap = merge([rank_snapshot(r, Role.DECODE) for r in range(4)])
     lines = _fitted(snap, 80, 24)
     text = "\n".join(lines)
     assert len(lines) <= 24 and max(len(ln) for ln in lines) <= 80, text
