@@ -3,7 +3,8 @@
 One vocabulary for the code that bumps the numbers, the live view, ``-o json``, ``probe --stats``
 and Prometheus. ``Failure`` doubles as the closed set of *reasons* a push or request fails with:
 a reason travels on the wire (``Failure.reason``, ``DecodeRep.reason``) as its string value, with
-free-text detail beside it, so failures group by reason. Pure data; no imports beyond enum.
+free-text detail beside it, so failures group by reason. Pure data; no imports beyond enum and
+``kvpush.config.Role`` (the keys of the by-role tables).
 """
 
 from __future__ import annotations
@@ -202,11 +203,14 @@ RATE_COUNTERS: tuple[Counter, ...] = (
 
 #: What a multi-rank endpoint counts once per request, by role (each of its ranks counts its
 #: own share of every request in its own telemetry).
-REQUEST_COUNTERS: dict[str, tuple[Counter, ...]] = {
+REQUEST_COUNTERS: dict[Role, tuple[Counter, ...]] = {
     Role.PREFILL: (Counter.PREFILLS,),
     Role.DECODE: (Counter.REQUESTS_OK, Counter.REQUESTS_FAILED),
 }
-REQUEST_HISTS: dict[str, tuple[Hist, ...]] = {Role.PREFILL: (), Role.DECODE: (Hist.DECODE_LATENCY,)}
+REQUEST_HISTS: dict[Role, tuple[Hist, ...]] = {
+    Role.PREFILL: (),
+    Role.DECODE: (Hist.DECODE_LATENCY,),
+}
 
 #: Gauges that are queue depths, with the words the live view shows for them.
 QUEUE_GAUGES: dict[Gauge, str] = {
