@@ -185,9 +185,12 @@ def test_forgeries_with_token(tmp_path: Path, sign: str | None) -> None:
             before = failures(p.address).get("auth_rejected", 0)
             hb = snapshot(p.address)["counters"].get("heartbeats_received", 0)
             forger.send(p.address, {"type": "Heartbeat", "transfer_ids": ["x"]}, TOKEN, repeat=3)
+            # A bound, not a timing claim: the forger's first notification to P sets up its UCX
+            # connection (5 s was missed once at load 5-7 on 2 cores).
             wait_for(
-                lambda: failures(p.address).get("auth_rejected", 0) == before + 2, 5, "replays"
+                lambda: failures(p.address).get("auth_rejected", 0) >= before + 2, 30, "replays"
             )
+            assert failures(p.address).get("auth_rejected", 0) == before + 2, failures(p.address)
             assert snapshot(p.address)["counters"].get("heartbeats_received", 0) >= hb + 1
         finally:
             forger.close()

@@ -121,7 +121,7 @@ def test_pool_exhaustion_refuses_at_once(tmp_path: Path) -> None:
         ]
         for t in ts:
             t.start()
-        wait_for(lambda: gauges(d.address)["pool_allocated"] == 60, 3, "D to hold 60 blocks")
+        wait_for(lambda: gauges(d.address)["pool_allocated"] == 60, 30, "D to hold 60 blocks")
         t0 = time.monotonic()
         r = run_leg("one-too-many", p.address, d.address, 8, send_p=False)
         assert r.outcome == "failed" and r.reason == "no_free_blocks", r

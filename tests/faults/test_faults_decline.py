@@ -85,7 +85,7 @@ def test_p_refusing_fails_d_at_once_with_ps_reason(tmp_path: Path) -> None:
         )
         t0 = time.monotonic()
         leg.start()
-        wait_for(lambda: gauges(p.address)["regs_waiting_blocks"] == 1, 5, "D's PUSH_REG at P")
+        wait_for(lambda: gauges(p.address)["regs_waiting_blocks"] == 1, 30, "D's PUSH_REG at P")
         rep = request(p.address, protocol.PrefillReq(transfer_id="huge", num_blocks=32))
         assert rep.outcome == "failed" and rep.reason == "no_free_blocks", rep
         leg.join(DEADLINE_S + 5)
@@ -113,7 +113,7 @@ def test_p_stopping_gracefully_is_shutting_down_not_dead(tmp_path: Path) -> None
         ]
         for t in legs:
             t.start()
-        wait_for(lambda: gauges(p.address)["regs_waiting_blocks"] == 4, 5, "D's PUSH_REGs")
+        wait_for(lambda: gauges(p.address)["regs_waiting_blocks"] == 4, 30, "D's PUSH_REGs")
         t0 = time.monotonic()
         c.stop("p")
         for t in legs:

@@ -100,7 +100,7 @@ def test_black_hole_and_silent_side_channels(tmp_path: Path) -> None:
                 tid = f"to-nowhere-{i}"
                 forger.send(p.address, _push_reg(tid, "127.0.0.1", target.port, p.address, [0]))
                 wait_for(
-                    lambda: snapshot(p.address)["gauges"]["regs_waiting_blocks"] == 1, 5, "reg"
+                    lambda: snapshot(p.address)["gauges"]["regs_waiting_blocks"] == 1, 30, "reg"
                 )
                 rep = request(p.address, protocol.PrefillReq(transfer_id=tid, num_blocks=1))
                 assert rep.outcome == "ok", rep
@@ -178,7 +178,7 @@ def test_compat_mismatch_names_every_field_on_both_sides(tmp_path: Path) -> None
                 tid = f"mmp-{name}"
                 forger.send(p.address, _push_reg(tid, "127.0.0.1", d.port, p.address, [0, 1]))
                 wait_for(
-                    lambda: snapshot(p.address)["gauges"]["regs_waiting_blocks"] == 1, 5, "reg"
+                    lambda: snapshot(p.address)["gauges"]["regs_waiting_blocks"] == 1, 30, "reg"
                 )
                 rep = request(p.address, protocol.PrefillReq(transfer_id=tid, num_blocks=2))
                 assert rep.outcome == "ok", rep

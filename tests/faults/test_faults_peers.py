@@ -80,7 +80,7 @@ def test_d_killed_before_and_during_pushes(tmp_path: Path) -> None:
         ]
         for t in ts:
             t.start()
-        wait_for(lambda: snapshot(p.address)["gauges"]["regs_waiting_blocks"] == 4, 5, "PUSH_REGs")
+        wait_for(lambda: snapshot(p.address)["gauges"]["regs_waiting_blocks"] == 4, 30, "PUSH_REGs")
         c.kill("d1")
         # P finishes the blocks now: its WRITEs hit a dead peer.
         for i in range(4):
@@ -147,7 +147,7 @@ def test_d_frozen_then_resumed(tmp_path: Path) -> None:
         t1, out1 = _load(
             p.address, d1.address, 6, "frozen", concurrency=6, p_delay_s=1.0, d_timeout_s=20
         )
-        wait_for(lambda: snapshot(p.address)["gauges"]["regs_waiting_blocks"] == 6, 5, "regs")
+        wait_for(lambda: snapshot(p.address)["gauges"]["regs_waiting_blocks"] == 6, 30, "regs")
         c.freeze("d1")
         t_freeze = time.monotonic()
         # P keeps serving D2 while D1 is frozen.
@@ -202,7 +202,7 @@ def test_d_restarted_at_same_address(tmp_path: Path) -> None:
             )
         )
         tg.start()
-        wait_for(lambda: gauges(p.address)["regs_waiting_blocks"] == 1, 5, "ghost PUSH_REG")
+        wait_for(lambda: gauges(p.address)["regs_waiting_blocks"] == 1, 30, "ghost PUSH_REG")
         c.kill("d")
         d = c.restart("d")
         fresh_batch(p.address, [d.address], n=4, prefix="new-inc")
@@ -247,7 +247,7 @@ def test_p_killed_mid_push_then_restarted(tmp_path: Path) -> None:
         # D1 and D2 register requests whose blocks P will never push (P legs held back).
         t1, out1 = _load(p.address, d1.address, 6, "w1", send_p=False, d_timeout_s=15)
         t2, out2 = _load(p.address, d2.address, 6, "w2", send_p=False, d_timeout_s=15)
-        wait_for(lambda: snapshot(p.address)["gauges"]["regs_waiting_blocks"] == 12, 5, "regs")
+        wait_for(lambda: snapshot(p.address)["gauges"]["regs_waiting_blocks"] == 12, 30, "regs")
         # Plus a stream of complete requests in flight when P dies.
         gone = threading.Event()
         t3, out3 = _load(
