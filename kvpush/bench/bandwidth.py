@@ -174,38 +174,22 @@ def _endpoints(
 ) -> dict[str, Worker]:
     """P and D for one block size (D does not verify: timed parts), and with ``nospin`` a
     second pair whose D does not keep polling after activity (busy_spin_us=0)."""
-    extra: dict[str, dict[str, Any]] = {}
+
+    def pair(spin: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+        geometry: dict[str, Any] = {"layers": 1, "block_bytes": bs}
+        if spin:
+            geometry["progress_thread"] = progress_thread
+        p = endpoint_cfg(Role.PREFILL, num_blocks=p_blocks, **geometry)
+        d = endpoint_cfg(Role.DECODE, num_blocks=d_blocks, verify=False, **geometry)
+        if not spin:
+            d["agent"]["busy_spin_us"] = 0
+        return p, d
+
+    cfgs: dict[str, dict[str, Any]] = {}
     if nospin:
-        dcfg = endpoint_cfg(
-            Role.DECODE, layers=1, block_bytes=bs, num_blocks=d_blocks, verify=False
-        )
-        dcfg["agent"]["busy_spin_us"] = 0
-        extra = {
-            f"p-{tag}-nospin": endpoint_cfg(
-                Role.PREFILL, layers=1, block_bytes=bs, num_blocks=p_blocks
-            ),
-            f"d-{tag}-nospin": dcfg,
-        }
-    return cl.endpoints(
-        {
-            **extra,
-            f"p-{tag}": endpoint_cfg(
-                Role.PREFILL,
-                layers=1,
-                block_bytes=bs,
-                num_blocks=p_blocks,
-                progress_thread=progress_thread,
-            ),
-            f"d-{tag}": endpoint_cfg(
-                Role.DECODE,
-                layers=1,
-                block_bytes=bs,
-                num_blocks=d_blocks,
-                verify=False,
-                progress_thread=progress_thread,
-            ),
-        }
-    )
+        cfgs[f"p-{tag}-nospin"], cfgs[f"d-{tag}-nospin"] = pair(spin=False)
+    cfgs[f"p-{tag}"], cfgs[f"d-{tag}"] = pair(spin=True)
+    return cl.endpoints(cfgs)
 
 
 def _raw_round(

@@ -18,13 +18,14 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 from kvpush.errors import ExitStatus
 
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# What ``signal.signal`` hands back: a callable, SIG_DFL/SIG_IGN, or None (not set from Python).
+_Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
 
 
 class StopFlag:
@@ -43,7 +44,7 @@ class StopFlag:
         self.event = threading.Event()
         self.signame = ""
         self._on_signal = on_signal
-        self._previous: dict[int, Any] = {}
+        self._previous: dict[int, _Handler] = {}
         self._received = 0  # signals so far (the handler's own count: no lock)
         self._wfd = -1
         self._relay: threading.Thread | None = None
