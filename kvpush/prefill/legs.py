@@ -302,7 +302,7 @@ class Legs:
         """The push's phase stamps on the wall clock; its steps into the phase histograms."""
         first = min(w.push.finished.t_finished, min(r.t_arrived for r in w.push.registrations))
         self._tm.observe(Hist.PHASE_MATCH_WAIT, t_match - first)
-        shift = time.time() - now  # monotonic -> wall clock
+        shift = phases.wall_shift()  # monotonic -> wall clock
         stamps = {
             phases.REGISTRATION_MATCHED: t_match + shift,
             phases.HANDSHAKE_DONE: w.t_start + shift,

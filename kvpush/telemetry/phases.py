@@ -15,7 +15,7 @@ follows the one before it causally. Pure; called from the role threads.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from kvpush.telemetry.names import Hist, StrEnum
 
@@ -71,6 +71,16 @@ P_STEPS: tuple[Step, ...] = (
     _step(Hist.PHASE_POST, (Phase.HANDSHAKE_DONE,), Phase.WRITE_POSTED),
     _step(Hist.PHASE_WRITE, (Phase.WRITE_POSTED,), Phase.WRITE_DONE),
 )
+
+
+def wall_shift(
+    wall: Callable[[], float] = time.time, mono: Callable[[], float] = time.monotonic
+) -> float:
+    """What to add to a ``time.monotonic()`` stamp to put it on the wall clock that phase stamps
+    use: both clocks read back to back, now. (Not ``time.time() - t`` with a ``t`` read earlier:
+    whatever ran in between -- or a preemption -- would move every converted stamp that much
+    later: P's ``write_posted`` came out after D's ``completion_received`` in a trace.)"""
+    return wall() - mono()
 
 
 def stamp(phases: dict[str, float] | None, phase: str) -> None:

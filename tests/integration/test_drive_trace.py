@@ -45,10 +45,10 @@ def test_trace_phases_are_ordered_and_add_up_to_the_latency(serve, kvpush_run, t
         assert list(ph) == [q.value for q in ORDER], x  # every phase, in order
         err = x["clock_error_s"]
         assert 0 <= err < 0.5, x
-        causal = [ph[q] for q in CAUSAL]
-        assert causal[0] >= -err, x  # D allocated after drive sent the request
-        for a, b in itertools.pairwise(causal):
-            assert b >= a - err, (a, b, x)  # each phase after the one before it
+        causal = [(q.value, ph[q]) for q in CAUSAL]
+        assert causal[0][1] >= -err, x  # D allocated after drive sent the request
+        for (qa, a), (qb, b) in itertools.pairwise(causal):
+            assert b >= a - err, (qa, a, qb, b, x)  # each phase after the one before it
         assert ph["write_done"] >= ph["write_posted"] - err
         # The phases add up to the latency: D's answer is the last of them, then its way back.
         assert ph["answered"] <= x["latency_s"] + err, x

@@ -3,6 +3,8 @@ statistics (kvpush.ops.trace.phase_stats)."""
 
 from __future__ import annotations
 
+import time
+
 from kvpush.ops.trace import phase_stats
 from kvpush.telemetry import phases
 from kvpush.telemetry.phases import CAUSAL, ORDER, Phase
@@ -63,3 +65,23 @@ def test_phase_stats_over_ok_records() -> None:
     assert st["d_allocated"]["count"] == 100
     assert st["d_allocated"]["p50"] == 0.05 and st["d_allocated"]["p99"] == 0.099
     assert st["answered"]["max"] == 1.0
+
+
+def test_a_monotonic_stamp_converted_later_keeps_its_wall_time() -> None:
+    """P converts its monotonic stamps to the wall clock when a push completes; the time between
+    the stamp and the conversion must not leak into it (it did: the shift was computed from a
+    ``now`` read earlier, so whatever ran in between moved P's phases later than D's)."""
+    t_mono, t_wall = time.monotonic(), time.time()
+    time.sleep(0.2)  # the push's work, or a preemption, before the conversion
+    assert abs(t_mono + phases.wall_shift() - t_wall) < 0.02
+
+
+def test_wall_shift_reads_both_clocks_back_to_back() -> None:
+    now = [100.0]
+
+    def clock(offset: float) -> float:
+        now[0] += 0.001  # every read takes a millisecond
+        return now[0] + offset
+
+    shift = phases.wall_shift(lambda: clock(1000.0), lambda: clock(0.0))
+    assert abs(shift - 1000.0) <= 0.001 + 1e-9
