@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from kvpush.ops.driver import DriveConfig, Driver
-from tests.support.procs import ROOT, Launcher, Proc, clean_env, wait_ready
+from tests.support.procs import ROOT, Launcher, Proc, clean_env, dump_stacks, wait_ready
 from tests.support.zygote import Zygote
 
 SMALL = ["--num-blocks", "64", "--layers", "2", "--block-bytes", "4096"]
@@ -79,18 +79,11 @@ def counter(line: dict[str, object], name: str) -> int:
 
 
 def native_stacks(pid: int) -> str:
-    """Where a process stands, Python and native frames (py-spy, in the test extras)."""
-    spy = Path(sys.executable).parent / "py-spy"
-    if not spy.exists():
-        return "(py-spy not installed: no stacks)"
-    r = subprocess.run(
-        [str(spy), "dump", "--native", "--pid", str(pid)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    Path(f"/tmp/kvpush-freeze-{pid}.txt").write_text(r.stdout + r.stderr)
-    return r.stdout + r.stderr
+    """Where a process stands, Python and native frames (the harness's py-spy dump), kept in
+    ``/tmp/kvpush-freeze-PID.txt`` too."""
+    out = dump_stacks(pid)
+    Path(f"/tmp/kvpush-freeze-{pid}.txt").write_text(out)
+    return out
 
 
 @contextlib.contextmanager
