@@ -34,12 +34,14 @@ from kvpush.bench.probes import process_cpu_s, threads_cpu_s
 
 def start_endpoint(state: Any, config: dict[str, Any]) -> dict[str, Any]:
     """Start one endpoint from an ``EndpointConfig`` JSON map."""
+    from kvpush.endpoint.facade import freeze_startup_heap
     from kvpush.endpoint.facade import start_endpoint as start
     from kvpush.ops.node import build
 
     cfg, instruments = build(config)
     ep = start(cfg, instruments)
     state.endpoint = ep
+    freeze_startup_heap()  # as serve-* does: the figures are a served endpoint's
     return {
         "address": ep.address,
         "engine_id": cfg.engine_id,

@@ -127,7 +127,10 @@ def gc_report(state: Any) -> dict[str, Any]:
     """Pauses per generation since ``gc_watch``: count, total and max seconds, slowest times."""
     import gc
 
-    out: dict[str, Any] = {"tracked_objects": len(gc.get_objects())}
+    out: dict[str, Any] = {
+        "tracked_objects": len(gc.get_objects()),
+        "frozen_objects": gc.get_freeze_count(),
+    }
     for g in (0, 1, 2):
         d = [x for x in _gc_log if x[0] == g]
         out[f"gen{g}"] = {

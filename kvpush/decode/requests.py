@@ -18,7 +18,9 @@ request that leaves the table (done, or moved to ``Abandoned``) is ``WaitPhase.E
 The table moves requests between states and keeps the counts (per phase, delayed, abandoned).
 Housekeeping touches only what is due: deadlines, allocation times, quarantine limits and
 long-quarantine reports each have a deadline heap (``DueHeap``), filled when a request is added
-or abandoned; an entry whose request moved on is dropped when it comes up.
+or abandoned; an entry whose request moved on is dropped when it comes up, or when such
+entries outnumber the live ones (``DueHeap.trim``: they hold the ended requests and their
+futures, which a full garbage collection would otherwise walk).
 """
 
 from __future__ import annotations
@@ -189,6 +191,9 @@ class RequestTable:
     def _holds(self, w: Waiting) -> bool:
         return self._waiting.get(w.req.request_id) is w
 
+    def _delayed(self, w: Waiting) -> bool:
+        return w.delay is not None and self._holds(w)
+
     def _holds_abandoned(self, ab: Abandoned) -> bool:
         return self._abandoned.get(ab.req.request_id) is ab
 
@@ -286,9 +291,11 @@ class RequestTable:
         self._waiting[w.req.request_id] = w
         self._counts[w.phase] += 1
         self._deadlines.push(w.req.deadline, w)
+        self._deadlines.trim(len(self._waiting), self._holds)
         if w.delay is not None:
             self.n_delayed += 1
             self._allocs.push(w.delay.alloc_at, w)
+            self._allocs.trim(self.n_delayed, self._delayed)
 
     def move(self, w: Waiting, phase: WaitPhase) -> None:
         """A waiting request's next phase (HANDSHAKING, WAITING_BLOCKS, REGISTERED)."""
@@ -329,7 +336,9 @@ class RequestTable:
         self._abandoned[w.req.request_id] = ab
         if quarantine_until is not None:
             self._quarantines.push(quarantine_until, ab)
+            self._quarantines.trim(len(self._abandoned), self._holds_abandoned)
         self._reports.push(now + self._report_after_s, ab)
+        self._reports.trim(len(self._abandoned), self._holds_abandoned)
         return ab
 
     def release_abandoned(self, ab: Abandoned) -> None:

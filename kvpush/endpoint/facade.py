@@ -11,7 +11,8 @@ writer, no bytes written), the pool's free blocks and whether it is idle (``free
 (``set_verify``), telemetry (``snapshot``), handshakes made and forgotten on purpose
 (``handshake_to``, ``forget_handshake``), the size of what a handshake reply carries
 (``metadata_sizes``), rank 0's KV pool (``pool``: a ``kvpush.memory`` component a load
-generator measures on its own) and ``stop``.
+generator measures on its own) and ``stop``; and ``freeze_startup_heap`` for a worker process
+that serves nothing else, as ``serve-*`` does (``kvpush.runtime.heap``).
 
 A load generator may import this module and the pure components (``kvpush.memory``,
 ``kvpush.config``) but never ``kvpush.prefill``, ``kvpush.decode``, ``kvpush.runtime`` or
@@ -42,6 +43,7 @@ from kvpush.peers.handshakes import PeerConn
 from kvpush.prefill.group import PrefillGroup
 from kvpush.prefill.role import PrefillRole
 from kvpush.prefill.table import Finished
+from kvpush.runtime.heap import freeze_startup_heap as freeze_startup_heap
 from kvpush.telemetry.snapshot import Snapshot
 from kvpush.wire import protocol
 

@@ -31,6 +31,7 @@ from kvpush.config import (
 )
 from kvpush.instruments import Instruments, WriterMode
 from kvpush.ops.engine import open_endpoint
+from kvpush.runtime.heap import freeze_startup_heap
 from kvpush.runtime.signals import StopFlag
 
 
@@ -72,6 +73,7 @@ def main() -> int:
     cfg, instruments = build(json.loads(sys.argv[1]))
     ready = sys.argv[2]
     ep = open_endpoint(cfg, instruments)
+    freeze_startup_heap()  # as serve-* does
     stop = StopFlag().install((signal.SIGTERM, signal.SIGINT))
     tmp = ready + ".tmp"
     with open(tmp, "w") as f:

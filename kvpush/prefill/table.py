@@ -303,8 +303,7 @@ class PushTable:
         due = self._due_at(st)
         if due is not None:
             self._due.push(due, (key, st))
-            if len(self._due) > 2 * len(self._states) + 4096:
-                self._due.compact(lambda e: self._states.get(e[0]) is e[1])
+            self._due.trim(len(self._states), lambda e: self._states.get(e[0]) is e[1])
 
     def _due_at(self, st: State) -> float | None:
         if isinstance(st, Waiting):

@@ -135,12 +135,7 @@ class Agent(Protocol):
 
     # -- transfers and notifications
     def post_write(
-        self,
-        local: DList,
-        local_idx: Indices,
-        remote: DList,
-        remote_idx: Indices,
-        notif: bytes,
+        self, local: DList, local_idx: Indices, remote: DList, remote_idx: Indices, notif: bytes
     ) -> tuple[Xfer, XferState]: ...
 
     def state(self, x: Xfer) -> XferState: ...

@@ -21,7 +21,6 @@ stdout and log to stderr. Runs on the main thread; the endpoint owns its own thr
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import logging
 import os
@@ -41,6 +40,7 @@ from kvpush.cli.options import LogLevel, OutputMode
 from kvpush.cli.translate import ServeOptions
 from kvpush.config import EndpointConfig, Role
 from kvpush.errors import ExitStatus, KvpushError
+from kvpush.runtime.heap import freeze_startup_heap
 from kvpush.runtime.signals import StopFlag
 
 log = logging.getLogger("kvpush.serve")
@@ -205,11 +205,7 @@ def _start(run: _Running, cfg: EndpointConfig, opts: ServeOptions, stop: StopFla
         run.exporter.reserve()
     run.ep = ep = open_endpoint(cfg)
     stop.rearm()  # UCX took SIGHUP over while the endpoint started
-    # What exists now (the ~170k objects of torch, numpy, typer and the endpoint) lives as
-    # long as the process: keep it out of every later garbage collection. A full collection
-    # walks them all with the interpreter lock held, which stalls every thread of the
-    # endpoint (0.1 s of CPU here, seconds on a starved host).
-    gc.freeze()
+    freeze_startup_heap()
     health = _health(ep)
     if run.exporter is not None:
         run.exporter.health = health
