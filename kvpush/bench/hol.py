@@ -130,23 +130,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         )
         ps = {m: ws[f"p-{m}"] for m in MODES}
         d1 = ws["d1"]
-        # D1 joins both Ps in quiet time: the "normal" join (both handshakes + first push).
-        normal_join: dict[str, float] = {}
-        normal_hs: dict[str, float] = {}
-        for m in MODES:
-            t = start_at(0.2)
-            f = d1.call_async(
-                "decode_at",
-                p_addr=ps[m].address,
-                transfer_id=f"warm.{m}",
-                t_wall=t,
-                blocks=p.blocks,
-            )
-            ps[m].call("prefill_at", transfer_id=f"warm.{m}", t_wall=t, blocks=p.blocks)
-            r = f.result(60)
-            normal_join[m] = r["latency_s"][0]
-            _warm(ps[m], d1, p, f"warm2.{m}.")
-            normal_hs[m] = _peer_duration(ps[m], d1.address)
+        normal_join, normal_hs = _quiet_joins(ps, d1, p)
         results: dict[str, list[dict[str, Any]]] = {}
         for k in range(p.repeats):
             for case in cases:
@@ -172,6 +156,27 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
                         cl.stop(w)
     report(rep, p, cases, results, normal_join, normal_hs, out_dir)
     return rep.to_dict()
+
+
+def _quiet_joins(
+    ps: dict[str, Worker], d1: Worker, p: HolParams
+) -> tuple[dict[str, float], dict[str, float]]:
+    """D1 joins each P in quiet time: the "normal" join (both handshakes and the first push),
+    then warms the pair. Per writer mode: that first request's latency, and P's handshake
+    duration with D1."""
+    normal_join: dict[str, float] = {}
+    normal_hs: dict[str, float] = {}
+    for m in MODES:
+        t = start_at(0.2)
+        f = d1.call_async(
+            "decode_at", p_addr=ps[m].address, transfer_id=f"warm.{m}", t_wall=t, blocks=p.blocks
+        )
+        ps[m].call("prefill_at", transfer_id=f"warm.{m}", t_wall=t, blocks=p.blocks)
+        r = f.result(60)
+        normal_join[m] = r["latency_s"][0]
+        _warm(ps[m], d1, p, f"warm2.{m}.")
+        normal_hs[m] = _peer_duration(ps[m], d1.address)
+    return normal_join, normal_hs
 
 
 def _warm(pw: Worker, d1: Worker, p: HolParams, prefix: str) -> None:
