@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,21 +27,18 @@ from kvpush.decode.order import DecodeOrder
 from kvpush.decode.role import DecodeRole
 from kvpush.memory.allocator import BlockState
 from kvpush.memory.pool import KvPool
-from kvpush.peers.dialect import KvpushDialect
 from kvpush.peers.handshakes import HandshakeManager
-from kvpush.runtime.context import EndpointContext
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.agent import TransferError, TransferKind
 from kvpush.wire import protocol
-from kvpush.wire.auth import Authenticator
-from kvpush.wire.notifs import NotifCodec
+from kvpush.wire.notifs import Codec
 from tests.support.fakes import (
     FakeAgent,
     StubOptions,
     StubPeer,
     closed_port,
     decode_notif,
-    make_metadata,
+    fake_context,
     stub_pool,
     wait_until,
 )
@@ -57,7 +53,7 @@ class Rig:
     tm: Telemetry
     hs: HandshakeManager
     role: DecodeRole
-    codec: NotifCodec
+    codec: Codec
     control: ThreadPoolExecutor
     stubs: list[StubPeer] = field(default_factory=list)
 
@@ -132,31 +128,10 @@ def _make_rig(handshake: HandshakeMode = HandshakeMode.NOTIF, tp_size: int = 1) 
         tp_size=tp_size,
     )
     agent = FakeAgent(name="d-test#fake")
-    pool = KvPool(D_POOL)
-    tm = Telemetry(Role.DECODE, "d-test")
-    auth = Authenticator(None)
-    md = make_metadata(
-        Role.DECODE, D_POOL, engine_id="d-test", incarnation=uuid.uuid4().hex, tp_size=tp_size
-    )
-    hs = HandshakeManager(agent, md, auth, cfg.timeouts, tm)
-    codec = NotifCodec(auth)
-    dialect = KvpushDialect(auth)
-    control = ThreadPoolExecutor(1)
-    ctx = EndpointContext(
-        cfg=cfg,
-        agent=agent,
-        pool=pool,
-        handshakes=hs,
-        codec=codec,
-        dialect=dialect,
-        telemetry=tm,
-        metadata=md,
-        on_ping=lambda sender, msg: None,
-        control=control,
-    )
+    ctx = fake_context(cfg, agent)
     role = DecodeRole(ctx)
-    role.owner.export_gauges(tm)
-    return Rig(agent, pool, tm, hs, role, codec, control)
+    role.owner.export_gauges(ctx.telemetry)
+    return Rig(agent, ctx.pool, ctx.telemetry, ctx.handshakes, role, ctx.codec, ctx.control)
 
 
 def _settled(hs: HandshakeManager) -> bool:

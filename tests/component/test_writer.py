@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,24 +28,21 @@ from kvpush.instruments import Instruments, WriterMode
 from kvpush.memory.allocator import BlockState
 from kvpush.memory.descriptors import xfer_indices
 from kvpush.memory.pool import KvPool
-from kvpush.peers.dialect import KvpushDialect
 from kvpush.peers.handshakes import HandshakeManager
 from kvpush.prefill.acks import MAX_ATTEMPTS
 from kvpush.prefill.table import Finished, Registered, Registration, reg_key
 from kvpush.prefill.writer import PushWriter
-from kvpush.runtime.context import EndpointContext
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.agent import TransferError, TransferKind, XferState
 from kvpush.wire import protocol
-from kvpush.wire.auth import Authenticator
-from kvpush.wire.notifs import NotifCodec
+from kvpush.wire.notifs import Codec
 from tests.support.fakes import (
     FakeAgent,
     StubOptions,
     StubPeer,
     decode_notif,
-    make_metadata,
+    fake_context,
     stub_pool,
     wait_until,
 )
@@ -62,7 +58,7 @@ class Rig:
     hs: HandshakeManager
     writer: PushWriter
     owner: OwnerThread
-    codec: NotifCodec
+    codec: Codec
     control: ThreadPoolExecutor
     stubs: list[StubPeer] = field(default_factory=list)
 
@@ -139,33 +135,13 @@ def _make_rig(mode: WriterMode = WriterMode.DEFERRED) -> Rig:
         timeouts=Timeouts(side_channel_s=5, handshake_s=5),
     )
     agent = FakeAgent(name="p-test#fake")
-    pool = KvPool(P_POOL)
-    tm = Telemetry(Role.PREFILL, "p-test")
-    auth = Authenticator(None)
-    md = make_metadata(Role.PREFILL, P_POOL, engine_id="p-test", incarnation=uuid.uuid4().hex)
-    hs = HandshakeManager(agent, md, auth, cfg.timeouts, tm)
-    codec = NotifCodec(auth)
-    dialect = KvpushDialect(auth)
+    ctx = fake_context(cfg, agent, Instruments(writer=mode))
     owner = OwnerThread("push-writer", cfg.agent)
-    control = ThreadPoolExecutor(1)  # the writer submits nothing to it
-    ctx = EndpointContext(
-        cfg=cfg,
-        agent=agent,
-        pool=pool,
-        handshakes=hs,
-        codec=codec,
-        dialect=dialect,
-        telemetry=tm,
-        metadata=md,
-        on_ping=lambda sender, msg: None,
-        control=control,
-        instruments=Instruments(writer=mode),
-    )
     w = PushWriter(ctx, owner)
-    owner.export_gauges(tm)
+    owner.export_gauges(ctx.telemetry)
     # What the owner thread does before its first pass: tests run passes themselves.
     w.on_start()
-    return Rig(agent, pool, tm, hs, w, owner, codec, control)
+    return Rig(agent, ctx.pool, ctx.telemetry, ctx.handshakes, w, owner, ctx.codec, ctx.control)
 
 
 def _settled(hs: HandshakeManager) -> bool:

@@ -28,6 +28,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -37,7 +38,13 @@ import zmq
 
 from kvpush import PROTOCOL_VERSION, __version__
 from kvpush.address import format_address
-from kvpush.config import PoolConfig, Role
+from kvpush.config import EndpointConfig, PoolConfig, Role
+from kvpush.instruments import NO_INSTRUMENTS, Instruments
+from kvpush.memory.pool import KvPool
+from kvpush.peers.dialect import KvpushDialect
+from kvpush.peers.handshakes import HandshakeManager
+from kvpush.runtime.context import EndpointContext
+from kvpush.telemetry.store import Telemetry
 from kvpush.transport.agent import (
     Agent,
     DList,
@@ -50,6 +57,7 @@ from kvpush.transport.agent import (
 from kvpush.transport.sidechannel import ReplyFn, SideChannelServer, context
 from kvpush.wire import protocol
 from kvpush.wire.auth import Authenticator
+from kvpush.wire.notifs import NotifCodec
 
 FULL_PREFIX = b"FAKE-FULL:"
 CONN_PREFIX = b"FAKE-CONN:"
@@ -317,6 +325,36 @@ def stub_pool(**kw: Any) -> PoolConfig:
     base: dict[str, Any] = {"num_blocks": 32, "layers": 2, "block_bytes": 64, "dtype": "uint8"}
     base.update(kw)
     return PoolConfig(**base)
+
+
+def fake_context(
+    cfg: EndpointConfig, agent: FakeAgent, instruments: Instruments = NO_INSTRUMENTS
+) -> EndpointContext:
+    """One rank's ``EndpointContext`` for ``cfg`` over a fake NIXL agent, built like an
+    endpoint builds it (real pool, telemetry, handshakes, codec and dialect; no auth token),
+    for tests that run a role's thread passes themselves."""
+    tm = Telemetry(cfg.role, cfg.engine_id)
+    auth = Authenticator(None)
+    md = make_metadata(
+        cfg.role,
+        cfg.pool,
+        engine_id=cfg.engine_id,
+        incarnation=uuid.uuid4().hex,
+        tp_size=cfg.tp_size,
+    )
+    return EndpointContext(
+        cfg=cfg,
+        agent=agent,
+        pool=KvPool(cfg.pool),
+        handshakes=HandshakeManager(agent, md, auth, cfg.timeouts, tm),
+        codec=NotifCodec(auth),
+        dialect=KvpushDialect(auth),
+        telemetry=tm,
+        metadata=md,
+        on_ping=lambda sender, msg: None,
+        control=ThreadPoolExecutor(1),
+        instruments=instruments,
+    )
 
 
 def make_metadata(
