@@ -45,7 +45,8 @@ class PrefillPeers:
         self.evict(conn.key, f"P stopped: {msg.reason}")
 
     def forget(self, g: PeerGone) -> None:
-        """The registry says a P is gone or restarted: drop every rank of it this D holds."""
+        """A P proven gone or replaced (a registry hint, checked: ``kvpush.fleet.suspects``):
+        drop every rank of it this D holds."""
         for key in self._ctx.handshakes.gone(g):
             self.evict(key, g.detail, why=g.reason)
 

@@ -44,6 +44,7 @@ from kvpush.instruments import NO_INSTRUMENTS, Instruments
 from kvpush.memory.pool import KvPool
 from kvpush.peers.dialect import dialect_for
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone
+from kvpush.peers.sighting import Sighting, look
 from kvpush.runtime.context import EndpointContext, RoleWorker
 from kvpush.runtime.decline import Decliner
 from kvpush.runtime.watchdog import Watchdog
@@ -259,19 +260,34 @@ class Endpoint(Generic[R, G]):
         """Where endpoint-wide events are counted (rank 0's store, the endpoint's first)."""
         return self.ranks[0].telemetry
 
-    def forget_peer(self, address: str, incarnation: str | None, reason: str) -> None:
-        """From any thread: the peer endpoint at ``address`` (of ``incarnation``) is gone
-        (``reason`` ``peer_left``) or restarted (``peer_restarted``), as the fleet registry
-        says. Every rank drops its connections to it at once, on its owner thread: the peer's
-        NIXL agent and descriptors are released, and the work in flight with it fails with
-        ``reason``. With an incarnation, connections are matched by it (whatever address they
-        were reached by); without one, by address."""
+    def holds_peer(self, address: str, incarnation: str | None) -> bool:
+        """Whether any rank holds a connection to the peer endpoint at ``address`` (matched by
+        ``incarnation`` when given, whatever address it was reached by)."""
         host, port = parse_address(address)
-        why = Failure.parse(reason) or Failure.PEER_LEFT
-        detail = f"{address} {'restarted' if why == Failure.PEER_RESTARTED else 'left'}"
+        g = PeerGone(host, port, incarnation, Failure.PEER_LEFT, "")
+        return any(rk.handshakes.gone(g) for rk in self.ranks)
+
+    def look_at_peer(self, address: str) -> Sighting:
+        """Who answers at ``address``'s side channel now (``kvpush.peers.sighting``): the
+        evidence a registry hint is checked against. Any thread; bounded (a few seconds)."""
+        host, port = parse_address(address)
+        return look(host, port, self.auth, self.cfg.engine_id)
+
+    def forget_peer(self, address: str, incarnation: str | None, reason: str, why: str) -> None:
+        """From any thread: the peer endpoint at ``address`` (of ``incarnation``) is proven gone
+        (``reason`` ``peer_left``: its side channel refused) or replaced (``peer_restarted``:
+        another incarnation answers there); ``why`` says the evidence. Never call this on a
+        registry event alone (a hint: ``kvpush.fleet.member``). Every rank drops its
+        connections to it at once, on its owner thread: the peer's NIXL agent and descriptors
+        are released, and the work in flight with it fails with ``reason``. With an
+        incarnation, connections are matched by it (whatever address they were reached by);
+        without one, by address."""
+        host, port = parse_address(address)
+        fail = Failure.parse(reason) or Failure.PEER_LEFT
+        detail = f"{address} {'restarted' if fail == Failure.PEER_RESTARTED else 'is gone'}"
         if incarnation:
             detail += f" (incarnation {incarnation[:12]})"
-        gone = PeerGone(host, port, incarnation, why, f"registry: {detail}")
+        gone = PeerGone(host, port, incarnation, fail, f"{detail}: {why}")
         for rk in self.ranks:
             rk.role.forget_peer(gone)
 

@@ -383,12 +383,17 @@ class Etcd:
         def events() -> Iterator[WatchEvent]:
             try:
                 yield from _read_watch(resp, prefix)
-            except (requests.exceptions.RequestException, OSError, ValueError) as e:
-                if not state["cancelled"]:
-                    raise RegistryUnavailable(
-                        f"registry watch of {prefix} broke: {_reason(e)}",
-                        "the watcher lists the prefix again and watches anew",
-                    ) from None
+            except Exception as e:
+                if state["cancelled"]:
+                    # cancel() shut the stream under the reader: whatever urllib3 raises then
+                    # (an OSError, or an AttributeError once its file object is gone) is the end.
+                    return
+                if not isinstance(e, (requests.exceptions.RequestException, OSError, ValueError)):
+                    raise
+                raise RegistryUnavailable(
+                    f"registry watch of {prefix} broke: {_reason(e)}",
+                    "the watcher lists the prefix again and watches anew",
+                ) from None
             finally:
                 resp.close()
             if not state["cancelled"]:

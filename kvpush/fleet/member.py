@@ -2,10 +2,13 @@
 
 ``Membership(ep, cfg)`` is what ``serve-*`` runs with ``--registry``: a ``Registrar`` (its own
 thread) keeps the endpoint's leased key, and a ``PeerWatch`` (its own thread) follows the
-cluster so that a peer whose key goes (``peer_left``) or comes back with another incarnation
-(``peer_restarted``) is dropped by every rank at once (``Endpoint.forget_peer``), not at the
-next handshake. Neither thread is on the data path: each talks to etcd through its own client
-and hands the endpoint nothing but those evictions (queued to the owner threads).
+cluster. A registry event is a hint, never proof: a peer this endpoint holds whose key goes, or
+comes back with another incarnation, is looked at on its side channel (``kvpush.fleet.suspects``)
+and dropped by every rank (``Endpoint.forget_peer``: ``peer_left`` / ``peer_restarted``) only
+when that proves it gone -- refused, or another incarnation answering there. A lapsed lease of
+a live, frozen peer, an etcd stall, a deleted prefix or a wiped etcd drop nobody. Neither thread
+is on the data path: each talks to etcd through its own client and hands the endpoint nothing
+but proven evictions (queued to the owner threads).
 
 ``endpoint_record`` and ``load_of`` are pure functions of the endpoint and its snapshot.
 """
@@ -30,8 +33,9 @@ from kvpush.fleet.etcd import make_etcd
 from kvpush.fleet.record import EndpointRecord, Geometry, Load
 from kvpush.fleet.registrar import Registrar
 from kvpush.fleet.store import Follow
+from kvpush.fleet.suspects import Hint, Suspects
+from kvpush.peers.sighting import Sighting
 from kvpush.telemetry.health import Verdict
-from kvpush.telemetry.names import Failure
 from kvpush.telemetry.snapshot import Snapshot
 from kvpush.telemetry.store import Telemetry
 from kvpush.wire import protocol
@@ -73,7 +77,9 @@ class Member(Protocol):
     @property
     def telemetry(self) -> Telemetry: ...
     def snapshot(self) -> Snapshot: ...
-    def forget_peer(self, address: str, incarnation: str | None, reason: str) -> None: ...
+    def holds_peer(self, address: str, incarnation: str | None) -> bool: ...
+    def look_at_peer(self, address: str) -> Sighting: ...
+    def forget_peer(self, address: str, incarnation: str | None, reason: str, why: str) -> None: ...
     def publish_nixl_metadata(self) -> None: ...
 
 
@@ -154,8 +160,9 @@ def reachable_url(url: str, address: str) -> str:
 
 
 class PeerWatch:
-    """Follows the cluster on its own thread; a peer that left or restarted is forgotten by
-    the endpoint at once. The endpoint's own key going makes the registrar put it again."""
+    """Follows the cluster on its own thread. A peer this endpoint holds that the registry says
+    left or restarted is *suspected* and checked on its side channel (``Suspects``); it is
+    dropped only on proof. The endpoint's own key going makes the registrar put it again."""
 
     def __init__(self, ep: Member, cfg: RegistryConfig, own: str, registrar: Registrar) -> None:
         self._ep = ep
@@ -163,48 +170,68 @@ class PeerWatch:
         self._registrar = registrar
         self._follow = Follow(make_etcd(cfg), cfg.cluster, retry_s=min(1.0, cfg.refresh_s))
         self._cleaner = make_etcd(cfg)
+        self.suspects = Suspects(ep, ep.telemetry, self._proven)
         self._thread = threading.Thread(target=self._run, name="registry-watch", daemon=True)
 
     def start(self) -> None:
+        self.suspects.start()
         self._thread.start()
 
     def stop(self) -> None:
         self._follow.cancel()
         self._thread.join(5.0)
+        self.suspects.stop()
 
     def _run(self) -> None:
         while not self._follow.cancelled:
             try:
                 for ev in self._follow:
                     try:
-                        self._on(ev.kind, ev.address, ev.previous)
+                        self._on(ev.kind, ev.address, ev.record, ev.previous)
                     except Exception:  # a bad event must not end the watch
                         log.exception(
                             "registry watch: handling %s of %s failed", ev.kind, ev.address
                         )
             except Exception:  # nor a bug in following: list and watch afresh
+                if self._follow.cancelled:
+                    return  # stopping: the stream was shut under the reader
                 log.exception("registry watch failed: following the cluster again")
                 time.sleep(1.0)
 
-    def _on(self, kind: str, address: str, previous: EndpointRecord | None) -> None:
+    def _on(
+        self,
+        kind: str,
+        address: str,
+        record: EndpointRecord | None,
+        previous: EndpointRecord | None,
+    ) -> None:
         if address == self._own:
             if kind == "leave":
                 self._registrar.put_again()
             return
+        if record is not None:  # join, update, restart: this incarnation is registered again
+            self.suspects.clear(address, record.incarnation)
         if previous is None or kind not in ("leave", "restart"):
             return
+        held = self._ep.holds_peer(address, previous.incarnation)
+        say = log.info if held else log.debug  # only the peers it holds are this endpoint's news
         if kind == "leave" and previous.leaving:
             # A graceful stop: it drains what it holds and tells its peers itself (shutting_down).
-            log.info("registry: %s left (a graceful stop: its work in flight drains)", address)
+            say("registry: %s left (a graceful stop: its work in flight drains)", address)
             return
-        why = Failure.PEER_LEFT if kind == "leave" else Failure.PEER_RESTARTED
-        log.info(
-            "registry: %s %s (incarnation %s): dropping it",
-            address,
-            "left" if kind == "leave" else "restarted",
-            previous.incarnation[:12],
-        )
-        self._ep.forget_peer(address, previous.incarnation, why.value)
+        hint: Hint = "left" if kind == "leave" else "restarted"
+        if held:
+            say(
+                "registry: %s %s (incarnation %s): a hint, not proof; looking at its side channel",
+                address,
+                hint,
+                previous.incarnation[:12],
+            )
+        if held or previous.nixl_metadata == "etcd":
+            self.suspects.add(hint, previous, held)
+
+    def _proven(self, previous: EndpointRecord) -> None:
+        """A suspected peer is proven gone (checker thread): its NIXL keys go too."""
         if previous.nixl_metadata == "etcd" and previous.nixl_namespace:
             # NIXL wrote the peer's agent metadata without a lease: delete it, so every NIXL
             # watcher drops the agent too. After a grace period: the owner threads release

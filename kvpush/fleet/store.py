@@ -8,7 +8,8 @@ runs in the thread that iterates it (a watcher thread, a CLI command) and surviv
 away: it says ``registry_down`` once, lists again when etcd is back and reports what changed
 meanwhile as the same events, then ``registry_up``.
 
-Records that do not decode (another schema, garbage) are skipped with one log line per key.
+Records that do not decode (another schema, garbage), or whose ``address`` is not their key's,
+are skipped with one log line per key.
 """
 
 from __future__ import annotations
@@ -41,16 +42,30 @@ class FleetEvent:
 
 
 _bad_keys: set[str] = set()
+MAX_BAD_KEYS = 4096  # keys said once each (a flood of bad keys is said again, never grows)
 
 
-def _decode_or_skip(key: str, raw: bytes) -> EndpointRecord | None:
+def _decode_or_skip(key: str, raw: bytes, address: str) -> EndpointRecord | None:
+    """The record under ``key`` (whose last part is ``address``); None, said once per key, when
+    it does not decode or names another address than its key (a record is data: one that
+    claims an address it is not keyed by could hide or impersonate the endpoint there)."""
     try:
-        return decode(raw)
+        rec = decode(raw)
     except ValueError as e:
-        if key not in _bad_keys:
-            _bad_keys.add(key)
-            log.warning("registry: skipping %s: %s", key, e)
+        _skip(key, str(e))
         return None
+    if rec.address != address:
+        _skip(key, f"its address {rec.address!r} is not its key's {address!r}")
+        return None
+    return rec
+
+
+def _skip(key: str, why: str) -> None:
+    if key not in _bad_keys:
+        if len(_bad_keys) >= MAX_BAD_KEYS:
+            _bad_keys.clear()
+        _bad_keys.add(key)
+        log.warning("registry: skipping %s: %s", key, why)
 
 
 def list_endpoints(etcd: Etcd, cluster: str) -> tuple[list[EndpointRecord], int]:
@@ -58,7 +73,7 @@ def list_endpoints(etcd: Etcd, cluster: str) -> tuple[list[EndpointRecord], int]
     listing (watch from ``revision + 1`` to miss nothing). RegistryUnavailable when etcd is."""
     prefix = cluster_prefix(cluster)
     kvs, revision = etcd.get_prefix(prefix)
-    out = [r for k, v in kvs if (r := _decode_or_skip(k, v)) is not None]
+    out = [r for k, v in kvs if (r := _decode_or_skip(k, v, k[len(prefix) :])) is not None]
     return out, revision
 
 
@@ -100,7 +115,7 @@ def apply(known: dict[str, EndpointRecord], prefix: str, ev: WatchEvent) -> Flee
             return None
         del known[address]
         return FleetEvent("leave", address, None, prev)
-    rec = _decode_or_skip(ev.key, ev.value)
+    rec = _decode_or_skip(ev.key, ev.value, address)
     if rec is None or rec == prev:
         return None
     known[address] = rec

@@ -31,9 +31,10 @@ def peer_name(key: PeerKey) -> str:
 
 @dataclass(frozen=True)
 class PeerGone:
-    """The registry says a peer endpoint is gone (``peer_left``) or restarted
-    (``peer_restarted``): every connection to ``incarnation`` goes at once, whatever address
-    it was reached by; without an incarnation, every connection to ``host:port`` goes."""
+    """A peer endpoint proven gone (``peer_left``: its side channel refused) or replaced
+    (``peer_restarted``: another incarnation answers at its address) after a registry hint
+    (``kvpush.fleet.suspects``): every connection to ``incarnation`` goes at once, whatever
+    address it was reached by; without an incarnation, every connection to ``host:port``."""
 
     host: str
     port: int

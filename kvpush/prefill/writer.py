@@ -419,7 +419,7 @@ class PushWriter:
 
     # ------------------------------------------------------------------ peers and shutdown
     def forget(self, g: PeerGone) -> None:
-        """From any thread: the registry says a D is gone or restarted; the writer drops it at once
+        """From any thread: a D proven gone or replaced (a registry hint, checked); dropped at once
         (its WRITEs in flight fail with ``g.reason``). Dropped when the writer is stopping."""
         self._owner.hand_off(self.tasks, lambda: self._forget(g), _ignore_error)
 

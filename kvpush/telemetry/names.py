@@ -49,6 +49,12 @@ class Counter(StrEnum):
     HANDSHAKES_SERVED = "handshakes_served"
     PEERS_EVICTED = "peers_evicted"
     REGISTRY_ERRORS = "registry_errors"  # etcd calls of the registrar that failed
+    # Registry hints about a peer this endpoint holds (a leave or a restart in the registry):
+    # checked on the peer's side channel; proven (refused, or another incarnation answers) or
+    # refuted (the same incarnation answers: kept). docs/reliability.md, "Proof and hints".
+    REGISTRY_HINTS = "registry_hints"
+    REGISTRY_HINTS_PROVEN = "registry_hints_proven"
+    REGISTRY_HINTS_REFUTED = "registry_hints_refuted"
     # restarts and disconnects (docs/reliability.md): a handshake that found a new incarnation
     # at a known address; remote agents of evicted peers removed (before any new one is loaded
     # for that peer); peers moved to degraded by a transport error, and evicted for them.

@@ -3,7 +3,8 @@
 Each test asserts an invariant of registration (issue 15): the key goes first at a graceful stop,
 lapses after a SIGKILL or a freeze past the TTL and comes back after SIGCONT, is replaced by a
 restart at the same address (new incarnation); etcd down at start or mid-run costs no request;
-a registry delete or restart of a peer makes a D drop that peer's agent at once; ``/readyz``
+a registry delete of a live peer drops nothing (a hint), a restart makes a D drop the old agent once
+the new incarnation answers at the address; ``/readyz``
 follows the data path; credentials are checked and never logged. No timing is asserted: the
 "eventually" loops have deadlines wide enough for a loaded machine.
 """
@@ -212,7 +213,11 @@ def test_restart_at_the_same_port_is_a_new_incarnation_and_ds_drop_the_old_agent
         lambda: not any(r["engine_id"] == p.engine_id for r in peers_of(d)),
         timeout=15,
     )
-    assert "restarted" in d.log_text() and "dropping it" in d.log_text()
+    # On the data path's evidence: the new incarnation answering at the address (the registry's
+    # restart made D look), or the old process's side channel refusing before that (peers.watch).
+    log = d.log_text()
+    assert "confirms it" in log or "is down: connection" in log, log[-3000:]
+    assert "removed the agent" in log
     out = run_drive(p2, d, 5)
     assert out["ok"] == 5, out  # traffic resumes through a fresh handshake
 
@@ -283,7 +288,10 @@ def test_etcd_killed_20s_under_drive_loses_nothing(etcd, serve) -> None:
 
 
 @pytest.mark.slow
-def test_a_registry_delete_makes_d_drop_its_p_at_once(etcd, serve) -> None:
+def test_a_registry_delete_is_a_hint_the_work_waiting_on_a_live_p_goes_on(etcd, serve) -> None:
+    """A deleted key is a hint, never proof (issue 24): D looks at P's side channel, finds the
+    same incarnation and keeps P; the request waiting on P is neither failed nor freed, and
+    completes when P's leg comes."""
     e = Etcd([etcd.url])
     p = serve.serve("prefill", *SMALL, *reg(etcd, 10))
     d = serve.serve("decode", *SMALL, *reg(etcd, 10))
@@ -292,20 +300,23 @@ def test_a_registry_delete_makes_d_drop_its_p_at_once(etcd, serve) -> None:
     assert any(r["engine_id"] == p.engine_id for r in peers_of(d))
     pending = Pending(d, p.address, "waits-for-p")
     until("D waits on P", lambda: reading(d, "gauges", "d_waiting") == 1)
+    evicted = reading(d, "counters", "peers_evicted")
     assert e.delete(endpoint_key("default", p.address))
-    # D fails what waits on P at once, with the registry's reason, and releases P's agent.
-    rep = pending.result(20)
-    assert (rep.outcome, rep.reason) == ("failed", "peer_left"), rep
-    assert not any(r["engine_id"] == p.engine_id for r in peers_of(d))
-    assert "left" in d.log_text() and "dropping it" in d.log_text()
-    # P saw its own key go and wrote it again (its registrar); D talks to it again.
-    until("P's key back", lambda: record_at(e, p.address), timeout=15)
-    assert run_drive(p, d, 3)["ok"] == 3
-    # The other way round: D's key deleted -> P releases D's agent at once.
-    assert any(r["engine_id"] == d.engine_id for r in peers_of(p))
+    until("D took the hint", lambda: reading(d, "counters", "registry_hints") >= 1)
+    until("P's key back (its registrar)", lambda: record_at(e, p.address), timeout=15)
+    time.sleep(1.0)  # a check's worth of time: nothing may have been dropped meanwhile
+    assert reading(d, "gauges", "d_waiting") == 1 and pending.rep is None
+    assert reading(d, "counters", "peers_evicted") == evicted
+    assert any(r["engine_id"] == p.engine_id for r in peers_of(d))
+    assert "a hint, not proof" in d.log_text() and "dropping it" not in d.log_text()
+    with control.connect(p.address, timeout_s=30) as c:
+        rep = c.request(protocol.PrefillReq(transfer_id="waits-for-p", num_blocks=2), timeout_s=30)
+    assert isinstance(rep, protocol.PrefillRep), rep
+    assert (pending.result(30).outcome, reading(d, "failures", "unknown_completion")) == ("ok", 0)
+    # The other way round: D's key deleted -> P keeps D, traffic goes on.
     assert e.delete(endpoint_key("default", d.address))
-    until("P dropped D", lambda: not any(r["engine_id"] == d.engine_id for r in peers_of(p)), 15)
-    assert f"registry: {d.address} left" in p.log_text()  # not idle (600 s): the delete
+    until("P took the hint", lambda: reading(p, "counters", "registry_hints") >= 1)
+    assert any(r["engine_id"] == d.engine_id for r in peers_of(p))
     until("D's key back", lambda: record_at(e, d.address), timeout=15)
     assert run_drive(p, d, 3)["ok"] == 3
 

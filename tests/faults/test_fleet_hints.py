@@ -1,0 +1,205 @@
+"""A registry event is a hint, never proof (issue 24): real etcd, real ``serve-*`` processes, real
+NIXL, verification on.
+
+Invariants: a P frozen past its lease TTL under ``drive --registry`` corrupts nothing (no
+``verify_failed``, D's ``unknown_completion`` 0, every request accounted for: those waiting on the
+frozen P complete when it resumes); a registry delete of a live peer's key drops nothing (the
+endpoints that hold it look at its side channel, find the same incarnation and keep it); a peer
+that is really gone is still dropped, on its side channel's evidence; a record whose address is
+not its key's is refused. No timing is asserted: the "eventually" loops have wide deadlines.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvpush.fleet.etcd import Etcd
+from kvpush.fleet.record import decode, endpoint_key
+from kvpush.fleet.store import list_endpoints
+from tests.support.etcd import EtcdServer
+from tests.support.procs import KVPUSH, Launcher, Proc, clean_env
+from tests.support.side import snapshot
+
+pytestmark = [pytest.mark.integration]
+
+CLUSTER = "hints"
+# The issue's geometry: a D of 64 blocks, 2 layers, 64 KiB blocks; requests of 16 blocks.
+GEOMETRY = ["--num-blocks", "64", "--layers", "2", "--block-bytes", "65536"]
+
+
+def reg(etcd: EtcdServer, ttl: int) -> list[str]:
+    return ["--registry", etcd.url, "--cluster", CLUSTER, "--registry-ttl", str(ttl)]
+
+
+def until(what: str, cond: Callable[[], Any], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def listed(e: Etcd) -> set[str]:
+    return {r.address for r in list_endpoints(e, CLUSTER)[0]}
+
+
+def counter(proc: Proc, name: str) -> int:
+    snap = snapshot(proc.address)
+    return int(snap["counters"].get(name, 0)) + int(snap["failures"].get(name, 0))
+
+
+def holds(proc: Proc, engine_id: str) -> bool:
+    rows = snapshot(proc.address)["peers"]
+    return any(r["engine_id"] == engine_id and r["state"] != "down" for r in rows)
+
+
+def hinted(proc: Proc) -> bool:
+    return counter(proc, "registry_hints") >= 1
+
+
+def settled(proc: Proc) -> bool:
+    log = proc.log_text()
+    return "kept (a lapsed lease" in log or "no longer suspected" in log
+
+
+def drive(etcd: EtcdServer, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*KVPUSH, "drive", "--json", "--registry", etcd.url, "--cluster", CLUSTER, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 240) -> tuple[dict[str, Any], str]:
+    out, err = proc.communicate(timeout=timeout)
+    assert out.strip(), err
+    rep: dict[str, Any] = json.loads(out)
+    return rep, err
+
+
+def frozen_p_under_drive(
+    etcd: EtcdServer, serve: Launcher, *, ttl: int, n: int, rate: int, at: float, freeze: float
+) -> None:
+    """Two Ps and one D, all registered; P1 frozen past its TTL while drive runs."""
+    e = Etcd([etcd.url])
+    p1 = serve.serve("prefill", *GEOMETRY, *reg(etcd, ttl))
+    p2 = serve.serve("prefill", *GEOMETRY, *reg(etcd, ttl))
+    d = serve.serve("decode", *GEOMETRY, *reg(etcd, ttl))
+    until("all registered", lambda: listed(e) == {p1.address, p2.address, d.address})
+    run = drive(etcd, "-n", str(n), "--blocks", "16", "-c", "4", "--rate", str(rate))
+    time.sleep(at)
+    os.kill(p1.popen.pid, signal.SIGSTOP)
+    try:
+        until("P1's lease lapsed", lambda: p1.address not in listed(e), timeout=ttl + 20)
+        # D held P1: the registry's word made it look, not drop (P1 does not answer: frozen).
+        until("D looked at P1", lambda: "a hint, not proof" in d.log_text(), timeout=15)
+        time.sleep(max(0.0, freeze - ttl - 2))  # the rest of the freeze
+        assert holds(d, p1.engine_id), "D dropped the frozen P on the registry's word"
+    finally:
+        os.kill(p1.popen.pid, signal.SIGCONT)
+    rep, err = finish(run)
+    assert rep["requests"] == n and rep["ok"] + rep["failed"] == n, rep
+    reasons = rep["failures_by_reason"]
+    assert "verify_failed" not in reasons and rep["verified"] == rep["ok"], (rep, err)
+    # Nothing ended on the registry's word: what waited on P1 completed once it resumed (or,
+    # at worst, ended by its deadline -- the data path's own evidence).
+    assert set(reasons) <= {"deadline"}, (reasons, err)
+    assert counter(d, "unknown_completion") == 0, snapshot(d.address)["failures"]
+    assert counter(d, "registry_hints") >= 1
+    until("P1 registered again", lambda: p1.address in listed(e), timeout=20)
+    for proc in (p1, p2, d):
+        assert proc.popen.poll() is None
+
+
+@pytest.mark.timeout(240)
+def test_a_p_frozen_past_its_ttl_corrupts_nothing(etcd: EtcdServer, serve: Launcher) -> None:
+    frozen_p_under_drive(etcd, serve, ttl=2, n=480, rate=40, at=2.0, freeze=7.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_p_frozen_past_its_ttl_corrupts_nothing_issue_scale(
+    etcd: EtcdServer, serve: Launcher
+) -> None:
+    """The issue's run: 3,000 requests at 60/s, P1 frozen at 8 s for 16 s, TTL 10 s."""
+    frozen_p_under_drive(etcd, serve, ttl=10, n=3000, rate=60, at=8.0, freeze=16.0)
+
+
+@pytest.mark.timeout(180)
+def test_a_registry_delete_of_a_live_peer_drops_nothing(etcd: EtcdServer, serve: Launcher) -> None:
+    e = Etcd([etcd.url])
+    p = serve.serve("prefill", *GEOMETRY, *reg(etcd, 10))
+    d = serve.serve("decode", *GEOMETRY, *reg(etcd, 10))
+    until("both registered", lambda: listed(e) == {p.address, d.address})
+    rep, err = finish(drive(etcd, "-n", "20", "--blocks", "4"))
+    assert rep["ok"] == 20, (rep, err)
+    assert holds(d, p.engine_id) and holds(p, d.engine_id)
+    evicted = (counter(d, "peers_evicted"), counter(p, "peers_evicted"))
+    # Every key of the cluster deleted at once (an operator's `etcdctl del --prefix`).
+    assert e.delete_prefix(f"/kvpush/v1/clusters/{CLUSTER}/") == 2
+    # Each saw the other leave (a hint), looked, and kept it: the other answered with the same
+    # incarnation, or put its key back (its registrar) before the look was done.
+    for proc in (d, p):
+        until("the hint noted", functools.partial(hinted, proc))
+        until("the hint settled", functools.partial(settled, proc))
+    until("both registered again", lambda: listed(e) == {p.address, d.address}, timeout=20)
+    assert (counter(d, "peers_evicted"), counter(p, "peers_evicted")) == evicted
+    assert holds(d, p.engine_id) and holds(p, d.engine_id)
+    rep, err = finish(drive(etcd, "-n", "20", "--blocks", "4"))
+    assert rep["ok"] == 20, (rep, err)
+    assert counter(d, "registry_hints_proven") == 0 == counter(p, "registry_hints_proven")
+
+
+@pytest.mark.timeout(180)
+def test_a_peer_that_is_really_gone_is_dropped_on_its_side_channels_word(
+    etcd: EtcdServer, serve: Launcher
+) -> None:
+    e = Etcd([etcd.url])
+    p = serve.serve("prefill", *GEOMETRY, *reg(etcd, 2))
+    d = serve.serve("decode", *GEOMETRY, *reg(etcd, 2))
+    until("both registered", lambda: listed(e) == {p.address, d.address})
+    rep, err = finish(drive(etcd, "-n", "10", "--blocks", "4"))
+    assert rep["ok"] == 10, (rep, err)
+    assert holds(d, p.engine_id)
+    p.kill()
+    until("D proved P gone", lambda: counter(d, "registry_hints_proven") >= 1, timeout=30)
+    until("D dropped P", lambda: not holds(d, p.engine_id), timeout=15)
+    assert "its side channel confirms it" in d.log_text()
+
+
+def test_a_record_whose_address_is_not_its_key_is_refused(
+    etcd: EtcdServer, serve: Launcher
+) -> None:
+    e = Etcd([etcd.url])
+    p = serve.serve("prefill", *GEOMETRY, *reg(etcd, 10))
+    until("P registered", lambda: listed(e) == {p.address})
+    raw = e.get(endpoint_key(CLUSTER, p.address))
+    assert raw is not None
+    # A forged D record under another key, claiming P's address: it must not hide P.
+    forged = json.loads(raw)
+    forged["role"] = "decode"
+    assert decode(json.dumps(forged).encode()).address == p.address
+    e.put(endpoint_key(CLUSTER, "127.0.0.1:1"), json.dumps(forged).encode())
+    assert listed(e) == {p.address}
+    r = subprocess.run(
+        [*KVPUSH, "fleet", "ls", "--json", "--registry", etcd.url, "--cluster", CLUSTER],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=60,
+    )
+    eps = json.loads(r.stdout)["endpoints"]
+    assert [(x["address"], x["role"]) for x in eps] == [(p.address, "prefill")], eps
