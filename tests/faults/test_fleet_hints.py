@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -203,3 +204,42 @@ def test_a_record_whose_address_is_not_its_key_is_refused(
     )
     eps = json.loads(r.stdout)["endpoints"]
     assert [(x["address"], x["role"]) for x in eps] == [(p.address, "prefill")], eps
+
+
+@pytest.mark.timeout(300)
+def test_an_etcd_stall_a_wiped_prefix_and_an_empty_etcd_fail_no_request(
+    etcd: EtcdServer, serve: Launcher
+) -> None:
+    """etcd frozen past every TTL (every lease expires when it resumes), then the prefix
+    deleted, then etcd restarted on an empty data directory, all under ``drive --registry``:
+    every endpoint is alive throughout, so no request fails and every endpoint is listed
+    again."""
+    e = Etcd([etcd.url])
+    p = serve.serve("prefill", *GEOMETRY, *reg(etcd, 3))
+    d1 = serve.serve("decode", *GEOMETRY, *reg(etcd, 3))
+    d2 = serve.serve("decode", *GEOMETRY, *reg(etcd, 3))
+    everyone = {p.address, d1.address, d2.address}
+    until("all registered", lambda: listed(e) == everyone)
+    n = 1200
+    run = drive(etcd, "-n", str(n), "--blocks", "4", "-c", "4", "--rate", "40")  # ~30 s
+    time.sleep(3.0)
+    etcd.freeze()
+    time.sleep(6.0)  # past every TTL (3 s)
+    etcd.thaw()
+    until("registered again after the stall", lambda: listed(e) == everyone, timeout=30)
+    time.sleep(2.0)
+    assert e.delete_prefix(f"/kvpush/v1/clusters/{CLUSTER}/") >= 1
+    until("registered again after the wipe", lambda: listed(e) == everyone, timeout=30)
+    time.sleep(2.0)
+    etcd.kill()
+    shutil.rmtree(etcd.data_dir)
+    etcd.start()
+    e = Etcd([etcd.url])
+    until("registered again in an empty etcd", lambda: listed(e) == everyone, timeout=40)
+    rep, err = finish(run)
+    assert (rep["requests"], rep["ok"], rep["failed"]) == (n, n, 0), (rep, err[-3000:])
+    assert rep["verified"] == n
+    for proc in (p, d1, d2):
+        assert proc.popen.poll() is None
+        assert counter(proc, "registry_hints_proven") == 0
+        assert counter(proc, "peers_evicted") == 0, snapshot(proc.address)["counters"]
