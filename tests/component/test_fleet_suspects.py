@@ -8,8 +8,6 @@ and real endpoints are in ``tests/faults/test_fleet_hints.py``.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 
 import pytest
 
@@ -18,6 +16,7 @@ from kvpush.fleet.record import EndpointRecord, Geometry
 from kvpush.fleet.suspects import Suspects
 from kvpush.peers.sighting import Sighting
 from kvpush.telemetry.store import Telemetry
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -66,13 +65,6 @@ class Endpoint:
         self.forgotten.append((address, incarnation, reason, why))
 
 
-def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met"
-        time.sleep(0.02)
-
-
 def run(ep: Endpoint, recheck_s: float = 0.1) -> tuple[Suspects, Telemetry, list[EndpointRecord]]:
     tm = Telemetry(Role.DECODE, "d-1")
     proven: list[EndpointRecord] = []
@@ -90,7 +82,7 @@ def test_a_refused_side_channel_proves_a_leave() -> None:
     s, tm, proven = run(ep)
     try:
         s.add("left", record(), held=True)
-        until(lambda: s.count() == 0)
+        wait_for(lambda: s.count() == 0, 10, "s.count() == 0")
         assert ep.forgotten == [
             ("10.0.0.1:5600", "inc-1", "peer_left", "registry left; connection refused")
         ]
@@ -109,7 +101,7 @@ def test_another_incarnation_answering_proves_a_restart() -> None:
     s, _, _ = run(ep)
     try:
         s.add("restarted", record(), held=True)
-        until(lambda: s.count() == 0)
+        wait_for(lambda: s.count() == 0, 10, "s.count() == 0")
         assert [(f[1], f[2]) for f in ep.forgotten] == [("inc-1", "peer_restarted")]
     finally:
         s.stop()
@@ -120,7 +112,7 @@ def test_the_same_incarnation_answering_refutes_the_hint() -> None:
     s, tm, proven = run(ep)
     try:
         s.add("left", record(), held=True)
-        until(lambda: s.count() == 0)
+        wait_for(lambda: s.count() == 0, 10, "s.count() == 0")
         assert ep.forgotten == [] and proven == []
         assert counters(tm)["registry_hints_refuted"] == 1
     finally:
@@ -132,10 +124,10 @@ def test_a_silent_peer_moves_nothing_and_is_looked_at_again_until_it_answers() -
     s, _, _ = run(ep)
     try:
         s.add("left", record(), held=True)
-        until(lambda: ep.looks >= 3)  # frozen: looked at again and again, nothing done
+        wait_for(lambda: ep.looks >= 3, 10, "three looks")  # frozen: nothing done
         assert ep.forgotten == [] and s.count() == 1
         ep.seen = Sighting("answers", "inc-1")  # it resumed
-        until(lambda: s.count() == 0)
+        wait_for(lambda: s.count() == 0, 10, "s.count() == 0")
         assert ep.forgotten == []
     finally:
         s.stop()
@@ -146,7 +138,7 @@ def test_registered_again_ends_the_suspicion_and_a_peer_not_held_is_not_looked_a
     s, _, _ = run(ep, recheck_s=60)
     try:
         s.add("left", record(), held=True)
-        until(lambda: ep.looks >= 1)
+        wait_for(lambda: ep.looks >= 1, 10, "ep.looks >= 1")
         assert s.clear("10.0.0.1:5600", "inc-2") is False  # another incarnation: still suspect
         assert s.clear("10.0.0.1:5600", "inc-1") is True
         assert s.count() == 0
@@ -154,7 +146,7 @@ def test_registered_again_ends_the_suspicion_and_a_peer_not_held_is_not_looked_a
         ep.held = False
         before = ep.looks
         s.add("left", record(), held=True)
-        until(lambda: s.count() == 0)
+        wait_for(lambda: s.count() == 0, 10, "s.count() == 0")
         assert ep.looks == before and ep.forgotten == []
     finally:
         s.stop()
@@ -165,7 +157,7 @@ def test_a_peer_not_held_with_nixl_keys_in_etcd_is_looked_at_for_them_only() -> 
     s, tm, proven = run(ep)
     try:
         s.add("left", record(nixl="etcd"), held=False)
-        until(lambda: s.count() == 0)
+        wait_for(lambda: s.count() == 0, 10, "s.count() == 0")
         assert ep.forgotten == []  # nothing held: nothing to drop
         assert [r.nixl_metadata for r in proven] == ["etcd"]  # but its NIXL keys go
         assert counters(tm)["registry_hints"] == 0

@@ -18,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,6 +28,7 @@ from kvpush.fleet.store import list_endpoints
 from tests.support.etcd import EtcdServer
 from tests.support.procs import KVPUSH, Launcher, Proc, clean_env
 from tests.support.side import snapshot
+from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.integration]
 
@@ -39,16 +39,6 @@ GEOMETRY = ["--num-blocks", "64", "--layers", "2", "--block-bytes", "65536"]
 
 def reg(etcd: EtcdServer, ttl: int) -> list[str]:
     return ["--registry", etcd.url, "--cluster", CLUSTER, "--registry-ttl", str(ttl)]
-
-
-def until(what: str, cond: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 def listed(e: Etcd) -> set[str]:
@@ -99,14 +89,14 @@ def frozen_p_under_drive(
     p1 = serve.serve("prefill", *GEOMETRY, *reg(etcd, ttl))
     p2 = serve.serve("prefill", *GEOMETRY, *reg(etcd, ttl))
     d = serve.serve("decode", *GEOMETRY, *reg(etcd, ttl))
-    until("all registered", lambda: listed(e) == {p1.address, p2.address, d.address})
+    wait_for(lambda: listed(e) == {p1.address, p2.address, d.address}, 30, "all registered")
     run = drive(etcd, "-n", str(n), "--blocks", "16", "-c", "4", "--rate", str(rate))
     time.sleep(at)
     os.kill(p1.popen.pid, signal.SIGSTOP)
     try:
-        until("P1's lease lapsed", lambda: p1.address not in listed(e), timeout=ttl + 20)
+        wait_for(lambda: p1.address not in listed(e), ttl + 20, "P1's lease lapsed")
         # D held P1: the registry's word made it look, not drop (P1 does not answer: frozen).
-        until("D looked at P1", lambda: "a hint, not proof" in d.log_text(), timeout=15)
+        wait_for(lambda: "a hint, not proof" in d.log_text(), 15, "D looked at P1")
         time.sleep(max(0.0, freeze - ttl - 2))  # the rest of the freeze
         assert holds(d, p1.engine_id), "D dropped the frozen P on the registry's word"
     finally:
@@ -120,7 +110,7 @@ def frozen_p_under_drive(
     assert set(reasons) <= {"deadline"}, (reasons, err)
     assert counter(d, "unknown_completion") == 0, snapshot(d.address)["failures"]
     assert counter(d, "registry_hints") >= 1
-    until("P1 registered again", lambda: p1.address in listed(e), timeout=20)
+    wait_for(lambda: p1.address in listed(e), 20, "P1 registered again")
     for proc in (p1, p2, d):
         assert proc.popen.poll() is None
 
@@ -144,7 +134,7 @@ def test_a_registry_delete_of_a_live_peer_drops_nothing(etcd: EtcdServer, serve:
     e = Etcd([etcd.url])
     p = serve.serve("prefill", *GEOMETRY, *reg(etcd, 10))
     d = serve.serve("decode", *GEOMETRY, *reg(etcd, 10))
-    until("both registered", lambda: listed(e) == {p.address, d.address})
+    wait_for(lambda: listed(e) == {p.address, d.address}, 30, "both registered")
     rep, err = finish(drive(etcd, "-n", "20", "--blocks", "4"))
     assert rep["ok"] == 20, (rep, err)
     assert holds(d, p.engine_id) and holds(p, d.engine_id)
@@ -154,9 +144,9 @@ def test_a_registry_delete_of_a_live_peer_drops_nothing(etcd: EtcdServer, serve:
     # Each saw the other leave (a hint), looked, and kept it: the other answered with the same
     # incarnation, or put its key back (its registrar) before the look was done.
     for proc in (d, p):
-        until("the hint noted", functools.partial(hinted, proc))
-        until("the hint settled", functools.partial(settled, proc))
-    until("both registered again", lambda: listed(e) == {p.address, d.address}, timeout=20)
+        wait_for(functools.partial(hinted, proc), 30, "the hint noted")
+        wait_for(functools.partial(settled, proc), 30, "the hint settled")
+    wait_for(lambda: listed(e) == {p.address, d.address}, 20, "both registered again")
     assert (counter(d, "peers_evicted"), counter(p, "peers_evicted")) == evicted
     assert holds(d, p.engine_id) and holds(p, d.engine_id)
     rep, err = finish(drive(etcd, "-n", "20", "--blocks", "4"))
@@ -171,13 +161,13 @@ def test_a_peer_that_is_really_gone_is_dropped_on_its_side_channels_word(
     e = Etcd([etcd.url])
     p = serve.serve("prefill", *GEOMETRY, *reg(etcd, 2))
     d = serve.serve("decode", *GEOMETRY, *reg(etcd, 2))
-    until("both registered", lambda: listed(e) == {p.address, d.address})
+    wait_for(lambda: listed(e) == {p.address, d.address}, 30, "both registered")
     rep, err = finish(drive(etcd, "-n", "10", "--blocks", "4"))
     assert rep["ok"] == 10, (rep, err)
     assert holds(d, p.engine_id)
     p.kill()
-    until("D proved P gone", lambda: counter(d, "registry_hints_proven") >= 1, timeout=30)
-    until("D dropped P", lambda: not holds(d, p.engine_id), timeout=15)
+    wait_for(lambda: counter(d, "registry_hints_proven") >= 1, 30, "D proved P gone")
+    wait_for(lambda: not holds(d, p.engine_id), 15, "D dropped P")
     assert "its side channel confirms it" in d.log_text()
 
 
@@ -186,7 +176,7 @@ def test_a_record_whose_address_is_not_its_key_is_refused(
 ) -> None:
     e = Etcd([etcd.url])
     p = serve.serve("prefill", *GEOMETRY, *reg(etcd, 10))
-    until("P registered", lambda: listed(e) == {p.address})
+    wait_for(lambda: listed(e) == {p.address}, 30, "P registered")
     raw = e.get(endpoint_key(CLUSTER, p.address))
     assert raw is not None
     # A forged D record under another key, claiming P's address: it must not hide P.
@@ -219,23 +209,23 @@ def test_an_etcd_stall_a_wiped_prefix_and_an_empty_etcd_fail_no_request(
     d1 = serve.serve("decode", *GEOMETRY, *reg(etcd, 3))
     d2 = serve.serve("decode", *GEOMETRY, *reg(etcd, 3))
     everyone = {p.address, d1.address, d2.address}
-    until("all registered", lambda: listed(e) == everyone)
+    wait_for(lambda: listed(e) == everyone, 30, "all registered")
     n = 1200
     run = drive(etcd, "-n", str(n), "--blocks", "4", "-c", "4", "--rate", "40")  # ~30 s
     time.sleep(3.0)
     etcd.freeze()
     time.sleep(6.0)  # past every TTL (3 s)
     etcd.thaw()
-    until("registered again after the stall", lambda: listed(e) == everyone, timeout=30)
+    wait_for(lambda: listed(e) == everyone, 30, "registered again after the stall")
     time.sleep(2.0)
     assert e.delete_prefix(f"/kvpush/v1/clusters/{CLUSTER}/") >= 1
-    until("registered again after the wipe", lambda: listed(e) == everyone, timeout=30)
+    wait_for(lambda: listed(e) == everyone, 30, "registered again after the wipe")
     time.sleep(2.0)
     etcd.kill()
     shutil.rmtree(etcd.data_dir)
     etcd.start()
     e = Etcd([etcd.url])
-    until("registered again in an empty etcd", lambda: listed(e) == everyone, timeout=40)
+    wait_for(lambda: listed(e) == everyone, 40, "registered again in an empty etcd")
     rep, err = finish(run)
     assert (rep["requests"], rep["ok"], rep["failed"]) == (n, n, 0), (rep, err[-3000:])
     assert rep["verified"] == n
