@@ -143,6 +143,87 @@ class Failure(StrEnum):
             return None
 
 
+class Blame(StrEnum):
+    """Whose health a failure kind speaks of, for readiness (``kvpush.telemetry.health``)."""
+
+    OWN = "own"  # the endpoint's own data path: its transport, its memory, its code
+    PEER = "peer"  # a peer's or a client's: wrong, unreachable, frozen, gone; bad input; load
+
+
+#: Every failure kind, once, with whose health it speaks of. Only ``OWN`` kinds count against an
+#: endpoint's readiness: a failure a client or a peer caused says nothing about the endpoint,
+#: and counting it would let whoever sends such requests (no token needed) take the endpoint out
+#: of its Service, where no good request reaches it to undo that. An endpoint's own threads
+#: failing is ``/healthz``'s (``RANK_FAILED`` as a reason is then a peer's rank). A test fails
+#: when a kind is missing here.
+FAILURE_BLAME: dict[Failure, Blame] = {
+    # peers and handshakes: the peer a request names is unreachable, wrong, refusing or gone
+    Failure.HANDSHAKE_FAILED: Blame.PEER,
+    Failure.HANDSHAKE_OVERLOAD: Blame.PEER,  # load: a cap on concurrent handshakes
+    Failure.INCOMPATIBLE: Blame.PEER,
+    Failure.PREFILL_UNREACHABLE: Blame.PEER,
+    Failure.DECODE_UNREACHABLE: Blame.PEER,
+    Failure.PREFILL_DEAD: Blame.PEER,
+    Failure.PREFILL_FAILED: Blame.PEER,
+    Failure.PEER_DEAD: Blame.PEER,
+    Failure.SHUTTING_DOWN: Blame.PEER,  # the peer's; its own stop is readiness's "stopping"
+    Failure.PEER_LEFT: Blame.PEER,
+    Failure.PEER_RESTARTED: Blame.PEER,
+    # blocks, leases, registrations: load (a full pool is the routers' to see in pool_free and
+    # the registry's load record, not a reason to leave the Service) or what a peer sent
+    Failure.NO_FREE_BLOCKS: Blame.PEER,
+    Failure.NO_BLOCKS: Blame.PEER,
+    Failure.LEASE_EXPIRED: Blame.PEER,
+    Failure.REGISTRATION_EXPIRED: Blame.PEER,
+    Failure.STALE_REGISTRATION: Blame.PEER,
+    Failure.BAD_REGISTRATION: Blame.PEER,
+    Failure.BLOCK_COUNT_MISMATCH: Blame.PEER,
+    Failure.DUPLICATE_TRANSFER: Blame.PEER,
+    Failure.DUPLICATE_REGISTRATION: Blame.PEER,
+    Failure.DUPLICATE_REQUEST: Blame.PEER,
+    Failure.BAD_REQUEST: Blame.PEER,
+    Failure.OVERLOADED: Blame.PEER,
+    # WRITEs and fences: a WRITE that failed is the data path's own; one that only did not
+    # finish in time, or a fence that failed, says the target is slow, frozen or gone (as
+    # ``deadline`` does on D): a frozen peer does not take the other side out of its Service
+    Failure.WRITE_POST_FAILED: Blame.OWN,
+    Failure.WRITE_ERROR: Blame.OWN,
+    Failure.WRITE_TIMEOUT: Blame.PEER,
+    Failure.FENCE_FAILED: Blame.PEER,
+    # D's side of a request
+    Failure.DEADLINE: Blame.PEER,  # P did not push in time: P slow, frozen or never asked
+    Failure.CANCELLED: Blame.PEER,
+    Failure.VERIFY_FAILED: Blame.OWN,  # bytes landed, wrong
+    Failure.UNKNOWN_COMPLETION: Blame.PEER,
+    Failure.DUPLICATE_COMPLETION: Blame.PEER,
+    Failure.UNEXPECTED_RANK: Blame.PEER,
+    Failure.RANK_FAILED: Blame.PEER,  # its own rank's failure is /healthz's
+    Failure.CANCEL_UNACKNOWLEDGED: Blame.PEER,
+    # input refused
+    Failure.AUTH_REJECTED: Blame.PEER,
+    Failure.MALFORMED_NOTIF: Blame.PEER,
+    Failure.UNEXPECTED_NOTIF: Blame.PEER,
+    Failure.FORGED_NOTIF: Blame.PEER,
+    Failure.MALFORMED_FRAME: Blame.PEER,
+    Failure.OVERSIZED_FRAME: Blame.PEER,
+    Failure.BAD_VALUE: Blame.PEER,
+    # caps on what peers can make an endpoint hold: load
+    Failure.TOO_MANY_WAITS: Blame.PEER,
+    Failure.TOO_MANY_DECLINED: Blame.PEER,
+    Failure.TOO_MANY_REGISTRATIONS: Blame.PEER,
+    Failure.TOO_MANY_DELAYED: Blame.PEER,
+    Failure.TOO_MANY_PEERS: Blame.PEER,
+    # kvpush itself
+    Failure.CALLBACK_ERROR: Blame.OWN,
+    Failure.INTERNAL_ERROR: Blame.OWN,
+}
+
+#: The failure kinds that count against an endpoint's readiness.
+OWN_FAILURES: frozenset[str] = frozenset(
+    str(k) for k, blame in FAILURE_BLAME.items() if blame is Blame.OWN
+)
+
+
 class Gauge(StrEnum):
     FINISHED_WAITING_REG = "finished_waiting_reg"
     REGS_WAITING_BLOCKS = "regs_waiting_blocks"

@@ -3,10 +3,17 @@ and, given a ``Health``, the probes ``/healthz`` and ``/readyz`` (200 ``ok``, or
 one-line reason; ``?format=json`` or ``Accept: application/json`` answers
 ``{"ok": ..., "reason": ...}``).
 
-Owns one HTTP server thread (prometheus_client's threading WSGI server, a daemon thread that it
-stops in ``stop()``) and a private ``CollectorRegistry``, so nothing leaks into the process-global
-registry. A custom collector calls ``source()`` on the scrape thread and translates the snapshot
-(``snapshot_families`` is a pure function of it):
+Owns one HTTP server thread (``metrics-http``: it accepts connections, closes those past their
+deadline and ticks the ``Health``'s samples; stopped in ``stop()``), one daemon thread per open
+connection (``metrics-conn``), and a private ``CollectorRegistry``, so nothing leaks into the
+process-global registry. The server is bounded (``_BoundedServer``): at most ``max_connections``
+connections (threads) at a time -- one more is answered 503 and closed by the accepting thread,
+no thread started --, each closed when it sends nothing for ``idle_timeout_s`` or is still open
+after ``connection_deadline_s`` (a client that trickles its request a byte at a time). An idle
+scraper, a port scan or a flood of idle connections therefore costs at most that many threads,
+and probes answer again within the idle timeout once it stops. A custom collector calls
+``source()`` on the scrape thread and translates the snapshot (``snapshot_families`` is a pure
+function of it):
 
 - ``kvpush_<counter>_total`` for every counter; ``bytes_<x>`` becomes ``kvpush_<x>_bytes_total``
 - ``kvpush_failures_total{kind}``: failures by kind
@@ -48,15 +55,18 @@ series keep one identity at every TP size, and ``sum by (...)`` reads the same e
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -67,7 +77,6 @@ from prometheus_client.core import (
     InfoMetricFamily,
     Metric,
 )
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from kvpush.errors import BindError
@@ -352,8 +361,126 @@ class _SnapshotCollector(Collector):
 
 
 class _QuietHandler(WSGIRequestHandler):
+    """One connection, one request (wsgiref's): ``timeout`` (set per server) closes a connection
+    that sends nothing for that long."""
+
     def log_message(self, format: str, *args: object) -> None:
         """Scrapes and probes are not logged (one line per request would flood the log)."""
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except OSError:  # idle past the timeout, reset, or shut down at its deadline
+            self.close_connection = True
+
+
+#: Connections (each its own thread) served at a time; one more is answered 503 and closed.
+MAX_CONNECTIONS = 64
+#: A connection that sends nothing (no request, or a pause within it) this long is closed.
+IDLE_TIMEOUT_S = 5.0
+#: A connection still open this long after it was accepted is shut down (a trickling client).
+CONNECTION_DEADLINE_S = 30.0
+#: How often the server thread looks for connections past their deadline.
+_SWEEP_S = 0.5
+_BUSY_BODY = b"too many connections to the metrics server: retry\n"
+_BUSY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\n"
+    b"Content-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY
+)
+
+
+class _BoundedServer(WSGIServer):
+    """wsgiref's server with a thread per connection, bounded (see the module docstring).
+
+    ``tick`` runs on the server thread at every turn of its loop (at least every 0.5 s): the
+    readiness ring's periodic sample (``Health.tick``, which keeps its own pace)."""
+
+    request_queue_size = 128  # the listen backlog (socketserver's 5 drops SYNs in a burst)
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[WSGIRequestHandler],
+        *,
+        family: socket.AddressFamily,
+        max_connections: int,
+        deadline_s: float,
+        tick: Callable[[], None],
+    ) -> None:
+        self.address_family = family
+        self.max_connections = max_connections
+        self.deadline_s = deadline_s
+        self.refused = 0  # connections answered 503 at the cap
+        self._tick = tick
+        self._tick_failed = False
+        self._conns: dict[socket.socket, float] = {}  # open connection -> accepted at
+        self._conns_lock = threading.Lock()
+        self._next_sweep = 0.0
+        super().__init__(address, handler)
+
+    @property
+    def open_connections(self) -> int:
+        with self._conns_lock:
+            return len(self._conns)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        sock: socket.socket = request
+        with self._conns_lock:
+            full = len(self._conns) >= self.max_connections
+            if not full:
+                self._conns[sock] = time.monotonic()
+        if full:
+            self.refused += 1
+            with contextlib.suppress(OSError):  # a fresh socket's buffer takes it at once
+                sock.setblocking(False)
+                sock.send(_BUSY)
+            self.shutdown_request(sock)
+            return
+        t = threading.Thread(
+            target=self._serve_one, args=(sock, client_address), name="metrics-conn", daemon=True
+        )
+        try:
+            t.start()
+        except BaseException:
+            self._forget(sock)
+            raise  # socketserver reports it and closes the socket
+
+    def _serve_one(self, sock: socket.socket, client_address: Any) -> None:
+        try:
+            self.finish_request(sock, client_address)
+        except Exception:
+            logger.debug("metrics connection from %s failed", client_address, exc_info=True)
+        finally:
+            self._forget(sock)
+            self.shutdown_request(sock)
+
+    def _forget(self, sock: socket.socket) -> None:
+        # Under the lock: the sweep only ever shuts down a socket that is not closed yet.
+        with self._conns_lock:
+            self._conns.pop(sock, None)
+
+    def close_connections(self, older_than_s: float = 0.0) -> None:
+        """Shut down the open connections accepted more than ``older_than_s`` ago: their
+        threads wake from their reads and end."""
+        now = time.monotonic()
+        with self._conns_lock:
+            for sock, t0 in self._conns.items():
+                if now - t0 >= older_than_s:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+
+    def service_actions(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._next_sweep = now + _SWEEP_S
+            self.close_connections(self.deadline_s)
+        try:
+            self._tick()
+        except Exception as e:  # a broken snapshot is the probes' to report; never this loop's
+            if not self._tick_failed:
+                self._tick_failed = True
+                logger.warning("readiness sample failed: %s: %s", type(e).__name__, e)
 
 
 _PROBES = {"/healthz": "live", "/readyz": "ready"}
@@ -396,13 +523,20 @@ class PrometheusExporter:
         host: str = "127.0.0.1",
         port: int = 0,
         health: Health | None = None,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        connection_deadline_s: float = CONNECTION_DEADLINE_S,
     ) -> None:
         self.host = host
         self.port = port  # the bound port once started (port 0 picks a free one)
         self.health = health
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        self.connection_deadline_s = connection_deadline_s
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(_SnapshotCollector(source))
-        self._server: WSGIServer | None = None
+        self._server: _BoundedServer | None = None
         self._thread: threading.Thread | None = None
         self._held: socket.socket | None = None  # the port, bound by ``reserve``
 
@@ -446,14 +580,30 @@ class PrometheusExporter:
         self.port = server.server_port
         logger.info("serving Prometheus metrics at %s", self.url)
 
-    def _serve(self) -> tuple[WSGIServer, threading.Thread]:
+    @property
+    def open_connections(self) -> int:
+        """Connections being served now (each holds a thread)."""
+        return self._server.open_connections if self._server is not None else 0
+
+    def _tick(self) -> None:
+        if self.health is not None:
+            self.health.tick()
+
+    def _serve(self) -> tuple[_BoundedServer, threading.Thread]:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
 
-        class Server(ThreadingWSGIServer):
-            address_family = family
+        class Handler(_QuietHandler):
+            timeout = self.idle_timeout_s
 
-        app = _probe_app(make_wsgi_app(self._registry), self.health)
-        server = make_server(self.host, self.port, app, Server, handler_class=_QuietHandler)
+        server = _BoundedServer(
+            (self.host, self.port),
+            Handler,
+            family=family,
+            max_connections=self.max_connections,
+            deadline_s=self.connection_deadline_s,
+            tick=self._tick,
+        )
+        server.set_app(_probe_app(make_wsgi_app(self._registry), self.health))
         thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
         thread.start()
         return server, thread
@@ -481,5 +631,6 @@ class PrometheusExporter:
             return
         server.shutdown()
         server.server_close()
+        server.close_connections()  # their threads end now, not at their idle timeout
         if thread is not None:
             thread.join(timeout)

@@ -235,17 +235,21 @@ def s(t: float, ok: int, failed: int, **fails: int) -> Sample:
 def test_data_path_verdicts() -> None:
     assert data_path(s(0, 0, 0), s(10, 0, 0), Role.DECODE).ok  # idle: ready
     assert data_path(s(0, 0, 0), s(10, 5, 3), Role.DECODE).ok  # some succeed: ready
+    # Only its own failures count (issue 24): a client naming a dead P, or a frozen P, does not.
+    assert data_path(s(0, 0, 0), s(10, 0, 6, prefill_unreachable=4, deadline=2), Role.DECODE).ok
     v = data_path(
-        s(0, 2, 1, prefill_unreachable=1),
-        s(10, 2, 7, prefill_unreachable=5, deadline=2),
+        s(0, 2, 1, write_error=1),
+        s(10, 2, 7, write_error=5, deadline=2),
         Role.DECODE,
     )
     assert not v.ok
     assert v.reason == (
-        "data path failing: 6 requests failed and none succeeded in the last 10s "
-        "(prefill_unreachable x4, deadline x2)"
+        "data path failing: 4 failures of its own and no request succeeded in the last 10s "
+        "(write_error x4); not counted, peers' or clients': deadline x2"
     )
-    assert "pushes failed" in data_path(s(0, 0, 0), s(3, 0, 1), Role.PREFILL).reason
+    assert (
+        "no push succeeded" in data_path(s(0, 0, 0), s(3, 0, 1, write_error=1), Role.PREFILL).reason
+    )
 
 
 class Clock:
@@ -268,10 +272,10 @@ def test_probes_closer_than_half_a_second_keep_the_successes_they_bracket() -> N
     clock.t += 0.3
     assert h.ready().ok
     tm.inc("requests_failed", 3)
-    tm.fail("prefill_unreachable", 3)
+    tm.fail("write_error", 3)
     clock.t += 2.0
     v = h.ready()
-    assert not v.ok and "3 requests failed and none succeeded" in v.reason, v
+    assert not v.ok and "3 failures of its own and no request succeeded" in v.reason, v
 
 
 def test_health_windows_and_order_of_checks() -> None:
@@ -289,18 +293,20 @@ def test_health_windows_and_order_of_checks() -> None:
 
     def failed(n: int) -> None:
         tm.inc("requests_failed", n)
-        tm.fail("prefill_unreachable", n)
+        tm.fail("write_error", n)
 
     assert h.ready().ok and h.live().ok
     failed(4)
     clock.t = 105.0
     v = h.ready()
-    assert not v.ok and "4 requests failed" in v.reason and "prefill_unreachable x4" in v.reason
+    assert not v.ok and "4 failures of its own" in v.reason and "write_error x4" in v.reason
     tm.inc("requests_ok")
     clock.t = 107.0  # one success: ready again
     assert h.ready().ok
+    clock.t = 121.0
+    h.tick()  # the exporter's server loop samples at least every TICK_S
     failed(5)
-    clock.t = 130.0  # failures only, since the last sample a window ago
+    clock.t = 130.0  # failures only, since the oldest sample inside the window
     assert not h.ready().ok
     clock.t = 145.0  # a window with nothing attempted: ready
     assert h.ready().ok
@@ -310,8 +316,8 @@ def test_health_windows_and_order_of_checks() -> None:
     failed(2)  # failures right after successes, probes 1 s apart: the successes do not hide them
     clock.t = 148.0
     v = h.ready()
-    assert not v.ok and "2 requests failed" in v.reason, v
-    h.registration = lambda: data_path(s(0, 0, 0), s(1, 0, 1), Role.DECODE)
+    assert not v.ok and "2 failures of its own" in v.reason, v
+    h.registration = lambda: data_path(s(0, 0, 0), s(1, 0, 1, write_error=1), Role.DECODE)
     assert h.ready().reason.startswith("data path failing")
     stopping.append(True)
     assert h.ready().reason.startswith("stopping")
