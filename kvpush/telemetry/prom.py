@@ -6,7 +6,7 @@ one-line reason; ``?format=json`` or ``Accept: application/json`` answers
 Owns one HTTP server thread (``metrics-http``: it accepts connections, closes those past their
 deadline and ticks the ``Health``'s samples; stopped in ``stop()``), one daemon thread per open
 connection (``metrics-conn``), and a private ``CollectorRegistry``, so nothing leaks into the
-process-global registry. The server is bounded (``_BoundedServer``): at most ``max_connections``
+process-global registry. The server is bounded (``BoundedServer``): at most ``max_connections``
 connections (threads) at a time -- one more is answered 503 and closed by the accepting thread,
 no thread started --, each closed when it sends nothing for ``idle_timeout_s`` or is still open
 after ``connection_deadline_s`` (a client that trickles its request a byte at a time). An idle
@@ -55,19 +55,13 @@ series keep one identity at every TP size, and ``sum by (...)`` reads the same e
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import json
 import logging
 import re
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
-from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import (
@@ -80,7 +74,15 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvpush.errors import BindError
-from kvpush.telemetry.health import Health, Verdict
+from kvpush.telemetry.health import Health
+from kvpush.telemetry.httpserver import (
+    CONNECTION_DEADLINE_S,
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    BoundedServer,
+    QuietHandler,
+    probe_app,
+)
 from kvpush.telemetry.names import (
     POOL_GAUGES,
     QUEUE_GAUGES,
@@ -360,159 +362,6 @@ class _SnapshotCollector(Collector):
         return snapshot_families(self._source())
 
 
-class _QuietHandler(WSGIRequestHandler):
-    """One connection, one request (wsgiref's): ``timeout`` (set per server) closes a connection
-    that sends nothing for that long."""
-
-    def log_message(self, format: str, *args: object) -> None:
-        """Scrapes and probes are not logged (one line per request would flood the log)."""
-
-    def handle(self) -> None:
-        try:
-            super().handle()
-        except OSError:  # idle past the timeout, reset, or shut down at its deadline
-            self.close_connection = True
-
-
-#: Connections (each its own thread) served at a time; one more is answered 503 and closed.
-MAX_CONNECTIONS = 64
-#: A connection that sends nothing (no request, or a pause within it) this long is closed.
-IDLE_TIMEOUT_S = 5.0
-#: A connection still open this long after it was accepted is shut down (a trickling client).
-CONNECTION_DEADLINE_S = 30.0
-#: How often the server thread looks for connections past their deadline.
-_SWEEP_S = 0.5
-_BUSY_BODY = b"too many connections to the metrics server: retry\n"
-_BUSY = (
-    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
-    b"Retry-After: 1\r\nConnection: close\r\n"
-    b"Content-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY
-)
-
-
-class _BoundedServer(WSGIServer):
-    """wsgiref's server with a thread per connection, bounded (see the module docstring).
-
-    ``tick`` runs on the server thread at every turn of its loop (at least every 0.5 s): the
-    readiness ring's periodic sample (``Health.tick``, which keeps its own pace)."""
-
-    request_queue_size = 128  # the listen backlog (socketserver's 5 drops SYNs in a burst)
-
-    def __init__(
-        self,
-        address: tuple[str, int],
-        handler: type[WSGIRequestHandler],
-        *,
-        family: socket.AddressFamily,
-        max_connections: int,
-        deadline_s: float,
-        tick: Callable[[], None],
-    ) -> None:
-        self.address_family = family
-        self.max_connections = max_connections
-        self.deadline_s = deadline_s
-        self.refused = 0  # connections answered 503 at the cap
-        self._tick = tick
-        self._tick_failed = False
-        self._conns: dict[socket.socket, float] = {}  # open connection -> accepted at
-        self._conns_lock = threading.Lock()
-        self._next_sweep = 0.0
-        super().__init__(address, handler)
-
-    @property
-    def open_connections(self) -> int:
-        with self._conns_lock:
-            return len(self._conns)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        sock: socket.socket = request
-        with self._conns_lock:
-            full = len(self._conns) >= self.max_connections
-            if not full:
-                self._conns[sock] = time.monotonic()
-        if full:
-            self.refused += 1
-            with contextlib.suppress(OSError):  # a fresh socket's buffer takes it at once
-                sock.setblocking(False)
-                sock.send(_BUSY)
-            self.shutdown_request(sock)
-            return
-        t = threading.Thread(
-            target=self._serve_one, args=(sock, client_address), name="metrics-conn", daemon=True
-        )
-        try:
-            t.start()
-        except BaseException:
-            self._forget(sock)
-            raise  # socketserver reports it and closes the socket
-
-    def _serve_one(self, sock: socket.socket, client_address: Any) -> None:
-        try:
-            self.finish_request(sock, client_address)
-        except Exception:
-            logger.debug("metrics connection from %s failed", client_address, exc_info=True)
-        finally:
-            self._forget(sock)
-            self.shutdown_request(sock)
-
-    def _forget(self, sock: socket.socket) -> None:
-        # Under the lock: the sweep only ever shuts down a socket that is not closed yet.
-        with self._conns_lock:
-            self._conns.pop(sock, None)
-
-    def close_connections(self, older_than_s: float = 0.0) -> None:
-        """Shut down the open connections accepted more than ``older_than_s`` ago: their
-        threads wake from their reads and end."""
-        now = time.monotonic()
-        with self._conns_lock:
-            for sock, t0 in self._conns.items():
-                if now - t0 >= older_than_s:
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_RDWR)
-
-    def service_actions(self) -> None:
-        now = time.monotonic()
-        if now >= self._next_sweep:
-            self._next_sweep = now + _SWEEP_S
-            self.close_connections(self.deadline_s)
-        try:
-            self._tick()
-        except Exception as e:  # a broken snapshot is the probes' to report; never this loop's
-            if not self._tick_failed:
-                self._tick_failed = True
-                logger.warning("readiness sample failed: %s: %s", type(e).__name__, e)
-
-
-_PROBES = {"/healthz": "live", "/readyz": "ready"}
-
-
-def _probe_app(metrics: WSGIApplication, health: Health | None) -> WSGIApplication:
-    """``/healthz`` and ``/readyz`` from ``health``; every other path is the metrics page."""
-
-    def app(environ: WSGIEnvironment, start: StartResponse) -> Iterable[bytes]:
-        probe = _PROBES.get(str(environ.get("PATH_INFO", "")).rstrip("/") or "/")
-        if probe is None or health is None:
-            return metrics(environ, start)
-        try:
-            v: Verdict = getattr(health, probe)()
-        except Exception as e:  # a probe that cannot judge says so, it never hangs or 500s
-            v = Verdict(False, f"probe failed: {type(e).__name__}: {e}")
-        as_json = "format=json" in str(environ.get("QUERY_STRING", "")) or "json" in str(
-            environ.get("HTTP_ACCEPT", "")
-        )
-        if as_json:
-            body = json.dumps({"ok": v.ok, "reason": v.reason}).encode() + b"\n"
-            ctype = "application/json"
-        else:
-            body = (v.reason if v.ok else f"not {probe}: {v.reason}").encode() + b"\n"
-            ctype = "text/plain; charset=utf-8"
-        status = "200 OK" if v.ok else "503 Service Unavailable"
-        start(status, [("Content-Type", ctype), ("Content-Length", str(len(body)))])
-        return [body]
-
-    return app
-
-
 class PrometheusExporter:
     """Serve ``source()`` snapshots at ``http://host:port/metrics`` (and ``health``'s probes)
     until ``stop()``."""
@@ -536,7 +385,7 @@ class PrometheusExporter:
         self.connection_deadline_s = connection_deadline_s
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(_SnapshotCollector(source))
-        self._server: _BoundedServer | None = None
+        self._server: BoundedServer | None = None
         self._thread: threading.Thread | None = None
         self._held: socket.socket | None = None  # the port, bound by ``reserve``
 
@@ -589,13 +438,13 @@ class PrometheusExporter:
         if self.health is not None:
             self.health.tick()
 
-    def _serve(self) -> tuple[_BoundedServer, threading.Thread]:
+    def _serve(self) -> tuple[BoundedServer, threading.Thread]:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
 
-        class Handler(_QuietHandler):
+        class Handler(QuietHandler):
             timeout = self.idle_timeout_s
 
-        server = _BoundedServer(
+        server = BoundedServer(
             (self.host, self.port),
             Handler,
             family=family,
@@ -603,7 +452,7 @@ class PrometheusExporter:
             deadline_s=self.connection_deadline_s,
             tick=self._tick,
         )
-        server.set_app(_probe_app(make_wsgi_app(self._registry), self.health))
+        server.set_app(probe_app(make_wsgi_app(self._registry), self.health))
         thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
         thread.start()
         return server, thread
