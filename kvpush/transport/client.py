@@ -4,12 +4,18 @@
 never wedges the socket (a REQ socket would be), and late replies are discarded by id. Its first
 message on every connection is vLLM's ``get_meta_msg`` (``identify``): only a peer that answers
 as kvpush is sent kvpush's framing. A client belongs to one thread.
+
+A connection ZMQ has not made within ``LOOK_AFTER_S`` (0.1 s) is looked at once with a plain
+TCP connection (``kvpush.transport.contact``): a refused port is ``PeerUnreachableError`` at
+once, and a peer that answers but is no ZMQ socket at all -- an HTTP server, a banner -- is
+``PeerError`` at once ("looks like HTTP"), instead of waiting out the deadline and saying it
+"did not accept a connection". A handshake whose ZMQ connection completes within 0.1 s never
+looks.
 """
 
 from __future__ import annotations
 
 import itertools
-import socket
 import time
 from dataclasses import dataclass
 
@@ -27,6 +33,7 @@ from kvpush.errors import (
     ProtocolError,
     WrongWireError,
 )
+from kvpush.transport.contact import ANSWERED_NOT_ZMQ, Contact, contact
 from kvpush.transport.sidechannel import context
 from kvpush.wire import protocol, vllm
 from kvpush.wire.auth import CH_REPLY, CH_REQUEST, Authenticator
@@ -62,20 +69,28 @@ class PeerIdentity:
 
 
 NOT_A_SIDE_CHANNEL_HINT = "check the address: it must be a kvpush or vLLM NIXL side channel"
-# A connection ZMQ has not made by then is looked at once with a plain TCP connect.
-REFUSED_LOOK_AFTER_S = 0.1
+#: A connection ZMQ has not made by then is looked at once with a plain TCP connection.
+LOOK_AFTER_S = 0.1
+#: The look's bounds: all of it, and the wait for a ZMTP greeting before the HTTP probe (a live
+#: ZMQ peer greets within one round trip; one that does not is asked in HTTP).
+LOOK_S = 1.5
+LOOK_GREETING_S = 0.25
 
 
-def refused(host: str, port: int, timeout_s: float) -> bool:
-    """Whether a TCP connect to ``host:port`` is refused (False: it connected, timed out, or
-    failed otherwise -- left to the caller's deadline)."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
+def not_zmq_error(c: Contact, host: str, port: int) -> PeerError | PeerUnreachableError | None:
+    """The error a raw look at ``host:port`` proves at once (refused; answered, but not as
+    ZMQ), else None: a ZMQ greeting, a timeout or silence are left to the caller's deadline."""
+    if c.kind == "refused":
+        return PeerUnreachableError(
+            f"{c.address}: connection refused",
+            f"nothing listens on port {port} of {host}: check the port and that the peer runs",
+        )
+    if c.kind in ANSWERED_NOT_ZMQ:
+        return PeerError(
+            f"{c.address} answered but is not a kvpush or vLLM side channel ({c.detail})",
+            NOT_A_SIDE_CHANNEL_HINT,
+        )
+    return None
 
 
 class SideChannelClient:
@@ -152,17 +167,20 @@ class SideChannelClient:
                     raise PeerTimeoutError(
                         f"{self.address} did not accept a connection within {timeout:g}s"
                     ) from None
-                if not looked and time.monotonic() - t0 >= REFUSED_LOOK_AFTER_S:
-                    # ZMQ retries a refused port quietly until the deadline; one plain TCP
-                    # connect tells a closed port at once (as probe's first contact does).
+                if not looked and time.monotonic() - t0 >= LOOK_AFTER_S:
+                    # ZMQ retries a refused port, and an HTTP server's, quietly until the
+                    # deadline; one plain TCP look tells either at once (as probe's does).
                     looked = True
-                    if refused(self.host, self.port, min(left, 1.0)):
+                    c = contact(
+                        self.host, self.port, min(left, LOOK_S), greeting_wait_s=LOOK_GREETING_S
+                    )
+                    err = not_zmq_error(c, self.host, self.port)
+                    if err is not None:
                         self._reset()
-                        raise PeerUnreachableError(
-                            f"{self.address}: connection refused",
-                            f"nothing listens on port {self.port} of {self.host}: check the "
-                            "port and that the peer runs",
-                        ) from None
+                        raise err from None
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        continue  # the deadline's error, above
                 sock.poll(int(min(left, 0.05) * 1000) + 1, zmq.POLLOUT)
 
     def _recv(self, sock: zmq.Socket[bytes], deadline: float, timeout: float) -> list[bytes]:

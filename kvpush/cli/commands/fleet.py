@@ -4,8 +4,10 @@ Options -> ``kvpush.ops.fleet_source.RegistrySource`` -> one call into ``kvpush.
 (``fleet_view`` for ls, ``fleet_watch`` for watch, ``fleet_check`` for check) -> the renderings
 of ``kvpush.cli.views.fleet``: a table or one JSON object, the live view on a terminal (a short
 ``Live`` loop) or one line per event when stdout is not one, and the check's matrix. etcd not
-answering is ``RegistryUnavailable``: one ``error:`` and ``hint:``, exit 69. Runs on the main
-thread (the watch's reader thread and the check's pair threads belong to ``kvpush.ops``).
+answering is ``RegistryUnavailable``: one ``error:`` and ``hint:``, exit 69. What a record holds
+is data, never markup or terminal control: the views escape it; this module's own lines (the
+watch's registry status) go through ``kvpush.logsafe.shown``. Runs on the main thread (the
+watch's reader thread and the check's pair threads belong to ``kvpush.ops``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvpush.cli import options, stdio, translate
 from kvpush.cli.optspec import PANEL_OUT, option
 from kvpush.config import Role, require_positive
 from kvpush.errors import ConfigError, ExitStatus
+from kvpush.logsafe import shown
 from kvpush.runtime.signals import StopFlag
 
 #: Columns of a table written to a pipe when COLUMNS does not say.
@@ -54,11 +57,14 @@ For each pair: compatibility from the two records (the differing fields named: s
 'incompatible' and is not driven), then --pushes verified pushes of --size bytes through the
 endpoints themselves, as drive sends them (the first one carries the handshake of a pair that
 never met): handshake time (first push minus the median of the rest), push latency p50, GB/s,
-and the outcome. Pairs run --concurrency at a time, each within --deadline seconds. A pair whose
-pushes fail is named with the reason (e.g. no_free_blocks: the D's pool is full;
-decode_unreachable: P cannot reach D) -- unless one of its endpoints left the registry during
-the check ('left'). Exit status 0 when every pair that can work works, 3 when one does not (with
---strict also when a pair is incompatible), 69 when etcd does not answer."""
+and the outcome. Pairs run --concurrency at a time, each within --deadline seconds, and pairs
+that share an endpoint only as many at once as its pool holds (the check never fills a pool
+itself). A pair whose pushes fail is named with the reason (e.g. no_free_blocks: the D's pool
+is full; decode_unreachable: P cannot reach D; deadline: a peer froze) -- 'left' only when one
+of its endpoints is proven gone (its port refuses connections, or a new incarnation answers
+there), not because its key left the registry. Exit status 0 when every pair that can work
+works, 3 when one does not (with --strict also when a pair is incompatible or skipped), 69 when
+etcd does not answer."""
 
 
 def register(app: typer.Typer) -> None:
@@ -217,8 +223,10 @@ def _watch_lines(
                 stdio.out(json.dumps(item.to_dict()))
             elif hasattr(item, "up"):
                 stdio.out(
-                    f"+{item.t - t0:.1f}s registry "
-                    + ("up again: listed anew" if item.up else f"down: {item.detail}")
+                    shown(
+                        f"+{item.t - t0:.1f}s registry "
+                        + ("up again: listed anew" if item.up else f"down: {item.detail}")
+                    )
                 )
             else:
                 stdio.out(views.event_line(item, t0))

@@ -3,8 +3,12 @@
 
 Pure functions of frozen data (``kvpush.ops.fleet_view.FleetRow`` / ``Change``,
 ``kvpush.ops.fleet_check.CheckReport``): no clocks, no threads, no I/O -- tested by rendering
-hand-built rows. The watch command's short ``Live`` loop calls ``render_watch`` once per refresh;
-the choice between the live view and lines (``isatty()``, ``--json``) belongs to the command.
+hand-built rows. Records are data: every string that came from the registry or from a peer (an
+address, a host, an engine id, a failure's detail) is drawn as ``Text`` (never parsed as Rich
+markup) and through ``kvpush.logsafe.shown`` (control characters escaped: no terminal escape
+reaches the screen, no newline forges a line); ``--json`` keeps them exact. The watch command's
+short ``Live`` loop calls ``render_watch`` once per refresh; the choice between the live view
+and lines (``isatty()``, ``--json``) belongs to the command.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from rich.text import Text
 from kvpush.cli.views.live import section
 from kvpush.cli.views.readings import fmt_rate, fmt_uptime
 from kvpush.config import Role
+from kvpush.logsafe import shown
 from kvpush.ops.fleet_check import CheckReport, PairResult
 from kvpush.ops.fleet_view import Change, FleetRow
 
@@ -47,6 +52,11 @@ def short(incarnation: str) -> str:
     return incarnation[:8]
 
 
+def data(text: object, style: str = "") -> Text:
+    """A string from the registry or a peer as a cell: literal (no markup), one line."""
+    return Text(shown(str(text)), style=style)
+
+
 def _rate(rate: float | None) -> str:
     return "-" if rate is None else fmt_rate(rate)
 
@@ -70,12 +80,12 @@ def ls_table(rows: Sequence[FleetRow], cluster: str, *, rate: bool = False) -> R
         r = row.record
         cells: list[Any] = [
             "P" if r.role == Role.PREFILL else "D",
-            r.address,
-            r.host,
-            r.engine_id,
-            short(r.incarnation),
+            data(r.address),
+            data(r.host),
+            data(r.engine_id),
+            data(short(r.incarnation)),
             str(r.tp_size),
-            r.wire,
+            data(r.wire),
             fmt_uptime(row.age_s),
             f"{r.load.free_blocks}/{r.geometry.num_blocks}",
             str(r.load.in_flight),
@@ -95,11 +105,14 @@ def rows_json(rows: Iterable[FleetRow], cluster: str) -> dict[str, Any]:
 
 
 def event_line(ev: Change, t0: float) -> str:
-    """One event as a plain line: ``+12.3s restart decode 10.0.0.7:5601 (host) ab12cd34 -> ...``."""
+    """One event as a plain line: ``+12.3s restart decode 10.0.0.7:5601 (host) ab12cd34 -> ...``
+    (the record's strings escaped: one line, whatever they hold)."""
     text = f"+{ev.t - t0:.1f}s {ev.kind} {ev.role} {ev.address} ({ev.host}) "
     if ev.kind == "restart":
-        return text + f"incarnation {short(ev.previous)} -> {short(ev.incarnation)}"
-    return text + f"incarnation {short(ev.incarnation)}"
+        text += f"incarnation {short(ev.previous)} -> {short(ev.incarnation)}"
+    else:
+        text += f"incarnation {short(ev.incarnation)}"
+    return shown(text)
 
 
 def render_watch(
@@ -119,7 +132,7 @@ def render_watch(
         parts.append(Text("events", style="bold cyan"))
         parts.append(tail)
     if status:
-        parts.append(Text(status, style="yellow"))
+        parts.append(data(status, style="yellow"))
     return Group(*parts)
 
 
@@ -133,7 +146,9 @@ def _cell(r: PairResult) -> Text:
     if r.outcome == "incompatible":
         return Text("incompatible", style="yellow")
     if r.outcome == "failed":
-        return Text(f"FAIL {r.reason}", style="bold red")
+        return data(f"FAIL {r.reason}", style="bold red")
+    if r.reason == "pool_too_small":
+        return Text("pool too small", style="yellow")
     return Text(r.outcome, style="dim")
 
 
@@ -148,7 +163,7 @@ def check_text(rep: CheckReport) -> RenderableType:
     if not rep.pairs:
         parts.append(Text(f"cluster {rep.cluster!r}: no P x D pair to check", style="dim"))
         for n in rep.notes:
-            parts.append(Text(f"note: {n}"))
+            parts.append(data(f"note: {n}"))
         return Group(*parts)
     parts += _matrix(rep)
     parts.append(_pairs_table(rep))
@@ -166,7 +181,7 @@ def check_text(rep: CheckReport) -> RenderableType:
         )
     )
     for n in rep.notes:
-        parts.append(Text(f"note: {n}"))
+        parts.append(data(f"note: {n}"))
     return Group(*parts)
 
 
@@ -178,20 +193,20 @@ def _matrix(rep: CheckReport) -> list[RenderableType]:
     for i in range(len(rep.decodes)):
         m.add_column(f"D{i}", no_wrap=True)
     for p in rep.prefills:
-        m.add_row(p, *(_cell(rep.pair(p, d)) for d in rep.decodes))
+        m.add_row(data(p), *(_cell(rep.pair(p, d)) for d in rep.decodes))
     legend = Text()
     for i, d in enumerate(rep.decodes):
-        legend.append(f"D{i}={d}  ", style="dim")
+        legend.append(f"D{i}={shown(d)}  ", style="dim")
     parts: list[RenderableType] = [m, legend]
     bad = [r for r in rep.pairs if r.outcome != "ok"]
     if bad:
         lines = Text()
         for r in bad:
-            lines.append(
+            line = (
                 f"{r.outcome.upper()} {r.prefill} -> {r.decode}: "
-                f"{r.reason}{': ' + r.detail if r.detail else ''}\n",
-                style=_OUTCOME_STYLE.get(r.outcome, ""),
+                f"{r.reason}{': ' + r.detail if r.detail else ''}"
             )
+            lines.append(shown(line) + "\n", style=_OUTCOME_STYLE.get(r.outcome, ""))
         parts.append(lines)
     return parts
 
@@ -204,8 +219,8 @@ def _pairs_table(rep: CheckReport) -> Table:
         t.add_column(col, no_wrap=True, justify="left" if col in ("prefill", "decode") else "right")
     for r in rep.pairs:
         t.add_row(
-            r.prefill,
-            r.decode,
+            data(r.prefill),
+            data(r.decode),
             Text(r.outcome, style=_OUTCOME_STYLE.get(r.outcome, "")),
             str(r.blocks or "-"),
             f"{r.pushes_ok}/{r.pushes}" if r.pushes else "-",
