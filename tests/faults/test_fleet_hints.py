@@ -91,6 +91,9 @@ def frozen_p_under_drive(
     d = serve.serve("decode", *GEOMETRY, *reg(etcd, ttl))
     wait_for(lambda: listed(e) == {p1.address, p2.address, d.address}, 30, "all registered")
     run = drive(etcd, "-n", str(n), "--blocks", "16", "-c", "4", "--rate", str(rate))
+    # Freeze P1 with requests through it under way: D must hold it (drive's start-up and
+    # preflight take their own time on a loaded host; ``at`` counts from D's first use of P1).
+    wait_for(lambda: holds(d, p1.engine_id), 60, "D took requests through P1")
     time.sleep(at)
     os.kill(p1.popen.pid, signal.SIGSTOP)
     try:
