@@ -9,11 +9,16 @@ Owns ``Driver`` (behind ``kvpush drive`` and ``kvpush demo``). Guarantees:
   interrupt) decides it, later news of the same request is dropped.
 * **planned resources**: worker threads borrow side-channel connections from two bounded
   ``ClientPool`` s (decode legs; prefill legs), so the socket count is fixed up front (ZMQ holds
-  at most 1023 sockets per process): ``--concurrency`` above ``SOCKET_BUDGET`` runs that many
-  requests at a time and says so in the report's notes.
+  at most 1023 sockets per process; ``plan_sockets``): a socket per worker, prefill-leg sockets
+  never more than the requests in flight need, and a fixed reserve (the monitor's clients of
+  busy peers, the registry's checks, replacement workers) -- the number of peers costs nothing,
+  only peers with work in flight hold a socket. ``--concurrency`` above what fits runs that
+  many requests at a time and says so in the report's notes.
 * **fail fast, route around**: ``kvpush.ops.health`` marks a peer that refuses connections or
   misses a liveness check down at once; new requests go round robin to the peers still up, a
-  request that finds no peer of a role up waits ``peer_grace_s`` for one to come back
+  request that finds no peer of a role up waits ``peer_grace_s`` for one to come back (so does
+  one whose P left the rotation or went down between its pick and its prefill leg: it picks
+  another P first)
   (``kvpush.ops.readmit.PeerGrace``: a restart is a dip, not the end of the run), then fails
   with ``decode_unreachable`` / ``prefill_unreachable``; a down peer is re-checked -- drive's
   preflight again, for that peer -- and comes back. A D that answers as a new incarnation (it
@@ -40,11 +45,12 @@ from dataclasses import dataclass
 from kvpush.address import format_address, parse_address
 from kvpush.config import Role
 from kvpush.errors import KvpushError, PeerUnreachableError
+from kvpush.logsafe import shown
 from kvpush.ops import control, reasons
 from kvpush.ops.drive_notes import down_at_start_note, long_run_note
-from kvpush.ops.health import Health, Peer
-from kvpush.ops.preflight import check_peers
-from kvpush.ops.readmit import PeerGrace, Readmission
+from kvpush.ops.health import MONITOR_CLIENTS, Health, Peer
+from kvpush.ops.preflight import CHECK_THREADS, check_peers
+from kvpush.ops.readmit import Checked, PeerGrace, Readmission
 from kvpush.ops.results import DriveConfig, DriveReport, RequestResult, summarize
 from kvpush.ops.senders import Senders
 from kvpush.ops.trace import Tracer, phase_stats
@@ -64,6 +70,8 @@ DECODE_MARGIN_S = 5.0
 CONTACT_S = 5.0
 #: Workers replaced after their peer died under them (each keeps its socket until its deadline).
 REPLACEMENT_RESERVE = 20
+#: Sockets kept spare beyond every planned one.
+SPARE_SOCKETS = 8
 
 __all__ = [
     "DriveConfig",
@@ -72,8 +80,22 @@ __all__ = [
     "Driver",
     "RequestResult",
     "drive",
+    "plan_sockets",
     "summarize",
 ]
+
+
+def plan_sockets(want: int, n_prefill: int, p_threads: int) -> tuple[int, int]:
+    """(workers, prefill-leg sockets) within ``SOCKET_BUDGET``. Each worker holds one D socket;
+    prefill legs hold one each, and there are never more of them than requests in flight (one
+    per worker), plus one executor's worth for the trace's questions to P -- nor more than the
+    Ps' executor threads. The rest is a fixed reserve: the monitor's clients of busy peers,
+    the registry's checks, replacement workers. How many peers there are costs nothing."""
+    room = SOCKET_BUDGET - SPARE_SOCKETS - REPLACEMENT_RESERVE - MONITOR_CLIENTS - CHECK_THREADS
+    threads = p_threads * max(1, n_prefill)
+    # w + min(threads, w + p_threads) <= room: either term of the min may be the one that fits.
+    workers = max(1, min(want, max(room - threads, (room - p_threads) // 2)))
+    return workers, min(threads, workers + p_threads)
 
 
 @dataclass(frozen=True)
@@ -94,7 +116,11 @@ class Driver:
     """Runs one batch of requests; ``add_decode`` may grow the D rotation while it runs."""
 
     def __init__(
-        self, cfg: DriveConfig, hooks: DriveHooks | None = None, tracer: Tracer | None = None
+        self,
+        cfg: DriveConfig,
+        hooks: DriveHooks | None = None,
+        tracer: Tracer | None = None,
+        checked: Checked | None = None,
     ) -> None:
         self.cfg = cfg
         self.hooks = hooks or DriveHooks()
@@ -115,10 +141,9 @@ class Driver:
         self._worker_of: dict[int, int] = {}  # request index -> the worker sending it
         self._retired: set[int] = set()
         self._replacements = 0
-        n_peers = len(cfg.prefill) + len(cfg.decode) + 8 + REPLACEMENT_RESERVE
-        p_threads = min(PREFILL_THREADS, cfg.concurrency, cfg.requests)
-        budget = SOCKET_BUDGET - n_peers - p_threads * len(cfg.prefill)
-        self.workers = max(1, min(cfg.concurrency, cfg.requests, budget))
+        p_threads = self._p_threads = min(PREFILL_THREADS, cfg.concurrency, cfg.requests)
+        want = min(cfg.concurrency, cfg.requests)
+        self.workers, self._p_budget = plan_sockets(want, len(cfg.prefill), p_threads)
         planned = long_run_note(cfg)
         if planned:
             self.notes.append(planned)
@@ -128,11 +153,12 @@ class Driver:
                 f"process may hold: at most {self.workers} requests were in flight at a time"
             )
         self._d_pool = control.ClientPool(cfg.auth_token, cfg.timeout_s, self.workers)
-        self._p_pool = control.ClientPool(
-            cfg.auth_token, cfg.timeout_s, p_threads * len(cfg.prefill)
-        )
+        self._p_pool = control.ClientPool(cfg.auth_token, cfg.timeout_s, self._p_budget)
         self._p_exec = {p: Senders(p_threads, f"drive-p{i}") for i, p in enumerate(cfg.prefill)}
-        self._readmission: Readmission | None = None  # set by run() from the preflight
+        # From the preflight: run()'s own, or the one drive --registry did (``checked``).
+        self._readmission: Readmission | None = None
+        if checked is not None:
+            self._readmission = Readmission(cfg, checked.meta, checked.reference)
         self.health = Health(
             cfg,
             on_down=self._on_down,
@@ -147,18 +173,47 @@ class Driver:
 
     # ------------------------------------------------------------------ control (any thread)
     def add_decode(self, address: str) -> None:
-        self.health.add(format_address(*parse_address(address)), Role.DECODE)
+        d = format_address(*parse_address(address))
+        self.trace_join(d)
+        self.health.add(d, Role.DECODE)
 
     def add_prefill(self, address: str) -> None:
         """A P that joined while the run goes on (``drive --registry``): its own prefill-leg
-        executor and connections, then into the rotation."""
+        executor and connections (within the plan: ``plan_sockets``), then into the
+        rotation."""
         p = format_address(*parse_address(address))
+        self.trace_join(p)
         with self._lock:
             if p not in self._p_exec:
-                n = min(PREFILL_THREADS, self.cfg.concurrency, self.cfg.requests)
-                self._p_exec[p] = Senders(n, f"drive-p{len(self._p_exec)}")
-                self._p_pool.grow(n)
+                self._p_exec[p] = Senders(self._p_threads, f"drive-p{len(self._p_exec)}")
+                more = min(self._p_threads, self.workers + self._p_threads - self._p_budget)
+                if more > 0:
+                    self._p_budget += more
+                    self._p_pool.grow(more)
         self.health.add(p, Role.PREFILL)
+
+    def admit(self, address: str, role: reasons.Leg) -> None:
+        """A peer checked outside the driver (``drive --registry``'s checker: it passed
+        ``readmission.fit``) goes into the rotation."""
+        if role == Role.DECODE:
+            self.add_decode(address)
+        else:
+            self.add_prefill(address)
+
+    @property
+    def readmission(self) -> Readmission | None:
+        """What a peer must match to get requests (None: the preflight was off)."""
+        return self._readmission
+
+    def trace_join(self, address: str) -> None:
+        """A peer that joins mid-run gets its clock offset measured (``drive --trace``), or a
+        note says why its phases are left out of the trace. On the caller's thread."""
+        if self._tracer is None:
+            return
+        note = self._tracer.joined(address)
+        if note:
+            with self._lock:
+                self.notes.append(shown(note))
 
     def remove_peer(self, address: str) -> bool:
         """No new request goes to ``address`` (its registry key went); those in flight there
@@ -185,6 +240,7 @@ class Driver:
             return len(self._t_sent)
 
     def _event(self, text: str) -> None:
+        text = shown(text)  # peer-given words (a reason, an address) must not forge lines
         line = f"{time.monotonic() - self._t0:.2f}s {text}"
         with self._lock:
             self.events.append(line)
@@ -203,7 +259,7 @@ class Driver:
         self._t0 = time.monotonic()
         for addr, why in down.items():  # unreachable at start: the run goes on with the others
             self.health.down_at_start(addr, why)
-            self.notes.append(down_at_start_note(addr, why))
+            self.notes.append(shown(down_at_start_note(addr, why)))
             self._event(f"{addr} is down at start ({why}): requests avoid it until it answers")
         self.health.start()
         started = 0
@@ -403,6 +459,29 @@ class Driver:
             finally:
                 self.health.finished(d, i)
 
+    def _prefill_for(self, i: int, p: str, d: str) -> str | None:
+        """The P request ``i`` goes to, counted in flight there: ``p``, or -- when ``p`` left
+        the rotation (its registry key went) or went down since it was picked; nothing was
+        sent to it -- another P that is up, waiting up to the grace for one. None when the
+        request failed (no P up within the grace) or was decided meanwhile."""
+        while not self.health.sent(p, i):
+            other = self.health.pick(Role.PREFILL)
+            if other is None:
+                if self._held(Role.PREFILL, i):
+                    continue
+                reason = reasons.UNREACHABLE[Role.PREFILL]
+                self._fail(i, reason, self.health.down_reason(Role.PREFILL))
+                return None
+            p = other
+            with self._lock:
+                if self._results[i] is not None:
+                    return None
+                t0 = self._t_sent.get(i, (time.monotonic(), p, d))[0]
+                self._t_sent[i] = (t0, p, d)
+            if self._tracer is not None:
+                self._tracer.repicked(i, p)
+        return p
+
     def _on_down(self, peer: Peer, dead: bool, inflight: list[int]) -> None:
         """Monitor thread: a dead peer's requests in flight fail now; their workers are blocked
         until their own deadline, so each is retired and replaced (within the socket reserve)."""
@@ -467,7 +546,6 @@ class Driver:
         """Contact D (bounded by ``CONTACT_S``), send the prefill leg, send the decode leg and
         wait for D's answer. False when D could not be contacted (nothing was sent: the
         request may go to another D)."""
-        ph, pp = parse_address(p)
         try:
             with self._d_pool.borrow(d) as c:
                 try:
@@ -477,9 +555,11 @@ class Driver:
                     return False
                 if not self._same_incarnation(d, ident.payload.kvpush):
                     return False  # nothing sent: it is re-checked before it gets traffic
-                if not self.health.sent(p, i):
-                    self._fail(i, reasons.UNREACHABLE[Role.PREFILL], f"P {p} went down")
-                    return True
+                got = self._prefill_for(i, p, d)
+                if got is None:
+                    return True  # no P up within the grace: failed
+                p = got
+                ph, pp = parse_address(p)
                 try:
                     pfut = self._p_exec[p].submit(self._prefill_leg, i, p)
                 except BaseException:

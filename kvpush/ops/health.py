@@ -16,9 +16,14 @@ when it last answered) and the *monitor* thread that keeps it true. The monitor
 * marks down at once a peer a worker found answering as a new incarnation (``restarted``): its
   requests in flight went to the old process and fail now; it comes back through ``readmit``.
 
+Only a peer with requests in flight keeps a socket of the monitor's (at most
+``MONITOR_CLIENTS`` of them): an idle peer's client is closed after each look, so a thousand
+registered peers cost the socket budget nothing while they are idle.
+
 Threads: workers call ``pick``/``sent``/``replied``/``finished``/``suspect`` (under the lock);
-the monitor thread owns its one side-channel client per peer and is the only one that changes a
-peer's state. ``on_down``/``on_event`` are called on the monitor thread, outside the lock.
+the monitor thread owns its side-channel clients and is the only one that changes a peer's up
+state (``add``/``remove``, from the registry's follower or checker threads, move a peer in or
+out of the rotation). ``on_down``/``on_event`` are called on the monitor thread, outside the lock.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ log = logging.getLogger(__name__)
 
 TCP_EVERY_S = 0.5
 TICK_S = 0.1
+#: Side-channel clients the monitor keeps open (those of peers with requests in flight).
+MONITOR_CLIENTS = 32
 
 
 @dataclass
@@ -184,6 +191,14 @@ class Health:
             p.restarted = p.suspect = True
         self._wake.set()
 
+    def status(self, address: str) -> tuple[str, Leg] | None:
+        """(``up`` | ``down`` | ``left``, role) of ``address``; None when it is not known."""
+        with self._lock:
+            p = self._peers.get(address)
+            if p is None:
+                return None
+            return ("left" if p.left else "up" if p.up else "down"), p.role
+
     def rows(self) -> list[tuple[str, Leg, bool, str, int]]:
         """(address, role, up, why, in flight) of every peer."""
         with self._lock:
@@ -273,17 +288,25 @@ class Health:
 
     def _answers(self, p: Peer) -> str:
         """ "" when ``p`` answers a ``get_meta_msg`` as a ready endpoint, else "no answer" or
-        "still starting" (an endpoint still starting answers, but is not ready)."""
-        c = self._clients.get(p.address)
+        "still starting" (an endpoint still starting answers, but is not ready). The client is
+        kept for the next look only while ``p`` has requests in flight."""
+        c = self._clients.pop(p.address, None)
         if c is None:
             c = control.connect(p.address, self.cfg.auth_token, self.cfg.liveness_s)
-            self._clients[p.address] = c
         try:
             ident = c.identify(timeout_s=self.cfg.liveness_s)
         except KvpushError:
-            return "no answer"
-        kv = ident.payload.kvpush
-        return "still starting" if kv is not None and kv.error == "starting" else ""
+            why = "no answer"
+        else:
+            kv = ident.payload.kvpush
+            why = "still starting" if kv is not None and kv.error == "starting" else ""
+        with self._lock:
+            busy = bool(p.inflight)
+        if busy and len(self._clients) < MONITOR_CLIENTS:
+            self._clients[p.address] = c
+        else:
+            c.close()
+        return why
 
     def _mark_down(self, p: Peer, why: str, dead: bool) -> None:
         with self._lock:

@@ -4,22 +4,48 @@ Owns ``check_peers``: before the first request, each P and D is looked at over r
 (``control.first_contact``: a closed port is "connection refused" at once, an HTTP server is
 named as such), then asked for its metadata; a wrong role, a ``--blocks`` larger than a pool, or
 a D whose geometry differs from P's (dtype, layout, block size, layers) is refused with the
-fields that differ, before any request could fail for it. Runs on the caller's thread; each
-client is closed before it returns.
+fields that differ, before any request could fail for it.
+
+Owns the two pieces every check of a peer is made of, wherever it runs: ``contact_all`` (the
+metadata of many peers, ``CHECK_THREADS`` at a time, all of them within ``PREFLIGHT_BOUND_S``:
+a silent peer costs its own wait, not everyone's) and ``misfit`` (pure: why a peer that answered
+may not take a role's legs in this run -- role, pool, geometry against the run's reference P,
+TP against the peers of the other role). ``kvpush.ops.readmit`` (a peer that comes back) and
+``kvpush.ops.fleet_targets`` (``drive --registry``'s records) use the same two.
+
+Threads: ``check_peers`` and ``contact_all`` run on the caller's thread, which waits while
+``contact_all``'s daemon threads (``drive-preflight-k``) contact the peers; each client is
+closed before its thread moves on. ``misfit`` is pure.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable
 from typing import Any
 
 from kvpush.config import Role
-from kvpush.errors import ConfigError, IncompatiblePeerError, PeerError, PeerUnreachableError
+from kvpush.errors import (
+    ConfigError,
+    IncompatiblePeerError,
+    KvpushError,
+    PeerError,
+    PeerUnreachableError,
+)
 from kvpush.ops import control
 from kvpush.ops.results import DriveConfig
+from kvpush.ops.senders import Senders
 from kvpush.wire import protocol
 
 PREFLIGHT_TIMEOUT_S = 5.0
 MIN_CONTACT_S = 1.0
+#: Peers contacted at a time (each check holds one TCP look, then one side-channel client).
+CHECK_THREADS = 16
+#: All the peers of one ``contact_all`` answer within this, or count as not answering.
+PREFLIGHT_BOUND_S = 20.0
+
+#: What ``contact_all`` found at one address: its metadata, or the typed error of what it found.
+Found = dict[str, Any] | KvpushError
 
 
 def peer_metadata(address: str, token: bytes | None, timeout_s: float) -> dict[str, Any]:
@@ -30,6 +56,99 @@ def peer_metadata(address: str, token: bytes | None, timeout_s: float) -> dict[s
     if not isinstance(rep, protocol.HandshakeRep):
         raise PeerError(f"{address} answered a handshake request with {type(rep).__name__}")
     return protocol.decode_metadata_loose(rep.metadata)
+
+
+def contact_wait(cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> float:
+    """How long one peer's first contact may take: ``timeout_s``, or a short ``--timeout``
+    (which bounds each request, not the first contact) but never below ``MIN_CONTACT_S``: below
+    a second a live peer's connection set-up alone could exceed it."""
+    return min(timeout_s, max(cfg.timeout_s, MIN_CONTACT_S))
+
+
+def contact_all(
+    addresses: Iterable[str],
+    token: bytes | None,
+    wait_s: float,
+    *,
+    threads: int = CHECK_THREADS,
+    bound_s: float = PREFLIGHT_BOUND_S,
+) -> dict[str, Found]:
+    """Every address's metadata (``peer_metadata``) or the error it raised, by address in the
+    order given: ``threads`` peers at a time, all within ``bound_s`` -- a peer with no result by
+    then is an ``UnreachablePeer`` (its thread, a daemon, ends on its own deadline)."""
+    addrs = list(dict.fromkeys(addresses))
+    found: dict[str, Found] = {}
+    if not addrs:
+        return found
+    lock = threading.Lock()
+    done = threading.Event()
+    late = threading.Event()
+
+    def one(address: str) -> None:
+        if late.is_set():
+            return
+        try:
+            got: Found = peer_metadata(address, token, wait_s)
+        except KvpushError as e:
+            got = e
+        except Exception as e:  # a bug in one look must not hide the others' answers
+            got = PeerError(f"{address}: {type(e).__name__}: {e}")
+        with lock:
+            found[address] = got
+            if len(found) == len(addrs):
+                done.set()
+
+    pool = Senders(min(threads, len(addrs)), "drive-preflight")
+    try:
+        for a in addrs:
+            pool.submit(one, a)
+        done.wait(bound_s)
+    finally:
+        late.set()
+        pool.close()
+    with lock:
+        got_all = dict(found)
+    return {
+        a: got_all.get(a)
+        or control.UnreachablePeer(
+            f"{a}: no answer within {bound_s:g}s (drive's preflight)",
+            "timeout",
+            control.UNREACHABLE_HINT,
+        )
+        for a in addrs
+    }
+
+
+def misfit(
+    md: dict[str, Any],
+    role: str,
+    blocks: int,
+    ref: dict[str, Any] | None = None,
+    others: Iterable[dict[str, Any]] = (),
+) -> str:
+    """Why a peer that answered with ``md`` may not take ``role``'s legs in this run ("" when
+    it may): another role, a pool smaller than ``blocks``, a geometry (dtype, layout, the
+    model's block size, layers, regions, KV heads) other than ``ref``'s -- the run's reference
+    P --, or a TP size that neither divides nor is divided by that of a peer in ``others`` (the
+    peers of the other role it would be paired with). Pure."""
+    if md.get("role") != role:
+        return f"it is a {md.get('role')} endpoint, not {role}"
+    pool = md.get("num_blocks")
+    if isinstance(pool, int) and blocks > pool:
+        return f"its pool ({pool} blocks) is smaller than --blocks {blocks}"
+    if ref is not None and ref is not md:
+        diffs = protocol.compat_differences(
+            protocol.compat_fields_loose(ref), protocol.compat_fields_loose(md)
+        )
+        if diffs:
+            named = ", ".join(f"{f} {theirs} vs {ours}" for f, ours, theirs in diffs)
+            return f"incompatible with the run's geometry: {named}"
+    tp = md.get("tp_size", 1)
+    for m in others:
+        other = m.get("tp_size", 1)
+        if isinstance(tp, int) and isinstance(other, int) and tp % other and other % tp:
+            return f"its TP size {tp} and a {m.get('role')} peer's {other} do not divide"
+    return ""
 
 
 def check_peers(
@@ -43,34 +162,35 @@ def check_peers(
     its role is up: the run starts with it down, as if it had died a moment before. With no P
     or no D up, the first such error is raised (exit 69). The checks below apply to the peers
     that answered."""
-    # A short --timeout bounds each request, not the first contact: below a second a live
-    # peer's connection set-up alone could exceed it, and it would be reported unreachable.
-    wait = min(timeout_s, max(cfg.timeout_s, MIN_CONTACT_S))
-    meta, down = _contact(cfg, wait)
+    meta, down = _contact(cfg, contact_wait(cfg, timeout_s))
     up = [a for a in (*cfg.prefill, *cfg.decode) if a in meta]
     _check_pools(cfg, meta, up)
     ref = next(a for a in cfg.prefill if a in meta)
     _check_compat(meta, up, ref)
     if cfg.shape:
-        _check_shape(cfg.shape, ref, meta[ref])
+        check_shape(cfg.shape, ref, meta[ref])
     _check_tp(cfg, meta)
     return meta, down
 
 
 def _contact(cfg: DriveConfig, wait: float) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Every peer's metadata (by address) and the peers that are down (address -> why); a
-    peer of the wrong role, or a role with no peer up, is an error."""
+    peer of the wrong role, or a role with no peer up, is an error. The peers are contacted
+    together (``contact_all``); what they answered is judged in the order given."""
+    found = contact_all((*cfg.prefill, *cfg.decode), cfg.auth_token, wait)
     meta: dict[str, dict[str, Any]] = {}
     down: dict[str, str] = {}
     for role, addrs in ((Role.PREFILL, cfg.prefill), (Role.DECODE, cfg.decode)):
         first: PeerUnreachableError | None = None
         for addr in addrs:
-            try:
-                md = meta[addr] = peer_metadata(addr, cfg.auth_token, wait)
-            except PeerUnreachableError as e:
-                down[addr] = e.message
-                first = first or e
+            got = found[addr]
+            if isinstance(got, PeerUnreachableError):
+                down[addr] = got.message
+                first = first or got
                 continue
+            if isinstance(got, KvpushError):
+                raise got
+            md = meta[addr] = got
             if md.get("role") != role:
                 flag = "--prefill" if role == Role.PREFILL else "--decode"
                 raise ConfigError(
@@ -127,7 +247,7 @@ def _check_tp(cfg: DriveConfig, meta: dict[str, dict[str, Any]]) -> None:
                 )
 
 
-def _check_shape(name: str, address: str, md: dict[str, Any]) -> None:
+def check_shape(name: str, address: str, md: dict[str, Any]) -> None:
     """``--shape``: P serves that model's geometry (its whole page, every rank together)."""
     from kvpush.memory.shapes import get_shape
 

@@ -4,16 +4,19 @@ Owns ``Readmission``: the preflight of one peer (``kvpush.ops.preflight``'s chec
 address): it answers a handshake request (an endpoint still *starting* answers ``not_ready`` and
 stays down), has the role it was given as, a pool that holds ``--blocks``, the geometry of the
 run's reference P (dtype, layout, block size, layers) and a TP size that divides or is divided by
-every peer of the other role. What a peer that comes back must satisfy is what the run started
-with, so a D restarted with other ``--layers`` mid-run never gets a request. It also remembers
-each peer's incarnation (``observe``): an answer from a new incarnation at a known address means
-the peer restarted since drive last looked, and it must be re-checked before more traffic.
+every peer of the other role (``preflight.misfit``). What a peer that comes back must satisfy is
+what the run started with, so a D restarted with other ``--layers`` mid-run never gets a request.
+``fit`` is the same check of metadata fetched elsewhere (``drive --registry``'s checker, which
+contacts many peers at once). It also remembers each peer's incarnation (``observe``,
+``is_new``): an answer from a new incarnation at a known address means the peer restarted since
+drive last looked, and it must be re-checked before more traffic.
 
 Owns ``PeerGrace``: how long drive holds intake while no peer of a role is up (``--peer-grace``),
 so a quick restart reads as a dip in the progress line, not the end of the run.
 
-Threads: ``check`` runs on the monitor thread of ``kvpush.ops.health``; ``observe`` and
-``PeerGrace`` on any thread (one lock each).
+Threads: ``check`` runs on the monitor thread of ``kvpush.ops.health``; ``fit``, ``is_new`` on
+``drive --registry``'s checker threads; ``observe`` and ``PeerGrace`` on any thread (one lock
+each).
 """
 
 from __future__ import annotations
@@ -21,21 +24,37 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvpush.errors import KvpushError
-from kvpush.ops.preflight import PREFLIGHT_TIMEOUT_S, peer_metadata
+from kvpush.ops.preflight import PREFLIGHT_TIMEOUT_S, misfit, peer_metadata
 from kvpush.ops.reasons import Leg
 from kvpush.ops.results import DriveConfig
-from kvpush.wire import protocol
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What a preflight done outside the driver found (``drive --registry``): the metadata of
+    every peer it admitted and the run's reference P (whose geometry joiners must have)."""
+
+    meta: dict[str, dict[str, Any]]
+    reference: str
 
 
 class Readmission:
-    def __init__(self, cfg: DriveConfig, meta: dict[str, dict[str, Any]]) -> None:
+    def __init__(
+        self, cfg: DriveConfig, meta: dict[str, dict[str, Any]], reference: str | None = None
+    ) -> None:
         self._cfg = cfg
         self._lock = threading.Lock()
         self._meta = dict(meta)  # address -> the metadata it last passed the checks with
-        self._ref = dict(meta.get(cfg.prefill[0], {}))  # the run's reference geometry
+        # The run's reference geometry: the preflight's (the first P that answered), never a P
+        # that was down at start and so never checked.
+        if reference is None:
+            reference = next((a for a in cfg.prefill if a in meta), "")
+        self.reference = reference
+        self._ref = dict(meta.get(reference, {}))
         self._inc: dict[str, str] = {
             a: str(m.get("incarnation", "")) for a, m in meta.items() if m.get("incarnation")
         }
@@ -52,6 +71,13 @@ class Readmission:
                 return True
             return known == incarnation
 
+    def is_new(self, address: str, incarnation: str) -> bool:
+        """Whether ``incarnation`` differs from the one ``address`` last passed the checks as
+        (nothing is recorded: unlike ``observe``)."""
+        with self._lock:
+            known = self._inc.get(address)
+        return bool(incarnation) and known is not None and known != incarnation
+
     def check(self, address: str, role: Leg) -> str:
         """The preflight of one peer: "" when it may take requests again, else why not."""
         cfg = self._cfg
@@ -60,30 +86,26 @@ class Readmission:
             md = peer_metadata(address, cfg.auth_token, wait)
         except KvpushError as e:
             return "still starting" if e.message.endswith(": starting") else e.message
-        if md.get("role") != role:
-            return f"it is a {md.get('role')} endpoint now, not {role}"
-        pool = md.get("num_blocks")
-        if isinstance(pool, int) and cfg.blocks > pool:
-            return f"its pool ({pool} blocks) is smaller than --blocks {cfg.blocks}"
+        return self.fit(address, role, md)
+
+    def judge(self, address: str, role: Leg, md: dict[str, Any]) -> str:
+        """Why ``address``, which answered with ``md``, may not take ``role``'s legs ("" when
+        it may); nothing is remembered."""
         with self._lock:
-            ref = dict(self._ref)
+            ref = dict(self._ref) or None
             others = [
                 m
                 for a, m in self._meta.items()
                 if a != address and m.get("role") not in (role, None)
             ]
-        if ref:
-            diffs = protocol.compat_differences(
-                protocol.compat_fields_loose(ref), protocol.compat_fields_loose(md)
-            )
-            if diffs:
-                named = ", ".join(f"{f} {theirs} vs {ours}" for f, ours, theirs in diffs)
-                return f"incompatible with the run's geometry: {named}"
-        tp = md.get("tp_size", 1)
-        for m in others:
-            other = m.get("tp_size", 1)
-            if isinstance(tp, int) and isinstance(other, int) and tp % other and other % tp:
-                return f"its TP size {tp} and a {m.get('role')} peer's {other} do not divide"
+        return misfit(md, role, self._cfg.blocks, ref, others)
+
+    def fit(self, address: str, role: Leg, md: dict[str, Any]) -> str:
+        """``check`` of metadata ``address`` answered with: "" (and ``md`` remembered as what it
+        passed with) when it may take ``role``'s legs, else why not."""
+        why = self.judge(address, role, md)
+        if why:
+            return why
         with self._lock:
             self._meta[address] = md
             if md.get("incarnation"):

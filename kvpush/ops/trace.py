@@ -14,13 +14,19 @@ error is at most half that round trip). Each request's record holds:
   which follow each other);
 * ``ended_at`` for a failed request: the last phase it reached before it failed (``sent``: D
   never allocated blocks for it) -- with ``reason``, where and why it ended;
-* ``clock_error_s``: the sum of both peers' offset errors (what the phases may be off by).
+* ``clock_error_s``: the sum of both peers' offset errors (what the phases may be off by);
+* ``phases_missing`` when a peer's phases came but are left out for want of its clock offset
+  (it could not be measured): which peer and why -- never a silent gap.
+
+A peer that joins mid-run (``drive --registry``, ``demo``'s extra D) has its offset measured
+when it joins (``joined``, on the thread that adds it); one that cannot be measured is named in
+the run's notes and in each record its phases are missing from.
 
 The record is written once the request's result is known, its worker is done with it (so that
 a late D answer still brings its phases) and P answered; at the end of the run ``close`` waits
 up to ``CLOSE_WAIT_S`` for those, then writes what is left with what is known. Threads: drive's
-workers (``begin``, ``sent``, ``legs``, ``end``), P's executor (``_ask_p``), any thread
-(``resolved``); records and the file under one lock.
+workers (``begin``, ``sent``, ``repicked``, ``legs``, ``end``), P's executor (``_ask_p``), any
+thread (``resolved``, ``joined``); records, offsets and the file under one lock.
 """
 
 from __future__ import annotations
@@ -113,19 +119,35 @@ class Tracer:
         self._ended = threading.Condition(self._lock)
         self._recs: dict[int, _Rec] = {}
         self.offsets: dict[str, ClockOffset] = {}
+        self._unmeasured: dict[str, str] = {}  # address -> why its offset is unknown
         self.records: list[dict[str, Any]] = []  # as written (for the summary's statistics)
 
     # ------------------------------------------------------------------ before the run
     def start(self, peers: Iterable[str]) -> list[str]:
         """Measure every peer's clock offset; notes for the peers that could not be measured
-        (their phases are left out of the records)."""
+        (their phases are left out of the records, which say so)."""
         notes = []
         for a in dict.fromkeys(peers):
-            try:
-                self.offsets[a] = measure_offset(a, self._token, self._timeout_s)
-            except KvpushError as e:
-                notes.append(f"trace: no clock offset for {a} ({e.message}): its phases left out")
+            note = self.joined(a, at_start=True)
+            if note:
+                notes.append(note)
         return notes
+
+    def joined(self, address: str, at_start: bool = False) -> str | None:
+        """Measure ``address``'s clock offset (once); a note when it cannot be."""
+        with self._lock:
+            if address in self.offsets or address in self._unmeasured:
+                return None
+        try:
+            off = measure_offset(address, self._token, self._timeout_s)
+        except KvpushError as e:
+            when = "" if at_start else ", which joined mid-run"
+            with self._lock:
+                self._unmeasured[address] = e.message
+            return f"trace: no clock offset for {address}{when} ({e.message}): its phases left out"
+        with self._lock:
+            self.offsets[address] = off
+        return None
 
     # ------------------------------------------------------------------ per request
     def begin(self, i: int) -> None:
@@ -137,6 +159,11 @@ class Tracer:
         with self._lock:
             r = self._recs.setdefault(i, _Rec())
             r.t_wall, r.p, r.d = time.time(), p, d
+
+    def repicked(self, i: int, p: str) -> None:
+        """Request ``i`` goes to P ``p`` after all (the one picked first left or went down)."""
+        with self._lock:
+            self._recs.setdefault(i, _Rec()).p = p
 
     def legs(
         self,
@@ -240,9 +267,14 @@ class Tracer:
         assert res is not None
         stamps: dict[str, float] = {}
         err = 0.0
-        for peer, got in ((r.d, r.d_phases), (r.p, r.p_phases)):
+        missing = []
+        for role, peer, got in (("D", r.d, r.d_phases), ("P", r.p, r.p_phases)):
             off = self.offsets.get(peer)
-            if off is None or not got or not r.t_wall:
+            if not got or not r.t_wall:
+                continue
+            if off is None:
+                why = self._unmeasured.get(peer, "not measured")
+                missing.append(f"{role} {peer}: no clock offset ({why})")
                 continue
             err += off.error_s
             for name, t in got.items():
@@ -263,6 +295,8 @@ class Tracer:
             out["ended_at"] = ph.last_reached(stamps)
         if r.p_note:
             out["p_note"] = r.p_note
+        if missing:
+            out["phases_missing"] = "; ".join(missing)
         return out
 
     def _write(self, i: int, r: _Rec) -> None:

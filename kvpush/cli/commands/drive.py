@@ -29,6 +29,7 @@ from kvpush.cli.optspec import option
 from kvpush.cli.views import reports
 from kvpush.config import Role, require_counts
 from kvpush.errors import ConfigError
+from kvpush.logsafe import shown
 from kvpush.runtime.signals import StopFlag
 
 DOC = """Act as the router: send both legs of N requests to running P and D endpoints.
@@ -297,7 +298,7 @@ def _endpoints(
                 "--registry takes the Ps and Ds from the registry: not with --prefill/--decode",
                 "drop --prefill/--decode, or drop --registry",
             )
-        targets = FleetTargets(registry_source(registry), lambda text: err.print(f"drive: {text}"))
+        targets = FleetTargets(registry_source(registry), lambda text: _say(err, text))
         prefill, decode = (list(x) for x in targets.initial())
     if not prefill or not decode:
         missing = "--prefill" if not prefill else "--decode"
@@ -335,17 +336,17 @@ def _run(
         tracer = Tracer(trace, cfg.auth_token, min(cfg.timeout_s, 5.0))
     hooks = DriveHooks(
         on_result=lambda r: advance[0](r),
-        on_event=lambda text: err.print(f"drive: {text}"),
+        on_event=lambda text: _say(err, text),
         on_tick=tick,
         tick_s=PROGRESS_EVERY_S,
     )
-    driver = Driver(cfg, hooks, tracer)
+    driver = Driver(cfg, hooks, tracer, targets.checked if targets is not None else None)
     if targets is not None:
         driver.notes.extend(dict.fromkeys(targets.notes))
         targets.follow(driver)
     told = len(driver.notes)  # what the run's plan already says: printed before it starts
     for note in driver.notes:
-        err.print(f"drive: note: {note}")
+        _say(err, f"note: {note}")
     stop = StopFlag(on_signal=driver.cancel).install()
     try:
         report = _with_bar(driver, advance, err, cfg.requests) if tty else driver.run()
@@ -354,8 +355,14 @@ def _run(
         if targets is not None:
             targets.stop()
     for note in report.notes[told:]:
-        err.print(f"drive: note: {note}")
+        _say(err, f"note: {note}")
     return report, stop.signame
+
+
+def _say(err: Console, text: str) -> None:
+    """One line of drive's on stderr: words from the registry or a peer are shown as they are
+    (no Rich markup read into them, every control character escaped)."""
+    err.print(f"drive: {shown(text)}", markup=False)
 
 
 def _with_bar(driver: Any, advance: list[Any], err: Console, requests: int) -> Any:
