@@ -41,6 +41,6 @@ def long_run_note(cfg: DriveConfig) -> str | None:
 def down_at_start_note(address: str, why: str) -> str:
     return (
         f"{address} was down at start ({why}): the run went on with the other endpoints; it "
-        "was re-checked every second and took requests once it answered (its role and "
-        "geometry were not checked)"
+        "was re-checked every second and took requests once it answered and its role and "
+        "geometry were checked"
     )

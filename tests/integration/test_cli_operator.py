@@ -147,8 +147,8 @@ def test_drive_goes_on_without_a_decode_that_is_down_at_start(
     )
     note = (
         f"drive: note: {gone} was down at start ({why}): the run went on with the other "
-        "endpoints; it was re-checked every second and took requests once it answered (its "
-        "role and geometry were not checked)"
+        "endpoints; it was re-checked every second and took requests once it answered and its "
+        "role and geometry were checked"
     )
     assert note in r.stderr.splitlines()  # one line, though stderr is a file and COLUMNS=80
     assert len(note) > 80

@@ -47,10 +47,12 @@ prints the partial summary (exit 130). Exit status 0 when all requests succeeded
 verified, 1 otherwise.
 
 With --registry URL (and --cluster NAME) instead of --prefill/--decode, the Ps and Ds are the
-endpoints registered in etcd (serve-* --registry), and drive follows the registry while it runs:
-an endpoint that registers gets requests from the next one on, one whose key goes gets no new
-request (its requests in flight finish, or fail at once if it died). Every request is still
-accounted for.
+endpoints registered in etcd (serve-* --registry) that pass the same preflight (checked
+together, a few at a time): one that does not answer or does not fit is left out with a note,
+never stopping the run. drive follows the registry while it runs: an endpoint that registers,
+restarts or comes back is checked again before it gets requests; one whose key goes gets no new
+request (a hint: its requests in flight end only on the data path's evidence). Every request is
+still accounted for.
 
 One leg of a vLLM push deployment, with no router, is 'kvpush leg decode' or 'kvpush leg
 prefill'."""
