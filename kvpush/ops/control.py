@@ -24,24 +24,17 @@ safe.
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpush.address import format_address, parse_address
+from kvpush.address import parse_address
 from kvpush.errors import AuthError, PeerError, PeerUnreachableError, ProtocolError
+from kvpush.transport.contact import Contact, tcp_contact
 
 if TYPE_CHECKING:
     from kvpush.transport.client import SideChannelClient
     from kvpush.wire import protocol
-
-#: The bytes a ZMQ peer sends first on every connection: 0xFF, 8 length bytes, 0x7F.
-ZMTP_FIRST = 0xFF
-HTTP_PROBE = b"HEAD / HTTP/1.0\r\n\r\n"
-GREETING_WAIT_S = 1.0
 
 
 def connect(address: str, token: bytes | None = None, timeout_s: float = 5.0) -> SideChannelClient:
@@ -140,98 +133,8 @@ class ClientPool:
 
 
 # ------------------------------------------------------------------------- raw first contact
-
-
-@dataclass(frozen=True)
-class Contact:
-    """What a raw TCP connection to a peer found (``kind``) and the words for it."""
-
-    address: str
-    kind: str  # zmq | refused | timeout | unresolved | unreachable | http | other | silent | closed
-    detail: str = ""
-
-    @property
-    def is_zmq(self) -> bool:
-        return self.kind == "zmq"
-
-
-def resolve(host: str, port: int) -> tuple[int, tuple[str, int]] | None:
-    """The first (family, sockaddr) for ``host``; None when the name resolves to nothing."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError):
-        return None
-    if not infos:
-        return None
-    family, _, _, _, sockaddr = infos[0]
-    return int(family), (str(sockaddr[0]), int(sockaddr[1]))
-
-
-def tcp_contact(address: str, timeout_s: float, look: bool = True) -> Contact:
-    """Connect once and classify the peer; ``look`` False only checks that it accepts."""
-    host, port = parse_address(address)
-    addr = format_address(host, port)
-    target = resolve(host, port)
-    if target is None:
-        return Contact(addr, "unresolved", f"{host!r} resolves to no address")
-    family, sockaddr = target
-    deadline = time.monotonic() + timeout_s
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout_s)
-        try:
-            s.connect(sockaddr)
-        except ConnectionRefusedError:
-            return Contact(addr, "refused", "connection refused")
-        except TimeoutError:
-            return Contact(addr, "timeout", f"no TCP connection within {timeout_s:g}s")
-        except OSError as e:
-            return Contact(addr, "unreachable", e.strerror or str(e))
-        if not look:
-            return Contact(addr, "zmq", "accepts connections")
-        return _look(s, addr, deadline, timeout_s)
-
-
-def _look(s: socket.socket, addr: str, deadline: float, timeout_s: float) -> Contact:
-    """Classify a connected peer: by what it says first, else by its answer to an HTTP probe."""
-    first = _read_some(s, min(GREETING_WAIT_S, max(0.05, deadline - time.monotonic())))
-    if first is None:
-        return Contact(addr, "closed", "closed the connection without a word")
-    if first:
-        return _classify(addr, first)
-    try:
-        s.sendall(HTTP_PROBE)
-    except OSError:
-        return Contact(addr, "closed", "closed the connection without a word")
-    reply = _read_some(s, max(0.05, deadline - time.monotonic()))
-    if reply is None:
-        return Contact(addr, "closed", "accepted the connection, then closed it unanswered")
-    if reply:
-        return _classify(addr, reply)
-    return Contact(
-        addr, "silent", f"accepted the connection but sent nothing within {timeout_s:g}s"
-    )
-
-
-def _read_some(s: socket.socket, wait_s: float) -> bytes | None:
-    """Up to 64 bytes within ``wait_s``: b"" when nothing came, None when the peer closed."""
-    s.settimeout(wait_s)
-    try:
-        data = s.recv(64)
-    except TimeoutError:
-        return b""
-    except OSError:
-        return None
-    return data if data else None
-
-
-def _classify(addr: str, data: bytes) -> Contact:
-    if data[0] == ZMTP_FIRST and (len(data) < 10 or data[9] & 0x01):
-        return Contact(addr, "zmq", "ZMTP greeting")
-    head = data[:64].lower()
-    if head.startswith(b"http/") or b"<html" in head or b"<!doctype html" in head:
-        return Contact(addr, "http", "looks like HTTP")
-    shown = data[:24].decode("ascii", "backslashreplace").strip()
-    return Contact(addr, "other", f"it sent {shown!r}")
+# What a peer is before any ZMQ is spoken: ``kvpush.transport.contact`` (one definition, shared
+# with the side-channel client). ``first_contact`` turns what it found into a typed error.
 
 
 UNREACHABLE_HINT = (

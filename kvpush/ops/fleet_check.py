@@ -53,6 +53,7 @@ from kvpush.ops import reasons
 from kvpush.ops.fleet_pools import ASK_EVERY_S, WAIT, Pools, TooSmall
 from kvpush.ops.results import DriveConfig, RequestResult
 from kvpush.ops.stats import median
+from kvpush.transport.contact import tcp_contact
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +307,7 @@ def gone_proof(addr: str, now: EndpointRecord | None, token: bytes | None) -> st
     from kvpush.ops import control
 
     try:
-        c = control.tcp_contact(addr, PROOF_S, look=False)
+        c = tcp_contact(addr, PROOF_S, look=False)
     except KvpushError:  # not even an address: nothing to prove
         return ""
     if c.kind == "refused":

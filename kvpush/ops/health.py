@@ -40,6 +40,7 @@ from kvpush.errors import KvpushError
 from kvpush.ops import control
 from kvpush.ops.reasons import Leg
 from kvpush.ops.results import DriveConfig
+from kvpush.transport.contact import tcp_contact
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +252,7 @@ class Health:
         stalled; down when either fails."""
         if (suspect or busy) and (suspect or now - p.last_tcp >= TCP_EVERY_S):
             p.last_tcp = now
-            c = control.tcp_contact(p.address, self.cfg.liveness_s, look=False)
+            c = tcp_contact(p.address, self.cfg.liveness_s, look=False)
             if not c.is_zmq:
                 self._mark_down(p, f"{c.detail}", dead=c.kind == "refused")
                 return
@@ -269,7 +270,7 @@ class Health:
         """A peer that is down, due a recheck: back up when it answers as a ready endpoint (and
         is readmitted)."""
         p.last_recheck = now
-        c = control.tcp_contact(p.address, self.cfg.liveness_s, look=False)
+        c = tcp_contact(p.address, self.cfg.liveness_s, look=False)
         if not c.is_zmq:
             return
         why = self._answers(p)
