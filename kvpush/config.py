@@ -236,23 +236,15 @@ class PoolConfig:
         block_tokens x (its share of the heads) x head_dim elements -- of K or of V in their own
         regions, of both with one region per layer (K|V inside each block, vLLM's CPU layout;
         an MLA latent has no separate V)."""
-        for name, v in (
-            ("--block-tokens", block_tokens),
-            ("--kv-heads", kv_heads),
-            ("--head-dim", head_dim),
-        ):
-            _positive(name, v)
+        _positive("--block-tokens", block_tokens)
+        _positive("--kv-heads", kv_heads)
+        _positive("--head-dim", head_dim)
         if dtype not in DTYPE_SIZES:
             raise ConfigError(
                 f"unknown dtype {dtype!r}", f"choose one of {', '.join(sorted(DTYPE_SIZES))}"
             )
+        # A TP size that does not divide the heads is refused by the geometry itself.
         share = kv_heads if kv_heads == 1 else kv_heads // max(1, tp_size)
-        if kv_heads > 1 and kv_heads % max(1, tp_size):
-            raise ConfigError(
-                f"--tp {tp_size} does not divide --kv-heads {kv_heads}",
-                "kvpush shards KV heads evenly over the ranks (a single head is replicated); "
-                "pick a TP size that divides the model's KV heads",
-            )
         both = kv_regions == KvRegions.PER_LAYER and kv_layout.upper() != MLA_LAYOUT
         kv_in_page = 2 if both else 1
         return PoolConfig(
@@ -374,10 +366,6 @@ class VllmWireConfig:
             )
 
 
-def new_engine_id(role: Role) -> str:
-    return f"{role[0]}-{uuid.uuid4().hex[:12]}"
-
-
 @dataclass(frozen=True)
 class EndpointConfig:
     """Everything one P or D endpoint needs."""
@@ -402,11 +390,7 @@ class EndpointConfig:
     allow_all_interfaces: bool = False
     max_frame_bytes: int = 4 * 1024 * 1024
     max_notif_bytes: int = 64 * 1024
-    # The reply delay, crash plan, slow start and blocking writer of tests and measurements are
-    # no part of it: ``kvpush.instruments.Instruments``, handed to ``open_endpoint`` apart.
-    # Fault hook (tests): after its n-th successful push, P's NIXL forgets every connected D's
-    # agent under it (a transport lost on an established peer). 0: off.
-    drop_agents_after: int = 0
+    # The hooks of tests and measurements are no part of it: ``kvpush.instruments``.
     # A peer with this many transport errors in a row is evicted (the next request handshakes
     # afresh); an error saying its agent is gone evicts it at once.
     evict_after_errors: int = 3
@@ -419,7 +403,7 @@ class EndpointConfig:
         if not (0 <= self.port <= 65535):
             raise ConfigError(f"invalid port {self.port}", "use 1-65535, or 0 to pick a free port")
         if not self.engine_id:
-            object.__setattr__(self, "engine_id", new_engine_id(self.role))
+            object.__setattr__(self, "engine_id", f"{self.role[0]}-{uuid.uuid4().hex[:12]}")
         elif not _ENGINE_ID_RE.match(self.engine_id):
             raise ConfigError(
                 f"invalid engine id {self.engine_id!r}",

@@ -11,7 +11,9 @@ field for any of them:
 * ``start_delay_s``: the side channel answers "starting" this long before the ranks are built
   (a slow start, e.g. a large GPU pool to register);
 * ``writer``: P's writer waits for a new peer's handshake inside its loop (``BLOCKING``) instead
-  of parking the push (``DEFERRED``, the only production mode): kept to measure the difference.
+  of parking the push (``DEFERRED``, the only production mode): kept to measure the difference;
+* ``drop_agents_after``: after its n-th successful push, P's NIXL forgets every connected D's
+  agent under it (a transport lost on an established peer, checked after every push); 0: off.
 
 A pure value: no thread of its own; read by whichever thread checks a hook.
 """
@@ -37,6 +39,7 @@ class Instruments:
     crash_rank_after: tuple[int, int] = (-1, 0)
     start_delay_s: float = 0.0
     writer: WriterMode = WriterMode.DEFERRED
+    drop_agents_after: int = 0
 
 
 NO_INSTRUMENTS = Instruments()

@@ -1,9 +1,10 @@
 """Load generators that run *inside* an endpoint process (a bench worker).
 
 Each command takes the worker state and JSON-able keyword arguments and returns a JSON-able
-result. P-side generators call ``PrefillEndpoint.prefill`` (fill + hand to the writer); D-side
-generators call ``DecodeEndpoint.decode`` and record what the returned ``DecodeRep`` says:
-``latency_s`` is D's own measure from the ``decode()`` call to the verified completion.
+result. P-side generators call the endpoint's ``prefill`` (fill + hand to the writer: what a
+served PrefillReq does) or ``finish``; D-side generators call its ``decode`` and record what the
+returned ``DecodeRep`` says: ``latency_s`` is D's own measure from the ``decode()`` call to the
+verified completion (``kvpush.endpoint.load``: the endpoint's verbs).
 
 Two shapes of load:
 
@@ -13,9 +14,9 @@ Two shapes of load:
 * **closed loop** (``*_many``): D keeps ``inflight`` requests outstanding; P prefills ahead as far
   as its pool allows. Used for throughput.
 
-The endpoint itself is started here too (``start_endpoint``); what the scenarios read from it
-besides the generators' results (telemetry, handshake timings, CPU, GC pauses) is
-``kvpush.bench.probes``.
+The endpoint itself is started here too (``start_endpoint``, through ``kvpush.endpoint``'s one
+front door, ``open_endpoint``); what the scenarios read from it besides the generators' results
+(telemetry, handshake timings, CPU, GC pauses) is ``kvpush.bench.probes``.
 
 Threads: the calling command thread, plus done-callbacks on D's completer thread.
 """
@@ -34,12 +35,11 @@ from kvpush.bench.probes import process_cpu_s, threads_cpu_s
 
 def start_endpoint(state: Any, config: dict[str, Any]) -> dict[str, Any]:
     """Start one endpoint from an ``EndpointConfig`` JSON map."""
-    from kvpush.endpoint.facade import freeze_startup_heap
-    from kvpush.endpoint.facade import start_endpoint as start
+    from kvpush.endpoint import freeze_startup_heap, open_endpoint
     from kvpush.ops.node import build
 
     cfg, instruments = build(config)
-    ep = start(cfg, instruments)
+    ep = open_endpoint(cfg, instruments)
     state.endpoint = ep
     freeze_startup_heap()  # as serve-* does: the figures are a served endpoint's
     return {

@@ -31,7 +31,7 @@ class Completer:
         self._pool = pool
         self._tm = telemetry
         self.verify = (
-            verify  # switched at run time by LoadFacade.set_verify (timed load runs without it)
+            verify  # switched at run time by Endpoint.set_verify (timed load runs without it)
         )
         self._ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="completer")
 

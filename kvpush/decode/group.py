@@ -66,7 +66,7 @@ class DecodeGroup:
             for role in self.roles:
                 role.ctx.telemetry.inc(Counter.DECLINES_RECEIVED)
                 with contextlib.suppress(KvpushError):  # a closed inbox: the rank is stopping
-                    role.receiver.declines.put(req)
+                    role.declined_by_p(req)
             reply(protocol.DeclineRep(rid=req.rid, ended=len(self.roles)))
             return True
         if not isinstance(req, protocol.DecodeReq):
@@ -76,9 +76,10 @@ class DecodeGroup:
         fut.add_done_callback(lambda f: reply(msgspec.structs.replace(f.result(), rid=rid)))
         return True
 
-    def cancel(self, request_id: str) -> None:
+    def set_verify(self, on: bool) -> None:
+        """Every rank checks its completed shares against the pattern (``on``), or not."""
         for role in self.roles:
-            role.cancel(request_id)
+            role.set_verify(on)
 
     def decode(
         self,

@@ -84,6 +84,16 @@ class DecodeRole:
         with contextlib.suppress(KvpushError):  # closed: the receiver is stopping anyway
             self.receiver.gone.put(gone)
 
+    def declined_by_p(self, msg: protocol.DeclineReq) -> None:
+        """P will not serve a request (its side channel said so): the receiver fails it on its
+        thread (raises ``KvpushError`` when its inbox is closed: the rank is stopping)."""
+        self.receiver.declines.put(msg)
+
+    def set_verify(self, on: bool) -> None:
+        """Check every completed request's content against the pattern (``on``), or not (a
+        load generator's timed parts run without it)."""
+        self.completer.verify = on
+
     # ------------------------------------------------------------------ API (any thread)
     def decode(self, order: DecodeOrder) -> Future[protocol.DecodeRep]:
         """Register ``order.num_blocks`` blocks with P for its transfer; the future resolves
@@ -178,10 +188,6 @@ class DecodeRole:
             return self._refuse(w, Failure.BAD_REQUEST, str(e))
         phases.stamp(w.req.phases, phases.D_ALLOCATED)
         return self._submit(w)
-
-    def held_blocks(self, request_id: str) -> np.ndarray:
-        """The blocks an ok request answered with ``hold`` still keeps (empty: none)."""
-        return self.ctx.pool.allocator.blocks_of(request_id)
 
     def release_held(self, request_id: str) -> None:
         """Free what ``hold`` kept (no-op when it holds nothing)."""

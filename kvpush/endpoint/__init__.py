@@ -1,6 +1,16 @@
-"""Endpoints: ``open_endpoint(cfg)`` builds a started P or D endpoint (``kvpush.endpoint.core``);
-tests and measurements add their hooks (``kvpush.instruments``) and drive load through
-``kvpush.endpoint.facade``."""
+"""Endpoints: the one front door to the engine.
+
+``open_endpoint(cfg, instruments)`` builds a started P or D endpoint (``kvpush.endpoint.core``):
+the serve commands, ``probe --handshake``, the node worker of the tests and the bench's load
+generators all get theirs here. A load generator drives it with the endpoint's own verbs
+(``prefill``, ``finish``, ``decode``, ``set_verify``, ``free_blocks``, ``wait_idle``,
+``forget_handshake``...: ``kvpush.endpoint.load``), the groups' paths a served request takes;
+tests and measurements add their hooks (``kvpush.instruments``). ``freeze_startup_heap`` is for a
+process that serves one endpoint and nothing else, as ``serve-*`` does (``kvpush.runtime.heap``).
+
+The bench may import this package's face and nothing below it (an import-linter ``forbidden``
+contract in pyproject.toml). Runs on the caller's thread; the endpoint owns its own threads.
+"""
 
 from __future__ import annotations
 
@@ -11,30 +21,23 @@ from kvpush.endpoint.core import Endpoint, RankFailure
 from kvpush.instruments import NO_INSTRUMENTS, Instruments
 from kvpush.prefill.group import PrefillGroup
 from kvpush.prefill.role import PrefillRole
-
-
-def open_prefill(
-    cfg: EndpointConfig, instruments: Instruments = NO_INSTRUMENTS
-) -> Endpoint[PrefillRole, PrefillGroup]:
-    return Endpoint(cfg, PrefillRole, PrefillGroup, instruments)
-
-
-def open_decode(
-    cfg: EndpointConfig, instruments: Instruments = NO_INSTRUMENTS
-) -> Endpoint[DecodeRole, DecodeGroup]:
-    return Endpoint(cfg, DecodeRole, DecodeGroup, instruments)
+from kvpush.runtime.heap import freeze_startup_heap
 
 
 def open_endpoint(
     cfg: EndpointConfig, instruments: Instruments = NO_INSTRUMENTS
 ) -> Endpoint[PrefillRole, PrefillGroup] | Endpoint[DecodeRole, DecodeGroup]:
-    """A started endpoint of ``cfg.role`` (``cfg.tp_size`` ranks); ``stop()`` it when done.
-    ``instruments``: the hooks of tests and measurements (production: none)."""
-    return (
-        open_prefill(cfg, instruments)
-        if cfg.role == Role.PREFILL
-        else open_decode(cfg, instruments)
-    )
+    """A started endpoint of ``cfg.role`` (``cfg.tp_size`` ranks), or the core's typed error with
+    nothing left running; ``stop()`` it when done. ``instruments``: the hooks of tests and
+    measurements (production, the serve commands: none)."""
+    if cfg.role == Role.PREFILL:
+        return Endpoint(cfg, PrefillRole, PrefillGroup, instruments)
+    return Endpoint(cfg, DecodeRole, DecodeGroup, instruments)
 
 
-__all__ = ["Endpoint", "RankFailure", "open_decode", "open_endpoint", "open_prefill"]
+__all__ = [
+    "Endpoint",
+    "RankFailure",
+    "freeze_startup_heap",
+    "open_endpoint",
+]

@@ -5,9 +5,10 @@ authenticator, the control executor, its identity (engine id, incarnation) -- an
 per tensor-parallel rank (``kvpush.endpoint.rank``: its own KV pool, NIXL agent, handshake
 manager, pinger, telemetry and role -- P's ``PrefillRole`` or D's ``DecodeRole``, each on its own
 owner thread). A *group* (P's ``PrefillGroup``, D's ``DecodeGroup``) serves the side-channel
-requests for all ranks at once. The constructor does everything; when it returns the endpoint
-serves (there is no half-built, Optional-until-start state); when it raises, what it had built
-is undone in reverse order.
+requests for all ranks at once; a load generator calls the same groups' paths through the
+endpoint's own verbs (``prefill``, ``finish``, ``decode``...: ``kvpush.endpoint.load``). The
+constructor does everything; when it returns the endpoint serves (there is no half-built,
+Optional-until-start state); when it raises, what it had built is undone in reverse order.
 
 Process model: ranks are threads of one process (README, "Tensor parallelism", has the
 measurement). A rank whose owner thread dies is contained like any thread failure: its
@@ -38,6 +39,7 @@ from typing import Generic, Protocol, TypeVar
 from kvpush.address import format_address, parse_address
 from kvpush.config import EndpointConfig, HandshakeMode, Role
 from kvpush.endpoint import answers
+from kvpush.endpoint.load import LoadVerbs
 from kvpush.endpoint.rank import Rank, Shared
 from kvpush.errors import KvpushError, PeerUnreachableError
 from kvpush.instruments import NO_INSTRUMENTS, Instruments
@@ -76,7 +78,10 @@ R = TypeVar("R", bound=RoleWorker)
 G = TypeVar("G", bound=Group)
 
 
-class Endpoint(Generic[R, G]):
+class Endpoint(LoadVerbs, Generic[R, G]):
+    """One started P or D endpoint (see the module docstring); a load generator drives it with
+    the verbs of ``LoadVerbs`` (``kvpush.endpoint.load``)."""
+
     def __init__(
         self,
         cfg: EndpointConfig,
@@ -202,15 +207,6 @@ class Endpoint(Generic[R, G]):
     @property
     def metadata(self) -> protocol.EndpointMetadata:
         return self.ranks[0].metadata
-
-    @property
-    def role(self) -> G:
-        """The group serving every rank (``prefill``/``decode`` as one endpoint)."""
-        return self.group
-
-    @property
-    def roles(self) -> list[R]:
-        return [rk.role for rk in self.ranks]
 
     # ------------------------------------------------------------------ lifecycle
     @property

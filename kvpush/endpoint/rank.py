@@ -82,8 +82,8 @@ class Rank(Generic[R]):
         self.rank = cfg.tp_rank
         self.agent_name = agent_name(cfg.engine_id, shared.incarnation, self.rank)
         self.telemetry = Telemetry(cfg.role, cfg.engine_id, shared.incarnation)
-        self.dialect = shared.dialect
-        self.codec: Codec = self.dialect.codec
+        dialect = shared.dialect
+        codec: Codec = dialect.codec
         auth, port = shared.auth, shared.port
         with contextlib.ExitStack() as undo:
             self.pool = KvPool(cfg.pool, rank=self.rank)
@@ -103,24 +103,24 @@ class Rank(Generic[R]):
                 auth,
                 cfg.timeouts,
                 self.telemetry,
-                dialect=self.dialect,
+                dialect=dialect,
                 error_limit=cfg.evict_after_errors,
             )
             undo.callback(self.release_peers)
             self.pinger = Pinger(
                 self.agent,
                 self.handshakes,
-                self.codec,
+                codec,
                 (cfg.host, port, self.rank),
                 cfg.timeouts.handshake_s + 2,
             )
-            self.ctx = EndpointContext(
+            ctx = EndpointContext(
                 cfg=cfg,
                 agent=self.agent,
                 pool=self.pool,
                 handshakes=self.handshakes,
-                codec=self.codec,
-                dialect=self.dialect,
+                codec=codec,
+                dialect=dialect,
                 telemetry=self.telemetry,
                 metadata=self.metadata,
                 on_ping=self.pinger.on_ping,
@@ -129,7 +129,7 @@ class Rank(Generic[R]):
                 decliner=shared.decliner,
                 instruments=shared.instruments,
             )
-            self.role: R = make_role(self.ctx)
+            self.role: R = make_role(ctx)
             self._wire_telemetry(auth)
             undo.pop_all()
 

@@ -3,7 +3,8 @@
 Usage: ``python -m kvpush.ops.node CONFIG_JSON READY_FILE``. CONFIG_JSON holds ``EndpointConfig``
 fields (``pool``, ``timeouts`` and ``agent`` as nested maps) and, at the same level, the hooks of
 ``kvpush.instruments.Instruments`` that no serve command has (``handshake_reply_delay_s``,
-``crash_rank_after``, ``start_delay_s``, ``writer_mode``: ``build`` sorts them out). Writes
+``crash_rank_after``, ``start_delay_s``, ``writer_mode``, ``drop_agents_after``: ``build`` sorts
+them out). Writes
 READY_FILE (JSON: address, engine_id, incarnation, pid) atomically once started; SIGTERM/SIGINT
 stop it gracefully (exit 0; a second signal exits at once with 130). The handlers are
 ``kvpush.runtime.signals.StopFlag``'s, which take no lock: a handler that set a
@@ -29,8 +30,8 @@ from kvpush.config import (
     PoolConfig,
     Timeouts,
 )
+from kvpush.endpoint import open_endpoint
 from kvpush.instruments import Instruments, WriterMode
-from kvpush.ops.engine import open_endpoint
 from kvpush.runtime.heap import freeze_startup_heap
 from kvpush.runtime.signals import StopFlag
 
@@ -44,6 +45,7 @@ def build(d: dict[str, Any]) -> tuple[EndpointConfig, Instruments]:
         crash_rank_after=(int(rank), int(after)),
         start_delay_s=float(d.pop("start_delay_s", 0.0)),
         writer=WriterMode(d.pop("writer_mode", WriterMode.DEFERRED)),
+        drop_agents_after=int(d.pop("drop_agents_after", 0)),
     )
     return build_config(d), instruments
 

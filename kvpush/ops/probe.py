@@ -153,7 +153,7 @@ def handshake_probe(
 
     ``mode`` None with ``ping_count`` > 0 handshakes notif-only, which notifications need.
     """
-    from kvpush.ops.engine import open_endpoint
+    from kvpush.endpoint import open_endpoint
 
     host, port = parse_address(address)
     addr = format_address(host, port)

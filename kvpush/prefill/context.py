@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpush.config import EndpointConfig
+from kvpush.instruments import Instruments
 from kvpush.memory.pool import KvPool
 from kvpush.peers.dialect import Dialect
 from kvpush.peers.handshakes import HandshakeManager
@@ -41,6 +42,7 @@ class WriterContext:
     geom: LocalGeometry
     report: Callable[[PushOutcome], None]  # how each push ended, to whoever waits for it
     dialect: Dialect  # what differs between the wires (keys, WRITE deadlines)
+    instruments: Instruments  # the hooks of tests and measurements (production: none)
 
     @classmethod
     def of(
@@ -60,4 +62,5 @@ class WriterContext:
             geom,
             report,
             ep.dialect,
+            ep.instruments,
         )

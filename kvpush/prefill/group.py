@@ -3,10 +3,12 @@
 A prefill leg names one transfer; each rank holds its share of it (its heads). ``PrefillGroup``
 reserves blocks on every rank first (all or nothing: a rank without room frees the others' at
 once), then fills and finishes each rank's share, and answers once all are handed to their
-writers. A push wait answers when every rank's push of the transfer ended: ok only when all are
-ok, else the first failed rank's reason, named; its deadline is an entry of one timer heap
-(``kvpush.runtime.timers``), capped (``kvpush.prefill.limits``). Runs on the control executor
-(prefill) or the side-channel thread, the writers' threads and the timer thread (waits).
+writers (``finish``, a load generator's: the same without the pattern). A push wait answers
+when every rank's push of the transfer ended: ok only when all are ok, else the first failed
+rank's reason, named; its deadline is an entry of one timer heap (``kvpush.runtime.timers``),
+capped (``kvpush.prefill.limits``). It asks each rank's role, never the role's writer. Runs on
+the control executor (prefill) or the side-channel thread, the writers' threads and the timer
+thread (waits).
 """
 
 from __future__ import annotations
@@ -25,8 +27,7 @@ from kvpush.config import Role
 from kvpush.errors import KvpushError, NoFreeBlocksError, RankFailedError, ShuttingDownError
 from kvpush.prefill.limits import MAX_DECLINED_IDS, MAX_PUSH_WAITS
 from kvpush.prefill.role import PrefillRole
-from kvpush.prefill.table import CancelledEarly, PushOutcome
-from kvpush.prefill.writer import PushWriter
+from kvpush.prefill.table import PushOutcome
 from kvpush.runtime.timers import Timer, Timers
 from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure
@@ -57,10 +58,9 @@ class PrefillGroup:
             tids = [req.transfer_id, *req.also]
             with self._lock:
                 # Remembered by the writers, plus handed to them and not taken in yet (the
-                # table's count is read off the writers' threads: a little stale is fine).
+                # roles read their writers' counts off the writers' threads: a little stale).
                 held = max(
-                    role.writer.table.count(CancelledEarly) + self._queued[r]
-                    for r, role in enumerate(self.roles)
+                    role.declines_held() + self._queued[r] for r, role in enumerate(self.roles)
                 )
                 if held + len(tids) <= MAX_DECLINED_IDS:
                     for r in range(len(self.roles)):
@@ -79,14 +79,11 @@ class PrefillGroup:
                 return True
             for r, role in enumerate(self.roles):
                 role.ctx.telemetry.inc(Counter.DECLINES_RECEIVED, len(tids))
+                taken = functools.partial(self._taken, r, len(tids))
                 try:
-                    role.writer.tasks.put(
-                        functools.partial(
-                            self._decline_all, r, role.writer, tids, req.reason, req.detail
-                        )
-                    )
+                    role.declined_by_d(tids, req.reason, req.detail, taken)
                 except KvpushError:  # a closed or full inbox: nothing of it is held
-                    self._taken(r, len(tids))
+                    taken()
                     raise
             reply(protocol.DeclineRep(rid=req.rid, ended=len(self.roles) * len(tids)))
             return True
@@ -96,9 +93,7 @@ class PrefillGroup:
         """P will not serve ``transfer_id``: every rank tells the D ranks that registered."""
         for role in self.roles:
             with contextlib.suppress(KvpushError):  # a closed inbox: that rank is stopping
-                role.writer.tasks.put(
-                    functools.partial(role.writer.refused_by_p, transfer_id, reason, detail)
-                )
+                role.refused_by_p(transfer_id, reason, detail)
 
     # ------------------------------------------------------------------ prefill
     def prefill(
@@ -109,22 +104,35 @@ class PrefillGroup:
         region, then block, then rank order -- the model's page, whatever the TP size.
         A refusal (no free blocks, stopping, a failed rank) is told to the D ranks that
         registered for the transfer, or will, at once (``_refuse``)."""
+        ids, sha = self._prefill_or_refuse(transfer_id, num_blocks, request_id, digest, True)
+        return ids.tolist(), sha
+
+    def finish(self, transfer_id: str, num_blocks: int, request_id: str = "") -> None:
+        """``prefill`` without the pattern: every rank's blocks reserved all or nothing and
+        handed to its writer as they are -- the stand-in for a model that has just computed its
+        KV, for timed load whose D does not verify (a load generator's, ``Endpoint.finish``)."""
+        self._prefill_or_refuse(transfer_id, num_blocks, request_id, False, False)
+
+    def _prefill_or_refuse(
+        self, transfer_id: str, num_blocks: int, request_id: str, digest: bool, fill: bool
+    ) -> tuple[np.ndarray, str]:
         try:
-            return self._prefill(transfer_id, num_blocks, request_id, digest)
+            return self._prefill(transfer_id, num_blocks, request_id, digest, fill)
         except (NoFreeBlocksError, ShuttingDownError, RankFailedError) as e:
             self._refuse(transfer_id, _reason(e), e.message)
             raise
 
     def _prefill(
-        self, transfer_id: str, num_blocks: int, request_id: str, digest: bool
-    ) -> tuple[list[int], str]:
+        self, transfer_id: str, num_blocks: int, request_id: str, digest: bool, fill: bool
+    ) -> tuple[np.ndarray, str]:
         self._check_ranks()
         reserved: list[tuple[PrefillRole, np.ndarray]] = []
         try:
             for role in self.roles:
                 reserved.append((role, role.reserve(transfer_id, num_blocks)))
-            for role, ids in reserved:
-                role.fill(transfer_id, ids)
+            if fill:
+                for role, ids in reserved:
+                    role.fill(transfer_id, ids)
             sha = self._digest(reserved) if digest else ""
         except BaseException:
             for role, _ in reserved:
@@ -136,7 +144,7 @@ class PrefillGroup:
             self.telemetry.inc(Counter.PREFILLS)
         if sha:
             self._remember_digest(transfer_id, sha)
-        return reserved[0][1].tolist(), sha
+        return reserved[0][1], sha
 
     def _check_ranks(self) -> None:
         """Refuse every new transfer once any rank's loop failed."""
@@ -274,16 +282,6 @@ class PrefillGroup:
             sha256=sha,
             phases=phases.merge(o.phases for o in outs),
         )
-
-    def _decline_all(
-        self, r: int, writer: PushWriter, tids: list[str], reason: str, detail: str
-    ) -> None:
-        """On rank ``r``'s writer thread: D declined these transfers."""
-        try:
-            for tid in tids:
-                writer.declined_by_d(tid, reason, detail)
-        finally:
-            self._taken(r, len(tids))
 
     def _taken(self, r: int, n: int) -> None:
         with self._lock:

@@ -76,6 +76,7 @@ class Legs:
         self.local_dlist: DList | None = None  # the whole pool's, from open() on
         self._chunk_dlists: dict[tuple[int, int], DList] = {}  # (offset, length) of each page
         self._n_ok = 0  # pushes ok (the drop_agents_after fault hook)
+        self._drop_agents_after = ctx.instruments.drop_agents_after
 
     # ------------------------------------------------------------------ descriptor lists
     def open(self) -> None:
@@ -288,7 +289,7 @@ class Legs:
         self._pool.allocator.release(push.key)
         self._tm.inc(Counter.PUSHES_OK)
         self._n_ok += 1
-        if self._n_ok == self.cfg.drop_agents_after:
+        if self._n_ok == self._drop_agents_after:
             for conn in self._hs.connected():  # fault hook: the transport lost under them
                 log.warning("fault injection: NIXL drops the agent of %s", conn.address)
                 self._agent.drop_remote_under(conn.agent_name)

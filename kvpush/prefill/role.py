@@ -1,20 +1,24 @@
 """P's role: fill blocks for a transfer and push them with the writer.
 
-One ``PrefillRole`` per tensor-parallel rank. ``reserve`` + ``finish`` (or ``prefill``) stand in
-for the model: allocate this rank's blocks, write its share of the transfer's deterministic
-pattern (its heads) into them and hand them to the writer as *finished*; the writer
+One ``PrefillRole`` per tensor-parallel rank. ``reserve`` + ``fill`` + ``finish`` stand in for
+the model: allocate this rank's blocks, write its share of the transfer's deterministic pattern
+(its heads) into them and hand them to the writer as *finished*; the writer
 (``kvpush.prefill.writer``, on this rank's owner thread) does everything else.
 ``watch(transfer_id)`` resolves when that transfer's push ends on this rank (WRITE done, failed,
 or lease lapsed); the last few thousand outcomes are kept for a wait that comes late. Side-channel
-requests are served for all ranks at once by ``kvpush.prefill.group``.
+requests are served for all ranks at once by ``kvpush.prefill.group``, which asks the role, never
+its writer: ``declines_held``, ``declined_by_d`` and ``refused_by_p`` hand the writer what it
+must do on its own thread.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -23,7 +27,7 @@ import numpy as np
 from kvpush.config import Role
 from kvpush.errors import KvpushError, NoFreeBlocksError, ShuttingDownError
 from kvpush.peers.handshakes import PeerGone
-from kvpush.prefill.table import Finished, PushOutcome
+from kvpush.prefill.table import CancelledEarly, Finished, PushOutcome
 from kvpush.prefill.writer import PushWriter
 from kvpush.runtime.context import EndpointContext
 from kvpush.runtime.owner import OwnerThread
@@ -97,24 +101,38 @@ class PrefillRole:
             raise
         self.ctx.telemetry.inc(Counter.PREFILLS)
 
-    def prefill(
-        self, transfer_id: str, num_blocks: int, request_id: str = "", digest: bool = False
-    ) -> tuple[list[int], str]:
-        """One rank's prefill: reserve, fill, finish; return the block ids and, when asked,
-        the sha256 of the filled bytes (else "")."""
-        ids = self.reserve(transfer_id, num_blocks)
-        try:
-            self.fill(transfer_id, ids)
-            sha = self.ctx.pool.digest(ids) if digest else ""
-        except BaseException:
-            self.unreserve(transfer_id)
-            raise
-        self.finish(transfer_id, ids, request_id)
-        return ids.tolist(), sha
-
     def key(self, transfer_id: str) -> str:
         """The writer's table key, which also owns the blocks."""
         return self.ctx.dialect.transfer_key(transfer_id)
+
+    # ------------------------------------------------------------------ declines (any thread)
+    def declines_held(self) -> int:
+        """How many transfers declined by D the writer remembers (read off its thread: a little
+        stale)."""
+        return self.writer.table.count(CancelledEarly)
+
+    def declined_by_d(
+        self, tids: list[str], reason: str, detail: str, then: Callable[[], None]
+    ) -> None:
+        """D declined these transfers: the writer ends them on its thread, then runs ``then``
+        there. Raises ``KvpushError`` when its inbox is closed or full (nothing was handed)."""
+        self.writer.tasks.put(functools.partial(self._declined, tids, reason, detail, then))
+
+    def _declined(
+        self, tids: list[str], reason: str, detail: str, then: Callable[[], None]
+    ) -> None:
+        try:
+            for tid in tids:
+                self.writer.declined_by_d(tid, reason, detail)
+        finally:
+            then()
+
+    def refused_by_p(self, transfer_id: str, reason: str, detail: str) -> None:
+        """P will not serve ``transfer_id``: the writer tells the D ranks that registered for it,
+        or will (raises ``KvpushError`` when its inbox is closed: the rank is stopping)."""
+        self.writer.tasks.put(
+            functools.partial(self.writer.refused_by_p, transfer_id, reason, detail)
+        )
 
     # ------------------------------------------------------------------ outcomes
     def watch(self, transfer_id: str) -> Future[PushOutcome]:

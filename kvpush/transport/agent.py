@@ -35,7 +35,6 @@ class XferState(StrEnum):
 #: The states as module constants, for the owner thread's poll loop: ``XferState.DONE`` is a
 #: lookup through the enum's metaclass, several times slower than a module global on Python 3.11.
 XFER_DONE: Final = XferState.DONE
-XFER_PROC: Final = XferState.PROC
 XFER_ERR: Final = XferState.ERR
 
 

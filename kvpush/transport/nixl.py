@@ -332,13 +332,6 @@ class NixlAgent:
         with self._lock:
             return sorted(self._remotes)
 
-    def has_remote(self, name: str) -> bool:
-        """Whether NIXL itself still holds ``name``'s metadata (``checkRemoteMD``)."""
-        try:
-            return bool(self._agent.check_remote_metadata(name))
-        except Exception:
-            return False
-
     def _not_stale(self, name: str, what: str) -> None:
         """Refuse (and count) a call towards an agent this adapter removed."""
         with self._lock:

@@ -17,7 +17,13 @@ from tests.conftest import run_cli
 
 def test_endpoint_config_carries_no_instrument() -> None:
     hooks = {f.name for f in dataclasses.fields(Instruments)}
-    assert hooks == {"handshake_reply_delay_s", "crash_rank_after", "start_delay_s", "writer"}
+    assert hooks == {
+        "handshake_reply_delay_s",
+        "crash_rank_after",
+        "start_delay_s",
+        "writer",
+        "drop_agents_after",
+    }
     config = {f.name for f in dataclasses.fields(EndpointConfig)}
     assert not hooks & config
     assert not {"writer_mode"} & config
@@ -32,10 +38,11 @@ def test_node_json_keys_become_instruments() -> None:
             "crash_rank_after": [1, 24],
             "start_delay_s": 4.0,
             "writer_mode": "blocking",
+            "drop_agents_after": 8,
         }
     )
     assert cfg.role == "prefill" and cfg.pool.num_blocks == 8
-    assert ins == Instruments(1.5, (1, 24), 4.0, WriterMode.BLOCKING)
+    assert ins == Instruments(1.5, (1, 24), 4.0, WriterMode.BLOCKING, drop_agents_after=8)
     _, none = build({"role": "decode"})
     assert none == NO_INSTRUMENTS
 

@@ -1,7 +1,7 @@
 """Stop a P again and again under running Ds: the P side of the freeze stress (issue 16).
 
 Usage: ``python -m tests.support.pcycle OUT_JSON CYCLES TP D_ADDR [D_ADDR ...]``. Each cycle opens
-a real P endpoint in this process (``kvpush.ops.engine.open_endpoint``: its own NIXL agents, its
+a real P endpoint in this process (``kvpush.endpoint.open_endpoint``: its own NIXL agents, its
 own side channel on a free port), drives one request per D through it (so every D handshakes
 with every rank of this P), and stops it: each P rank tells each D it stopped, and each D evicts
 it -- the path on which issue 16's D froze. A P endpoint in one long-lived process costs ~50 ms
@@ -19,8 +19,8 @@ from collections import Counter
 from dataclasses import replace
 
 from kvpush.config import EndpointConfig, PoolConfig, Role
+from kvpush.endpoint import open_endpoint
 from kvpush.ops.driver import DriveConfig, Driver
-from kvpush.ops.engine import open_endpoint
 
 POOL_CFG = PoolConfig(num_blocks=64, layers=2, block_bytes=4096)
 

@@ -63,8 +63,7 @@ def main() -> int:
     # What serve imports (torch with it), before any fork; no thread, no agent, no ZMQ context.
     import kvpush.cli.app
     import kvpush.cli.commands.serve
-    import kvpush.endpoint
-    import kvpush.ops.engine  # noqa: F401
+    import kvpush.endpoint  # noqa: F401
 
     children: set[int] = set()
     out = sys.stdout

@@ -4,7 +4,7 @@ The two commands are built from the one option table (``options.serve_entries(ro
 body translates the options (``translate``) and calls ``serve``.
 
 Lifecycle (uvicorn's shape): install signal handlers -> open the endpoint
-(``kvpush.ops.engine.open_endpoint``; raises typed errors) -> optional Prometheus exporter
+(``kvpush.endpoint.open_endpoint``; raises typed errors) -> optional Prometheus exporter
 (with ``/healthz`` and ``/readyz``) -> optional fleet membership (``--registry``:
 ``kvpush.fleet.member``, its own threads) -> ready file -> main loop (render telemetry, watch
 for a thread failure) -> ordered shutdown: the registry key goes first (routers stop sending),
@@ -192,7 +192,7 @@ class _Running:
 
 
 def _start(run: _Running, cfg: EndpointConfig, opts: ServeOptions, stop: StopFlag) -> None:
-    from kvpush.ops.engine import open_endpoint
+    from kvpush.endpoint import open_endpoint
 
     if opts.metrics_port:
         from kvpush.telemetry.prom import PrometheusExporter
