@@ -8,20 +8,21 @@ the completer (verification off this thread). A request that fails after its PUS
 tells P (``Cancel``) and keeps its blocks quarantined until P's fence or the WRITE's own
 completion says no more bytes can land (vLLM's C1: never hand them to the next request before);
 how a failed request ends and when its blocks come back is ``kvpush.decode.outcomes``;
-heartbeats and P ranks that are gone or stopped are ``kvpush.decode.peers``.
+heartbeats and P ranks that are gone or stopped are ``kvpush.decode.peers``; which P ranks a
+request draws from, and a connection to each, is ``kvpush.decode.sources``.
 
 Seams: everything it touches is handed in (the rank's ``EndpointContext``: agent, pool,
 handshakes, codec, telemetry, the local metadata; and the completer), so component tests drive
-it with the one fake agent. ``Outcomes`` and ``PrefillPeers`` share that context and its table.
+it with the one fake agent. ``Outcomes``, ``PrefillPeers`` and ``Sources`` share that context and
+its table.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
 
 from kvpush.address import format_address
-from kvpush.config import HandshakeMode, Role
+from kvpush.config import Role
 from kvpush.decode.completer import Completer
 from kvpush.decode.outcomes import Outcomes, failed_rep
 from kvpush.decode.peers import PrefillPeers
@@ -34,11 +35,10 @@ from kvpush.decode.requests import (
     Waiting,
     WaitPhase,
 )
-from kvpush.errors import IncompatiblePeerError, NoFreeBlocksError
-from kvpush.peers.handshakes import PeerConn, PeerGone, PeerKey
-from kvpush.peers.tp import check_ratio, sources
+from kvpush.decode.sources import Sources
+from kvpush.errors import NoFreeBlocksError
+from kvpush.peers.handshakes import PeerConn, PeerGone
 from kvpush.peers.validation import handshake_failure
-from kvpush.peers.vllm_peer import PeerHint
 from kvpush.ratelog import RateLimitedLog
 from kvpush.runtime.context import EndpointContext
 from kvpush.runtime.owner import OwnerThread, RankCrash, drain_notifications
@@ -67,6 +67,7 @@ class Receiver:
         self._rl = RateLimitedLog(log)
         self._out = Outcomes(ctx, self.table)
         self._peers = PrefillPeers(ctx, self.table, self._out)
+        self._sources = Sources(ctx, self.table, self._out, self._peers, owner, self.ready)
         self._next_hb = 0.0
         self._next_idle = 0.0
         self._n_new = 0
@@ -205,190 +206,18 @@ class Receiver:
         )
 
     def _connect_and_register(self, w: Waiting) -> None:
-        """Connect to every P rank the request draws from, then register with each.
-
-        Re-entered after each handshake this request waited for; every step is idempotent.
-        P's TP size comes from the request (a vLLM P's kv_transfer_params), from an earlier
-        handshake with that P, or from P's rank 0 (which this D rank's rank-0 sibling draws
-        from anyway)."""
-        if not w.ranks.sources and not self._learn_sources(w):
-            return  # waiting for the handshake, or failed
-        if not self._connect_sources(w):
-            return  # waiting for a handshake, or failed
-        ranks = w.ranks
-        stale = [s for s, c in ranks.conns.items() if c.metadata.tp_size != ranks.p_tp]
-        if stale:
-            self._relearn_tp(w, stale)
-            return
-        self._ctx.peer_tp[ranks.addr] = ranks.p_tp
-        self._register(w)
-
-    def _learn_sources(self, w: Waiting) -> bool:
-        """Learn P's TP size and so the P ranks that write into this D rank; False while the
-        handshake that tells it is under way, or when the request failed."""
-        ranks = w.ranks
-        tp = ranks.p_tp
-        if not tp:
-            tp = self._ctx.peer_tp.get(ranks.addr, 0)
-            ranks.tp_cached = bool(tp)
-        if not tp:
-            conn = self._conn_or_wait(w, ranks.key(0))
-            if conn is None:
-                return False
-            tp = conn.metadata.tp_size
-            ranks.conns.setdefault(0, conn)
-        try:
-            check_ratio(tp, self.cfg.tp_size, format_address(*ranks.addr))
-        except IncompatiblePeerError as e:
-            self._out.fail(w, Failure.INCOMPATIBLE, str(e))
-            return False
-        ranks.p_tp = tp
-        ranks.sources = tuple(sources(self.cfg.tp_rank, self.cfg.tp_size, tp))
-        for s in list(ranks.conns):
-            if s not in ranks.sources:
-                del ranks.conns[s]  # the discovery connection to rank 0 is not a source
-        if 0 not in ranks.sources:
-            self._forget_discovery(w, tp)
-        return True
-
-    def _connect_sources(self, w: Waiting) -> bool:
-        """A connection to every source rank; False while one is under way, or when the
-        request failed.
-
-        A TP size the request claims (vLLM's remote_tp_size) is not trusted: P's ranks are
-        asked one at a time, the first one's answer is checked against the claim, and the
-        first rank that is not served ends the request (no handshake, no row, per claimed
-        rank; a vLLM listener dies on a rank it does not serve)."""
-        ranks = w.ranks
-        waiting = False
-        claimed = bool(w.req.p_engine_id)
-        for s in ranks.sources:
-            if s in ranks.conns:
-                continue
-            conn = self._conn_or_wait(w, ranks.key(s), attach=not waiting)
-            if conn is None:
-                if w.phase is WaitPhase.ENDED:
-                    return False
-                waiting = True
-                if claimed:
-                    break
-                continue
-            if claimed and conn.metadata.tp_size != ranks.p_tp:
-                self._out.fail(
-                    w,
-                    Failure.INCOMPATIBLE,
-                    f"{format_address(*ranks.addr)} has {conn.metadata.tp_size} TP "
-                    f"rank(s), the request claims {ranks.p_tp} (remote_tp_size)",
-                )
-                return False
-            ranks.conns[s] = conn
-        return not waiting
-
-    def _forget_discovery(self, w: Waiting, tp: int) -> None:
-        """A handshake with P's rank 0, when this D rank draws nothing from it, only told P's
-        TP size: keep the size, drop the connection (no peer row stands for it, nothing
-        outlives that P). One still connecting is dropped by the request that waits on it, when
-        it comes back here; requests that waited on the same handshake find the size."""
-        self._ctx.peer_tp[w.ranks.addr] = tp
-        conn = self._ctx.handshakes.forget(w.ranks.key(0))
-        if conn is not None:
-            self._ctx.handshakes.release_conn(conn)
-
-    def _relearn_tp(self, w: Waiting, stale: list[int]) -> None:
-        """P answered at another TP size than the request assumed (it restarted at another
-        one): the newest connection tells P's size now; the connections of another size (an
-        older incarnation's) are forgotten and the request starts over -- at most twice."""
-        ranks = w.ranks
-        assumed = ranks.p_tp
-        newest = max(ranks.conns.values(), key=lambda c: c.connected_at)
-        got = newest.metadata.tp_size
-        # A vLLM router names P's TP size in the request (kv_transfer_params): that stands.
-        given = self._ctx.dialect.kv_transfer_params and not ranks.tp_cached
-        if w.registered or ranks.relearns >= 2 or (given and got != assumed):
-            other = ranks.conns[stale[0]].metadata.tp_size
-            self._out.fail(
-                w, Failure.INCOMPATIBLE, f"P's TP size changed from {assumed} to {other}"
-            )
-            return
-        ranks.relearns += 1
-        if got != assumed:
-            log.info(
-                "P %s is at TP %d now (was %d): re-learnt",
-                format_address(*ranks.addr),
-                got,
-                assumed,
-            )
-        self._ctx.peer_tp[ranks.addr] = got
-        rid = w.req.request_id
-        for s, c in list(ranks.conns.items()):
-            if c.metadata.tp_size != got:
-                del ranks.conns[s]
-                if not c.evicted:
-                    self._peers.evict(ranks.key(s), "P's TP size changed", keep=rid)
-        ranks.p_tp, ranks.sources, ranks.tp_cached = got, (), False
-        self._connect_and_register(w)
-
-    def _relearn_after_failure(self, w: Waiting) -> bool:
-        """A handshake to a P rank failed while the request assumed P's TP size from an earlier
-        request: P may have restarted with fewer ranks; learn its size afresh from rank 0,
-        once. A connection to rank 0 that still claims the failed size is an older
-        incarnation's: it is forgotten first. False when that does not apply."""
-        ranks = w.ranks
-        if not ranks.tp_cached or ranks.relearns >= 2 or w.registered:
-            return False
-        ranks.relearns += 1
-        failed = ranks.p_tp
-        self._ctx.peer_tp.pop(ranks.addr, None)
-        conn0 = self._ctx.handshakes.get(ranks.key(0))
-        if conn0 is not None and conn0.metadata.tp_size == failed:
-            self._peers.evict(ranks.key(0), "stale: P's TP size changed", keep=w.req.request_id)
-        ranks.p_tp, ranks.sources, ranks.tp_cached = 0, (), False
-        ranks.conns.clear()
-        self._connect_and_register(w)
-        return True
-
-    def _conn_or_wait(self, w: Waiting, key: PeerKey, attach: bool = True) -> PeerConn | None:
-        """The connection to ``key``, or None: a handshake is under way (the request comes back
-        through ``ready`` when it ends, if ``attach``) or it failed (the request is failed)."""
-        req = w.req
-        conn = self._ctx.handshakes.get(key)
-        if conn is not None and req.p_engine_id and conn.metadata.engine_id != req.p_engine_id:
-            # The router names another engine at this address (vLLM's kv_transfer_params): P
-            # restarted there. Its old agent goes before anything is sent (vLLM PR #50047).
-            self._peers.evict(key, "P restarted: another engine id", keep=req.request_id)
-            conn = None
-        mode = self.cfg.handshake_mode
-        if conn is None or (mode == HandshakeMode.FULL and conn.mode != HandshakeMode.FULL):
-            hint = PeerHint(req.p_engine_id, req.p_tp_size, role=Role.PREFILL)
-            fut = self._ctx.handshakes.ensure(key, mode, hint)
-            if fut is not None:
-                self.table.move(w, WaitPhase.HANDSHAKING)
-                if attach:
-                    fut.add_done_callback(lambda f: self._handshake_done(w, f))
-                return None
-            conn = self._ctx.handshakes.get(key)
-        if conn is None:
-            self._out.fail(w, Failure.HANDSHAKE_FAILED, "P not connected after handshake")
-        return conn
-
-    def _handshake_done(self, w: Waiting, fut: Future[PeerConn]) -> None:
-        """Runs on the handshake thread: hand the request back; never lose it."""
-        try:
-            item = (w, fut.exception())
-        except BaseException as e:
-            item = (w, e)
-        self._owner.hand_off(
-            self.ready,
-            item,
-            lambda e: self._out.fail(w, Failure.CALLBACK_ERROR, repr(e)),
-        )
+        """Connect to every P rank the request draws from (``kvpush.decode.sources``), then
+        register with each. Re-entered after each handshake this request waited for."""
+        if self._sources.connect(w):
+            self._register(w)
 
     def _on_ready(self, item: tuple[Waiting, BaseException | None]) -> None:
         w, error = item
         if w.phase is WaitPhase.ENDED:
             return
         if error is not None:
-            if self._relearn_after_failure(w):
+            if self._sources.relearn_after_failure(w):
+                self._connect_and_register(w)
                 return
             self._out.fail(w, handshake_failure(error, Role.PREFILL), str(error))
             return

@@ -4,7 +4,8 @@ Owns the HTTP(S) sessions to etcd's JSON gateway (``/v3/``, etcd >= 3.4), spoken
 ``etcd3gw`` (no grpc, no protobuf: the ``etcd3`` 0.12 client fails to import with protobuf >= 4).
 ``Etcd`` is called by whichever thread owns it (the registrar's, the watcher's, a CLI command's);
 unary calls are serialised by a lock, so sharing one between threads is safe but makes them wait
-on each other. A watch runs on a session of its own and is cancelled from any thread.
+on each other. A watch runs on a session of its own and is cancelled from any thread; its
+stream (opened, read, shut) is ``kvpush.fleet.watchstream``'s.
 
 Failure model (every call is bounded):
 - every request has a deadline (``timeout_s``); a URL that does not answer, refuses the
@@ -22,12 +23,9 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
-import socket
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Literal, TypedDict, TypeVar, cast
+from typing import TypedDict, TypeVar, cast
 from urllib.parse import urlsplit
 
 import requests
@@ -39,9 +37,9 @@ from kvpush.errors import (
     LeaseLost,
     RegistryError,
     RegistryUnavailable,
-    WatchCompacted,
 )
 from kvpush.fleet.config import RegistryConfig, parse_urls
+from kvpush.fleet.watchstream import WatchEvent, open_stream, read_events, shutdown
 
 __all__ = ["Etcd", "WatchEvent", "make_etcd", "parse_urls", "prefix_end"]
 
@@ -49,16 +47,6 @@ log = logging.getLogger(__name__)
 
 API_PATH = "/v3/"
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class WatchEvent:
-    """One change under a watched prefix. ``value`` is empty for a DELETE."""
-
-    kind: Literal["PUT", "DELETE"]
-    key: str
-    value: bytes
-    revision: int  # the etcd revision of this change (the key's mod_revision)
 
 
 class _Header(TypedDict):
@@ -346,43 +334,17 @@ class Etcd:
             create["start_revision"] = str(start_revision)
         state: dict[str, bool] = {"cancelled": False}
 
-        def open_stream(c: Etcd3Client) -> requests.Response:
-            s = requests.Session()
-            s.verify = c.session.verify  # for the record: requests prefers the environment's
-            s.cert = c.session.cert
-            s.headers.update(c.session.headers)
-            try:
-                # connect bounded; reads unbounded (a quiet cluster sends nothing for hours)
-                r = s.post(
-                    c.get_url("/watch"),
-                    json={"create_request": create},
-                    stream=True,
-                    timeout=(self.timeout_s, None),
-                    **_verify(c),
-                )
-            except requests.exceptions.Timeout as e:
-                s.close()
-                raise etcd_exc.ConnectionTimeoutError(str(e)) from None
-            except requests.exceptions.ConnectionError as e:
-                s.close()
-                raise etcd_exc.ConnectionFailedError(str(e)) from None
-            if r.status_code != 200:
-                text = r.text
-                s.close()
-                if r.status_code == 503:
-                    raise etcd_exc.ConnectionFailedError(text)
-                raise etcd_exc.Etcd3Exception(text, r.reason)
-            return r
-
-        resp = self._call("watch", open_stream)
+        resp = self._call(
+            "watch", lambda c: open_stream(c, create, self.timeout_s, _verify(c).get("verify"))
+        )
 
         def cancel() -> None:
             state["cancelled"] = True
-            _shutdown(resp)
+            shutdown(resp)
 
         def events() -> Iterator[WatchEvent]:
             try:
-                yield from _read_watch(resp, prefix)
+                yield from read_events(resp, prefix)
             except Exception as e:
                 if state["cancelled"]:
                     # cancel() shut the stream under the reader: whatever urllib3 raises then
@@ -421,52 +383,6 @@ class _Verify(TypedDict, total=False):
 def _verify(c: Etcd3Client) -> _Verify:
     v = c.session.verify
     return _Verify(verify=v) if isinstance(v, str) else _Verify()
-
-
-def _read_watch(resp: requests.Response, prefix: str) -> Iterator[WatchEvent]:
-    """Events out of the gateway's stream: one JSON object per line, a line may arrive in
-    pieces or several in one chunk."""
-    buf = b""
-    for chunk in resp.iter_content(chunk_size=None):
-        buf += chunk
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            if not line.strip():
-                continue
-            msg = json.loads(line)
-            if "error" in msg:
-                err = msg["error"]
-                raise OSError(str(err.get("message", err)) if isinstance(err, dict) else str(err))
-            result = msg.get("result", {})
-            if result.get("canceled"):
-                compact = int(result.get("compact_revision", 0) or 0)
-                if compact:
-                    raise WatchCompacted(
-                        f"watch of {prefix}: revisions before {compact} are compacted"
-                    )
-                raise OSError(f"watch canceled by etcd: {result.get('cancel_reason', '')}")
-            for ev in result.get("events", []):
-                kv = ev["kv"]
-                yield WatchEvent(
-                    kind="DELETE" if ev.get("type") == "DELETE" else "PUT",
-                    key=_unb64(kv["key"]).decode(errors="replace"),
-                    value=_unb64(kv.get("value", "")),
-                    revision=int(kv.get("mod_revision", 0)),
-                )
-
-
-def _shutdown(resp: requests.Response) -> None:
-    """Wake a thread blocked reading ``resp`` (closing the response alone does not)."""
-    try:
-        fd = resp.raw.fileno()
-        s = socket.socket(fileno=os.dup(fd))
-        try:
-            s.shutdown(socket.SHUT_RDWR)
-        finally:
-            s.close()
-    except (OSError, ValueError, AttributeError):
-        pass  # already closed: nothing blocks on it
-    resp.close()
 
 
 _TLS_REASONS = (

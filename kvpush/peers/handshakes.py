@@ -1,4 +1,4 @@
-"""Handshakes with peers: ``ensure(peer, mode) -> Future | None`` and the peer table.
+"""Handshakes with peers: ``ensure(peer, mode) -> Future | None``, run on threads of their own.
 
 A handshake fetches the peer's metadata over the side channel (deadline-bound), checks the
 compatibility hash *before* decoding the metadata, checks geometry field by field
@@ -9,29 +9,22 @@ handshake loads full metadata and prepares the remote descriptor list for every 
 region (region-major, built with numpy) -- the expensive part, which therefore always runs here,
 on a handshake thread, never on the caller's (writer's) thread.
 
+Owns the runner: single-flight starts, the handshake threads and their bound, loading a peer into
+NIXL and releasing it (``release_conn``). The rows, their queries, eviction bookkeeping and the
+transport-error policy are the peer table's (``kvpush.peers.table``); ``HandshakeManager`` hands
+those verbs through, so a role asks one object for both.
+
 Threads: one short-lived thread per in-flight handshake (bounded by a semaphore), so a peer that
 never answers only ties up its own thread until its deadline and never delays a healthy peer
-(vLLM runs one handshake at a time). The peer table is guarded by one lock. Evicting a peer only
-removes it from the table; releasing its NIXL resources is the owner thread's job
-(``release_conn``), because the owner may still be using its descriptor list.
-
-A connected peer whose process is gone shows as such at once: ``kvpush.peers.watch`` (one
-thread per manager, from the first connection to ``close``) finds a quiet peer's side channel
-refusing connections and marks its row ``down``; a handshake to it fails at once; the owner
-evicts it at its next housekeeping (``down()``), as it evicts a peer whose heartbeat, PUSH_REG
-or WRITE failed.
+(vLLM runs one handshake at a time). Evicting a peer only removes it from the table; releasing its
+NIXL resources is the owner thread's job (``release_conn``), because the owner may still be using
+its descriptor list. A connected peer whose process is gone is marked ``down`` by the table's
+watch; a handshake to it fails at once and the owner evicts it at its next housekeeping
+(``down()``), as it evicts a peer whose heartbeat, PUSH_REG or WRITE failed.
 
 Handshakes to one peer are single-flight: while one is under way for a key, ``ensure`` returns
 its future to every other caller (ranks, requests), so the same remote agent is never added
-twice at once (LightLLM #1470). A transport error on an established peer (``transport_error``)
-is counted by NIXL status and moves it to *degraded*; it is evicted at once when the error says
-the remote agent is gone (disconnected, not found), else after ``error_limit`` consecutive
-errors of which the last is one NIXL reported; one success (``transport_ok``) makes it
-connected again. A WRITE or fence that only *timed out* (a frozen, slow or partitioned peer)
-degrades the peer but never evicts it: its bytes may still be on the way, and only a fence on
-the same connection proves they landed (a fence through a fresh agent after an eviction could
-free D's blocks before the old bytes arrive: measured, tests/faults/test_faults_netns.py).
-A handshake that finds a new incarnation at an address it knew counts ``peer_restarts``.
+twice at once (LightLLM #1470).
 
 What differs between the wires -- how the peer's metadata is fetched and checked -- is the
 endpoint's dialect's (``kvpush.peers.dialect``); loading it into NIXL is shared.
@@ -55,39 +48,18 @@ from kvpush.errors import (
 from kvpush.memory.descriptors import block_descs
 from kvpush.peers.dialect import Ask, Dialect, Fetched, KvpushDialect
 from kvpush.peers.state import PeerConn, PeerEntry, PeerGone, PeerKey, peer_key, peer_name
+from kvpush.peers.table import TRANSPORT_ERROR_LIMIT, PeerTable
 from kvpush.peers.tp import Slice, check_ratio, write_slice
-from kvpush.peers.validation import mode_satisfies
 from kvpush.peers.vllm_peer import PeerHint
-from kvpush.peers.watch import PeerWatch, Target
 from kvpush.ratelog import RateLimitedLog
-from kvpush.telemetry.names import Counter, Failure, Hist, PeerState, transport_error_counter
+from kvpush.telemetry.names import Counter, Failure, Hist
 from kvpush.telemetry.store import Telemetry
-from kvpush.transport.agent import GONE, Agent, DList, TransferError, TransferKind
+from kvpush.transport.agent import Agent, DList, TransferError
 from kvpush.transport.client import SideChannelClient
 from kvpush.wire import protocol
 from kvpush.wire.auth import Authenticator
 
 log = logging.getLogger(__name__)
-
-#: Rows of the peer table (one per peer rank, connected, connecting or failed). At the cap the
-#: oldest failed rows are forgotten; when all are live a new peer is refused (too_many_peers).
-MAX_PEER_ROWS = 4096
-#: Consecutive transport errors after which a degraded peer is evicted (the default).
-TRANSPORT_ERROR_LIMIT = 3
-#: Transfer-error kinds that say the remote agent is gone: the peer is evicted on the first.
-_GONE = GONE
-#: Transfer-error kinds that only say nothing completed in time: they degrade, never evict.
-_SLOW = frozenset({TransferKind.TIMEOUT})
-#: Incarnations remembered per peer address (to tell a restart from a first contact).
-_MAX_INCARNATIONS = 4096
-_LIVE = (PeerState.CONNECTED, PeerState.DEGRADED)
-
-
-def _failed(error: BaseException) -> Future[PeerConn]:
-    """A handshake refused before it started: its future, already failed with ``error``."""
-    f: Future[PeerConn] = Future()
-    f.set_exception(error)
-    return f
 
 
 class HandshakeManager:
@@ -117,68 +89,55 @@ class HandshakeManager:
         # a flood naming many addresses (e.g. unauthenticated Pings) cannot start a thread each.
         self._max_pending = max_pending
         self._pending = 0
-        self._lock = threading.Lock()
-        self._peers: dict[PeerKey, PeerEntry] = {}
-        self._closed = False
+        self._slots = threading.Lock()  # guards _pending
         self._rl = RateLimitedLog(log)
-        self._watch: PeerWatch | None = None  # started with the first connected peer
-        self._error_limit = max(1, error_limit)
-        self._incarnations: dict[PeerKey, str] = {}
+        self._table = PeerTable(
+            telemetry, error_limit=error_limit, watch_name=f"peer-watch-{local_md.tp_rank}"
+        )
 
-    # ------------------------------------------------------------------ queries
+    # ------------------------------------------------------------------ the table's verbs
     def get(self, key: PeerKey) -> PeerConn | None:
-        e = self._peers.get(key)
-        if e is not None and e.state in _LIVE and e.conn is not None:
-            e.conn.last_used = time.monotonic()
-            return e.conn
-        return None
+        return self._table.get(key)
 
     def by_agent(self, agent_name: str) -> PeerConn | None:
-        with self._lock:
-            for e in self._peers.values():
-                if e.conn is not None and e.conn.agent_name == agent_name:
-                    return e.conn
-        return None
+        return self._table.by_agent(agent_name)
 
     def gone(self, g: PeerGone) -> list[PeerKey]:
         """The peers ``g`` names (connected, or connected before a handshake now running)."""
-        with self._lock:
-            return [k for k, e in self._peers.items() if e.conn is not None and g.matches(e.conn)]
+        return self._table.gone(g)
 
     def connected(self) -> list[PeerConn]:
         """Every peer connected now."""
-        with self._lock:
-            return [e.conn for e in self._peers.values() if e.state in _LIVE and e.conn is not None]
+        return self._table.connected()
 
     def rows(self) -> list[dict[str, object]]:
         """Per-peer telemetry rows."""
-        now = time.monotonic()
-        with self._lock:
-            entries = list(self._peers.values())
-        rows: list[dict[str, object]] = []
-        for e in entries:
-            rows.append(
-                {
-                    "peer": peer_name(e.key),
-                    "engine_id": e.conn.metadata.engine_id if e.conn else "",
-                    "role": e.conn.metadata.role if e.conn else "",
-                    "mode": e.mode.value,
-                    "state": e.state,
-                    "duration_s": round(
-                        e.duration_s if e.state != PeerState.CONNECTING else now - e.started, 6
-                    ),
-                    "failures": e.failures,
-                    "last_error": e.last_error,
-                }
-            )
-        return rows
+        return self._table.rows()
 
     def counts(self) -> dict[str, int]:
-        with self._lock:
-            out: dict[str, int] = dict.fromkeys(PeerState, 0)
-            for e in self._peers.values():
-                out[e.state] = out.get(e.state, 0) + 1
-            return out
+        return self._table.counts()
+
+    def transport_error(self, key: PeerKey, err: TransferError) -> bool:
+        """True when the caller must evict ``key`` now (``PeerTable.transport_error``)."""
+        return self._table.transport_error(key, err)
+
+    def transport_ok(self, key: PeerKey) -> None:
+        self._table.transport_ok(key)
+
+    def evict(self, key: PeerKey, reason: str) -> PeerConn | None:
+        """Forget a peer; return its connection for the owner to release."""
+        return self._table.evict(key, reason)
+
+    def forget(self, key: PeerKey) -> PeerConn | None:
+        """Drop a connection that serves no data path (``PeerTable.forget``)."""
+        return self._table.forget(key)
+
+    def down(self) -> list[tuple[PeerKey, str]]:
+        """Peers marked down (their process is gone), with why: for the owner to evict."""
+        return self._table.down()
+
+    def idle(self, ttl_s: float) -> list[PeerKey]:
+        return self._table.idle(ttl_s)
 
     # ------------------------------------------------------------------ ensure
     def ensure(
@@ -188,78 +147,29 @@ class HandshakeManager:
 
         ``hint``: what the caller knows of a vLLM peer (its engine id, checked like vLLM does,
         and its TP size); ignored on kvpush's wire, where the peer tells both."""
-        with self._lock:
-            if self._closed:
-                return _failed(ShuttingDownError("endpoint is shutting down"))
-            e = self._peers.get(key)
-            if e is not None and e.state == PeerState.DOWN:
-                down = PeerUnreachableError(f"{peer_name(key)} is down: {e.last_error}")
-                return _failed(
-                    down
-                )  # its process is gone: evicted at the owner's next housekeeping
-            if e is not None:
-                if e.state in _LIVE and e.conn is not None and mode_satisfies(e.mode, mode):
-                    e.conn.last_used = time.monotonic()
-                    return None
-                if e.state == PeerState.CONNECTING and mode_satisfies(e.mode, mode):
-                    return e.future
-                if e.state in _LIVE:
-                    # Upgrade notif -> full: the owner keeps using the old conn until the new
-                    # one replaces it; the old agent is the same name, so no remove is needed.
-                    pass
-            if e is None and len(self._peers) >= MAX_PEER_ROWS and not self._make_room():
-                self._tm.fail(Failure.TOO_MANY_PEERS)
-                return _failed(
-                    HandshakeError(
-                        peer_name(key),
-                        f"{MAX_PEER_ROWS} peers already known (too_many_peers)",
-                        "idle peers are forgotten after --peer-idle-ttl; if this persists, "
-                        "a peer may be naming many addresses",
-                    )
-                )
-            if self._pending >= self._max_pending:
-                self._tm.fail(Failure.HANDSHAKE_OVERLOAD)
-                return _failed(
-                    HandshakeError(
-                        peer_name(key),
-                        f"{self._pending} handshakes already in flight",
-                        "retry later; if this persists, a peer may be flooding this endpoint",
-                    )
-                )
-            self._pending += 1
-            fut: Future[PeerConn] = Future()
-            fut.set_running_or_notify_cancel()
-            failures = e.failures if e is not None else 0
-            old = e.conn if e is not None else None
-            new = PeerEntry(
-                key,
-                mode,
-                PeerState.CONNECTING,
-                fut,
-                time.monotonic(),
-                conn=old,
-                failures=failures,
-                hint=hint or PeerHint(),
-            )
-            self._peers[key] = new
+        got = self._table.begin(key, mode, hint or PeerHint(), self._take_slot)
+        if not isinstance(got, PeerEntry):
+            return got
         self._tm.inc(Counter.HANDSHAKES_STARTED)
         t = threading.Thread(
-            target=self._run, args=(new,), name=f"handshake-{key[0]}:{key[1]}", daemon=True
+            target=self._run, args=(got,), name=f"handshake-{key[0]}:{key[1]}", daemon=True
         )
         t.start()
-        return fut
+        return got.future
 
-    def _make_room(self) -> bool:
-        """At the row cap: forget the oldest failed rows that hold no connection (under the
-        lock). False when every row is live or connecting."""
-        failed = sorted(
-            (e.started, k)
-            for k, e in self._peers.items()
-            if e.state == PeerState.FAILED and e.conn is None
-        )
-        for _, k in failed[: max(1, MAX_PEER_ROWS // 16)]:
-            del self._peers[k]
-        return len(self._peers) < MAX_PEER_ROWS
+    def _take_slot(self, key: PeerKey) -> KvpushError | None:
+        """Under the table's lock, before a handshake starts: one more thread in flight, or
+        why not (too many already)."""
+        with self._slots:
+            if self._pending >= self._max_pending:
+                self._tm.fail(Failure.HANDSHAKE_OVERLOAD)
+                return HandshakeError(
+                    peer_name(key),
+                    f"{self._pending} handshakes already in flight",
+                    "retry later; if this persists, a peer may be flooding this endpoint",
+                )
+            self._pending += 1
+        return None
 
     def handshake_sync(self, key: PeerKey, mode: HandshakeMode, timeout_s: float) -> PeerConn:
         fut = self.ensure(key, mode)
@@ -273,7 +183,7 @@ class HandshakeManager:
         try:
             self._run_one(e)
         finally:
-            with self._lock:
+            with self._slots:
                 self._pending -= 1
 
     def _run_one(self, e: PeerEntry) -> None:
@@ -283,41 +193,14 @@ class HandshakeManager:
                 conn = self._handshake(e.key, e.mode, e.hint)
         except BaseException as exc:
             err = self._as_typed(exc, peer)
-            with self._lock:
-                e.state = PeerState.FAILED
-                e.failures += 1
-                e.last_error = str(err)
-                e.duration_s = time.monotonic() - e.started
-                # a previous connection (e.g. notif before a failed upgrade) stays usable
-                if e.conn is not None:
-                    e.state = PeerState.CONNECTED
-                    e.mode = e.conn.mode
+            self._table.failed(e, err)
             # A counter, not a failure kind: the writer / receiver count "handshake_failed" once
             # per push or request dropped because of it (one place per failure kind).
             self._tm.inc(Counter.HANDSHAKES_FAILED)
             self._rl.warning("handshake_failed", "%s", err)
             e.future.set_exception(err)
             return
-        inc = conn.metadata.incarnation
-        with self._lock:
-            e.conn = conn
-            e.state = PeerState.CONNECTED
-            e.errors = 0
-            e.duration_s = time.monotonic() - e.started
-            closed = self._closed
-            if self._watch is None and not closed:
-                self._watch = PeerWatch(
-                    self._quiet_peers, self._mark_down, name=f"peer-watch-{self._local.tp_rank}"
-                )
-                self._watch.start()
-            before = self._incarnations.pop(e.key, "")
-            if inc:
-                self._incarnations[e.key] = inc
-                if len(self._incarnations) > _MAX_INCARNATIONS:
-                    del self._incarnations[next(iter(self._incarnations))]
-        if before and inc and before != inc:
-            self._tm.inc(Counter.PEER_RESTARTS)
-            log.info("peer %s restarted: incarnation %s -> %s", peer, before[:12], inc[:12])
+        closed = self._table.succeeded(e, conn)
         self._tm.inc(Counter.HANDSHAKES_OK)
         self._tm.observe(Hist.HANDSHAKE_DURATION, e.duration_s)
         log.info(
@@ -480,112 +363,7 @@ class HandshakeManager:
         )
         return self._agent.prep_remote(name, descs, md.device_kind)
 
-    # ------------------------------------------------------------------ transport health
-    def transport_error(self, key: PeerKey, err: TransferError) -> bool:
-        """A NIXL operation on ``key``'s connection failed: count it by status, mark the peer
-        degraded; True when the caller must evict it now (its agent is gone, or this is the
-        ``error_limit``-th error in a row and not a timeout: see the module's docstring)."""
-        self._tm.inc(transport_error_counter(err.status))
-        with self._lock:
-            e = self._peers.get(key)
-            if e is None or e.conn is None:
-                return err.kind in _GONE
-            e.errors += 1
-            e.last_error = str(err)[:300]
-            first = e.state == PeerState.CONNECTED
-            if first:
-                e.state = PeerState.DEGRADED
-            n = e.errors
-            evict = err.kind in _GONE or (n >= self._error_limit and err.kind not in _SLOW)
-            decided = evict and not e.doomed
-            e.doomed = e.doomed or evict
-        if first:
-            self._tm.inc(Counter.PEERS_DEGRADED)
-        if decided:
-            self._tm.inc(Counter.PEERS_EVICTED_TRANSPORT)
-        self._rl.warning(
-            "transport",
-            "transport error %d/%d on %s (%s): %s%s",
-            n,
-            self._error_limit,
-            peer_name(key),
-            err.status,
-            err,
-            "; evicting it" if evict else "; degraded",
-        )
-        return evict
-
-    def transport_ok(self, key: PeerKey) -> None:
-        """A NIXL operation on ``key``'s connection succeeded: a degraded peer is connected."""
-        e = self._peers.get(key)
-        if e is None or not e.errors:
-            return
-        with self._lock:
-            e.errors = 0
-            if e.state == PeerState.DEGRADED:
-                e.state = PeerState.CONNECTED
-
-    # ------------------------------------------------------------------ eviction
-    def evict(self, key: PeerKey, reason: str) -> PeerConn | None:
-        """Forget a peer; return its connection for the owner to release."""
-        with self._lock:
-            e = self._peers.pop(key, None)
-        if e is None:
-            return None
-        log.info("evicting peer %s: %s", peer_name(key), reason)
-        self._tm.inc(Counter.PEERS_EVICTED)
-        if e.conn is not None:
-            e.conn.evicted = True
-        return e.conn
-
-    def forget(self, key: PeerKey) -> PeerConn | None:
-        """Drop a connection that serves no data path (a D rank's handshake with P's rank 0
-        that only told it P's TP size): no row, no eviction counted; the owner releases what
-        is returned. A handshake still under way is left alone (its thread would finish a
-        connection nobody releases)."""
-        with self._lock:
-            e = self._peers.get(key)
-            if e is None or e.state != PeerState.CONNECTED:
-                return None
-            del self._peers[key]
-        return e.conn
-
-    def down(self) -> list[tuple[PeerKey, str]]:
-        """Peers marked down (their process is gone), with why: for the owner to evict."""
-        with self._lock:
-            return [(k, e.last_error) for k, e in self._peers.items() if e.state == PeerState.DOWN]
-
-    def _quiet_peers(self, quiet_s: float) -> list[Target]:
-        """Watch thread: the connected peers no one used for ``quiet_s``."""
-        now = time.monotonic()
-        with self._lock:
-            return [
-                (e, e.key[0], e.key[1])
-                for e in self._peers.values()
-                if e.state == PeerState.CONNECTED
-                and e.conn is not None
-                and now - e.conn.last_used > quiet_s
-            ]
-
-    def _mark_down(self, token: object, why: str) -> None:
-        """Watch thread: the peer of row ``token`` refused a connection: its row reads down."""
-        with self._lock:
-            e = self._peers.get(token.key) if isinstance(token, PeerEntry) else None
-            if e is not token or e is None or e.state != PeerState.CONNECTED:
-                return  # replaced, evicted or no longer connected meanwhile
-            e.state, e.last_error = PeerState.DOWN, why
-        log.info("peer %s is down: %s", peer_name(e.key), why)
-
-    def idle(self, ttl_s: float) -> list[PeerKey]:
-        now = time.monotonic()
-        with self._lock:
-            return [
-                k
-                for k, e in self._peers.items()
-                if (e.conn is not None and now - e.conn.last_used > ttl_s)
-                or (e.state == PeerState.FAILED and e.conn is None and now - e.started > ttl_s)
-            ]
-
+    # ------------------------------------------------------------------ release
     def release_conn(self, conn: PeerConn) -> None:
         """Release a peer's NIXL resources (owner thread only)."""
         if conn.released:
@@ -600,15 +378,9 @@ class HandshakeManager:
 
     def close(self) -> list[PeerConn]:
         """Refuse new handshakes; return every known connection for release."""
-        with self._lock:
-            self._closed = True
-            entries = list(self._peers.values())
-            self._peers.clear()
-            if self._watch is not None:
-                self._watch.stop()
-        # Handshakes still running finish by their deadline, see _closed and release their own
-        # connection (see _run).
-        return [e.conn for e in entries if e.conn is not None]
+        # Handshakes still running finish by their deadline, find the table closed and release
+        # their own connection (see _run_one).
+        return self._table.close()
 
 
 __all__ = ["HandshakeManager", "PeerConn", "PeerGone", "PeerKey", "peer_key", "peer_name"]

@@ -75,7 +75,7 @@ class PeerConn:
 
 @dataclass
 class PeerEntry:
-    """One row of the handshake manager's peer table (guarded by its lock)."""
+    """One row of the peer table (``kvpush.peers.table``; guarded by its lock)."""
 
     key: PeerKey
     mode: HandshakeMode

@@ -2,11 +2,11 @@
 process is gone, so its row must not read ``connected`` until ``--peer-idle-ttl`` lapses.
 
 Owns ``PeerWatch``: one daemon thread per handshake manager (per rank), started with the first
-connected peer and stopped by ``HandshakeManager.close``. Every ``every_s`` it takes the
+connected peer and stopped by ``PeerTable.close``. Every ``every_s`` it takes the
 connected peers that no push or request used for ``quiet_s`` (a busy peer's own traffic finds
 it gone sooner: a failed WRITE, heartbeat or PUSH_REG evicts it) and tries a plain TCP connect to
 each one's side channel, at most ``timeout_s`` each: *refused* (nothing listens there any more)
-marks the peer down (``HandshakeManager.mark_down``: its row reads ``down`` at once, and the
+marks the peer down (``PeerTable._mark_down``: its row reads ``down`` at once, and the
 owner evicts it at its next housekeeping, releasing the connection); a timeout proves nothing
 (a frozen or far peer) and changes nothing. No bytes are sent: a side channel sees a connection
 open and close. Each check costs one connect per quiet peer every ``every_s`` (2 s): nothing

@@ -22,6 +22,9 @@ hundred thousand declined ids costs a housekeeping tick nothing until their time
 In-flight WRITEs and fences are also indexed here, by NIXL handle and per peer in posting order
 (``queues``): WRITEs on one connection complete in order, so the writer polls each peer's oldest
 first and stops at the first one still in progress; a periodic sweep (``inflight``) polls all.
+
+The records that arrive and leave (``Finished``, ``Registration``, ``Push``, ``PushOutcome``) are
+``kvpush.prefill.records``; this module re-exports them.
 """
 
 from __future__ import annotations
@@ -31,84 +34,10 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvpush.peers.handshakes import PeerConn, PeerKey
+from kvpush.prefill.records import Finished, Push, PushOutcome, Registration, reg_key
 from kvpush.runtime.timers import DueHeap
 from kvpush.transport.nixl import Xfer
-from kvpush.wire import protocol
-
-
-@dataclass(frozen=True)
-class Finished:
-    """P's blocks of one transfer are filled and ready to be written."""
-
-    key: str
-    transfer_id: str
-    request_id: str
-    block_ids: np.ndarray
-    t_finished: float  # monotonic
-
-
-@dataclass(frozen=True)
-class Registration:
-    """D's PUSH_REG: where P must write, and who sent it."""
-
-    key: str
-    reg: protocol.PushReg
-    sender: str  # NIXL agent name the PUSH_REG came from
-    t_arrived: float
-    # vLLM's wire at D_tp > P_tp: one PUSH_REG stands for every target D rank (the writer's
-    # _fan_out), so its sender may be the agent of any of them.
-    any_rank: bool = False
-
-    @property
-    def peer(self) -> PeerKey:
-        """The D rank that registered: its side-channel address and TP rank."""
-        reg = self.reg
-        return (reg.decode_host, reg.decode_port, reg.decode_tp_rank)
-
-
-@dataclass(frozen=True)
-class Push:
-    """P's blocks matched with every registration they are written to: one per target D rank
-    (more than one when D has more ranks than P: each gets its chunk of P's page)."""
-
-    finished: Finished
-    registrations: tuple[Registration, ...]
-    attempt: int = 0
-
-    @property
-    def key(self) -> str:
-        return self.finished.key
-
-    @property
-    def registration(self) -> Registration:
-        return self.registrations[0]
-
-    @property
-    def peer(self) -> PeerKey:
-        return self.registration.peer
-
-    def retry(self) -> Push:
-        return Push(self.finished, self.registrations, self.attempt + 1)
-
-
-def reg_key(reg: protocol.PushReg) -> str:
-    return reg.transfer_id or reg.request_id
-
-
-@dataclass(frozen=True)
-class PushOutcome:
-    """How the push of one transfer ended (reported to whoever waits for it)."""
-
-    transfer_id: str
-    ok: bool
-    reason: str = ""
-    detail: str = ""
-    nbytes: int = 0
-    phases: dict[str, float] = field(default_factory=dict)  # kvpush.telemetry.phases, wall clock
-
 
 # --------------------------------------------------------------------------- the typed states
 
@@ -479,3 +408,24 @@ class PushTable:
 
 def _in_rank_order(regs: dict[int, Registration]) -> tuple[Registration, ...]:
     return tuple(regs[r] for r in sorted(regs))
+
+
+__all__ = [
+    "AwaitingHandshake",
+    "CancelledEarly",
+    "DuplicateError",
+    "FenceEntry",
+    "FenceWrite",
+    "Finished",
+    "InFlight",
+    "Leg",
+    "Push",
+    "PushOutcome",
+    "PushTable",
+    "Registered",
+    "Registration",
+    "State",
+    "Waiting",
+    "Writing",
+    "reg_key",
+]

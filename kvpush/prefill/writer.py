@@ -11,11 +11,13 @@ are in flight and backs off when idle: with NIXL's progress thread off, this pol
 Never blocking on the network. When the P->D handshake is not ready, the handshake-wait strategy
 (``kvpush.prefill.strategy``) parks the push and returns; ``Instruments.writer`` waits instead,
 for comparison only. A transfer's whole state is one typed entry of the ``PushTable``. This
-module decides *what* to write and when (matching, TP ranks, handshakes and the one
-incarnation check, declines, evictions, which WRITEs to poll when, shutdown); posting the
-WRITEs, polling one and ending each exactly once is ``kvpush.prefill.legs``; which D ranks a
-PUSH_REG stands for is ``kvpush.prefill.ranks``. The writer is handed its rank's
-``EndpointContext``; it and its collaborators (``Outcomes``, ``Fences``, ``Legs``) share one
+module decides *what* to write and when (matching, TP ranks, which WRITEs to poll when,
+shutdown); posting the WRITEs, polling one and ending each exactly once is
+``kvpush.prefill.legs``; which D ranks a PUSH_REG stands for is ``kvpush.prefill.ranks``; the
+connection each leg is written on (handshakes, the one incarnation check) and evicting a D rank
+is ``kvpush.prefill.peers``; transfers declined before they are written are
+``kvpush.prefill.declines``. The writer is handed its rank's ``EndpointContext``; it and its
+collaborators (``Outcomes``, ``Fences``, ``Legs``, ``DecodePeers``, ``Declines``) share one
 ``WriterContext`` built from it (``kvpush.prefill.context``), and they never call back up: what
 the writer must act on (a peer to evict, blocks to wait again) comes back as an event
 (``kvpush.prefill.events``) that ``_dispatch`` acts on.
@@ -34,17 +36,18 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from kvpush.config import HandshakeMode, Role
+from kvpush.config import Role
 from kvpush.instruments import WriterMode
-from kvpush.peers.handshakes import PeerConn, PeerGone, PeerKey
+from kvpush.peers.handshakes import PeerGone
 from kvpush.peers.validation import handshake_failure
-from kvpush.peers.vllm_peer import PeerHint
 from kvpush.prefill.context import WriterContext
+from kvpush.prefill.declines import Declines
 from kvpush.prefill.events import Event, EvictPeer
 from kvpush.prefill.fences import Fences
 from kvpush.prefill.legs import Legs
 from kvpush.prefill.limits import MAX_PENDING_REGISTRATIONS
-from kvpush.prefill.outcomes import MAX_EARLY_CANCELS, Outcomes
+from kvpush.prefill.outcomes import Outcomes
+from kvpush.prefill.peers import DecodePeers
 from kvpush.prefill.ranks import RankRouter, Refused
 from kvpush.prefill.strategy import BlockingWait, Deferred, DeferredWait, HandshakeWait
 from kvpush.prefill.table import (
@@ -97,9 +100,10 @@ class PushWriter:
         self._out = Outcomes(ctx, owner, self.tasks, ep.decliner)
         self._fences = Fences(ctx)
         self._legs = Legs(ctx, self._out, self._fences)
+        self._peers = DecodePeers(ctx, self._out, self._legs, self._fences)
+        self._declines = Declines(ctx, self._out)
         self._rl = RateLimitedLog(log)
         self._n_finished = 0
-        self._next_idle = 0.0
         self._ranks = RankRouter(
             self.cfg.tp_rank, self.cfg.tp_size, ep.dialect, t.request_deadline_s
         )
@@ -149,7 +153,7 @@ class PushWriter:
     def _dispatch(self, event: Event) -> None:
         """Act on what a collaborator returned (``kvpush.prefill.events``)."""
         if isinstance(event, EvictPeer):
-            self._evict(event.key, event.reason, True if event.soft else Failure.PEER_DEAD)
+            self._peers.evict(event.key, event.reason, True if event.soft else Failure.PEER_DEAD)
         else:  # Rewait: a forged PUSH_REG was refused; the blocks wait for the real one
             self._on_finished(event.finished)
 
@@ -182,15 +186,7 @@ class PushWriter:
             for fw in self._fences.send(self._legs.local_dlist):
                 self._legs.complete(fw)
         self._out.acks.retry(now)
-        if now >= self._next_idle:  # once a second: a pass over the peer rows
-            self._next_idle = now + 1.0
-            idle = self._ctx.handshakes.idle(self.cfg.timeouts.peer_idle_ttl_s)
-            busy = self.table.peers_in_flight() if idle else set()
-            for key in idle:
-                if key not in busy:
-                    self._evict(key, "idle")
-        for key, why in self._ctx.handshakes.down():  # its process is gone (kvpush.peers.watch)
-            self._evict(key, f"down: {why}")
+        self._peers.housekeeping(now)
 
     # ------------------------------------------------------------------ inbox handlers
     def _item_failed(self, item: object, e: Exception) -> None:
@@ -280,35 +276,12 @@ class PushWriter:
 
     # ------------------------------------------------------------------ declines (tasks)
     def declined_by_d(self, transfer_id: str, reason: str, detail: str) -> None:
-        """D cannot take ``transfer_id`` (it said so over the side channel, before any
-        registration of it could be served): free its finished blocks now, or the moment they
-        finish, instead of holding them until the lease lapses."""
-        key = self._ctx.dialect.transfer_key(transfer_id)
-        st = self.table.get(key)
-        detail = f"D declined: {detail}"
-        if isinstance(st, Waiting):
-            self.table.pop(key)
-            self._ctx.pool.allocator.release(key)
-            self._ctx.report(PushOutcome(st.finished.transfer_id, False, reason, detail))
-        elif (st is None or isinstance(st, Registered)) and self.table.count(
-            CancelledEarly
-        ) < MAX_EARLY_CANCELS:
-            self.table.cancel_early(key, time.monotonic(), reason, detail)
-        # Handshaking or writing: D registered, and its Cancel notification covers it.
+        """D cannot take ``transfer_id`` (``kvpush.prefill.declines``): its blocks go now."""
+        self._declines.by_d(transfer_id, reason, detail)
 
     def refused_by_p(self, transfer_id: str, reason: str, detail: str) -> None:
-        """P refused the prefill of ``transfer_id``: every D rank that registered (or will) is
-        told at once, so D fails the request now instead of at its deadline."""
-        key = self._ctx.dialect.transfer_key(transfer_id)
-        st = self.table.get(key)
-        if isinstance(st, Registered):
-            self.table.pop(key)
-            for r in st.regs.values():
-                self._out.decline(r, reason, detail)
-        if (st is None or isinstance(st, Registered)) and self.table.count(
-            CancelledEarly
-        ) < MAX_EARLY_CANCELS:
-            self.table.cancel_early(key, time.monotonic(), reason, detail, refused=True)
+        """P refused the prefill of ``transfer_id``: every D rank that registered is told."""
+        self._declines.by_p(transfer_id, reason, detail)
 
     def _on_deferred(self, d: Deferred) -> None:
         st = self.table.get(d.push.key)
@@ -339,22 +312,15 @@ class PushWriter:
     # ------------------------------------------------------------------ pushing
     def _start_push(self, push: Push) -> None:
         """Make sure every target D rank is connected (full handshake), then post the legs."""
-        conns: dict[int, PeerConn] = {}
-        pending: Future[PeerConn] | None = None
-        for r in push.registrations:
-            got = self._connection(push, r)
-            if got is None:
-                return  # the push failed (D told)
-            if isinstance(got, Future):
-                pending = pending or got
-            else:
-                conns[r.reg.decode_tp_rank] = got
-        if pending is not None:
+        conns = self._peers.connections(push)  # by D rank, or a pending handshake
+        if conns is None:
+            return  # the push failed (D told)
+        if isinstance(conns, Future):
             if push.attempt >= 3 + len(push.registrations):
                 self._out.fail(push, Failure.HANDSHAKE_FAILED, "peer kept disconnecting")
                 return
             try:
-                if not self._wait.pending(push, pending):
+                if not self._wait.pending(push, conns):
                     return  # parked: it comes back through the deferred inbox
             except BaseException as e:
                 self._out.fail(push, handshake_failure(e, Role.DECODE), str(e))
@@ -365,33 +331,6 @@ class PushWriter:
         if events:  # (the hot path returns the shared empty tuple: nothing to iterate)
             for event in events:
                 self._dispatch(event)
-
-    def _connection(
-        self, push: Push, r: Registration, again: bool = False
-    ) -> PeerConn | Future[PeerConn] | None:
-        """The full connection ``r``'s leg is written on, of the incarnation that registered;
-        the handshake's future while it runs; None when the push failed (D told)."""
-        key = r.peer
-        conn = self._ctx.handshakes.get(key)
-        if again and (conn is None or conn.remote_dlist is None):
-            # The handshake said connected, yet there is no full connection.
-            self._out.fail(push, Failure.HANDSHAKE_FAILED, "peer not connected")
-            return None
-        if conn is not None and not _current(r, conn):
-            if again or conn.connected_at > time.time() - (time.monotonic() - r.t_arrived):
-                # We connected to this incarnation after the PUSH_REG arrived (``again``: just
-                # now): it comes from an incarnation that has since died. Evicting the live one
-                # would fail its pushes; writing would hit blocks that belong to someone else.
-                self._out.fail(push, Failure.STALE_REGISTRATION, "D restarted after this PUSH_REG")
-                return None
-            # D restarted at the same address: forget the old incarnation first.
-            self._evict(key, f"new incarnation {r.reg.decode_incarnation}", Failure.PEER_RESTARTED)
-            conn = None
-        if conn is not None and conn.remote_dlist is not None:
-            return conn
-        hint = PeerHint(r.reg.decode_engine_id, r.reg.decode_tp_size, role=Role.DECODE)
-        fut = self._ctx.handshakes.ensure(key, HandshakeMode.FULL, hint)
-        return fut if fut is not None else self._connection(push, r, again=True)
 
     # ------------------------------------------------------------------ notifications
     def _on_notif(self, sender: str, msg: protocol.Notif) -> None:
@@ -421,27 +360,7 @@ class PushWriter:
     def forget(self, g: PeerGone) -> None:
         """From any thread: a D proven gone or replaced (a registry hint, checked); dropped at once
         (its WRITEs in flight fail with ``g.reason``). Dropped when the writer is stopping."""
-        self._owner.hand_off(self.tasks, lambda: self._forget(g), _ignore_error)
-
-    def _forget(self, g: PeerGone) -> None:
-        for key in self._ctx.handshakes.gone(g):
-            self._evict(key, g.detail, g.reason)
-
-    def _evict(
-        self, key: PeerKey, reason: str, failure: Failure | bool = Failure.PEER_DEAD
-    ) -> None:
-        """Forget a peer. ``failure`` is what its legs in flight fail with, or True for a
-        peer evicted for transport errors that may still be alive: its legs are abandoned as
-        bytes that may still land, and its fences stay owed (sent once connected again)."""
-        conn = self._ctx.handshakes.evict(key, reason)
-        if failure is True:
-            self._legs.peer_unhealthy(key, reason)
-        else:
-            self._legs.peer_gone(key, reason, failure or Failure.PEER_DEAD)
-            self._fences.forget_peer(key)
-            self._out.acks.forget(key)
-        if conn is not None:
-            self._ctx.handshakes.release_conn(conn)
+        self._owner.hand_off(self.tasks, lambda: self._peers.forget(g), _ignore_error)
 
     def drain(self, deadline: float, why: tuple[Failure, str] | None = None) -> None:
         """Stop intake, fail what cannot finish, wait for in-flight WRITEs until the deadline.
@@ -498,13 +417,6 @@ class PushWriter:
         rank, after = self._instruments.crash_rank_after
         if rank == self.cfg.tp_rank and 0 < after <= self._n_finished:
             raise RankCrash(f"fault injection: rank {rank} crashed after {after} transfers")
-
-
-def _current(r: Registration, conn: PeerConn) -> bool:
-    """The one incarnation check: ``conn`` reaches the D incarnation that sent ``r`` (a
-    PUSH_REG without an incarnation matches any)."""
-    inc = r.reg.decode_incarnation
-    return not inc or conn.metadata.incarnation == inc
 
 
 def _call(task: Callable[[], None]) -> None:

@@ -233,47 +233,66 @@ class SideChannelServer:
                 self._replies.append([frames[0], b"", *self._answer_get_meta(*pp_tp)])
                 return
         self.requests += 1
+        payload = self._payload(frames)
+        if payload is None:
+            return  # rejected (or nobody to answer)
+        ident = frames[0]
+        opened = self._open(ident, payload)
+        if opened is not None:
+            self._serve(ident, *opened)
+
+    def _payload(self, frames: list[bytes]) -> bytes | None:
+        """A request's payload frame once its framing and size are right; else None (the
+        request was rejected, when there is anyone to answer)."""
         if len(frames) < 2 or len(frames) > 3:
             if frames:
                 self._reject(
                     frames[0], Failure.MALFORMED_FRAME, f"expected 2-3 frames, got {len(frames)}"
                 )
-            return
+            return None
         ident, payload = frames[0], frames[-1]
         if len(frames) == 3 and frames[1] != b"":
             self._reject(ident, Failure.MALFORMED_FRAME, "missing empty delimiter frame")
-            return
+            return None
         if len(payload) > self._max:
             self._reject(
                 ident,
                 Failure.OVERSIZED_FRAME,
                 f"frame of {len(payload)} bytes exceeds the {self._max}-byte limit",
             )
-            return
+            return None
         if not payload.startswith(protocol.MAGIC_REQ):
             self._reject(ident, Failure.MALFORMED_FRAME, "not a kvpush request (bad magic)")
-            return
+            return None
+        return payload
+
+    def _open(self, ident: bytes, payload: bytes) -> tuple[protocol.SideRequest, bytes] | None:
+        """The typed request in ``payload`` and its envelope's nonce, once its envelope opened
+        (authentication) and its body decoded; else None (the request was rejected)."""
         try:
             env = protocol.decode_envelope(
                 payload, protocol.MAGIC_REQ, self._max, "side-channel request"
             )
         except ProtocolError as e:
             self._reject(ident, Failure.MALFORMED_FRAME, str(e))
-            return
+            return None
         try:
             body = self._auth.open(CH_REQUEST, env)
         except AuthError as e:
             self._reject(ident, Failure.AUTH_REJECTED, str(e), e.hint)
-            return
+            return None
         try:
             req = protocol.decode_request_body(body)
         except BadValueError as e:
             self._reject(ident, Failure.BAD_VALUE, str(e), BAD_VALUE_HINT)
-            return
+            return None
         except ProtocolError as e:
             self._reject(ident, Failure.MALFORMED_FRAME, str(e))
-            return
-        nonce = env.nonce
+            return None
+        return req, env.nonce
+
+    def _serve(self, ident: bytes, req: protocol.SideRequest, nonce: bytes) -> None:
+        """Hand ``req`` to the handler with a ``reply`` that answers it once, from any thread."""
         done = threading.Event()
 
         def reply(rep: protocol.SideReply) -> None:

@@ -22,7 +22,8 @@ import pytest
 
 from kvpush.config import Role
 from kvpush.telemetry.health import Health
-from kvpush.telemetry.prom import MAX_CONNECTIONS, PrometheusExporter
+from kvpush.telemetry.httpserver import MAX_CONNECTIONS
+from kvpush.telemetry.prom import PrometheusExporter
 from kvpush.telemetry.snapshot import Snapshot
 from kvpush.telemetry.store import Telemetry
 from tests.support.waits import wait_for
