@@ -127,7 +127,7 @@ def _reg(key: str, t: float) -> Registration:
     return Registration(reg_key(r), r, "d-agent", t)
 
 
-def test_push_table_expiry_touches_only_what_is_due() -> None:
+def test_push_table_expiry_pops_each_entry_only_once_it_is_due() -> None:
     m = PushTable(lease_s=30.0, reg_ttl_s=60.0)
     for i in range(20_000):
         m.cancel_early(f"declined-{i}", now=0.0, reason="no_free_blocks")
