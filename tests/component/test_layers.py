@@ -1,6 +1,7 @@
 """The layer contracts of pyproject.toml hold: ``lint-imports`` as a real subprocess.
 
-Layers, top to bottom: cli -> bench -> ops -> endpoint -> prefill | decode -> runtime ->
+Layers, top to bottom: cli -> commands (bench -> demo | fleet -> drive -> probe | leg | serve
+-> common) -> fleet -> endpoint -> prefill | decode -> runtime ->
 peers | memory -> transport -> wire | telemetry -> errors : config; only kvpush.transport
 imports nixl and zmq. The second test runs the same tool on a contract that the tree breaks,
 so that a runner which passes whatever it is given would be caught.
