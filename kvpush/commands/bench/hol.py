@@ -23,14 +23,15 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from kvpush.commands.bench import noise
 from kvpush.commands.bench.common import Progress, endpoint_cfg, logs_dir, start_at
+from kvpush.commands.bench.hol_params import Case, HolParams
 from kvpush.commands.bench.hol_report import MODES, report
-from kvpush.commands.bench.passes import SteadyLoad, join_request, steady_load, steady_phases
+from kvpush.commands.bench.passes import join_request, steady_load, steady_phases
 from kvpush.commands.bench.procs import Cluster, Worker
 from kvpush.commands.bench.report import Report
 from kvpush.config import Role
@@ -38,27 +39,10 @@ from kvpush.config import Role
 NEVER_S = 3600.0  # "never": the joining D answers handshakes after an hour
 
 
-@dataclass(frozen=True, kw_only=True)
-class HolParams(SteadyLoad):
-    before_s: float
-    delay_s: float  # H: how late a slow peer answers handshakes
-    timeout_s: float  # P's side-channel/handshake timeout: the dead peer's stall
-    after_s: float
-    repeats: int  # every (case, writer) window is run this many times with fresh new peers
-
-
 FULL = HolParams(before_s=2.0, delay_s=2.0, timeout_s=3.0, after_s=1.0, repeats=3)
 QUICK = HolParams(
     rate=100, num_blocks=512, before_s=0.4, delay_s=0.3, timeout_s=0.6, after_s=0.2, repeats=1
 )
-
-
-@dataclass(frozen=True)
-class Case:
-    key: str
-    label: str
-    joiners: tuple[tuple[str, float, float], ...]  # (worker name, reply delay, join offset)
-    window_of: str  # "delay" or "timeout"
 
 
 def _cases(p: HolParams) -> list[Case]:

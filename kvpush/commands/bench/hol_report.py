@@ -15,7 +15,7 @@ from kvpush.commands.bench.report import Report, fmt_ms, fmt_x
 from kvpush.commands.bench.stats import median, ratio
 
 if TYPE_CHECKING:
-    from kvpush.commands.bench.hol import Case, HolParams
+    from kvpush.commands.bench.hol_params import Case, HolParams
 
 #: The two writers compared, in the order a window runs them on even repeats.
 MODES = ("deferred", "blocking")

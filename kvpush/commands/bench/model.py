@@ -26,12 +26,13 @@ Plus, in the orchestrator, the cost of ``allocate``/``release`` from 1- to 64k-b
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvpush.commands.bench.churn import ChurnSpec, alloc_cost
+from kvpush.commands.bench.churn import alloc_cost
 from kvpush.commands.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.commands.bench.model_plan import Plan
 from kvpush.commands.bench.model_report import COST_SERIES, PATTERNS, report
 from kvpush.commands.bench.passes import ClosedLoop
 from kvpush.commands.bench.procs import Cluster, Worker
@@ -40,7 +41,7 @@ from kvpush.commands.bench.stats import median
 from kvpush.config import KvRegions, Role
 from kvpush.memory.allocator import BlockAllocator, FreeListAllocator
 from kvpush.memory.descriptors import merged_descriptors
-from kvpush.memory.shapes import SHAPES, Shape
+from kvpush.memory.shapes import Shape
 
 #: pattern -> (allocator, shuffled order, churn first)
 _PATTERN = {
@@ -49,17 +50,6 @@ _PATTERN = {
     "churn": ("extent", False, True),
     "churn-freelist": ("freelist", False, True),
 }
-FULL_TOKENS = (512, 2048, 8192)
-QUICK_TOKENS = (512,)
-#: Pool blocks per shape (P and D alike): 3.0, 2.5 and 2.7 GiB.
-FULL_POOL_BLOCKS = {"llama-8b": 1536, "llama-70b-tp8": 4096, "mla": 640}
-QUICK_POOL_BLOCKS = 1024
-QUICK_LAYERS = 2
-FULL_BUDGET = 512 << 20  # bytes per measurement (at least 2 x in flight requests)
-QUICK_BUDGET = 16 << 20
-FULL_ROUNDS = 5
-FULL_CHURN = ChurnSpec(seed=1, steps=4000, occupancy=0.9, min_tokens=64, max_tokens=8192)
-QUICK_CHURN = ChurnSpec(seed=1, steps=600, occupancy=0.9, min_tokens=64, max_tokens=2048)
 COST_POOLS_FULL = (1, 16, 256, 4096, 65536)
 COST_POOLS_QUICK = (1, 256, 4096)
 SEED_P, SEED_D = 11, 22
@@ -70,40 +60,6 @@ def inflight_for(request_bytes: int) -> int:
     one completes (with 1, every request would also time D's completion -> next PUSH_REG round
     trip, which raw NIXL's back-to-back loop never waits for); 4 for requests up to 64 MiB."""
     return 4 if request_bytes <= 64 << 20 else 2
-
-
-@dataclass(frozen=True)
-class Plan:
-    quick: bool
-    shapes: tuple[Shape, ...]
-    tokens: tuple[int, ...]
-    pool_blocks: dict[str, int]
-    budget: int
-    rounds: int
-    churn: ChurnSpec
-
-    @staticmethod
-    def make(quick: bool) -> Plan:
-        if quick:
-            shapes = tuple(s.with_layers(QUICK_LAYERS) for s in SHAPES.values())
-            return Plan(
-                True,
-                shapes,
-                QUICK_TOKENS,
-                {s.name: QUICK_POOL_BLOCKS for s in shapes},
-                QUICK_BUDGET,
-                1,
-                QUICK_CHURN,
-            )
-        return Plan(
-            False,
-            tuple(SHAPES.values()),
-            FULL_TOKENS,
-            dict(FULL_POOL_BLOCKS),
-            FULL_BUDGET,
-            FULL_ROUNDS,
-            FULL_CHURN,
-        )
 
 
 def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:

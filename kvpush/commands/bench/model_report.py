@@ -12,7 +12,7 @@ from kvpush.commands.bench.report import Report, fmt_num
 from kvpush.commands.bench.stats import median, ratio
 
 if TYPE_CHECKING:
-    from kvpush.commands.bench.model import Plan
+    from kvpush.commands.bench.model_plan import Plan
 
 PATTERNS = ("contiguous", "shuffled", "churn", "churn-freelist")
 COST_SERIES = {"1 block": (1,), "1-16 blocks": (1, 2, 3, 4, 6, 8, 12, 16)}

@@ -21,7 +21,7 @@ from kvpush.config import Role
 from kvpush.errors import ExitStatus, KvpushError
 
 if TYPE_CHECKING:
-    from kvpush.commands.demo.demo import DemoConfig
+    from kvpush.commands.demo.config import DemoConfig
 
 
 class DemoInterrupted(KvpushError):

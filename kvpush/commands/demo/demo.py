@@ -1,11 +1,11 @@
 """The embedded demo: one P and several D endpoints as child processes, driven on loopback.
 
-Owns ``Demo`` (a ``kvpush.commands.demo.cluster.Cluster`` of child endpoints, requests driven
-through it with a ``Driver``, one more D brought in mid-run, a ``DemoReport``). Threads: the
-caller's thread owns the cluster and the stats client; the driver runs on its own thread
-(``start_driving``); the extra D is spawned on a short-lived thread. Nothing here imports typer
-or rich: the CLI renders ``Demo.progress()`` / ``Demo.prefill_stats()`` and the final
-``DemoReport``.
+Owns ``Demo`` (configured by ``kvpush.commands.demo.config.DemoConfig``: a
+``kvpush.commands.demo.cluster.Cluster`` of child endpoints, requests driven through it with a
+``Driver``, one more D brought in mid-run, a ``DemoReport``). Threads: the caller's thread owns the
+cluster and the stats client; the driver runs on its own thread (``start_driving``); the extra D is
+spawned on a short-lived thread. Nothing here imports typer or rich: the CLI renders
+``Demo.progress()`` / ``Demo.prefill_stats()`` and the final ``DemoReport``.
 
 Clean-up guarantee: ``cancel`` (the CLI calls it on SIGINT, SIGTERM and SIGHUP) stops intake,
 interrupts a start still waiting for a child, and ``finish``/``abort`` stop every child and
@@ -15,7 +15,6 @@ remove the work directory unless the logs are asked for (``keep_logs``) or somet
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -25,91 +24,11 @@ from typing import Any
 
 from kvpush.commands.common import control
 from kvpush.commands.demo.cluster import Child, Cluster, DemoInterrupted
+from kvpush.commands.demo.config import DemoConfig, DemoModel
 from kvpush.commands.drive.driver import DriveConfig, DriveHooks, Driver, DriveReport, RequestResult
-from kvpush.config import Role, require_counts
+from kvpush.config import Role
 from kvpush.errors import KvpushError
 from kvpush.wire import protocol
-
-
-@dataclass(frozen=True)
-class DemoModel:
-    """The KV geometry of the demo's endpoints. By default a small model: 2 layers x (K, V) x
-    256 blocks of 16 tokens x 4 KV heads x 64 x bf16 (8 KiB per region of a block, the whole
-    model) = 8 MiB per endpoint, split over its ranks."""
-
-    num_blocks: int = 256
-    layers: int = 2
-    block_tokens: int = 16
-    kv_heads: int = 4
-    head_dim: int = 64
-
-    def options(self) -> list[str]:
-        """The ``serve-*`` options that give an endpoint this geometry."""
-        return [
-            "--num-blocks", str(self.num_blocks), "--layers", str(self.layers),
-            "--block-tokens", str(self.block_tokens), "--kv-heads", str(self.kv_heads),
-            "--head-dim", str(self.head_dim),
-        ]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    requests: int = 300
-    blocks: int = 4
-    decoders: int = 2
-    concurrency: int = 8
-    extra_decoder: bool = True
-    model: DemoModel = DemoModel()
-    # Tensor parallelism of P and of every D (their ratio follows VLLM_INTEROP.md section 4).
-    p_tp: int = 1
-    d_tp: int = 1
-    # A named model shape (``kvpush.memory.shapes``) instead of ``model``; the pools then hold
-    # just what the requests in flight need.
-    shape: str = ""
-    timeout_s: float = 30.0
-    start_timeout_s: float = 90.0
-    python: str = sys.executable
-    workdir: str | None = None  # None: a fresh temporary directory
-
-    def __post_init__(self) -> None:
-        from kvpush.errors import ConfigError
-
-        require_counts(
-            ("--requests", self.requests),
-            ("--blocks", self.blocks),
-            ("--decoders", self.decoders),
-            ("--concurrency", self.concurrency),
-        )
-        if self.shape:
-            from kvpush.memory.shapes import get_shape
-
-            sh = get_shape(self.shape)
-            model = DemoModel(
-                num_blocks=max(self.blocks * self.concurrency * 2, 16),
-                layers=sh.layers,
-                block_tokens=sh.block_tokens,
-                kv_heads=sh.kv_heads,
-                head_dim=sh.head_dim,
-            )
-            object.__setattr__(self, "model", model)
-        heads = self.model.kv_heads
-        for flag, tp in (("--tp (P)", self.p_tp), ("--tp (D)", self.d_tp)):
-            if tp < 1 or (heads > 1 and heads % tp):
-                raise ConfigError(
-                    f"{flag} {tp} does not divide the demo model's {heads} KV heads",
-                    "use a --tp that divides them (or P,D, e.g. --tp 4,2)",
-                )
-        if self.p_tp % self.d_tp and self.d_tp % self.p_tp:
-            raise ConfigError(
-                f"--tp {self.p_tp},{self.d_tp}: P's and D's TP sizes must divide one another",
-                "e.g. --tp 4,2 or --tp 2,4",
-            )
-        if self.blocks * self.concurrency > self.model.num_blocks:
-            raise ConfigError(
-                f"--blocks {self.blocks} x --concurrency {self.concurrency} exceeds the demo "
-                f"pool of {self.model.num_blocks} blocks",
-                "lower --blocks or --concurrency",
-            )
 
 
 @dataclass(frozen=True)
