@@ -83,3 +83,32 @@ def test_an_endpoint_module_below_the_face_breaks_it(tree: Path) -> None:
     assert r.returncode == 1, r.stdout + r.stderr
     assert f"{NAME} BROKEN" in r.stdout
     assert "kvpush.commands.bench.loadgen -> kvpush.endpoint.core" in r.stdout
+
+
+OUTSIDE = "nothing but the CLI shell imports the bench"
+
+
+@pytest.mark.timeout(300)
+def test_a_command_that_imports_the_bench_breaks_it(tmp_path: Path) -> None:
+    """The other forbidden contract: drive (below the bench) importing a bench module."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (c,) = [c for c in cfg["tool"]["importlinter"]["contracts"] if c["name"] == OUTSIDE]
+    shutil.copytree(
+        ROOT / "kvpush", tmp_path / "kvpush", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (tmp_path / "contract.toml").write_text(_toml(dict(c)))
+    mod = tmp_path / "kvpush" / "commands" / "drive" / "driver.py"
+    mod.write_text(
+        mod.read_text() + "\nfrom kvpush.commands.bench import report  # noqa: E402, F401\n"
+    )
+    r = subprocess.run(
+        [LINT, "--no-cache", "--config", str(tmp_path / "contract.toml")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "NO_COLOR": "1", "PYTHONPATH": str(tmp_path)},
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"{OUTSIDE} BROKEN" in r.stdout
+    assert "kvpush.commands.drive.driver -> kvpush.commands.bench.report" in r.stdout
