@@ -25,7 +25,8 @@ import msgspec
 import pytest
 
 from kvpush.commands.common import control
-from kvpush.commands.fleet.check import PairResult, gone_proof, settle_left
+from kvpush.commands.fleet.check import PairResult, settle_left
+from kvpush.commands.fleet.proof import gone_proof
 from kvpush.config import Role
 from kvpush.fleet.etcd import Etcd
 from kvpush.fleet.record import EndpointRecord, Geometry, decode, encode, endpoint_key

@@ -49,11 +49,11 @@ from kvpush.commands.common import reasons
 from kvpush.commands.common.results import DriveConfig, RequestResult
 from kvpush.commands.common.stats import median
 from kvpush.commands.fleet.pools import ASK_EVERY_S, WAIT, Pools, TooSmall
+from kvpush.commands.fleet.proof import free_now, gone_proof
 from kvpush.config import Role, require_counts, require_positive
 from kvpush.errors import ExitStatus, IncompatiblePeerError, KvpushError
 from kvpush.fleet.pairs import Difference, blocks_for_size, format_differences, pair_differences
 from kvpush.fleet.record import EndpointRecord
-from kvpush.transport.contact import tcp_contact
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,6 @@ Outcome = Literal["ok", "failed", "incompatible", "skipped", "left"]
 
 #: The share of ``--deadline`` one push may take at D (its request deadline).
 PUSH_SHARE = 0.6
-#: Seconds for each question that proves an endpoint gone, or asks its free blocks.
-PROOF_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -299,31 +297,6 @@ def _registered(
     return cur is not None and cur.incarnation == before[addr].incarnation
 
 
-def gone_proof(addr: str, now: EndpointRecord | None, token: bytes | None) -> str:
-    """The data path's proof that the endpoint at ``addr`` is gone ("" when there is none): its
-    side channel refuses connections, or a new incarnation -- the one the registry now lists
-    -- answers there. A key that went or lapsed is a hint only: a frozen endpoint's lease lapses
-    too, and its port still accepts (the kernel does)."""
-    from kvpush.commands.common import control
-
-    try:
-        c = tcp_contact(addr, PROOF_S, look=False)
-    except KvpushError:  # not even an address: nothing to prove
-        return ""
-    if c.kind == "refused":
-        return f"{addr} refuses connections"
-    if now is None or c.kind != "zmq":
-        return ""
-    try:
-        with control.connect(addr, token, PROOF_S) as client:
-            kv = client.identify(timeout_s=PROOF_S).kvpush
-    except KvpushError:
-        return ""
-    if kv is not None and kv.incarnation == now.incarnation:
-        return f"a new incarnation ({now.incarnation[:8]}) answers at {addr}"
-    return ""
-
-
 def settle_left(
     r: PairResult,
     before: Mapping[str, EndpointRecord],
@@ -348,26 +321,6 @@ def settle_left(
     if not hints:
         return r
     return replace(r, detail=f"{r.detail} (registry: {'; '.join(hints)})")
-
-
-def _free_now(token: bytes | None, tp: Mapping[str, int]) -> Callable[[str], int | None]:
-    """An endpoint's free blocks per rank, in its own word (``StatsReq``); None: no answer."""
-    from kvpush.commands.common import control
-    from kvpush.wire import protocol
-
-    def ask(addr: str) -> int | None:
-        try:
-            with control.connect(addr, token, PROOF_S) as client:
-                rep = control.call(client, protocol.StatsReq(), PROOF_S)
-        except KvpushError:
-            return None
-        if not isinstance(rep, protocol.StatsRep):
-            return None
-        gauges = rep.snapshot.get("gauges")
-        free = gauges.get("pool_free") if isinstance(gauges, dict) else None
-        return int(free) // max(1, tp.get(addr, 1)) if isinstance(free, int | float) else None
-
-    return ask
 
 
 def check_fleet(
@@ -403,7 +356,7 @@ def check_fleet(
             plans.append(plan)
     if plans:
         tp = {a: r.tp_size for a, r in by_addr.items()}
-        pools = Pools(by_addr, cfg.deadline_s, _free_now(cfg.auth_token, tp))
+        pools = Pools(by_addr, cfg.deadline_s, free_now(cfg.auth_token, tp))
         notes += pools.serialised(*_load_of(plans), cfg.concurrency)
         _run(plans, cfg, pools, done)
     if relist is not None and any(r.outcome == "failed" for r in out.values()):
