@@ -45,7 +45,7 @@ from kvpush.config import Role
 
 CLUSTER = "bench"
 KVPUSH = [sys.executable, "-m", "kvpush"]
-_ROOT = Path(__file__).resolve().parents[2]
+_ROOT = Path(__file__).resolve().parents[3]
 
 
 @dataclass(frozen=True, kw_only=True)
