@@ -94,9 +94,9 @@ def require_positive(flag: str, value: float, hint: str = "") -> None:
 
 
 #: The field<->flag table, written once: each configuration field -> the CLI option that sets it.
-#: Validation messages name the option an operator typed; ``kvpush.cli.translate`` builds the
-#: configuration from the options through these tables (the option's parameter name is the flag
-#: without dashes, ``--side-channel-timeout`` -> ``side_channel_timeout``).
+#: Validation messages name the option an operator typed; ``kvpush.commands.common.translate``
+#: builds the configuration from the options through these tables (the option's parameter name is
+#: the flag without dashes, ``--side-channel-timeout`` -> ``side_channel_timeout``).
 POOL_FLAGS: dict[str, str] = {
     "num_blocks": "--num-blocks",
     "layers": "--layers",

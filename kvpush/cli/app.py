@@ -5,7 +5,7 @@ Owns ``app`` (every command registered from ``kvpush.cli.commands``), the root c
 -> exit status. ``main`` runs click in non-standalone mode and translates whatever ends a
 command: typed ``KvpushError`` s and click's usage errors become one ``error:`` and one
 ``hint:`` line on stderr with a documented exit status (a traceback only with ``--debug``), a
-reader that went away from stdout is no error at all (``kvpush.cli.stdio``).
+reader that went away from stdout is no error at all (``kvpush.commands.common.stdio``).
 
 Importing this module stays cheap (typer re-runs the program on every Tab press): torch, nixl
 and zmq are only imported inside command bodies (``tests/component/test_cli_import.py`` checks it).
@@ -23,11 +23,11 @@ from typer import _click as click  # typer >= 0.26 ships its own copy of click
 from typer._completion_classes import completion_init  # typer.completion calls it there
 
 from kvpush import PROTOCOL_VERSION, __version__
-from kvpush.cli import stdio
 from kvpush.cli.commands import register_all
-from kvpush.cli.configfile import CONFIG_PATH
-from kvpush.cli.flags import Group
-from kvpush.cli.optspec import option
+from kvpush.commands.common import stdio
+from kvpush.commands.common.configfile import CONFIG_PATH
+from kvpush.commands.common.flags import Group
+from kvpush.commands.common.optspec import option
 from kvpush.errors import ExitStatus, KvpushError
 
 HELP = (
@@ -177,6 +177,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """Console-script entry point (``kvpush = "kvpush.cli.app:run"``)."""
-    from kvpush.cli import quickexit
+    from kvpush.commands.common import quickexit
 
     quickexit.finish(main())

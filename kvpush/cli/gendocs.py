@@ -16,34 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpush import PROTOCOL_VERSION, __version__
+from kvpush.cli.completion import PROG, completion_script
 
-PROG = "kvpush"
-COMPLETE_VAR = "_KVPUSH_COMPLETE"
 ROOT = Path(__file__).resolve().parents[2]
-
-_INSTALL = {
-    "bash": "kvpush completion bash > ~/.local/share/bash-completion/completions/kvpush",
-    "zsh": 'kvpush completion zsh > "${fpath[1]}/_kvpush"   (then: compinit)',
-    "fish": "kvpush completion fish > ~/.config/fish/completions/kvpush.fish",
-}
-
-
-def completion_script(shell: str) -> str:
-    """The completion script for ``shell``: typer's, which asks ``kvpush`` itself on each Tab."""
-    # typer's own --show-completion uses this function (typer.completion re-exports it).
-    from typer._completion_shared import get_completion_script
-
-    body = get_completion_script(prog_name=PROG, complete_var=COMPLETE_VAR, shell=shell)
-    header = (
-        f"# {shell} completion for kvpush {__version__}. Generated from the CLI by\n"
-        "# 'python -m kvpush.cli.gendocs' (also: 'kvpush completion " + shell + "'); "
-        "do not edit.\n"
-        f"# Install: {_INSTALL[shell]}\n"
-    )
-    if body.startswith("#compdef"):
-        first, _, rest = body.partition("\n")
-        return f"{first}\n{header}{rest.rstrip()}\n"
-    return f"{header}{body.rstrip()}\n"
 
 
 # -------------------------------------------------------------------------------- man page

@@ -5,8 +5,9 @@ answered -- refused, timed out, a name that resolves to nothing, a network error
 (its ZMTP greeting), HTTP, something else (a banner), a peer that closed the connection, or one
 that accepted and stayed silent. ``classify`` is the pure part (the first bytes a peer sent ->
 what it is). Runs on the caller's thread; plain sockets only, no zmq, so the operator tools'
-first contact (``kvpush.ops.control``) and the side-channel client (``kvpush.transport.client``,
-when ZMQ has not connected within 0.1 s) share one definition of "looks like HTTP".
+first contact (``kvpush.commands.common.control``) and the side-channel client
+(``kvpush.transport.client``, when ZMQ has not connected within 0.1 s) share one definition of
+"looks like HTTP".
 
 Why raw TCP: ZMQ reconnects silently, so a closed port looks like a slow peer until the deadline,
 and a peer that is not a side channel at all (an HTTP server, kvpush's own ``/metrics`` port)

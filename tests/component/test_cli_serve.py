@@ -92,8 +92,8 @@ def test_a_signal_while_the_main_thread_holds_the_flags_lock_does_not_deadlock()
 
 def test_every_signal_handler_of_kvpush_is_the_stop_flags() -> None:
     """The deadlock above was in a second place: the test and bench worker
-    ``kvpush.ops.node`` set a ``threading.Event`` from its own handler (a CI run's D did not
-    stop within 20 s of SIGTERM). Only ``StopFlag`` installs handlers."""
+    ``kvpush.commands.common.node`` set a ``threading.Event`` from its own handler (a CI run's D did
+    not stop within 20 s of SIGTERM). Only ``StopFlag`` installs handlers."""
     root = Path(__file__).resolve().parents[2] / "kvpush"
     own = root / "runtime" / "signals.py"
     found = [

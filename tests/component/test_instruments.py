@@ -1,17 +1,17 @@
 """Test and measurement hooks live in ``kvpush.instruments.Instruments``, never in production.
 
 ``EndpointConfig`` has no field for any instrument, the serve commands refuse the old
-``--writer`` flag, and ``kvpush.ops.node`` (the endpoint process of tests and the bench) still
-reads the instrument keys of its JSON map into one ``Instruments``.
+``--writer`` flag, and ``kvpush.commands.common.node`` (the endpoint process of tests and the bench)
+still reads the instrument keys of its JSON map into one ``Instruments``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from kvpush.commands.common.node import build
 from kvpush.config import EndpointConfig
 from kvpush.instruments import NO_INSTRUMENTS, Instruments, WriterMode
-from kvpush.ops.node import build
 from tests.conftest import run_cli
 
 

@@ -1,5 +1,5 @@
-"""``kvpush.ops.launch``, the launcher of the demo's endpoints, the bench's workers and the
-tests' processes, on real child processes: the ready file is read, an early exit and a timeout
+"""``kvpush.commands.common.launch``, the launcher of the demo's endpoints, the bench's workers and
+the tests' processes, on real child processes: the ready file is read, an early exit and a timeout
 are typed errors, ``stop_all`` leaves nothing running (a child that ignores SIGTERM is killed at
 the deadline, after ``before_kill``) and reports the exit statuses; ``child_env`` strips the
 operator's ``KVPUSH_*`` and sets plain output. The tests' layer over it
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from kvpush.commands.common import launch
 from kvpush.errors import KvpushError
-from kvpush.ops import launch
 
 PY = sys.executable
 

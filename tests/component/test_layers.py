@@ -1,6 +1,7 @@
 """The layer contracts of pyproject.toml hold: ``lint-imports`` as a real subprocess.
 
-Layers, top to bottom: cli -> bench -> ops -> endpoint -> prefill | decode -> runtime ->
+Layers, top to bottom: cli -> commands (bench -> demo | fleet -> drive -> probe | leg | serve
+-> common) -> fleet -> endpoint -> prefill | decode -> runtime ->
 peers | memory -> transport -> wire | telemetry -> errors : config; only kvpush.transport
 imports nixl and zmq. The second test runs the same tool on a contract that the tree breaks,
 so that a runner which passes whatever it is given would be caught.
@@ -9,6 +10,7 @@ so that a runner which passes whatever it is given would be caught.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +48,27 @@ def test_a_broken_contract_fails(tmp_path: Path) -> None:
     assert r.returncode == 1, r.stdout + r.stderr
     assert "upside down BROKEN" in r.stdout
     assert "kvpush.cli is not allowed to import kvpush.config" in r.stdout
+
+
+def test_a_shared_module_importing_a_command_breaks_the_layers(tmp_path: Path) -> None:
+    """The real layer contract on a copy of the package whose common folder imports drive."""
+    shutil.copytree(
+        ROOT / "kvpush", tmp_path / "kvpush", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    mod = tmp_path / "kvpush" / "commands" / "common" / "stats.py"
+    mod.write_text(
+        mod.read_text() + "\nfrom kvpush.commands.drive import driver  # noqa: E402, F401\n"
+    )
+    r = subprocess.run(
+        [LINT, "--no-cache"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "NO_COLOR": "1", "PYTHONPATH": str(tmp_path)},
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "kvpush layers: cli -> bench" in r.stdout
+    assert "BROKEN" in r.stdout
+    assert "kvpush.commands.common.stats -> kvpush.commands.drive.driver" in r.stdout

@@ -23,7 +23,7 @@ from prometheus_client import generate_latest
 from prometheus_client.core import Metric
 from rich.console import Console
 
-from kvpush.cli.views.live import render_live
+from kvpush.commands.common.live import render_live
 from kvpush.config import Role
 from kvpush.runtime.watchdog import PROCESS, Watchdog
 from kvpush.telemetry.heartbeat import Heartbeat

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.ops.driver import DriveConfig, Driver
+from kvpush.commands.drive.driver import DriveConfig, Driver
 from tests.support.procs import ROOT, Launcher, Proc, clean_env, dump_stacks, wait_ready
 from tests.support.zygote import Zygote
 

@@ -28,10 +28,10 @@ from typing import Any
 import pytest
 import requests
 
+from kvpush.commands.common import control
 from kvpush.fleet.etcd import Etcd
 from kvpush.fleet.record import EndpointRecord, decode, endpoint_key
 from kvpush.fleet.store import Follow, list_endpoints
-from kvpush.ops import control
 from kvpush.wire import protocol
 from tests.conftest import unused_port
 from tests.support.etcd import EtcdServer

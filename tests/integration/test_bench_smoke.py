@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpush import bench
-from kvpush.bench.console import run_bench
+from kvpush.commands import bench
+from kvpush.commands.bench.console import run_bench
 from kvpush.errors import ExitStatus
 
 pytestmark = pytest.mark.integration
@@ -21,8 +21,8 @@ CHARTS = {"hol", "handshake", "bandwidth", "scale", "tp", "model"}
 
 
 def _etcd_installed() -> bool:
-    from kvpush.bench.fleet import etcd_binary
-    from kvpush.bench.procs import BenchError
+    from kvpush.commands.bench.fleet import etcd_binary
+    from kvpush.commands.bench.procs import BenchError
 
     try:
         return Path(etcd_binary()).exists()
@@ -37,8 +37,8 @@ def test_handshake_etcd_rows_skipped_without_etcd(
     naming why, not an error; the side-channel rows are reported alone."""
     import contextlib
 
-    from kvpush.bench import handshake_etcd
-    from kvpush.bench.report import Report
+    from kvpush.commands.bench import handshake_etcd
+    from kvpush.commands.bench.report import Report
 
     monkeypatch.setenv("KVPUSH_ETCD_BIN", str(tmp_path / "no-such-etcd"))
     said: list[str] = []
@@ -133,7 +133,7 @@ def _my_workers() -> list[int]:
                 cmd = f.read()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == os.getpid() and b"kvpush.bench.worker" in cmd:
+        if ppid == os.getpid() and b"kvpush.commands.bench.worker" in cmd:
             out.append(int(entry))
     return out
 

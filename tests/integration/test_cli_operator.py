@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from typer.main import get_command
 
-from kvpush.cli import gendocs, options
+from kvpush.cli import gendocs
 from kvpush.cli.app import app
+from kvpush.commands.common import options
 from tests.conftest import SMALL, Done, run_cli
 from tests.support.procs import KVPUSH, Launcher, Proc, clean_env
 

@@ -24,11 +24,12 @@ import time
 import msgspec
 import pytest
 
+from kvpush.commands.common import control
+from kvpush.commands.fleet.check import PairResult, settle_left
+from kvpush.commands.fleet.proof import gone_proof
 from kvpush.config import Role
 from kvpush.fleet.etcd import Etcd
 from kvpush.fleet.record import EndpointRecord, Geometry, decode, encode, endpoint_key
-from kvpush.ops import control
-from kvpush.ops.fleet_check import PairResult, gone_proof, settle_left
 from kvpush.wire import protocol
 from tests.conftest import SMALL, run_cli, unused_port
 from tests.integration.test_fleet_cli import addresses, ls_json, wait_listed

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.bench.common import endpoint_cfg
-from kvpush.bench.passes import ClosedLoop
-from kvpush.bench.procs import Cluster
+from kvpush.commands.bench.common import endpoint_cfg
+from kvpush.commands.bench.passes import ClosedLoop
+from kvpush.commands.bench.procs import Cluster
 from kvpush.config import Role
 
 pytestmark = pytest.mark.integration

@@ -1,8 +1,8 @@
 """Heterogeneous tensor parallelism (issue 9): every (P_tp, D_tp) in {1, 2, 4}^2 on a sharded
 model, the replicated latent (MLA), refused ratios, and head-by-head verification.
 
-Integration tests run real endpoint processes (``kvpush.ops.node``) over real NIXL (UCX, DRAM)
-and ZMQ on 127.0.0.1. To keep the matrix to seconds, each group of tests starts its processes
+Integration tests run real endpoint processes (``kvpush.commands.common.node``) over real NIXL (UCX,
+DRAM) and ZMQ on 127.0.0.1. To keep the matrix to seconds, each group of tests starts its processes
 once, in parallel (a class-scoped fixture per group), and every test measures what it changed:
 counters as deltas, pools against their counts before the test. The pure tests of ``KvPool``
 and ``kvpush.peers.tp`` (head-by-head verification, the write slices) are

@@ -1,12 +1,12 @@
 """The endpoint processes of one fault test: ``Cluster`` and ``cluster_ctx``.
 
-``Cluster`` starts, kills, freezes and restarts endpoint processes (``-m kvpush.ops.node``,
-through ``tests.support.procs.start_endpoint`` over ``kvpush.ops.launch``) with short deadlines
-(``FAST_TIMEOUTS``) and a small pool (``SMALL_POOL``), and at teardown checks that every endpoint
-that was not killed on purpose exits 0 without a traceback in its log (stopped one after the
-other, each by ``Proc.stop``: SIGTERM, then its stacks and SIGKILL after 20 s). The token an
-endpoint starts with is handed to ``tests.support.side``, so that the test's clients use it.
-Runs on the test's thread.
+``Cluster`` starts, kills, freezes and restarts endpoint processes (``-m
+kvpush.commands.common.node``, through ``tests.support.procs.start_endpoint`` over
+``kvpush.commands.common.launch``) with short deadlines (``FAST_TIMEOUTS``) and a small pool
+(``SMALL_POOL``), and at teardown checks that every endpoint that was not killed on purpose exits 0
+without a traceback in its log (stopped one after the other, each by ``Proc.stop``: SIGTERM, then
+its stacks and SIGKILL after 20 s). The token an endpoint starts with is handed to
+``tests.support.side``, so that the test's clients use it. Runs on the test's thread.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Send both legs of a request to running endpoints over their real side channels.
 
-Clients come from the tools' one control client (``kvpush.ops.control.connect``), one per
-address per thread (a client belongs to one thread).
+Clients come from the tools' one control client (``kvpush.commands.common.control.connect``), one
+per address per thread (a client belongs to one thread).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvpush.ops import control
+from kvpush.commands.common import control
 from kvpush.transport.client import SideChannelClient
 from kvpush.wire import protocol
 

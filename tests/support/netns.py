@@ -4,10 +4,11 @@ and endpoints and request drivers run inside them.
 ``netns_unavailable`` says why a namespace test cannot run here. ``NetnsPair`` creates two
 namespaces, each with one TUN device whose fd stays here for a ``tests.support.relay.Relay`` to
 carry packets between them (this kernel has no ``tc netem``; DESIGN.md section 3).
-``start_in_netns`` starts an endpoint (``-m kvpush.ops.node``) inside a namespace, optionally under
-``unshare --pid --ipc`` (no shared memory or CMA: UCX takes the network), and returns an ``NsProc``
-(started, waited for and stopped by ``tests.support.procs`` over ``kvpush.ops.launch``);
-``run_in_netns`` runs ``python -m tests.support.fault_legs`` there and returns its JSON output.
+``start_in_netns`` starts an endpoint (``-m kvpush.commands.common.node``) inside a namespace,
+optionally under ``unshare --pid --ipc`` (no shared memory or CMA: UCX takes the network), and
+returns an ``NsProc`` (started, waited for and stopped by ``tests.support.procs`` over
+``kvpush.commands.common.launch``); ``run_in_netns`` runs ``python -m tests.support.fault_legs``
+there and returns its JSON output.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush.ops import launch
+from kvpush.commands.common import launch
 from tests.support.procs import ROOT, dump_stacks_to_log, node_cmd, read_log
 from tests.support.procs import launch as launch_proc
 
@@ -142,7 +143,7 @@ class NsProc:
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM the endpoint, wait; after ``timeout``, its stacks into the log and SIGKILL
-        (``kvpush.ops.launch.stop``). Returns the exit status."""
+        (``kvpush.commands.common.launch.stop``). Returns the exit status."""
 
         def ask(_: object) -> None:
             os.kill(self.pid, signal.SIGTERM)
@@ -173,7 +174,8 @@ def start_in_netns(
     env: dict[str, str] | None = None,
     timeout: float = 30.0,
 ) -> NsProc:
-    """``-m kvpush.ops.node`` inside ``netns`` (``tests.support.procs.launch``), ready."""
+    """``-m kvpush.commands.common.node`` inside ``netns`` (``tests.support.procs.launch``),
+    ready."""
     cmd = ["ip", "netns", "exec", netns]
     if unshare:
         cmd += ["unshare", "--pid", "--ipc", "--mount", "--fork", "--mount-proc"]
@@ -185,7 +187,7 @@ def start_in_netns(
     pid = p.popen.pid
     for cand in [p.popen.pid, *_descendants(p.popen.pid)]:
         with contextlib.suppress(OSError), open(f"/proc/{cand}/cmdline", "rb") as f:
-            if b"kvpush.ops.node" in f.read():
+            if b"kvpush.commands.common.node" in f.read():
                 pid = cand
     return NsProc(p.popen, pid, p.address, p.log)
 

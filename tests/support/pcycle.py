@@ -18,9 +18,9 @@ import time
 from collections import Counter
 from dataclasses import replace
 
+from kvpush.commands.drive.driver import DriveConfig, Driver
 from kvpush.config import EndpointConfig, PoolConfig, Role
 from kvpush.endpoint import open_endpoint
-from kvpush.ops.driver import DriveConfig, Driver
 
 POOL_CFG = PoolConfig(num_blocks=64, layers=2, block_bytes=4096)
 

@@ -1,5 +1,5 @@
-"""The tests' commands and conveniences over ``kvpush.ops.launch``, the one launcher of child
-processes (the demo's and the bench's too): real processes, a ready file, a log.
+"""The tests' commands and conveniences over ``kvpush.commands.common.launch``, the one launcher of
+child processes (the demo's and the bench's too): real processes, a ready file, a log.
 
 Every test process goes through ``launch``: it starts a command with its output in a log file
 (``launch.spawn``), waits until the command has written its ready file (JSON with at least
@@ -7,10 +7,10 @@ Every test process goes through ``launch``: it starts a command with its output 
 signal, then SIGKILL: ``launch.stop_all``, with the child's stacks dumped into its log before
 the SIGKILL), killed, or read. A start that fails is an ``AssertionError`` carrying the log.
 Two commands are launched: ``serve_cmd`` -- the operator's ``python -m kvpush
-serve-prefill|serve-decode`` (CLI suites) -- and ``node_cmd`` -- ``python -m kvpush.ops.node
-CONFIG_JSON READY`` with knobs the CLI does not expose (integration and fault suites).
-``Launcher`` keeps the processes of one test or module and stops the live ones at the end;
-``start_endpoint(cfg, tmp, name)`` is the node form that ``tests/support/cluster.py`` uses.
+serve-prefill|serve-decode`` (CLI suites) -- and ``node_cmd`` -- ``python -m
+kvpush.commands.common.node CONFIG_JSON READY`` with knobs the CLI does not expose (integration and
+fault suites). ``Launcher`` keeps the processes of one test or module and stops the live ones at the
+end; ``start_endpoint(cfg, tmp, name)`` is the node form that ``tests/support/cluster.py`` uses.
 Children get ``clean_env``: the caller's environment without ``KVPUSH_*`` (a developer's own
 settings must not leak into a test), with ``launch.PLAIN_OUTPUT`` (``NO_COLOR``, a wide
 ``COLUMNS``) so that output is stable.
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush.ops import launch as _launch
+from kvpush.commands.common import launch as _launch
 
 ROOT = _launch.ROOT
 KVPUSH = [sys.executable, "-m", "kvpush"]
@@ -141,8 +141,8 @@ def serve_cmd(role: str, ready: Path, *args: str, output: str | None = "json") -
 
 
 def node_cmd(cfg: dict[str, object], ready: Path) -> list[str]:
-    """The endpoint worker of integration and fault tests (``kvpush.ops.node``)."""
-    return [sys.executable, "-m", "kvpush.ops.node", json.dumps(cfg), str(ready)]
+    """The endpoint worker of integration and fault tests (``kvpush.commands.common.node``)."""
+    return [sys.executable, "-m", "kvpush.commands.common.node", json.dumps(cfg), str(ready)]
 
 
 def launch(

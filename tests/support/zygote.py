@@ -62,7 +62,7 @@ def _child(argv: list[str], log: str) -> None:
 def main() -> int:
     # What serve imports (torch with it), before any fork; no thread, no agent, no ZMQ context.
     import kvpush.cli.app
-    import kvpush.cli.commands.serve
+    import kvpush.commands.serve.command
     import kvpush.endpoint  # noqa: F401
 
     children: set[int] = set()

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.cli import configfile, options, translate
-from kvpush.cli.commands.serve import choose_output, write_ready_file
-from kvpush.cli.options import OutputMode
+from kvpush.commands.common import configfile, options, translate
+from kvpush.commands.common.options import OutputMode
+from kvpush.commands.common.stats import percentile
+from kvpush.commands.drive.driver import DriveConfig, RequestResult, summarize
+from kvpush.commands.probe.report import local_compat_fields, rtt_stats
+from kvpush.commands.serve.command import choose_output, write_ready_file
 from kvpush.config import PoolConfig
 from kvpush.errors import ConfigError
-from kvpush.ops.driver import DriveConfig, RequestResult, summarize
-from kvpush.ops.probe_report import local_compat_fields, rtt_stats
-from kvpush.ops.stats import percentile
 from kvpush.wire.protocol import COMPAT_FIELDS
 
 

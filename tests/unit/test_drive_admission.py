@@ -1,6 +1,6 @@
 """``drive --registry``'s admission, its pure parts (issue 24, item 3): which records a run starts
-with (``kvpush.ops.admission.choose``: the reference P among the reachable, fitting ones; strays
-left out or pending, never stopping the run), the words for them (each named once, control
+with (``kvpush.commands.drive.admission.choose``: the reference P among the reachable, fitting ones;
+strays left out or pending, never stopping the run), the words for them (each named once, control
 characters shown), one peer's fit (``preflight.misfit``), the socket plan (peers cost nothing
 while idle: ``driver.plan_sockets``), the checker's queue (``due_checks.DueChecks``: one check
 per address at a time, the latest record wanted meanwhile checked next) and the trace's note of
@@ -16,16 +16,16 @@ from typing import Any
 
 import pytest
 
+from kvpush.commands.common import control
+from kvpush.commands.common.results import RequestResult
+from kvpush.commands.drive.admission import GROUP_AT, choose, contact_why, start_notes, unusable
+from kvpush.commands.drive.driver import SOCKET_BUDGET, plan_sockets
+from kvpush.commands.drive.due_checks import DueChecks
+from kvpush.commands.drive.preflight import misfit
+from kvpush.commands.drive.trace import ClockOffset, Tracer, _Rec
 from kvpush.config import Role
 from kvpush.errors import KvpushError, PeerError
 from kvpush.fleet.record import EndpointRecord, Geometry
-from kvpush.ops import control
-from kvpush.ops.admission import GROUP_AT, choose, contact_why, start_notes, unusable
-from kvpush.ops.driver import SOCKET_BUDGET, plan_sockets
-from kvpush.ops.due_checks import DueChecks
-from kvpush.ops.preflight import misfit
-from kvpush.ops.results import RequestResult
-from kvpush.ops.trace import ClockOffset, Tracer, _Rec
 
 
 def rec(

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from kvpush.cli.commands.fleet import parse_size
-from kvpush.cli.views import fleet as views
+from kvpush.commands.fleet import render as views
+from kvpush.commands.fleet.check import CheckReport, PairResult
+from kvpush.commands.fleet.command import parse_size
+from kvpush.commands.fleet.view import FleetModel, rows_of
 from kvpush.config import Role
 from kvpush.errors import ConfigError, ExitStatus
 from kvpush.fleet.pairs import blocks_for_size, pair_differences, record_health
 from kvpush.fleet.record import EndpointRecord, Geometry, Load
-from kvpush.ops.fleet_check import CheckReport, PairResult
-from kvpush.ops.fleet_view import FleetModel, rows_of
 
 T = 1_800_000_000.0
 

@@ -1,4 +1,4 @@
-"""``fleet check``'s block budget (``kvpush.ops.fleet_pools.Pools``), pure: pairs that share an
+"""``fleet check``'s block budget (``kvpush.commands.fleet.pools.Pools``), pure: pairs that share an
 endpoint run only as many at once as its pool holds; a pair may always run alone (a full D is
 then named by its own failure); a failed pair's blocks hold pairs back only while the endpoint
 itself shows too few free, and for at most a deadline, after which the pair is "pool too small"
@@ -7,9 +7,9 @@ itself shows too few free, and for at most a deadline, after which the pair is "
 
 from __future__ import annotations
 
+from kvpush.commands.fleet.pools import GO, WAIT, Pools, TooSmall, limit_of
 from kvpush.config import Role
 from kvpush.fleet.record import EndpointRecord, Geometry, Load
-from kvpush.ops.fleet_pools import GO, WAIT, Pools, TooSmall, limit_of
 
 T = 1_800_000_000.0
 

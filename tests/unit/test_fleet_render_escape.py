@@ -11,11 +11,11 @@ import json
 
 from rich.console import Console
 
-from kvpush.cli.views import fleet as views
+from kvpush.commands.fleet import render as views
+from kvpush.commands.fleet.check import CheckReport, PairResult
+from kvpush.commands.fleet.view import Change, rows_of
 from kvpush.config import Role
 from kvpush.fleet.record import EndpointRecord, Geometry, Load
-from kvpush.ops.fleet_check import CheckReport, PairResult
-from kvpush.ops.fleet_view import Change, rows_of
 
 T = 1_800_000_000.0
 #: Markup, a screen-clearing escape, a C1 control, a Unicode line separator and a newline

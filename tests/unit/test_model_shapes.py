@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpush.bench.churn import CHURN_PREFIX, ChurnSpec, alloc_cost, churn, make_room
+from kvpush.commands.bench.churn import CHURN_PREFIX, ChurnSpec, alloc_cost, churn, make_room
 from kvpush.config import PoolConfig
 from kvpush.errors import ConfigError
 from kvpush.memory.allocator import ALLOCATORS, BlockAllocator, FreeListAllocator

@@ -1,11 +1,11 @@
 """The phase vocabulary and its pure helpers (kvpush.telemetry.phases), and drive's per-phase
-statistics (kvpush.ops.trace.phase_stats)."""
+statistics (kvpush.commands.drive.trace.phase_stats)."""
 
 from __future__ import annotations
 
 import time
 
-from kvpush.ops.trace import phase_stats
+from kvpush.commands.drive.trace import phase_stats
 from kvpush.telemetry import phases
 from kvpush.telemetry.phases import CAUSAL, ORDER, Phase
 

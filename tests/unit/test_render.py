@@ -1,4 +1,4 @@
-"""Tests of kvpush.cli.views.live: pure renderers of a hand-built Snapshot."""
+"""Tests of kvpush.commands.common.live: pure renderers of a hand-built Snapshot."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 
 from rich.console import Console
 
-from kvpush.cli.views.lines import render_json, render_plain
-from kvpush.cli.views.live import render_live, render_summary_table
-from kvpush.cli.views.readings import fmt_ms, fmt_uptime
+from kvpush.commands.common.live import render_live, render_summary_table
+from kvpush.commands.common.readings import fmt_ms, fmt_uptime
+from kvpush.commands.serve.lines import render_json, render_plain
 from kvpush.config import Role
 from kvpush.telemetry.merge import merge
 from kvpush.telemetry.snapshot import Snapshot, snapshot_from_dict
@@ -276,7 +276,7 @@ def test_json_with_ranks_carries_each_rank_and_round_trips() -> None:
 
 
 def _fitted(snap: Snapshot, width: int, height: int) -> list[str]:
-    from kvpush.cli.views.fit import FittedView
+    from kvpush.commands.serve.fit import FittedView
 
     console = Console(record=True, width=width, height=height, force_terminal=True)
     console.print(FittedView(snap))

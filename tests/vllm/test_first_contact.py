@@ -253,7 +253,7 @@ def test_driver_without_preflight(
     """The router library with its preflight off (``DriveConfig(preflight=False)``; the CLI has
     no such option): each leg meant for a vLLM peer fails on kvpush's first-contact check, as
     ``incompatible`` (the wire differs)."""
-    from kvpush.ops.driver import DriveConfig, Driver
+    from kvpush.commands.drive.driver import DriveConfig, Driver
 
     kp, kd = kvpush_pd
     vllm = vllm_p if vllm_role == "P" else vllm_d
@@ -272,6 +272,7 @@ def test_driver_without_preflight(
     watch.check(f"Driver(preflight=False) with the vLLM {vllm_role}")
     assert (report.ok, report.failed) == (0, 2), report
     # A vLLM peer where kvpush was expected is a WrongWireError, an IncompatiblePeerError:
-    # the closed Failure set names it ``incompatible`` (kvpush.ops.reasons), on either leg.
+    # the closed Failure set names it ``incompatible`` (kvpush.commands.common.reasons), on either
+    # leg.
     assert list(report.failures_by_reason) == ["incompatible"], report.failures_by_reason
     assert all(f"{vllm.address} is a vLLM NIXL side channel" in f for f in report.first_failures)

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from harness import VllmPeer, pattern_sha256, request_ids
 
-from kvpush.ops.vllm_legs import decode_leg, prefill_leg
+from kvpush.commands.leg.legs import decode_leg, prefill_leg
 from tests.conftest import ServeFactory
 from tests.support.legs import stats
 from tests.support.ports import free_port

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from harness import VllmPeer, model_page_args, request_ids
 
-from kvpush.ops.vllm_legs import prefill_leg
+from kvpush.commands.leg.legs import prefill_leg
 from tests.conftest import Served, ServeFactory
 from tests.support.procs import wait_ready
 

@@ -40,7 +40,7 @@ from harness import (
     stop_many,
 )
 
-from kvpush.ops.vllm_legs import LegReport, decode_leg, prefill_leg
+from kvpush.commands.leg.legs import LegReport, decode_leg, prefill_leg
 from tests.conftest import Served, ServeFactory, run_cli
 from tests.support.procs import KVPUSH, clean_env, wait_ready
 

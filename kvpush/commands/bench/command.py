@@ -1,0 +1,79 @@
+"""``kvpush bench SCENARIO``: run benchmark scenarios and print their tables (or JSON).
+
+Options -> ``kvpush.commands.bench.console.run_scenarios`` (the same code ``python -m
+kvpush.commands.bench`` runs) -> text or JSON on stdout, progress on stderr. A missed target is a
+result, not an error: it is printed as MISSED and the exit status stays 0. Runs on the main thread;
+the scenarios start and stop their own worker processes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvpush.commands.common import complete, options
+from kvpush.commands.common.optspec import option
+
+DOC = """Measure kvpush against its baselines, in one run, on this host.
+
+Every scenario starts real P and D endpoint processes on 127.0.0.1 (and raw NIXL baselines
+where it compares with one) and stops them when it ends. Compare the ratios it prints, not
+absolute times from different runs or hosts. 'kvpush bench all' takes about 15 minutes here;
+BENCHMARKS.md explains each scenario and holds a full run. 'kvpush bench device --device cuda'
+pushes between VRAM pools (not part of 'all'; scripts/gpu-check.sh runs it)."""
+
+
+def scenarios(incomplete: str) -> list[str]:
+    """Tab-completion of the scenario (runs on every Tab press: the bench package is light)."""
+    from kvpush.commands.bench import NAMES
+
+    return complete.starting([*NAMES, "all"], incomplete)
+
+
+def register(app: typer.Typer) -> None:
+    options.register(app, "bench", bench, DOC)
+
+
+def bench(
+    scenario: Annotated[
+        str,
+        typer.Argument(
+            help="hol (head-of-line behind a slow new peer, deferred vs blocking writer), "
+            "handshake (notif-only vs full; agent metadata over the side channel vs etcd), "
+            "bandwidth (push GB/s vs raw NIXL, process_vm_writev, memcpy), rate (small "
+            "pushes/s vs raw NIXL), scale (many new peers at once), tp (N ranks vs N x one "
+            "rank), model (real model shapes, block ids contiguous, shuffled and after churn, "
+            "vs raw NIXL), fleet (8 P x 16 D registered in etcd: fleet ls/watch/check, "
+            "registry load, p99 with registration on vs off), or all; device (--device cuda: "
+            "pushes between VRAM pools vs raw NIXL and a torch copy; not part of all).",
+            show_default=False,
+            autocompletion=scenarios,
+        ),
+    ],
+    quick: Annotated[
+        bool, option("--quick", help="Short smoke version (what CI runs); figures are rough.")
+    ] = False,
+    json_out: Annotated[
+        bool,
+        option(
+            "--json",
+            help="Print each scenario's full result as one JSON line instead of tables.",
+            scope="bench",
+        ),
+    ] = False,
+    out_dir: Annotated[
+        Path | None,
+        option(
+            "--out-dir",
+            help="Where results (<scenario>.json), charts (.svg) and worker logs go. "
+            "[default: ./bench-out]",
+            file_okay=False,
+        ),
+    ] = None,
+    device: Annotated[str, options.OPTIONS["device"].info()] = "cpu",
+) -> None:
+    from kvpush.commands.bench.console import run_scenarios
+
+    run_scenarios(scenario, quick, json_out, out_dir, device)

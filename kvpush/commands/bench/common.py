@@ -1,0 +1,71 @@
+"""Shared pieces of the scenarios: endpoint configs, the progress callback type, time bases."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvpush.config import Role
+
+Progress = Callable[[str], None]
+
+#: Lead time between scheduling an open-loop window and its start, so that every worker has
+#: received its command before the first request is due.
+LEAD_S = 0.4
+
+
+#: P's open-loop generators finish a transfer's blocks this long before D asks for it, so that
+#: D's latency measures the push (PUSH_REG -> WRITE -> completion), not P's model-stand-in
+#: catching up after a scheduling hiccup.
+PREFILL_AHEAD_S = 0.1
+
+
+#: The first part of every open-loop window is not counted: both generators start at once and
+#: their first requests meet cold paths of the bench itself (thread start, first fill).
+def warmup_s(before_s: float) -> float:
+    return min(0.25, before_s / 4)
+
+
+def endpoint_cfg(
+    role: Role,
+    *,
+    layers: int,
+    block_bytes: int,
+    num_blocks: int,
+    verify: bool = True,
+    writer: str = "deferred",
+    progress_thread: bool = False,
+    timeouts: dict[str, float] | None = None,
+    reply_delay_s: float = 0.0,
+) -> dict[str, Any]:
+    """An ``EndpointConfig`` and its ``Instruments`` as the JSON map
+    ``kvpush.commands.common.node.build`` reads."""
+    cfg: dict[str, Any] = {
+        "role": role,
+        "pool": {"num_blocks": num_blocks, "layers": layers, "block_bytes": block_bytes},
+        "agent": {"progress_thread": progress_thread},
+        "verify": verify,
+        "writer_mode": writer,
+    }
+    if os.environ.get("KVPUSH_BENCH_PHASE_STAMPS") == "0":
+        # What the per-request phase stamps cost (BENCHMARKS.md): every endpoint without them.
+        cfg["phase_stamps"] = False
+    if timeouts:
+        cfg["timeouts"] = timeouts
+    if reply_delay_s:
+        cfg["handshake_reply_delay_s"] = reply_delay_s
+    return cfg
+
+
+def start_at(lead_s: float = LEAD_S) -> float:
+    """A wall-clock start time shared by the workers (same host, same clock)."""
+    return time.time() + lead_s
+
+
+def logs_dir(out_dir: Path, scenario: str) -> Path:
+    d = out_dir / "logs" / f"{scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d

@@ -1,0 +1,273 @@
+"""Scenario ``rate``: small pushes per second beside a raw pipelined NIXL WRITE+notif loop.
+
+One block of 16 KiB per region, 1 layer (2 regions): a push is 2 descriptors, 32 KiB, plus
+kvpush's completion notification. kvpush: D keeps ``inflight`` requests outstanding
+(``decode_many``), P marks blocks finished as fast as its pool allows (``finish_many``, no
+pattern write), D's verification off while timed, then a verified pass. Raw: the same
+descriptors and pool sizes, WRITE + a short notification, the same number in flight, progress
+threads off, the target polling. Rounds alternate raw / kvpush.
+
+CPU per push comes from the kernel's per-thread accounting (``/proc/self/task/*/schedstat``):
+P's writer thread, and the raw initiator's loop thread. *Writer overhead per push* is the
+difference: what kvpush's writer spends beyond the NIXL calls a bare loop makes. The full run
+also drives a second P/D pair whose D has ``busy_spin_us=0``, in the same rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from kvpush.commands.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.commands.bench.passes import ClosedLoop, raw_pair
+from kvpush.commands.bench.procs import Cluster, Worker
+from kvpush.commands.bench.report import Report, fmt_ms, fmt_num
+from kvpush.commands.bench.stats import median, ratio, summary
+from kvpush.config import Role
+
+BLOCK_BYTES = 16 << 10
+REGIONS = 2
+P_BLOCKS = 1024
+D_BLOCKS = 256
+
+
+def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
+    configs = ((64, 2000), (1, 300)) if quick else ((64, 20000), (1, 3000))
+    rounds = 1 if quick else 3
+    rep = Report(
+        "rate",
+        "rate: 1-block pushes per second vs a raw pipelined NIXL WRITE+notif loop",
+        quick,
+        params={
+            "block_bytes": BLOCK_BYTES,
+            "regions": REGIONS,
+            "blocks_per_request": 1,
+            "configs": [list(c) for c in configs],
+            "rounds": rounds,
+            "p_pool_blocks": P_BLOCKS,
+            "d_pool_blocks": D_BLOCKS,
+        },
+    )
+    out: dict[int, dict[str, Any]] = {}
+    with Cluster(logs_dir(out_dir, "rate")) as cl:
+        progress("rate: starting P, D and the raw workers")
+        ws = _endpoints(cl, quick)
+        pw, dw = ws["p"], ws["d"]
+        nospin = "p-nospin" in ws
+        rt, ri = cl.spawn("raw-target"), cl.spawn("raw-initiator")
+        rt.wait_started()
+        ri.wait_started()
+        _kvpush(pw, dw, "warm.", 1000 if not quick else 300, 64)
+        if nospin:
+            _kvpush(ws["p-nospin"], ws["d-nospin"], "warm.", 1000, 64)
+        for inflight, n in configs:
+            progress(f"rate: {inflight} in flight")
+            kv, raw, kv_ns = [], [], []
+            for k in range(rounds):
+                raw.append(_raw_round(rt, ri, n, inflight))
+                kv.append(_kvpush(pw, dw, f"k{inflight}.r{k}.", n, inflight))
+                if nospin and inflight > 1:
+                    kv_ns.append(
+                        _kvpush(ws["p-nospin"], ws["d-nospin"], f"k{inflight}.r{k}.", n, inflight)
+                    )
+            out[inflight] = {"n": n, "kvpush": kv, "raw": raw, "kvpush_d_nospin": kv_ns}
+            if inflight == configs[0][0]:
+                hist = pw.call("stats")["histograms"]
+                out[inflight]["p_hist"] = {
+                    h: hist.get(h) for h in ("push_latency", "write_duration")
+                }
+        progress("rate: verified pass")
+        verified = _verified_pass(pw, dw, 64)
+    _report(rep, out, verified, 64)
+    return rep.to_dict()
+
+
+def _endpoints(cl: Cluster, quick: bool) -> dict[str, Worker]:
+    """P and D (D does not verify: timed parts), and, in a full run, a second pair whose D does
+    not keep polling after activity (busy_spin_us=0)."""
+    nospin: dict[str, dict[str, Any]] = {}
+    if not quick:
+        dcfg = endpoint_cfg(
+            Role.DECODE, layers=1, block_bytes=BLOCK_BYTES, num_blocks=D_BLOCKS, verify=False
+        )
+        dcfg["agent"]["busy_spin_us"] = 0
+        nospin = {
+            "p-nospin": endpoint_cfg(
+                Role.PREFILL, layers=1, block_bytes=BLOCK_BYTES, num_blocks=P_BLOCKS
+            ),
+            "d-nospin": dcfg,
+        }
+    return cl.endpoints(
+        {
+            **nospin,
+            "p": endpoint_cfg(Role.PREFILL, layers=1, block_bytes=BLOCK_BYTES, num_blocks=P_BLOCKS),
+            "d": endpoint_cfg(
+                Role.DECODE, layers=1, block_bytes=BLOCK_BYTES, num_blocks=D_BLOCKS, verify=False
+            ),
+        }
+    )
+
+
+def _raw_round(rt: Worker, ri: Worker, n: int, inflight: int) -> dict[str, Any]:
+    """One round of the raw pipelined WRITE+notif loop between fresh raw nodes."""
+    ti = raw_pair(rt, ri, REGIONS, D_BLOCKS, P_BLOCKS, BLOCK_BYTES)
+    r: dict[str, Any] = ri.call(
+        "raw_write_loop",
+        target=ti,
+        blocks=1,
+        n=n,
+        inflight=inflight,
+        notif=True,
+        call_timeout=600,
+    )
+    ri.call("raw_close")
+    rt.call("raw_close")
+    return r
+
+
+def _verified_pass(pw: Worker, dw: Worker, n: int) -> int:
+    """``n`` pushes written with the pattern and checked byte by byte on D: how many passed."""
+    v = ClosedLoop(pw, dw, "verify.", n, 1, n).verified(call_timeout=300)
+    return sum(1 for x in v["verified"] if x is True)
+
+
+def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, inflight: int) -> dict[str, Any]:
+    r, c0, c1 = ClosedLoop(pw, dw, prefix, n, 1, inflight).timed()
+    ok = sum(1 for x in r["ok"] if x)
+    lat = [x for x, g in zip(r["latency_s"], r["ok"], strict=True) if g]
+    return {
+        "per_s": ok / r["elapsed_s"],
+        "failed": n - ok,
+        "latency": summary(lat),
+        "writer_cpu_us": (c1.get("push-writer", 0.0) - c0.get("push-writer", 0.0))
+        / max(1, ok)
+        * 1e6,
+        "p_cpu_us": (c1["process"] - c0["process"]) / max(1, ok) * 1e6,
+        "d_cpu_us": r["cpu_s"] / max(1, ok) * 1e6,
+        "d_receiver_cpu_us": r["threads_cpu_s"].get("decode-receiver", 0.0) / max(1, ok) * 1e6,
+    }
+
+
+def _report(rep: Report, out: dict[int, dict[str, Any]], verified: int, nverify: int) -> None:
+    rows = []
+    for inflight, e in out.items():
+        kv_rate = median([x["per_s"] for x in e["kvpush"]])
+        raw_rate = median([x["per_s"] for x in e["raw"]])
+        w_us = median([x["writer_cpu_us"] for x in e["kvpush"]])
+        raw_us = median([x["thread_cpu_s"] / x["n"] * 1e6 for x in e["raw"]])
+        lat = e["kvpush"][len(e["kvpush"]) // 2]["latency"]
+        r = ratio(kv_rate, raw_rate)
+        rows.append(
+            [
+                str(inflight),
+                fmt_num(kv_rate, 0),
+                fmt_num(raw_rate, 0),
+                f"{r * 100:.0f}%" if math.isfinite(r) else "-",
+                fmt_num(w_us, 1),
+                fmt_num(raw_us, 1),
+                fmt_num(w_us - raw_us, 1),
+                fmt_num(median([x["p_cpu_us"] for x in e["kvpush"]]), 1),
+                fmt_num(median([x["d_cpu_us"] for x in e["kvpush"]]), 1),
+                fmt_ms(lat["p50"], 3),
+                fmt_ms(lat["p99"], 3),
+                fmt_ms(lat["max"], 3),
+            ]
+        )
+        rep.figures[f"inflight_{inflight}"] = {
+            "kvpush_per_s": kv_rate,
+            "raw_per_s": raw_rate,
+            "ratio": r,
+            "writer_cpu_us_per_push": w_us,
+            "raw_cpu_us_per_write": raw_us,
+            "writer_overhead_us_per_push": w_us - raw_us,
+            "kvpush_rounds": e["kvpush"],
+            "raw_rounds": [{k: v for k, v in x.items()} for x in e["raw"]],
+            "p_histograms": e.get("p_hist"),
+        }
+        if inflight > 1:
+            rep.target(
+                f"kvpush / raw pushes per second, {inflight} in flight",
+                ">= 50%",
+                f"{r * 100:.0f}% ({fmt_num(kv_rate, 0)} / {fmt_num(raw_rate, 0)} per s); "
+                f"writer overhead {fmt_num(w_us - raw_us, 1)} us/push",
+                r >= 0.5 if math.isfinite(r) else None,
+            )
+    rep.table(
+        "pushes per second (median of rounds) and CPU per push (us)",
+        [
+            "in flight",
+            "kvpush/s",
+            "raw/s",
+            "kvpush/raw",
+            "P writer us",
+            "raw loop us",
+            "writer overhead us",
+            "P process us",
+            "D process us",
+            "lat p50 ms",
+            "lat p99 ms",
+            "lat max ms",
+        ],
+        rows,
+        note="latency = D-measured decode() -> completion (median round); raw loop us = CPU of "
+        "the raw initiator thread per WRITE+notif; writer overhead = P writer us - raw loop us. "
+        "With 1 in flight the owner threads spin between pushes (busy_spin_us), so their CPU "
+        "per push is mostly waiting, not work.",
+    )
+    for inflight, e in out.items():
+        ns = e.get("kvpush_d_nospin") or []
+        if not ns:
+            continue
+        kv_rate = median([x["per_s"] for x in e["kvpush"]])
+        ns_rate = median([x["per_s"] for x in ns])
+        raw_rate = median([x["per_s"] for x in e["raw"]])
+        rep.table(
+            f"D's receiver without spin-after-activity (busy_spin_us=0), {inflight} in flight, "
+            "same rounds",
+            ["config", "kvpush/s", "kvpush/raw", "P writer us", "D process us", "lat p50 ms"],
+            [
+                [
+                    name,
+                    fmt_num(median([x["per_s"] for x in runs]), 0),
+                    f"{ratio(median([x['per_s'] for x in runs]), raw_rate) * 100:.0f}%",
+                    fmt_num(median([x["writer_cpu_us"] for x in runs]), 1),
+                    fmt_num(median([x["d_cpu_us"] for x in runs]), 1),
+                    fmt_ms(median([x["latency"]["p50"] for x in runs]), 3),
+                ]
+                for name, runs in (("defaults", e["kvpush"]), ("D busy_spin_us=0", ns))
+            ],
+        )
+        rep.figures[f"inflight_{inflight}"]["d_nospin_per_s"] = ns_rate
+        rep.figures[f"inflight_{inflight}"]["d_nospin_gain"] = ratio(ns_rate, kv_rate)
+        rep.figures[f"inflight_{inflight}"]["d_nospin_rounds"] = ns
+    first = next(iter(out.values()))
+    ph = first.get("p_hist") or {}
+    if ph:
+        rep.table(
+            "P telemetry histograms over the first configuration's rounds (ms)",
+            ["histogram", "count", "p50", "p90", "p99", "max"],
+            [
+                [
+                    name,
+                    str(h["count"]),
+                    fmt_ms(h["p50"], 3),
+                    fmt_ms(h["p90"], 3),
+                    fmt_ms(h["p99"], 3),
+                    fmt_ms(h["max"], 3),
+                ]
+                for name, h in ph.items()
+                if h
+            ],
+            note="push_latency: P matched blocks with PUSH_REG -> WRITE complete; "
+            "write_duration: WRITE posted -> complete (cumulative since P started, incl. "
+            "warm-up).",
+        )
+    rep.figures["verified"] = {"ok": verified, "of": nverify}
+    if verified != nverify:
+        rep.target("verified pass", "all", f"{verified}/{nverify}", False)
+    else:
+        rep.notes.append(
+            f"verified pass: {verified}/{nverify} pushes written with the pattern by P and "
+            "checked byte by byte on D"
+        )

@@ -1,0 +1,46 @@
+"""Label/value lines for the commands' human reports, and the units they print.
+
+``Rows`` lays out label/value lines without table padding (a pipe gets no trailing blanks);
+``ibytes`` and ``in_ms`` write sizes and durations. Pure; runs on whichever thread prints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.text import Text
+
+from kvpush.commands.common.readings import fmt_ms
+
+
+class Rows:
+    """Label/value lines, printed without table padding (no trailing blanks in pipes)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, Any]] = []
+
+    def add(self, label: str, value: Any) -> None:
+        self.rows.append((label, value))
+
+    def render(self) -> Group:
+        width = max((len(k) for k, _ in self.rows), default=0)
+        lines = []
+        for k, v in self.rows:
+            value = v if isinstance(v, Text) else Text(str(v))
+            lines.append(Text.assemble((k.ljust(width), "dim"), "  ", value))
+        return Group(*lines)
+
+
+def ibytes(n: float) -> str:
+    """Binary units for geometry (block sizes are powers of two): 4 KiB, 512 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:g} {unit}" if unit == "B" else f"{n:.4g} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def in_ms(*figures: tuple[str, float]) -> str:
+    """Named durations in seconds, for a person: ``min 0.120 ms · median 0.250 ms``."""
+    return " · ".join(f"{name} {fmt_ms(s)} ms" for name, s in figures)

@@ -1,0 +1,2 @@
+"""``kvpush drive``: the command, the load driver and what it needs (health, readmission,
+preflight, admission, the trace, the registry targets) and its view."""

@@ -1,0 +1,2 @@
+"""``kvpush fleet``: ``ls``, ``watch`` and ``check`` over the registry, their logic and their
+views."""

@@ -1,0 +1,327 @@
+"""``kvpush fleet ls|watch|check``: the endpoints registered in etcd, seen and checked.
+
+Options -> ``kvpush.commands.common.registry.RegistrySource`` -> one call into ``kvpush.ops``
+(``fleet_view`` for ls, ``fleet_watch`` for watch, ``fleet_check`` for check) -> the renderings
+of ``kvpush.commands.fleet.render``: a table or one JSON object, the live view on a terminal (a
+short ``Live`` loop) or one line per event when stdout is not one, and the check's matrix. etcd not
+answering is ``RegistryUnavailable``: one ``error:`` and ``hint:``, exit 69. What a record holds
+is data, never markup or terminal control: the views escape it; this module's own lines (the
+watch's registry status) go through ``kvpush.logsafe.shown``. Runs on the main thread (the
+watch's reader thread and the check's pair threads belong to ``kvpush.ops``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from kvpush.commands.common import options, stdio, translate
+from kvpush.commands.common.optspec import PANEL_OUT, option
+from kvpush.config import Role, require_positive
+from kvpush.errors import ConfigError, ExitStatus
+from kvpush.logsafe import shown
+from kvpush.runtime.signals import StopFlag
+
+#: Columns of a table written to a pipe when COLUMNS does not say.
+PIPE_WIDTH = 200
+
+HELP = "See and check the endpoints registered in etcd (serve-* --registry URL)."
+
+LS_DOC = """List every endpoint registered in the cluster.
+
+One row per endpoint: role, side-channel address, host, engine id, incarnation (short), TP size,
+wire, age, free blocks of its pool, requests in flight and health as its record shows it (ok;
+stale: no load summary for 25 s; full: a D with no free block). --json prints the records
+whole. Exit status 0 (an empty cluster says so), 69 when etcd does not answer."""
+
+WATCH_DOC = """Follow the cluster live: every endpoint; joins, leaves and restarts as they happen.
+
+On a terminal: a table of every endpoint (role, host, age, incarnation, health, free blocks, in
+flight, pushes per second from successive load summaries) redrawn every --interval, with the
+latest events below it. Otherwise one line per event ('join', 'leave', 'restart' -- the same
+address with a new incarnation --, the registry going down or coming back); with --json one JSON
+object per line: a 'snapshot' first, then the events, and a 'rows' line every --interval. Rides
+out etcd going away (it lists again when etcd is back and reports what changed meanwhile). Stops
+after --duration seconds, or at Ctrl-C (exit 0)."""
+
+CHECK_DOC = """Push through every P x D pair of the cluster and report the matrix.
+
+For each pair: compatibility from the two records (the differing fields named: such a pair is
+'incompatible' and is not driven), then --pushes verified pushes of --size bytes through the
+endpoints themselves, as drive sends them (the first one carries the handshake of a pair that
+never met): handshake time (first push minus the median of the rest), push latency p50, GB/s,
+and the outcome. Pairs run --concurrency at a time, each within --deadline seconds, and pairs
+that share an endpoint only as many at once as its pool holds (the check never fills a pool
+itself). A pair whose pushes fail is named with the reason (e.g. no_free_blocks: the D's pool
+is full; decode_unreachable: P cannot reach D; deadline: a peer froze) -- 'left' only when one
+of its endpoints is proven gone (its port refuses connections, or a new incarnation answers
+there), not because its key left the registry. Exit status 0 when every pair that can work
+works, 3 when one does not (with --strict also when a pair is incompatible or skipped), 69 when
+etcd does not answer."""
+
+
+def register(app: typer.Typer) -> None:
+    group = options.group("fleet", HELP)
+    options.register(group, "ls", ls, LS_DOC, options.REGISTRY)
+    options.register(group, "watch", watch, WATCH_DOC, options.REGISTRY)
+    options.register(group, "check", check, CHECK_DOC, options.REGISTRY)
+    app.add_typer(group)
+
+
+def _out() -> Console:
+    """stdout's console: a pipe gets wide lines (a table cut at 80 columns is no use to grep)."""
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(highlight=False, width=PIPE_WIDTH if wide else None)
+
+
+def registry_source(p: dict[str, Any]) -> Any:
+    from kvpush.commands.common.registry import registry_source
+
+    return registry_source(p)
+
+
+# --------------------------------------------------------------------------- ls
+
+
+def ls(
+    json_out: Annotated[
+        bool,
+        option("--json", help="One JSON object on stdout.", scope="fleet_ls", panel=PANEL_OUT),
+    ] = False,
+    **p: Any,  # options.REGISTRY
+) -> None:
+    from kvpush.commands.fleet import render as views
+    from kvpush.commands.fleet.view import rows_of
+
+    src = registry_source(p)
+    rows = rows_of(src.list(), time.time())
+    if json_out:
+        stdio.out(json.dumps(views.rows_json(rows, src.cluster)))
+    else:
+        _out().print(views.ls_table(rows, src.cluster), soft_wrap=True)
+    raise typer.Exit(0)
+
+
+# --------------------------------------------------------------------------- watch
+
+
+def watch(
+    json_out: Annotated[
+        bool,
+        option(
+            "--json",
+            help="One JSON object per line on stdout: the listing at start ('snapshot'), then "
+            "each join, leave and restart, and a 'rows' line every --interval.",
+            scope="fleet_watch",
+            panel=PANEL_OUT,
+        ),
+    ] = False,
+    duration: Annotated[
+        float | None,
+        option(
+            "--duration",
+            help="Stop after this many seconds (default: until Ctrl-C).",
+            seconds=True,
+            show_default=False,
+        ),
+    ] = None,
+    interval: Annotated[
+        float,
+        option(
+            "--interval",
+            help="Seconds between redraws of the live view (and between 'rows' lines).",
+            scope="fleet",
+            seconds=True,
+        ),
+    ] = 1.0,
+    **p: Any,  # options.REGISTRY
+) -> None:
+    from kvpush.commands.fleet.watch import FleetWatch
+
+    require_positive("--interval", interval)
+    if duration is not None:
+        require_positive("--duration", duration)
+    w = FleetWatch(registry_source(p))
+    w.start()
+    stop = StopFlag().install()
+    try:
+        if sys.stdout.isatty() and not json_out:
+            _watch_live(w, interval, duration, stop)
+        else:
+            _watch_lines(w, interval, duration, stop, json_out)
+    finally:
+        stop.restore()
+        w.stop()
+    raise typer.Exit(0)
+
+
+def _until(duration: float | None) -> float:
+    return time.monotonic() + duration if duration is not None else float("inf")
+
+
+def _watch_live(w: Any, interval: float, duration: float | None, stop: StopFlag) -> None:
+    from rich.live import Live
+
+    from kvpush.commands.fleet import render as views
+
+    console = Console()
+    end = _until(duration)
+    status = ""
+
+    def frame() -> Any:
+        return views.render_watch(
+            w.rows(), list(w.model.events), w.source.cluster, w.started_at, status
+        )
+
+    with Live(frame(), console=console, refresh_per_second=4, transient=False) as live:
+        next_draw = time.monotonic() + interval
+        while not stop.event.is_set() and time.monotonic() < end:
+            wait = max(0.0, min(next_draw, end) - time.monotonic())
+            for item in w.poll(min(wait, 0.25)):
+                if hasattr(item, "up"):
+                    status = "" if item.up else f"registry down: {item.detail}"
+            if time.monotonic() >= next_draw:
+                next_draw = time.monotonic() + interval
+            live.update(frame())
+
+
+def _watch_lines(
+    w: Any, interval: float, duration: float | None, stop: StopFlag, json_out: bool
+) -> None:
+    from kvpush.commands.fleet import render as views
+
+    cluster = w.source.cluster
+    t0 = w.started_at
+    rows = w.rows()
+    if json_out:
+        snap = {"event": "snapshot", "t": round(time.time(), 3), **views.rows_json(rows, cluster)}
+        snap["listed_in_s"] = round(w.listed_in_s, 4)
+        stdio.out(json.dumps(snap))
+    else:
+        _out().print(views.ls_table(rows, cluster), soft_wrap=True)
+    end = _until(duration)
+    next_rows = time.monotonic() + interval
+    while not stop.event.is_set() and time.monotonic() < end:
+        wait = max(0.0, min(next_rows, end) - time.monotonic())
+        for item in w.poll(min(wait, 0.25)):
+            if json_out:
+                stdio.out(json.dumps(item.to_dict()))
+            elif hasattr(item, "up"):
+                stdio.out(
+                    shown(
+                        f"+{item.t - t0:.1f}s registry "
+                        + ("up again: listed anew" if item.up else f"down: {item.detail}")
+                    )
+                )
+            else:
+                stdio.out(views.event_line(item, t0))
+        if json_out and time.monotonic() >= next_rows:
+            next_rows = time.monotonic() + interval
+            line = {
+                "event": "rows",
+                "t": round(time.time(), 3),
+                **views.rows_json(w.rows(), cluster),
+            }
+            stdio.out(json.dumps(line))
+
+
+# --------------------------------------------------------------------------- check
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(i?)[bB]?\s*$")
+_UNIT = {"": 0, "k": 1, "m": 2, "g": 3}
+
+
+def parse_size(text: str) -> int:
+    """``1MiB`` -> 1048576, ``256k`` -> 262144 (binary units), ``4096`` -> 4096."""
+    m = _SIZE.match(text)
+    if m is None:
+        raise ConfigError(
+            f"invalid value for --size: {text!r}", "give bytes, e.g. 4096, 256KiB, 1MiB or 1GiB"
+        )
+    return max(1, int(float(m.group(1)) * 1024 ** _UNIT[m.group(2).lower()]))
+
+
+def check(
+    size: Annotated[
+        str,
+        option(
+            "--size",
+            help="Bytes per check push (e.g. 1MiB, 256KiB, 4096): blocks = size / one block "
+            "of P (capped at the smaller pool).",
+        ),
+    ] = "1MiB",
+    pushes: Annotated[
+        int,
+        option(
+            "--pushes",
+            help="Verified pushes per pair (the first carries the handshake of a pair that "
+            "never met).",
+        ),
+    ] = 3,
+    concurrency: Annotated[
+        int, option("--concurrency", "-c", help="Pairs checked at once.", scope="fleet")
+    ] = 8,
+    deadline: Annotated[
+        float,
+        option(
+            "--deadline",
+            help="Seconds one pair's check may take (every push included); a pair past it "
+            "fails with 'deadline'.",
+            seconds=True,
+        ),
+    ] = 10.0,
+    strict: Annotated[
+        bool,
+        option(
+            "--strict",
+            help="Also fail (exit 3) on incompatible or skipped pairs, not only on pairs whose "
+            "pushes fail.",
+        ),
+    ] = False,
+    json_out: Annotated[
+        bool,
+        option(
+            "--json",
+            help="The whole matrix as one JSON object on stdout.",
+            scope="fleet_check",
+            panel=PANEL_OUT,
+        ),
+    ] = False,
+    auth_token_file: options.AuthTokenFile = None,
+    **p: Any,  # options.REGISTRY
+) -> None:
+    from kvpush.commands.fleet import render as views
+    from kvpush.commands.fleet.check import CheckConfig, check_fleet
+
+    cfg = CheckConfig(
+        pushes=pushes,
+        size_bytes=parse_size(size),
+        concurrency=concurrency,
+        deadline_s=deadline,
+        strict=strict,
+        auth_token=translate.auth_token(auth_token_file),
+    )
+    src = registry_source(p)
+    etcd = src.open()
+    records = src.list(etcd)
+    err = Console(stderr=True, highlight=False)
+    n_p = sum(1 for r in records if r.role == Role.PREFILL)
+    if not json_out:
+        err.print(
+            f"fleet check: {n_p} P x {len(records) - n_p} D of cluster {src.cluster}, "
+            f"{cfg.concurrency} pairs at a time",
+            soft_wrap=True,
+        )
+    rep = check_fleet(src.cluster, records, cfg, relist=lambda: src.list(etcd))
+    if json_out:
+        stdio.out(json.dumps(views.check_json(rep)))
+    else:
+        _out().print(views.check_text(rep), soft_wrap=True)
+    raise typer.Exit(int(rep.exit_status) if rep.pairs else int(ExitStatus.OK))

@@ -1,0 +1,236 @@
+"""The renderings of the fleet: ``fleet ls``'s table, ``fleet watch``'s live view and lines, and
+``fleet check``'s matrix.
+
+Pure functions of frozen data (``kvpush.commands.fleet.view.FleetRow`` / ``Change``,
+``kvpush.commands.fleet.check.CheckReport``): no clocks, no threads, no I/O -- tested by rendering
+hand-built rows. Records are data: every string that came from the registry or from a peer (an
+address, a host, an engine id, a failure's detail) is drawn as ``Text`` (never parsed as Rich
+markup) and through ``kvpush.logsafe.shown`` (control characters escaped: no terminal escape
+reaches the screen, no newline forges a line); ``--json`` keeps them exact. The watch command's
+short ``Live`` loop calls ``render_watch`` once per refresh; the choice between the live view
+and lines (``isatty()``, ``--json``) belongs to the command.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from kvpush.commands.common.live import section
+from kvpush.commands.common.readings import fmt_rate, fmt_uptime
+from kvpush.commands.fleet.check import CheckReport, PairResult
+from kvpush.commands.fleet.view import Change, FleetRow
+from kvpush.config import Role
+from kvpush.logsafe import shown
+
+__all__ = [
+    "check_json",
+    "check_text",
+    "event_line",
+    "ls_table",
+    "render_watch",
+    "rows_json",
+]
+
+_HEALTH_STYLE = {"ok": "green", "stale": "yellow", "full": "yellow", "failing": "bold red"}
+_OUTCOME_STYLE = {
+    "ok": "green",
+    "failed": "bold red",
+    "incompatible": "yellow",
+    "skipped": "dim",
+    "left": "dim",
+}
+_EVENT_STYLE = {"join": "green", "leave": "red", "restart": "yellow"}
+MAX_EVENT_LINES = 8
+
+
+def short(incarnation: str) -> str:
+    return incarnation[:8]
+
+
+def data(text: object, style: str = "") -> Text:
+    """A string from the registry or a peer as a cell: literal (no markup), one line."""
+    return Text(shown(str(text)), style=style)
+
+
+def _rate(rate: float | None) -> str:
+    return "-" if rate is None else fmt_rate(rate)
+
+
+def ls_table(rows: Sequence[FleetRow], cluster: str, *, rate: bool = False) -> RenderableType:
+    """The fleet as a table; ``rate`` adds the push rate column (the watch has two summaries)."""
+    if not rows:
+        return Text(f"cluster {cluster!r}: no endpoint registered", style="dim")
+    n_p = sum(1 for r in rows if r.record.role == Role.PREFILL)
+    t = section(f"cluster {cluster}: {n_p} prefill, {len(rows) - n_p} decode")
+    for col, right in (
+        ("role", False), ("address", False), ("host", False), ("engine id", False),
+        ("incarnation", False), ("tp", True), ("wire", False), ("age", True),
+        ("free blocks", True), ("in flight", True),
+    ):  # fmt: skip
+        t.add_column(col, justify="right" if right else "left", no_wrap=True)
+    if rate:
+        t.add_column("push/s", justify="right", no_wrap=True)
+    t.add_column("health", no_wrap=True)
+    for row in rows:
+        r = row.record
+        cells: list[Any] = [
+            "P" if r.role == Role.PREFILL else "D",
+            data(r.address),
+            data(r.host),
+            data(r.engine_id),
+            data(short(r.incarnation)),
+            str(r.tp_size),
+            data(r.wire),
+            fmt_uptime(row.age_s),
+            f"{r.load.free_blocks}/{r.geometry.num_blocks}",
+            str(r.load.in_flight),
+        ]
+        if rate:
+            cells.append(_rate(row.push_rate))
+        cells.append(Text(row.health, style=_HEALTH_STYLE.get(row.health, "")))
+        t.add_row(*cells)
+    return t
+
+
+def rows_json(rows: Iterable[FleetRow], cluster: str) -> dict[str, Any]:
+    return {"cluster": cluster, "endpoints": [r.to_dict() for r in rows]}
+
+
+# --- watch ------------------------------------------------------------------------------------
+
+
+def event_line(ev: Change, t0: float) -> str:
+    """One event as a plain line: ``+12.3s restart decode 10.0.0.7:5601 (host) ab12cd34 -> ...``
+    (the record's strings escaped: one line, whatever they hold)."""
+    text = f"+{ev.t - t0:.1f}s {ev.kind} {ev.role} {ev.address} ({ev.host}) "
+    if ev.kind == "restart":
+        text += f"incarnation {short(ev.previous)} -> {short(ev.incarnation)}"
+    else:
+        text += f"incarnation {short(ev.incarnation)}"
+    return shown(text)
+
+
+def render_watch(
+    rows: Sequence[FleetRow],
+    events: Sequence[Change],
+    cluster: str,
+    t0: float,
+    status: str = "",
+) -> RenderableType:
+    """The live view: the table (with push rates), then the latest events, then a status line
+    (registry trouble, the watch re-listing)."""
+    parts: list[RenderableType] = [ls_table(rows, cluster, rate=True)]
+    if events:
+        tail = Text()
+        for ev in list(events)[-MAX_EVENT_LINES:]:
+            tail.append(event_line(ev, t0) + "\n", style=_EVENT_STYLE.get(ev.kind, ""))
+        parts.append(Text("events", style="bold cyan"))
+        parts.append(tail)
+    if status:
+        parts.append(data(status, style="yellow"))
+    return Group(*parts)
+
+
+# --- check ------------------------------------------------------------------------------------
+
+
+def _cell(r: PairResult) -> Text:
+    if r.outcome == "ok":
+        lat = f"{r.p50_ms:.1f}ms" if r.p50_ms is not None else ""
+        return Text(f"ok {lat}".strip(), style="green")
+    if r.outcome == "incompatible":
+        return Text("incompatible", style="yellow")
+    if r.outcome == "failed":
+        return data(f"FAIL {r.reason}", style="bold red")
+    if r.reason == "pool_too_small":
+        return Text("pool too small", style="yellow")
+    return Text(r.outcome, style="dim")
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def check_text(rep: CheckReport) -> RenderableType:
+    """The matrix (rows P, columns D, one word per pair), then one line per pair that is not ok
+    (the reason, the fields that differ), then every pair's figures, then the counts."""
+    parts: list[RenderableType] = []
+    if not rep.pairs:
+        parts.append(Text(f"cluster {rep.cluster!r}: no P x D pair to check", style="dim"))
+        for n in rep.notes:
+            parts.append(data(f"note: {n}"))
+        return Group(*parts)
+    parts += _matrix(rep)
+    parts.append(_pairs_table(rep))
+    counts = ", ".join(
+        f"{rep.count(o)} {o}"
+        for o in ("ok", "failed", "incompatible", "skipped", "left")
+        if rep.count(o) or o in ("ok", "failed")
+    )
+    verdict = "FAILED" if int(rep.exit_status) else "passed"
+    parts.append(
+        Text(
+            f"fleet check {verdict}: {len(rep.pairs)} pairs ({counts}) in {rep.elapsed_s:.1f}s "
+            f"at concurrency {rep.concurrency}" + (" (strict)" if rep.strict else ""),
+            style="bold red" if int(rep.exit_status) else "bold green",
+        )
+    )
+    for n in rep.notes:
+        parts.append(data(f"note: {n}"))
+    return Group(*parts)
+
+
+def _matrix(rep: CheckReport) -> list[RenderableType]:
+    """The matrix (rows P, columns D, one word per pair), its legend, and one line per pair
+    that is not ok."""
+    m = section(f"cluster {rep.cluster}: {len(rep.prefills)} P x {len(rep.decodes)} D")
+    m.add_column("P \\ D", no_wrap=True)
+    for i in range(len(rep.decodes)):
+        m.add_column(f"D{i}", no_wrap=True)
+    for p in rep.prefills:
+        m.add_row(data(p), *(_cell(rep.pair(p, d)) for d in rep.decodes))
+    legend = Text()
+    for i, d in enumerate(rep.decodes):
+        legend.append(f"D{i}={shown(d)}  ", style="dim")
+    parts: list[RenderableType] = [m, legend]
+    bad = [r for r in rep.pairs if r.outcome != "ok"]
+    if bad:
+        lines = Text()
+        for r in bad:
+            line = (
+                f"{r.outcome.upper()} {r.prefill} -> {r.decode}: "
+                f"{r.reason}{': ' + r.detail if r.detail else ''}"
+            )
+            lines.append(shown(line) + "\n", style=_OUTCOME_STYLE.get(r.outcome, ""))
+        parts.append(lines)
+    return parts
+
+
+def _pairs_table(rep: CheckReport) -> Table:
+    """Every pair's figures."""
+    t = section("pairs")
+    for col in ("prefill", "decode", "outcome", "blocks", "pushes", "first ms", "handshake ms",
+                "p50 ms", "GB/s"):  # fmt: skip
+        t.add_column(col, no_wrap=True, justify="left" if col in ("prefill", "decode") else "right")
+    for r in rep.pairs:
+        t.add_row(
+            data(r.prefill),
+            data(r.decode),
+            Text(r.outcome, style=_OUTCOME_STYLE.get(r.outcome, "")),
+            str(r.blocks or "-"),
+            f"{r.pushes_ok}/{r.pushes}" if r.pushes else "-",
+            _ms(r.first_ms),
+            _ms(r.handshake_ms),
+            _ms(r.p50_ms),
+            "-" if r.gb_per_s is None else f"{r.gb_per_s:.3f}",
+        )
+    return t
+
+
+def check_json(rep: CheckReport) -> dict[str, Any]:
+    return rep.to_dict()

@@ -1,0 +1,196 @@
+"""``kvpush leg decode|prefill``: one leg of a vLLM push deployment, driven by hand.
+
+``leg decode`` has a kvpush D (``serve-decode --wire vllm``) receive one request a vLLM P
+holds, from the ``kv_transfer_params`` its ``request_finished`` returned; ``leg prefill`` has a
+kvpush P (``serve-prefill --wire vllm``) fill one request for a vLLM D and prints the
+``kv_transfer_params`` to hand it before it waits for the push. Options -> one call into
+``kvpush.commands.leg.legs`` -> the report (``view.leg_report``) or, with ``--json``, one
+JSON object. Exit status 0 when the leg's push completed, 1 when it failed or lapsed.
+
+The signatures are the CLI: plain typed parameters, each with its option. ``drive``'s old
+spelling of the same legs (``--kv-transfer-params``, ``--request-id``) calls ``decode_leg`` /
+``prefill_leg`` here after a deprecation note. Runs on the main thread.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from kvpush.commands.common import options, stdio, translate
+from kvpush.commands.common.ending import finish
+from kvpush.commands.common.optspec import PANEL_VLLM, option
+from kvpush.commands.leg import view as reports
+
+HELP = "Drive one leg of a vLLM push deployment by hand, with no router: a kvpush D or P."
+
+DECODE_DOC = """Have a kvpush D receive the push of one request a vLLM P holds.
+
+The one --decode (serve-decode --wire vllm) allocates the request's blocks, registers with the
+P that the kv_transfer_params name (remote_host, remote_port), waits for its push and reports
+outcome, bytes and the sha256 of the KV. Exit status 0 when the push completed, 1 otherwise."""
+
+PREFILL_DOC = """Have a kvpush P fill one request and push it into a vLLM D.
+
+The one --prefill (serve-prefill --wire vllm) fills --blocks blocks for --request-id, prints at
+once the kv_transfer_params to hand the vLLM D (one JSON line on stdout), then waits for its
+push (or the lease) and reports outcome and the sha256 of the KV. Exit status 0 when the push
+completed, 1 otherwise."""
+
+Timeout = Annotated[
+    float,
+    option(
+        "--timeout",
+        help="Seconds to wait: D's wait for the push once it has blocks, or P's wait for a D "
+        "to take the request.",
+        scope="leg",
+        seconds=True,
+    ),
+]
+JsonOut = Annotated[
+    bool,
+    option(
+        "--json",
+        help="One JSON report on stdout (leg prefill: after the kv_transfer_params line).",
+        scope="leg",
+    ),
+]
+TIMEOUT_S = 30.0
+
+
+def register(app: typer.Typer) -> None:
+    group = options.group("leg", HELP)
+    options.register(group, "decode", decode, DECODE_DOC)
+    options.register(group, "prefill", prefill, PREFILL_DOC)
+    app.add_typer(group)
+
+
+def decode(
+    decode: Annotated[
+        str,
+        option(
+            "--decode",
+            "-d",
+            help="The kvpush D (serve-decode --wire vllm) that receives the vLLM P's push.",
+            scope="leg",
+            metavar="HOST:PORT",
+        ),
+    ],
+    kv_transfer_params: Annotated[
+        str,
+        option(
+            "--kv-transfer-params",
+            help="What the vLLM P's request_finished returned: a JSON object, a file holding "
+            "it, or - for stdin (a whole response with a kv_transfer_params key also works).",
+            panel=PANEL_VLLM,
+            metavar="FILE|JSON",
+        ),
+    ],
+    blocks: Annotated[
+        int | None,
+        option(
+            "--blocks",
+            help="The blocks D allocates: by default as many as P holds (remote_block_ids); "
+            "vLLM refuses any other count.",
+            scope="leg",
+            show_default=False,
+        ),
+    ] = None,
+    alloc_delay: Annotated[
+        float,
+        option(
+            "--alloc-delay",
+            help="D holds the request this long before it gets blocks, as a request queued in "
+            "a vLLM D would, heartbeating P's lease meanwhile (longer than P's lease shows the "
+            "heartbeats work).",
+            panel=PANEL_VLLM,
+            seconds=True,
+        ),
+    ] = 0.0,
+    timeout: Timeout = TIMEOUT_S,
+    json_out: JsonOut = False,
+    auth_token_file: options.AuthTokenFile = None,
+) -> None:
+    token = translate.auth_token(auth_token_file)
+    decode_leg(decode, kv_transfer_params, blocks, timeout, alloc_delay, token, json_out)
+
+
+def prefill(
+    prefill: Annotated[
+        str,
+        option(
+            "--prefill",
+            "-p",
+            help="The kvpush P (serve-prefill --wire vllm) that fills the request.",
+            scope="leg",
+            metavar="HOST:PORT",
+        ),
+    ],
+    request_id: Annotated[
+        str,
+        option(
+            "--request-id",
+            help="The request id the vLLM D will use.",
+            panel=PANEL_VLLM,
+            metavar="ID",
+        ),
+    ],
+    blocks: Annotated[
+        int,
+        option(
+            "--blocks",
+            help="The request's prompt blocks P fills: the vLLM D must allocate as many.",
+            scope="leg",
+        ),
+    ],
+    timeout: Timeout = TIMEOUT_S,
+    json_out: JsonOut = False,
+    auth_token_file: options.AuthTokenFile = None,
+) -> None:
+    token = translate.auth_token(auth_token_file)
+    prefill_leg(prefill, request_id, blocks, timeout, token, json_out)
+
+
+def decode_leg(
+    address: str,
+    params_arg: str,
+    blocks: int | None,
+    timeout: float,
+    alloc_delay: float,
+    token: bytes | None,
+    json_out: bool,
+) -> None:
+    from kvpush.commands.leg import legs as vllm_legs
+
+    params = vllm_legs.load_params(params_arg)
+    report = vllm_legs.decode_leg(address, params, blocks, timeout, token, alloc_delay)
+    finish(report, reports.leg_report, json_out, ok=report.ok)
+
+
+def prefill_leg(
+    address: str,
+    request_id: str,
+    blocks: int,
+    timeout: float,
+    token: bytes | None,
+    json_out: bool,
+    prog: str = "leg",
+) -> None:
+    from kvpush.commands.leg import legs as vllm_legs
+
+    err = Console(stderr=True, highlight=False)
+
+    def hand_out(params: dict[str, Any]) -> None:
+        stdio.out(json.dumps(params))  # at once: the vLLM D needs it before the push can run
+        if not json_out:
+            err.print(
+                f"{prog}: hand these kv_transfer_params to the vLLM D; waiting up to "
+                f"{timeout:g}s for its push",
+                soft_wrap=True,
+            )
+
+    report = vllm_legs.prefill_leg(address, request_id, blocks, timeout, token, on_params=hand_out)
+    finish(report, reports.leg_report, json_out, ok=report.ok)

@@ -1,0 +1,113 @@
+"""How ``kvpush probe`` prints its report for a person (``--json`` prints ``to_dict`` instead).
+
+Pure functions of a ``ProbeReport`` (``kvpush.commands.probe.report``) returning rich
+renderables; ``probe_stats`` draws the peer's live telemetry. Runs on the main thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.text import Text
+
+from kvpush.commands.common.live import render_live
+from kvpush.commands.common.rows import Rows, ibytes, in_ms
+from kvpush.commands.probe.report import served_ranks  # pure: no sockets, safe for Tab completion
+from kvpush.telemetry.snapshot import snapshot_from_dict
+
+
+def _kvpush_rows(t: Rows, md: dict[str, Any]) -> None:
+    t.add("role", md.get("role"))
+    t.add("engine id", md.get("engine_id"))
+    t.add("incarnation", md.get("incarnation"))
+    t.add("agent", md.get("agent_name"))
+    t.add(
+        "versions",
+        f"kvpush {md.get('kvpush_version')} · protocol v{md.get('protocol_version')} · "
+        f"nixl {md.get('nixl_version') or '?'} · ucx {md.get('ucx_version') or '?'}",
+    )
+    t.add("device", f"{md.get('device_kind')} (id {md.get('device_id')})")
+    try:
+        total = ibytes(int(md["num_blocks"]) * int(md["regions"]) * int(md["block_bytes"]))
+        t.add(
+            "geometry",
+            f"{md['num_blocks']} blocks × {md['regions']} regions ({md['layers']} layers × "
+            f"K/V) × {ibytes(int(md['block_bytes']))}, {md.get('dtype')}, "
+            f"{md.get('kv_layout')}: {total}",
+        )
+    except (KeyError, TypeError, ValueError):
+        t.add("geometry", "?")
+    ranks = served_ranks(md.get("ranks") or [], md.get("tp_size"))
+    tp_size = md.get("tp_size")
+    t.add("ranks", ranks if tp_size == 1 else f"{ranks}, describing rank {md.get('tp_rank')}")
+    t.add("backends", ",".join(md.get("backends") or []))
+    t.add("auth", "on" if md.get("auth") else "off")
+
+
+def _vllm_rows(t: Rows, md: dict[str, Any]) -> None:
+    for k, v in md.items():
+        if k in ("agent_metadata_bytes", "ranks", "regions", "kv_caches_base_addr"):
+            continue
+        t.add(k, v)
+    t.add("regions", f"{md.get('regions')}: base addresses {md.get('kv_caches_base_addr')}")
+    t.add("agent metadata", f"{md.get('agent_metadata_bytes')} bytes (not loaded)")
+    t.add("rank", f"pp {md['ranks'][0][0]}, tp {md['ranks'][0][1]}")
+
+
+def probe_report(r: Any) -> RenderableType:
+    """The human form of a ``ProbeReport``: a headline and label/value rows."""
+    status = "healthy" if not r.differences else "INCOMPATIBLE"
+    head = Text.from_markup(f"[bold]{r.kind} endpoint at {r.address}[/bold]: {status}")
+    t = Rows()
+    (_kvpush_rows if r.kind == "kvpush" else _vllm_rows)(t, r.metadata)
+    t.add("compat hash", r.compat_hash)
+    rtt = r.rtt
+    t.add(
+        "rtt",
+        f"{in_ms(('min', rtt.min_s), ('median', rtt.median_s))} ({len(rtt.samples_s)} samples)",
+    )
+    t.add("clock offset", f"{rtt.clock_offset_s * 1e3:+.3f} ms")
+    _compat_rows(t, r)
+    _timing_rows(t, r)
+    mine = getattr(r, "local_versions", None)
+    if mine:
+        t.add(
+            "this host",
+            f"nixl {mine.get('nixl') or '?'} ({mine.get('nixl_build') or '?'}) · "
+            f"ucx {mine.get('ucx') or '?'}",
+        )
+    for w in getattr(r, "version_warnings", []):
+        t.add("known issue", w)
+    for n in r.notes:
+        t.add("note", n)
+    for i, line in enumerate(getattr(r, "suggest", [])):
+        t.add("kvpush to fit it" if i == 0 else "", line)
+    return Group(head, t.render())
+
+
+def _compat_rows(t: Rows, r: Any) -> None:
+    if r.differences:
+        t.add("compatible", "NO")
+        for f, local, remote in r.differences:
+            t.add("", f"{f}: local {local}, remote {remote}")
+    elif r.compat_checked:
+        t.add("compatible", "yes")
+    elif r.kind == "kvpush":
+        t.add("compatible", "protocol yes; geometry not checked (give --block-bytes, --layers...)")
+
+
+def _timing_rows(t: Rows, r: Any) -> None:
+    """The handshake's phases (``--handshake``) and the NIXL pings (``--ping``)."""
+    if r.handshake_timings_s is not None:
+        phases = [(k.removesuffix("_s"), v) for k, v in r.handshake_timings_s.items()]
+        t.add(f"handshake ({r.handshake_mode})", in_ms(*phases))
+    if r.ping_s:
+        pings = sorted(r.ping_s)
+        figures = in_ms(("min", pings[0]), ("median", pings[len(pings) // 2]), ("max", pings[-1]))
+        t.add("nixl ping", f"{figures} ({len(pings)} round trips)")
+
+
+def probe_stats(r: Any) -> RenderableType | None:
+    """The peer's live telemetry of ``probe --stats`` (None without it)."""
+    return None if r.stats is None else render_live(snapshot_from_dict(r.stats))
