@@ -29,4 +29,4 @@ lint:
 
 docs:
 	@scripts/bootstrap.sh
-	.venv/bin/python -m kvpush.cli.gendocs
+	.venv/bin/python -m kvpush.cli.gendocs  # completions/, man/kvpush.1, docs/cli.md

@@ -1,4 +1,4 @@
-"""Generate ``completions/`` and ``man/kvpush.1`` from the one CLI definition (the typer app).
+"""Generate ``completions/``, ``man/kvpush.1`` and ``docs/cli.md`` from the one CLI definition.
 
 ``python -m kvpush.cli.gendocs`` rewrites the committed files; ``--check`` exits 1 when any of
 them differs from what the app generates now (``tests/component/test_cli_docs.py`` checks it).
@@ -249,10 +249,66 @@ def _exit_status() -> list[str]:
     return out
 
 
+# -------------------------------------------------------------------------------- docs/cli.md
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _md_option(param: Any) -> str:
+    names = ", ".join(f"`{n}`" for n in (*param.opts, *param.secondary_opts))
+    mv = _metavar(param)
+    what = " ".join((param.help or "").split())
+    d = _default(param)
+    env = param.envvar if getattr(param, "show_envvar", True) else None
+    envs = env if isinstance(env, str) else ", ".join(env or ())
+    return (
+        f"| {names}{' ' + _cell(mv) if mv else ''} | {_cell(what)} | "
+        f"{_cell(d) if d is not None else ''} | {_cell(envs)} |"
+    )
+
+
+def cli_markdown() -> str:
+    """The whole of ``docs/cli.md``: every command and option, generated from the typer app."""
+    from typer.main import get_command
+
+    from kvpush.cli.app import app
+
+    root: Any = get_command(app)
+    out = [
+        "<!-- Generated from the CLI by `python -m kvpush.cli.gendocs`; do not edit. -->",
+        "# kvpush command reference",
+        "",
+        "Every command and option, as `kvpush COMMAND --help` shows them (also `man -l "
+        "man/kvpush.1`). The README shows each command's most useful lines; "
+        "[usage.md](usage.md) explains them in depth.",
+        "",
+        "## Global options",
+        "",
+        "| option | meaning | default | environment |",
+        "|---|---|---|---|",
+        *(_md_option(p) for p in root.params if p.param_type_name == "option"),
+    ]
+    for name, cmd in commands(root):
+        out += ["", f"## kvpush {name}", ""]
+        for para in _paragraphs(cmd.help):
+            out += [para, ""]
+        args = [p for p in cmd.params if p.param_type_name == "argument"]
+        if args:
+            out += ["Arguments: " + ", ".join(f"`{(a.name or '').upper()}`" for a in args), ""]
+        opts = [p for p in cmd.params if p.param_type_name == "option"]
+        if opts:
+            out += ["| option | meaning | default | environment |", "|---|---|---|---|"]
+            out += [_md_option(p) for p in opts]
+    return "\n".join(out) + "\n"
+
+
 def outputs() -> dict[str, str]:
     """Relative path -> content of every generated file."""
     files = {f"completions/kvpush.{sh}": completion_script(sh) for sh in ("bash", "zsh", "fish")}
     files["man/kvpush.1"] = man_page()
+    files["docs/cli.md"] = cli_markdown()
     return files
 
 
