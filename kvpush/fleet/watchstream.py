@@ -104,20 +104,6 @@ def read_events(resp: requests.Response, prefix: str) -> Iterator[WatchEvent]:
                 )
 
 
-def _shutdown(resp: requests.Response) -> None:
-    """Wake a thread blocked reading ``resp`` (closing the response alone does not)."""
-    try:
-        fd = resp.raw.fileno()
-        s = socket.socket(fileno=os.dup(fd))
-        try:
-            s.shutdown(socket.SHUT_RDWR)
-        finally:
-            s.close()
-    except (OSError, ValueError, AttributeError):
-        pass  # already closed: nothing blocks on it
-    resp.close()
-
-
 def shutdown(resp: requests.Response) -> None:
     """Wake a thread blocked reading ``resp`` (closing the response alone does not)."""
     try:
