@@ -25,6 +25,7 @@ import pytest
 from kvpush.fleet.etcd import Etcd
 from kvpush.fleet.record import decode, endpoint_key
 from kvpush.fleet.store import list_endpoints
+from tests.support.drives import finish_drive, start_drive
 from tests.support.etcd import EtcdServer
 from tests.support.procs import KVPUSH, Launcher, Proc, clean_env
 from tests.support.side import snapshot
@@ -65,20 +66,11 @@ def settled(proc: Proc) -> bool:
 
 
 def drive(etcd: EtcdServer, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [*KVPUSH, "drive", "--json", "--registry", etcd.url, "--cluster", CLUSTER, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=clean_env(),
-    )
+    return start_drive("--registry", etcd.url, "--cluster", CLUSTER, *args)
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 240) -> tuple[dict[str, Any], str]:
-    out, err = proc.communicate(timeout=timeout)
-    assert out.strip(), err
-    rep: dict[str, Any] = json.loads(out)
-    return rep, err
+    return finish_drive(proc, timeout)
 
 
 def frozen_p_under_drive(

@@ -13,14 +13,11 @@ back once checked. No timing is asserted.
 
 from __future__ import annotations
 
-import http.server
 import json
 import re
 import subprocess
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +27,10 @@ from kvpush.config import Role
 from kvpush.fleet.etcd import Etcd
 from kvpush.fleet.record import EndpointRecord, Geometry, encode, endpoint_key
 from tests.conftest import SMALL, unused_port
+from tests.support.drives import finish_drive, start_drive
 from tests.support.etcd import EtcdServer
-from tests.support.procs import KVPUSH, Launcher, Proc, clean_env
+from tests.support.http_port import http_server
+from tests.support.procs import Launcher, Proc
 from tests.support.side import counters
 from tests.support.silent_peers import SilentListener
 
@@ -92,42 +91,19 @@ def put(etcd: EtcdServer, records: list[EndpointRecord]) -> None:
 
 
 def drive(etcd: EtcdServer, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [*KVPUSH, "drive", "--json", *args, *reg(etcd)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=clean_env(),
-    )
+    return start_drive(*args, *reg(etcd))
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 180) -> tuple[dict[str, Any], str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        proc.kill()
-    assert out.strip(), err
+    rep, err = finish_drive(proc, timeout)
     assert "Traceback" not in err, err
-    return json.loads(out), err
+    return rep, err
 
 
 def times_named(texts: list[str], address: str) -> int:
     """How often ``address`` is named in ``texts`` (127.0.0.1:50 is not in 127.0.0.1:5000)."""
     pattern = re.compile(re.escape(address) + r"(?!\d)")
     return sum(len(pattern.findall(t)) for t in texts)
-
-
-@contextmanager
-def http_server() -> Iterator[str]:
-    """A plain HTTP server on loopback (what a metrics port is): its address."""
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
-    t = threading.Thread(target=srv.serve_forever, name="http-stray", daemon=True)
-    t.start()
-    try:
-        yield f"127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
-        srv.server_close()
 
 
 @pytest.mark.slow
@@ -173,7 +149,8 @@ def test_stray_records_cost_no_request_and_are_each_named_once(
     d = start(serve, etcd, "decode")
     unregistered_p = serve.start("prefill", *SMALL)  # a live P, not in the registry
     wait_registered(etcd, {p.address, d.address})
-    with http_server() as web:
+    with http_server() as web_port:
+        web = f"127.0.0.1:{web_port}"
         strays = [
             stray(Role.DECODE, f"127.0.0.1:{unused_port()}"),  # a closed port
             stray(Role.DECODE, web),  # an HTTP server
