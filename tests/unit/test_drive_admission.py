@@ -25,32 +25,14 @@ from kvpush.commands.drive.preflight import misfit
 from kvpush.commands.drive.trace import ClockOffset, Tracer, _Rec
 from kvpush.config import Role
 from kvpush.errors import KvpushError, PeerError
-from kvpush.fleet.record import EndpointRecord, Geometry
+from kvpush.fleet.record import EndpointRecord
+from tests.support.records import record
 
 
 def rec(
     role: Role, address: str, incarnation: str = "inc-1", wire: str = "kvpush"
 ) -> EndpointRecord:
-    return EndpointRecord(
-        role=role,
-        engine_id=f"{role}-{address}",
-        incarnation=incarnation,
-        address=address,
-        host="node-a",
-        pid=42,
-        tp_size=1,
-        wire=wire,
-        geometry=Geometry(
-            num_blocks=64,
-            layers=2,
-            regions=4,
-            block_bytes=4096,
-            dtype="bfloat16",
-            kv_layout="NHD",
-        ),
-        compat_hash="h1",
-        kvpush_version="0.1",
-    )
+    return record(address, role, incarnation=incarnation, wire=wire)
 
 
 def md(

@@ -15,7 +15,8 @@ from kvpush.commands.fleet import render as views
 from kvpush.commands.fleet.check import CheckReport, PairResult
 from kvpush.commands.fleet.view import Change, rows_of
 from kvpush.config import Role
-from kvpush.fleet.record import EndpointRecord, Geometry, Load
+from kvpush.fleet.record import EndpointRecord, Load
+from tests.support.records import record
 
 T = 1_800_000_000.0
 #: Markup, a screen-clearing escape, a C1 control, a Unicode line separator and a newline
@@ -25,25 +26,12 @@ SHOWN = "[bold red]x[/]\\x1b[2J\\x9b\\u2028\\nP 6.6.6.6:666 forged"
 
 
 def rec(address: str = "10.0.0.2:5601", role: Role = Role.DECODE) -> EndpointRecord:
-    return EndpointRecord(
-        role=role,
+    return record(
+        address,
+        role,
         engine_id=HOSTILE,
         incarnation="\x1b]0;title\x07abcdef",
-        address=address,
         host=HOSTILE,
-        pid=42,
-        tp_size=1,
-        wire="kvpush",
-        geometry=Geometry(
-            num_blocks=64,
-            layers=2,
-            regions=4,
-            block_bytes=4096,
-            dtype="bfloat16",
-            kv_layout="NHD",
-        ),
-        compat_hash="h1",
-        kvpush_version="0.1",
         started_at=T - 100,
         load=Load(free_blocks=60, in_flight=1, updated_at=T - 1),
     )
