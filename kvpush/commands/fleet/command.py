@@ -1,13 +1,13 @@
 """``kvpush fleet ls|watch|check``: the endpoints registered in etcd, seen and checked.
 
-Options -> ``kvpush.commands.common.registry.RegistrySource`` -> one call into ``kvpush.ops``
-(``fleet_view`` for ls, ``fleet_watch`` for watch, ``fleet_check`` for check) -> the renderings
+Options -> ``kvpush.commands.common.registry.RegistrySource`` -> one call into this folder
+(``view`` for ls, ``watch`` for watch, ``check`` for check) -> the renderings
 of ``kvpush.commands.fleet.render``: a table or one JSON object, the live view on a terminal (a
 short ``Live`` loop) or one line per event when stdout is not one, and the check's matrix. etcd not
 answering is ``RegistryUnavailable``: one ``error:`` and ``hint:``, exit 69. What a record holds
 is data, never markup or terminal control: the views escape it; this module's own lines (the
 watch's registry status) go through ``kvpush.logsafe.shown``. Runs on the main thread (the
-watch's reader thread and the check's pair threads belong to ``kvpush.ops``).
+watch's reader thread and the check's pair threads belong to ``check`` and ``watch``).
 """
 
 from __future__ import annotations
