@@ -87,7 +87,7 @@ def test_fleet_ls_empty_cluster_and_etcd_unreachable(etcd: EtcdServer) -> None:
     r = run_cli("fleet", "ls", "--registry", etcd.url, "--cluster", "nobody-here")
     assert r.returncode == 0 and "cluster 'nobody-here': no endpoint registered" in r.stdout
     r = run_cli("fleet", "ls", "--json", "--registry", etcd.url, "--cluster", "nobody-here")
-    assert json.loads(r.stdout) == {"cluster": "nobody-here", "endpoints": []}
+    assert json.loads(r.stdout) == {"cluster": "nobody-here", "endpoints": [], "problems": []}
     dead = f"http://127.0.0.1:{unused_port()}"
     for cmd in (["fleet", "ls"], ["fleet", "check"], ["fleet", "watch", "--duration", "1"],
                 ["drive", "-n", "1"]):  # fmt: skip

@@ -70,3 +70,9 @@ def out(text: str = "", end: str = "\n") -> None:
     """Write a line to stdout (no colour, no markup) and flush it."""
     sys.stdout.write(text + end)
     sys.stdout.flush()
+
+
+def err(text: str = "", end: str = "\n") -> None:
+    """Write a line to stderr (no colour, no markup) and flush it."""
+    sys.stderr.write(text + end)
+    sys.stderr.flush()

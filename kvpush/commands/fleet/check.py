@@ -1,12 +1,15 @@
 """``kvpush fleet check``: a few verified pushes through every P x D pair of a cluster.
 
-Owns ``check_fleet`` and its data (``CheckConfig``, ``PairResult``, ``CheckReport``). Semantics
-(docs/fleet.md, "fleet check"):
+Owns ``check_fleet`` (its data: ``kvpush.commands.fleet.outcomes``). Semantics (docs/fleet.md,
+"fleet check"):
 
-* the pairs are every prefill x every decode record the registry lists; a pair whose records
+* the pairs are every prefill x every decode record -- registered, or listed with
+  ``--endpoints``/``--peer`` and seen by ``kvpush.commands.fleet.sight``; a pair whose records
   disagree on a compatibility field (``kvpush.fleet.pairs.pair_differences``) is
-  ``incompatible`` with the fields named and is not driven; a pair of another wire than kvpush's
-  is ``skipped`` (the check drives kvpush pushes);
+  ``incompatible`` with the fields named and is not driven; a compatible pair on vLLM's wire
+  (a vLLM engine, or a kvpush endpoint standing in for one) is ``compatible`` by metadata only:
+  its push starts only at the vLLM engine's router, and a vLLM engine is sent nothing but
+  ``get_meta_msg``;
 * every other pair gets ``pushes`` verified pushes through the endpoints themselves, one at a
   time, with drive's machinery (``kvpush.commands.drive.driver.Driver``: its preflight asks both for
   their metadata -- roles, pools, geometry -- then each request's decode leg goes to D and its
@@ -42,112 +45,26 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import Any
 
 from kvpush.commands.common import reasons
 from kvpush.commands.common.results import DriveConfig, RequestResult
 from kvpush.commands.common.stats import median
+from kvpush.commands.fleet.outcomes import CheckConfig, CheckReport, Outcome, PairResult
 from kvpush.commands.fleet.pools import ASK_EVERY_S, WAIT, Pools, TooSmall
 from kvpush.commands.fleet.proof import free_now, gone_proof
-from kvpush.config import Role, require_counts, require_positive
-from kvpush.errors import ExitStatus, IncompatiblePeerError, KvpushError
-from kvpush.fleet.pairs import Difference, blocks_for_size, format_differences, pair_differences
+from kvpush.config import Role
+from kvpush.errors import IncompatiblePeerError, KvpushError
+from kvpush.fleet.pairs import blocks_for_size, format_differences, pair_differences
 from kvpush.fleet.record import EndpointRecord
 
 log = logging.getLogger(__name__)
 
-Outcome = Literal["ok", "failed", "incompatible", "skipped", "left"]
+__all__ = ["CheckConfig", "CheckReport", "Outcome", "PairResult", "check_fleet", "settle_left"]
 
 #: The share of ``--deadline`` one push may take at D (its request deadline).
 PUSH_SHARE = 0.6
-
-
-@dataclass(frozen=True)
-class CheckConfig:
-    pushes: int = 3
-    size_bytes: int = 1 << 20
-    concurrency: int = 8
-    deadline_s: float = 10.0
-    strict: bool = False
-    auth_token: bytes | None = None
-
-    def __post_init__(self) -> None:
-        require_counts(
-            ("--pushes", self.pushes),
-            ("--size", self.size_bytes),
-            ("--concurrency", self.concurrency),
-        )
-        require_positive("--deadline", self.deadline_s)
-
-
-@dataclass(frozen=True)
-class PairResult:
-    prefill: str
-    decode: str
-    outcome: Outcome
-    # a Failure value for "failed"; "incompatible", "wire", "pool_too_small", "left" otherwise
-    reason: str = ""
-    detail: str = ""
-    differences: list[Difference] = field(default_factory=list)
-    blocks: int = 0
-    pushes: int = 0
-    pushes_ok: int = 0
-    first_ms: float | None = None
-    handshake_ms: float | None = None
-    p50_ms: float | None = None
-    gb_per_s: float | None = None
-    elapsed_s: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["differences"] = [{"field": f, "prefill": p, "decode": q} for f, p, q in self.differences]
-        return d
-
-
-@dataclass(frozen=True)
-class CheckReport:
-    cluster: str
-    prefills: list[str]
-    decodes: list[str]
-    pairs: list[PairResult]
-    elapsed_s: float
-    concurrency: int
-    strict: bool = False
-    notes: list[str] = field(default_factory=list)
-
-    def count(self, outcome: Outcome) -> int:
-        return sum(1 for p in self.pairs if p.outcome == outcome)
-
-    @property
-    def failed(self) -> list[PairResult]:
-        return [p for p in self.pairs if p.outcome == "failed"]
-
-    @property
-    def exit_status(self) -> ExitStatus:
-        bad = self.count("failed")
-        if self.strict:
-            bad += self.count("incompatible") + self.count("skipped")
-        return ExitStatus.NOT_READY if bad else ExitStatus.OK
-
-    def pair(self, prefill: str, decode: str) -> PairResult:
-        return next(r for r in self.pairs if r.prefill == prefill and r.decode == decode)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "cluster": self.cluster,
-            "prefills": self.prefills,
-            "decodes": self.decodes,
-            "pairs": [p.to_dict() for p in self.pairs],
-            "counts": {
-                o: self.count(o) for o in ("ok", "failed", "incompatible", "skipped", "left")
-            },
-            "elapsed_s": self.elapsed_s,
-            "concurrency": self.concurrency,
-            "strict": self.strict,
-            "exit_status": int(self.exit_status),
-            "notes": self.notes,
-        }
 
 
 def plan_pairs(
@@ -178,12 +95,22 @@ def plan_pair(p: EndpointRecord, d: EndpointRecord, cfg: CheckConfig) -> PairRes
             p.address, d.address, "incompatible", "incompatible", format_differences(diffs), diffs
         )
     if p.wire != "kvpush":
-        return PairResult(
-            p.address, d.address, "skipped", "wire",
-            f"wire {p.wire}: fleet check drives kvpush pushes",
-        )  # fmt: skip
+        return PairResult(p.address, d.address, "compatible", "metadata", _metadata_only(p, d))
     blocks, note = blocks_for_size(cfg.size_bytes, p, d)
     return PairPlan(p, d, blocks, note)
+
+
+def _metadata_only(p: EndpointRecord, d: EndpointRecord) -> str:
+    """Why a compatible pair on vLLM's wire is checked by its metadata alone."""
+    engines = [r for r in (p, d) if not r.kvpush_version]
+    if len(engines) == 2:
+        return "two vLLM engines: only a vLLM router can start their push"
+    if engines:
+        return (
+            f"the vLLM engine {engines[0].address} pushes or registers only for a request its "
+            "router sent it"
+        )
+    return "both speak vLLM's wire: fleet check drives kvpush's wire"
 
 
 def check_pair(p: EndpointRecord, d: EndpointRecord, cfg: CheckConfig) -> PairResult:

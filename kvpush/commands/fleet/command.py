@@ -1,6 +1,7 @@
-"""``kvpush fleet ls|watch|check``: the endpoints registered in etcd, seen and checked.
+"""``kvpush fleet ls|watch|check``: the endpoints registered in etcd or listed, seen and checked.
 
-Options -> ``kvpush.commands.common.registry.RegistrySource`` -> one call into this folder
+Options -> ``kvpush.commands.fleet.source.FleetSource`` (the registry, the ``--endpoints``
+files and ``--peer`` values, any of them) -> one call into this folder
 (``view`` for ls, ``watch`` for watch, ``check`` for check) -> the renderings
 of ``kvpush.commands.fleet.render``: a table or one JSON object, the live view on a terminal (a
 short ``Live`` loop) or one line per event when stdout is not one, and the check's matrix. etcd not
@@ -32,14 +33,29 @@ from kvpush.runtime.signals import StopFlag
 #: Columns of a table written to a pipe when COLUMNS does not say.
 PIPE_WIDTH = 200
 
-HELP = "See and check the endpoints registered in etcd (serve-* --registry URL)."
+HELP = (
+    "See and check a fleet: the endpoints registered in etcd (serve-* --registry URL), or "
+    "listed with --endpoints FILE / --peer HOST:PORT (kvpush endpoints and vLLM engines)."
+)
+
+_FLEET_DOC = """
+
+The fleet is the endpoints registered under --cluster in --registry, and/or the ones listed
+with --endpoints FILE|- (one per line: 'HOST:PORT [prefill|decode] [tp=N]', '#' comments, or
+JSON lines {"address": ..., "role": ..., "tp": ...}) and --peer HOST:PORT[=ROLE]. A listed
+entry is a kvpush endpoint or a vLLM engine's side channel (it is sent only vLLM's
+get_meta_msg); a vLLM engine's role and TP size come from the listing, since its metadata
+carries neither. Listed endpoints are contacted --concurrency at a time; a bad line, a
+duplicate, or an entry that cannot be seen is one 'warning:' line on stderr and the rest goes
+on."""
 
 LS_DOC = """List every endpoint registered in the cluster.
 
 One row per endpoint: role, side-channel address, host, engine id, incarnation (short), TP size,
 wire, age, free blocks of its pool, requests in flight and health as its record shows it (ok;
 stale: no load summary for 25 s; full: a D with no free block). --json prints the records
-whole. Exit status 0 (an empty cluster says so), 69 when etcd does not answer."""
+whole (and the listing's problems). Exit status 0 (an empty cluster says so), 69 when etcd does
+not answer."""
 
 WATCH_DOC = """Follow the cluster live: every endpoint; joins, leaves and restarts as they happen.
 
@@ -64,14 +80,14 @@ is full; decode_unreachable: P cannot reach D; deadline: a peer froze) -- 'left'
 of its endpoints is proven gone (its port refuses connections, or a new incarnation answers
 there), not because its key left the registry. Exit status 0 when every pair that can work
 works, 3 when one does not (with --strict also when a pair is incompatible or skipped), 69 when
-etcd does not answer."""
+etcd does not answer; also 3 when a listed endpoint could not be seen."""
 
 
 def register(app: typer.Typer) -> None:
     group = options.group("fleet", HELP)
-    options.register(group, "ls", ls, LS_DOC, options.REGISTRY)
-    options.register(group, "watch", watch, WATCH_DOC, options.REGISTRY)
-    options.register(group, "check", check, CHECK_DOC, options.REGISTRY)
+    options.register(group, "ls", ls, LS_DOC + _FLEET_DOC, options.REGISTRY)
+    options.register(group, "watch", watch, WATCH_DOC + _FLEET_DOC, options.REGISTRY)
+    options.register(group, "check", check, CHECK_DOC + _FLEET_DOC, options.REGISTRY)
     app.add_typer(group)
 
 
@@ -81,10 +97,52 @@ def _out() -> Console:
     return Console(highlight=False, width=PIPE_WIDTH if wide else None)
 
 
-def registry_source(p: dict[str, Any]) -> Any:
-    from kvpush.commands.common.registry import registry_source
+Endpoints = Annotated[
+    list[str] | None,
+    option(
+        "--endpoints",
+        help="A file listing endpoints ('-': stdin), one per line: HOST:PORT [prefill|decode] "
+        "[tp=N]; repeatable. With or instead of --registry.",
+        metavar="FILE|-",
+        show_default=False,
+        env=False,
+    ),
+]
+Peers = Annotated[
+    list[str] | None,
+    option(
+        "--peer",
+        help="One endpoint, HOST:PORT[=ROLE] (ROLE: prefill or decode; a vLLM engine needs "
+        "it); repeatable.",
+        metavar="HOST:PORT[=ROLE]",
+        show_default=False,
+        env=False,
+    ),
+]
+ListConcurrency = Annotated[
+    int,
+    option("--concurrency", "-c", help="Listed endpoints contacted at once.", scope="fleet"),
+]
 
-    return registry_source(p)
+
+def fleet_source(
+    p: dict[str, Any],
+    endpoints: list[str] | None,
+    peers: list[str] | None,
+    concurrency: int,
+    token_file: str | None = None,
+) -> Any:
+    from kvpush.commands.fleet.source import fleet_source
+
+    require_positive("--concurrency", concurrency)
+    token = translate.auth_token(token_file)
+    return fleet_source(p, endpoints or [], peers or [], concurrency, token)
+
+
+def _warn(problems: list[str]) -> None:
+    """The listing's problems, one ``warning:`` line each on stderr."""
+    for line in problems:
+        stdio.err(shown(f"warning: {line}"))
 
 
 # --------------------------------------------------------------------------- ls
@@ -95,16 +153,22 @@ def ls(
         bool,
         option("--json", help="One JSON object on stdout.", scope="fleet_ls", panel=PANEL_OUT),
     ] = False,
+    endpoints: Endpoints = None,
+    peer: Peers = None,
+    concurrency: ListConcurrency = 16,
+    auth_token_file: options.AuthTokenFile = None,
     **p: Any,  # options.REGISTRY
 ) -> None:
     from kvpush.commands.fleet import render as views
     from kvpush.commands.fleet.view import rows_of
 
-    src = registry_source(p)
-    rows = rows_of(src.list(), time.time())
+    src = fleet_source(p, endpoints, peer, concurrency, auth_token_file)
+    listed = src.list()
+    rows = rows_of(listed.records, time.time())
     if json_out:
-        stdio.out(json.dumps(views.rows_json(rows, src.cluster)))
+        stdio.out(json.dumps({**views.rows_json(rows, src.cluster), "problems": listed.problems}))
     else:
+        _warn(listed.problems)
         _out().print(views.ls_table(rows, src.cluster), soft_wrap=True)
     raise typer.Exit(0)
 
@@ -141,6 +205,10 @@ def watch(
             seconds=True,
         ),
     ] = 1.0,
+    endpoints: Endpoints = None,
+    peer: Peers = None,
+    concurrency: ListConcurrency = 16,
+    auth_token_file: options.AuthTokenFile = None,
     **p: Any,  # options.REGISTRY
 ) -> None:
     from kvpush.commands.fleet.watch import FleetWatch
@@ -148,8 +216,10 @@ def watch(
     require_positive("--interval", interval)
     if duration is not None:
         require_positive("--duration", duration)
-    w = FleetWatch(registry_source(p))
+    w = FleetWatch(fleet_source(p, endpoints, peer, concurrency, auth_token_file))
     w.start()
+    if not json_out:
+        _warn(w.problems)
     stop = StopFlag().install()
     try:
         if sys.stdout.isatty() and not json_out:
@@ -187,6 +257,8 @@ def _watch_live(w: Any, interval: float, duration: float | None, stop: StopFlag)
             for item in w.poll(min(wait, 0.25)):
                 if hasattr(item, "up"):
                     status = "" if item.up else f"registry down: {item.detail}"
+                elif hasattr(item, "detail"):
+                    status = item.detail
             if time.monotonic() >= next_draw:
                 next_draw = time.monotonic() + interval
             live.update(frame())
@@ -203,6 +275,7 @@ def _watch_lines(
     if json_out:
         snap = {"event": "snapshot", "t": round(time.time(), 3), **views.rows_json(rows, cluster)}
         snap["listed_in_s"] = round(w.listed_in_s, 4)
+        snap["problems"] = w.problems
         stdio.out(json.dumps(snap))
     else:
         _out().print(views.ls_table(rows, cluster), soft_wrap=True)
@@ -220,6 +293,8 @@ def _watch_lines(
                         + ("up again: listed anew" if item.up else f"down: {item.detail}")
                     )
                 )
+            elif hasattr(item, "detail"):
+                stdio.out(shown(f"+{item.t - t0:.1f}s {item.detail}"))
             else:
                 stdio.out(views.event_line(item, t0))
         if json_out and time.monotonic() >= next_rows:
@@ -295,6 +370,8 @@ def check(
         ),
     ] = False,
     auth_token_file: options.AuthTokenFile = None,
+    endpoints: Endpoints = None,
+    peer: Peers = None,
     **p: Any,  # options.REGISTRY
 ) -> None:
     from kvpush.commands.fleet import render as views
@@ -308,9 +385,10 @@ def check(
         strict=strict,
         auth_token=translate.auth_token(auth_token_file),
     )
-    src = registry_source(p)
+    src = fleet_source(p, endpoints, peer, concurrency, auth_token_file)
     etcd = src.open()
-    records = src.list(etcd)
+    listed = src.list(etcd)
+    records = listed.records
     err = Console(stderr=True, highlight=False)
     n_p = sum(1 for r in records if r.role == Role.PREFILL)
     if not json_out:
@@ -319,9 +397,20 @@ def check(
             f"{cfg.concurrency} pairs at a time",
             soft_wrap=True,
         )
-    rep = check_fleet(src.cluster, records, cfg, relist=lambda: src.list(etcd))
+    if not json_out:
+        _warn(listed.problems)
+    rep = check_fleet(src.cluster, records, cfg, relist=lambda: src.list(etcd).records)
+    status = int(rep.exit_status) if rep.pairs else int(ExitStatus.OK)
+    if listed.unseen:
+        status = max(status, int(ExitStatus.NOT_READY))
     if json_out:
-        stdio.out(json.dumps(views.check_json(rep)))
+        out = views.check_json(rep)
+        out["problems"] = listed.problems
+        out["unseen"] = listed.unseen
+        out["exit_status"] = status
+        stdio.out(json.dumps(out))
     else:
         _out().print(views.check_text(rep), soft_wrap=True)
-    raise typer.Exit(int(rep.exit_status) if rep.pairs else int(ExitStatus.OK))
+        if listed.unseen:
+            stdio.err(f"fleet check: {listed.unseen} listed endpoint(s) could not be seen (above)")
+    raise typer.Exit(status)

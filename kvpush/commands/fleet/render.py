@@ -22,7 +22,7 @@ from rich.text import Text
 
 from kvpush.commands.common.live import section
 from kvpush.commands.common.readings import fmt_rate, fmt_uptime
-from kvpush.commands.fleet.check import CheckReport, PairResult
+from kvpush.commands.fleet.outcomes import OUTCOMES, CheckReport, PairResult
 from kvpush.commands.fleet.view import Change, FleetRow
 from kvpush.config import Role
 from kvpush.logsafe import shown
@@ -41,6 +41,7 @@ _OUTCOME_STYLE = {
     "ok": "green",
     "failed": "bold red",
     "incompatible": "yellow",
+    "compatible": "cyan",
     "skipped": "dim",
     "left": "dim",
 }
@@ -64,7 +65,10 @@ def _rate(rate: float | None) -> str:
 def ls_table(rows: Sequence[FleetRow], cluster: str, *, rate: bool = False) -> RenderableType:
     """The fleet as a table; ``rate`` adds the push rate column (the watch has two summaries)."""
     if not rows:
-        return Text(f"cluster {cluster!r}: no endpoint registered", style="dim")
+        what = (
+            "no listed endpoint could be seen" if cluster == "listed" else "no endpoint registered"
+        )
+        return Text(f"cluster {cluster!r}: {what}", style="dim")
     n_p = sum(1 for r in rows if r.record.role == Role.PREFILL)
     t = section(f"cluster {cluster}: {n_p} prefill, {len(rows) - n_p} decode")
     for col, right in (
@@ -145,11 +149,18 @@ def _cell(r: PairResult) -> Text:
         return Text(f"ok {lat}".strip(), style="green")
     if r.outcome == "incompatible":
         return Text("incompatible", style="yellow")
+    if r.outcome == "compatible":
+        return Text(_outcome(r), style="cyan")
     if r.outcome == "failed":
         return data(f"FAIL {r.reason}", style="bold red")
     if r.reason == "pool_too_small":
         return Text("pool too small", style="yellow")
     return Text(r.outcome, style="dim")
+
+
+def _outcome(r: PairResult) -> str:
+    """``compatible (metadata)``: what a pair checked by its metadata alone is called."""
+    return f"compatible ({r.reason})" if r.outcome == "compatible" else r.outcome
 
 
 def _ms(v: float | None) -> str:
@@ -168,9 +179,7 @@ def check_text(rep: CheckReport) -> RenderableType:
     parts += _matrix(rep)
     parts.append(_pairs_table(rep))
     counts = ", ".join(
-        f"{rep.count(o)} {o}"
-        for o in ("ok", "failed", "incompatible", "skipped", "left")
-        if rep.count(o) or o in ("ok", "failed")
+        f"{rep.count(o)} {o}" for o in OUTCOMES if rep.count(o) or o in ("ok", "failed")
     )
     verdict = "FAILED" if int(rep.exit_status) else "passed"
     parts.append(
@@ -203,7 +212,7 @@ def _matrix(rep: CheckReport) -> list[RenderableType]:
         lines = Text()
         for r in bad:
             line = (
-                f"{r.outcome.upper()} {r.prefill} -> {r.decode}: "
+                f"{_outcome(r).upper()} {r.prefill} -> {r.decode}: "
                 f"{r.reason}{': ' + r.detail if r.detail else ''}"
             )
             lines.append(shown(line) + "\n", style=_OUTCOME_STYLE.get(r.outcome, ""))
@@ -221,7 +230,7 @@ def _pairs_table(rep: CheckReport) -> Table:
         t.add_row(
             data(r.prefill),
             data(r.decode),
-            Text(r.outcome, style=_OUTCOME_STYLE.get(r.outcome, "")),
+            Text(_outcome(r), style=_OUTCOME_STYLE.get(r.outcome, "")),
             str(r.blocks or "-"),
             f"{r.pushes_ok}/{r.pushes}" if r.pushes else "-",
             _ms(r.first_ms),

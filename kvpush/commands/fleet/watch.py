@@ -9,6 +9,13 @@ bounded queue. ``poll`` runs on the caller's thread: it drains the queue into th
 restarts as ``Change`` s, and the registry going down or coming back as ``Status`` lines.
 ``stop`` cancels the watch and joins the reader. A full queue drops the oldest load updates
 first, never a join, leave or restart.
+
+Endpoints listed with ``--endpoints``/``--peer`` (and not registered) have no registry to
+follow: the *poller* thread looks at them again every ``poll_s`` (``kvpush.commands.fleet
+.sight``, ``concurrency`` at a time). One that answers is a join, a refresh or -- with another
+incarnation -- a restart; one whose port refuses connections left (the data path's proof); one
+that is silent or unreachable stays as it was (a silence proves nothing) and is named in a
+``Status`` line once.
 """
 
 from __future__ import annotations
@@ -20,16 +27,40 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvpush.commands.common.registry import RegistrySource
+from kvpush.commands.fleet.sight import sight_all
+from kvpush.commands.fleet.source import FleetSource
 from kvpush.commands.fleet.view import Change, FleetModel, FleetRow
 from kvpush.fleet.record import EndpointRecord
 
 if TYPE_CHECKING:
-    from kvpush.fleet.store import FleetEvent, Follow
+    from kvpush.fleet.store import Follow
 
 log = logging.getLogger(__name__)
 
 QUEUE_MAX = 10_000
+#: Seconds between two looks at the listed endpoints.
+POLL_S = 2.0
+
+
+@dataclass(frozen=True)
+class Note:
+    """A listed endpoint that stopped answering (said once until it answers again)."""
+
+    t: float
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": "silent", "t": round(self.t, 3), "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """What the poller saw of one listed endpoint (the reader's ``FleetEvent`` kinds)."""
+
+    kind: str  # "put" | "leave" | "silent"
+    address: str
+    record: EndpointRecord | None = None
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -51,30 +82,59 @@ class Status:
 
 
 class FleetWatch:
-    def __init__(self, source: RegistrySource) -> None:
+    def __init__(self, source: FleetSource, poll_s: float = POLL_S) -> None:
         self.source = source
         self.model = FleetModel()
         self.started_at = 0.0
         self.listed_in_s = 0.0
-        self._q: queue.Queue[FleetEvent] = queue.Queue(QUEUE_MAX)
+        self.problems: list[str] = []
+        self._poll_s = poll_s
+        self._q: queue.Queue[Any] = queue.Queue(QUEUE_MAX)
         self._follow: Follow | None = None
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._silent: set[str] = set()
         self.registry_up = True
 
     def start(self) -> list[EndpointRecord]:
-        """List the cluster (raises when etcd does not answer), then follow it."""
+        """List the fleet (raises when etcd does not answer), then follow it."""
         from kvpush.fleet.store import Follow
 
         t0 = time.monotonic()
         self.started_at = time.time()
         etcd = self.source.open()
-        records = self.source.list(etcd)
+        listed = self.source.list(etcd)
+        self.problems = listed.problems
         self.listed_in_s = time.monotonic() - t0
-        self.model.load(records)
-        self._follow = Follow(etcd, self.source.cluster)
-        self._thread = threading.Thread(target=self._read, name="fleet-watch", daemon=True)
-        self._thread.start()
-        return records
+        self.model.load(listed.records)
+        if etcd is not None and self.source.registry is not None:
+            self._follow = Follow(etcd, self.source.registry.cluster)
+            self._spawn(self._read, "fleet-watch")
+        if self.source.listing.entries:
+            self._spawn(self._poll_listed, "fleet-poll")
+        return listed.records
+
+    def _spawn(self, target: Any, name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _poll_listed(self) -> None:
+        """Look at the listed endpoints again every ``poll_s`` (see the module docstring)."""
+        src = self.source
+        while not self._stop.wait(self._poll_s):
+            try:
+                seen = sight_all(src.listing.entries, src.token, src.concurrency, src.timeout_s)
+            except Exception:
+                log.exception("fleet watch: looking at the listed endpoints failed")
+                continue
+            for s in seen:
+                if s.record is not None:
+                    self._q.put(_Seen("put", s.entry.address, s.record))
+                elif s.kind == "unreachable" and "(connection refused)" in s.problem:
+                    self._q.put(_Seen("leave", s.entry.address, detail=s.problem))
+                else:
+                    self._q.put(_Seen("silent", s.entry.address, detail=s.problem))
 
     def _read(self) -> None:
         assert self._follow is not None
@@ -89,39 +149,45 @@ class FleetWatch:
         except Exception:
             log.exception("fleet watch reader failed")
 
-    def poll(self, timeout_s: float) -> list[Change | Status]:
+    def poll(self, timeout_s: float) -> list[Change | Status | Note]:
         """Apply what arrived (waiting up to ``timeout_s`` for the first) to the model."""
-        out: list[Change | Status] = []
+        out: list[Change | Status | Note] = []
         try:
             ev = self._q.get(timeout=timeout_s)
         except queue.Empty:
             return out
         while True:
-            now = time.time()
-            if ev.kind == "registry_down":
-                self.registry_up = False
-                out.append(Status(now, False, ev.detail))
-            elif ev.kind == "registry_up":
-                self.registry_up = True
-                out.append(Status(now, True))
-            elif ev.kind == "leave":
-                ch = self.model.delete(ev.address, now)
-                if ch is not None:
-                    out.append(ch)
-            elif ev.record is not None:
-                ch = self.model.put(ev.record, now)
-                if ch is not None:
-                    out.append(ch)
+            item = self._apply(ev, time.time())
+            if item is not None:
+                out.append(item)
             try:
                 ev = self._q.get_nowait()
             except queue.Empty:
                 return out
 
+    def _apply(self, ev: Any, now: float) -> Change | Status | Note | None:
+        """One event of the reader or the poller, applied to the model (on ``poll``'s thread)."""
+        if ev.kind in ("registry_down", "registry_up"):
+            self.registry_up = ev.kind == "registry_up"
+            return Status(now, self.registry_up, ev.detail)
+        if ev.kind == "silent":
+            if ev.address in self._silent:
+                return None
+            self._silent.add(ev.address)
+            return Note(now, f"{ev.detail} (nothing proven: its row stays)")
+        if ev.kind == "leave":
+            return self.model.delete(ev.address, now)
+        if ev.record is None:
+            return None
+        self._silent.discard(ev.address)
+        return self.model.put(ev.record, now)
+
     def rows(self) -> list[FleetRow]:
         return self.model.rows(time.time())
 
     def stop(self) -> None:
+        self._stop.set()
         if self._follow is not None:
             self._follow.cancel()
-        if self._thread is not None:
-            self._thread.join(5.0)
+        for t in self._threads:
+            t.join(5.0)
