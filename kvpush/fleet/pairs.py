@@ -38,18 +38,15 @@ def compat_fields(rec: EndpointRecord) -> dict[str, object]:
 
 
 def pair_differences(p: EndpointRecord, d: EndpointRecord) -> list[Difference]:
-    """Every field on which P and D disagree (empty: the pair can work). Equal compat hashes
-    and wires settle it at once; otherwise the geometry fields are compared, then the TP sizes
-    (one must divide the other); a hash that differs on no named field is named itself (another
-    protocol version)."""
-    diffs: list[Difference] = []
-    if p.compat_hash != d.compat_hash or p.wire != d.wire:
-        pf, df = compat_fields(p), compat_fields(d)
-        # A field one side's metadata does not carry ("": vLLM's dtype, in its hash) is not
-        # named: the hash, or the wire, already says they differ.
-        diffs = [(f, pf[f], df[f]) for f in pf if pf[f] != df[f] and "" not in (pf[f], df[f])]
-        if not diffs and p.compat_hash != d.compat_hash:
-            diffs.append(("compat_hash", p.compat_hash[:12], d.compat_hash[:12]))
+    """Every field on which P and D disagree (empty: the pair can work): the wire and geometry
+    fields, then the TP sizes (one must divide the other); a hash that differs on no named
+    field is named itself (another protocol or model version)."""
+    # Every field is compared, equal hashes or not: vLLM's hash leaves the block size out. A
+    # field one side's metadata does not carry ("": vLLM's dtype, in its hash) is not named.
+    pf, df = compat_fields(p), compat_fields(d)
+    diffs = [(f, pf[f], df[f]) for f in pf if pf[f] != df[f] and "" not in (pf[f], df[f])]
+    if not diffs and p.compat_hash != d.compat_hash:
+        diffs.append(("compat_hash", p.compat_hash[:12], d.compat_hash[:12]))
     if p.tp_size % d.tp_size and d.tp_size % p.tp_size:
         diffs.append(("tp_size", p.tp_size, d.tp_size))
     return diffs
