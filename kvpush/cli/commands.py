@@ -19,6 +19,7 @@ def register_all(app: typer.Typer) -> None:
     from kvpush.commands.leg import command as leg
     from kvpush.commands.probe import command as probe
     from kvpush.commands.serve import command as serve
+    from kvpush.commands.workload import command as workload
 
     serve.register(app)
     probe.register(app)
@@ -27,4 +28,5 @@ def register_all(app: typer.Typer) -> None:
     demo.register(app)
     fleet.register(app)
     bench.register(app)
+    workload.register(app)
     completion.register(app)

@@ -48,7 +48,8 @@ def test_completion_offers_shapes_dtypes_devices_and_scenarios() -> None:
     assert _complete("kvpush probe 127.0.0.1:1 --dtype fl") == ["float16", "float32"]
     assert _complete("kvpush serve-prefill --device ")[:2] == ["cpu", "cuda"]
     assert _complete("kvpush bench ") == [
-        "hol", "handshake", "bandwidth", "rate", "scale", "tp", "model", "fleet", "device", "all",
+        "hol", "handshake", "bandwidth", "rate", "scale", "tp", "model", "fleet", "device", "trace",
+        "all",
     ]  # fmt: skip
     assert _complete("kvpush bench h") == ["hol", "handshake"]
 

@@ -29,7 +29,7 @@ def scenarios(incomplete: str) -> list[str]:
     """Tab-completion of the scenario (runs on every Tab press: the bench package is light)."""
     from kvpush.commands.bench import NAMES
 
-    return complete.starting([*NAMES, "all"], incomplete)
+    return complete.starting([*NAMES, "trace", "all"], incomplete)
 
 
 def register(app: typer.Typer) -> None:
@@ -47,7 +47,10 @@ def bench(
             "rank), model (real model shapes, block ids contiguous, shuffled and after churn, "
             "vs raw NIXL), fleet (8 P x 16 D registered in etcd: fleet ls/watch/check, "
             "registry load, p99 with registration on vs off), or all; device (--device cuda: "
-            "pushes between VRAM pools vs raw NIXL and a torch copy; not part of all).",
+            "pushes between VRAM pools vs raw NIXL and a torch copy; not part of all); trace "
+            "(a request trace replayed at rising speedups: the knee for a pair and for 1 P x "
+            "2 D, with the pool each step needed; --workload FILE or a synthetic one; not part "
+            "of all).",
             show_default=False,
             autocompletion=scenarios,
         ),
@@ -73,7 +76,27 @@ def bench(
         ),
     ] = None,
     device: Annotated[str, options.OPTIONS["device"].info()] = "cpu",
+    workload: Annotated[
+        str | None,
+        option(
+            "--workload",
+            help="bench trace: the Mooncake-format trace to sweep (default: a synthetic "
+            "conversation-like one).",
+            scope="bench",
+            metavar="FILE",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     from kvpush.commands.bench.console import run_scenarios
+
+    if scenario == "trace":
+        from kvpush.commands.bench.trace import run_trace
+
+        return run_trace(quick, json_out, out_dir, workload)
+    if workload is not None:
+        from kvpush.errors import ConfigError
+
+        raise ConfigError("--workload is for 'kvpush bench trace'", "drop it, or run bench trace")
 
     run_scenarios(scenario, quick, json_out, out_dir, device)

@@ -16,21 +16,27 @@ The old spelling of one vLLM leg (``drive --decode D --kv-transfer-params ...``,
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
 
 from kvpush.commands.common import options, translate
 from kvpush.commands.common.ending import finish
 from kvpush.commands.common.optspec import option
 from kvpush.commands.drive import view as reports
+from kvpush.commands.drive import workload_options as wo
 from kvpush.commands.leg import command as legs
 from kvpush.config import Role, require_counts
 from kvpush.errors import ConfigError
 from kvpush.logsafe import shown
 from kvpush.runtime.signals import StopFlag
+
+if TYPE_CHECKING:
+    from kvpush.commands.common.results import RequestResult
+    from kvpush.commands.drive.workload import Replay
 
 DOC = """Act as the router: send both legs of N requests to running P and D endpoints.
 
@@ -53,6 +59,15 @@ never stopping the run. drive follows the registry while it runs: an endpoint th
 restarts or comes back is checked again before it gets requests; one whose key goes gets no new
 request (a hint: its requests in flight end only on the data path's evidence). Every request is
 still accounted for.
+
+With --workload FILE (a request trace in the Mooncake format; 'kvpush workload synth' makes
+one) the requests are the trace's, replayed open loop: each at its timestamp / --speedup,
+whether or not earlier ones finished, with ceil(input_length / --block-tokens) blocks. A bad
+line, or a prompt larger than any D's pool, is named on stderr (its line number) and the replay
+goes on. The summary adds offered vs achieved rate, how late requests started (against the
+tool's 100 ms tolerance), latency by prompt size, GB/s over time, each D's pool occupancy over
+time (its own gauges) and failures by reason (no_free_blocks when the pool cannot hold the
+traffic).
 
 One leg of a vLLM push deployment, with no router, is 'kvpush leg decode' or 'kvpush leg
 prefill'."""
@@ -240,6 +255,11 @@ def drive(
     alloc_delay: AllocDelay = 0.0,
     trace: Trace = None,
     peer_grace: PeerGrace = 5.0,
+    workload: wo.Workload = None,
+    speedup: wo.Speedup = 1.0,
+    limit: wo.Limit = None,
+    start_at: wo.StartAt = 0.0,
+    block_tokens: wo.BlockTokens = None,
     auth_token_file: options.AuthTokenFile = None,
     **registry: Any,  # options.REGISTRY: the endpoints' registry options
 ) -> None:
@@ -251,11 +271,20 @@ def drive(
             "--alloc-delay applies to one vLLM leg, not to a load run",
             "run 'kvpush leg decode --alloc-delay SECONDS ...'",
         )
+    wo.refuse_mixed(ctx, _given)
     # soft_wrap: one line per event whatever the width (a file or pipe is not 80 columns).
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     targets, prefill, decode = _endpoints(registry, list(prefill or ()), list(decode or ()), err)
     from kvpush.commands.drive.driver import DriveConfig
 
+    replay = None
+    if workload is not None:  # a trace: its requests, sizes and times (blocks: per request)
+        replay = wo.replay(
+            workload, speedup=speedup, limit=limit, start_at=start_at, block_tokens=block_tokens,
+            shape=shape, token=token, say=lambda text: _say(err, text),
+        )  # fmt: skip
+        requests, rate, blocks, tokens = replay.requests, None, 1, None
+        concurrency = concurrency if _given(ctx, "concurrency") else wo.WORKLOAD_CONCURRENCY
     cfg = DriveConfig(
         prefill=tuple(prefill),
         decode=tuple(decode),
@@ -271,15 +300,20 @@ def drive(
     if targets is not None:  # the registry's set, checked; one that left meanwhile is dropped
         cfg = targets.preflight(cfg)
     tty = sys.stderr.isatty() and not json_out
-    report, signame = _run(cfg, targets, trace, err, tty)
+    report, signame = _run(cfg, targets, trace, err, tty, replay)
     if report.interrupted:
         err.print(
             f"drive: interrupted ({signame or 'cancelled'}): intake stopped; the summary "
             "counts requests never sent and those still in flight as cancelled"
         )
+    view: Callable[[Any], RenderableType] = reports.drive_summary
+    if replay is not None:
+        from kvpush.commands.drive.workload_report import workload_summary
+
+        view, report = workload_summary, replay.report(report, report.concurrency)
     finish(
         report,
-        reports.drive_summary,
+        view,
         json_out,
         ok=report.all_verified,
         interrupted=report.interrupted,
@@ -313,10 +347,11 @@ def _endpoints(
 
 
 def _run(
-    cfg: Any, targets: Any, trace: Path | None, err: Console, tty: bool
+    cfg: Any, targets: Any, trace: Path | None, err: Console, tty: bool, replay: Replay | None
 ) -> tuple[Any, str | None]:
-    """Run the driver under a signal handler, with a progress bar (``tty``) or progress lines;
-    return its report and the signal that stopped it, if one did."""
+    """Run the driver under a signal handler, with a progress bar (``tty``) or progress lines,
+    on ``replay``'s schedule when there is one; return its report and the signal that stopped
+    it, if one did."""
     from kvpush.commands.drive.driver import DriveHooks, Driver
 
     driver: Any = None
@@ -337,12 +372,14 @@ def _run(
 
         tracer = Tracer(trace, cfg.auth_token, min(cfg.timeout_s, 5.0))
     hooks = DriveHooks(
-        on_result=lambda r: advance[0](r),
+        on_result=_each_result(replay, advance),
         on_event=lambda text: _say(err, text),
         on_tick=tick,
         tick_s=PROGRESS_EVERY_S,
     )
-    driver = Driver(cfg, hooks, tracer, targets.checked if targets is not None else None)
+    driver = Driver(cfg, hooks, tracer, targets.checked if targets is not None else None, replay)
+    if replay is not None:
+        replay.attach(lambda: driver.decodes)
     if targets is not None:
         driver.notes.extend(dict.fromkeys(targets.notes))
         targets.follow(driver)
@@ -359,6 +396,19 @@ def _run(
     for note in report.notes[told:]:
         _say(err, f"note: {note}")
     return report, stop.signame
+
+
+def _each_result(
+    replay: Replay | None, advance: list[Callable[[RequestResult], object]]
+) -> Callable[[RequestResult], None]:
+    """What each result is handed to: the replay's record (``--workload``), the progress bar."""
+
+    def on_result(r: RequestResult) -> None:
+        if replay is not None:
+            replay.on_result(r)
+        advance[0](r)
+
+    return on_result
 
 
 def _say(err: Console, text: str) -> None:

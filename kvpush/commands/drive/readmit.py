@@ -7,9 +7,9 @@ run's reference P (dtype, layout, block size, layers) and a TP size that divides
 every peer of the other role (``preflight.misfit``). What a peer that comes back must satisfy is
 what the run started with, so a D restarted with other ``--layers`` mid-run never gets a request.
 ``fit`` is the same check of metadata fetched elsewhere (``drive --registry``'s checker, which
-contacts many peers at once). It also remembers each peer's incarnation (``observe``,
-``is_new``): an answer from a new incarnation at a known address means the peer restarted since
-drive last looked, and it must be re-checked before more traffic.
+contacts many peers at once). It also remembers each peer's pool (``pools``) and incarnation
+(``observe``, ``is_new``): an answer from a new incarnation at a known address means the peer
+restarted since drive last looked, and it must be re-checked before more traffic.
 
 Owns ``PeerGrace``: how long drive holds intake while no peer of a role is up (``--peer-grace``),
 so a quick restart reads as a dip in the progress line, not the end of the run.
@@ -30,6 +30,8 @@ from typing import Any
 from kvpush.commands.common.reasons import Leg
 from kvpush.commands.common.results import DriveConfig
 from kvpush.commands.drive.preflight import PREFLIGHT_TIMEOUT_S, misfit, peer_metadata
+from kvpush.commands.drive.schedule import Pools
+from kvpush.config import Role
 from kvpush.errors import KvpushError
 
 
@@ -77,6 +79,17 @@ class Readmission:
         with self._lock:
             known = self._inc.get(address)
         return bool(incarnation) and known is not None and known != incarnation
+
+    def pools(self) -> Pools:
+        """Each peer's pool (blocks per rank), as it last passed the checks, by role."""
+        with self._lock:
+            meta = dict(self._meta)
+        by: dict[str, dict[str, int]] = {str(Role.PREFILL): {}, str(Role.DECODE): {}}
+        for a, m in meta.items():
+            n = m.get("num_blocks")
+            if str(m.get("role")) in by and isinstance(n, int):
+                by[str(m.get("role"))][a] = n
+        return Pools(by[str(Role.PREFILL)], by[str(Role.DECODE)])
 
     def check(self, address: str, role: Leg) -> str:
         """The preflight of one peer: "" when it may take requests again, else why not."""

@@ -1,0 +1,1 @@
+"""``kvpush workload``: request traces in the Mooncake format -- read them, make synthetic ones."""
