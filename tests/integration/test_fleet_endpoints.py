@@ -56,9 +56,8 @@ def test_check_a_listed_fleet_names_the_bad_pair(serve: Launcher, tmp_path: Path
 
     text = run_cli("fleet", "check", "--endpoints", str(listing), "--pushes", "1")
     assert text.returncode == 0, text.stdout + text.stderr
-    assert f"INCOMPATIBLE {p.address} -> {d_other.address}: incompatible: block_bytes 4096 vs 8192" in (
-        text.stdout
-    )
+    want = f"INCOMPATIBLE {p.address} -> {d_other.address}: incompatible: block_bytes 4096 vs 8192"
+    assert want in text.stdout
 
 
 def test_bad_listing_lines_are_one_warning_each(serve: Launcher, tmp_path: Path) -> None:

@@ -14,7 +14,6 @@ watch's reader thread and the check's pair threads belong to ``check`` and ``wat
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -30,8 +29,9 @@ from kvpush.errors import ConfigError, ExitStatus
 from kvpush.logsafe import shown
 from kvpush.runtime.signals import StopFlag
 
-#: Columns of a table written to a pipe when COLUMNS does not say.
-PIPE_WIDTH = 200
+#: The width of the console that writes to a pipe: wide enough that nothing is ever cut
+#: (the tables drop no column there, and lines are only as wide as what they hold).
+PIPE_WIDTH = 100_000
 
 HELP = (
     "See and check a fleet: the endpoints registered in etcd (serve-* --registry URL), or "
@@ -91,10 +91,19 @@ def register(app: typer.Typer) -> None:
     app.add_typer(group)
 
 
-def _out() -> Console:
-    """stdout's console: a pipe gets wide lines (a table cut at 80 columns is no use to grep)."""
-    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-    return Console(highlight=False, width=PIPE_WIDTH if wide else None)
+def _out() -> tuple[Console, int | None]:
+    """stdout's console and the width its tables must fit: a terminal's width, or None for a
+    pipe (every column, nothing cut: grep and awk get whole lines)."""
+    if sys.stdout.isatty():
+        c = Console(highlight=False)
+        return c, c.width
+    return Console(highlight=False, width=PIPE_WIDTH), None
+
+
+def _print(make: Any) -> None:
+    """``make(width)`` printed on stdout at the width it must fit."""
+    console, width = _out()
+    console.print(make(width), soft_wrap=True)
 
 
 Endpoints = Annotated[
@@ -121,7 +130,7 @@ Peers = Annotated[
 ]
 ListConcurrency = Annotated[
     int,
-    option("--concurrency", "-c", help="Listed endpoints contacted at once.", scope="fleet"),
+    option("--concurrency", "-c", help="Listed endpoints contacted at once.", env=False),
 ]
 
 
@@ -169,7 +178,7 @@ def ls(
         stdio.out(json.dumps({**views.rows_json(rows, src.cluster), "problems": listed.problems}))
     else:
         _warn(listed.problems)
-        _out().print(views.ls_table(rows, src.cluster), soft_wrap=True)
+        _print(lambda w: views.ls_table(rows, src.cluster, width=w))
     raise typer.Exit(0)
 
 
@@ -246,8 +255,8 @@ def _watch_live(w: Any, interval: float, duration: float | None, stop: StopFlag)
     status = ""
 
     def frame() -> Any:
-        return views.render_watch(
-            w.rows(), list(w.model.events), w.source.cluster, w.started_at, status
+        return views.render_watch(  # console.width follows a resized terminal
+            w.rows(), list(w.model.events), w.source.cluster, w.started_at, status, console.width
         )
 
     with Live(frame(), console=console, refresh_per_second=4, transient=False) as live:
@@ -278,7 +287,7 @@ def _watch_lines(
         snap["problems"] = w.problems
         stdio.out(json.dumps(snap))
     else:
-        _out().print(views.ls_table(rows, cluster), soft_wrap=True)
+        _print(lambda w: views.ls_table(rows, cluster, width=w))
     end = _until(duration)
     next_rows = time.monotonic() + interval
     while not stop.event.is_set() and time.monotonic() < end:
@@ -410,7 +419,7 @@ def check(
         out["exit_status"] = status
         stdio.out(json.dumps(out))
     else:
-        _out().print(views.check_text(rep), soft_wrap=True)
+        _print(lambda w: views.check_text(rep, w))
         if listed.unseen:
             stdio.err(f"fleet check: {listed.unseen} listed endpoint(s) could not be seen (above)")
     raise typer.Exit(status)

@@ -22,6 +22,7 @@ from rich.text import Text
 
 from kvpush.commands.common.live import section
 from kvpush.commands.common.readings import fmt_rate, fmt_uptime
+from kvpush.commands.fleet.fit import Column, chunks, fitted, width_of
 from kvpush.commands.fleet.outcomes import OUTCOMES, CheckReport, PairResult
 from kvpush.commands.fleet.view import Change, FleetRow
 from kvpush.config import Role
@@ -62,27 +63,33 @@ def _rate(rate: float | None) -> str:
     return "-" if rate is None else fmt_rate(rate)
 
 
-def ls_table(rows: Sequence[FleetRow], cluster: str, *, rate: bool = False) -> RenderableType:
-    """The fleet as a table; ``rate`` adds the push rate column (the watch has two summaries)."""
+_LS_COLUMNS = (
+    Column("role"), Column("address"), Column("host", drop=6), Column("engine id", drop=9),
+    Column("incarnation", drop=8), Column("tp", True, drop=4), Column("wire", drop=7),
+    Column("age", True, drop=5), Column("free blocks", True, drop=1),
+    Column("in flight", True, drop=3),
+)  # fmt: skip
+_RATE_COLUMN = Column("push/s", True, drop=2)
+_HEALTH_COLUMN = Column("health")
+
+
+def ls_table(
+    rows: Sequence[FleetRow], cluster: str, *, rate: bool = False, width: int | None = None
+) -> RenderableType:
+    """The fleet as a table; ``rate`` adds the push rate column (the watch has two summaries).
+    At most ``width`` wide (None: a pipe, nothing dropped): role, address and health stay,
+    the other columns go first (``kvpush.commands.fleet.fit``)."""
     if not rows:
         what = (
             "no listed endpoint could be seen" if cluster == "listed" else "no endpoint registered"
         )
         return Text(f"cluster {cluster!r}: {what}", style="dim")
     n_p = sum(1 for r in rows if r.record.role == Role.PREFILL)
-    t = section(f"cluster {cluster}: {n_p} prefill, {len(rows) - n_p} decode")
-    for col, right in (
-        ("role", False), ("address", False), ("host", False), ("engine id", False),
-        ("incarnation", False), ("tp", True), ("wire", False), ("age", True),
-        ("free blocks", True), ("in flight", True),
-    ):  # fmt: skip
-        t.add_column(col, justify="right" if right else "left", no_wrap=True)
-    if rate:
-        t.add_column("push/s", justify="right", no_wrap=True)
-    t.add_column("health", no_wrap=True)
+    cols = [*_LS_COLUMNS, *([_RATE_COLUMN] if rate else []), _HEALTH_COLUMN]
+    cells: list[list[RenderableType]] = []
     for row in rows:
         r = row.record
-        cells: list[Any] = [
+        line: list[RenderableType] = [
             "P" if r.role == Role.PREFILL else "D",
             data(r.address),
             data(r.host),
@@ -95,10 +102,10 @@ def ls_table(rows: Sequence[FleetRow], cluster: str, *, rate: bool = False) -> R
             str(r.load.in_flight),
         ]
         if rate:
-            cells.append(_rate(row.push_rate))
-        cells.append(Text(row.health, style=_HEALTH_STYLE.get(row.health, "")))
-        t.add_row(*cells)
-    return t
+            line.append(_rate(row.push_rate))
+        line.append(Text(row.health, style=_HEALTH_STYLE.get(row.health, "")))
+        cells.append(line)
+    return fitted(f"cluster {cluster}: {n_p} prefill, {len(rows) - n_p} decode", cols, cells, width)
 
 
 def rows_json(rows: Iterable[FleetRow], cluster: str) -> dict[str, Any]:
@@ -125,10 +132,11 @@ def render_watch(
     cluster: str,
     t0: float,
     status: str = "",
+    width: int | None = None,
 ) -> RenderableType:
     """The live view: the table (with push rates), then the latest events, then a status line
     (registry trouble, the watch re-listing)."""
-    parts: list[RenderableType] = [ls_table(rows, cluster, rate=True)]
+    parts: list[RenderableType] = [ls_table(rows, cluster, rate=True, width=width)]
     if events:
         tail = Text()
         for ev in list(events)[-MAX_EVENT_LINES:]:
@@ -167,7 +175,7 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def check_text(rep: CheckReport) -> RenderableType:
+def check_text(rep: CheckReport, width: int | None = None) -> RenderableType:
     """The matrix (rows P, columns D, one word per pair), then one line per pair that is not ok
     (the reason, the fields that differ), then every pair's figures, then the counts."""
     parts: list[RenderableType] = []
@@ -176,8 +184,8 @@ def check_text(rep: CheckReport) -> RenderableType:
         for n in rep.notes:
             parts.append(data(f"note: {n}"))
         return Group(*parts)
-    parts += _matrix(rep)
-    parts.append(_pairs_table(rep))
+    parts += _matrix(rep, width)
+    parts.append(_pairs_table(rep, width))
     counts = ", ".join(
         f"{rep.count(o)} {o}" for o in OUTCOMES if rep.count(o) or o in ("ok", "failed")
     )
@@ -194,19 +202,31 @@ def check_text(rep: CheckReport) -> RenderableType:
     return Group(*parts)
 
 
-def _matrix(rep: CheckReport) -> list[RenderableType]:
-    """The matrix (rows P, columns D, one word per pair), its legend, and one line per pair
-    that is not ok."""
-    m = section(f"cluster {rep.cluster}: {len(rep.prefills)} P x {len(rep.decodes)} D")
-    m.add_column("P \\ D", no_wrap=True)
-    for i in range(len(rep.decodes)):
-        m.add_column(f"D{i}", no_wrap=True)
-    for p in rep.prefills:
-        m.add_row(data(p), *(_cell(rep.pair(p, d)) for d in rep.decodes))
+def _matrix(rep: CheckReport, width: int | None) -> list[RenderableType]:
+    """The matrix (rows P, columns D, one word per pair) -- in groups of D columns that fit
+    ``width`` --, its legend, and one line per pair that is not ok."""
+    cells = {(p, d): _cell(rep.pair(p, d)) for p in rep.prefills for d in rep.decodes}
+    first = max([width_of(data(p)) for p in rep.prefills] + [len("P \\ D")])
+    widths = [
+        max([len(f"D{i}")] + [width_of(cells[(p, d)]) for p in rep.prefills])
+        for i, d in enumerate(rep.decodes)
+    ]
+    parts: list[RenderableType] = []
+    for group in chunks(first, widths, width):
+        title = f"cluster {rep.cluster}: {len(rep.prefills)} P x {len(rep.decodes)} D"
+        if len(group) < len(rep.decodes):
+            title += f" (D{group.start}-D{group.stop - 1})"
+        m = section(title)
+        m.add_column("P \\ D", no_wrap=True)
+        for i in group:
+            m.add_column(f"D{i}", no_wrap=True)
+        for p in rep.prefills:
+            m.add_row(data(p), *(cells[(p, rep.decodes[i])] for i in group))
+        parts.append(m)
     legend = Text()
     for i, d in enumerate(rep.decodes):
         legend.append(f"D{i}={shown(d)}  ", style="dim")
-    parts: list[RenderableType] = [m, legend]
+    parts.append(legend)
     bad = [r for r in rep.pairs if r.outcome != "ok"]
     if bad:
         lines = Text()
@@ -220,14 +240,18 @@ def _matrix(rep: CheckReport) -> list[RenderableType]:
     return parts
 
 
-def _pairs_table(rep: CheckReport) -> Table:
-    """Every pair's figures."""
-    t = section("pairs")
-    for col in ("prefill", "decode", "outcome", "blocks", "pushes", "first ms", "handshake ms",
-                "p50 ms", "GB/s"):  # fmt: skip
-        t.add_column(col, no_wrap=True, justify="left" if col in ("prefill", "decode") else "right")
-    for r in rep.pairs:
-        t.add_row(
+_PAIR_COLUMNS = (
+    Column("prefill"), Column("decode"), Column("outcome"), Column("blocks", True, drop=4),
+    Column("pushes", True, drop=3), Column("first ms", True, drop=5),
+    Column("handshake ms", True, drop=6), Column("p50 ms", True, drop=2),
+    Column("GB/s", True, drop=1),
+)  # fmt: skip
+
+
+def _pairs_table(rep: CheckReport, width: int | None) -> Table:
+    """Every pair's figures (the addresses and the outcome whatever the width)."""
+    rows: list[list[RenderableType]] = [
+        [
             data(r.prefill),
             data(r.decode),
             Text(_outcome(r), style=_OUTCOME_STYLE.get(r.outcome, "")),
@@ -237,8 +261,10 @@ def _pairs_table(rep: CheckReport) -> Table:
             _ms(r.handshake_ms),
             _ms(r.p50_ms),
             "-" if r.gb_per_s is None else f"{r.gb_per_s:.3f}",
-        )
-    return t
+        ]
+        for r in rep.pairs
+    ]
+    return fitted("pairs", _PAIR_COLUMNS, rows, width)
 
 
 def check_json(rep: CheckReport) -> dict[str, Any]:

@@ -167,8 +167,8 @@ def sight(entry: Entry, token: bytes | None, timeout_s: float = CONTACT_TIMEOUT_
     except KvpushError as e:
         return Seen(entry, None, "error", f"{where}: {said(e)}")
     if entry.role is not None and entry.role != rec.role:
-        said = f"{where}: listed as {entry.role.value}, but the endpoint says it is a "
-        return Seen(entry, rec, "kvpush", said + f"{rec.role.value} endpoint: its word is kept")
+        what = f"{where}: listed as {entry.role.value}, but the endpoint says it is a "
+        return Seen(entry, rec, "kvpush", what + f"{rec.role.value} endpoint: its word is kept")
     return Seen(entry, rec, "kvpush")
 
 
