@@ -279,6 +279,8 @@ class AgentConfig:
     # become NIXL_ETCD_ENDPOINTS / NIXL_ETCD_NAMESPACE when the agent is created); "" = off.
     etcd_endpoints: str = ""
     etcd_namespace: str = ""
+    # --lanes: UCX's lane report is read (kvpush.transport.lanes); serve-*: on by default.
+    lanes: bool = False
 
     def __post_init__(self) -> None:
         if not self.backends:

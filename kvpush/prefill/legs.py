@@ -7,7 +7,8 @@ peer dies -- and settles the push once its last leg is over: blocks back to the 
 quarantined until a fence when bytes may still be moving (``kvpush.prefill.fences``). Fences
 are in-flight WRITEs too and end here. An ok push's outcome carries its phase stamps
 (``kvpush.telemetry.phases``: matched, handshake done, last WRITE posted, last seen done) and
-its steps go into the ``phase_*`` histograms. State lives in the ``PushTable`` (``Writing``,
+its steps go into the ``phase_*`` histograms; each post's descriptors and time in NIXL's
+prep+post calls go to ``kvpush.prefill.lanestats``. State lives in the ``PushTable`` (``Writing``,
 ``Leg``, ``FenceWrite``); this object only acts on it.
 
 Nothing here calls back up into the writer: a call that finds a peer to evict, or a push
@@ -29,6 +30,7 @@ from kvpush.peers.tp import Slice
 from kvpush.prefill.context import WriterContext
 from kvpush.prefill.events import ENDED, NO_EVENTS, Ended, Event, EvictPeer, Rewait
 from kvpush.prefill.fences import Fences
+from kvpush.prefill.lanestats import PeerLanes
 from kvpush.prefill.outcomes import Outcomes
 from kvpush.prefill.plan import PlanError, WritePlan, plan_write
 from kvpush.prefill.table import (
@@ -58,7 +60,9 @@ log = logging.getLogger(__name__)
 
 
 class Legs:
-    def __init__(self, ctx: WriterContext, out: Outcomes, fences: Fences) -> None:
+    def __init__(
+        self, ctx: WriterContext, out: Outcomes, fences: Fences, lanes: PeerLanes | None = None
+    ) -> None:
         self.cfg = ctx.cfg
         # Held one by one (not through ``ctx``): a push's post and poll read them.
         self._agent = ctx.agent
@@ -77,6 +81,7 @@ class Legs:
         self._chunk_dlists: dict[tuple[int, int], DList] = {}  # (offset, length) of each page
         self._n_ok = 0  # pushes ok (the drop_agents_after fault hook)
         self._drop_agents_after = ctx.instruments.drop_agents_after
+        self._lanes = lanes  # per-peer posting figures (``kvpush.prefill.lanestats``)
 
     # ------------------------------------------------------------------ descriptor lists
     def open(self) -> None:
@@ -188,12 +193,15 @@ class Legs:
             if self._transport_error(conn, e):
                 return EvictPeer(conn.key, f"WRITE post failed: {e.status}", _soft(e))
             return None
+        post_s = time.monotonic() - t_post
+        if self._lanes is not None:
+            self._lanes.posted(conn.key, conn.agent_name, len(plan.local_idx), plan.nbytes, post_s)
         deadline = self._dialect.write_deadline(t_post, plan.nbytes, self.cfg.timeouts)
-        leg = Leg(w, r, xfer, conn, t_post, deadline, plan.nbytes)
+        leg = Leg(w, r, xfer, conn, t_post, deadline, plan.nbytes, post_s)
         w.t_posted = t_post
         self._table.leg_posted(leg)
         if state == XFER_DONE:
-            self.complete(leg)
+            self.complete(leg, at_post=True)
         elif state == XFER_ERR:
             self.abandon(leg, Failure.WRITE_ERROR, "transfer() returned ERR")
         return None
@@ -236,7 +244,7 @@ class Legs:
             return False  # already forgotten (an earlier leg's error evicted it)
         return self._hs.transport_error(conn.key, e)
 
-    def complete(self, entry: InFlight) -> None:
+    def complete(self, entry: InFlight, at_post: bool = False) -> None:
         self._agent.release(entry.xfer)
         if isinstance(entry, FenceWrite):
             self._table.done(entry)
@@ -245,6 +253,8 @@ class Legs:
         entry.writing.nbytes += entry.nbytes
         entry.writing.t_done = now = time.monotonic()
         self._tm.observe(Hist.WRITE_DURATION, now - entry.t_post)
+        if self._lanes is not None and not at_post:  # (done within its post: the post was all)
+            self._lanes.done(entry.conn.key, entry.post_s, now - entry.t_post)
         w = self._table.done(entry)
         if w is not None:
             self.settle(w)

@@ -83,6 +83,7 @@ class Leg:
     t_post: float
     deadline: float
     nbytes: int
+    post_s: float = 0.0  # spent in NIXL's prep+post calls (``kvpush.prefill.lanestats``)
 
     @property
     def push(self) -> Push:

@@ -16,7 +16,8 @@ shutdown); posting the WRITEs, polling one and ending each exactly once is
 ``kvpush.prefill.legs``; which D ranks a PUSH_REG stands for is ``kvpush.prefill.ranks``; the
 connection each leg is written on (handshakes, the one incarnation check) and evicting a D rank
 is ``kvpush.prefill.peers``; transfers declined before they are written are
-``kvpush.prefill.declines``. The writer is handed its rank's ``EndpointContext``; it and its
+``kvpush.prefill.declines``; which lane carries each D's KV is ``kvpush.prefill.lanestats``.
+The writer is handed its rank's ``EndpointContext``; it and its
 collaborators (``Outcomes``, ``Fences``, ``Legs``, ``DecodePeers``, ``Declines``) share one
 ``WriterContext`` built from it (``kvpush.prefill.context``), and they never call back up: what
 the writer must act on (a peer to evict, blocks to wait again) comes back as an event
@@ -44,6 +45,7 @@ from kvpush.prefill.context import WriterContext
 from kvpush.prefill.declines import Declines
 from kvpush.prefill.events import Event, EvictPeer
 from kvpush.prefill.fences import Fences
+from kvpush.prefill.lanestats import PeerLanes
 from kvpush.prefill.legs import Legs
 from kvpush.prefill.limits import MAX_PENDING_REGISTRATIONS
 from kvpush.prefill.outcomes import Outcomes
@@ -67,6 +69,7 @@ from kvpush.ratelog import RateLimitedLog
 from kvpush.runtime.context import EndpointContext
 from kvpush.runtime.owner import OwnerThread, RankCrash, drain_notifications
 from kvpush.telemetry.names import Counter, Failure, Gauge
+from kvpush.transport import lanes
 from kvpush.wire import protocol
 
 log = logging.getLogger(__name__)
@@ -99,7 +102,12 @@ class PushWriter:
         )
         self._out = Outcomes(ctx, owner, self.tasks, ep.decliner)
         self._fences = Fences(ctx)
-        self._legs = Legs(ctx, self._out, self._fences)
+        # Which lane carries each D's KV (read off the hot path, at snapshot time).
+        self._lanes = PeerLanes(
+            lanes.book_for(ep.metadata.agent_name, ep.cfg.agent.lanes), ep.cfg.host
+        )
+        ep.telemetry.peer_extras_fn(self._lanes.fields)
+        self._legs = Legs(ctx, self._out, self._fences, self._lanes)
         self._peers = DecodePeers(ctx, self._out, self._legs, self._fences)
         self._declines = Declines(ctx, self._out)
         self._rl = RateLimitedLog(log)
@@ -334,6 +342,7 @@ class PushWriter:
 
     # ------------------------------------------------------------------ notifications
     def _on_notif(self, sender: str, msg: protocol.Notif) -> None:
+        self._lanes.heard(sender)  # its first is the peer's first contact (lanes)
         if isinstance(msg, protocol.PushReg):
             self._ctx.telemetry.inc(Counter.PUSH_REGS_RECEIVED)
             key = self._ctx.dialect.registration_key(msg)

@@ -21,10 +21,9 @@ function of it):
 - ``kvpush_pool_blocks{state}`` (free, allocated, inflight, quarantined) and
   ``kvpush_pool_capacity_blocks`` (``pool_total``); ``kvpush_<gauge>`` for any other gauge
 - ``kvpush_<hist>_seconds``: histograms on the fixed ``BUCKET_BOUNDS``
-- ``kvpush_peer_handshake_state{peer,peer_rank,mode,state}`` = 1 per peer row, with the
-  counter ``kvpush_peer_handshake_failures_total{peer,peer_rank}`` and
-  ``kvpush_peer_handshake_duration_seconds{peer,peer_rank}`` (``peer`` the address,
-  ``peer_rank`` the remote rank)
+- the peer rows (``kvpush.telemetry.prom_peers``): ``kvpush_peer_handshake_state``,
+  ``..._failures_total``, ``..._duration_seconds`` and, on a P, which lane carries each D's KV
+  (``kvpush_peer_lane_info``) and what posting costs there
 - ``kvpush_uptime_seconds``; ``kvpush_info{incarnation,...}`` = 1 with the static info as labels
 
 Every counter (``names.Counter``) and failure kind (``names.Failure``) this version knows is
@@ -91,6 +90,7 @@ from kvpush.telemetry.names import (
     Counter,
     Failure,
 )
+from kvpush.telemetry.prom_peers import peer_families, split_peer
 from kvpush.telemetry.snapshot import HistSnapshot, Snapshot, expand_buckets
 
 logger = logging.getLogger(__name__)
@@ -112,14 +112,6 @@ _BASE = ("role", "engine_id")
 ENDPOINT_COUNTERS = frozenset(c for cs in REQUEST_COUNTERS.values() for c in cs)
 ENDPOINT_HISTS = frozenset(h for hs in REQUEST_HISTS.values() for h in hs)
 _INVALID = re.compile(r"[^a-zA-Z0-9_]")
-_PEER_RANK = re.compile(r"^(?P<addr>.*) rank (?P<rank>\d+)$")
-
-
-def split_peer(peer: str) -> tuple[str, str]:
-    """``"HOST:PORT rank R"`` (``peer_name``'s form) -> ``("HOST:PORT", "R")``; rank 0 is
-    written without it: ``"HOST:PORT"`` -> ``("HOST:PORT", "0")``."""
-    m = _PEER_RANK.match(peer)
-    return (m["addr"], m["rank"]) if m else (peer, "0")
 
 
 def metric_name(raw: str) -> str:
@@ -190,7 +182,7 @@ def _families(snap: Snapshot) -> Iterator[Metric]:
     yield _failure_family(v)
     yield from _gauge_families(v)
     yield from _hist_families(v)
-    yield from _peer_families(v)
+    yield from peer_families(v.parts, v.lab)
     up = GaugeMetricFamily(
         "kvpush_uptime_seconds", "Seconds since the endpoint started", labels=_BASE
     )
@@ -278,41 +270,6 @@ def _hist_families(v: _View) -> Iterator[Metric]:
                 if hist in s.histograms:
                     _add_hist(fam, key, s.histograms[hist])
         yield fam
-
-
-def _peer_families(v: _View) -> Iterator[Metric]:
-    # ``peer`` is the peer endpoint's side-channel address and ``peer_rank`` its rank (each
-    # rank is its own NIXL agent and handshake), so both group and filter as plain values.
-    peer_lab = [*v.lab, "peer", "peer_rank"]
-    state = GaugeMetricFamily(
-        "kvpush_peer_handshake_state",
-        "1 for each peer, labelled with its handshake mode and state",
-        labels=[*peer_lab, "mode", "state"],
-    )
-    failures = CounterMetricFamily(
-        "kvpush_peer_handshake_failures",
-        "Failed handshakes per peer since it entered the peer table",
-        labels=peer_lab,
-    )
-    duration = GaugeMetricFamily(
-        "kvpush_peer_handshake_duration_seconds",
-        "Duration of the last handshake per peer",
-        labels=peer_lab,
-    )
-    for key, s in v.parts:
-        for row in s.peers:
-            peer = [*key, *split_peer(str(row.get("peer", "")))]
-            mode, st = str(row.get("mode", "")), str(row.get("state", ""))
-            state.add_metric([*peer, mode, st], 1)
-            n = row.get("failures")
-            if isinstance(n, int | float):
-                failures.add_metric(peer, n)
-            d = row.get("duration_s")
-            if isinstance(d, int | float):
-                duration.add_metric(peer, d)
-    yield state
-    yield failures
-    yield duration
 
 
 def _add_hist(fam: HistogramMetricFamily, key: list[str], h: HistSnapshot) -> None:

@@ -4,7 +4,8 @@ Worker threads (writer, receiver, side channel, handshake threads) bump it with
 ``inc``/``fail``/``observe`` -- each a dict update or a bucket increment under a short lock, well
 under a microsecond. Nothing here runs a thread. Readers never touch live state:
 ``Telemetry.snapshot()`` copies the counters and histogram buckets under their locks, reads the
-registered gauge and peer callables, and hands the raw readings to the pure functions of
+registered gauge and peer callables (a P's peer rows get their ``lane`` fields there:
+``peer_extras_fn``), and hands the raw readings to the pure functions of
 ``kvpush.telemetry.snapshot`` that build a frozen ``Snapshot``.
 """
 
@@ -15,7 +16,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from kvpush.config import Role
 from kvpush.telemetry.names import RATE_COUNTERS
@@ -89,12 +90,17 @@ class Histogram:
 _Scalar = str | int | float
 
 
-def _peer_value(v: object) -> object:
-    """A peer-row value as JSON can carry it: scalars kept, NaN/inf -> None, others -> str."""
+def _peer_value(v: object, depth: int = 0) -> object:
+    """A peer-row value as JSON can carry it: scalars kept, NaN/inf -> None, lists and dicts
+    of them kept (two levels: a row's ``lane``), others -> str."""
     if isinstance(v, float):
         return v if math.isfinite(v) else None
     if v is None or isinstance(v, (str, int, bool)):
         return v
+    if depth < 2 and isinstance(v, (list, tuple)):
+        return [_peer_value(x, depth + 1) for x in v]
+    if depth < 2 and isinstance(v, dict):
+        return {str(k): _peer_value(x, depth + 1) for k, x in v.items()}
     return str(v)
 
 
@@ -132,6 +138,7 @@ class Telemetry:
         self._hists: dict[str, Histogram] = {}
         self._gauges: dict[str, Callable[[], float]] = {}
         self._peer_sources: list[Callable[[], list[dict[str, object]]]] = []
+        self._peer_extras: list[Callable[[], Mapping[str, Mapping[str, object]]]] = []
         self._info: dict[str, _Scalar] = {}
         self._broken_sources: set[str] = set()  # logged once each
         self._rate_lock = threading.Lock()
@@ -180,10 +187,18 @@ class Telemetry:
     def peers_fn(self, fn: Callable[[], list[dict[str, object]]]) -> None:
         """Add a source of per-peer rows; the snapshot concatenates the rows of every source.
 
-        Row keys: peer, engine_id, mode, state, duration_s, failures, last_error.
+        Row keys: peer, engine_id, mode, state, duration_s, failures, last_error (a P's rows:
+        also lane and lane_flags, ``peer_extras_fn``).
         """
         with self._lock:
             self._peer_sources.append(fn)
+
+    def peer_extras_fn(self, fn: Callable[[], Mapping[str, Mapping[str, object]]]) -> None:
+        """Add fields to peer rows at snapshot time: ``fn()`` maps a row's ``peer`` to its
+        extra fields (P's ``lane`` and ``lane_flags``: ``kvpush.prefill.lanestats``). Called on
+        the reader's thread, like ``peers_fn``."""
+        with self._lock:
+            self._peer_extras.append(fn)
 
     def info(self, **kv: str | int | float) -> None:
         with self._lock:
@@ -199,6 +214,7 @@ class Telemetry:
             hists = dict(self._hists)
             gauge_fns = dict(self._gauges)
             peer_sources = list(self._peer_sources)
+            extras = list(self._peer_extras)
             info = dict(self._info)
         return Snapshot(
             ts=self._wall(),
@@ -212,7 +228,7 @@ class Telemetry:
             gauges=self._read_gauges(gauge_fns),
             rates=self._rates(now, counters),
             histograms={name: h.snapshot() for name, h in sorted(hists.items())},
-            peers=self._read_peers(peer_sources),
+            peers=self._read_peers(peer_sources, extras),
         )
 
     def _rates(self, now: float, counters: dict[str, int]) -> dict[str, float]:
@@ -240,7 +256,9 @@ class Telemetry:
         return out
 
     def _read_peers(
-        self, sources: list[Callable[[], list[dict[str, object]]]]
+        self,
+        sources: list[Callable[[], list[dict[str, object]]]],
+        extras: list[Callable[[], Mapping[str, Mapping[str, object]]]],
     ) -> list[dict[str, object]]:
         rows: list[dict[str, object]] = []
         for fn in sources:
@@ -250,6 +268,16 @@ class Telemetry:
                 self._report_broken(f"peers source {fn!r}", e)
                 continue
             rows.extend({str(k): _peer_value(v) for k, v in row.items()} for row in got)
+        for extra in extras:
+            try:
+                more = extra()
+            except Exception as e:
+                self._report_broken(f"peer fields {extra!r}", e)
+                continue
+            for row in rows:
+                add = more.get(str(row.get("peer", "")))
+                if add:
+                    row.update({str(k): _peer_value(v) for k, v in add.items()})
         return rows
 
     def _report_broken(self, what: str, e: Exception) -> None:

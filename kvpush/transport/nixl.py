@@ -32,6 +32,7 @@ import numpy as np
 
 from kvpush.config import AgentConfig
 from kvpush.errors import NixlUnavailableError
+from kvpush.transport import lanes
 from kvpush.transport.agent import (
     DList,
     Handle,
@@ -175,7 +176,9 @@ class NixlAgent:
             backends=[],
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
         )
-        with _CREATE_LOCK:
+        # Lanes (``kvpush.transport.lanes``): UCX reads UCX_PROTO_INFO and, at the process's
+        # first agent, UCX_LOG_FILE while the agent is created; they are set just for that.
+        with _CREATE_LOCK, lanes.creating(cfg.lanes, name):
             self._agent = self._create(api, name, conf, cfg)
         self._reg: object | None = None
         self._lock = threading.Lock()  # guards the two name sets (owner and handshake threads)

@@ -12,7 +12,8 @@ choice between the views (``isatty()``, ``--json``), belong to the command that 
 Tensor parallelism: a snapshot with ``ranks`` (``kvpush.telemetry.merge``) is drawn as the
 endpoint's totals, as for one rank, plus a ``Ranks`` table (each rank's queues, pool, handshakes
 and throughput) and a ``rank`` column in the handshake table. A one-rank snapshot draws exactly
-as it always did.
+as it always did. A P's handshake table has a ``lane`` column (``lane_cell``: the WRITE's
+transports, red with their flags) once its rows carry lanes.
 """
 
 from __future__ import annotations
@@ -46,7 +47,14 @@ from kvpush.config import Role
 from kvpush.telemetry.names import QUEUE_GAUGES, Counter, Gauge
 from kvpush.telemetry.snapshot import Snapshot
 
-__all__ = ["pool_bar", "ranks_table", "render_live", "render_summary_table"]
+__all__ = [
+    "has_lanes",
+    "lane_cell",
+    "pool_bar",
+    "ranks_table",
+    "render_live",
+    "render_summary_table",
+]
 
 WIDTH = 100
 
@@ -118,6 +126,32 @@ def _devices(snap: Snapshot) -> str:
     return ",".join(seen)
 
 
+def has_lanes(snap: Snapshot) -> bool:
+    """Whether any peer row says which lane carries its KV (a P's rows, lanes on or off)."""
+    return any(isinstance(r.get("lane"), dict) for r in snap.peers)
+
+
+def lane_cell(row: Mapping[str, object]) -> Text:
+    """A peer row's lane for a table cell: the WRITE's transports (``cma``, ``tcp``...), red
+    with its flags (``tcp_on_one_host``, ``post_dominates``); ``ambiguous`` or ``?``."""
+    lane = row.get("lane")
+    if not isinstance(lane, dict):
+        return Text("-", style="dim")
+    write = lane.get("write")
+    evidence = str(lane.get("evidence") or "")
+    if isinstance(write, list) and write:
+        text = Text("+".join(str(w) for w in write))
+    elif evidence.startswith("ambiguous"):
+        return Text("ambiguous", style="yellow")
+    else:
+        return Text("?", style="dim")
+    flags = row.get("lane_flags")
+    if isinstance(flags, list) and flags:
+        text.stylize("bold red")
+        text.append(" " + ",".join(str(f) for f in flags), style="red")
+    return text
+
+
 # --- the live view ----------------------------------------------------------------------------
 
 
@@ -168,6 +202,9 @@ def _handshakes(snap: Snapshot) -> Table:
     t.add_column("state", no_wrap=True)
     t.add_column("ms", justify="right", no_wrap=True)
     t.add_column("fails", justify="right", no_wrap=True)
+    lanes = has_lanes(snap)
+    if lanes:  # which transport carries the KV (P's rows), and its flags
+        t.add_column("lane", no_wrap=True, max_width=24, overflow="ellipsis")
     t.add_column("last error", no_wrap=True, overflow="ellipsis", ratio=1)
     # Unhealthy peers first: they are what an operator looks for.
     rows = sorted(
@@ -185,6 +222,7 @@ def _handshakes(snap: Snapshot) -> Table:
             Text(state or "-", style=_state_style(state)),
             fmt_ms(float(duration)) if isinstance(duration, int | float) else "-",
             Text(str(failures), style="red" if failures else ""),
+            *([lane_cell(row)] if lanes else []),
             Text(_cell(row.get("last_error"), ""), style="red"),
         )
     if len(rows) > _MAX_PEER_ROWS:

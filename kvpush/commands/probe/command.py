@@ -94,6 +94,19 @@ def probe(
         int, option("--ping", help="Measure this many NIXL notification round trips.")
     ] = 0,
     stats: Annotated[bool, option("--stats", help="Show the peer's live telemetry.")] = False,
+    lanes: Annotated[
+        bool,
+        option(
+            "--lanes",
+            help="Also push a few verified blocks with the peer (a kvpush D: from a tiny P "
+            "of the probe's; a kvpush P: into a tiny D of the probe's) and report which lane "
+            "carries them, from UCX's own report: the WRITE's and the notification's "
+            "transports, device, locality, descriptors per push, post time per descriptor, "
+            "flags (tcp_on_one_host, post_dominates) and the evidence. Not for a vLLM engine: "
+            "kvpush cannot start its push.",
+            scope="probe",
+        ),
+    ] = False,
     json_out: Annotated[
         bool, option("--json", help="One JSON object on stdout.", scope="probe")
     ] = False,
@@ -132,6 +145,7 @@ def _probe(
     handshake: HandshakeMode | None,
     ping: int,
     stats: bool,
+    lanes: bool,
     json_out: bool,
     ranks: str,
     peer_tp: int | None,
@@ -144,6 +158,10 @@ def _probe(
     from kvpush.commands.probe.report import local_compat_fields
 
     p = ctx.params
+    if lanes:  # before anything loads UCX (its version is read below): its log to a file
+        from kvpush.transport import lanes as lane_report
+
+        lane_report.prepare(True)
     token = translate.auth_token(auth_token_file)
     given = [n for n in options.GEOMETRY if _given(ctx, n)]
     local_pool = translate.pool_config(p, num_blocks=4) if given else None
@@ -168,15 +186,49 @@ def _probe(
             "notification but vLLM's three forms kills a vLLM engine's main thread",
             "drop --ping for a vLLM peer (--handshake times a real handshake with it)",
         )
+    if lanes and report.kind == "vllm":
+        from kvpush.commands.probe.lanes import refuse_vllm
+
+        raise refuse_vllm(report.address)
+    agent = AgentConfig(backends=translate.backends(backends), progress_thread=progress_thread)
     if handshake is not None or ping > 0:
         if report.differences:
             report.notes.append("incompatible peer: --handshake/--ping skipped")
         else:
-            agent = AgentConfig(
-                backends=translate.backends(backends), progress_thread=progress_thread
-            )
             report = _with_handshake(report, p, agent, local_pool, token, asked[1])
+    if lanes:
+        if report.differences:
+            report.notes.append("incompatible peer: --lanes skipped")
+        else:
+            report = _with_lanes(report, p, agent, local_pool, token)
     _print(report, json_out)
+
+
+def _tiny_base(p: dict[str, Any], agent: AgentConfig, role: Role) -> Any:
+    """The probe's tiny local endpoint before it takes the peer's geometry."""
+    from kvpush.config import EndpointConfig, Timeouts
+
+    timeout = p["timeout"]
+    return EndpointConfig(
+        role=role,
+        agent=agent,
+        timeouts=Timeouts(side_channel_s=timeout, handshake_s=max(timeout, 1.0)),
+        pool=translate.pool_config(p, num_blocks=4),
+    )
+
+
+def _with_lanes(
+    report: Any, p: dict[str, Any], agent: AgentConfig, local_pool: PoolConfig | None, token: Any
+) -> Any:
+    """``report`` with the lanes of a few real pushes with the (kvpush) peer."""
+    from kvpush.commands.probe import kvpush_peer as probe_kvpush
+    from kvpush.commands.probe.lanes import lane_probe
+
+    base = _tiny_base(p, agent, Role.DECODE)
+    cfg = probe_kvpush.tiny_local_config(report.metadata, local_pool, token, base)
+    role = str(report.metadata.get("role") or "")
+    rows = lane_probe(report.address, role, cfg, token, p["timeout"])
+    return dataclasses.replace(report, lanes=rows)
 
 
 def _with_handshake(
@@ -192,15 +244,9 @@ def _with_handshake(
     from kvpush.commands.probe import kvpush_peer as probe_kvpush
     from kvpush.commands.probe import probe as core
     from kvpush.commands.probe import vllm_peer as probe_vllm
-    from kvpush.config import EndpointConfig, Timeouts
 
-    timeout, handshake, ping = p["timeout"], p["handshake"], p["ping"]
-    base = EndpointConfig(
-        role=Role.DECODE,
-        agent=agent,
-        timeouts=Timeouts(side_channel_s=timeout, handshake_s=max(timeout, 1.0)),
-        pool=translate.pool_config(p, num_blocks=4),
-    )
+    handshake, ping = p["handshake"], p["ping"]
+    base = _tiny_base(p, agent, Role.DECODE)
     if report.kind == "vllm":
         # Loads the peer's agent (and, full, its descriptors); sends it nothing.
         cfg = probe_vllm.tiny_vllm_config(report.address, base)

@@ -70,6 +70,8 @@ class ProbeReport:
     # This host's NIXL/UCX ({"nixl", "nixl_build", "ucx"}) and the known issues of either side's.
     local_versions: dict[str, str] = field(default_factory=dict)
     version_warnings: list[str] = field(default_factory=list)
+    # ``--lanes``: one row per peer rank written to (``kvpush.commands.probe.lanes``).
+    lanes: list[dict[str, Any]] | None = None
 
     @property
     def compatible(self) -> bool | None:

@@ -77,6 +77,9 @@ def probe_report(r: Any) -> RenderableType:
             f"nixl {mine.get('nixl') or '?'} ({mine.get('nixl_build') or '?'}) · "
             f"ucx {mine.get('ucx') or '?'}",
         )
+    for row in getattr(r, "lanes", None) or []:
+        for label, value in lane_text(row):
+            t.add(label, value)
     for w in getattr(r, "version_warnings", []):
         t.add("known issue", w)
     for n in r.notes:
@@ -111,3 +114,30 @@ def _timing_rows(t: Rows, r: Any) -> None:
 def probe_stats(r: Any) -> RenderableType | None:
     """The peer's live telemetry of ``probe --stats`` (None without it)."""
     return None if r.stats is None else render_live(snapshot_from_dict(r.stats))
+
+
+def lane_text(row: dict[str, Any]) -> list[tuple[str, str]]:
+    """A lane row's label/value lines for a person."""
+    lane: dict[str, Any] = row["lane"]
+
+    def joined(key: str) -> str:
+        v = lane.get(key)
+        return ",".join(str(x) for x in v) if isinstance(v, list) and v else "?"
+
+    out = [
+        ("peer", f"{row.get('peer')} ({row.get('writer')})"),
+        ("write lane", f"{joined('write')} on {joined('devices')}"),
+        ("notification lane", f"{joined('notif')} on {joined('notif_devices')}"),
+        ("locality", str(lane.get("locality") or "?")),
+    ]
+    if lane.get("descs_per_push") is not None:
+        per = lane.get("post_us_per_desc")
+        out.append(("descriptors per push", f"{lane.get('descs_per_push')}"))
+        out.append(("post per descriptor", f"{per:.2f} µs" if isinstance(per, float) else "?"))
+    out.append(("flags", ", ".join(row.get("lane_flags") or []) or "none"))
+    out.append(("evidence", f"{lane.get('evidence')}" + _cfg(lane)))
+    return out
+
+
+def _cfg(lane: dict[str, Any]) -> str:
+    return f" (UCX cfg#{lane['cfg']})" if isinstance(lane.get("cfg"), int) else ""

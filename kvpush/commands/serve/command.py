@@ -21,6 +21,7 @@ stdout and log to stderr. Runs on the main thread; the endpoint owns its own thr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -37,6 +38,7 @@ from rich.console import Console
 from kvpush import logsafe
 from kvpush.commands.common import options, quickexit, stdio, translate
 from kvpush.commands.common.options import LogLevel, OutputMode
+from kvpush.commands.common.optspec import PANEL_NIXL, option
 from kvpush.commands.common.translate import ServeOptions
 from kvpush.config import EndpointConfig, Role
 from kvpush.errors import ExitStatus, KvpushError
@@ -76,11 +78,24 @@ def register(app: typer.Typer) -> None:
 ROLES: tuple[Role, ...] = (Role.PREFILL, Role.DECODE)
 
 
-def _command(role: Role) -> Callable[..., None]:
-    """The body of ``serve-<role>``: every option is an entry of the endpoint table."""
+LANES_HELP = (
+    "Report which lane carries each peer's KV: UCX prints its protocol selection "
+    "(UCX_PROTO_INFO) into a private log file that kvpush reads (never onto stdout) and relays "
+    "UCX's other log lines to kvpush's log; a P's peer rows then show the WRITE's and the "
+    "notification's transports, descriptors per push and post time per descriptor. An "
+    "operator's own UCX_LOG_FILE or UCX_PROTO_INFO is left as it is (lanes are then read from "
+    "that file)."
+)
+Lanes = Annotated[bool, option("--lanes/--no-lanes", help=LANES_HELP, panel=PANEL_NIXL)]
 
-    def body(**params: Any) -> None:
+
+def _command(role: Role) -> Callable[..., None]:
+    """The body of ``serve-<role>``: every option but ``--lanes`` is an entry of the endpoint
+    table."""
+
+    def body(lanes: Lanes = True, **params: Any) -> None:
         cfg = translate.endpoint_config(role, params)
+        cfg = dataclasses.replace(cfg, agent=dataclasses.replace(cfg.agent, lanes=lanes))
         opts = ServeOptions.from_params(params)
         raise typer.Exit(serve(cfg, opts))
 
@@ -205,6 +220,8 @@ def _start(run: _Running, cfg: EndpointConfig, opts: ServeOptions, stop: StopFla
         run.exporter.reserve()
     run.ep = ep = open_endpoint(cfg)
     stop.rearm()  # UCX took SIGHUP over while the endpoint started
+    if cfg.agent.lanes:
+        _say_lanes()
     freeze_startup_heap()
     health = _health(ep)
     if run.exporter is not None:
@@ -249,6 +266,23 @@ def _stop(run: _Running, opts: ServeOptions, failure: BaseException | None) -> N
             os.unlink(opts.ready_file)
 
 
+def _say_lanes() -> None:
+    from kvpush.transport import lanes
+
+    where, problem = lanes.describe()
+    if problem:
+        log.warning("lanes: %s: peers' lanes show as unknown", where)
+    else:
+        log.info("lanes: %s", where)
+
+
+def _pump_lanes() -> None:
+    """Read UCX's log (its own lines go to kvpush's log): a D takes no lane snapshot."""
+    from kvpush.transport import lanes
+
+    lanes.refresh()
+
+
 def _health(ep: Any) -> Any:
     from kvpush.telemetry.health import Health
 
@@ -265,6 +299,7 @@ def _loop_lines(
         failure: BaseException | None = ep.failure()
         if failure is not None:
             return failure
+        _pump_lanes()
         now = time.monotonic()
         if now >= next_t:
             sys.stdout.write(fn(ep.snapshot()) + "\n")
@@ -301,6 +336,7 @@ def _loop_live(ep: Any, stop: StopFlag, console: Console) -> BaseException | Non
             failure: BaseException | None = ep.failure()
             if failure is not None:
                 return failure
+            _pump_lanes()
             if console.size != size:
                 size = console.size
                 console.clear()

@@ -2,13 +2,13 @@
 condensed one that keeps every section's numbers on screen.
 
 ``FittedView(snap)`` is a rich renderable that reads the size it is given at render time (a
-terminal's size changes under a running view): when ``live.render_live`` fits that width and
-height it draws exactly that; otherwise it draws ``render_compact``: a one-line header, the
-handshake rows that fit (unhealthy first, then ``… N more``), the queues, rates, totals and
+terminal's size changes under a running view): when ``live.render_live`` fits that width and height
+it draws exactly that; otherwise it draws ``render_compact``: a one-line header, the handshake rows
+that fit (unhealthy first, then ``… N more``; a P's with their lane), the queues, rates, totals and
 failures one line each, one line per observed histogram, the pool's bar and counts, and the
-``Ranks`` table without rules. An 80x24 terminal holds every section of a P or D at TP <= 4
-(the handshake rows give way first). Pure: no threads, no clocks, no I/O; it renders on the
-thread of the command that owns the console.
+``Ranks`` table without rules. An 80x24 terminal holds every section of a P or D at TP <= 4 (the
+handshake rows give way first). Pure: no threads, no clocks, no I/O; it renders on the thread of
+the command that owns the console.
 """
 
 from __future__ import annotations
@@ -18,7 +18,14 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
-from kvpush.commands.common.live import THROUGHPUT, pool_bar, ranks_table, render_live
+from kvpush.commands.common.live import (
+    THROUGHPUT,
+    has_lanes,
+    lane_cell,
+    pool_bar,
+    ranks_table,
+    render_live,
+)
 from kvpush.commands.common.readings import (
     BYTE_COUNTERS,
     PLAIN_QUEUE_KEYS,
@@ -184,6 +191,9 @@ def _peers(snap: Snapshot, room: int) -> list[RenderableType]:
     t.add_column("state", no_wrap=True)
     t.add_column("ms", justify="right", no_wrap=True)
     t.add_column("fails", justify="right", no_wrap=True)
+    lanes = has_lanes(snap)
+    if lanes:
+        t.add_column("lane", no_wrap=True, max_width=20, overflow="ellipsis")
     t.add_column("last error", no_wrap=True, overflow="ellipsis", ratio=1)
     fit = room - 2  # the title and the column header
     shown = rows if len(rows) <= fit else rows[: max(fit - 1, 0)]
@@ -197,6 +207,7 @@ def _peers(snap: Snapshot, room: int) -> list[RenderableType]:
             Text(state or "-", style="green" if peer_ok(row) else "yellow"),
             fmt_ms(float(duration)) if isinstance(duration, int | float) else "-",
             str(failures),
+            *([lane_cell(row)] if lanes else []),
             Text(str(row.get("last_error") or ""), style="red"),
         )
     if len(shown) < len(rows):
