@@ -158,3 +158,24 @@ def _read_until(w: subprocess.Popen[str], kind: str, address: str) -> list[dict[
         if ev.get("event") == kind and ev.get("address") == address:
             return seen
     raise AssertionError(f"no {kind} of {address} in {seen}")
+
+
+def test_check_names_each_pair_lane(serve: Launcher) -> None:
+    """The lane column: P's own word (from UCX's report) on the transport of its WRITEs -- a D
+    restricted to TCP on P's host is flagged, a default D rides shared memory."""
+    p = serve.start("prefill", *SMALL, wait=False)
+    d_tcp = serve.start("decode", *SMALL, wait=False, env=clean_env(UCX_TLS="tcp"))
+    d_shm = serve.start("decode", *SMALL, wait=False)
+    for proc in (p, d_tcp, d_shm):
+        wait_ready(proc)
+    # one pair at a time: the two Ds' UCX configs are told apart by the first contact each
+    r = run_cli(
+        "fleet", "check", "--peer", p.address, "--peer", d_tcp.address, "--peer",
+        d_shm.address, "--json", "--pushes", "2", "-c", "1",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    by_d = {x["decode"]: x for x in json.loads(r.stdout)["pairs"]}
+    tcp, shm = by_d[d_tcp.address], by_d[d_shm.address]
+    assert tcp["lane"].startswith("tcp") and tcp["lane_flags"] == ["tcp_on_one_host"], tcp
+    assert shm["lane"] in ("cma", "posix", "sysv", "xpmem", "knem"), shm
+    assert shm["lane_flags"] == [], shm

@@ -60,5 +60,5 @@ def test_check_to_a_pipe_is_never_cut(serve: Launcher) -> None:
     assert [p.address, "ok"] == pair_rows[0][:2], r.stdout
     figures = {row[1]: row for row in pair_rows[1:]}
     assert set(figures) == {d1.address, d2.address}, r.stdout
-    assert all(len(row) == 9 and row[2] == "ok" for row in figures.values()), r.stdout
+    assert all(len(row) == 10 and row[2] == "ok" for row in figures.values()), r.stdout
     assert max(len(ln) for ln in r.stdout.splitlines()) > 80  # wider than COLUMNS: not cut

@@ -15,7 +15,8 @@ Owns ``check_fleet`` (its data: ``kvpush.commands.fleet.outcomes``). Semantics (
   their metadata -- roles, pools, geometry -- then each request's decode leg goes to D and its
   prefill leg to P; D verifies every byte). From them: ``first`` (the first push, which carries the
   D -> P handshake of a pair that never met), ``handshake`` (first minus the median of the
-  rest), push latency p50 and GB/s (bytes of one push / p50);
+  rest), push latency p50 and GB/s (bytes of one push / p50), and the lane P's WRITEs took
+  (``kvpush.commands.fleet.lanes``: P's own peer row, from UCX's report);
 * each pair runs within ``deadline_s``; at most ``concurrency`` pairs run at a time, and pairs
   that share an endpoint only as many at once as its pool holds (``kvpush.commands.fleet.pools``:
   the free blocks its record shows), so the check never fills a pool with its own pushes; a pair
@@ -51,6 +52,7 @@ from typing import Any
 from kvpush.commands.common import reasons
 from kvpush.commands.common.results import DriveConfig, RequestResult
 from kvpush.commands.common.stats import median
+from kvpush.commands.fleet.lanes import pair_lane
 from kvpush.commands.fleet.outcomes import CheckConfig, CheckReport, Outcome, PairResult
 from kvpush.commands.fleet.pools import ASK_EVERY_S, WAIT, Pools, TooSmall
 from kvpush.commands.fleet.proof import free_now, gone_proof
@@ -204,6 +206,9 @@ def _drive_pair(p: str, d: str, blocks: int, cfg: CheckConfig, note: str, t0: fl
         "gb_per_s": nbytes / p50 / 1e9 if p50 else None,
         "elapsed_s": elapsed,
     }
+    if ok:  # P wrote to D: which lane carried it, in P's own word
+        lane = pair_lane(p, d, cfg.auth_token)
+        common.update(lane=lane.word, lane_flags=lane.flags)
     if len(ok) == cfg.pushes and report.verified == cfg.pushes:
         return PairResult(p, d, "ok", "", note, **common)
     bad = next((r for r in ordered if not r.ok and r.reason != "cancelled"), None)

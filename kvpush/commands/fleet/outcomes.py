@@ -56,6 +56,8 @@ class PairResult:
     p50_ms: float | None = None
     gb_per_s: float | None = None
     elapsed_s: float = 0.0
+    lane: str = ""  # the WRITE's transport as P reports it (``kvpush.commands.fleet.lanes``)
+    lane_flags: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -244,7 +244,7 @@ _PAIR_COLUMNS = (
     Column("prefill"), Column("decode"), Column("outcome"), Column("blocks", True, drop=4),
     Column("pushes", True, drop=3), Column("first ms", True, drop=5),
     Column("handshake ms", True, drop=6), Column("p50 ms", True, drop=2),
-    Column("GB/s", True, drop=1),
+    Column("GB/s", True, drop=1), Column("lane", drop=0),
 )  # fmt: skip
 
 
@@ -261,6 +261,7 @@ def _pairs_table(rep: CheckReport, width: int | None) -> Table:
             _ms(r.handshake_ms),
             _ms(r.p50_ms),
             "-" if r.gb_per_s is None else f"{r.gb_per_s:.3f}",
+            Text(r.lane or "-", style="bold red" if r.lane_flags else ""),
         ]
         for r in rep.pairs
     ]
