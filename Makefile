@@ -1,5 +1,5 @@
 # The two commands a newcomer runs (README "Set-up"): each builds .venv by itself.
-.PHONY: demo test test-slow test-vllm lint docs
+.PHONY: demo test test-slow test-vllm test-prom lint docs
 
 demo:
 	@scripts/bootstrap.sh
@@ -7,7 +7,7 @@ demo:
 
 test:
 	@scripts/bootstrap.sh
-	.venv/bin/python -m pytest -q -m "not vllm and not gpu"
+	.venv/bin/python -m pytest -q -m "not vllm and not gpu and not prometheus"
 
 test-slow:
 	@scripts/bootstrap.sh
@@ -18,6 +18,14 @@ test-slow:
 test-vllm:
 	@scripts/bootstrap.sh
 	PY="$$(scripts/vllm-venv.sh)" && KVPUSH_VLLM_PYTHON="$$PY" .venv/bin/python -m pytest -q -m vllm tests/vllm
+
+# The alert rules and the Grafana dashboard (deploy/) against promtool and a real Prometheus
+# scraping real endpoints (tests/prometheus); installs Debian's prometheus first (root, once).
+# Not part of `make test`.
+test-prom:
+	@scripts/bootstrap.sh
+	scripts/prometheus-setup.sh
+	.venv/bin/python -m pytest -q -m prometheus tests/prometheus
 
 lint:
 	@scripts/bootstrap.sh
