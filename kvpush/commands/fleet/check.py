@@ -292,21 +292,7 @@ def check_fleet(
         notes += pools.serialised(*_load_of(plans), cfg.concurrency)
         _run(plans, cfg, pools, done)
     if relist is not None and any(r.outcome == "failed" for r in out.values()):
-        try:
-            now = {r.address: r for r in relist()}
-        except KvpushError as e:
-            notes.append(f"could not read the registry again after the check: {e.message}")
-        else:
-            proofs: dict[str, str] = {}
-
-            def proof_of(addr: str) -> str:
-                if addr not in proofs:
-                    proofs[addr] = gone_proof(addr, now.get(addr), cfg.auth_token)
-                return proofs[addr]
-
-            for pd, r in out.items():
-                if r.outcome == "failed":
-                    out[pd] = settle_left(r, by_addr, now, proof_of)
+        notes += _settle_failed(out, by_addr, relist, cfg.auth_token)
     return CheckReport(
         cluster=cluster,
         prefills=ps,
@@ -317,6 +303,31 @@ def check_fleet(
         strict=cfg.strict,
         notes=notes,
     )
+
+
+def _settle_failed(
+    out: dict[tuple[str, str], PairResult],
+    by_addr: Mapping[str, EndpointRecord],
+    relist: Callable[[], list[EndpointRecord]],
+    token: bytes | None,
+) -> list[str]:
+    """Read the fleet again: each failed pair one of whose endpoints is proven gone is ``left``
+    (``settle_left``); the notes say when the registry could not be read."""
+    try:
+        now = {r.address: r for r in relist()}
+    except KvpushError as e:
+        return [f"could not read the registry again after the check: {e.message}"]
+    proofs: dict[str, str] = {}
+
+    def proof_of(addr: str) -> str:
+        if addr not in proofs:
+            proofs[addr] = gone_proof(addr, now.get(addr), token)
+        return proofs[addr]
+
+    for pd, r in out.items():
+        if r.outcome == "failed":
+            out[pd] = settle_left(r, by_addr, now, proof_of)
+    return []
 
 
 def _load_of(plans: list[PairPlan]) -> tuple[dict[str, int], dict[str, int]]:
@@ -352,20 +363,8 @@ def _run(
     running: dict[Future[PairResult], PairPlan] = {}
     with ThreadPoolExecutor(min(cfg.concurrency, len(plans)), "fleet-check") as ex:
         while pending or running:
-            for pl in list(pending):
-                if len(running) >= cfg.concurrency:
-                    break
-                gate = pools.admit(pl.p.address, pl.d.address, pl.blocks)
-                if gate == WAIT:
-                    continue
-                pending.remove(pl)
-                if isinstance(gate, TooSmall):
-                    done((pl.p.address, pl.d.address), PairResult(
-                        pl.p.address, pl.d.address, "skipped", "pool_too_small", gate.detail,
-                        blocks=pl.blocks,
-                    ))  # fmt: skip
-                else:
-                    running[ex.submit(one, pl)] = pl
+            for pl in _admitted(pending, cfg.concurrency - len(running), pools, done):
+                running[ex.submit(one, pl)] = pl
             if not running:
                 if pending:  # held back only by a failed pair's blocks: ask again soon
                     time.sleep(ASK_EVERY_S)
@@ -378,3 +377,29 @@ def _run(
                 r = f.result()
                 pools.release(pl.p.address, pl.d.address, pl.blocks, r.outcome == "ok")
                 done((pl.p.address, pl.d.address), r)
+
+
+def _admitted(
+    pending: list[PairPlan],
+    room: int,
+    pools: Pools,
+    done: Callable[[tuple[str, str], PairResult], None],
+) -> list[PairPlan]:
+    """The pending pairs that may start now (at most ``room``), taken out of ``pending``; a
+    pair whose pool can never hold it is ``skipped`` on the way."""
+    start: list[PairPlan] = []
+    for pl in list(pending):
+        if len(start) >= room:
+            break
+        gate = pools.admit(pl.p.address, pl.d.address, pl.blocks)
+        if gate == WAIT:
+            continue
+        pending.remove(pl)
+        if isinstance(gate, TooSmall):
+            done((pl.p.address, pl.d.address), PairResult(
+                pl.p.address, pl.d.address, "skipped", "pool_too_small", gate.detail,
+                blocks=pl.blocks,
+            ))  # fmt: skip
+        else:
+            start.append(pl)
+    return start
