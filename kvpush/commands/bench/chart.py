@@ -88,94 +88,63 @@ def line_chart(panels: Sequence[Panel], title: str, width: int = 900, panel_h: i
     return "\n".join(parts) + "\n"
 
 
-def _panel(p: Panel, x0: float, y0: float, w: float, h: float, idx: int) -> list[str]:
-    pts = [pt for s in p.series for pt in s.points if _ok(pt, p)]
-    if not pts:
-        pts = [(1.0, 1.0), (10.0, 10.0)]
+@dataclass(frozen=True)
+class _Frame:
+    """One panel's box on the page and its value ranges: where a value is drawn."""
+
+    p: Panel
+    x0: float
+    y0: float
+    w: float
+    h: float
+    xlo: float
+    xhi: float
+    ylo: float
+    yhi: float
+
+    def sx(self, x: float) -> float:
+        if self.p.logx:
+            lo, hi = math.log10(self.xlo), math.log10(self.xhi)
+            return self.x0 + (math.log10(x) - lo) / (hi - lo) * self.w
+        return self.x0 + (x - self.xlo) / (self.xhi - self.xlo) * self.w
+
+    def sy(self, y: float) -> float:
+        if self.p.logy:
+            lo, hi = math.log10(self.ylo), math.log10(self.yhi)
+            return self.y0 + self.h - (math.log10(max(y, self.ylo)) - lo) / (hi - lo) * self.h
+        return self.y0 + self.h - (y - self.ylo) / (self.yhi - self.ylo) * self.h
+
+
+def _frame(p: Panel, x0: float, y0: float, w: float, h: float) -> _Frame:
+    """The panel's ranges: every point, span and line in view, with a little room."""
+    pts = [pt for s in p.series for pt in s.points if _ok(pt, p)] or [(1.0, 1.0), (10.0, 10.0)]
     xs = [x for x, _ in pts] + [a for a, _, _ in p.spans] + [b for _, b, _ in p.spans]
     ys = [y for _, y in pts] + [y for y, _ in p.hlines]
-    xlo, xhi = min(xs), max(xs)
-    ylo, yhi = min(ys), max(ys)
+    xlo, xhi, ylo, yhi = min(xs), max(xs), min(ys), max(ys)
     if p.logy:
         ylo, yhi = 10 ** math.floor(math.log10(ylo)), 10 ** math.ceil(math.log10(yhi))
     else:
-        ylo = min(0.0, ylo)
-        yhi = yhi * 1.08 if yhi > 0 else 1.0
+        ylo, yhi = min(0.0, ylo), (yhi * 1.08 if yhi > 0 else 1.0)
     if p.logx:
         xlo, xhi = xlo / 1.3, xhi * 1.3
     elif xhi == xlo:
         xlo, xhi = xlo - 1, xhi + 1
+    return _Frame(p, x0, y0, w, h, xlo, xhi, ylo, yhi)
 
-    def sx(x: float) -> float:
-        if p.logx:
-            return x0 + (math.log10(x) - math.log10(xlo)) / (math.log10(xhi) - math.log10(xlo)) * w
-        return x0 + (x - xlo) / (xhi - xlo) * w
 
-    def sy(y: float) -> float:
-        if p.logy:
-            y = max(y, ylo)
-            return (
-                y0 + h - (math.log10(y) - math.log10(ylo)) / (math.log10(yhi) - math.log10(ylo)) * h
-            )
-        return y0 + h - (y - ylo) / (yhi - ylo) * h
-
+def _panel(p: Panel, x0: float, y0: float, w: float, h: float, idx: int) -> list[str]:
+    f = _frame(p, x0, y0, w, h)
+    clip = f"clip{idx}"
     out = [
         f'<text x="{x0}" y="{y0 - 10}" font-size="13" font-weight="bold">'
         f"{html.escape(p.title)}</text>",
         f'<rect x="{x0}" y="{y0}" width="{w}" height="{h}" fill="none" stroke="#444"/>',
+        f'<clipPath id="{clip}"><rect x="{x0}" y="{y0}" width="{w}" height="{h}"/></clipPath>',
     ]
-    clip = f"clip{idx}"
-    out.append(
-        f'<clipPath id="{clip}"><rect x="{x0}" y="{y0}" width="{w}" height="{h}"/></clipPath>'
-    )
-    for a, b, label in p.spans:
-        out.append(
-            f'<rect x="{sx(a):.1f}" y="{y0}" width="{max(1.0, sx(b) - sx(a)):.1f}" height="{h}" '
-            f'fill="#f4c542" fill-opacity="0.25"/>'
-        )
-        out.append(
-            f'<text x="{sx(a) + 3:.1f}" y="{y0 + 14}" font-size="11" fill="#8a6d00">'
-            f"{html.escape(label)}</text>"
-        )
-    yt = _log_ticks(ylo, yhi) if p.logy else _nice_ticks(ylo, yhi)
-    for v in yt:
-        if not (ylo <= v <= yhi):
-            continue
-        y = sy(v)
-        out.append(f'<line x1="{x0}" x2="{x0 + w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>')
-        out.append(f'<text x="{x0 - 6}" y="{y + 4:.1f}" text-anchor="end">{_tick_label(v)}</text>')
-    xt = p.xticks or [
-        (v, _tick_label(v)) for v in (_log_ticks(xlo, xhi) if p.logx else _nice_ticks(xlo, xhi))
-    ]
-    for v, label in xt:
-        if not (xlo <= v <= xhi):
-            continue
-        x = sx(v)
-        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0}" y2="{y0 + h}" stroke="#eee"/>')
-        out.append(
-            f'<text x="{x:.1f}" y="{y0 + h + 16}" text-anchor="middle">{html.escape(label)}</text>'
-        )
-    for xm in p.marks:
-        if xlo <= xm <= xhi:
-            out.append(
-                f'<line x1="{sx(xm):.1f}" x2="{sx(xm):.1f}" y1="{y0 + h - 14}" y2="{y0 + h}" '
-                'stroke="#d00" stroke-width="2"/>'
-            )
-    if p.marks:
-        out.append(
-            f'<text x="{x0 + 4}" y="{y0 + h - 18}" font-size="10" fill="#d00">'
-            f"{html.escape(p.marks_label)}</text>"
-        )
-    for yv, label in p.hlines:
-        y = sy(yv)
-        out.append(
-            f'<line x1="{x0}" x2="{x0 + w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#888" '
-            'stroke-dasharray="4 3"/>'
-        )
-        out.append(
-            f'<text x="{x0 + w - 4}" y="{y - 4:.1f}" text-anchor="end" fill="#666" '
-            f'font-size="11">{html.escape(label)}</text>'
-        )
+    out += _spans(f)
+    out += _grid(f)
+    out += _marks(f)
+    out += _hlines(f)
     out.append(
         f'<text x="{x0 + w / 2}" y="{y0 + h + 34}" text-anchor="middle">'
         f"{html.escape(p.xlabel)}</text>"
@@ -185,33 +154,101 @@ def _panel(p: Panel, x0: float, y0: float, w: float, h: float, idx: int) -> list
         f'transform="rotate(-90 {x0 - 52} {y0 + h / 2})">{html.escape(p.ylabel)}</text>'
     )
     for si, s in enumerate(p.series):
-        color = s.color or PALETTE[si % len(PALETTE)]
-        spts = [(sx(x), sy(y)) for x, y in s.points if _ok((x, y), p)]
-        g = [f'<g clip-path="url(#{clip})">']
-        if s.style == "dots":
-            r = "1.6" if len(spts) > 50 else "3.5"
-            g.extend(
-                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r}" fill="{color}" fill-opacity="0.7"/>'
-                for x, y in spts
-            )
-        elif spts:
-            d = " ".join(
-                f"{'M' if i == 0 else 'L'}{x:.1f},{y:.1f}" for i, (x, y) in enumerate(spts)
-            )
-            dash = ' stroke-dasharray="6 4"' if s.dash else ""
-            sw = "2" if s.style == "line" else "1"
-            g.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="{sw}"{dash}/>')
-            if s.style == "line":
-                g.extend(
-                    f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in spts
-                )
-        g.append("</g>")
-        out.extend(g)
-        ly = y0 + 12 + si * 18
-        lx = x0 + w + 12
-        out.append(f'<rect x="{lx}" y="{ly - 9}" width="12" height="12" fill="{color}"/>')
-        out.append(f'<text x="{lx + 18}" y="{ly + 1}">{html.escape(s.name)}</text>')
+        out += _series(f, s, si, clip)
     return out
+
+
+def _spans(f: _Frame) -> list[str]:
+    out = []
+    for a, b, label in f.p.spans:
+        out.append(
+            f'<rect x="{f.sx(a):.1f}" y="{f.y0}" width="{max(1.0, f.sx(b) - f.sx(a)):.1f}" '
+            f'height="{f.h}" fill="#f4c542" fill-opacity="0.25"/>'
+        )
+        out.append(
+            f'<text x="{f.sx(a) + 3:.1f}" y="{f.y0 + 14}" font-size="11" fill="#8a6d00">'
+            f"{html.escape(label)}</text>"
+        )
+    return out
+
+
+def _grid(f: _Frame) -> list[str]:
+    """The y grid with its labels, then the x grid with its labels."""
+    p, out = f.p, []
+    yt = _log_ticks(f.ylo, f.yhi) if p.logy else _nice_ticks(f.ylo, f.yhi)
+    for v in (v for v in yt if f.ylo <= v <= f.yhi):
+        y = f.sy(v)
+        out.append(f'<line x1="{f.x0}" x2="{f.x0 + f.w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>')
+        out.append(
+            f'<text x="{f.x0 - 6}" y="{y + 4:.1f}" text-anchor="end">{_tick_label(v)}</text>'
+        )
+    xt = p.xticks or [
+        (v, _tick_label(v))
+        for v in (_log_ticks(f.xlo, f.xhi) if p.logx else _nice_ticks(f.xlo, f.xhi))
+    ]
+    for v, label in ((v, label) for v, label in xt if f.xlo <= v <= f.xhi):
+        x = f.sx(v)
+        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{f.y0}" y2="{f.y0 + f.h}" stroke="#eee"/>')
+        out.append(
+            f'<text x="{x:.1f}" y="{f.y0 + f.h + 16}" text-anchor="middle">'
+            f"{html.escape(label)}</text>"
+        )
+    return out
+
+
+def _marks(f: _Frame) -> list[str]:
+    p, out = f.p, []
+    for xm in (xm for xm in p.marks if f.xlo <= xm <= f.xhi):
+        out.append(
+            f'<line x1="{f.sx(xm):.1f}" x2="{f.sx(xm):.1f}" y1="{f.y0 + f.h - 14}" '
+            f'y2="{f.y0 + f.h}" stroke="#d00" stroke-width="2"/>'
+        )
+    if p.marks:
+        out.append(
+            f'<text x="{f.x0 + 4}" y="{f.y0 + f.h - 18}" font-size="10" fill="#d00">'
+            f"{html.escape(p.marks_label)}</text>"
+        )
+    return out
+
+
+def _hlines(f: _Frame) -> list[str]:
+    out = []
+    for yv, label in f.p.hlines:
+        y = f.sy(yv)
+        out.append(
+            f'<line x1="{f.x0}" x2="{f.x0 + f.w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#888" '
+            'stroke-dasharray="4 3"/>'
+        )
+        out.append(
+            f'<text x="{f.x0 + f.w - 4}" y="{y - 4:.1f}" text-anchor="end" fill="#666" '
+            f'font-size="11">{html.escape(label)}</text>'
+        )
+    return out
+
+
+def _series(f: _Frame, s: Series, si: int, clip: str) -> list[str]:
+    """One series, clipped to the panel, and its legend entry."""
+    color = s.color or PALETTE[si % len(PALETTE)]
+    spts = [(f.sx(x), f.sy(y)) for x, y in s.points if _ok((x, y), f.p)]
+    g = [f'<g clip-path="url(#{clip})">']
+    if s.style == "dots":
+        r = "1.6" if len(spts) > 50 else "3.5"
+        g.extend(
+            f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r}" fill="{color}" fill-opacity="0.7"/>'
+            for x, y in spts
+        )
+    elif spts:
+        d = " ".join(f"{'M' if i == 0 else 'L'}{x:.1f},{y:.1f}" for i, (x, y) in enumerate(spts))
+        dash = ' stroke-dasharray="6 4"' if s.dash else ""
+        sw = "2" if s.style == "line" else "1"
+        g.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="{sw}"{dash}/>')
+        if s.style == "line":
+            g.extend(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in spts)
+    g.append("</g>")
+    ly, lx = f.y0 + 12 + si * 18, f.x0 + f.w + 12
+    g.append(f'<rect x="{lx}" y="{ly - 9}" width="12" height="12" fill="{color}"/>')
+    g.append(f'<text x="{lx + 18}" y="{ly + 1}">{html.escape(s.name)}</text>')
+    return g
 
 
 def _ok(pt: tuple[float, float], p: Panel) -> bool:

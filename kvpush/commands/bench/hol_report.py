@@ -30,17 +30,10 @@ def _med(runs: list[dict[str, Any]], phase: str, stat: str) -> float:
     return median([r["phases"][phase][stat] for r in runs])
 
 
-def report(
-    rep: Report,
-    p: HolParams,
-    cases: list[Case],
-    res: dict[str, list[dict[str, Any]]],
-    normal_join: dict[str, float],
-    normal_hs: dict[str, float],
-    out_dir: Path,
+def _latency_table(
+    rep: Report, p: HolParams, cases: list[Case], res: dict[str, list[dict[str, Any]]]
 ) -> None:
-    """Fill ``rep`` from the windows ``res`` (keyed ``case/writer``, one entry per repeat) and
-    the quiet joins; write ``hol.svg`` to ``out_dir``."""
+    """D1's push latency before, during and after the joins, per case and writer."""
     nrep = p.repeats
     rows = []
     for c in cases:
@@ -90,6 +83,17 @@ def report(
         "50 ms late during those windows: no CPU was free for it (other jobs, or the "
         "benchmark's own processes).",
     )
+
+
+def _joiners_table(
+    rep: Report,
+    nrep: int,
+    cases: list[Case],
+    res: dict[str, list[dict[str, Any]]],
+    normal_join: dict[str, float],
+    normal_hs: dict[str, float],
+) -> None:
+    """Each joining peer's first request and P's handshake with it, beside a quiet join."""
     jrows = []
     for m in MODES:
         jrows.append(
@@ -120,6 +124,22 @@ def report(
         ["peer", "writer", "first request", "P->D handshake", "outcome"],
         jrows,
     )
+
+
+def report(
+    rep: Report,
+    p: HolParams,
+    cases: list[Case],
+    res: dict[str, list[dict[str, Any]]],
+    normal_join: dict[str, float],
+    normal_hs: dict[str, float],
+    out_dir: Path,
+) -> None:
+    """Fill ``rep`` from the windows ``res`` (keyed ``case/writer``, one entry per repeat) and
+    the quiet joins; write ``hol.svg`` to ``out_dir``."""
+    nrep = p.repeats
+    _latency_table(rep, p, cases, res)
+    _joiners_table(rep, nrep, cases, res, normal_join, normal_hs)
     figures: dict[str, Any] = {"normal_join_s": normal_join, "normal_p_handshake_s": normal_hs}
     for c in cases:
         dfr, blk = res[f"{c.key}/deferred"], res[f"{c.key}/blocking"]

@@ -225,6 +225,36 @@ def _share_target(
     )
 
 
+def _cost_targets(rep: Report, cost: list[dict[str, Any]]) -> None:
+    """The allocator's cost per allocate (and release) from the smallest to the largest pool."""
+    for series in COST_SERIES:
+        ext = [c for c in cost if c["series"] == series and c["allocator"] == "extent"]
+        if not ext:
+            continue
+        lo = min(ext, key=lambda c: c["allocate_ns"])
+        hi = max(ext, key=lambda c: c["allocate_ns"])
+        spread = hi["allocate_ns"] / lo["allocate_ns"]
+        pools = [c["num_blocks"] for c in ext]
+        rep.target(
+            f"allocation cost, {min(pools):,} -> {max(pools):,}-block pools, requests of "
+            f"{series}: largest / smallest us per allocate",
+            "<= 2x",
+            f"{spread:.2f}x ({fmt_num(hi['allocate_ns'] / 1e3)} us at {hi['num_blocks']:,} "
+            f"blocks, {fmt_num(lo['allocate_ns'] / 1e3)} us at {lo['num_blocks']:,})",
+            spread <= 2.0,
+        )
+        rlo = min(ext, key=lambda c: c["release_ns"])
+        rhi = max(ext, key=lambda c: c["release_ns"])
+        rep.target(
+            f"release cost, same pools, requests of {series}: largest / smallest us per release",
+            "(no target set; shown beside allocate)",
+            f"{rhi['release_ns'] / rlo['release_ns']:.2f}x ({fmt_num(rhi['release_ns'] / 1e3)} us "
+            f"at {rhi['num_blocks']:,} blocks, {fmt_num(rlo['release_ns'] / 1e3)} us at "
+            f"{rlo['num_blocks']:,})",
+            None,
+        )
+
+
 def _targets(
     rep: Report,
     plan: Plan,
@@ -271,32 +301,7 @@ def _targets(
                 f"{fl['descs_per_write']:,.0f} descriptors per WRITE)",
                 r >= 3.0 if math.isfinite(r) else None,
             )
-    for series in COST_SERIES:
-        ext = [c for c in cost if c["series"] == series and c["allocator"] == "extent"]
-        if not ext:
-            continue
-        lo = min(ext, key=lambda c: c["allocate_ns"])
-        hi = max(ext, key=lambda c: c["allocate_ns"])
-        spread = hi["allocate_ns"] / lo["allocate_ns"]
-        pools = [c["num_blocks"] for c in ext]
-        rep.target(
-            f"allocation cost, {min(pools):,} -> {max(pools):,}-block pools, requests of "
-            f"{series}: largest / smallest us per allocate",
-            "<= 2x",
-            f"{spread:.2f}x ({fmt_num(hi['allocate_ns'] / 1e3)} us at {hi['num_blocks']:,} "
-            f"blocks, {fmt_num(lo['allocate_ns'] / 1e3)} us at {lo['num_blocks']:,})",
-            spread <= 2.0,
-        )
-        rlo = min(ext, key=lambda c: c["release_ns"])
-        rhi = max(ext, key=lambda c: c["release_ns"])
-        rep.target(
-            f"release cost, same pools, requests of {series}: largest / smallest us per release",
-            "(no target set; shown beside allocate)",
-            f"{rhi['release_ns'] / rlo['release_ns']:.2f}x ({fmt_num(rhi['release_ns'] / 1e3)} us "
-            f"at {rhi['num_blocks']:,} blocks, {fmt_num(rlo['release_ns'] / 1e3)} us at "
-            f"{rlo['num_blocks']:,})",
-            None,
-        )
+    _cost_targets(rep, cost)
     bad = [f for f in by.values() if f["verified"] != f["verify_requests"] or f["kvpush_failed"]]
     for f in bad:
         rep.target(
