@@ -7,7 +7,7 @@
 #
 # What a GPU image with torch typically lacks: nixl (the meta package, pure Python, and the
 # build for its CUDA major: nixl-cu13 for torch +cu130, ~56 MiB), pyzmq, msgspec; and
-# sortedcontainers, etcd3gw (+ futurist, pbr, debtcollector) where missing. gpu-check.sh
+# sortedcontainers and requests where missing. gpu-check.sh
 # installs only those the host lacks, and checks that checkout + wheels stay under 64 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +29,7 @@ done
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
     "${PLATFORMS[@]}" -d "$DEST" \
     "nixl==$NIXL_VERSION" "nixl-$CUDA==$NIXL_VERSION" "pyzmq>=26" "msgspec>=0.19" \
-    "sortedcontainers>=2.4" "etcd3gw>=2.4" futurist pbr debtcollector
+    "sortedcontainers>=2.4" "requests>=2.28"
 echo "wheels for Python $PYVER, NIXL $NIXL_VERSION ($CUDA), in $DEST/:"
 ls -l "$DEST" | awk 'NR > 1 { printf "  %8.2f MiB  %s\n", $5 / 1048576, $9 }'
 du -cb "$DEST"/*.whl | awk 'END { printf "  %8.2f MiB  total\n", $1 / 1048576 }'

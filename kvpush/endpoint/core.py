@@ -47,6 +47,7 @@ from kvpush.memory.pool import KvPool
 from kvpush.peers.dialect import dialect_for
 from kvpush.peers.handshakes import HandshakeManager, PeerConn, PeerGone
 from kvpush.peers.sighting import Sighting, look
+from kvpush.peers.warm import Warm, warm
 from kvpush.runtime.context import EndpointContext, RoleWorker
 from kvpush.runtime.decline import Decliner
 from kvpush.runtime.watchdog import Watchdog
@@ -286,6 +287,17 @@ class Endpoint(LoadVerbs, Generic[R, G]):
         gone = PeerGone(host, port, incarnation, fail, f"{detail}: {why}")
         for rk in self.ranks:
             rk.role.forget_peer(gone)
+
+    def warm_peer(self, address: str, tp_size: int, engine_id: str) -> list[Warm]:
+        """``--prewarm``: from every rank, start (or find) the connections a request with the
+        peer endpoint of the other role at ``address`` (``tp_size`` ranks, engine
+        ``engine_id``) would use (``kvpush.peers.warm``). Any thread; never waits."""
+        host, port = parse_address(address)
+        return [
+            w
+            for rk in self.ranks
+            for w in warm(rk.handshakes, rk.cfg, host, port, tp_size, engine_id)
+        ]
 
     def publish_nixl_metadata(self) -> None:
         """``--nixl-metadata etcd``: publish every rank's agent metadata again (after the

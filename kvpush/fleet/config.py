@@ -1,17 +1,22 @@
-"""How an endpoint (or a tool) reaches the registry: ``RegistryConfig``, frozen, checked once.
+"""How an endpoint (or a tool) reaches the registry: ``Access`` and ``RegistryConfig``, frozen,
+checked once.
 
-Owns the registry settings an operator gives (etcd client URLs, cluster, lease TTL, the address
-to advertise, credentials) and their checks: the URLs parse, a password file must be private
-(no access for other users, the rule of ``--auth-token-file``), TLS files must exist, a TTL
-leaves room for three refreshes. The password is held with ``repr=False``: it never reaches a
-log line, a ``repr`` or an error message. Pure values and file reads; no etcd client is
-imported here (``import kvpush.cli`` stays light).
+Owns the registry settings an operator gives and their checks, in one place: ``Access`` is how
+to reach etcd -- the client URLs, parsed here once (``parse_urls``), the credentials (a user
+needs its password, a client certificate its key), the per-call deadline -- and every etcd client
+(``kvpush.fleet.etcd.Etcd``) is built from one. ``RegistryConfig`` is an endpoint's registration
+(cluster, lease TTL, load period, leave grace, the address to advertise) with its ``access``.
+A password file must be private (no access for other users, the rule of ``--auth-token-file``),
+TLS files must exist, a TTL leaves room for three refreshes. The password is held with
+``repr=False``: it never reaches a log line, a ``repr`` or an error message. Pure values and
+file reads; no etcd client is imported here (``import kvpush.cli`` stays light).
 """
 
 from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -27,7 +32,7 @@ LEAVE_GRACE_S = 1.0  # a graceful stop serves on this long after its key went, t
 DEFAULT_PORT = 2379
 
 
-def parse_urls(spec: str | list[str]) -> list[str]:
+def parse_urls(spec: str | Sequence[str]) -> list[str]:
     """The client URLs in ``spec`` (a comma-separated string or a list), normalised to
     ``scheme://host:port``; ConfigError naming the bad one."""
     items = spec.split(",") if isinstance(spec, str) else [u for s in spec for u in s.split(",")]
@@ -61,8 +66,52 @@ def parse_urls(spec: str | list[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Access:
+    """How to reach etcd: the client URLs (parsed), the credentials, one call's deadline.
+    Build one with ``Access.of`` (which parses the URLs); the pairs are checked here."""
+
+    urls: tuple[str, ...]
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    timeout_s: float = TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ConfigError(
+                "no etcd URL given", "give --registry http://HOST:2379[,http://HOST2:2379]"
+            )
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError(
+                "a TLS client certificate needs its key (and the key its certificate)",
+                "give both --registry-cert and --registry-key",
+            )
+        if (self.user is None) != (self.password is None):
+            raise ConfigError(
+                "etcd authentication needs a user and a password",
+                "give both --registry-user and --registry-password-file, or neither",
+            )
+
+    @staticmethod
+    def of(
+        spec: str | Sequence[str],
+        *,
+        user: str | None = None,
+        password: str | None = None,
+        ca_cert: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        timeout_s: float = TIMEOUT_S,
+    ) -> Access:
+        """The access to the etcd at ``spec`` (comma-separated URLs, or a list of them)."""
+        return Access(tuple(parse_urls(spec)), user, password, ca_cert, cert, key, timeout_s)
+
+
+@dataclass(frozen=True)
 class RegistryConfig:
-    """Where and how to register (``urls`` as given: parsed by ``kvpush.fleet.etcd``)."""
+    """Where and how to register; ``access`` is built (the URLs parsed) once, here."""
 
     urls: str
     cluster: str = "default"
@@ -76,9 +125,19 @@ class RegistryConfig:
     timeout_s: float = TIMEOUT_S
     load_period_s: float = LOAD_PERIOD_S
     leave_grace_s: float = LEAVE_GRACE_S
+    access: Access = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        parse_urls(self.urls)
+        access = Access.of(
+            self.urls,
+            user=self.user,
+            password=self.password,
+            ca_cert=self.ca_cert,
+            cert=self.cert,
+            key=self.key,
+            timeout_s=self.timeout_s,
+        )
+        object.__setattr__(self, "access", access)
         try:
             check_cluster(self.cluster)
         except ValueError as e:

@@ -1,11 +1,12 @@
 """etcd access for the fleet: failover across client URLs, bounded calls, typed errors.
 
-Owns the HTTP(S) sessions to etcd's JSON gateway (``/v3/``, etcd >= 3.4), spoken through
-``etcd3gw`` (no grpc, no protobuf: the ``etcd3`` 0.12 client fails to import with protobuf >= 4).
-``Etcd`` is called by whichever thread owns it (the registrar's, the watcher's, a CLI command's);
-unary calls are serialised by a lock, so sharing one between threads is safe but makes them wait
-on each other. A watch runs on a session of its own and is cancelled from any thread; its
-stream (opened, read, shut) is ``kvpush.fleet.watchstream``'s.
+Owns the HTTP(S) sessions to etcd's JSON gateway (``/v3/``, etcd >= 3.4): kvpush's own small
+client of it, on ``requests`` (no grpc, no protobuf; docs/fleet.md, "Why an own client"). One
+``Etcd`` per process (built from one ``kvpush.fleet.config.Access``): an endpoint's registrar,
+its peer watch and its NIXL-key cleaner share it; a fleet tool opens one. Unary calls are
+serialised by a lock, so sharing one between threads is safe (each call is bounded, so a thread
+waits at most a few seconds for another's). A watch runs on a session of its own and is
+cancelled from any thread; its stream (opened, read, shut) is ``kvpush.fleet.watchstream``'s.
 
 Failure model (every call is bounded):
 - every request has a deadline (``timeout_s``); a URL that does not answer, refuses the
@@ -24,29 +25,33 @@ import base64
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from typing import TypedDict, TypeVar, cast
-from urllib.parse import urlsplit
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypedDict, TypeVar, cast
 
 import requests
-from etcd3gw import exceptions as etcd_exc
-from etcd3gw.client import Etcd3Client
 
 from kvpush.errors import (
-    ConfigError,
     LeaseLost,
     RegistryError,
     RegistryUnavailable,
 )
-from kvpush.fleet.config import RegistryConfig, parse_urls
-from kvpush.fleet.watchstream import WatchEvent, open_stream, read_events, shutdown
+from kvpush.fleet.config import Access, parse_urls
+from kvpush.fleet.watchstream import (
+    EtcdRefused,
+    Unreachable,
+    WatchEvent,
+    open_stream,
+    read_events,
+    shutdown,
+)
 
-__all__ = ["Etcd", "WatchEvent", "make_etcd", "parse_urls", "prefix_end"]
+__all__ = ["Etcd", "WatchEvent", "parse_urls", "prefix_end"]
 
 log = logging.getLogger(__name__)
 
-API_PATH = "/v3/"
+API_PATH = "/v3"
 T = TypeVar("T")
+Body = dict[str, Any]
 
 
 class _Header(TypedDict):
@@ -63,6 +68,7 @@ class _Range(TypedDict, total=False):
 
     header: _Header
     kvs: list[_KeyValue]
+    count: str
 
 
 def _b64(data: str | bytes) -> str:
@@ -84,24 +90,19 @@ def prefix_end(prefix: str) -> str:
     return raw.decode("latin-1")
 
 
-def _detail(e: etcd_exc.Etcd3Exception) -> str:
+def _detail(e: EtcdRefused) -> str:
     """etcd's own message out of a gateway error body (JSON with 'error'/'message')."""
-    text = e.detail_text or ""
+    text = e.body or ""
     try:
         body = json.loads(text)
         if isinstance(body, dict):
             return str(body.get("message") or body.get("error") or text)
     except ValueError:
         pass
-    return text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return text.strip().splitlines()[0] if text.strip() else f"HTTP {e.status}"
 
 
-_UNAVAILABLE = (
-    etcd_exc.ConnectionFailedError,
-    etcd_exc.ConnectionTimeoutError,
-    requests.exceptions.RequestException,
-    OSError,
-)
+_UNAVAILABLE = (Unreachable, requests.exceptions.RequestException, OSError)
 
 # etcd errors that mean "this member cannot serve now" (no leader, raft timeout): try the next URL
 _TRANSIENT = (
@@ -113,12 +114,52 @@ _TRANSIENT = (
 )
 
 
+class Url:
+    """One etcd client URL: its HTTP session (TLS material and token on it) and ``post``."""
+
+    def __init__(self, url: str, access: Access) -> None:
+        self.url = url
+        self.base = url + API_PATH
+        self.timeout_s = access.timeout_s
+        self.session = requests.Session()
+        # Given to every request, not only set on the session: requests lets
+        # REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE override a session's ``verify`` (psf/requests
+        # #3829), so a CA set on the session alone is ignored wherever those are set.
+        self.verify: str | bool = access.ca_cert or True
+        self.session.verify = self.verify
+        if access.cert is not None and access.key is not None:
+            self.session.cert = (access.cert, access.key)
+        self.authed = False
+
+    def post(self, path: str, body: Body, timeout_s: float | None = None) -> Body:
+        """One call; ``Unreachable`` (no answer, 503/408/504) or ``EtcdRefused`` (etcd said
+        no: its HTTP status and body)."""
+        try:
+            r = self.session.post(
+                self.base + path,
+                json=body,
+                timeout=timeout_s or self.timeout_s,
+                verify=self.verify,
+            )
+        except (requests.exceptions.RequestException, OSError) as e:
+            raise Unreachable(str(e)) from None
+        if r.status_code in (503, 408, 504):
+            raise Unreachable(r.text or f"HTTP {r.status_code}")
+        if r.status_code != 200:
+            raise EtcdRefused(r.status_code, r.text)
+        try:
+            out = r.json()
+        except ValueError:
+            raise Unreachable(f"not etcd's JSON gateway: {r.text[:100]!r}") from None
+        return cast(Body, out) if isinstance(out, dict) else {}
+
+
 class Etcd:
     """An etcd client over one or more client URLs (see the module docstring)."""
 
     def __init__(
         self,
-        urls: list[str] | str,
+        access: Access | str | Sequence[str],
         *,
         user: str | None = None,
         password: str | None = None,
@@ -127,25 +168,21 @@ class Etcd:
         key: str | None = None,
         timeout_s: float = 2.0,
     ) -> None:
-        if (cert is None) != (key is None):
-            raise ConfigError(
-                "a TLS client certificate needs its key (and the key its certificate)",
-                "give both --registry-cert and --registry-key",
+        if not isinstance(access, Access):
+            access = Access.of(
+                access,
+                user=user,
+                password=password,
+                ca_cert=ca_cert,
+                cert=cert,
+                key=key,
+                timeout_s=timeout_s,
             )
-        if (user is None) != (password is None):
-            raise ConfigError(
-                "etcd authentication needs a user and a password",
-                "give both --registry-user and --registry-password-file",
-            )
-        self.urls = parse_urls(urls)
-        self.user = user
-        self._password = password
-        self._ca_cert = ca_cert
-        self._cert = cert
-        self._key = key
-        self.timeout_s = timeout_s
-        self._clients = [self._client(u) for u in self.urls]
-        self._authed = [False] * len(self._clients)
+        self.access = access
+        self.urls = list(access.urls)
+        self.user = access.user
+        self.timeout_s = access.timeout_s
+        self._clients = [Url(u, access) for u in self.urls]
         self._current = 0
         self._lock = threading.Lock()
 
@@ -155,52 +192,34 @@ class Etcd:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    def _client(self, url: str) -> Etcd3Client:
-        u = urlsplit(url)
-        assert u.hostname is not None and u.port is not None
-        return _Client(
-            host=u.hostname,
-            port=u.port,
-            protocol=u.scheme,
-            ca_cert=self._ca_cert,
-            cert_cert=self._cert,
-            cert_key=self._key,
-            timeout=self.timeout_s,
-            api_path=API_PATH,
-        )
-
-    def _authenticate(self, i: int) -> None:
-        c = self._clients[i]
+    def _authenticate(self, c: Url) -> None:
         c.session.headers.pop("Authorization", None)
         try:
             body = c.post(
-                c.get_url("/auth/authenticate"),
-                json={"name": self.user, "password": self._password},
+                "/auth/authenticate", {"name": self.user, "password": self.access.password}
             )
-        except etcd_exc.Etcd3Exception as e:
-            if isinstance(e, _UNAVAILABLE):
-                raise
+        except EtcdRefused as e:
             raise RegistryError(
-                f"etcd at {self.urls[i]} refused user {self.user!r}: {_detail(e)}",
+                f"etcd at {c.url} refused user {self.user!r}: {_detail(e)}",
                 "check --registry-user and the password in --registry-password-file",
             ) from None
         c.session.headers["Authorization"] = str(body["token"])
-        self._authed[i] = True
+        c.authed = True
 
-    def _on(self, i: int, fn: Callable[[Etcd3Client], T]) -> T:
-        if self._password is not None and not self._authed[i]:
-            self._authenticate(i)
+    def _on(self, c: Url, fn: Callable[[Url], T]) -> T:
+        if self.access.password is not None and not c.authed:
+            self._authenticate(c)
         try:
-            return fn(self._clients[i])
-        except etcd_exc.Etcd3Exception as e:
-            if isinstance(e, _UNAVAILABLE) or self._password is None:
+            return fn(c)
+        except EtcdRefused as e:
+            if self.access.password is None:
                 raise
             if "token" not in _detail(e) and "user name is empty" not in _detail(e):
                 raise
-            self._authenticate(i)  # token expired: once more with a fresh one
-            return fn(self._clients[i])
+            self._authenticate(c)  # token expired: once more with a fresh one
+            return fn(c)
 
-    def _call(self, what: str, fn: Callable[[Etcd3Client], T]) -> T:
+    def _call(self, what: str, fn: Callable[[Url], T]) -> T:
         """``fn`` on the first URL that answers, starting with the one that answered last."""
         last = ""
         with self._lock:
@@ -208,11 +227,11 @@ class Etcd:
             for step in range(n):
                 i = (self._current + step) % n
                 try:
-                    out = self._on(i, fn)
+                    out = self._on(self._clients[i], fn)
                 except _UNAVAILABLE as e:
                     last = f"{self.urls[i]}: {_reason(e)}"
                     continue
-                except etcd_exc.Etcd3Exception as e:
+                except EtcdRefused as e:
                     detail = _detail(e)
                     if any(k in detail for k in _TRANSIENT):
                         last = f"{self.urls[i]}: {detail}"
@@ -232,13 +251,10 @@ class Etcd:
     def get_prefix(self, prefix: str) -> tuple[list[tuple[str, bytes]], int]:
         """Every (key, value) under ``prefix`` sorted by key, and the store's revision then."""
 
-        def rng(c: Etcd3Client) -> _Range:
+        def rng(c: Url) -> _Range:
             return cast(
                 _Range,
-                c.post(
-                    c.get_url("/kv/range"),
-                    json={"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))},
-                ),
+                c.post("/kv/range", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}),
             )
 
         body = self._call("range", rng)
@@ -249,11 +265,29 @@ class Etcd:
         kvs.sort()
         return kvs, int(body["header"]["revision"])
 
+    def count_prefix(self, prefix: str) -> int:
+        """How many keys there are under ``prefix`` (none of them is read)."""
+        body = self._call(
+            "count",
+            lambda c: cast(
+                _Range,
+                c.post(
+                    "/kv/range",
+                    {
+                        "key": _b64(prefix),
+                        "range_end": _b64(prefix_end(prefix)),
+                        "count_only": True,
+                    },
+                ),
+            ),
+        )
+        return int(body.get("count", 0))
+
     def get(self, key: str) -> bytes | None:
         """The value of ``key``, None when absent."""
 
-        def rng(c: Etcd3Client) -> _Range:
-            return cast(_Range, c.post(c.get_url("/kv/range"), json={"key": _b64(key)}))
+        def rng(c: Url) -> _Range:
+            return cast(_Range, c.post("/kv/range", {"key": _b64(key)}))
 
         kvs = self._call("get", rng).get("kvs", [])
         return _unb64(kvs[0].get("value", "")) if kvs else None
@@ -263,20 +297,31 @@ class Etcd:
         payload: dict[str, str] = {"key": _b64(key), "value": _b64(value)}
         if lease is not None:
             payload["lease"] = str(lease)
-        body = self._call("put", lambda c: c.post(c.get_url("/kv/put"), json=payload))
+        body = self._call("put", lambda c: c.post("/kv/put", payload))
+        return int(body["header"]["revision"])
+
+    def put_many(self, items: Sequence[tuple[str, bytes]], lease: int | None = None) -> int:
+        """Write every (key, value) of ``items`` in one transaction: one request and one
+        revision (a watcher still gets one event per key); with ``lease`` the keys go when the
+        lease does. At most 128 items (etcd's ``--max-txn-ops``). The new revision."""
+        ops = []
+        for key, value in items:
+            put: dict[str, str] = {"key": _b64(key), "value": _b64(value)}
+            if lease is not None:
+                put["lease"] = str(lease)
+            ops.append({"request_put": put})
+        body = self._call("txn", lambda c: c.post("/kv/txn", {"success": ops}))
         return int(body["header"]["revision"])
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; whether it was there."""
-        body = self._call(
-            "delete", lambda c: c.post(c.get_url("/kv/deleterange"), json={"key": _b64(key)})
-        )
+        body = self._call("delete", lambda c: c.post("/kv/deleterange", {"key": _b64(key)}))
         return int(body.get("deleted", 0)) > 0
 
     def delete_prefix(self, prefix: str) -> int:
         """Remove every key under ``prefix``; how many there were."""
         payload = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
-        body = self._call("delete", lambda c: c.post(c.get_url("/kv/deleterange"), json=payload))
+        body = self._call("delete", lambda c: c.post("/kv/deleterange", payload))
         return int(body.get("deleted", 0))
 
     # -- leases --------------------------------------------------------------------------
@@ -285,7 +330,7 @@ class Etcd:
         """A new lease of ``ttl`` seconds; its id."""
         body = self._call(
             "lease grant",
-            lambda c: c.post(c.get_url("/lease/grant"), json={"TTL": int(ttl), "ID": 0}),
+            lambda c: c.post("/lease/grant", {"TTL": int(ttl), "ID": 0}),
         )
         return int(body["ID"])
 
@@ -293,7 +338,7 @@ class Etcd:
         """Keep ``lease`` alive; the TTL it has now, 0 when it is gone (expired or revoked)."""
         body = self._call(
             "lease keepalive",
-            lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": str(lease)}),
+            lambda c: c.post("/lease/keepalive", {"ID": str(lease)}),
         )
         return max(0, int(body.get("result", {}).get("TTL", 0)))
 
@@ -302,7 +347,7 @@ class Etcd:
         try:
             self._call(
                 "lease revoke",
-                lambda c: c.post(c.get_url("/lease/revoke"), json={"ID": str(lease)}),
+                lambda c: c.post("/lease/revoke", {"ID": str(lease)}),
             )
         except LeaseLost:
             return False
@@ -334,9 +379,7 @@ class Etcd:
             create["start_revision"] = str(start_revision)
         state: dict[str, bool] = {"cancelled": False}
 
-        resp = self._call(
-            "watch", lambda c: open_stream(c, create, self.timeout_s, _verify(c).get("verify"))
-        )
+        resp = self._call("watch", lambda c: open_stream(c, create, self.timeout_s))
 
         def cancel() -> None:
             state["cancelled"] = True
@@ -367,24 +410,6 @@ class Etcd:
         return events(), cancel
 
 
-class _Client(Etcd3Client):
-    """etcd3gw's client, with ``--registry-ca`` given to every request: requests lets
-    ``REQUESTS_CA_BUNDLE`` / ``CURL_CA_BUNDLE`` override a session's ``verify`` (psf/requests
-    #3829), so a CA set on the session alone is ignored wherever those variables are set."""
-
-    def post(self, url: str, *args: object, json: object = None, **kwargs: object) -> object:
-        return super().post(url, *args, json=json, **_verify(self), **kwargs)
-
-
-class _Verify(TypedDict, total=False):
-    verify: str  # the CA bundle's path
-
-
-def _verify(c: Etcd3Client) -> _Verify:
-    v = c.session.verify
-    return _Verify(verify=v) if isinstance(v, str) else _Verify()
-
-
 _TLS_REASONS = (
     ("CERTIFICATE_VERIFY_FAILED", "TLS: etcd's certificate is not trusted (check --registry-ca)"),
     ("BAD_CERTIFICATE", "TLS: etcd refused this client (check --registry-cert, --registry-key)"),
@@ -395,8 +420,7 @@ _TLS_REASONS = (
 
 def _reason(e: BaseException) -> str:
     """A short reason for an unreachable URL (requests' messages run to several lines)."""
-    text = (e.detail_text or "") if isinstance(e, etcd_exc.Etcd3Exception) else ""
-    text = text or str(e)
+    text = str(e)
     for key, why in _TLS_REASONS:
         if key in text:
             return why
@@ -404,16 +428,3 @@ def _reason(e: BaseException) -> str:
         if key in text:
             return key.lower()
     return (text.strip().splitlines()[0] if text.strip() else type(e).__name__)[:200]
-
-
-def make_etcd(cfg: RegistryConfig) -> Etcd:
-    """A client of the registry ``cfg`` names, with its credentials and call timeout."""
-    return Etcd(
-        cfg.urls,
-        user=cfg.user,
-        password=cfg.password,
-        ca_cert=cfg.ca_cert,
-        cert=cfg.cert,
-        key=cfg.key,
-        timeout_s=cfg.timeout_s,
-    )

@@ -1,14 +1,20 @@
-"""What an endpoint publishes in etcd, and where: the record (schema v1) and the key layout.
+"""What an endpoint publishes in etcd, and where: the records (schema 2) and the key layout v2.
 
-Key layout (versioned prefix; one key per endpoint, keyed by its advertised side-channel address so
-that an endpoint restarted at the same address *replaces* its key, and the new ``incarnation``
-tells a watcher it restarted):
+Key layout (versioned prefix; keyed by the endpoint's advertised side-channel address, so that an
+endpoint restarted at the same address *replaces* its keys, and the new ``incarnation`` tells a
+watcher it restarted). Membership and load live apart, both under the endpoint's one lease:
 
-    /kvpush/v1/clusters/<cluster>/endpoints/<host>:<port>   -> EndpointRecord (JSON), leased
+    /kvpush/v2/clusters/<cluster>/members/<host>:<port>  -> MemberRecord (JSON): written at
+        registration and when it changes (``leaving``) only
+    /kvpush/v2/clusters/<cluster>/load/<host>:<port>     -> LoadRecord (JSON): the load summary,
+        rewritten every load period when it changed
 
-The value is JSON (msgspec), small (a few hundred bytes) and readable with ``etcdctl get``. A
-reader refuses records of another ``schema`` (a later layout lives under ``/kvpush/v2/``).
-Declarations and pure functions only: no I/O, no threads.
+so that a watcher of membership alone (every endpoint's own peer watch) never receives a load
+write. ``EndpointRecord`` is the two joined, what the tools and views read. The values are JSON
+(msgspec), small (a few hundred bytes) and readable with ``etcdctl get``. A reader refuses records
+of another ``schema``; layout v1 (``/kvpush/v1/``: one key holding both) is neither read nor
+written (docs/fleet.md, "Key layout and versioning"). Declarations and pure functions only: no
+I/O, no threads.
 """
 
 from __future__ import annotations
@@ -20,8 +26,11 @@ from msgspec import Struct
 
 from kvpush.config import Role
 
-SCHEMA = 1
-ROOT = "/kvpush/v1"
+SCHEMA = 2
+ROOT = "/kvpush/v2"
+#: The first layout (one key per endpoint, membership and load together): its prefix, only to
+#: say that endpoints of an older kvpush are registered there.
+V1_ROOT = "/kvpush/v1"
 CLUSTER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -48,8 +57,8 @@ class Load(Struct, frozen=True, kw_only=True):
     updated_at: float = 0.0  # unix time of this summary
 
 
-class EndpointRecord(Struct, frozen=True, kw_only=True):
-    """One endpoint as a router or an operator needs it."""
+class MemberRecord(Struct, frozen=True, kw_only=True):
+    """The membership key's value: who the endpoint is (written at registration and on change)."""
 
     schema: int = SCHEMA
     role: Role
@@ -69,10 +78,25 @@ class EndpointRecord(Struct, frozen=True, kw_only=True):
     agent_names: list[str] = []  # one per rank (NIXL agent names)
     nixl_metadata: str = "sidechannel"  # or "etcd": agent metadata published with NIXL's backend
     nixl_namespace: str = ""  # NIXL_ETCD_NAMESPACE used when nixl_metadata == "etcd"
-    load: Load = Load()
     # Written once, just before a graceful stop deletes the key: the endpoint drains what it
     # holds, so peers let its work finish instead of dropping it as gone (peer_left).
     leaving: bool = False
+
+
+class EndpointRecord(MemberRecord, frozen=True, kw_only=True):
+    """One endpoint as a router or an operator needs it: its membership and its load summary
+    (``Load()`` where none was read: a membership-only reader, or no summary yet)."""
+
+    load: Load = Load()
+
+
+class LoadRecord(Struct, frozen=True, kw_only=True):
+    """The load key's value: the summary of one incarnation (a summary left by an older
+    incarnation is never joined to a newer one's membership)."""
+
+    schema: int = SCHEMA
+    incarnation: str
+    load: Load
 
 
 def check_cluster(name: str) -> str:
@@ -86,28 +110,102 @@ def check_cluster(name: str) -> str:
 
 
 def cluster_prefix(cluster: str) -> str:
-    """The prefix holding every endpoint key of ``cluster`` (ends with '/')."""
-    return f"{ROOT}/clusters/{check_cluster(cluster)}/endpoints/"
+    """The prefix holding every key of ``cluster``: membership and load (ends with '/')."""
+    return f"{ROOT}/clusters/{check_cluster(cluster)}/"
 
 
-def endpoint_key(cluster: str, address: str) -> str:
-    return cluster_prefix(cluster) + address
+def members_prefix(cluster: str) -> str:
+    """The prefix of ``cluster``'s membership keys (what every endpoint's own watch follows)."""
+    return cluster_prefix(cluster) + "members/"
+
+
+def loads_prefix(cluster: str) -> str:
+    """The prefix of ``cluster``'s load summaries (followed only by who wants them)."""
+    return cluster_prefix(cluster) + "load/"
+
+
+def v1_prefix(cluster: str) -> str:
+    """Where an older kvpush (layout v1) registers the endpoints of ``cluster``."""
+    return f"{V1_ROOT}/clusters/{check_cluster(cluster)}/endpoints/"
+
+
+def member_key(cluster: str, address: str) -> str:
+    return members_prefix(cluster) + address
+
+
+def load_key(cluster: str, address: str) -> str:
+    return loads_prefix(cluster) + address
 
 
 _enc = msgspec.json.Encoder()
-_dec = msgspec.json.Decoder(EndpointRecord)
+_member_dec = msgspec.json.Decoder(MemberRecord)
+_load_dec = msgspec.json.Decoder(LoadRecord)
+_MEMBER_FIELDS = MemberRecord.__struct_fields__
 
 
-def encode(rec: EndpointRecord) -> bytes:
-    return _enc.encode(rec)
+def member_of(rec: MemberRecord) -> MemberRecord:
+    """The membership part of ``rec`` (an ``EndpointRecord`` without its load)."""
+    if type(rec) is MemberRecord:
+        return rec
+    return MemberRecord(**{f: getattr(rec, f) for f in _MEMBER_FIELDS})
 
 
-def decode(raw: bytes) -> EndpointRecord:
-    """The record in ``raw``; ValueError when it is not a v1 record."""
+def same_member(a: MemberRecord, b: MemberRecord) -> bool:
+    """Whether two records say the same of the endpoint (their load summaries aside)."""
+    return member_of(a) == member_of(b)
+
+
+def encode_member(rec: MemberRecord) -> bytes:
+    """The membership key's value of ``rec`` (every field but the load summary)."""
+    return _enc.encode(member_of(rec))
+
+
+def encode_load(rec: EndpointRecord) -> bytes:
+    """The load key's value of ``rec``: its incarnation and load summary."""
+    return _enc.encode(LoadRecord(incarnation=rec.incarnation, load=rec.load))
+
+
+def decode_member(raw: bytes) -> MemberRecord:
+    """The membership record in ``raw``; ValueError when it is not one of this schema."""
     try:
-        rec = _dec.decode(raw)
+        rec = _member_dec.decode(raw)
     except msgspec.DecodeError as e:
-        raise ValueError(f"not a kvpush v{SCHEMA} endpoint record: {e}") from None
+        raise ValueError(f"not a kvpush v{SCHEMA} membership record: {e}") from None
     if rec.schema != SCHEMA:
-        raise ValueError(f"endpoint record of schema {rec.schema}, this kvpush reads {SCHEMA}")
+        raise ValueError(f"membership record of schema {rec.schema}, this kvpush reads {SCHEMA}")
     return rec
+
+
+def decode_load(raw: bytes) -> LoadRecord:
+    """The load record in ``raw``; ValueError when it is not one of this schema."""
+    try:
+        rec = _load_dec.decode(raw)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"not a kvpush v{SCHEMA} load record: {e}") from None
+    if rec.schema != SCHEMA:
+        raise ValueError(f"load record of schema {rec.schema}, this kvpush reads {SCHEMA}")
+    return rec
+
+
+def joined(member: MemberRecord, load: LoadRecord | None) -> EndpointRecord:
+    """The endpoint as the views read it: ``member`` with ``load``'s summary when it is of the
+    same incarnation (else an empty one)."""
+    fields = {f: getattr(member, f) for f in _MEMBER_FIELDS}
+    if load is not None and load.incarnation == member.incarnation:
+        return EndpointRecord(**fields, load=load.load)
+    return EndpointRecord(**fields)
+
+
+def registration_writes(cluster: str, rec: EndpointRecord) -> list[tuple[str, bytes]]:
+    """What an endpoint writes when it registers (one transaction, under its lease): its first
+    load summary, then its membership -- in that order, so that a watcher reads one ``join``
+    (or ``restart``) that carries the load, not a join and then an update."""
+    return [
+        (load_key(cluster, rec.address), encode_load(rec)),
+        (member_key(cluster, rec.address), encode_member(rec)),
+    ]
+
+
+def load_writes(cluster: str, rec: EndpointRecord) -> list[tuple[str, bytes]]:
+    """What it writes when its load summary (``rec.load``) changed: the load key alone."""
+    return [(load_key(cluster, rec.address), encode_load(rec))]

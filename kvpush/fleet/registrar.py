@@ -1,25 +1,29 @@
-"""``Registrar``: keeps one endpoint's leased key in etcd, on a thread of its own.
+"""``Registrar``: keeps one endpoint's leased keys in etcd, on a thread of its own.
 
 The registry is never on the data path: nothing the writer or receiver does waits for this
 thread, and etcd being down at start or later changes nothing but this thread's state. The
 thread's loop:
 
-- no lease: grant one (``ttl_s``) and put the record under it -> *registered*;
+- no lease: grant one (``ttl_s``) and put the membership record and the first load summary
+  under it, in one transaction (``kvpush.fleet.record.registration_writes``) -> *registered*;
 - every ``ttl_s / 3``: refresh the lease; a lease that is gone (TTL 0, ``LeaseLost``: this
-  process was frozen past the TTL, or etcd lost it) is granted again and the key re-put at once;
-- every ``load_period_s``: read the load summary; put the record again when the summary changed
-  (or every ``LOAD_REFRESH_PERIODS`` periods, which also restores a key someone deleted);
+  process was frozen past the TTL, or etcd lost it) is granted again and the keys re-put at once;
+- every ``load_period_s``: read the load summary; put the *load key* alone when the summary
+  changed (or every ``LOAD_REFRESH_PERIODS`` periods). The membership key is written at
+  registration and on change only (``leaving``): no watcher of membership hears of load;
+- ``put_again`` (the endpoint's own watch saw its membership key deleted) writes both again;
 - an etcd call that fails (``RegistryUnavailable``, ``RegistryError``) counts
   ``registry_errors``, and the thread retries with a short backoff (capped at the refresh
   period). ``registry_up`` changes -- and a log line says so -- once per change, not per error.
 
 ``leave()`` (graceful stop, called *before* the drain so routers stop sending first) stops the
-thread, writes the record once more with ``leaving`` set (watchers then let the endpoint's work
-in flight drain rather than drop it as gone) and revokes the lease, which deletes the key at
-once; when etcd cannot be reached the key lapses within the TTL. A restart at the same address
-simply replaces the key (the address is the key; the new ``incarnation`` tells watchers it
-restarted); revoking the old incarnation's lease cannot delete it, as the key is no longer
-attached to that lease.
+thread, writes the membership record once more with ``leaving`` set (watchers then let the
+endpoint's work in flight drain rather than drop it as gone) and revokes the lease, which
+deletes both keys at once; when etcd cannot be reached they lapse within the TTL. A restart at
+the same address simply replaces the keys (the address is the key; the new ``incarnation`` tells
+watchers it restarted); revoking the old incarnation's lease cannot delete them, as they are no
+longer attached to that lease. The etcd client is the process's one (``Membership`` shares it
+with the peer watch), or one of its own when none is given.
 """
 
 from __future__ import annotations
@@ -34,8 +38,16 @@ import msgspec
 
 from kvpush.errors import LeaseLost, RegistryError, RegistryUnavailable
 from kvpush.fleet.config import LOAD_REFRESH_PERIODS, RegistryConfig
-from kvpush.fleet.etcd import make_etcd
-from kvpush.fleet.record import EndpointRecord, Load, encode, endpoint_key
+from kvpush.fleet.etcd import Etcd
+from kvpush.fleet.record import (
+    EndpointRecord,
+    Load,
+    encode_member,
+    load_key,
+    load_writes,
+    member_key,
+    registration_writes,
+)
 from kvpush.telemetry.health import Verdict
 from kvpush.telemetry.names import Counter, Gauge
 from kvpush.telemetry.store import Telemetry
@@ -58,10 +70,12 @@ class Registrar:
         load: Callable[[], Load],
         telemetry: Telemetry | None = None,
         on_register: Callable[[], None] | None = None,
+        etcd: Etcd | None = None,
     ) -> None:
         self.cfg = cfg
-        self.key = endpoint_key(cfg.cluster, record.address)  # what it registers: ``record``
-        self._etcd = make_etcd(cfg)
+        self.key = member_key(cfg.cluster, record.address)  # what it registers: ``record``
+        self.load_key = load_key(cfg.cluster, record.address)
+        self._etcd = etcd if etcd is not None else Etcd(cfg.access)
         self._record = record
         self._load = load
         self._tm = telemetry
@@ -111,7 +125,7 @@ class Registrar:
             return False
         try:
             leaving = msgspec.structs.replace(self._record, leaving=True)
-            self._etcd.put(self.key, encode(leaving), lease=lease)
+            self._etcd.put(self.key, encode_member(leaving), lease=lease)
             self._etcd.revoke(lease)
         except (RegistryUnavailable, RegistryError) as e:
             log.warning(
@@ -175,7 +189,7 @@ class Registrar:
         lease = self._etcd.grant(self.cfg.ttl_s)
         load = self._load()
         try:
-            self._etcd.put(self.key, self._value(load), lease=lease)
+            self._etcd.put_many(registration_writes(self.cfg.cluster, self._with(load)), lease)
         except BaseException:
             self._revoke_quietly(lease)
             raise
@@ -202,11 +216,16 @@ class Registrar:
         if not force and last is not None and same_load(last, load) and fresh:
             return
         assert self.lease is not None
-        self._etcd.put(self.key, self._value(load), lease=self.lease)
+        rec = self._with(load)
+        if force:  # the membership key may be gone: both again
+            self._etcd.put_many(registration_writes(self.cfg.cluster, rec), self.lease)
+        else:
+            ((key, value),) = load_writes(self.cfg.cluster, rec)
+            self._etcd.put(key, value, lease=self.lease)
         self._last_put_load, self._periods = load, 0
 
-    def _value(self, load: Load) -> bytes:
-        return encode(msgspec.structs.replace(self._record, load=load))
+    def _with(self, load: Load) -> EndpointRecord:
+        return msgspec.structs.replace(self._record, load=load)
 
     def _revoke_quietly(self, lease: int) -> None:
         with contextlib.suppress(RegistryUnavailable, RegistryError):

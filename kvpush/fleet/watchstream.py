@@ -19,13 +19,27 @@ import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import requests
-from etcd3gw import exceptions as etcd_exc
-from etcd3gw.client import Etcd3Client
 
 from kvpush.errors import WatchCompacted
+
+if TYPE_CHECKING:
+    from kvpush.fleet.etcd import Url
+
+
+class Unreachable(Exception):
+    """An etcd URL did not answer (refused, timed out, 503: no leader): try the next one."""
+
+
+class EtcdRefused(Exception):
+    """etcd answered with an error: its HTTP status and body (JSON with its message)."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:200]}")
+        self.status = status
+        self.body = body
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,37 +52,32 @@ class WatchEvent:
     revision: int  # the etcd revision of this change (the key's mod_revision)
 
 
-def open_stream(
-    c: Etcd3Client, create: dict[str, str], timeout_s: float, ca: str | None
-) -> requests.Response:
+def open_stream(c: Url, create: dict[str, str], timeout_s: float) -> requests.Response:
     """Open a watch (``create``: etcd's create_request) on a session of its own, with ``c``'s
-    credentials; ``ca``: the CA bundle's path to verify etcd with (None: the session's way).
-    Errors are etcd3gw's, so ``Etcd`` fails over as for every other call."""
+    credentials and TLS material. Errors are ``Unreachable`` / ``EtcdRefused``, so ``Etcd``
+    fails over as for every other call."""
     s = requests.Session()
-    s.verify = c.session.verify  # for the record: requests prefers the environment's
+    s.verify = c.verify
     s.cert = c.session.cert
     s.headers.update(c.session.headers)
     try:
         # connect bounded; reads unbounded (a quiet cluster sends nothing for hours)
         r = s.post(
-            c.get_url("/watch"),
+            c.base + "/watch",
             json={"create_request": create},
             stream=True,
             timeout=(timeout_s, None),
-            verify=ca,
+            verify=c.verify,
         )
-    except requests.exceptions.Timeout as e:
+    except (requests.exceptions.RequestException, OSError) as e:
         s.close()
-        raise etcd_exc.ConnectionTimeoutError(str(e)) from None
-    except requests.exceptions.ConnectionError as e:
-        s.close()
-        raise etcd_exc.ConnectionFailedError(str(e)) from None
+        raise Unreachable(str(e)) from None
     if r.status_code != 200:
         text = r.text
         s.close()
-        if r.status_code == 503:
-            raise etcd_exc.ConnectionFailedError(text)
-        raise etcd_exc.Etcd3Exception(text, r.reason)
+        if r.status_code in (503, 408, 504):
+            raise Unreachable(text)
+        raise EtcdRefused(r.status_code, text)
     return r
 
 

@@ -55,6 +55,13 @@ class Counter(StrEnum):
     REGISTRY_HINTS = "registry_hints"
     REGISTRY_HINTS_PROVEN = "registry_hints_proven"
     REGISTRY_HINTS_REFUTED = "registry_hints_refuted"
+    # Registry events the endpoint's own watch received (layout v2: membership only, so a fleet
+    # under steady load sends it none).
+    REGISTRY_WATCH_EVENTS = "registry_watch_events"
+    # serve-* --prewarm: pairs handshaken before any request; warm-up tries that failed (each
+    # tried again with back-off while the peer stays registered).
+    PREWARMS = "prewarms"
+    PREWARMS_FAILED = "prewarms_failed"
     # restarts and disconnects (docs/reliability.md): a handshake that found a new incarnation
     # at a known address; remote agents of evicted peers removed (before any new one is loaded
     # for that peer); peers moved to degraded by a transport error, and evicted for them.

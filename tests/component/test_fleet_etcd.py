@@ -20,8 +20,26 @@ from kvpush.errors import (
     WatchCompacted,
 )
 from kvpush.fleet.etcd import Etcd, WatchEvent, parse_urls, prefix_end
-from kvpush.fleet.record import EndpointRecord, Geometry, Load, encode, endpoint_key
-from kvpush.fleet.store import FleetEvent, Follow, apply, diff, list_endpoints, watch_endpoints
+from kvpush.fleet.record import (
+    EndpointRecord,
+    Geometry,
+    Load,
+    encode_load,
+    encode_member,
+    load_key,
+    load_writes,
+    member_key,
+    registration_writes,
+)
+from kvpush.fleet.store import (
+    FleetEvent,
+    Follow,
+    apply,
+    diff,
+    list_endpoints,
+    read_cluster,
+    watch_endpoints,
+)
 from tests.conftest import unused_port
 
 pytestmark = pytest.mark.timeout(90)
@@ -182,7 +200,7 @@ def test_a_frozen_etcd_is_bounded_by_the_timeout(etcd) -> None:
         etcd.thaw()
     e.timeout_s = 10.0
     for c in e._clients:
-        c.timeout = 10.0
+        c.timeout_s = 10.0
     assert e.get("/z/k") == b"v"  # the same client works again once etcd does
 
 
@@ -298,6 +316,19 @@ def test_an_expired_token_is_renewed(etcd) -> None:
 # -- fleet events (store) -----------------------------------------------------------------
 
 
+def put(e: Etcd, cluster: str, rec: EndpointRecord) -> None:
+    """Register ``rec`` as an endpoint's registrar does (membership and load, one transaction)."""
+    e.put_many(registration_writes(cluster, rec))
+
+
+def test_put_many_is_one_revision_and_count_prefix(etcd) -> None:
+    e = Etcd([etcd.url])
+    rev = e.put_many([("/m/a", b"1"), ("/m/b", b"2")])
+    kvs, now = e.get_prefix("/m/")
+    assert kvs == [("/m/a", b"1"), ("/m/b", b"2")] and now == rev
+    assert e.count_prefix("/m/") == 2 and e.count_prefix("/none/") == 0
+
+
 def test_diff_and_apply_are_the_fleet_events() -> None:
     a1, a2 = record("h:1"), record("h:1", incarnation="i2")
     b, b_load = record("h:2"), record("h:2", free=3)
@@ -313,35 +344,50 @@ def test_diff_and_apply_are_the_fleet_events() -> None:
         ("leave", "h:3"),
     ]
     assert diff(known, dict(known)) == []
-    p = "/kvpush/v1/clusters/c/endpoints/"
+    c = "c"
+    mk, lk = member_key(c, "h:1"), load_key(c, "h:1")
     k: dict[str, EndpointRecord] = {}
-    ev = apply(k, p, WatchEvent("PUT", p + "h:1", encode(a1), 5))
-    assert ev == FleetEvent("join", "h:1", a1, None)
-    assert apply(k, p, WatchEvent("PUT", p + "h:1", encode(a1), 6)) is None  # no change
-    ev = apply(k, p, WatchEvent("PUT", p + "h:1", encode(a2), 7))
-    assert ev is not None and ev.kind == "restart" and ev.previous == a1
-    assert apply(k, p, WatchEvent("PUT", p + "h:9", b"garbage", 8)) is None
-    ev = apply(k, p, WatchEvent("DELETE", p + "h:1", b"", 9))
-    assert ev == FleetEvent("leave", "h:1", None, a2) and k == {}
-    assert apply(k, p, WatchEvent("DELETE", p + "h:1", b"", 10)) is None
+    loads: dict[str, Any] = {}
+    # the load key first (a registration's transaction may be read in either order)
+    assert apply(k, loads, c, WatchEvent("PUT", lk, encode_load(a1), 5)) is None
+    ev = apply(k, loads, c, WatchEvent("PUT", mk, encode_member(a1), 5))
+    assert ev == FleetEvent("join", "h:1", a1, None)  # joined with its load summary
+    assert apply(k, loads, c, WatchEvent("PUT", mk, encode_member(a1), 6)) is None  # no change
+    a1_busy = record("h:1", free=7)
+    ev = apply(k, loads, c, WatchEvent("PUT", lk, encode_load(a1_busy), 7))
+    assert ev == FleetEvent("update", "h:1", a1_busy, a1)  # a load summary: an update
+    stale = record("h:1", incarnation="old", free=1)
+    assert apply(k, loads, c, WatchEvent("PUT", lk, encode_load(stale), 8)) is None
+    ev = apply(k, loads, c, WatchEvent("PUT", mk, encode_member(a2), 9))
+    assert ev is not None and ev.kind == "restart" and ev.previous == a1_busy
+    assert ev.record is not None and ev.record.load == Load()  # no summary of i2 yet
+    assert apply(k, loads, c, WatchEvent("PUT", member_key(c, "h:9"), b"garbage", 10)) is None
+    assert apply(k, loads, c, WatchEvent("DELETE", lk, b"", 11)) is None  # the member says
+    ev = apply(k, loads, c, WatchEvent("DELETE", mk, b"", 12))
+    assert ev is not None and (ev.kind, ev.record, k) == ("leave", None, {})
+    assert ev.previous is not None and ev.previous.incarnation == "i2"
+    assert apply(k, loads, c, WatchEvent("DELETE", mk, b"", 13)) is None
 
 
 def test_list_and_watch_endpoints(etcd) -> None:
     e = Etcd([etcd.url])
-    e.put(endpoint_key("c1", "h:2"), encode(record("h:2")))
-    e.put(endpoint_key("c1", "h:1"), encode(record("h:1")))
-    e.put(endpoint_key("c1", "h:bad"), b"{not json")
-    e.put(endpoint_key("c2", "h:9"), encode(record("h:9")))
-    recs, rev = list_endpoints(e, "c1")
+    put(e, "c1", record("h:2"))
+    put(e, "c1", record("h:1", free=5))
+    e.put(member_key("c1", "h:bad"), b"{not json")
+    put(e, "c2", record("h:9"))
+    recs, _ = list_endpoints(e, "c1")
     assert [r.address for r in recs] == ["h:1", "h:2"]  # sorted, the bad one skipped
-    known = {r.address: r for r in recs}
-    events, cancel = watch_endpoints(e, "c1", known, rev + 1)
+    assert recs[0].load.free_blocks == 5  # membership joined with its load summary
+    assert list_endpoints(e, "c1", load=False)[0][0].load == Load()  # membership alone
+    listing = read_cluster(e, "c1")
+    received: list[int] = []
+    events, cancel = watch_endpoints(e, "c1", listing, on_events=received.append)
     c = Collector(events)
-    e.put(endpoint_key("c1", "h:1"), encode(record("h:1", free=1)))
-    e.put(endpoint_key("c1", "h:2"), encode(record("h:2", incarnation="i9")))
-    e.delete(endpoint_key("c1", "h:1"))
-    e.put(endpoint_key("c1", "h:3"), encode(record("h:3")))
-    e.put(endpoint_key("c2", "h:8"), encode(record("h:8")))  # other cluster: not seen
+    e.put_many(load_writes("c1", record("h:1", free=1)))
+    put(e, "c1", record("h:2", incarnation="i9"))
+    e.delete(member_key("c1", "h:1"))
+    put(e, "c1", record("h:3"))
+    put(e, "c2", record("h:8"))  # other cluster: not seen
     c.wait_for(lambda it: len(it) >= 4)
     cancel()
     assert [(ev.kind, ev.address) for ev in c.items] == [
@@ -350,13 +396,33 @@ def test_list_and_watch_endpoints(etcd) -> None:
         ("leave", "h:1"),
         ("join", "h:3"),
     ]
-    assert set(known) == {"h:2", "h:3"}
+    assert set(listing.records) == {"h:2", "h:3"}
+    assert sum(received) >= 6  # every etcd event counted (a registration is two)
+
+
+def test_a_membership_watch_receives_no_load_summary(etcd) -> None:
+    """Layout v2's point: load writes never reach a watcher of membership (an endpoint's own
+    peer watch), however often they come; membership changes still do."""
+    e = Etcd([etcd.url])
+    put(e, "m", record("h:1"))
+    received: list[int] = []
+    follow = Follow(Etcd([etcd.url]), "m", load=False, on_events=received.append)
+    c = Collector(iter(follow))
+    c.wait_for(lambda it: len(it) == 1)
+    for i in range(50):
+        e.put_many(load_writes("m", record("h:1", free=i)))
+    put(e, "m", record("h:2"))
+    c.wait_for(lambda it: len(it) == 2)
+    follow.cancel()
+    c.thread.join(10)
+    assert [(ev.kind, ev.address) for ev in c.items] == [("join", "h:1"), ("join", "h:2")]
+    assert sum(received) == 1  # h:2's membership key: none of the 50 load writes
 
 
 def test_follow_survives_an_etcd_outage_and_reports_what_it_missed(etcd) -> None:
     e = Etcd([etcd.url], timeout_s=1.0)
-    e.put(endpoint_key("f", "h:1"), encode(record("h:1")))
-    e.put(endpoint_key("f", "h:2"), encode(record("h:2")))
+    put(e, "f", record("h:1"))
+    put(e, "f", record("h:2"))
     follow = Follow(Etcd([etcd.url], timeout_s=1.0), "f", retry_s=0.2)
     c = Collector(iter(follow))
     c.wait_for(lambda it: len(it) == 2)
@@ -364,8 +430,8 @@ def test_follow_survives_an_etcd_outage_and_reports_what_it_missed(etcd) -> None
     etcd.stop()
     c.wait_for(lambda it: it[-1].kind == "registry_down")
     etcd.start()
-    e.delete(endpoint_key("f", "h:1"))  # happens before the follower's next listing or after
-    e.put(endpoint_key("f", "h:3"), encode(record("h:3")))
+    e.delete(member_key("f", "h:1"))  # happens before the follower's next listing or after
+    put(e, "f", record("h:3"))
     c.wait_for(lambda it: {"h:1", "h:3"} <= {ev.address for ev in it[3:]})
     follow.cancel()
     c.thread.join(10)
@@ -376,6 +442,18 @@ def test_follow_survives_an_etcd_outage_and_reports_what_it_missed(etcd) -> None
     assert ("leave", "h:1") in kinds and ("join", "h:3") in kinds
     assert [ev.kind for ev in c.items].count("registry_down") == 1  # said once per change
     assert set(follow.known) == {"h:2", "h:3"}
+
+
+def test_a_seeded_follow_reports_only_what_changed(etcd) -> None:
+    e = Etcd([etcd.url])
+    put(e, "s", record("h:1"))
+    recs, _ = list_endpoints(e, "s")
+    follow = Follow(Etcd([etcd.url]), "s", known={r.address: r for r in recs})
+    c = Collector(iter(follow))
+    put(e, "s", record("h:2"))
+    c.wait_for(lambda it: len(it) >= 1)
+    follow.cancel()
+    assert [(ev.kind, ev.address) for ev in c.items] == [("join", "h:2")]
 
 
 # -- TLS --------------------------------------------------------------------------------------
@@ -401,3 +479,18 @@ def test_tls_with_a_client_certificate(tls_etcd, monkeypatch) -> None:
         Etcd([tls_etcd.url], ca_cert=str(pki.ca), timeout_s=2).get("/tls/k")
     with pytest.raises(RegistryUnavailable, match=r"not trusted \(check --registry-ca\)"):
         Etcd([tls_etcd.url], timeout_s=2).get("/tls/k")
+
+
+def test_endpoints_of_layout_v1_are_counted_and_named_not_read(etcd) -> None:
+    """An older kvpush's keys (layout v1) are not read; the tools say how many there are."""
+    from kvpush.commands.common.registry import RegistrySource
+
+    e = Etcd([etcd.url])
+    put(e, "mix", record("h:2"))
+    e.put("/kvpush/v1/clusters/mix/endpoints/h:1", b"{}")
+    src = RegistrySource(etcd.url, "mix")
+    assert [r.address for r in src.list()] == ["h:2"]
+    note = src.v1_note()
+    assert note.startswith("1 endpoint(s) of cluster 'mix'") and "/kvpush/v1/" in note
+    assert src.open() is src.open()  # one client per process
+    assert RegistrySource(etcd.url, "other").v1_note() == ""

@@ -4,6 +4,7 @@ for one), the registry settings' checks, and the readiness judgement of ``/ready
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,17 @@ from kvpush.errors import ConfigError
 from kvpush.fleet.config import RegistryConfig, read_password_file
 from kvpush.fleet.etcd import Etcd
 from kvpush.fleet.member import advertised_address, reachable_url
-from kvpush.fleet.record import EndpointRecord, Geometry, Load, decode, endpoint_key
+from kvpush.fleet.record import (
+    EndpointRecord,
+    Geometry,
+    Load,
+    decode_load,
+    decode_member,
+    joined,
+    load_key,
+    member_key,
+    members_prefix,
+)
 from kvpush.fleet.registrar import Registrar, same_load
 from kvpush.telemetry.health import Health, Sample, data_path
 from kvpush.telemetry.store import Telemetry
@@ -25,7 +36,8 @@ from tests.conftest import unused_port
 pytestmark = pytest.mark.timeout(120)
 
 ADDR = "127.0.0.1:5999"
-KEY = endpoint_key("t", ADDR)
+KEY = member_key("t", ADDR)
+LOAD_KEY = load_key("t", ADDR)
 
 
 def rec() -> EndpointRecord:
@@ -74,8 +86,12 @@ def registrar(url: str, ttl: int = 3, load: Loads | None = None, tm: Telemetry |
 
 
 def value(e: Etcd) -> EndpointRecord | None:
+    """The endpoint as a reader joins it: its membership and its load summary."""
     raw = e.get(KEY)
-    return decode(raw) if raw is not None else None
+    if raw is None:
+        return None
+    load = e.get(LOAD_KEY)
+    return joined(decode_member(raw), decode_load(load) if load is not None else None)
 
 
 # -- the registrar's loop -------------------------------------------------------------------
@@ -107,6 +123,32 @@ def test_the_load_summary_is_written_when_it_changes(etcd) -> None:
     loads.free = 5
     until("the new summary", lambda: (v := value(e)) is not None and v.load.free_blocks == 5)
     r.leave()
+
+
+def test_the_membership_key_is_written_at_registration_and_on_leaving_only(etcd) -> None:
+    """Layout v2: load summaries go to the load key; a watcher of membership receives nothing
+    while the load changes, then the ``leaving`` write and the delete."""
+    e = Etcd([etcd.url])
+    loads = Loads()
+    r = registrar(etcd.url, ttl=10, load=loads)
+    r.start()
+    until("registered", lambda: value(e))
+    events, cancel = e.watch_prefix(members_prefix("t"))
+    got: list[str] = []
+    t = threading.Thread(target=lambda: got.extend(ev.kind for ev in events), daemon=True)
+    t.start()
+
+    def free_is(n: int) -> bool:
+        v = value(e)
+        return v is not None and v.load.free_blocks == n
+
+    for free in (5, 3, 1):
+        loads.free = free
+        until(f"summary {free}", lambda: free_is(loads.free))
+    assert got == []
+    assert r.leave() is True
+    until("leaving, then gone", lambda: got == ["PUT", "DELETE"])
+    cancel()
 
 
 def test_a_deleted_key_is_put_again(etcd) -> None:
@@ -185,7 +227,10 @@ def test_registry_config_checks() -> None:
         RegistryConfig(urls="http://e:2379", ttl_s=1)
     with pytest.raises(ConfigError, match="invalid etcd URL"):
         RegistryConfig(urls="http://e:2379/x")
-    cfg = RegistryConfig(urls="http://e:2379", password="pw-secret")
+    cfg = RegistryConfig(urls="http://e:2379", user="u", password="pw-secret")
+    assert "pw-secret" not in repr(cfg.access)
+    with pytest.raises(ConfigError, match="user and a password"):
+        RegistryConfig(urls="http://e:2379", password="pw-secret")
     assert "pw-secret" not in repr(cfg) and cfg.refresh_s == 10 / 3
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kvpush.fleet.etcd import Etcd
-from kvpush.fleet.record import decode, endpoint_key
+from kvpush.fleet.record import cluster_prefix, decode_member, member_key
 from kvpush.fleet.store import list_endpoints
 from tests.support.drives import finish_drive, start_drive
 from tests.support.etcd import EtcdServer
@@ -135,7 +135,7 @@ def test_a_registry_delete_of_a_live_peer_drops_nothing(etcd: EtcdServer, serve:
     assert holds(d, p.engine_id) and holds(p, d.engine_id)
     evicted = (counter(d, "peers_evicted"), counter(p, "peers_evicted"))
     # Every key of the cluster deleted at once (an operator's `etcdctl del --prefix`).
-    assert e.delete_prefix(f"/kvpush/v1/clusters/{CLUSTER}/") == 2
+    assert e.delete_prefix(cluster_prefix(CLUSTER)) == 4  # each one's membership and load
     # Each saw the other leave (a hint), looked, and kept it: the other answered with the same
     # incarnation, or put its key back (its registrar) before the look was done.
     for proc in (d, p):
@@ -172,13 +172,13 @@ def test_a_record_whose_address_is_not_its_key_is_refused(
     e = Etcd([etcd.url])
     p = serve.serve("prefill", *GEOMETRY, *reg(etcd, 10))
     wait_for(lambda: listed(e) == {p.address}, 30, "P registered")
-    raw = e.get(endpoint_key(CLUSTER, p.address))
+    raw = e.get(member_key(CLUSTER, p.address))
     assert raw is not None
     # A forged D record under another key, claiming P's address: it must not hide P.
     forged = json.loads(raw)
     forged["role"] = "decode"
-    assert decode(json.dumps(forged).encode()).address == p.address
-    e.put(endpoint_key(CLUSTER, "127.0.0.1:1"), json.dumps(forged).encode())
+    assert decode_member(json.dumps(forged).encode()).address == p.address
+    e.put(member_key(CLUSTER, "127.0.0.1:1"), json.dumps(forged).encode())
     assert listed(e) == {p.address}
     r = subprocess.run(
         [*KVPUSH, "fleet", "ls", "--json", "--registry", etcd.url, "--cluster", CLUSTER],
@@ -213,7 +213,7 @@ def test_an_etcd_stall_a_wiped_prefix_and_an_empty_etcd_fail_no_request(
     etcd.thaw()
     wait_for(lambda: listed(e) == everyone, 30, "registered again after the stall")
     time.sleep(2.0)
-    assert e.delete_prefix(f"/kvpush/v1/clusters/{CLUSTER}/") >= 1
+    assert e.delete_prefix(cluster_prefix(CLUSTER)) >= 1
     wait_for(lambda: listed(e) == everyone, 30, "registered again after the wipe")
     time.sleep(2.0)
     etcd.kill()

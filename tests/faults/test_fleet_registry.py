@@ -30,7 +30,7 @@ import requests
 
 from kvpush.commands.common import control
 from kvpush.fleet.etcd import Etcd
-from kvpush.fleet.record import EndpointRecord, decode, endpoint_key
+from kvpush.fleet.record import EndpointRecord, member_key
 from kvpush.fleet.store import Follow, list_endpoints
 from kvpush.wire import protocol
 from tests.conftest import unused_port
@@ -58,8 +58,8 @@ def until(what: str, cond: Callable[[], Any], timeout: float = 30.0) -> Any:
 
 
 def record_at(e: Etcd, address: str, cluster: str = "default") -> EndpointRecord | None:
-    raw = e.get(endpoint_key(cluster, address))
-    return decode(raw) if raw is not None else None
+    recs, _ = list_endpoints(e, cluster)  # membership joined with its load summary
+    return next((r for r in recs if r.address == address), None)
 
 
 def http(url: str) -> tuple[int, str]:
@@ -301,7 +301,7 @@ def test_a_registry_delete_is_a_hint_the_work_waiting_on_a_live_p_goes_on(etcd, 
     pending = Pending(d, p.address, "waits-for-p")
     until("D waits on P", lambda: reading(d, "gauges", "d_waiting") == 1)
     evicted = reading(d, "counters", "peers_evicted")
-    assert e.delete(endpoint_key("default", p.address))
+    assert e.delete(member_key("default", p.address))
     until("D took the hint", lambda: reading(d, "counters", "registry_hints") >= 1)
     until("P's key back (its registrar)", lambda: record_at(e, p.address), timeout=15)
     time.sleep(1.0)  # a check's worth of time: nothing may have been dropped meanwhile
@@ -314,7 +314,7 @@ def test_a_registry_delete_is_a_hint_the_work_waiting_on_a_live_p_goes_on(etcd, 
     assert isinstance(rep, protocol.PrefillRep), rep
     assert (pending.result(30).outcome, reading(d, "failures", "unknown_completion")) == ("ok", 0)
     # The other way round: D's key deleted -> P keeps D, traffic goes on.
-    assert e.delete(endpoint_key("default", d.address))
+    assert e.delete(member_key("default", d.address))
     until("P took the hint", lambda: reading(p, "counters", "registry_hints") >= 1)
     assert any(r["engine_id"] == d.engine_id for r in peers_of(p))
     until("D's key back", lambda: record_at(e, d.address), timeout=15)

@@ -25,7 +25,7 @@ import pytest
 
 from kvpush.config import Role
 from kvpush.fleet.etcd import Etcd
-from kvpush.fleet.record import EndpointRecord, Geometry, encode, endpoint_key
+from kvpush.fleet.record import EndpointRecord, Geometry, encode_member, member_key, members_prefix
 from tests.conftest import SMALL, unused_port
 from tests.support.drives import finish_drive, start_drive
 from tests.support.etcd import EtcdServer
@@ -49,7 +49,7 @@ def start(serve: Launcher, etcd: EtcdServer, role: str, *args: str) -> Proc:
 
 def registered(etcd: EtcdServer) -> set[str]:
     e = Etcd(etcd.url)
-    kvs, _ = e.get_prefix(endpoint_key(CLUSTER, ""))
+    kvs, _ = e.get_prefix(members_prefix(CLUSTER))
     return {k.rsplit("/", 1)[1] for k, _ in kvs}
 
 
@@ -87,7 +87,7 @@ def stray(role: Role, address: str, layers: int = 2) -> EndpointRecord:
 def put(etcd: EtcdServer, records: list[EndpointRecord]) -> None:
     e = Etcd(etcd.url)
     for r in records:
-        e.put(endpoint_key(CLUSTER, r.address), encode(r))
+        e.put(member_key(CLUSTER, r.address), encode_member(r))
 
 
 def drive(etcd: EtcdServer, *args: str) -> subprocess.Popen[str]:

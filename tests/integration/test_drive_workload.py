@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kvpush.fleet.etcd import Etcd
-from kvpush.fleet.record import endpoint_key
+from kvpush.fleet.record import members_prefix
 from tests.support.etcd import EtcdServer
 from tests.support.procs import KVPUSH, Launcher, Proc, clean_env, wait_ready
 from tests.support.side import gauges
@@ -220,7 +220,7 @@ def test_a_replay_takes_its_endpoints_from_the_registry(endpoints, tmp_path) -> 
 
 
 def registered(url: str, cluster: str) -> set[str]:
-    kvs, _ = Etcd(url).get_prefix(endpoint_key(cluster, ""))
+    kvs, _ = Etcd(url).get_prefix(members_prefix(cluster))
     return {k.rsplit("/", 1)[1] for k, _ in kvs}
 
 

@@ -205,7 +205,14 @@ def test_fleet_check_names_incompatible_and_full_pairs(etcd: EtcdServer, serve: 
     assert inc["differences"][0] == {"field": "layers", "prefill": 2, "decode": 4}
     bad = pairs[full.address]
     assert (bad["outcome"], bad["reason"]) == ("failed", "no_free_blocks"), bad
-    assert rep["counts"] == {"ok": 1, "failed": 1, "incompatible": 1, "skipped": 0, "left": 0}
+    assert rep["counts"] == {
+        "ok": 1,
+        "failed": 1,
+        "incompatible": 1,
+        "compatible": 0,
+        "skipped": 0,
+        "left": 0,
+    }
 
     # The text form names the failing pair with its reason and the incompatible fields.
     r = run_cli("fleet", "check", "--size", "64KiB", "--deadline", "8", *reg(etcd))

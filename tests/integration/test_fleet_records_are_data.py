@@ -29,7 +29,8 @@ from kvpush.commands.fleet.check import PairResult, settle_left
 from kvpush.commands.fleet.proof import gone_proof
 from kvpush.config import Role
 from kvpush.fleet.etcd import Etcd
-from kvpush.fleet.record import EndpointRecord, Geometry, decode, encode, endpoint_key
+from kvpush.fleet.record import EndpointRecord, Geometry, encode_member, member_key
+from kvpush.fleet.store import list_endpoints
 from kvpush.wire import protocol
 from tests.conftest import SMALL, run_cli, unused_port
 from tests.integration.test_fleet_cli import addresses, ls_json, wait_listed
@@ -55,8 +56,8 @@ def start(serve: Launcher, etcd: EtcdServer, role: str, *args: str) -> Proc:
 
 
 def records(etcd: EtcdServer) -> dict[str, EndpointRecord]:
-    kvs, _ = Etcd([etcd.url]).get_prefix(endpoint_key(CLUSTER, ""))
-    return {(r := decode(v)).address: r for _, v in kvs}
+    recs, _ = list_endpoints(Etcd([etcd.url]), CLUSTER)
+    return {r.address: r for r in recs}
 
 
 def put_hostile_d(etcd: EtcdServer, like: EndpointRecord) -> str:
@@ -73,7 +74,7 @@ def put_hostile_d(etcd: EtcdServer, like: EndpointRecord) -> str:
         compat_hash="forged",
         geometry=msgspec.structs.replace(like.geometry, dtype=HOSTILE),
     )
-    Etcd([etcd.url]).put(endpoint_key(CLUSTER, addr), encode(rec))
+    Etcd([etcd.url]).put(member_key(CLUSTER, addr), encode_member(rec))
     return addr
 
 

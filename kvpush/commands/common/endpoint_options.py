@@ -191,18 +191,19 @@ ENDPOINT_OPTS: list[Opt] = [
         "(atomically), for scripts and tests.", None, PANEL_OUT, metavar="PATH"),
     Opt("registry", ("--registry",), str | None,
         "etcd client URLs of the fleet registry, comma-separated (http://HOST:2379,...). An "
-        "endpoint keeps one leased key there while it serves; etcd being down never stops it "
-        "serving.", None, PANEL_REGISTRY, metavar="URL[,URL]", show_default=False),
+        "endpoint keeps two leased keys there while it serves (its membership and its load "
+        "summary); etcd being down never stops it serving.", None, PANEL_REGISTRY,
+        metavar="URL[,URL]", show_default=False),
     Opt("cluster", ("--cluster",), str, "The cluster's name in the registry.", "default",
         PANEL_REGISTRY),
     Opt("registry_ttl", ("--registry-ttl",), int,
-        "Lease TTL of the endpoint's key, in seconds (refreshed every TTL/3): a process that "
+        "Lease TTL of the endpoint's keys, in seconds (refreshed every TTL/3): a process that "
         "dies or freezes drops out of the registry within it.", DEFAULT_TTL_S, PANEL_REGISTRY,
         seconds=True),
     Opt("registry_load_period", ("--registry-load-period",), float,
-        "How often the load summary in the key (free blocks, in flight) is re-read; it is "
-        "written when it changed, and at least every 5 periods. Every write reaches every "
-        "watcher of the cluster: raise it for large fleets (docs/fleet.md, sizing).",
+        "How often the load summary (free blocks, in flight) is re-read; it is written to its "
+        "own key when it changed, and at least every 5 periods. It reaches only the watchers "
+        "of load (fleet watch, routers), never the endpoints (docs/fleet.md, sizing).",
         LOAD_PERIOD_S, PANEL_REGISTRY, seconds=True),
     Opt("registry_leave_grace", ("--registry-leave-grace",), float,
         "At a graceful stop the key goes first; the endpoint then serves on this long, so that "
@@ -215,6 +216,11 @@ ENDPOINT_OPTS: list[Opt] = [
         "an endpoint whose registration lapsed (NIXL writes them without a lease). Needs "
         "--registry on an etcd without auth or TLS.", NixlMetadata.SIDECHANNEL,
         PANEL_REGISTRY),
+    Opt("prewarm", ("--prewarm",), bool,
+        "Handshake with every compatible peer of the other role as it joins the cluster (and "
+        "with those registered at start), in the background, a few at a time, so that the "
+        "first request to or from it pays no handshake; a failed warm-up is tried again with "
+        "back-off (prewarms_failed). Needs --registry.", False, PANEL_REGISTRY),
     Opt("advertise", ("--advertise",), str | None,
         "The host peers and routers reach this endpoint by (the registry key's address); "
         "needed when --host binds all interfaces.", None, PANEL_REGISTRY, metavar="HOST",
@@ -245,8 +251,8 @@ _SERVE_ORDER = (
     "drain_timeout", "metrics_port", "metrics_host", "output", "interval", "log_level",
     "ready_file", "kv_regions", "wire", "like", "compat_hash", "vllm_block_size", "attn_backend",
     "registry", "cluster", "registry_ttl", "registry_load_period", "registry_leave_grace",
-    "advertise", "nixl_metadata", "registry_user", "registry_password_file", "registry_ca",
-    "registry_cert", "registry_key", "evict_after_errors", "watchdog_timeout",
+    "advertise", "nixl_metadata", "prewarm", "registry_user", "registry_password_file",
+    "registry_ca", "registry_cert", "registry_key", "evict_after_errors", "watchdog_timeout",
 )  # fmt: skip
 #: The options only one role takes (every other one both do).
 _ROLE_ONLY: dict[str, Role] = {

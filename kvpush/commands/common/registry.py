@@ -1,21 +1,26 @@
 """Where the fleet tools read the registry: the etcd client from the registry options, the listing.
 
 Owns ``RegistrySource`` (the registry options of a fleet-aware command, frozen: URLs, cluster,
-credentials) with ``open`` (an ``kvpush.fleet.etcd.Etcd`` client; the password read from its
-file here, kept in the client only) and ``list`` (the cluster's records, or
-``RegistryUnavailable`` -- exit 69 -- with a hint naming the URLs tried), and
-``registry_source`` (one from a command's parsed registry options). Runs on the caller's
-thread; the etcd client is imported on use (``import kvpush.cli`` loads none).
+credentials) with ``open`` (the process's one ``kvpush.fleet.etcd.Etcd`` client, built once from
+one ``kvpush.fleet.config.Access``: the URLs parsed and the credentials checked there, the
+password read from its file here and kept in the client only; every later ``open`` returns the
+same client), ``list`` (the cluster's records -- membership joined with load summaries, or
+membership alone -- or ``RegistryUnavailable``, exit 69, with a hint naming the URLs tried) and
+``v1_note`` (a warning when endpoints of an older kvpush are registered under layout v1, which
+this kvpush does not read), and ``registry_source`` (one from a command's parsed registry
+options). Runs on the caller's thread; the etcd client is imported on use (``import kvpush.cli``
+loads none).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpush.errors import ConfigError, RegistryUnavailable
-from kvpush.fleet.config import check_file, read_password_file
+from kvpush.fleet.config import Access, check_file, read_password_file
 from kvpush.fleet.record import EndpointRecord, check_cluster
 
 if TYPE_CHECKING:
@@ -35,6 +40,8 @@ class RegistrySource:
     cert: str | None = None
     key: str | None = None
     timeout_s: float = REQUEST_TIMEOUT_S
+    # The one client, once opened (a list: the dataclass is frozen).
+    _client: list[Etcd] = field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -47,16 +54,9 @@ class RegistrySource:
         except ValueError as e:
             raise ConfigError(str(e), "pass --cluster NAME") from None
 
-    def open(self) -> Etcd:
-        """A client (the password read from its file here, kept in the client only)."""
-        from kvpush.fleet.etcd import Etcd
-
-        if (self.user is None) != (self.password_file is None):
-            raise ConfigError(
-                "etcd authentication needs --registry-user and --registry-password-file together",
-                "give both, or neither",
-            )
-        return Etcd(
+    def access(self) -> Access:
+        """How to reach etcd (URLs parsed, credentials checked, the password file read)."""
+        return Access.of(
             self.urls,
             user=self.user,
             password=read_password_file(self.password_file) if self.password_file else None,
@@ -66,16 +66,49 @@ class RegistrySource:
             timeout_s=self.timeout_s,
         )
 
-    def list(self, etcd: Etcd | None = None) -> list[EndpointRecord]:
-        """Every endpoint registered in the cluster (sorted by address)."""
+    def open(self) -> Etcd:
+        """The process's client of this registry (built at the first call, then the same)."""
+        from kvpush.fleet.etcd import Etcd
+
+        with _clients_lock:
+            if not self._client:
+                self._client.append(Etcd(self.access()))
+            return self._client[0]
+
+    def list(self, etcd: Etcd | None = None, load: bool = True) -> list[EndpointRecord]:
+        """Every endpoint registered in the cluster (sorted by address), each with its load
+        summary unless ``load`` is False (membership alone: one smaller range)."""
         from kvpush.fleet.store import list_endpoints
 
         client = etcd if etcd is not None else self.open()
         try:
-            records, _ = list_endpoints(client, self.cluster)
+            records, _ = list_endpoints(client, self.cluster, load)
         except RegistryUnavailable as e:
             raise RegistryUnavailable(e.message, unreachable_hint(self.urls)) from None
         return records
+
+    def v1_note(self, etcd: Etcd | None = None) -> str:
+        """A warning when endpoints of an older kvpush are registered in this cluster under
+        layout v1 (``/kvpush/v1/``, which this kvpush neither reads nor writes); "" otherwise,
+        and when etcd does not say."""
+        from kvpush.errors import RegistryError
+        from kvpush.fleet.record import v1_prefix
+        from kvpush.fleet.store import count_v1
+
+        try:
+            n = count_v1(etcd if etcd is not None else self.open(), self.cluster)
+        except (RegistryUnavailable, RegistryError):
+            return ""
+        if not n:
+            return ""
+        return (
+            f"{n} endpoint(s) of cluster {self.cluster!r} are registered by an older kvpush "
+            f"under {v1_prefix(self.cluster)} (layout v1), which this kvpush does not read: "
+            "upgrade them to see them here"
+        )
+
+
+_clients_lock = threading.Lock()
 
 
 def unreachable_hint(urls: str) -> str:

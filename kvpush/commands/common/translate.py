@@ -241,6 +241,7 @@ def endpoint_config(role: Role, p: Mapping[str, Any]) -> EndpointConfig:
         auth_token=auth_token(p.get("auth_token_file")),
         allow_all_interfaces=bool(p.get("expose", False)),
         evict_after_errors=int(p.get("evict_after_errors") or 3),
+        prewarm=bool(p.get("prewarm", False)),
     )
 
 
@@ -285,7 +286,7 @@ def registry_config(p: Mapping[str, Any]) -> RegistryConfig | None:
     if not urls:
         given = [
             f for f in ("advertise", "registry_user", "registry_password_file", "registry_ca",
-                        "registry_cert", "registry_key") if p.get(f)
+                        "registry_cert", "registry_key", "prewarm") if p.get(f)
         ]  # fmt: skip
         if given:
             flag = "--" + given[0].replace("_", "-")

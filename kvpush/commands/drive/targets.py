@@ -11,14 +11,15 @@ A registry record is a hint, never proof: drive admits what it checked. Owns ``F
   starting) is *pending*. Each is named once in the run's notes. Only with no P or no D
   admitted does the run stop (after listing and checking again twice).
 * ``follow(driver)`` starts the *follower* thread, which iterates ``kvpush.fleet.store.Follow``
-  and never blocks on an endpoint: a record that joins, restarts (new incarnation), comes back
-  after its key went, or is pending goes to the *checker* (``due_checks.DueChecks``:
-  ``CHECK_THREADS`` daemon threads, one check per address at a time), which contacts it and
-  judges it with the driver's ``Readmission`` (the checks of ``-p``/``-d``'s preflight) before
-  ``Driver.admit`` puts it into the rotation; a pending one is checked again after
-  ``RETRY_FIRST_S``, doubling up to ``RETRY_MAX_S``. A peer drive already has that answers as a
-  new incarnation is marked restarted (the data path's evidence): drive's monitor takes it out
-  and re-checks it.
+  over the cluster's membership alone (drive reads no load summary, so load writes never reach
+  it; the process's one etcd client, ``RegistrySource.open``) and never blocks on an endpoint: a
+  record that joins, restarts (new incarnation), comes back after its key went, or is pending
+  goes to the *checker* (``due_checks.DueChecks``: ``CHECK_THREADS`` daemon threads, one check
+  per address at a time), which contacts it and judges it with the driver's ``Readmission`` (the
+  checks of ``-p``/``-d``'s preflight) before ``Driver.admit`` puts it into the rotation; a
+  pending one is checked again after ``RETRY_FIRST_S``, doubling up to ``RETRY_MAX_S``. A peer
+  drive already has that answers as a new incarnation is marked restarted (the data path's
+  evidence): drive's monitor takes it out and re-checks it.
 * A key that goes -- or a record that says it is ``leaving`` -- takes its endpoint out of the
   rotation (``Driver.remove_peer``): no new request goes there; requests in flight there are
   never failed on the registry's word (they finish, or fail when the data path says so). A
@@ -102,7 +103,7 @@ class FleetTargets:
     def initial(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The Ps and Ds registered now that drive could drive (kvpush wire, an address that
         parses); the others are left out with a note. Nothing is contacted yet."""
-        records = self.source.list()
+        records = self.source.list(load=False)  # drive reads no load summary: membership only
         self._listed = {}
         for rec in records:
             why = unusable(rec)
@@ -194,7 +195,7 @@ class FleetTargets:
         self._checks = DueChecks(CHECK_THREADS, self._check)
         for rec in self._pending:
             self._checks.want(rec, RETRY_FIRST_S)
-        self._follow = Follow(self.source.open(), self.source.cluster)
+        self._follow = Follow(self.source.open(), self.source.cluster, load=False)
         self._thread = threading.Thread(target=self._run, name="drive-registry", daemon=True)
         self._thread.start()
 

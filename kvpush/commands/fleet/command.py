@@ -369,6 +369,14 @@ def check(
             "pushes fail.",
         ),
     ] = False,
+    warm: Annotated[
+        bool,
+        option(
+            "--warm",
+            help="Leave every pair that passed handshaken both ways: ask each endpoint for its "
+            "peer table, push once more through a pair found cold, and exit 3 if one stays cold.",
+        ),
+    ] = False,
     json_out: Annotated[
         bool,
         option(
@@ -385,6 +393,7 @@ def check(
 ) -> None:
     from kvpush.commands.fleet import render as views
     from kvpush.commands.fleet.check import CheckConfig, check_fleet
+    from kvpush.commands.fleet.warm import warm_pairs
 
     cfg = CheckConfig(
         pushes=pushes,
@@ -412,14 +421,21 @@ def check(
     status = int(rep.exit_status) if rep.pairs else int(ExitStatus.OK)
     if listed.unseen:
         status = max(status, int(ExitStatus.NOT_READY))
+    warmed = warm_pairs(rep, records, cfg) if warm else None
+    if warmed is not None and warmed.cold:
+        status = max(status, int(ExitStatus.NOT_READY))
     if json_out:
         out = views.check_json(rep)
+        if warmed is not None:
+            out["warm"] = warmed.to_dict()
         out["problems"] = listed.problems
         out["unseen"] = listed.unseen
         out["exit_status"] = status
         stdio.out(json.dumps(out))
     else:
         _print(lambda w: views.check_text(rep, w))
+        for line in warmed.lines() if warmed is not None else []:
+            stdio.out(shown(line))
         if listed.unseen:
             stdio.err(f"fleet check: {listed.unseen} listed endpoint(s) could not be seen (above)")
     raise typer.Exit(status)

@@ -5,7 +5,9 @@ and the endpoints listed with ``--endpoints FILE|-`` and ``--peer`` (``kvpush.co
 .entries``), seen ``concurrency`` at a time (``kvpush.commands.fleet.sight``). ``list`` returns
 one record per address -- a registered endpoint's record when it is also listed (its load
 summary is the registry's), otherwise what the listed endpoint said itself -- and the problem
-lines of the listing and of the endpoints that could not be seen. ``fleet_source`` builds one
+lines of the listing, of the endpoints that could not be seen, and of endpoints an older kvpush
+registered under layout v1 (which this one does not read). The registry is read through the
+process's one etcd client (``RegistrySource.open``). ``fleet_source`` builds one
 from a command's options and refuses, with a hint, a command that names no fleet at all.
 Runs on the caller's thread (and ``sight``'s short-lived contact pool).
 """
@@ -32,6 +34,7 @@ class Listed:
 
     records: list[EndpointRecord]
     problems: list[str] = field(default_factory=list)
+    registered: dict[str, EndpointRecord] = field(default_factory=dict)  # the registry's
     unseen: int = 0  # listed endpoints that could not be seen (unreachable, not a peer...)
     engines: int = 0  # vLLM engines among the records (listed only)
 
@@ -61,10 +64,14 @@ class FleetSource:
     def list(self, etcd: Etcd | None = None) -> Listed:
         """Every endpoint, registered or listed, one record per address (sorted)."""
         by_addr: dict[str, EndpointRecord] = {}
+        problems = list(self.listing.problems)
         if self.registry is not None:
             by_addr = {r.address: r for r in self.registry.list(etcd)}
+            note = self.registry.v1_note(etcd)
+            if note:
+                problems.append(note)
+        registered = dict(by_addr)
         todo = [e for e in self.listing.entries if e.address not in by_addr]
-        problems = list(self.listing.problems)
         unseen = engines = 0
         for seen in sight_all(todo, self.token, self.concurrency, self.timeout_s):
             if seen.problem:
@@ -75,7 +82,7 @@ class FleetSource:
             engines += seen.kind == "vllm"
             by_addr[seen.record.address] = seen.record
         records = [by_addr[a] for a in sorted(by_addr)]
-        return Listed(records, problems, unseen, engines)
+        return Listed(records, problems, registered, unseen, engines)
 
 
 def fleet_source(

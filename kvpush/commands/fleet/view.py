@@ -1,25 +1,29 @@
 """The fleet as ``fleet ls`` and ``fleet watch`` see it: rows of endpoints and the events between.
 
 Owns ``FleetModel``: every registered endpoint of one cluster (its latest record, when this
-watcher first saw it, its push rate from successive load summaries) and the events the registry's
-changes amount to -- ``join`` (a new address), ``restart`` (a known address with a new
-incarnation: the engine restarted in place, and whoever held its old agent must drop it),
-``leave`` (the key went: graceful stop, or the lease lapsed) -- and ``FleetRow`` /
-``Change``, the frozen data the views draw. The model is pure: it is fed records and
-deletes with the time, it never reads a clock or etcd itself, so the CLI's watch loop (or a
-test) drives it. Not thread-safe: one owner (the thread that reads the watch) applies changes and
-takes ``rows()``; the render path gets the frozen rows.
+watcher first saw it, its push rate from successive load summaries), fed the fleet events
+``kvpush.fleet.store`` classified -- ``join`` (a new address), ``restart`` (a known address with
+a new incarnation: the engine restarted in place, and whoever held its old agent must drop it),
+``leave`` (the key went: graceful stop, or the lease lapsed), ``update`` (a new load summary) --
+as they are: it classifies nothing again. ``FleetRow`` / ``Change`` are the frozen data the
+views draw. The model is pure: it is fed events with the time, it never reads a clock or etcd
+itself, so the CLI's watch loop (or a test) drives it. Not thread-safe: one owner (the thread
+that reads the watch) applies changes and takes ``rows()``; the render path gets the frozen
+rows.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvpush.config import Role
 from kvpush.fleet.pairs import record_health
 from kvpush.fleet.record import EndpointRecord
+
+if TYPE_CHECKING:
+    from kvpush.fleet.store import FleetEvent
 
 EventKind = Literal["join", "leave", "restart"]
 
@@ -108,25 +112,31 @@ class FleetModel:
         """The listing the watch starts from (no events: they were there before)."""
         self.rows_by_address = {r.address: _Entry(r) for r in records}
 
-    def put(self, rec: EndpointRecord, now: float) -> Change | None:
-        """A key written: a join, a restart, or a refresh of a known endpoint (None)."""
+    def apply(self, ev: FleetEvent, now: float) -> Change | None:
+        """One fleet event (``kvpush.fleet.store``'s kinds, taken as they are): a ``join`` or
+        ``restart`` is a new row and a ``Change``; an ``update`` refreshes a row (its push
+        rate); a ``leave`` drops it (a ``Change``). None for what the views do not list."""
+        rec = ev.record
+        if ev.kind == "leave":
+            old = self.rows_by_address.pop(ev.address, None)
+            gone = old.record if old is not None else ev.previous
+            return None if gone is None else self._event(now, "leave", gone)
+        if rec is None:
+            return None
+        if ev.kind in ("join", "restart"):
+            self.rows_by_address[rec.address] = _Entry(rec)
+            prev = ev.previous.incarnation if ev.previous is not None else ""
+            kind: EventKind = "join" if ev.kind == "join" else "restart"
+            return self._event(now, kind, rec, prev if kind == "restart" else "")
         old = self.rows_by_address.get(rec.address)
-        if old is None:
-            self.rows_by_address[rec.address] = _Entry(rec)
-            return self._event(now, "join", rec)
-        if old.record.incarnation != rec.incarnation:
-            self.rows_by_address[rec.address] = _Entry(rec)
-            return self._event(now, "restart", rec, old.record.incarnation)
+        if old is None or old.record.incarnation != rec.incarnation:
+            self.rows_by_address[rec.address] = _Entry(rec)  # not seen before: no event to say
+            return None
         rate, failing = _rate(old.record, rec)
         self.rows_by_address[rec.address] = _Entry(
             rec, rate if rate is not None else old.rate, failing
         )
         return None
-
-    def delete(self, address: str, now: float) -> Change | None:
-        """A key gone (None when it was never seen)."""
-        old = self.rows_by_address.pop(address, None)
-        return None if old is None else self._event(now, "leave", old.record)
 
     def _event(
         self, now: float, kind: EventKind, rec: EndpointRecord, previous: str = ""

@@ -1,18 +1,20 @@
 """``kvpush fleet watch``'s engine: the listing, then every change of the cluster, as a model.
 
-Owns ``FleetWatch``. ``start`` lists the cluster (``RegistryUnavailable`` -- exit 69 -- when etcd
-does not answer then: a watch that never saw the fleet has nothing to show) and starts the
-*reader* thread, which iterates ``kvpush.fleet.store.Follow`` (the watch survives etcd going away
-and coming back: it re-lists and reports what changed meanwhile) and hands each event to a
-bounded queue. ``poll`` runs on the caller's thread: it drains the queue into the
-``FleetModel`` (the only thread that touches it) and returns what happened -- joins, leaves and
-restarts as ``Change`` s, and the registry going down or coming back as ``Status`` lines.
-``stop`` cancels the watch and joins the reader. A full queue drops the oldest load updates
-first, never a join, leave or restart.
+Owns ``FleetWatch``. ``start`` lists the cluster (``RegistryUnavailable`` -- exit 69 -- when
+etcd does not answer then: a watch that never saw the fleet has nothing to show) and starts the
+*reader* thread, which iterates ``kvpush.fleet.store.Follow`` over the process's one etcd
+client, seeded with the listing (so it reports only what changed since; the watch survives etcd
+going away and coming back: it re-lists and reports what changed meanwhile), and hands each
+fleet event -- classified there, once -- to a bounded queue. ``poll`` runs on the caller's
+thread: it drains the queue into the ``FleetModel`` (the only thread that touches it) and
+returns what happened -- joins, leaves and restarts as ``Change`` s, and the registry going down
+or coming back as ``Status`` lines. ``stop`` cancels the watch and joins the reader. A full
+queue drops the oldest load updates first, never a join, leave or restart.
 
 Endpoints listed with ``--endpoints``/``--peer`` (and not registered) have no registry to
 follow: the *poller* thread looks at them again every ``poll_s`` (``kvpush.commands.fleet
-.sight``, ``concurrency`` at a time). One that answers is a join, a refresh or -- with another
+.sight``, ``concurrency`` at a time) and turns what it saw into the same fleet events with
+``kvpush.fleet.store.change``: one that answers is a join, a refresh or -- with another
 incarnation -- a restart; one whose port refuses connections left (the data path's proof); one
 that is silent or unreachable stays as it was (a silence proves nothing) and is named in a
 ``Status`` line once.
@@ -33,7 +35,7 @@ from kvpush.commands.fleet.view import Change, FleetModel, FleetRow
 from kvpush.fleet.record import EndpointRecord
 
 if TYPE_CHECKING:
-    from kvpush.fleet.store import Follow
+    from kvpush.fleet.store import FleetEvent, Follow
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +56,12 @@ class Note:
 
 
 @dataclass(frozen=True)
-class _Seen:
-    """What the poller saw of one listed endpoint (the reader's ``FleetEvent`` kinds)."""
+class _Silent:
+    """A listed endpoint the poller could not see (nothing proven)."""
 
-    kind: str  # "put" | "leave" | "silent"
     address: str
-    record: EndpointRecord | None = None
     detail: str = ""
+    kind: str = "silent"
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class FleetWatch:
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._silent: set[str] = set()
+        self._listed: dict[str, EndpointRecord] = {}  # listed, not registered (the poller's)
         self.registry_up = True
 
     def start(self) -> list[EndpointRecord]:
@@ -108,8 +110,9 @@ class FleetWatch:
         self.listed_in_s = time.monotonic() - t0
         self.model.load(listed.records)
         if etcd is not None and self.source.registry is not None:
-            self._follow = Follow(etcd, self.source.registry.cluster)
+            self._follow = Follow(etcd, self.source.registry.cluster, known=listed.registered)
             self._spawn(self._read, "fleet-watch")
+        self._listed = {r.address: r for r in listed.records if r.address not in listed.registered}
         if self.source.listing.entries:
             self._spawn(self._poll_listed, "fleet-poll")
         return listed.records
@@ -121,20 +124,27 @@ class FleetWatch:
 
     def _poll_listed(self) -> None:
         """Look at the listed endpoints again every ``poll_s`` (see the module docstring)."""
+        from kvpush.fleet.store import change
+
         src = self.source
+        registered = self._follow.known if self._follow is not None else {}
         while not self._stop.wait(self._poll_s):
+            todo = [e for e in src.listing.entries if e.address not in registered]
             try:
-                seen = sight_all(src.listing.entries, src.token, src.concurrency, src.timeout_s)
+                seen = sight_all(todo, src.token, src.concurrency, src.timeout_s)
             except Exception:
                 log.exception("fleet watch: looking at the listed endpoints failed")
                 continue
             for s in seen:
-                if s.record is not None:
-                    self._q.put(_Seen("put", s.entry.address, s.record))
-                elif s.kind == "unreachable" and "(connection refused)" in s.problem:
-                    self._q.put(_Seen("leave", s.entry.address, detail=s.problem))
-                else:
-                    self._q.put(_Seen("silent", s.entry.address, detail=s.problem))
+                refused = s.kind == "unreachable" and "(connection refused)" in s.problem
+                if s.record is None and not refused:
+                    self._q.put(_Silent(s.entry.address, s.problem))
+                    continue
+                ev = change(self._listed, s.entry.address, s.record)
+                if ev is not None:
+                    self._q.put(ev)
+                elif s.record is not None:
+                    self._q.put(_Silent(s.entry.address, ""))  # seen: no longer silent
 
     def _read(self) -> None:
         assert self._follow is not None
@@ -165,22 +175,21 @@ class FleetWatch:
             except queue.Empty:
                 return out
 
-    def _apply(self, ev: Any, now: float) -> Change | Status | Note | None:
+    def _apply(self, ev: FleetEvent | _Silent, now: float) -> Change | Status | Note | None:
         """One event of the reader or the poller, applied to the model (on ``poll``'s thread)."""
-        if ev.kind in ("registry_down", "registry_up"):
-            self.registry_up = ev.kind == "registry_up"
-            return Status(now, self.registry_up, ev.detail)
-        if ev.kind == "silent":
+        if isinstance(ev, _Silent):
+            if not ev.detail:
+                self._silent.discard(ev.address)
+                return None
             if ev.address in self._silent:
                 return None
             self._silent.add(ev.address)
             return Note(now, f"{ev.detail} (nothing proven: its row stays)")
-        if ev.kind == "leave":
-            return self.model.delete(ev.address, now)
-        if ev.record is None:
-            return None
+        if ev.kind in ("registry_down", "registry_up"):
+            self.registry_up = ev.kind == "registry_up"
+            return Status(now, self.registry_up, ev.detail)
         self._silent.discard(ev.address)
-        return self.model.put(ev.record, now)
+        return self.model.apply(ev, now)
 
     def rows(self) -> list[FleetRow]:
         return self.model.rows(time.time())
