@@ -14,6 +14,8 @@ from enum import Enum
 
 from kvpush.address import binds_all_interfaces
 from kvpush.errors import ConfigError
+from kvpush.wireconfig import TracingConfig as TracingConfig
+from kvpush.wireconfig import VllmWireConfig as VllmWireConfig
 
 
 class Role(str, Enum):
@@ -335,39 +337,6 @@ class Timeouts:
         return self.write_base_s + nbytes / (self.write_min_gbps * 1e9)
 
 
-_HASH_RE = re.compile(r"^[!-~]{1,256}$")  # vLLM's is 64 hex digits; any printable token is kept
-
-
-@dataclass(frozen=True)
-class VllmWireConfig:
-    """What a ``--wire vllm`` endpoint tells vLLM peers beyond the pool's own geometry.
-
-    Taken from a running vLLM peer (``--like HOST:PORT``) or given by flags. ``compat_hash`` is
-    the compatibility hash both sides must share (vLLM's handshake client checks it before it
-    decodes anything); the rest must match what vLLM validates in a handshake.
-    """
-
-    compat_hash: str
-    block_size: int = 16  # tokens per block
-    attn_backend_name: str = "FLASH_ATTN"
-    region_names: tuple[str, ...] | None = None  # vLLM's layer names, or None (not announced)
-    device_id: int = 0
-
-    def __post_init__(self) -> None:
-        if not _HASH_RE.match(self.compat_hash):
-            raise ConfigError(
-                f"invalid compatibility hash {self.compat_hash!r}",
-                "pass vLLM's hash (64 hex digits) with --compat-hash, or take it from a running "
-                "peer with --like HOST:PORT",
-            )
-        _positive("--vllm-block-size", self.block_size)
-        if not re.match(r"^[A-Za-z0-9_]{1,64}$", self.attn_backend_name):
-            raise ConfigError(
-                f"invalid attention backend name {self.attn_backend_name!r}",
-                "use vLLM's name, e.g. FLASH_ATTN or CPU_ATTN",
-            )
-
-
 @dataclass(frozen=True)
 class EndpointConfig:
     """Everything one P or D endpoint needs."""
@@ -388,6 +357,7 @@ class EndpointConfig:
     # Per-request phase stamps (``kvpush.telemetry.phases``): in the answers, for ``drive
     # --trace``, and the ``phase_*`` histograms. Off only to measure what they cost.
     phase_stamps: bool = True
+    tracing: TracingConfig = field(default_factory=TracingConfig)  # OTLP spans of each request
     auth_token: bytes | None = None
     allow_all_interfaces: bool = False
     max_frame_bytes: int = 4 * 1024 * 1024
@@ -396,6 +366,9 @@ class EndpointConfig:
     # A peer with this many transport errors in a row is evicted (the next request handshakes
     # afresh); an error saying its agent is gone evicts it at once.
     evict_after_errors: int = 3
+    # --prewarm (with --registry): handshake with every compatible peer of the other role as it
+    # joins the cluster, in the background (kvpush.fleet.prewarm), not at its first request.
+    prewarm: bool = False
 
     def __post_init__(self) -> None:
         try:

@@ -15,6 +15,7 @@ that resolved the last share it needed, under one lock per request.
 
 Request-level counters (requests ok/failed, decode latency) are counted here, once per request;
 each rank's own telemetry counts its share. Holds no request state beyond the futures it joins.
+A traced request (``--otlp-traces-endpoint``) is handed to ``kvpush.decode.spans`` once answered.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvpush.config import Role
 from kvpush.decode.join import TpJoin
 from kvpush.decode.order import DecodeOrder
 from kvpush.decode.role import DecodeRole
+from kvpush.decode.spans import DecodeSpans
 from kvpush.errors import KvpushError
 from kvpush.telemetry.names import Counter, Failure, Hist
 from kvpush.telemetry.store import Telemetry
@@ -57,9 +59,12 @@ class DecodeGroup:
     def __init__(self, roles: list[DecodeRole], telemetry: Telemetry | None = None) -> None:
         self.roles = roles
         self.telemetry = telemetry  # request-level counts when there is more than one rank
+        self.spans = DecodeSpans.of(roles[0].ctx)  # --otlp-traces-endpoint (None: off)
 
     def close(self) -> None:
-        """Nothing of its own to stop (each rank's role stops its threads)."""
+        """Its traces (if on) linger through the drain; each rank's role stops its threads."""
+        if self.spans is not None:
+            self.spans.close()
 
     def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
         if isinstance(req, protocol.DeclineReq) and req.origin == Role.PREFILL:
@@ -71,9 +76,13 @@ class DecodeGroup:
             return True
         if not isinstance(req, protocol.DecodeReq):
             return False
+        spans = self.spans
+        t0 = spans.traced(req) if spans is not None else 0.0
         fut = self.submit(DecodeOrder.of(req))
         rid = req.rid
         fut.add_done_callback(lambda f: reply(msgspec.structs.replace(f.result(), rid=rid)))
+        if spans is not None and t0:
+            fut.add_done_callback(lambda f: spans.answered(req, t0, f.result()))
         return True
 
     def set_verify(self, on: bool) -> None:

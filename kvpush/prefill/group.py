@@ -6,7 +6,8 @@ once), then fills and finishes each rank's share, and answers once all are hande
 writers (``finish``, a load generator's: the same without the pattern). A push wait answers
 when every rank's push of the transfer ended: ok only when all are ok, else the first failed
 rank's reason, named; its deadline is an entry of one timer heap (``kvpush.runtime.timers``),
-capped (``kvpush.prefill.limits``). It asks each rank's role, never the role's writer. Runs on
+capped (``kvpush.prefill.limits``). It asks each rank's role, never the role's writer. A traced
+request (``--otlp-traces-endpoint``) is handed to ``kvpush.prefill.spans``. Runs on
 the control executor (prefill) or the side-channel thread, the writers' threads and the timer
 thread (waits).
 """
@@ -27,6 +28,7 @@ from kvpush.config import Role
 from kvpush.errors import KvpushError, NoFreeBlocksError, RankFailedError, ShuttingDownError
 from kvpush.prefill.limits import MAX_DECLINED_IDS, MAX_PUSH_WAITS
 from kvpush.prefill.role import PrefillRole
+from kvpush.prefill.spans import PrefillSpans
 from kvpush.prefill.table import PushOutcome
 from kvpush.runtime.timers import Timer, Timers
 from kvpush.telemetry import phases
@@ -46,10 +48,12 @@ class PrefillGroup:
         self._digests: OrderedDict[str, str] = OrderedDict()
         self._timers = Timers("push-waits", MAX_PUSH_WAITS)
         self._queued = [0] * len(roles)  # declined ids handed to each writer, not taken in yet
+        self.spans = PrefillSpans.of(roles)  # --otlp-traces-endpoint (None: off)
 
     def handle(self, req: protocol.SideRequest, reply: ReplyFn) -> bool:
         if isinstance(req, protocol.PrefillReq):
-            self.roles[0].ctx.control.submit(self._serve_prefill, req, reply)
+            t0 = self.spans.traced(req) if self.spans is not None else 0.0
+            self.roles[0].ctx.control.submit(self._serve_prefill, req, reply, t0)
             return True
         if isinstance(req, protocol.PushWaitReq):
             self._serve_wait(req, reply)
@@ -177,19 +181,24 @@ class PrefillGroup:
                     h.update(np.ascontiguousarray(page.cpu().numpy()).data)
         return h.hexdigest()
 
-    def _serve_prefill(self, req: protocol.PrefillReq, reply: ReplyFn) -> None:
+    def _serve_prefill(self, req: protocol.PrefillReq, reply: ReplyFn, traced: float) -> None:
+        """``traced``: when a traced request arrived (0.0: not traced)."""
         t0 = time.perf_counter()
         try:
             ids, sha = self.prefill(req.transfer_id, req.num_blocks, req.request_id, req.digest)
         except KvpushError as e:
             reply(_failed(req, _reason(e), e.message))
+            self._traced_refusal(req, traced, _reason(e), e.message)
             return
         except Exception as e:
             log.exception("prefill %s failed", req.transfer_id)
             detail = f"{type(e).__name__}: {e}"
             reply(_failed(req, Failure.INTERNAL_ERROR, detail))
             self._refuse(req.transfer_id, Failure.INTERNAL_ERROR, detail)
+            self._traced_refusal(req, traced, Failure.INTERNAL_ERROR, detail)
             return
+        if traced and self.spans is not None:
+            self.spans.filled(req, traced)
         role0 = self.roles[0]
         vllm_wire = role0.ctx.dialect.kv_transfer_params
         reply(
@@ -204,6 +213,12 @@ class PrefillGroup:
                 ),
             )
         )
+
+    def _traced_refusal(
+        self, req: protocol.PrefillReq, traced: float, reason: str, detail: str
+    ) -> None:
+        if traced and self.spans is not None:
+            self.spans.refused(req, traced, reason, detail)
 
     # ------------------------------------------------------------------ push waits
     def _unwatch(self, transfer_id: str) -> None:
@@ -292,8 +307,11 @@ class PrefillGroup:
         self.roles[0].ctx.telemetry.fail(kind)
 
     def close(self) -> None:
-        """Stop the timer thread (pending waits are not answered: the side channel is down)."""
+        """Stop the timer thread (pending waits are not answered: the side channel is down);
+        traces (if on) linger through the drain."""
         self._timers.close()
+        if self.spans is not None:
+            self.spans.close()
 
 
 def _reason(e: KvpushError) -> Failure:

@@ -306,7 +306,11 @@ class Legs:
         self._tm.inc(Counter.BYTES_PUSHED, w.nbytes)
         t_match = max(push.finished.t_finished, max(r.t_arrived for r in push.registrations))
         stamps = self._phases(w, t_match, now) if self.cfg.phase_stamps else {}
-        self._report(PushOutcome(push.finished.transfer_id, True, nbytes=w.nbytes, phases=stamps))
+        self._report(
+            PushOutcome(
+                push.finished.transfer_id, True, nbytes=w.nbytes, phases=stamps, peer=push.peer
+            )
+        )
         self._tm.observe(Hist.PUSH_LATENCY, now - t_match)
 
     def _phases(self, w: Writing, t_match: float, now: float) -> dict[str, float]:

@@ -83,7 +83,9 @@ class Outcomes:
     def settle(self, push: Push, reason: str, detail: str, *, quarantine: bool) -> None:
         """A failed push is over: count it once, report it, quarantine or free its blocks."""
         self._ctx.telemetry.inc(Counter.PUSHES_FAILED)
-        self._ctx.report(PushOutcome(push.finished.transfer_id, False, reason, detail))
+        self._ctx.report(
+            PushOutcome(push.finished.transfer_id, False, reason, detail, peer=push.peer)
+        )
         if quarantine:
             self._ctx.pool.allocator.quarantine(push.key, reason)
         else:

@@ -86,3 +86,4 @@ class PushOutcome:
     detail: str = ""
     nbytes: int = 0
     phases: dict[str, float] = field(default_factory=dict)  # kvpush.telemetry.phases, wall clock
+    peer: PeerKey | None = None  # the D (rank) it was written to, once matched (for its trace)

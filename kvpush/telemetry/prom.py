@@ -92,6 +92,7 @@ from kvpush.telemetry.names import (
 )
 from kvpush.telemetry.prom_peers import peer_families, split_peer
 from kvpush.telemetry.snapshot import HistSnapshot, Snapshot, expand_buckets
+from kvpush.telemetry.tracing import SPANS_DROPPED
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ def _counter_families(v: _View) -> Iterator[Metric]:
     once_counters, snap = v.once_counters, v.snap
     names = {c for _, s in v.parts for c in s.counters if c not in once_counters}
     names |= {c for c in snap.counters if c in once_counters}
-    names |= {str(c) for c in Counter}
+    names |= {str(c) for c in Counter} | {SPANS_DROPPED}  # the last: --otlp-traces-endpoint
     for counter in sorted(names):
         doc = f"kvpush counter {counter}"
         if counter in once_counters:

@@ -22,7 +22,8 @@ History:
   v1 (kvpush 0.1): first version. Later fields are optional with defaults (a v1 peer without them
   still decodes): HandshakeReq.tp_rank, Cancel.decode_tp_rank, Ping.reply_rank, the vLLM-wire
   fields of DecodeReq/DecodeRep/PrefillReq/PrefillRep, PushWaitReq/PushWaitRep,
-  EndpointMetadata.ucx_version, DecodeRep.phases and PushWaitRep.phases (``drive --trace``).
+  EndpointMetadata.ucx_version, DecodeRep.phases and PushWaitRep.phases (``drive --trace``),
+  PrefillReq/DecodeReq.traceparent and .tracestate (OpenTelemetry's W3C context, issue 28).
 """
 
 from __future__ import annotations

@@ -168,6 +168,10 @@ class PrefillReq(Struct, tag="prefill", frozen=True, kw_only=True):
     num_blocks: Annotated[int, Meta(ge=1, le=1 << 16)]
     request_id: Str256 = ""
     digest: bool = False
+    # The W3C trace context of the caller's span (``drive``, ``leg``), so P's span joins its
+    # trace; "" = none. Optional: a peer without them ignores them.
+    traceparent: Str128 = ""
+    tracestate: Str1k = ""
 
 
 class PrefillRep(Struct, tag="prefill", frozen=True, kw_only=True):
@@ -222,6 +226,9 @@ class DecodeReq(Struct, tag="decode", frozen=True, kw_only=True):
     # Hold the request this long before it gets blocks (a vLLM request waiting in D's queue);
     # P's lease is heartbeated meanwhile.
     alloc_delay_s: Seconds = 0.0
+    # The W3C trace context of the caller's span, as ``PrefillReq`` carries it.
+    traceparent: Str128 = ""
+    tracestate: Str1k = ""
 
 
 class DecodeRep(Struct, tag="decode", frozen=True, kw_only=True):

@@ -15,6 +15,7 @@ The old spelling of one vLLM leg (``drive --decode D --kv-transfer-params ...``,
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,17 +27,21 @@ from rich.console import Console, RenderableType
 from kvpush.commands.common import options, translate
 from kvpush.commands.common.ending import finish
 from kvpush.commands.common.optspec import option
+from kvpush.commands.drive import progress
 from kvpush.commands.drive import view as reports
 from kvpush.commands.drive import workload_options as wo
+from kvpush.commands.drive.otlp import DriveSpans, TracedReport
+from kvpush.commands.drive.otlp import note as otlp_note
 from kvpush.commands.leg import command as legs
+from kvpush.commands.leg import otlp as otlp_options
 from kvpush.config import Role, require_counts
 from kvpush.errors import ConfigError
 from kvpush.logsafe import shown
 from kvpush.runtime.signals import StopFlag
 
 if TYPE_CHECKING:
-    from kvpush.commands.common.results import RequestResult
     from kvpush.commands.drive.workload import Replay
+    from kvpush.config import TracingConfig
 
 DOC = """Act as the router: send both legs of N requests to running P and D endpoints.
 
@@ -68,6 +73,9 @@ goes on. The summary adds offered vs achieved rate, how late requests started (a
 tool's 100 ms tolerance), latency by prompt size, GB/s over time, each D's pool occupancy over
 time (its own gauges) and failures by reason (no_free_blocks when the pool cannot hold the
 traffic).
+
+With --otlp-traces-endpoint URL each request is one OpenTelemetry trace: drive's client span,
+the Ps and Ds' server spans (theirs too started with the flag) and their phases as child spans.
 
 One leg of a vLLM push deployment, with no router, is 'kvpush leg decode' or 'kvpush leg
 prefill'."""
@@ -261,9 +269,12 @@ def drive(
     start_at: wo.StartAt = 0.0,
     block_tokens: wo.BlockTokens = None,
     auth_token_file: options.AuthTokenFile = None,
+    otlp_traces_endpoint: otlp_options.Endpoint = None,
+    otlp_sample_ratio: otlp_options.Ratio = 1.0,
     **registry: Any,  # options.REGISTRY: the endpoints' registry options
 ) -> None:
     token = translate.auth_token(auth_token_file)
+    traces = otlp_options.traces(otlp_traces_endpoint, otlp_sample_ratio)
     if kv_transfer_params is not None or request_id is not None:
         old_leg(ctx, token)
     if _given(ctx, "alloc_delay"):
@@ -300,7 +311,7 @@ def drive(
     if targets is not None:  # the registry's set, checked; one that left meanwhile is dropped
         cfg = targets.preflight(cfg)
     tty = sys.stderr.isatty() and not json_out
-    report, signame = _run(cfg, targets, trace, err, tty, replay)
+    report, signame, spans = _run(cfg, targets, trace, err, tty, replay, traces)
     if report.interrupted:
         err.print(
             f"drive: interrupted ({signame or 'cancelled'}): intake stopped; the summary "
@@ -311,13 +322,14 @@ def drive(
         from kvpush.commands.drive.workload_report import workload_summary
 
         view, report = workload_summary, replay.report(report, report.concurrency)
-    finish(
-        report,
-        view,
-        json_out,
-        ok=report.all_verified,
-        interrupted=report.interrupted,
-    )
+    ok, interrupted = report.all_verified, report.interrupted
+    if spans is not None:  # --json: the traces' counts beside the report
+        report, view = TracedReport(report, spans), functools.partial(_unwrapped, view)
+    finish(report, view, json_out, ok=ok, interrupted=interrupted)
+
+
+def _unwrapped(view: Callable[[Any], RenderableType], traced: TracedReport) -> RenderableType:
+    return view(traced.report)
 
 
 def _endpoints(
@@ -347,11 +359,17 @@ def _endpoints(
 
 
 def _run(
-    cfg: Any, targets: Any, trace: Path | None, err: Console, tty: bool, replay: Replay | None
-) -> tuple[Any, str | None]:
+    cfg: Any,
+    targets: Any,
+    trace: Path | None,
+    err: Console,
+    tty: bool,
+    replay: Replay | None,
+    traces: TracingConfig,
+) -> tuple[Any, str | None, dict[str, Any] | None]:
     """Run the driver under a signal handler, with a progress bar (``tty``) or progress lines,
-    on ``replay``'s schedule when there is one; return its report and the signal that stopped
-    it, if one did."""
+    on ``replay``'s schedule when there is one; return its report, the signal that stopped
+    it, if one did, and what its traces did (``--otlp-traces-endpoint``)."""
     from kvpush.commands.drive.driver import DriveHooks, Driver
 
     driver: Any = None
@@ -372,12 +390,14 @@ def _run(
 
         tracer = Tracer(trace, cfg.auth_token, min(cfg.timeout_s, 5.0))
     hooks = DriveHooks(
-        on_result=_each_result(replay, advance),
+        on_result=progress.each_result(replay, advance),
         on_event=lambda text: _say(err, text),
         on_tick=tick,
         tick_s=PROGRESS_EVERY_S,
     )
-    driver = Driver(cfg, hooks, tracer, targets.checked if targets is not None else None, replay)
+    spans = DriveSpans(traces, cfg) if traces.endpoint else None
+    checked = targets.checked if targets is not None else None
+    driver = Driver(cfg, hooks, tracer, checked, replay, spans)
     if replay is not None:
         replay.attach(lambda: driver.decodes)
     if targets is not None:
@@ -388,49 +408,23 @@ def _run(
         _say(err, f"note: {note}")
     stop = StopFlag(on_signal=driver.cancel).install()
     try:
-        report = _with_bar(driver, advance, err, cfg.requests) if tty else driver.run()
+        report = progress.with_bar(driver, advance, err, cfg.requests) if tty else driver.run()
     finally:
         stop.restore()
         if targets is not None:
             targets.stop()
+        summary = spans.summary(spans.close()) if spans is not None else None
     for note in report.notes[told:]:
         _say(err, f"note: {note}")
-    return report, stop.signame
-
-
-def _each_result(
-    replay: Replay | None, advance: list[Callable[[RequestResult], object]]
-) -> Callable[[RequestResult], None]:
-    """What each result is handed to: the replay's record (``--workload``), the progress bar."""
-
-    def on_result(r: RequestResult) -> None:
-        if replay is not None:
-            replay.on_result(r)
-        advance[0](r)
-
-    return on_result
+    if summary is not None:
+        _say(err, otlp_note(summary))
+    return report, stop.signame, summary
 
 
 def _say(err: Console, text: str) -> None:
     """One line of drive's on stderr: words from the registry or a peer are shown as they are
     (no Rich markup read into them, every control character escaped)."""
     err.print(f"drive: {shown(text)}", markup=False)
-
-
-def _with_bar(driver: Any, advance: list[Any], err: Console, requests: int) -> Any:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-    ) as bar:
-        task = bar.add_task("requests", total=requests)
-        advance[0] = lambda r: bar.advance(task)
-        return driver.run()
 
 
 def _shaped_blocks(ctx: typer.Context, shape: str | None, tokens: int | None, blocks: int) -> int:

@@ -48,6 +48,7 @@ from kvpush.commands.drive.health import Health, Peer
 from kvpush.commands.drive.ledger import Ledger
 from kvpush.commands.drive.legs import Legs
 from kvpush.commands.drive.notes import down_at_start_note, long_run_note
+from kvpush.commands.drive.otlp import DriveSpans
 from kvpush.commands.drive.plan import (
     PREFILL_THREADS,
     REPLACEMENT_RESERVE,
@@ -103,10 +104,12 @@ class Driver:
         tracer: Tracer | None = None,
         checked: Checked | None = None,
         schedule: Schedule | None = None,
+        spans: DriveSpans | None = None,
     ) -> None:
         self.cfg = cfg
         self.hooks = hooks or DriveHooks()
         self._tracer = tracer  # drive --trace (kvpush.commands.drive.trace)
+        self._spans = spans  # drive --otlp-traces-endpoint (kvpush.commands.drive.otlp)
         self._schedule: Schedule = schedule if schedule is not None else Steady(cfg)
         self._lock = threading.Lock()
         self.ledger = Ledger(cfg.requests, cfg.run_id, self._on_resolved)
@@ -146,6 +149,7 @@ class Driver:
         self._legs = Legs(
             cfg, self.health, self.ledger, self.grace, self._cancel, self._d_pool, self._p_pool,
             self._p_exec, lambda: self._readmission, self._schedule.blocks, tracer, self.workers,
+            spans,
         )  # fmt: skip
         for p in cfg.prefill:
             self.health.add(p, Role.PREFILL)
@@ -310,6 +314,8 @@ class Driver:
         """A request's result is recorded (on the thread that decided it)."""
         if self._tracer is not None:
             self._tracer.resolved(result)
+        if self._spans is not None:
+            self._spans.resolved(result, self._schedule.blocks(result.index))
         if self.hooks.on_result is not None:
             try:
                 self.hooks.on_result(result)

@@ -6,7 +6,8 @@ worker's home D when there are enough workers (a D that freezes holds only its o
 and to the next P; a D that cannot be contacted within ``CONTACT_S`` is suspected and another
 is tried (nothing was sent to it); a D that answers as a new incarnation is marked restarted;
 while no peer of a role is up the request waits for the grace (``PeerGrace``), then fails with
-the role's ``*_unreachable``. Every outcome goes to the ``Ledger`` (first news wins).
+the role's ``*_unreachable``. Every outcome goes to the ``Ledger`` (first news wins). With
+traces on (``kvpush.commands.drive.otlp``) both legs carry the request's W3C trace context.
 
 Threads: ``send`` on drive's workers; ``_prefill_leg`` on a P's executor (``Senders``).
 """
@@ -25,6 +26,7 @@ from kvpush.commands.common import control, reasons
 from kvpush.commands.common.results import DriveConfig, RequestResult
 from kvpush.commands.drive.health import Health
 from kvpush.commands.drive.ledger import Ledger
+from kvpush.commands.drive.otlp import DriveSpans
 from kvpush.commands.drive.readmit import PeerGrace, Readmission
 from kvpush.commands.drive.senders import Senders
 from kvpush.commands.drive.trace import Tracer
@@ -61,6 +63,7 @@ class Legs:
     blocks: Callable[[int], int]  # request index -> its blocks (the schedule's)
     tracer: Tracer | None = None
     workers: int = 1
+    spans: DriveSpans | None = None  # --otlp-traces-endpoint: each request's client span
 
     def send(self, i: int, wid: int) -> None:
         tried: set[str] = set()
@@ -89,6 +92,8 @@ class Legs:
                 return  # failed meanwhile (no peer up, interrupted)
             if self.tracer is not None:
                 self.tracer.sent(i, p, d)
+            if self.spans is not None:
+                self.spans.sent(i)
             if not self.health.sent(d, i):
                 continue  # went down this instant: pick again
             try:
@@ -138,7 +143,13 @@ class Legs:
         """On P's executor: send the prefill leg; a failure decides the request at once."""
         try:
             try:
-                req = protocol.PrefillReq(transfer_id=self.ledger.tid(i), num_blocks=self.blocks(i))
+                tp, ts = self.spans.context(i) if self.spans is not None else ("", "")
+                req = protocol.PrefillReq(
+                    transfer_id=self.ledger.tid(i),
+                    num_blocks=self.blocks(i),
+                    traceparent=tp,
+                    tracestate=ts,
+                )
                 with self.p_pool.borrow(p) as c:
                     rep = control.call(c, req)
                 self.health.replied(p)
@@ -199,6 +210,7 @@ class Legs:
         except BaseException:
             self.health.finished(p, i)
             raise
+        tp, ts = self.spans.context(i) if self.spans is not None else ("", "")
         try:
             return control.call(
                 c,
@@ -208,6 +220,8 @@ class Legs:
                     prefill_port=pp,
                     num_blocks=self.blocks(i),
                     deadline_s=self.cfg.timeout_s,
+                    traceparent=tp,
+                    tracestate=ts,
                 ),
                 timeout_s=self.cfg.timeout_s + DECODE_MARGIN_S,
             )

@@ -5,7 +5,9 @@ holds, from the ``kv_transfer_params`` its ``request_finished`` returned; ``leg 
 kvpush P (``serve-prefill --wire vllm``) fill one request for a vLLM D and prints the
 ``kv_transfer_params`` to hand it before it waits for the push. Options -> one call into
 ``kvpush.commands.leg.legs`` -> the report (``view.leg_report``) or, with ``--json``, one
-JSON object. Exit status 0 when the leg's push completed, 1 when it failed or lapsed.
+JSON object. Exit status 0 when the leg's push completed, 1 when it failed or lapsed. With
+``--otlp-traces-endpoint`` the leg is one client span (``kvpush.commands.leg.otlp``), a child of
+``--traceparent`` when given, and the endpoint's span joins it.
 
 The signatures are the CLI: plain typed parameters, each with its option. ``drive``'s old
 spelling of the same legs (``--kv-transfer-params``, ``--request-id``) calls ``decode_leg`` /
@@ -14,7 +16,10 @@ spelling of the same legs (``--kv-transfer-params``, ``--request-id``) calls ``d
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
@@ -23,7 +28,9 @@ from rich.console import Console
 from kvpush.commands.common import options, stdio, translate
 from kvpush.commands.common.ending import finish
 from kvpush.commands.common.optspec import PANEL_VLLM, option
+from kvpush.commands.leg import otlp
 from kvpush.commands.leg import view as reports
+from kvpush.errors import KvpushError
 
 HELP = "Drive one leg of a vLLM push deployment by hand, with no router: a kvpush D or P."
 
@@ -113,9 +120,13 @@ def decode(
     timeout: Timeout = TIMEOUT_S,
     json_out: JsonOut = False,
     auth_token_file: options.AuthTokenFile = None,
+    traceparent: otlp.Traceparent = None,
+    otlp_traces_endpoint: otlp.Endpoint = None,
+    otlp_sample_ratio: otlp.Ratio = 1.0,
 ) -> None:
     token = translate.auth_token(auth_token_file)
-    decode_leg(decode, kv_transfer_params, blocks, timeout, alloc_delay, token, json_out)
+    span = _span(traceparent, otlp_traces_endpoint, otlp_sample_ratio)
+    decode_leg(decode, kv_transfer_params, blocks, timeout, alloc_delay, token, json_out, span)
 
 
 def prefill(
@@ -149,9 +160,18 @@ def prefill(
     timeout: Timeout = TIMEOUT_S,
     json_out: JsonOut = False,
     auth_token_file: options.AuthTokenFile = None,
+    traceparent: otlp.Traceparent = None,
+    otlp_traces_endpoint: otlp.Endpoint = None,
+    otlp_sample_ratio: otlp.Ratio = 1.0,
 ) -> None:
     token = translate.auth_token(auth_token_file)
-    prefill_leg(prefill, request_id, blocks, timeout, token, json_out)
+    span = _span(traceparent, otlp_traces_endpoint, otlp_sample_ratio)
+    prefill_leg(prefill, request_id, blocks, timeout, token, json_out, span=span)
+
+
+def _span(traceparent: str | None, endpoint: str | None, ratio: float) -> otlp.LegSpan:
+    """The leg's span (tracing on), or the traceparent it forwards; checked first."""
+    return otlp.LegSpan(otlp.traces(endpoint, ratio), otlp.parent(traceparent))
 
 
 def decode_leg(
@@ -162,11 +182,15 @@ def decode_leg(
     alloc_delay: float,
     token: bytes | None,
     json_out: bool,
+    span: otlp.LegSpan | None = None,
 ) -> None:
     from kvpush.commands.leg import legs as vllm_legs
 
     params = vllm_legs.load_params(params_arg)
-    report = vllm_legs.decode_leg(address, params, blocks, timeout, token, alloc_delay)
+    with _ended(span) as ctx:
+        report = ctx.report = vllm_legs.decode_leg(
+            address, params, blocks, timeout, token, alloc_delay, ctx.trace
+        )
     finish(report, reports.leg_report, json_out, ok=report.ok)
 
 
@@ -178,6 +202,7 @@ def prefill_leg(
     token: bytes | None,
     json_out: bool,
     prog: str = "leg",
+    span: otlp.LegSpan | None = None,
 ) -> None:
     from kvpush.commands.leg import legs as vllm_legs
 
@@ -192,5 +217,29 @@ def prefill_leg(
                 soft_wrap=True,
             )
 
-    report = vllm_legs.prefill_leg(address, request_id, blocks, timeout, token, on_params=hand_out)
+    with _ended(span) as ctx:
+        report = ctx.report = vllm_legs.prefill_leg(
+            address, request_id, blocks, timeout, token, on_params=hand_out, trace=ctx.trace
+        )
     finish(report, reports.leg_report, json_out, ok=report.ok)
+
+
+@dataclass
+class _Traced:
+    trace: tuple[str, str]
+    report: Any = None
+
+
+@contextlib.contextmanager
+def _ended(span: otlp.LegSpan | None) -> Iterator[_Traced]:
+    """The leg under its span: the span ends with the leg's report, or with the error that
+    ended the leg (re-raised)."""
+    ctx = _Traced((span.traceparent, span.tracestate) if span is not None else ("", ""))
+    try:
+        yield ctx
+    except KvpushError as e:
+        if span is not None:
+            span.end(None, type(e).__name__, e.message)
+        raise
+    if span is not None:
+        span.end(ctx.report)

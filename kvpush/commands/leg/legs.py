@@ -215,9 +215,11 @@ def decode_leg(
     timeout_s: float,
     token: bytes | None = None,
     alloc_delay_s: float = 0.0,
+    trace: tuple[str, str] = ("", ""),
 ) -> LegReport:
     """``alloc_delay_s``: D holds the request that long before it gets blocks (as a queued
-    vLLM request does), heartbeating P's lease meanwhile."""
+    vLLM request does), heartbeating P's lease meanwhile. ``trace``: the W3C traceparent and
+    tracestate the request carries (D's span joins that trace)."""
     params = check_params(dict(params))
     n = blocks_of(params, blocks)
     require_positive("--timeout", timeout_s)
@@ -240,6 +242,8 @@ def decode_leg(
         remote_pp_size=int(params.get("pp_size", 1)),
         digest=True,
         alloc_delay_s=alloc_delay_s,
+        traceparent=trace[0],
+        tracestate=trace[1],
     )
     t0 = time.monotonic()
     with control.connect(addr, token, timeout_s) as client:
@@ -268,6 +272,7 @@ def prefill_leg(
     timeout_s: float,
     token: bytes | None = None,
     on_params: Callable[[dict[str, Any]], None] | None = None,
+    trace: tuple[str, str] = ("", ""),
 ) -> LegReport:
     if not request_id:
         raise ConfigError("--request-id is empty", "pass the request id the vLLM D will use")
@@ -282,7 +287,12 @@ def prefill_leg(
         _contact(client, Role.PREFILL, timeout_s)
         rep = client.request(
             protocol.PrefillReq(
-                transfer_id=request_id, num_blocks=blocks, request_id=request_id, digest=True
+                transfer_id=request_id,
+                num_blocks=blocks,
+                request_id=request_id,
+                digest=True,
+                traceparent=trace[0],
+                tracestate=trace[1],
             )
         )
         if not isinstance(rep, protocol.PrefillRep):

@@ -9,7 +9,8 @@ Lifecycle (uvicorn's shape): install signal handlers -> open the endpoint
 ``kvpush.fleet.member``, its own threads) -> ready file -> main loop (render telemetry, watch
 for a thread failure) -> ordered shutdown: the registry key goes first (routers stop sending),
 ``endpoint.stop()`` drains under ``--drain-timeout``, then the exporter stops and the ready
-file is removed. SIGINT, SIGTERM and SIGHUP only set a flag (``StopFlag``); a second one exits
+file is removed (traces still queued leave before the process: ``tracing.finish``). SIGINT,
+SIGTERM and SIGHUP only set a flag (``StopFlag``); a second one exits
 at once (130). A stdout whose reader went away (``| head -1``) ends the telemetry lines with one
 warning on stderr; the endpoint goes on serving and logging to stderr.
 
@@ -38,12 +39,13 @@ from rich.console import Console
 from kvpush import logsafe
 from kvpush.commands.common import options, quickexit, stdio, translate
 from kvpush.commands.common.options import LogLevel, OutputMode
-from kvpush.commands.common.optspec import PANEL_NIXL, option
+from kvpush.commands.common.optspec import PANEL_NIXL, PANEL_OUT, option
 from kvpush.commands.common.translate import ServeOptions
 from kvpush.config import EndpointConfig, Role
 from kvpush.errors import ExitStatus, KvpushError
 from kvpush.runtime.heap import freeze_startup_heap
 from kvpush.runtime.signals import StopFlag
+from kvpush.telemetry import tracing
 
 log = logging.getLogger("kvpush.serve")
 
@@ -87,15 +89,38 @@ LANES_HELP = (
     "that file)."
 )
 Lanes = Annotated[bool, option("--lanes/--no-lanes", help=LANES_HELP, panel=PANEL_NIXL)]
+OtlpEndpoint = Annotated[
+    str | None,
+    option(
+        "--otlp-traces-endpoint",
+        help=tracing.ENDPOINT_HELP,
+        panel=PANEL_OUT,
+        metavar="URL",
+        show_default=False,
+    ),
+]
+OtlpRatio = Annotated[
+    float, option("--otlp-sample-ratio", help=tracing.RATIO_HELP, panel=PANEL_OUT, metavar="R")
+]
 
 
 def _command(role: Role) -> Callable[..., None]:
-    """The body of ``serve-<role>``: every option but ``--lanes`` is an entry of the endpoint
-    table."""
+    """The body of ``serve-<role>``: every option but ``--lanes`` and the traces' is an entry
+    of the endpoint table."""
 
-    def body(lanes: Lanes = True, **params: Any) -> None:
+    def body(
+        lanes: Lanes = True,
+        otlp_traces_endpoint: OtlpEndpoint = None,
+        otlp_sample_ratio: OtlpRatio = 1.0,
+        **params: Any,
+    ) -> None:
         cfg = translate.endpoint_config(role, params)
-        cfg = dataclasses.replace(cfg, agent=dataclasses.replace(cfg.agent, lanes=lanes))
+        traces = tracing.resolve(otlp_traces_endpoint, otlp_sample_ratio)
+        if traces.endpoint:
+            tracing.require_sdk()  # before anything starts, not once the pool is allocated
+        cfg = dataclasses.replace(
+            cfg, agent=dataclasses.replace(cfg.agent, lanes=lanes), tracing=traces
+        )
         opts = ServeOptions.from_params(params)
         raise typer.Exit(serve(cfg, opts))
 
@@ -258,6 +283,7 @@ def _stop(run: _Running, opts: ServeOptions, failure: BaseException | None) -> N
             time.sleep(grace)
     if run.ep is not None:
         run.ep.stop()
+        tracing.finish()  # the spans of the drain leave before the process does
         quickexit.request()  # nothing is left for the interpreter's finalization to do
     if run.exporter is not None:
         run.exporter.stop()
