@@ -41,7 +41,7 @@ from harness import (
 )
 
 from kvpush.commands.leg.legs import LegReport, decode_leg, prefill_leg
-from tests.conftest import Served, ServeFactory, run_cli
+from tests.conftest import Served, ServeFactory
 from tests.support.procs import KVPUSH, clean_env, wait_ready
 
 LEASE_S = 6
@@ -232,18 +232,24 @@ def test_kvpush_p_to_vllm_d(vllm_d: VllmPeer, kvpush_p: Served) -> None:
 
 
 def test_cli_decode_leg_from_vllm_p(vllm_p: VllmPeer, kvpush_d: Served, tmp_path: Path) -> None:
-    """What a router does with a vLLM P's answer, by hand: the params as vLLM returned them."""
+    """What a router does with a vLLM P's answer, by hand: the params as vLLM returned them,
+    piped in. The leg is started first and waits on stdin: P's lease here is LEASE_S (6 s), and
+    a CLI that starts only once P has finished spends part of it starting (under load, all of
+    it: P then drops the request and D's leg ends at its deadline, as vLLM's lease says)."""
     p_id, _ = request_ids("cli-v2k")
     blocks = [2, 6]
     mark = vllm_p.wire_mark()
+    leg = subprocess.Popen(
+        [*KVPUSH, "leg", "decode", "--decode", kvpush_d.address, "--kv-transfer-params", "-",
+         "--json"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=clean_env(),
+    )  # fmt: skip
     cid = vllm_p.prefill(p_id, blocks)
-    f = tmp_path / "params.json"
-    f.write_text(json.dumps(vllm_p.result(cid, suffix=".params")["params"]))
-    r = run_cli(
-        "leg", "decode", "--decode", kvpush_d.address, "--kv-transfer-params", str(f), "--json"
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = json.loads(r.stdout)
+    params = json.dumps(vllm_p.result(cid, suffix=".params")["params"])
+    stdout, stderr = leg.communicate(params, timeout=120)
+    assert leg.returncode == 0, stdout + stderr
+    out = json.loads(stdout)
     pres = vllm_p.result(cid)
     assert out["outcome"] == "ok" and out["leg"] == "decode", out
     assert out["sha256"] == pres["sha256"] == pattern_sha256(vllm_p.info, pres["seed"], blocks)
