@@ -101,9 +101,11 @@ def test_ls_of_many_listed_endpoints_and_peers(serve: Launcher, tmp_path: Path) 
     p = serve.start("prefill", *SMALL, wait=False)
     d = serve.start("decode", *SMALL)
     wait_ready(p)
-    dead = [unused_port() for _ in range(40)]
+    dead: set[int] = set()
+    while len(dead) < 40:  # 40 different closed ports (a draw may repeat one)
+        dead.add(unused_port())
     listing = tmp_path / "fleet.txt"
-    listing.write_text("".join(f"127.0.0.1:{port} decode\n" for port in dead))
+    listing.write_text("".join(f"127.0.0.1:{port} decode\n" for port in sorted(dead)))
     r = run_cli(
         "fleet", "ls", "--endpoints", str(listing), "--peer", f"{p.address}=prefill",
         "--peer", d.address, "--json", "-c", "16",

@@ -5,8 +5,9 @@ sent, to which P and D, by which worker) and the results. A request ends as ok, 
 one ``Failure`` reason and detail; the first of (decode reply, prefill failure, peer found dead,
 interrupt, a schedule's refusal) decides it, later news of the same request is dropped
 (``resolve`` returns False). ``fail_untaken`` ends every request not yet taken, ``fail_unresolved``
-every one without a result; ``wait_all`` returns once each request has one. ``on_resolved`` is
-called once per result, on the thread that decided it, outside the lock.
+every one without a result; ``wait_all`` returns once each request has one and every ``on_resolved``
+call has returned. ``on_resolved`` is called once per result, on the thread that decided it,
+outside the lock.
 
 Threads: any (drive's workers, P's executors, the monitor, the caller of ``Driver.run``); one
 lock.
@@ -34,6 +35,7 @@ class Ledger:
         self._sent: dict[int, tuple[float, str, str]] = {}  # index -> (t0, P, D)
         self._worker_of: dict[int, int] = {}  # request index -> the worker sending it
         self._done = 0
+        self._handed = 0  # results whose on_resolved call has returned
         self._ok = 0
         self._all_done = threading.Event()
         self._next = 0
@@ -96,9 +98,15 @@ class Ledger:
             self._worker_of.pop(i, None)
             self._done += 1
             self._ok += result.ok
-            if self._done == self.requests:
-                self._all_done.set()
-        self._on_resolved(result)
+        try:
+            self._on_resolved(result)
+        finally:
+            # Only once every result has been handed on (its trace line, its span, fleet
+            # check's pair): ``wait_all`` returning means every consumer has every result.
+            with self._lock:
+                self._handed += 1
+                if self._handed == self.requests:
+                    self._all_done.set()
         return True
 
     def fail(self, i: int, reason: Failure, detail: str, p: str = "", d: str = "") -> None:
