@@ -89,7 +89,10 @@ class Rank(Generic[R]):
             self.pool = KvPool(cfg.pool, rank=self.rank)
             self.agent = NixlAgent(self.agent_name, cfg.agent)
             undo.callback(self.agent.close)
-            self.agent.register(self.pool.tensor)
+            pool = self.pool
+            self.agent.register_region(
+                pool.base_addr, pool.nbytes, pool.device_kind, pool.device_id
+            )
             self.metadata = self._build_metadata(shared.incarnation, port, auth)
             self.md_bytes = protocol.encode_metadata(self.metadata)
             self.agent_md_full = self.agent.metadata_full()

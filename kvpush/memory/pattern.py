@@ -24,6 +24,8 @@ wrong one, fails verification, and the tag found there tells which head it was.
 
 Generation is one broadcast add per call (memory bandwidth for MB-sized blocks when written into
 warm memory, see ``write_expected``) plus a vectorized tag write; there is no loop over blocks.
+Host memory only (numpy): a pool on a GPU generates here and copies (``kvpush.memory.pool``), so
+that no endpoint imports torch unless its pool is on a GPU.
 """
 
 from __future__ import annotations
@@ -32,14 +34,13 @@ import hashlib
 import threading
 
 import numpy as np
-import torch
 
 TAG_BYTES = 16
 """Bytes at the start of each block that hold the tag (when the block is that large)."""
 
 _BASE_SEED = 0x6B7670757368  # "kvpush": the base row never changes between runs or versions
 _BASE_CACHE_MAX = 16
-_base_cache: dict[tuple[int, str], torch.Tensor] = {}
+_base_cache: dict[int, np.ndarray] = {}
 _base_lock = threading.Lock()
 
 # splitmix64 constants (Steele, Lea, Flood 2014), used to mix (seed, region, j) into one byte.
@@ -59,20 +60,18 @@ def transfer_seed(transfer_id: str) -> int:
     return int.from_bytes(transfer_digest(transfer_id), "little")
 
 
-def base_row(block_bytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The fixed pseudo-random row of ``block_bytes`` uint8 on ``device`` (cached: read only)."""
-    dev = torch.device(device)
-    key = (block_bytes, str(dev))
+def base_row(block_bytes: int) -> np.ndarray:
+    """The fixed pseudo-random row of ``block_bytes`` uint8 (cached, read only)."""
     with _base_lock:
-        row = _base_cache.get(key)
+        row = _base_cache.get(block_bytes)
     if row is not None:
         return row
-    host = np.random.default_rng(_BASE_SEED).integers(0, 256, size=block_bytes, dtype=np.uint8)
-    row = torch.from_numpy(host).to(dev)
+    row = np.random.default_rng(_BASE_SEED).integers(0, 256, size=block_bytes, dtype=np.uint8)
+    row.flags.writeable = False
     with _base_lock:
         if len(_base_cache) >= _BASE_CACHE_MAX:
             _base_cache.pop(next(iter(_base_cache)))
-        return _base_cache.setdefault(key, row)
+        return _base_cache.setdefault(block_bytes, row)
 
 
 _HEAD_MUL = np.uint64(0xA24BAED4963EE407)
@@ -121,13 +120,12 @@ def expected_blocks(
     regions: int,
     nblocks: int,
     block_bytes: int,
-    device: torch.device | str = "cpu",
     *,
     first_j: int = 0,
     heads: int = 1,
     first_head: int = 0,
-) -> torch.Tensor:
-    """A new uint8 ``(regions, nblocks, block_bytes)`` tensor holding a request's blocks.
+) -> np.ndarray:
+    """A new uint8 ``(regions, nblocks, block_bytes)`` array holding a request's blocks.
 
     Block ``j`` of the result is the block at position ``first_j + j`` of the request; pass
     ``first_j`` to generate a slice of a large request without generating the rest. ``heads``
@@ -137,13 +135,13 @@ def expected_blocks(
         raise ValueError(
             f"bad pattern geometry: regions={regions} nblocks={nblocks} block_bytes={block_bytes}"
         )
-    out = torch.empty((regions, nblocks, block_bytes), dtype=torch.uint8, device=device)
+    out = np.empty((regions, nblocks, block_bytes), dtype=np.uint8)
     return write_expected(out, transfer_id, first_j=first_j, heads=heads, first_head=first_head)
 
 
 def write_expected(
-    out: torch.Tensor, transfer_id: str, *, first_j: int = 0, heads: int = 1, first_head: int = 0
-) -> torch.Tensor:
+    out: np.ndarray, transfer_id: str, *, first_j: int = 0, heads: int = 1, first_head: int = 0
+) -> np.ndarray:
     """Write the pattern into ``out`` (uint8, ``(regions, nblocks, block_bytes)``); return it.
 
     ``out`` may be a strided view, e.g. ``pool[:, start:stop]``, so contiguous blocks are
@@ -151,23 +149,25 @@ def write_expected(
     faults (~2 GB/s here), the broadcast add into warm memory runs at ~25 GB/s. Each block is
     ``heads`` head slices of ``block_bytes // heads`` bytes, model heads ``first_head`` on.
     """
-    if out.dtype != torch.uint8 or out.dim() != 3:
-        raise ValueError(f"need a 3-d uint8 tensor, got {out.dtype} of shape {tuple(out.shape)}")
+    if out.dtype != np.uint8 or out.ndim != 3:
+        raise ValueError(f"need a 3-d uint8 array, got {out.dtype} of shape {tuple(out.shape)}")
     if first_j < 0 or first_head < 0 or heads < 1:
         raise ValueError(f"bad pattern slice: first_j={first_j} heads={heads} first={first_head}")
     regions, nblocks, block_bytes = out.shape
     if block_bytes % heads:
         raise ValueError(f"a block of {block_bytes} bytes is not {heads} whole heads")
-    if out.numel() == 0:
+    if out.size == 0:
         return out
     hb = block_bytes // heads
-    view = out.view(regions, nblocks, heads, hb)  # same memory: the last dim split in two
-    dev = out.device
-    base = base_row(hb, dev).view(1, 1, 1, hb)
-    seed = transfer_seed(transfer_id)
-    offsets = torch.from_numpy(_offsets(seed, regions, first_j, nblocks, heads, first_head))
-    torch.add(base, offsets.to(dev).view(regions, nblocks, heads, 1), out=view)  # wraps
+    if out.strides[2] != 1:
+        raise ValueError("write_expected needs blocks whose bytes are contiguous")
+    # The last dim split in two, same memory (a strided view of a pool keeps its strides).
+    view = np.lib.stride_tricks.as_strided(
+        out, shape=(regions, nblocks, heads, hb), strides=(*out.strides[:2], hb, 1)
+    )
+    base = base_row(hb).reshape(1, 1, 1, hb)
+    offsets = _offsets(transfer_seed(transfer_id), regions, first_j, nblocks, heads, first_head)
+    np.add(base, offsets.reshape(regions, nblocks, heads, 1), out=view)  # uint8: wraps
     if hb >= TAG_BYTES:
-        tags = _tags(transfer_id, regions, first_j, nblocks, heads, first_head)
-        view[..., :TAG_BYTES] = torch.from_numpy(tags).to(dev)
+        view[..., :TAG_BYTES] = _tags(transfer_id, regions, first_j, nblocks, heads, first_head)
     return out

@@ -1,26 +1,31 @@
-"""The registered KV memory of one endpoint: one torch allocation, fill / verify / scrub.
+"""The registered KV memory of one endpoint: one allocation, fill / verify / scrub.
 
-``KvPool`` owns the one torch allocation (DRAM or VRAM) that the NIXL adapter registers, its
-``BlockAllocator`` (``kvpush.memory.allocator``) and ``fill`` / ``verify`` / ``scrub`` of blocks.
-These take no lock: they are called by whichever thread currently owns the blocks in question
-(the allocator says who that is). This module imports torch and numpy, never nixl or zmq.
+``KvPool`` owns the one allocation that the NIXL adapter registers, its ``BlockAllocator``
+(``kvpush.memory.allocator``) and ``fill`` / ``verify`` / ``scrub`` of blocks. Host memory
+(DRAM, ``--device cpu``) is a numpy array; a pool on a GPU (VRAM) is a torch tensor
+(``kvpush.memory.vram``, the only importer of torch on an endpoint's path: an endpoint on host
+memory starts without torch, 1-6 s sooner here). The pattern is generated and compared on the
+host either way. These take no lock: they are called by whichever thread currently owns the
+blocks in question (the allocator says who that is). Never imports nixl or zmq.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
 
 from kvpush.config import PoolConfig
-from kvpush.errors import ConfigError, DeviceError
+from kvpush.errors import ConfigError
 from kvpush.memory.allocator import BlockAllocator
 from kvpush.memory.descriptors import block_descs
 from kvpush.memory.pattern import TAG_BYTES, read_tag, transfer_digest, write_expected
 from kvpush.wire.side_messages import DeviceKind
+
+if TYPE_CHECKING:
+    import torch
 
 POISON_BYTE = 0xA5
 """What ``scrub`` writes: neither zero nor a likely pattern byte run, easy to spot in a dump."""
@@ -38,24 +43,14 @@ def rank_device(spec: str, rank: int) -> str:
     return f"cuda:{base + rank}"
 
 
-def _resolve_device(spec: str) -> tuple[torch.device, DeviceKind, int]:
-    """``cpu`` / ``cuda`` / ``cuda:N`` -> (torch device, "DRAM" | "VRAM", device id)."""
+def _resolve_device(spec: str) -> tuple[str, DeviceKind, int]:
+    """``cpu`` / ``cuda`` / ``cuda:N`` -> (device name, "DRAM" | "VRAM", device id)."""
     if spec == "cpu":
-        return torch.device("cpu"), "DRAM", 0
-    if not torch.cuda.is_available():
-        raise DeviceError(
-            f"CUDA requested (--device {spec}) but this host has no usable CUDA device",
-            hint="use --device cpu",
-        )
-    count = torch.cuda.device_count()
-    index = int(spec.partition(":")[2]) if ":" in spec else torch.cuda.current_device()
-    if index >= count:
-        raise DeviceError(
-            f"CUDA device {index} requested (--device {spec}) but this host has {count} "
-            f"CUDA device{'s' if count != 1 else ''} (0..{count - 1})",
-            hint=f"use --device cuda:N with N below {count}, or --device cpu",
-        )
-    return torch.device("cuda", index), "VRAM", index
+        return "cpu", "DRAM", 0
+    from kvpush.memory import vram  # torch: only for a pool on a GPU
+
+    index = vram.resolve(spec)
+    return f"cuda:{index}", "VRAM", index
 
 
 def check_device(spec: str) -> str:
@@ -64,34 +59,76 @@ def check_device(spec: str) -> str:
     return _resolve_device(spec)[1]
 
 
-def _as_words(t: torch.Tensor) -> torch.Tensor:
-    """View uint8 blocks as int64 words when the block size allows it.
-
-    torch's element-wise CPU kernels (index_copy_, equal, index_fill_) move ~1 GB/s on uint8
-    and ~10 GB/s on int64 here; the bytes are the same.
-    """
-    return t.view(torch.int64) if t.shape[-1] % 8 == 0 else t
+def _as_words(a: np.ndarray) -> np.ndarray:
+    """uint8 blocks as int64 words when the block size allows it (same bytes; numpy's fancy
+    indexing and comparisons move ~8x more per element)."""
+    return a.view(np.int64) if a.shape[-1] % 8 == 0 else a
 
 
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device.type == "cpu":
-        # numpy compares int64 words at ~14 GB/s here; torch.equal varies between 4 and 14.
-        return bool(np.array_equal(_as_words(a).numpy(), _as_words(b).numpy()))
-    return torch.equal(_as_words(a), _as_words(b))
+def _equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool(np.array_equal(_as_words(a), _as_words(b)))
+
+
+class _Memory(Protocol):
+    """Where a pool's bytes live: blocks in and out by id (host arrays in, host arrays out)."""
+
+    kind: str
+    addr: int
+    nbytes: int
+
+    def gather(self, region: int | None, ids: np.ndarray, out: np.ndarray) -> np.ndarray: ...
+    def scatter(self, ids: np.ndarray, src: np.ndarray) -> None: ...
+    def poison(self, ids: np.ndarray, byte: int) -> None: ...
+    def as_tensor(self) -> torch.Tensor: ...
+
+
+class HostMemory:
+    """A zeroed uint8 ``shape`` numpy array in DRAM (``np.zeros`` + a write to every page, so
+    an over-committed host fails at start-up with a clear error, not at the first transfer)."""
+
+    kind = "DRAM"
+
+    def __init__(self, shape: tuple[int, int, int], what: str) -> None:
+        try:
+            self.array = np.zeros(shape, dtype=np.uint8)
+            self.array.fill(0)  # np.zeros maps lazily: touch every page now
+        except (MemoryError, ValueError) as exc:
+            raise ConfigError(
+                f"cannot allocate the KV pool: {what}: {exc}",
+                hint="lower --num-blocks, --layers or --block-bytes",
+            ) from exc
+        self.addr = int(self.array.ctypes.data)
+        self.nbytes = int(self.array.nbytes)
+
+    def gather(self, region: int | None, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        src = self.array if region is None else self.array[region]
+        # mode="clip": no bounds buffer (the pool validated the ids), straight into ``out``.
+        np.take(
+            _as_words(src), ids, axis=1 if region is None else 0, out=_as_words(out), mode="clip"
+        )
+        return out
+
+    def scatter(self, ids: np.ndarray, src: np.ndarray) -> None:
+        _as_words(self.array)[:, ids] = _as_words(src)
+
+    def poison(self, ids: np.ndarray, byte: int) -> None:
+        words = _as_words(self.array)
+        words[:, ids] = byte if words is self.array else _POISON_WORD
+
+    def as_tensor(self) -> torch.Tensor:
+        import torch
+
+        return torch.from_numpy(self.array)
 
 
 class KvPool:
-    """One registered allocation per endpoint: uint8 tensor ``(regions, num_blocks, block_bytes)``.
+    """One registered allocation per endpoint: uint8 ``(regions, num_blocks, block_bytes)``.
 
-    The tensor is allocated with ``torch.zeros``: touching every page up front makes an
-    over-committed host fail here, at startup with a clear ``ConfigError``, rather than at the
-    first transfer; it costs a fraction of a second per GiB. Region ``r`` starts at
-    ``base_addr + r*region_stride``; block ``b`` of it at ``+ b*block_bytes``.
-
-    ``fill`` / ``verify`` / ``scrub`` work on slices of at most ~16 MiB (or one block in every
-    region, if larger); a run of consecutive ids is read and written in place, other ids go
-    through one reusable scratch buffer per calling thread, so they allocate nothing after
-    the first call and run at several GB/s.
+    Region ``r`` starts at ``base_addr + r*region_stride``; block ``b`` of it at
+    ``+ b*block_bytes``. ``fill`` / ``verify`` / ``scrub`` work on slices of at most ~16 MiB (or
+    one block in every region, if larger); in host memory a run of consecutive ids is read and
+    written in place, other ids (and a GPU's blocks) go through one reusable scratch buffer per
+    calling thread, so they allocate nothing after the first call and run at several GB/s.
     """
 
     def __init__(self, cfg: PoolConfig, rank: int = 0) -> None:
@@ -102,25 +139,27 @@ class KvPool:
         self.device, self.device_kind, self.device_id = _resolve_device(
             rank_device(cfg.device, rank)
         )
-        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # fill/verify are many small ops: torch's intra-op thread pool only fights the
-            # endpoint's owner threads for cores (measured: a 64 KiB verify took tens of ms
-            # instead of ~0.2 ms on 2 cores, and D's p99 rose from ~10 ms to ~470 ms).
-            torch.set_num_threads(1)
         shape = (cfg.regions, cfg.num_blocks, cfg.block_bytes)
-        try:
-            self.tensor = torch.zeros(shape, dtype=torch.uint8, device=self.device)
-        except (RuntimeError, MemoryError) as exc:
-            raise ConfigError(
-                f"cannot allocate the KV pool: {cfg.total_bytes} bytes "
-                f"({cfg.total_bytes / 2**30:.2f} GiB) on {cfg.device}: {exc}",
-                hint="lower --num-blocks, --layers or --block-bytes",
-            ) from exc
+        what = f"{cfg.total_bytes} bytes ({cfg.total_bytes / 2**30:.2f} GiB) on {cfg.device}"
+        self.memory: _Memory
+        self.host: np.ndarray | None = None  # the pool itself when it is in host memory
+        if self.device_kind == "DRAM":
+            host = HostMemory(shape, what)
+            self.memory, self.host = host, host.array
+        else:
+            from kvpush.memory import vram
+
+            self.memory = vram.DeviceMemory(shape, self.device, what)
         self.allocator = BlockAllocator(cfg.num_blocks)
-        self.base_addr: int = self.tensor.data_ptr()
+        self.base_addr: int = self.memory.addr
+        self.nbytes: int = self.memory.nbytes
         self.region_stride: int = cfg.num_blocks * cfg.block_bytes
         self._chunk_blocks = max(1, _CHUNK_BYTES // cfg.bytes_per_block_all_regions)
         self._scratch = threading.local()
+
+    def as_tensor(self) -> torch.Tensor:
+        """The pool as a torch tensor (the same memory; imports torch): for the bench."""
+        return self.memory.as_tensor()
 
     def region_base_addrs(self) -> list[int]:
         return [self.base_addr + r * self.region_stride for r in range(self.cfg.regions)]
@@ -143,15 +182,15 @@ class KvPool:
         """Write the pattern of ``transfer_id`` into these blocks (position j = index in ids)."""
         for j0, ids in self._chunks(block_ids):
             start = _run_start(ids)
-            if start is not None:
+            if start is not None and self.host is not None:
                 write_expected(
-                    self.tensor[:, start : start + ids.size], transfer_id, first_j=j0, **self._pat
+                    self.host[:, start : start + ids.size], transfer_id, first_j=j0, **self._pat
                 )
                 continue
             exp = write_expected(
                 self._scratch_view(0, ids.size), transfer_id, first_j=j0, **self._pat
             )
-            _as_words(self.tensor).index_copy_(1, self._index(ids), _as_words(exp))
+            self.memory.scatter(ids, exp)
 
     def verify(self, transfer_id: str, block_ids: np.ndarray) -> bool:
         """True iff every byte of these blocks, in every region, equals the pattern."""
@@ -159,16 +198,18 @@ class KvPool:
             exp = write_expected(
                 self._scratch_view(0, ids.size), transfer_id, first_j=j0, **self._pat
             )
-            start = _run_start(ids)
-            if start is not None:
-                got = self.tensor[:, start : start + ids.size]
-            else:
-                got = torch.index_select(
-                    self.tensor, 1, self._index(ids), out=self._scratch_view(1, ids.size)
-                )
-            if not _equal(got, exp):
+            if not _equal(self._blocks(ids), exp):
                 return False
         return True
+
+    def page(self, region: int, block: int) -> np.ndarray:
+        """The bytes of one block of one region (a view in host memory, else a copy)."""
+        if self.host is not None:
+            row: np.ndarray = self.host[region, block]
+            return row
+        ids = np.array([block], dtype=np.int64)
+        copied: np.ndarray = self.memory.gather(None, ids, self._scratch_view(1, 1))[region, 0]
+        return copied
 
     def explain(self, transfer_id: str, block_ids: np.ndarray) -> str:
         """Why ``verify`` failed: the first head slice that differs, and what its tag says is
@@ -180,8 +221,8 @@ class KvPool:
         for j, b in enumerate(ids.tolist()):
             exp = write_expected(
                 self._scratch_view(0, 1), transfer_id, first_j=j, **self._pat
-            ).view(self.cfg.regions, heads, hb)
-            got = self.tensor[:, b].view(self.cfg.regions, heads, hb)
+            ).reshape(self.cfg.regions, heads, hb)
+            got = self._blocks(np.array([b], dtype=np.int64)).reshape(self.cfg.regions, heads, hb)
             for r in range(self.cfg.regions):
                 for h in range(heads):
                     if _equal(got[r, h], exp[r, h]):
@@ -191,7 +232,7 @@ class KvPool:
                     )
                     if hb < TAG_BYTES:
                         return f"{where}: bytes differ"
-                    digest, fr, fh, fj = read_tag(got[r, h].cpu().numpy())
+                    digest, fr, fh, fj = read_tag(got[r, h])
                     if digest != transfer_digest(transfer_id):
                         return f"{where}: holds bytes of another transfer (or none)"
                     return f"{where}: holds region {fr}, head {fh}, position {fj} instead"
@@ -204,8 +245,7 @@ class KvPool:
         h = hashlib.sha256()
         for r in range(self.cfg.regions):
             for _, part in self._chunks(ids):
-                rows = self.tensor[r].index_select(0, self._index(part))
-                h.update(np.ascontiguousarray(rows.cpu().numpy()).data)
+                h.update(self._region_rows(r, part).data)
         return h.hexdigest()
 
     def region_rows(self, region: int, block_ids: np.ndarray) -> np.ndarray:
@@ -213,17 +253,26 @@ class KvPool:
         copy (for a digest over several ranks' pools, block by block)."""
         ids = np.ascontiguousarray(block_ids, dtype=np.int64).reshape(-1)
         self._chunks(ids)  # validates the ids
-        rows = self.tensor[region].index_select(0, self._index(ids))
-        return np.ascontiguousarray(rows.cpu().numpy()).view(np.uint8).reshape(ids.size, -1)
+        return self._region_rows(region, ids)
 
     def scrub(self, block_ids: np.ndarray) -> None:
         """Overwrite these blocks in every region with ``POISON_BYTE``."""
-        words = _as_words(self.tensor)
-        poison = POISON_BYTE if words is self.tensor else _POISON_WORD
         for _, ids in self._chunks(block_ids):
-            words.index_fill_(1, self._index(ids), poison)
+            self.memory.poison(ids, POISON_BYTE)
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _blocks(self, ids: np.ndarray) -> np.ndarray:
+        """These (validated) blocks of every region: in place for a host run, else copied into
+        this thread's second scratch buffer."""
+        start = _run_start(ids)
+        if start is not None and self.host is not None:
+            return self.host[:, start : start + ids.size]
+        return self.memory.gather(None, ids, self._scratch_view(1, ids.size))
+
+    def _region_rows(self, region: int, ids: np.ndarray) -> np.ndarray:
+        out = np.empty((ids.size, self.cfg.block_bytes), dtype=np.uint8)
+        return self.memory.gather(region, ids, out)
 
     def _chunks(self, block_ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """Validated int64 ids in slices of ``_chunk_blocks``, each with its first position j."""
@@ -236,19 +285,16 @@ class KvPool:
         step = self._chunk_blocks
         return [(j0, ids[j0 : j0 + step]) for j0 in range(0, ids.size, step)]
 
-    def _index(self, ids: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(ids).to(self.device)
-
-    def _scratch_view(self, which: int, nblocks: int) -> torch.Tensor:
-        """This thread's scratch buffer ``which`` (0 or 1) as a (regions, nblocks, B) tensor."""
-        buf: torch.Tensor | None = getattr(self._scratch, "buf", None)
+    def _scratch_view(self, which: int, nblocks: int) -> np.ndarray:
+        """This thread's host scratch buffer ``which`` (0 or 1) as a (regions, nblocks, B) array."""
+        buf: np.ndarray | None = getattr(self._scratch, "buf", None)
         per_block = self.cfg.bytes_per_block_all_regions
         size = self._chunk_blocks * per_block
         if buf is None:
-            buf = torch.empty(2 * size, dtype=torch.uint8, device=self.device)
+            buf = np.empty(2 * size, dtype=np.uint8)
             self._scratch.buf = buf
         flat = buf[which * size : which * size + nblocks * per_block]
-        return flat.view(self.cfg.regions, nblocks, self.cfg.block_bytes)
+        return flat.reshape(self.cfg.regions, nblocks, self.cfg.block_bytes)
 
 
 def _run_start(ids: np.ndarray) -> int | None:

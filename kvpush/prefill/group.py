@@ -177,8 +177,7 @@ class PrefillGroup:
         for r in range(cfg.regions):
             for j in range(len(reserved[0][1])):
                 for role, ids in sharers:
-                    page = role.ctx.pool.tensor[r, int(ids[j])]
-                    h.update(np.ascontiguousarray(page.cpu().numpy()).data)
+                    h.update(np.ascontiguousarray(role.ctx.pool.page(r, int(ids[j]))).data)
         return h.hexdigest()
 
     def _serve_prefill(self, req: protocol.PrefillReq, reply: ReplyFn, traced: float) -> None:

@@ -21,10 +21,15 @@ of a peer that restarted, and tests can assert that it never happened.
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
 import logging
 import os
+import sys
 import threading
 from collections.abc import Iterable
+from pathlib import Path
 from types import ModuleType
 from typing import Protocol
 
@@ -80,12 +85,56 @@ NIXL_STATUS = {
 }
 
 
+#: The wheels ``import nixl`` tries, in its order, when the process has no CUDA (nixl 1.5).
+_CPU_WHEELS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
+
+
+def _torch_cuda_on_disk() -> str | None:
+    """``torch.version.cuda`` of the installed torch read from its ``version.py`` (parsed, not
+    run, not imported): ``"none"`` for a CPU-only build, None when there is no torch to read."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        tree = ast.parse(Path(spec.origin).with_name("version.py").read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        target: ast.expr | None = None
+        if isinstance(node, ast.AnnAssign):
+            target = node.target
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        value = getattr(node, "value", None)
+        if isinstance(target, ast.Name) and target.id == "cuda" and isinstance(value, ast.Constant):
+            return str(value.value).lower() if value.value is not None else "none"
+    return None
+
+
+def _nixl_wheel() -> str:
+    """The module whose ``_api`` / ``_bindings`` to load.
+
+    ``import nixl`` (the meta package) picks the ``nixl_cuXX`` wheel by the process's CUDA; on
+    a host whose torch is a CPU-only build it imports all of torch just to learn that there is
+    no CUDA (1-6 s of every endpoint's start-up here, more than the rest of it). There, and
+    only there, kvpush picks the wheel itself, in the order the meta package would; anywhere
+    else (torch already imported, a CUDA torch, no torch) ``nixl``'s own choice stands.
+    """
+    if "torch" in sys.modules or _torch_cuda_on_disk() != "none":
+        return "nixl"
+    for name in _CPU_WHEELS:
+        if importlib.util.find_spec(name) is not None:
+            return name
+    return "nixl"
+
+
 def _import_nixl() -> tuple[ModuleType, ModuleType]:
     global _nixl, _bind
     if _nixl is None:
         try:
-            import nixl._api as api
-            import nixl._bindings as bind
+            wheel = _nixl_wheel()
+            api = importlib.import_module(f"{wheel}._api")
+            bind = importlib.import_module(f"{wheel}._bindings")
         except Exception as e:  # ImportError, or a broken native library
             raise NixlUnavailableError(f"NIXL is not available: {e}") from None
         logging.getLogger("nixl").setLevel(logging.WARNING)
@@ -128,7 +177,9 @@ class _RawAgent(Protocol):
 
     def get_plugin_list(self) -> Iterable[str]: ...
     def create_backend(self, backend: str, initParams: dict[str, str]) -> object: ...
-    def register_memory(self, reg_list: object, backends: list[str]) -> object: ...
+    def register_memory(
+        self, reg_list: object, mem_type: str | None = None, backends: list[str] | None = None
+    ) -> object: ...
     def deregister_memory(self, dereg_list: object) -> None: ...
     def get_agent_metadata(self) -> bytes: ...
     def get_partial_agent_metadata(
@@ -220,8 +271,18 @@ class NixlAgent:
 
     # ------------------------------------------------------------------ memory / metadata
     def register(self, tensor: object) -> None:
+        """Register a torch tensor's memory (the bench's raw agents)."""
         try:
             self._reg = self._agent.register_memory(tensor, backends=list(self.cfg.backends))
+        except Exception as e:
+            raise NixlUnavailableError(f"cannot register the KV pool with NIXL: {e}") from None
+
+    def register_region(self, addr: int, nbytes: int, mem_type: str, device_id: int) -> None:
+        """Register ``nbytes`` at ``addr`` (``DRAM`` or ``VRAM`` of ``device_id``): the pool."""
+        try:
+            self._reg = self._agent.register_memory(
+                [(addr, nbytes, device_id, "")], mem_type, backends=list(self.cfg.backends)
+            )
         except Exception as e:
             raise NixlUnavailableError(f"cannot register the KV pool with NIXL: {e}") from None
 

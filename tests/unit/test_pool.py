@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -304,21 +305,28 @@ def pool() -> KvPool:
     return KvPool(PoolConfig(num_blocks=32, layers=2, block_bytes=256, dtype="uint8"))
 
 
+def host(pool: KvPool) -> np.ndarray:
+    assert pool.host is not None
+    return pool.host
+
+
 def test_kvpool_cpu_geometry(pool: KvPool) -> None:
     assert pool.device_kind == "DRAM"
     assert pool.device_id == 0
-    assert pool.tensor.shape == (4, 32, 256)
-    assert pool.tensor.dtype == torch.uint8
-    assert pool.tensor.is_contiguous()
-    assert pool.base_addr == pool.tensor.data_ptr()
+    mem = host(pool)
+    assert mem.shape == (4, 32, 256)
+    assert mem.dtype == np.uint8
+    assert mem.flags.c_contiguous
+    assert pool.base_addr == mem.ctypes.data
+    assert pool.nbytes == 4 * 32 * 256
     assert pool.region_stride == 32 * 256
     bases = pool.region_base_addrs()
-    assert bases == [pool.tensor[r].data_ptr() for r in range(4)]
+    assert bases == [mem[r].ctypes.data for r in range(4)]
     descs = pool.all_block_descs()
     assert descs.shape == (4 * 32, 3)
-    assert descs[2 * 32 + 5].tolist() == [pool.tensor[2, 5].data_ptr(), 256, 0]
+    assert descs[2 * 32 + 5].tolist() == [mem[2, 5].ctypes.data, 256, 0]
     assert pool.allocator.counts()["total"] == 32
-    assert int(pool.tensor.sum()) == 0
+    assert int(mem.sum()) == 0
 
 
 @pytest.mark.parametrize("ids", [[3, 4, 5, 6], [9, 2, 17, 0, 31], [7]])
@@ -328,18 +336,18 @@ def test_fill_verify_roundtrip(pool: KvPool, ids: list[int]) -> None:
     assert pool.verify("req-A", block_ids)
     assert pool.verify("req-A", block_ids[:0])  # nothing to check
     # the bytes are the pattern, block j of the request at position ids[j]
-    want = write_expected(torch.empty(4, len(ids), 256, dtype=torch.uint8), "req-A")
-    assert torch.equal(pool.tensor[:, block_ids], want)
+    want = write_expected(np.empty((4, len(ids), 256), dtype=np.uint8), "req-A")
+    assert np.array_equal(host(pool)[:, block_ids], want)
     others = np.setdiff1d(np.arange(32), block_ids)
-    assert int(pool.tensor[:, others].sum()) == 0  # nothing else written
+    assert int(host(pool)[:, others].sum()) == 0  # nothing else written
 
 
 def test_verify_fails_on_one_changed_byte(pool: KvPool) -> None:
     ids = np.array([4, 11, 12], dtype=np.int64)
     pool.fill("t", ids)
-    pool.tensor[3, 12, 200] ^= 1
+    host(pool)[3, 12, 200] ^= 1
     assert not pool.verify("t", ids)
-    pool.tensor[3, 12, 200] ^= 1
+    host(pool)[3, 12, 200] ^= 1
     assert pool.verify("t", ids)
 
 
@@ -362,7 +370,7 @@ def test_verify_fails_on_other_transfer_or_shifted_j(pool: KvPool) -> None:
 def test_verify_fails_on_wrong_region(pool: KvPool) -> None:
     ids = np.array([0, 1], dtype=np.int64)
     pool.fill("t", ids)
-    pool.tensor[0, 0] = pool.tensor[1, 0].clone()
+    host(pool)[0, 0] = host(pool)[1, 0].copy()
     assert not pool.verify("t", ids)
 
 
@@ -370,7 +378,7 @@ def test_scrub_poisons_and_fails_stale_blocks(pool: KvPool) -> None:
     ids = np.array([6, 20, 8], dtype=np.int64)
     pool.fill("t", ids)
     pool.scrub(ids[1:2])
-    assert bool((pool.tensor[:, 20] == POISON_BYTE).all())
+    assert bool((host(pool)[:, 20] == POISON_BYTE).all())
     assert not pool.verify("t", ids)
     assert pool.verify("t", ids[:1])
 
@@ -381,7 +389,7 @@ def test_odd_block_size_without_tag() -> None:
     p.fill("x", ids)
     assert p.verify("x", ids)
     p.scrub(ids)
-    assert bool((p.tensor[:, ids] == POISON_BYTE).all())
+    assert bool((host(p)[:, ids] == POISON_BYTE).all())
 
 
 def test_chunking_matches_single_pass(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -391,8 +399,8 @@ def test_chunking_matches_single_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     for ids in (np.arange(3, 20), np.random.default_rng(0).permutation(40)[:17]):
         p.fill("c", ids)
         assert p.verify("c", ids)
-        want = write_expected(torch.empty(2, 17, 64, dtype=torch.uint8), "c")
-        assert torch.equal(p.tensor[:, torch.from_numpy(ids)], want)
+        want = write_expected(np.empty((2, 17, 64), dtype=np.uint8), "c")
+        assert np.array_equal(host(p)[:, ids], want)
         assert not p.verify("d", ids)
 
 
@@ -404,6 +412,7 @@ def test_fill_rejects_out_of_range_ids(pool: KvPool) -> None:
 
 
 def test_cuda_without_cuda_is_a_device_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DeviceError) as info:
         KvPool(PoolConfig(num_blocks=4, layers=1, block_bytes=64, device="cuda:0"))
@@ -414,6 +423,7 @@ def test_cuda_without_cuda_is_a_device_error(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_cuda_bad_index_names_device_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(DeviceError) as info:
@@ -424,6 +434,7 @@ def test_cuda_bad_index_names_device_count(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_this_host_has_no_cuda() -> None:
+    torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this host has CUDA")
     with pytest.raises(DeviceError, match="no usable CUDA device"):
@@ -431,12 +442,69 @@ def test_this_host_has_no_cuda() -> None:
 
 
 def test_allocation_failure_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_memory(*args: object, **kwargs: object) -> torch.Tensor:
-        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+    def no_memory(*args: object, **kwargs: object) -> np.ndarray:
+        raise MemoryError("Unable to allocate 512. B for an array")
 
-    monkeypatch.setattr(torch, "zeros", no_memory)
+    monkeypatch.setattr(pool_mod.np, "zeros", no_memory)
     cfg = PoolConfig(num_blocks=4, layers=1, block_bytes=64, dtype="uint8")
     with pytest.raises(ConfigError) as info:
         KvPool(cfg)
     assert "512 bytes" in info.value.message
     assert "--num-blocks" in info.value.hint
+
+
+def test_an_endpoint_on_host_memory_never_imports_torch() -> None:
+    """NIXL's meta package and the pool used to import torch on every endpoint (1-6 s of each
+    start here): a fresh interpreter that makes a pool and a NIXL agent has no torch."""
+    code = (
+        "import sys\n"
+        "import numpy as np\n"
+        "from kvpush.config import AgentConfig, PoolConfig\n"
+        "from kvpush.memory.pool import KvPool\n"
+        "from kvpush.transport.nixl import NixlAgent\n"
+        "p = KvPool(PoolConfig(num_blocks=4, layers=1, block_bytes=64))\n"
+        "a = NixlAgent('no-torch', AgentConfig())\n"
+        "a.register_region(p.base_addr, p.nbytes, p.device_kind, p.device_id)\n"
+        "p.fill('t', np.arange(4))\n"
+        "assert p.verify('t', np.arange(4))\n"
+        "a.close()\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout + out.stderr
+
+
+class _StagedPool(KvPool):
+    """The GPU path (``kvpush.memory.vram``: blocks staged through host buffers) run on a
+    CPU torch tensor, so that its logic is tested on a host without a GPU."""
+
+    def __init__(self, cfg: PoolConfig) -> None:
+        from kvpush.memory import vram
+
+        super().__init__(cfg)
+        self.memory = vram.DeviceMemory((cfg.regions, cfg.num_blocks, cfg.block_bytes), "cpu", "x")
+        self.host = None
+
+
+@pytest.mark.parametrize("block_bytes", [256, 12])
+def test_the_gpu_path_fills_verifies_scrubs_and_digests_like_host_memory(block_bytes: int) -> None:
+    pytest.importorskip("torch")
+    cfg = PoolConfig(num_blocks=16, layers=2, block_bytes=block_bytes, dtype="uint8")
+    staged, plain = _StagedPool(cfg), KvPool(cfg)
+    for ids in (np.arange(2, 7), np.array([9, 1, 14, 3])):
+        for p in (staged, plain):
+            p.fill("g", ids)
+            assert p.verify("g", ids)
+            assert not p.verify("h", ids)
+        assert staged.digest(ids) == plain.digest(ids)
+        assert np.array_equal(staged.region_rows(1, ids), plain.region_rows(1, ids))
+        assert np.array_equal(staged.page(3, int(ids[1])), plain.page(3, int(ids[1])))
+    tensor = staged.as_tensor().numpy()
+    assert np.array_equal(tensor, host(plain))
+    staged.scrub(np.array([3]))
+    assert bool((staged.as_tensor().numpy()[:, 3] == POISON_BYTE).all())
+    assert not staged.verify("g", np.array([9, 1, 14, 3]))
+    if block_bytes >= 16:
+        assert "position 3" in staged.explain("g", np.array([9, 1, 14, 3]))

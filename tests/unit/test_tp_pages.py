@@ -24,6 +24,12 @@ def _pairs(pairs: list[tuple[int, int]]) -> list[Any]:
     return [pytest.param(p, d, id=f"P{p}-D{d}") for p, d in pairs]
 
 
+def mem(pool: KvPool) -> np.ndarray:
+    """The pool's bytes (host memory)."""
+    assert pool.host is not None
+    return pool.host
+
+
 def _pool(kv_heads: int, tp: int) -> dict[str, Any]:
     page = HEAD * (1 if kv_heads == 1 else kv_heads // tp)
     layout = "MLA" if kv_heads == 1 else "NHD"
@@ -40,7 +46,7 @@ def test_wrong_ranks_share_fails_and_explain_names_rank_region_head() -> None:
     r0, r1 = KvPool(SHARDED, rank=0), KvPool(SHARDED, rank=1)
     ids = [5, 2, 7]
     r0.fill("t", np.array(ids))
-    r1.tensor[:, ids] = r0.tensor[:, ids]  # rank 0's heads (0, 1) land on D rank 1
+    mem(r1)[:, ids] = mem(r0)[:, ids]  # rank 0's heads (0, 1) land on D rank 1
     assert r0.verify("t", np.array(ids))
     assert not r1.verify("t", np.array(ids))
     assert r1.explain("t", np.array(ids)) == (
@@ -52,8 +58,8 @@ def test_head_swapped_inside_a_block_is_named() -> None:
     pool = KvPool(SHARDED, rank=1)
     ids = np.array([3, 6, 1])
     pool.fill("t", ids)
-    page = pool.tensor[1, 6].view(2, HEAD)  # region 1, position 1: heads 2 and 3
-    page[[0, 1]] = page[[1, 0]].clone()
+    page = mem(pool)[1, 6].reshape(2, HEAD)  # region 1, position 1: heads 2 and 3
+    page[[0, 1]] = page[[1, 0]].copy()
     assert not pool.verify("t", ids)
     assert pool.verify("t", ids[:1])
     assert pool.explain("t", ids) == (
@@ -65,7 +71,7 @@ def test_replicated_latent_is_the_same_page_on_every_rank() -> None:
     cfg = PoolConfig(num_blocks=4, layers=1, block_bytes=HEAD, kv_layout="MLA", tp_size=4)
     r0, r3 = KvPool(cfg, rank=0), KvPool(cfg, rank=3)
     r0.fill("t", np.array([0, 1]))
-    r3.tensor[:, [2, 3]] = r0.tensor[:, [0, 1]]
+    mem(r3)[:, [2, 3]] = mem(r0)[:, [0, 1]]
     assert r3.verify("t", np.array([2, 3]))
     assert r3.explain("t", np.array([3, 2])) == (
         "rank 3, region 0, block 3 (position 0), head 0: holds region 0, head 0, position 1 instead"
@@ -90,8 +96,8 @@ def _compose(p_tp: int, d_tp: int, kv_heads: int, swap: bool = False) -> list[Kv
             sl = write_slice(
                 pr, dr, p_tp, d_tp, p_cfg.block_bytes, d_cfg.block_bytes, p_cfg.replicated
             )
-            chunk = src.tensor[:, p_ids, sl.local_offset : sl.local_offset + sl.length]
-            ds[dr].tensor[:, d_ids, sl.remote_offset : sl.remote_offset + sl.length] = chunk
+            chunk = mem(src)[:, p_ids, sl.local_offset : sl.local_offset + sl.length]
+            mem(ds[dr])[:, d_ids, sl.remote_offset : sl.remote_offset + sl.length] = chunk
             writes[dr] += 1
     assert writes == [len(sources(dr, d_tp, p_tp)) for dr in range(d_tp)]
     return ds

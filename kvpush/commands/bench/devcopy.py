@@ -35,7 +35,7 @@ def device_copy_pairs(
     """``n`` requests' bytes copied with torch, cycling through ``pairs`` (see the module)."""
     import torch
 
-    src = state.endpoint.pool.tensor
+    src = state.endpoint.pool.as_tensor()
     dst = getattr(state, "copy_dst", None)
     if dst is None or dst.shape != src.shape or dst.device != src.device:
         dst = torch.zeros_like(src)

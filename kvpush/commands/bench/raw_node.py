@@ -198,7 +198,7 @@ def raw_pool_node(state: Any, poll: str = "spin", paused: bool = True) -> dict[s
     same memory), its poller ``paused`` until ``raw_poll(on=True)``."""
     if state.raw is not None:
         state.raw.close()
-    t = state.endpoint.pool.tensor
+    t = state.endpoint.pool.as_tensor()
     regions, num_blocks, block_bytes = (int(x) for x in t.shape)
     node = RawNode(regions, num_blocks, block_bytes, False, poll, tensor=t, paused=paused)
     state.raw = node
