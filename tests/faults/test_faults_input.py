@@ -23,6 +23,7 @@ from tests.support.fault_legs import Result, run_legs
 from tests.support.forger import Forger
 from tests.support.invariants import check_results, fresh_batch, settle
 from tests.support.junk import junk_frames
+from tests.support.procs import Proc
 from tests.support.procstats import ProcStats
 from tests.support.side import counters, failures
 from tests.support.waits import wait_for
@@ -71,6 +72,68 @@ def _flood_side_channel(address: str, n: int, seed: int) -> int:
     return got
 
 
+def _flood_round(
+    forger: Forger, addresses: tuple[str, str], replies: dict[str, int], sent: dict[str, int]
+) -> None:
+    """One round of junk on both carriers of each endpoint: side-channel floods (one thread
+    each) while ``forger`` sends junk notifications; the counts add to ``replies``/``sent``."""
+    floods = [
+        threading.Thread(
+            target=lambda a=a, k=k: replies.__setitem__(
+                a, replies.get(a, 0) + _flood_side_channel(a, PER_ROUND, k)
+            )
+        )
+        for k, a in enumerate(addresses)
+    ]
+    for f in floods:
+        f.start()
+    for k, a in enumerate(addresses):
+        sent[a] = sent.get(a, 0) + forger.junk(a, PER_ROUND, seed=k)
+    for f in floods:
+        f.join(120)
+
+
+def _ping_burst(forger: Forger, p: Proc, threads_before: int) -> None:
+    """Pings ask the endpoint to handshake back to an address the sender chooses: a burst
+    naming 1000 addresses must not start 1000 threads."""
+    pings = [
+        {"type": "Ping", "seq": i, "reply_host": "127.0.0.1", "reply_port": 1 + i}
+        for i in range(1000)
+    ]
+    forger.send(p.address, pings)
+    peak = 0
+    for _ in range(20):
+        peak = max(peak, ProcStats.of(p.popen.pid).threads)
+        time.sleep(0.05)
+    assert peak < threads_before + 300, peak
+    wait_for(
+        lambda: ProcStats.of(p.popen.pid).threads < threads_before + 8,
+        20,
+        "P's handshake threads to finish",
+    )
+    # Every Ping named a closed port: its handshake was refused for overload or failed at
+    # once with "connection refused" (issue 17: no longer after the side-channel timeout, so
+    # fewer pile up to the overload limit).
+    tried = failures(p.address).get("handshake_overload", 0) + counters(p.address).get(
+        "handshakes_failed", 0
+    )
+    assert tried >= 900, tried
+
+
+def _assert_rejected(a: str, replies: int, sent: int) -> None:
+    """What the endpoint at ``a`` counted as rejected after the flood."""
+    fails = failures(a)
+    rejected = sum(fails.get(k, 0) for k in ("malformed_frame", "oversized_frame", "bad_value"))
+    # Every junk request was answered with an error (a few are valid vLLM requests).
+    n = ROUNDS * PER_ROUND
+    assert replies >= n * 0.97 and rejected >= n * 0.83, (a, replies, fails)
+    # Ten of the fifteen junk notification kinds are malformed or oversized; the rest are
+    # well-formed nonsense (unknown ids), ignored and counted by kind.
+    bad_notifs = sum(fails.get(k, 0) for k in ("malformed_notif", "auth_rejected"))
+    assert bad_notifs >= sent * 0.6, (a, sent, fails)
+    print(a, "rejected:", fails)
+
+
 @pytest.mark.slow  # ~20 s: in `make test-slow` (CI), keeps `make test` under 10 minutes
 def test_junk_flood_on_side_channel_and_notifications(tmp_path: Path) -> None:
     with cluster_ctx(tmp_path) as c:
@@ -105,45 +168,9 @@ def test_junk_flood_on_side_channel_and_notifications(tmp_path: Path) -> None:
             # high-water mark (allocator arenas, ZMQ and UCX buffers), at a round that varies
             # from run to run; a leak would grow it every round.
             for rnd in range(ROUNDS):
-                floods = [
-                    threading.Thread(
-                        target=lambda a=a, k=k: replies.__setitem__(
-                            a, replies.get(a, 0) + _flood_side_channel(a, PER_ROUND, k)
-                        )
-                    )
-                    for k, a in enumerate((p.address, d.address))
-                ]
-                for f in floods:
-                    f.start()
-                for k, a in enumerate((p.address, d.address)):
-                    sent[a] = sent.get(a, 0) + forger.junk(a, PER_ROUND, seed=k)
-                for f in floods:
-                    f.join(120)
+                _flood_round(forger, (p.address, d.address), replies, sent)
                 if rnd == 0:
-                    # Pings ask the endpoint to handshake back to an address the sender
-                    # chooses: a burst naming 1000 addresses must not start 1000 threads.
-                    pings = [
-                        {"type": "Ping", "seq": i, "reply_host": "127.0.0.1", "reply_port": 1 + i}
-                        for i in range(1000)
-                    ]
-                    forger.send(p.address, pings)
-                    peak = 0
-                    for _ in range(20):
-                        peak = max(peak, ProcStats.of(p.popen.pid).threads)
-                        time.sleep(0.05)
-                    assert peak < before[p.address].threads + 300, peak
-                    wait_for(
-                        lambda: ProcStats.of(p.popen.pid).threads < before[p.address].threads + 8,
-                        20,
-                        "P's handshake threads to finish",
-                    )
-                    # Every Ping named a closed port: its handshake was refused for overload
-                    # or failed at once with "connection refused" (issue 17: no longer after
-                    # the side-channel timeout, so fewer pile up to the overload limit).
-                    tried = failures(p.address).get("handshake_overload", 0) + counters(
-                        p.address
-                    ).get("handshakes_failed", 0)
-                    assert tried >= 900, tried
+                    _ping_burst(forger, p, before[p.address].threads)
                 for proc in (p, d):
                     rss[proc.address].append(ProcStats.of(proc.popen.pid).rss_mb)
         finally:
@@ -153,18 +180,7 @@ def test_junk_flood_on_side_channel_and_notifications(tmp_path: Path) -> None:
 
         assert check_results(flow)["ok"] == len(flow) > 0, "requests failed during the flood"
         for a in (p.address, d.address):
-            fails = failures(a)
-            rejected = sum(
-                fails.get(k, 0) for k in ("malformed_frame", "oversized_frame", "bad_value")
-            )
-            # Every junk request was answered with an error (a few are valid vLLM requests).
-            n = ROUNDS * PER_ROUND
-            assert replies[a] >= n * 0.97 and rejected >= n * 0.83, (a, replies[a], fails)
-            # Ten of the fifteen junk notification kinds are malformed or oversized; the rest
-            # are well-formed nonsense (unknown ids), ignored and counted by kind.
-            bad_notifs = sum(fails.get(k, 0) for k in ("malformed_notif", "auth_rejected"))
-            assert bad_notifs >= sent[a] * 0.6, (a, sent[a], fails)
-            print(a, "rejected:", fails)
+            _assert_rejected(a, replies[a], sent[a])
         fresh_batch(p.address, [d.address], n=16, prefix="after")
         for a in (p.address, d.address):
             settle(a, quarantine_clears=True)

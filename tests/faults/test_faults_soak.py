@@ -20,13 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cluster import cluster_ctx
+from tests.support.cluster import Cluster, cluster_ctx
 from tests.support.fault_legs import Result, run_leg
 from tests.support.forger import Forger
 from tests.support.invariants import check_results, fresh_batch, settle
 from tests.support.junk import junk_frames
 from tests.support.marks import skip_unless_marker_selected
 from tests.support.ports import free_port
+from tests.support.procs import Proc
 from tests.support.procstats import ProcStats
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -52,6 +53,56 @@ def _junk_burst(address: str, seed: int) -> None:
         pass
     finally:
         s.close(0)
+
+
+def _inject(
+    c: Cluster,
+    rng: random.Random,
+    forger: Forger,
+    p: Proc,
+    junk_targets: list[str],
+    ports: dict[str, int],
+) -> tuple[str, Proc]:
+    """One fault picked at random; returns its kind and P (a new one after ``kill_p``)."""
+    kind = rng.choice(["kill_d", "kill_d", "freeze_d", "freeze_d", "kill_p", "junk", "forge"])
+    name = f"d{rng.randrange(3)}"
+    if kind == "kill_d":
+        c.kill(name)
+        time.sleep(rng.uniform(0.1, 1.0))
+        c.restart(name)
+    elif kind == "freeze_d":
+        c.freeze(name)
+        time.sleep(rng.uniform(0.5, 3.0))
+        c.thaw(name)
+    elif kind == "kill_p":
+        c.kill("p")
+        time.sleep(rng.uniform(0.1, 1.0))
+        p = c.restart("p")
+    elif kind == "junk":
+        _junk_burst(rng.choice(junk_targets), rng.randrange(1000))
+    else:
+        _forge(forger, p.address, f"soak-0-{rng.randrange(1, 50)}", ports[name], ports["p"])
+    return kind, p
+
+
+def _forge(forger: Forger, p_address: str, transfer_id: str, d_port: int, p_port: int) -> None:
+    """A forged PushReg to P from a third process, naming a live transfer's id."""
+    forger.connect(p_address)
+    forger.send(
+        p_address,
+        {
+            "type": "PushReg",
+            "request_id": "soak-forged",
+            "transfer_id": transfer_id,
+            "decode_engine_id": "x",
+            "decode_host": "127.0.0.1",
+            "decode_port": d_port,
+            "local_block_ids": [[0]],
+            "remote_engine_id": "p-soak",
+            "remote_host": "127.0.0.1",
+            "remote_port": p_port,
+        },
+    )
 
 
 def test_soak_with_random_faults(tmp_path: Path) -> None:
@@ -97,42 +148,8 @@ def test_soak_with_random_faults(tmp_path: Path) -> None:
             end = time.monotonic() + SOAK_S
             while time.monotonic() < end:
                 time.sleep(rng.uniform(1.0, 3.0))
-                kind = rng.choice(
-                    ["kill_d", "kill_d", "freeze_d", "freeze_d", "kill_p", "junk", "forge"]
-                )
+                kind, p = _inject(c, rng, forger, p, [p.address, *d_addrs], ports)
                 faults[kind] += 1
-                name = f"d{rng.randrange(3)}"
-                if kind == "kill_d":
-                    c.kill(name)
-                    time.sleep(rng.uniform(0.1, 1.0))
-                    c.restart(name)
-                elif kind == "freeze_d":
-                    c.freeze(name)
-                    time.sleep(rng.uniform(0.5, 3.0))
-                    c.thaw(name)
-                elif kind == "kill_p":
-                    c.kill("p")
-                    time.sleep(rng.uniform(0.1, 1.0))
-                    p = c.restart("p")
-                elif kind == "junk":
-                    _junk_burst(rng.choice([p.address, *d_addrs]), rng.randrange(1000))
-                else:
-                    forger.connect(p.address)
-                    forger.send(
-                        p.address,
-                        {
-                            "type": "PushReg",
-                            "request_id": "soak-forged",
-                            "transfer_id": f"soak-0-{rng.randrange(1, 50)}",
-                            "decode_engine_id": "x",
-                            "decode_host": "127.0.0.1",
-                            "decode_port": ports[name],
-                            "local_block_ids": [[0]],
-                            "remote_engine_id": "p-soak",
-                            "remote_host": "127.0.0.1",
-                            "remote_port": ports["p"],
-                        },
-                    )
         finally:
             stop.set()
             forger.close()

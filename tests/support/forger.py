@@ -100,40 +100,100 @@ class Forger:
         self._lf.close()
 
 
-def _forger_main() -> int:  # pragma: no cover - runs in the forger process
-    from kvpush.config import AgentConfig
-    from kvpush.transport.client import SideChannelClient
-    from kvpush.transport.nixl import NixlAgent
-    from kvpush.wire import protocol
-    from kvpush.wire.auth import Authenticator
-    from kvpush.wire.notifs import NotifCodec
+class _Forging:  # pragma: no cover - runs in the forger process
+    """The forger process's side: its NIXL agent, the peers it loaded, one method per op."""
 
-    agent = NixlAgent(f"forger-{uuid.uuid4().hex[:8]}", AgentConfig())
-    peers: dict[str, str] = {}  # address -> agent name
+    def __init__(self) -> None:
+        from kvpush.config import AgentConfig
+        from kvpush.transport.nixl import NixlAgent
+        from kvpush.wire import protocol
+
+        self.agent = NixlAgent(f"forger-{uuid.uuid4().hex[:8]}", AgentConfig())
+        self.peers: dict[str, str] = {}  # address -> agent name
+        self.types = {
+            "PushReg": protocol.PushReg,
+            "Completion": protocol.Completion,
+            "Failure": protocol.Failure,
+            "Fence": protocol.Fence,
+            "Cancel": protocol.Cancel,
+            "Heartbeat": protocol.Heartbeat,
+            "Ping": protocol.Ping,
+        }
+
+    def progress(self, seconds: float) -> int:
+        n = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            n += sum(len(v) for v in self.agent.get_notifs().values())
+            time.sleep(0.001)
+        return n
+
+    def connect(self, c: dict[str, Any]) -> dict[str, Any]:
+        from kvpush.transport.client import SideChannelClient
+        from kvpush.wire import protocol
+        from kvpush.wire.auth import Authenticator
+
+        host, port = c["address"].rsplit(":", 1)
+        tok = c.get("token")
+        auth = Authenticator(tok.encode() if tok else None)
+        with SideChannelClient(host, int(port), auth=auth, timeout_s=5) as cl:
+            rep = cl.request(protocol.HandshakeReq(mode=c.get("mode", "notif")))
+        assert isinstance(rep, protocol.HandshakeRep), rep
+        md = protocol.decode_metadata(rep.metadata)
+        name = self.agent.add_remote(rep.agent_metadata)
+        self.agent.make_connection(name)
+        self.peers[c["address"]] = name
+        self.progress(0.05)
+        return {
+            "ok": True,
+            "agent_name": name,
+            "engine_id": md.engine_id,
+            "incarnation": md.incarnation,
+            "num_blocks": md.num_blocks,
+        }
+
+    def send(self, c: dict[str, Any]) -> dict[str, Any]:
+        from kvpush.wire.auth import Authenticator
+        from kvpush.wire.notifs import NotifCodec
+
+        tok = c.get("token")
+        codec = NotifCodec(Authenticator(tok.encode() if tok else None))
+        for m in c.get("msgs") or [c["msg"]]:
+            msg = dict(m)
+            cls = self.types[msg.pop("type")]
+            data = codec.encode(cls(**msg))
+            for _ in range(int(c.get("repeat", 1))):
+                self.agent.send_notif(self.peers[c["to"]], data)
+            self.progress(0.0)
+        self.progress(0.05)
+        return {"ok": True}
+
+    def junk(self, c: dict[str, Any]) -> dict[str, Any]:
+        sent = 0
+        for data in junk_notifs(int(c.get("seed", 0)), int(c["count"])):
+            self.agent.send_notif(self.peers[c["to"]], data)
+            sent += 1
+            if sent % 64 == 0:
+                self.progress(0.0)
+        self.progress(1.0)  # let UCX flush: sends still queued here die with this process
+        return {"ok": True, "sent": sent}
+
+    def close(self) -> None:
+        for name in self.peers.values():
+            self.agent.remove_remote(name)
+        self.agent.close()
+
+
+def _forger_main() -> int:  # pragma: no cover - runs in the forger process
+    forging = _Forging()
+    ops = {"connect": forging.connect, "send": forging.send, "junk": forging.junk}
     out = sys.stdout
 
     def answer(obj: dict[str, Any]) -> None:
         out.write(json.dumps(obj) + "\n")
         out.flush()
 
-    def progress(seconds: float) -> int:
-        n = 0
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            n += sum(len(v) for v in agent.get_notifs().values())
-            time.sleep(0.001)
-        return n
-
-    types = {
-        "PushReg": protocol.PushReg,
-        "Completion": protocol.Completion,
-        "Failure": protocol.Failure,
-        "Fence": protocol.Fence,
-        "Cancel": protocol.Cancel,
-        "Heartbeat": protocol.Heartbeat,
-        "Ping": protocol.Ping,
-    }
-    answer({"ready": True, "agent": agent.name})
+    answer({"ready": True, "agent": forging.agent.name})
     for line in sys.stdin:
         c = json.loads(line)
         op = c.get("op")
@@ -141,55 +201,13 @@ def _forger_main() -> int:  # pragma: no cover - runs in the forger process
             if op == "quit":
                 answer({"ok": True})
                 break
-            if op == "connect":
-                host, port = c["address"].rsplit(":", 1)
-                tok = c.get("token")
-                auth = Authenticator(tok.encode() if tok else None)
-                with SideChannelClient(host, int(port), auth=auth, timeout_s=5) as cl:
-                    rep = cl.request(protocol.HandshakeReq(mode=c.get("mode", "notif")))
-                assert isinstance(rep, protocol.HandshakeRep), rep
-                md = protocol.decode_metadata(rep.metadata)
-                name = agent.add_remote(rep.agent_metadata)
-                agent.make_connection(name)
-                peers[c["address"]] = name
-                progress(0.05)
-                answer(
-                    {
-                        "ok": True,
-                        "agent_name": name,
-                        "engine_id": md.engine_id,
-                        "incarnation": md.incarnation,
-                        "num_blocks": md.num_blocks,
-                    }
-                )
-            elif op == "send":
-                tok = c.get("token")
-                codec = NotifCodec(Authenticator(tok.encode() if tok else None))
-                for m in c.get("msgs") or [c["msg"]]:
-                    msg = dict(m)
-                    cls = types[msg.pop("type")]
-                    data = codec.encode(cls(**msg))
-                    for _ in range(int(c.get("repeat", 1))):
-                        agent.send_notif(peers[c["to"]], data)
-                    progress(0.0)
-                progress(0.05)
-                answer({"ok": True})
-            elif op == "junk":
-                sent = 0
-                for data in junk_notifs(int(c.get("seed", 0)), int(c["count"])):
-                    agent.send_notif(peers[c["to"]], data)
-                    sent += 1
-                    if sent % 64 == 0:
-                        progress(0.0)
-                progress(1.0)  # let UCX flush: sends still queued here die with this process
-                answer({"ok": True, "sent": sent})
+            if op in ops:
+                answer(ops[op](c))
             else:
                 answer({"error": f"unknown op {op!r}"})
         except Exception as e:
             answer({"error": f"{type(e).__name__}: {e}"})
-    for name in peers.values():
-        agent.remove_remote(name)
-    agent.close()
+    forging.close()
     return 0
 
 

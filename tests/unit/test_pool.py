@@ -445,7 +445,7 @@ def test_allocation_failure_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -
     def no_memory(*args: object, **kwargs: object) -> np.ndarray:
         raise MemoryError("Unable to allocate 512. B for an array")
 
-    monkeypatch.setattr(pool_mod.np, "zeros", no_memory)
+    monkeypatch.setattr(np, "zeros", no_memory)
     cfg = PoolConfig(num_blocks=4, layers=1, block_bytes=64, dtype="uint8")
     with pytest.raises(ConfigError) as info:
         KvPool(cfg)

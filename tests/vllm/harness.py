@@ -277,6 +277,11 @@ class VllmPeer:
         age = time.time() - float(st.get("time", 0))
         if age > STATUS_STALE_S:
             return f"status not refreshed for {age:.0f}s (engine loop stuck)"
+        return self._why_follower_not_alive()
+
+    def _why_follower_not_alive(self) -> str | None:
+        """None when every follower rank (TP > 1) runs with a live writer thread and no engine
+        error; otherwise what is wrong with the first that does not."""
         for rank, f in enumerate(self.followers, start=1):
             rst = read_json(self.workdir / f"rank{rank}" / "status.json")
             if isinstance(rst, dict) and rst.get("engine_error"):

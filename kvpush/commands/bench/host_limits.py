@@ -177,7 +177,7 @@ def memcpy_loop(
     return {"n": n, "bytes": n * nbytes, "elapsed_s": elapsed, "gbps": n * nbytes / elapsed / 1e9}
 
 
-COMMANDS: dict[str, Callable[..., Any]] = {
+COMMANDS: dict[str, Callable[..., object]] = {
     "pvw_loop": pvw_loop,
     "memcpy_loop": memcpy_loop,
     "pvw_pairs": pvw_pairs,

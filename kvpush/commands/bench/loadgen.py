@@ -33,7 +33,7 @@ from typing import Any
 from kvpush.commands.bench.probes import process_cpu_s, threads_cpu_s
 
 
-def start_endpoint(state: Any, config: dict[str, Any]) -> dict[str, Any]:
+def start_endpoint(state: Any, config: dict[str, object]) -> dict[str, object]:
     """Start one endpoint from an ``EndpointConfig`` JSON map."""
     from kvpush.commands.common.node import build
     from kvpush.endpoint import freeze_startup_heap, open_endpoint
@@ -75,7 +75,7 @@ class _Recorder:
         self._lock = threading.Lock()
         self.done = threading.Semaphore(0)
 
-    def callback(self, i: int, release: threading.Semaphore | None = None) -> Any:
+    def callback(self, i: int, release: threading.Semaphore | None = None) -> object:
         def cb(f: Future[Any]) -> None:
             t = time.time()
             try:
@@ -106,7 +106,7 @@ class _Recorder:
             got += 1
         return got
 
-    def result(self, t0: float, completed: int) -> dict[str, Any]:
+    def result(self, t0: float, completed: int) -> dict[str, object]:
         return {
             "t_call": [round(t - t0, 6) for t in self.t_call],
             "t_done": [round(t - t0, 6) if t else None for t in self.t_done],
@@ -131,7 +131,7 @@ def steady_decode(
     blocks: int,
     deadline_s: float = 0.0,
     wait_s: float = 60.0,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Open loop: decode ``{prefix}{i}`` at wall time ``t0 + i / rate`` for ``duration`` s."""
     ep = state.endpoint
     n = max(1, int(duration * rate))
@@ -158,7 +158,7 @@ def decode_at(
     blocks: int,
     deadline_s: float = 0.0,
     wait_s: float = 60.0,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """One decode at wall time ``t_wall`` (a peer joining)."""
     ep = state.endpoint
     rec = _Recorder(1)
@@ -178,7 +178,7 @@ def decode_many(
     inflight: int,
     deadline_s: float = 0.0,
     wait_s: float = 120.0,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Closed loop: ``n`` decodes with at most ``inflight`` outstanding; returns timings + CPU."""
     ep = state.endpoint
     rec = _Recorder(n)
@@ -212,7 +212,7 @@ def set_verify(state: Any, verify: bool) -> None:
 
 def steady_prefill(
     state: Any, prefix: str, rate: float, t0: float, duration: float, blocks: int
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Open loop: prefill ``{prefix}{i}`` at wall time ``t0 + i / rate``."""
     ep = state.endpoint
     n = max(1, int(duration * rate))
@@ -243,7 +243,7 @@ def prefill_at(state: Any, transfer_id: str, t_wall: float, blocks: int) -> None
     state.endpoint.prefill(transfer_id, blocks)
 
 
-def prefill_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) -> dict[str, Any]:
+def prefill_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) -> dict[str, object]:
     """Prefill ``n`` transfers as fast as the pool allows (waits for free blocks, never fails)."""
     ep = state.endpoint
     alloc = ep.pool.allocator
@@ -258,7 +258,7 @@ def prefill_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) -
     return {"elapsed_s": time.time() - t0, "waits": waited, "cpu_s": process_cpu_s() - cpu0}
 
 
-def finish_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) -> dict[str, Any]:
+def finish_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) -> dict[str, object]:
     """Mark ``n`` transfers' blocks finished *without* writing the pattern, as fast as the pool
     allows: the stand-in for a model that has just computed its KV, for timed parts whose D
     does not verify (content is checked in a separate, verified pass). Costs an allocation and
@@ -282,12 +282,12 @@ def finish_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) ->
     return {"elapsed_s": time.time() - t0, "waits": waited}
 
 
-def wait_idle(state: Any, timeout_s: float = 30.0) -> dict[str, Any]:
+def wait_idle(state: Any, timeout_s: float = 30.0) -> dict[str, object]:
     """Wait until the pool has no allocated/in-flight blocks (all pushes done or failed)."""
     return dict(state.endpoint.wait_idle(timeout_s))
 
 
-COMMANDS: dict[str, Callable[..., Any]] = {
+COMMANDS: dict[str, Callable[..., object]] = {
     "steady_decode": steady_decode,
     "decode_at": decode_at,
     "decode_many": decode_many,

@@ -48,7 +48,7 @@ class RecordingAllocator:
             keys = [k for k in self.recorded if k.startswith(prefix)]
             return {k: self.recorded.pop(k).tolist() for k in keys}
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
 
@@ -133,7 +133,7 @@ def _frag(f: Any) -> dict[str, Any]:
     }
 
 
-COMMANDS: dict[str, Callable[..., Any]] = {
+COMMANDS: dict[str, Callable[..., object]] = {
     "model_pool": model_pool,
     "model_churn": model_churn,
     "model_recorded": model_recorded,

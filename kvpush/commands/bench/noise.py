@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
 
 _TICK_S = 0.005
 STALL_S = 0.02  # a wake-up this late is recorded with its time (see ``stalls_between``)
@@ -93,7 +92,7 @@ class HostMonitor:
             if late > STALL_S:
                 self.stalls.append((time.time(), late))
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self) -> dict[str, object]:
         global _current
         if _current is self:
             _current = None
@@ -103,7 +102,7 @@ class HostMonitor:
         psi1 = _psi_some_us()
         late = sorted(self._late)
         n = len(late)
-        out: dict[str, Any] = {
+        out: dict[str, object] = {
             "samples": n,
             "wakeup_late_p99_ms": round(late[int(n * 0.99)] * 1e3, 2) if n else None,
             "wakeup_late_max_ms": round(late[-1] * 1e3, 1) if n else None,
@@ -126,7 +125,7 @@ class HostMonitor:
         return out
 
 
-def describe(noise: dict[str, Any]) -> str:
+def describe(noise: dict[str, object]) -> str:
     """One line for people."""
     parts = []
     if "others_cpu_pct" in noise:

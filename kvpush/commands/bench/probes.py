@@ -144,7 +144,7 @@ def gc_report(state: Any) -> dict[str, Any]:
     return out
 
 
-COMMANDS: dict[str, Callable[..., Any]] = {
+COMMANDS: dict[str, Callable[..., object]] = {
     "stats": stats,
     "handshake_series": handshake_series,
     "cpu": cpu,

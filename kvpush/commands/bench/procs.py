@@ -93,7 +93,7 @@ class Worker:
         if f is not None:
             self._result(f, timeout_s, "start")
 
-    def call_async(self, cmd: str, **args: Any) -> Future[Any]:
+    def call_async(self, cmd: str, **args: object) -> Future[Any]:
         mid = next(self._ids)
         fut: Future[Any] = Future()
         with self._lock:
@@ -115,7 +115,7 @@ class Worker:
             fut.set_exception(BenchError(f"worker {self.name}: cannot send {cmd}: {e}"))
         return fut
 
-    def call(self, cmd: str, call_timeout: float = 120.0, **args: Any) -> Any:
+    def call(self, cmd: str, call_timeout: float = 120.0, **args: object) -> Any:
         return self._result(self.call_async(cmd, **args), call_timeout, cmd)
 
     def _result(self, fut: Future[Any], timeout_s: float, what: str) -> Any:

@@ -208,7 +208,7 @@ def raw_pairs_loop(
     }
 
 
-COMMANDS: dict[str, Callable[..., Any]] = {
+COMMANDS: dict[str, Callable[..., object]] = {
     "raw_write_loop": raw_write_loop,
     "raw_pairs_loop": raw_pairs_loop,
 }

@@ -102,7 +102,7 @@ class Report:
         }
 
 
-def _clean(x: Any) -> Any:
+def _clean(x: object) -> object:
     """NaN/inf -> None, tuples -> lists, recursively (strict JSON)."""
     if isinstance(x, float):
         return finite(x)

@@ -53,7 +53,7 @@ class WorkerState:
         self.stopping = threading.Event()
 
 
-def _commands(state: WorkerState) -> dict[str, Callable[..., Any]]:
+def _commands(state: WorkerState) -> dict[str, Callable[..., object]]:
     from kvpush.commands.bench import devcopy, host_limits, loadgen, modelgen, probes, raw, raw_node
 
     return {
@@ -70,7 +70,7 @@ def _commands(state: WorkerState) -> dict[str, Callable[..., Any]]:
     }
 
 
-def _bind(fn: Callable[..., Any], state: WorkerState) -> Callable[..., Any]:
+def _bind(fn: Callable[..., object], state: WorkerState) -> Callable[..., object]:
     return lambda **a: fn(state, **a)
 
 
@@ -84,7 +84,7 @@ def _stop(state: WorkerState) -> None:
         state.raw = None
 
 
-def _run_one(cmds: dict[str, Callable[..., Any]], msg: dict[str, Any]) -> None:
+def _run_one(cmds: dict[str, Callable[..., object]], msg: dict[str, Any]) -> None:
     mid = msg.get("id")
     try:
         fn = cmds[msg["cmd"]]

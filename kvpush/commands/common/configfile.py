@@ -34,7 +34,7 @@ PATH_KEYS = frozenset({"registry_ca", "registry_cert", "registry_key"})
 SECTIONS: dict[str, str] = {Role.PREFILL: "serve-prefill", Role.DECODE: "serve-decode"}
 
 
-def toml_load(path: str) -> dict[str, Any]:
+def toml_load(path: str) -> dict[str, object]:
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -79,13 +79,13 @@ def command_keys(ctx: typer.Context) -> dict[str, set[str]]:
 
 
 def config_values(
-    data: Mapping[str, Any],
+    data: Mapping[str, object],
     path: str,
     command: str,
     own: set[str],
     known: set[str],
     section_keys: Mapping[str, set[str]] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Flatten a parsed file into ``{param_name: value}`` for ``command``.
 
     Top-level keys apply to every command that has the option (``own``: this command's);
@@ -102,7 +102,7 @@ def config_values(
                 items.extend(value.items())
             continue
         items.append((key, value))
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for raw_key, value in items:
         key = raw_key.replace("-", "_")
         _check_key(key, raw_key, path, known)
@@ -113,7 +113,7 @@ def config_values(
 
 def _check_section(
     table: str,
-    keys: Mapping[str, Any],
+    keys: Mapping[str, object],
     path: str,
     known: set[str],
     section_keys: Mapping[str, set[str]] | None,
@@ -135,7 +135,7 @@ def _check_section(
             )
 
 
-def _value(key: str, value: Any, base: Path) -> Any:
+def _value(key: str, value: object, base: Path) -> object:
     """A list as comma-separated text; a relative path relative to the file."""
     if isinstance(value, list):
         value = ",".join(str(v) for v in value)
@@ -155,7 +155,7 @@ def _check_key(key: str, raw_key: str, path: str, known: set[str]) -> None:
         )
 
 
-def config_callback(ctx: typer.Context, param: Any, value: str | None) -> str | None:
+def config_callback(ctx: typer.Context, param: object, value: str | None) -> str | None:
     """Eager callback of ``--config``: load the file into ``ctx.default_map``."""
     if not value or ctx.resilient_parsing:
         return value

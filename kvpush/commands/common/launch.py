@@ -27,7 +27,6 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[3]
 """The checkout (or installation) this kvpush runs from."""
@@ -158,7 +157,7 @@ def wait_ready_file(
     timeout_s: float,
     failed: Callable[[str], Exception],
     cancelled: Callable[[], None] = lambda: None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Poll until ``proc`` has written its JSON ready file and return it. Raises
     ``failed(why)`` if the child exits first or ``timeout_s`` passes (a ``KvpushError`` for the
     operator's tools, an ``AssertionError`` with the log for the tests); ``cancelled`` is called
@@ -167,7 +166,7 @@ def wait_ready_file(
     while True:
         if ready_path.exists():
             try:
-                info: dict[str, Any] = json.loads(ready_path.read_text())
+                info: dict[str, object] = json.loads(ready_path.read_text())
                 return info
             except (OSError, ValueError):
                 pass  # written atomically, but be lenient

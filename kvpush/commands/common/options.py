@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -110,9 +110,9 @@ def help_text(doc: str) -> str:
 
 
 def signature(
-    fn: Callable[..., Any],
+    fn: Callable[..., object],
     entries: Sequence[Entry],
-    extra: Mapping[str, Mapping[str, Any]] | None = None,
+    extra: Mapping[str, Mapping[str, object]] | None = None,
 ) -> inspect.Signature:
     """``fn``'s own parameters (its ``**kwargs`` left out), then the table ``entries`` (``key``
     or ``(key, default)``), in order; ``extra`` adds typer keywords to some entries."""
@@ -131,11 +131,11 @@ def signature(
 def register(
     app: typer.Typer,
     name: str,
-    fn: Callable[..., Any],
+    fn: Callable[..., object],
     doc: str,
     entries: Sequence[Entry] = (),
     *,
-    extra: Mapping[str, Mapping[str, Any]] | None = None,
+    extra: Mapping[str, Mapping[str, object]] | None = None,
 ) -> None:
     """Add ``fn`` as command ``name`` of ``app``, with ``doc`` as its help; ``entries`` of the
     endpoint table reach ``fn`` as keyword arguments (its ``**kwargs``)."""
@@ -143,7 +143,7 @@ def register(
         app.command(name, cls=Command, help=help_text(doc))(fn)
         return
 
-    def command(**params: Any) -> Any:
+    def command(**params: object) -> object:
         return fn(**params)
 
     command.__signature__ = signature(fn, entries, extra)  # type: ignore[attr-defined]

@@ -79,7 +79,7 @@ def option(
     seconds: bool = False,
     env: bool = True,
     **kw: Any,
-) -> Any:
+) -> object:
     """The ``typer.Option`` of a plain typed parameter (``Annotated[int, option(...)] = 5``):
     its ``KVPUSH_<OPTION>`` variable (``KVPUSH_<SCOPE>_<OPTION>`` with a command ``scope``, for
     a flag that means something else to another command) is named in its help; a duration
@@ -110,7 +110,7 @@ class Opt:
     seconds: bool = False  # its value is a duration: it reads SECONDS, not <float>
     kw: Mapping[str, Any] = field(default_factory=dict)
 
-    def info(self, extra: Mapping[str, Any] | None = None) -> Any:
+    def info(self, extra: Mapping[str, Any] | None = None) -> object:
         """The ``typer.Option`` (``extra``: more typer keywords, a command's own callback)."""
         kw = {**self.kw, **(extra or {})}
         if self.metavar is not None:

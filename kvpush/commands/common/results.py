@@ -13,7 +13,6 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvpush.address import format_address, parse_address
 from kvpush.commands.common.stats import percentile
@@ -129,8 +128,8 @@ class DriveReport:
             and self.verified == self.requests
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
+    def to_dict(self) -> dict[str, object]:
+        d: dict[str, object] = {
             "requests": self.requests,
             "ok": self.ok,
             "failed": self.failed,

@@ -20,7 +20,7 @@ class Rows:
     def __init__(self) -> None:
         self.rows: list[tuple[str, Any]] = []
 
-    def add(self, label: str, value: Any) -> None:
+    def add(self, label: str, value: object) -> None:
         self.rows.append((label, value))
 
     def render(self) -> Group:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, TextIO, cast
+from typing import TextIO, cast
 
 
 class PipeSafe:
@@ -49,7 +49,7 @@ class PipeSafe:
     def isatty(self) -> bool:
         return self._stream.isatty()
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self._stream, name)
 
 

@@ -14,7 +14,7 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpush.commands.common import launch
 from kvpush.config import Role
@@ -37,7 +37,7 @@ class Child:
     proc: subprocess.Popen[bytes]
     log_path: Path
     ready_path: Path
-    info: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, object] = field(default_factory=dict)
     returncode: int | None = None
 
     @property

@@ -43,7 +43,10 @@ def demo_summary(r: Any) -> RenderableType:
 
 
 def demo_view(
-    progress: tuple[int, int, int, int], total: int, events: list[str], snap: dict[str, Any] | None
+    progress: tuple[int, int, int, int],
+    total: int,
+    events: list[str],
+    snap: dict[str, object] | None,
 ) -> RenderableType:
     """The demo's live view: a progress bar, the last events and P's telemetry."""
     done, _ok, failed, ndec = progress

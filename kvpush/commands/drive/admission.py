@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
@@ -52,7 +51,7 @@ def contact_why(address: str, err: KvpushError) -> tuple[str, bool]:
     return msg, isinstance(err, PeerUnreachableError)
 
 
-def geometry_key(md: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+def geometry_key(md: dict[str, object]) -> tuple[tuple[str, str], ...]:
     """What two endpoints must share to pair (``preflight.misfit``'s geometry), as a key."""
     return tuple((f, repr(v)) for f, v in protocol.compat_fields_loose(md).items())
 
@@ -65,7 +64,7 @@ class Start:
 
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
-    meta: dict[str, dict[str, Any]] = field(default_factory=dict)
+    meta: dict[str, dict[str, object]] = field(default_factory=dict)
     reference: str = ""
     out: dict[str, tuple[EndpointRecord, str]] = field(default_factory=dict)
     pending: dict[str, tuple[EndpointRecord, str]] = field(default_factory=dict)
@@ -73,7 +72,7 @@ class Start:
 
 def choose(
     records: Iterable[EndpointRecord],
-    found: dict[str, dict[str, Any] | KvpushError],
+    found: dict[str, dict[str, object] | KvpushError],
     blocks: int,
     shape: str = "",
 ) -> Start:
@@ -81,7 +80,26 @@ def choose(
     reference P is the answering P (role, pool and ``shape`` fit) whose geometry most answering
     endpoints share (the first by address among equals); every other endpoint must have it."""
     st = Start()
-    answered: list[tuple[EndpointRecord, dict[str, Any]]] = []
+    answered = _answered(st, records, found)
+    candidates = _candidates(st, answered, blocks, shape)
+    if not candidates:
+        return st
+    shared: dict[tuple[tuple[str, str], ...], int] = {}
+    for _, md in answered:
+        shared[geometry_key(md)] = shared.get(geometry_key(md), 0) + 1
+    ref_rec, ref = max(candidates, key=lambda c: shared[geometry_key(c[1])])
+    st.reference = ref_rec.address
+    _admit(st, candidates, Role.PREFILL, blocks, ref_rec.address, ref)
+    _admit(st, answered, Role.DECODE, blocks, ref_rec.address, ref)
+    return st
+
+
+def _answered(
+    st: Start, records: Iterable[EndpointRecord], found: dict[str, dict[str, object] | KvpushError]
+) -> list[tuple[EndpointRecord, dict[str, object]]]:
+    """The records that answered as their registered role; the others go to ``st.out`` or
+    ``st.pending`` (a contact that may succeed later)."""
+    answered: list[tuple[EndpointRecord, dict[str, object]]] = []
     for rec in records:
         got = found.get(rec.address)
         if got is None:
@@ -93,6 +111,13 @@ def choose(
             st.out[rec.address] = (rec, f"registered as {rec.role}, it is a {got.get('role')}")
         else:
             answered.append((rec, got))
+    return answered
+
+
+def _candidates(
+    st: Start, answered: list[tuple[EndpointRecord, dict[str, object]]], blocks: int, shape: str
+) -> list[tuple[EndpointRecord, dict[str, object]]]:
+    """The answering Ps whose pool and ``shape`` fit; the others go to ``st.out``."""
     candidates = []
     for rec, md in answered:
         if rec.role != Role.PREFILL:
@@ -102,34 +127,32 @@ def choose(
             st.out[rec.address] = (rec, why)
         else:
             candidates.append((rec, md))
-    if not candidates:
-        return st
-    shared: dict[tuple[tuple[str, str], ...], int] = {}
-    for _, md in answered:
-        shared[geometry_key(md)] = shared.get(geometry_key(md), 0) + 1
-    ref_rec, ref = max(candidates, key=lambda c: shared[geometry_key(c[1])])
-    st.reference = ref_rec.address
-    for rec, md in candidates:
-        why = misfit(md, Role.PREFILL, blocks, ref)
-        if why:
-            st.out[rec.address] = (rec, f"it does not fit {ref_rec.address}: {why}")
-        else:
-            st.prefill.append(rec.address)
-            st.meta[rec.address] = md
-    ps = [st.meta[a] for a in st.prefill]
+    return candidates
+
+
+def _admit(
+    st: Start,
+    answered: list[tuple[EndpointRecord, dict[str, object]]],
+    role: Role,
+    blocks: int,
+    ref_address: str,
+    ref: dict[str, object],
+) -> None:
+    """Each answering ``role`` endpoint that fits the reference ``ref`` joins the run (Ds are
+    also checked against the admitted Ps, so Ps are admitted first); the others go to ``st.out``."""
+    ps = [st.meta[a] for a in st.prefill] if role == Role.DECODE else []
     for rec, md in answered:
-        if rec.role != Role.DECODE:
+        if rec.role != role:
             continue
-        why = misfit(md, Role.DECODE, blocks, ref, ps)
+        why = misfit(md, role, blocks, ref, ps)
         if why:
-            st.out[rec.address] = (rec, f"it does not fit {ref_rec.address}: {why}")
-        else:
-            st.decode.append(rec.address)
-            st.meta[rec.address] = md
-    return st
+            st.out[rec.address] = (rec, f"it does not fit {ref_address}: {why}")
+            continue
+        (st.prefill if role == Role.PREFILL else st.decode).append(rec.address)
+        st.meta[rec.address] = md
 
 
-def _shape_misfit(shape: str, address: str, md: dict[str, Any]) -> str:
+def _shape_misfit(shape: str, address: str, md: dict[str, object]) -> str:
     if not shape:
         return ""
     try:

@@ -40,6 +40,8 @@ from kvpush.logsafe import shown
 from kvpush.runtime.signals import StopFlag
 
 if TYPE_CHECKING:
+    from kvpush.commands.common.results import DriveConfig, RequestResult
+    from kvpush.commands.drive.targets import FleetTargets
     from kvpush.commands.drive.workload import Replay
     from kvpush.config import TracingConfig
 
@@ -271,7 +273,7 @@ def drive(
     auth_token_file: options.AuthTokenFile = None,
     otlp_traces_endpoint: otlp_options.Endpoint = None,
     otlp_sample_ratio: otlp_options.Ratio = 1.0,
-    **registry: Any,  # options.REGISTRY: the endpoints' registry options
+    **registry: object,  # options.REGISTRY: the endpoints' registry options
 ) -> None:
     token = translate.auth_token(auth_token_file)
     traces = otlp_options.traces(otlp_traces_endpoint, otlp_sample_ratio)
@@ -333,10 +335,10 @@ def _unwrapped(view: Callable[[Any], RenderableType], traced: TracedReport) -> R
 
 
 def _endpoints(
-    registry: dict[str, Any], prefill: list[str], decode: list[str], err: Console
-) -> tuple[Any, list[str], list[str]]:
+    registry: dict[str, object], prefill: list[str], decode: list[str], err: Console
+) -> tuple[FleetTargets | None, list[str], list[str]]:
     """The registry's follower (or None) and the Ps and Ds to start with."""
-    targets: Any = None
+    targets: FleetTargets | None = None
     if registry.get("registry"):
         from kvpush.commands.common.registry import registry_source
         from kvpush.commands.drive.targets import FleetTargets
@@ -359,14 +361,14 @@ def _endpoints(
 
 
 def _run(
-    cfg: Any,
-    targets: Any,
+    cfg: DriveConfig,
+    targets: FleetTargets | None,
     trace: Path | None,
     err: Console,
     tty: bool,
     replay: Replay | None,
     traces: TracingConfig,
-) -> tuple[Any, str | None, dict[str, Any] | None]:
+) -> tuple[Any, str | None, dict[str, object] | None]:
     """Run the driver under a signal handler, with a progress bar (``tty``) or progress lines,
     on ``replay``'s schedule when there is one; return its report, the signal that stopped
     it, if one did, and what its traces did (``--otlp-traces-endpoint``)."""
@@ -383,7 +385,9 @@ def _run(
                 )
             )
 
-    advance: list[Any] = [lambda r: None]  # the progress bar's, once it exists
+    advance: list[Callable[[RequestResult], object]] = [
+        lambda r: None
+    ]  # the progress bar's, once it exists
     tracer = None
     if trace is not None:
         from kvpush.commands.drive.trace import Tracer

@@ -60,7 +60,7 @@ class DriveSpans:
         self.tracing.close()
         return self.tracing.counts()
 
-    def summary(self, counts: TraceCounts) -> dict[str, Any]:
+    def summary(self, counts: TraceCounts) -> dict[str, object]:
         return {
             "endpoint": self.endpoint,
             "sample_ratio": self.ratio,
@@ -96,15 +96,15 @@ class TracedReport:
     """A run's report and its traces: ``to_dict`` adds ``traces`` (``--json``)."""
 
     report: Any
-    traces: dict[str, Any]
+    traces: dict[str, object]
 
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = self.report.to_dict()
+    def to_dict(self) -> dict[str, object]:
+        d: dict[str, object] = self.report.to_dict()
         d["traces"] = self.traces
         return d
 
 
-def note(summary: dict[str, Any]) -> str:
+def note(summary: dict[str, object]) -> str:
     """The run's traces in one line (stderr)."""
     return (
         f"traces: {summary['spans']} span(s) to {summary['endpoint']}, "

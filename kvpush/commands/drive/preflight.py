@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from typing import Any
 
 from kvpush.commands.common import control
 from kvpush.commands.common.results import DriveConfig
@@ -45,10 +44,10 @@ CHECK_THREADS = 16
 PREFLIGHT_BOUND_S = 20.0
 
 #: What ``contact_all`` found at one address: its metadata, or the typed error of what it found.
-Found = dict[str, Any] | KvpushError
+Found = dict[str, object] | KvpushError
 
 
-def peer_metadata(address: str, token: bytes | None, timeout_s: float) -> dict[str, Any]:
+def peer_metadata(address: str, token: bytes | None, timeout_s: float) -> dict[str, object]:
     """The endpoint metadata of a kvpush peer (raises the typed error of what it found)."""
     control.first_contact(address, timeout_s)
     with control.connect(address, token, timeout_s) as c:
@@ -120,11 +119,11 @@ def contact_all(
 
 
 def misfit(
-    md: dict[str, Any],
+    md: dict[str, object],
     role: str,
     blocks: int,
-    ref: dict[str, Any] | None = None,
-    others: Iterable[dict[str, Any]] = (),
+    ref: dict[str, object] | None = None,
+    others: Iterable[dict[str, object]] = (),
 ) -> str:
     """Why a peer that answered with ``md`` may not take ``role``'s legs in this run ("" when
     it may): another role, a pool smaller than ``blocks``, a geometry (dtype, layout, the
@@ -153,7 +152,7 @@ def misfit(
 
 def check_peers(
     cfg: DriveConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S
-) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+) -> tuple[dict[str, dict[str, object]], dict[str, str]]:
     """Fail fast, in this order: reachability, roles, pool sizes, P/D compatibility.
 
     Returns the metadata of every peer that answered (what a peer that was down must match
@@ -173,12 +172,12 @@ def check_peers(
     return meta, down
 
 
-def _contact(cfg: DriveConfig, wait: float) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+def _contact(cfg: DriveConfig, wait: float) -> tuple[dict[str, dict[str, object]], dict[str, str]]:
     """Every peer's metadata (by address) and the peers that are down (address -> why); a
     peer of the wrong role, or a role with no peer up, is an error. The peers are contacted
     together (``contact_all``); what they answered is judged in the order given."""
     found = contact_all((*cfg.prefill, *cfg.decode), cfg.auth_token, wait)
-    meta: dict[str, dict[str, Any]] = {}
+    meta: dict[str, dict[str, object]] = {}
     down: dict[str, str] = {}
     for role, addrs in ((Role.PREFILL, cfg.prefill), (Role.DECODE, cfg.decode)):
         first: PeerUnreachableError | None = None
@@ -202,7 +201,7 @@ def _contact(cfg: DriveConfig, wait: float) -> tuple[dict[str, dict[str, Any]], 
     return meta, down
 
 
-def _check_pools(cfg: DriveConfig, meta: dict[str, dict[str, Any]], up: list[str]) -> None:
+def _check_pools(cfg: DriveConfig, meta: dict[str, dict[str, object]], up: list[str]) -> None:
     """``--blocks`` fits the pool of every peer that is up."""
     for addr in up:
         pool = meta[addr].get("num_blocks")
@@ -213,7 +212,7 @@ def _check_pools(cfg: DriveConfig, meta: dict[str, dict[str, Any]], up: list[str
             )
 
 
-def _check_compat(meta: dict[str, dict[str, Any]], up: list[str], ref: str) -> None:
+def _check_compat(meta: dict[str, dict[str, object]], up: list[str], ref: str) -> None:
     """Every peer that is up has the geometry of ``ref``, the first prefill peer up."""
     # The model's page (every rank's share together) is what P and D share, whatever their TP.
     ref_fields = protocol.compat_fields_loose(meta[ref])
@@ -233,7 +232,7 @@ def _check_compat(meta: dict[str, dict[str, Any]], up: list[str], ref: str) -> N
             )
 
 
-def _check_tp(cfg: DriveConfig, meta: dict[str, dict[str, Any]]) -> None:
+def _check_tp(cfg: DriveConfig, meta: dict[str, dict[str, object]]) -> None:
     """Each pair of P and D up has TP sizes of which one divides the other."""
     for p_addr in (a for a in cfg.prefill if a in meta):
         for d_addr in (a for a in cfg.decode if a in meta):
@@ -247,7 +246,7 @@ def _check_tp(cfg: DriveConfig, meta: dict[str, dict[str, Any]]) -> None:
                 )
 
 
-def check_shape(name: str, address: str, md: dict[str, Any]) -> None:
+def check_shape(name: str, address: str, md: dict[str, object]) -> None:
     """``--shape``: P serves that model's geometry (its whole page, every rank together)."""
     from kvpush.memory.shapes import get_shape
 

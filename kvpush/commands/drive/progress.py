@@ -8,12 +8,13 @@ bar) and ``with_bar`` (the driver's run under a transient rich progress bar on s
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 if TYPE_CHECKING:
-    from kvpush.commands.common.results import RequestResult
+    from kvpush.commands.common.results import DriveReport, RequestResult
+    from kvpush.commands.drive.driver import Driver
     from kvpush.commands.drive.workload import Replay
 
 
@@ -30,7 +31,9 @@ def each_result(
     return on_result
 
 
-def with_bar(driver: Any, advance: list[Any], err: Console, requests: int) -> Any:
+def with_bar(
+    driver: Driver, advance: list[Callable[[RequestResult], object]], err: Console, requests: int
+) -> DriveReport:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     with Progress(

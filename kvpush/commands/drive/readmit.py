@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from kvpush.commands.common.reasons import Leg
 from kvpush.commands.common.results import DriveConfig
@@ -40,13 +39,13 @@ class Checked:
     """What a preflight done outside the driver found (``drive --registry``): the metadata of
     every peer it admitted and the run's reference P (whose geometry joiners must have)."""
 
-    meta: dict[str, dict[str, Any]]
+    meta: dict[str, dict[str, object]]
     reference: str
 
 
 class Readmission:
     def __init__(
-        self, cfg: DriveConfig, meta: dict[str, dict[str, Any]], reference: str | None = None
+        self, cfg: DriveConfig, meta: dict[str, dict[str, object]], reference: str | None = None
     ) -> None:
         self._cfg = cfg
         self._lock = threading.Lock()
@@ -101,7 +100,7 @@ class Readmission:
             return "still starting" if e.message.endswith(": starting") else e.message
         return self.fit(address, role, md)
 
-    def judge(self, address: str, role: Leg, md: dict[str, Any]) -> str:
+    def judge(self, address: str, role: Leg, md: dict[str, object]) -> str:
         """Why ``address``, which answered with ``md``, may not take ``role``'s legs ("" when
         it may); nothing is remembered."""
         with self._lock:
@@ -113,7 +112,7 @@ class Readmission:
             ]
         return misfit(md, role, self._cfg.blocks, ref, others)
 
-    def fit(self, address: str, role: Leg, md: dict[str, Any]) -> str:
+    def fit(self, address: str, role: Leg, md: dict[str, object]) -> str:
         """``check`` of metadata ``address`` answered with: "" (and ``md`` remembered as what it
         passed with) when it may take ``role``'s legs, else why not."""
         why = self.judge(address, role, md)

@@ -135,7 +135,7 @@ ListConcurrency = Annotated[
 
 
 def fleet_source(
-    p: dict[str, Any],
+    p: dict[str, object],
     endpoints: list[str] | None,
     peers: list[str] | None,
     concurrency: int,
@@ -166,7 +166,7 @@ def ls(
     peer: Peers = None,
     concurrency: ListConcurrency = 16,
     auth_token_file: options.AuthTokenFile = None,
-    **p: Any,  # options.REGISTRY
+    **p: object,  # options.REGISTRY
 ) -> None:
     from kvpush.commands.fleet import render as views
     from kvpush.commands.fleet.view import rows_of
@@ -218,7 +218,7 @@ def watch(
     peer: Peers = None,
     concurrency: ListConcurrency = 16,
     auth_token_file: options.AuthTokenFile = None,
-    **p: Any,  # options.REGISTRY
+    **p: object,  # options.REGISTRY
 ) -> None:
     from kvpush.commands.fleet.watch import FleetWatch
 
@@ -389,7 +389,7 @@ def check(
     auth_token_file: options.AuthTokenFile = None,
     endpoints: Endpoints = None,
     peer: Peers = None,
-    **p: Any,  # options.REGISTRY
+    **p: object,  # options.REGISTRY
 ) -> None:
     from kvpush.commands.fleet import render as views
     from kvpush.commands.fleet.check import CheckConfig, check_fleet

@@ -10,7 +10,7 @@ push only the vLLM engine's router can start), ``skipped`` (e.g. a pool too smal
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Literal, NotRequired, TypedDict
 
 from kvpush.config import require_counts, require_positive
 from kvpush.errors import ExitStatus
@@ -59,10 +59,29 @@ class PairResult:
     lane: str = ""  # the WRITE's transport as P reports it (``kvpush.commands.fleet.lanes``)
     lane_flags: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d["differences"] = [{"field": f, "prefill": p, "decode": q} for f, p, q in self.differences]
         return d
+
+
+class CheckJSON(TypedDict):
+    """``fleet check --json``: the report (``CheckReport.to_dict``); the command adds the
+    listing's ``problems`` and ``unseen``, and ``warm`` under ``--warm``."""
+
+    cluster: str
+    prefills: list[str]
+    decodes: list[str]
+    pairs: list[dict[str, object]]
+    counts: dict[str, int]
+    elapsed_s: float
+    concurrency: int
+    strict: bool
+    exit_status: int
+    notes: list[str]
+    warm: NotRequired[dict[str, object]]
+    problems: NotRequired[list[str]]
+    unseen: NotRequired[int]
 
 
 @dataclass(frozen=True)
@@ -93,7 +112,7 @@ class CheckReport:
     def pair(self, prefill: str, decode: str) -> PairResult:
         return next(r for r in self.pairs if r.prefill == prefill and r.decode == decode)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> CheckJSON:
         return {
             "cluster": self.cluster,
             "prefills": self.prefills,

@@ -23,7 +23,7 @@ from rich.text import Text
 from kvpush.commands.common.live import section
 from kvpush.commands.common.readings import fmt_rate, fmt_uptime
 from kvpush.commands.fleet.fit import Column, chunks, fitted, width_of
-from kvpush.commands.fleet.outcomes import OUTCOMES, CheckReport, PairResult
+from kvpush.commands.fleet.outcomes import OUTCOMES, CheckJSON, CheckReport, PairResult
 from kvpush.commands.fleet.view import Change, FleetRow
 from kvpush.config import Role
 from kvpush.logsafe import shown
@@ -268,5 +268,5 @@ def _pairs_table(rep: CheckReport, width: int | None) -> Table:
     return fitted("pairs", _PAIR_COLUMNS, rows, width)
 
 
-def check_json(rep: CheckReport) -> dict[str, Any]:
+def check_json(rep: CheckReport) -> CheckJSON:
     return rep.to_dict()

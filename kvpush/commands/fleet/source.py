@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpush.commands.common.registry import RegistrySource, registry_source
 from kvpush.commands.fleet.entries import Listing, read_entries
@@ -86,7 +86,7 @@ class FleetSource:
 
 
 def fleet_source(
-    p: Mapping[str, Any],
+    p: Mapping[str, object],
     endpoints: Sequence[str],
     peers: Sequence[str],
     concurrency: int,

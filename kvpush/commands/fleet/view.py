@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from kvpush.config import Role
 from kvpush.fleet.pairs import record_health
@@ -41,8 +41,8 @@ class Change:
     incarnation: str  # the new one (join, restart) or the last one known (leave)
     previous: str = ""  # restart: the incarnation it replaced
 
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
+    def to_dict(self) -> dict[str, object]:
+        d: dict[str, object] = {
             "event": self.kind,
             "t": round(self.t, 3),
             "address": self.address,
@@ -68,7 +68,7 @@ class FleetRow:
     def address(self) -> str:
         return self.record.address
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         r = self.record
         return {
             "role": r.role,

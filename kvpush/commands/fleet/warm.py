@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 from kvpush.commands.fleet.outcomes import CheckConfig, CheckReport
 from kvpush.errors import KvpushError
@@ -39,7 +38,7 @@ class WarmPair:
     def warm(self) -> bool:
         return self.p_holds_d and self.d_holds_p
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "prefill": self.prefill,
             "decode": self.decode,
@@ -58,7 +57,7 @@ class WarmReport:
     def cold(self) -> list[WarmPair]:
         return [w for w in self.pairs if not w.warm]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "pairs": [w.to_dict() for w in self.pairs],
             "warm": len(self.pairs) - len(self.cold),
@@ -80,7 +79,7 @@ class WarmReport:
         return out
 
 
-def peer_rows(address: str, token: bytes | None) -> list[Mapping[str, Any]]:
+def peer_rows(address: str, token: bytes | None) -> list[Mapping[str, object]]:
     """The endpoint's peer table (its stats reply's ``peers``); empty when it does not answer."""
     from kvpush.commands.common import control
     from kvpush.wire import protocol
@@ -96,7 +95,7 @@ def peer_rows(address: str, token: bytes | None) -> list[Mapping[str, Any]]:
     return [r for r in peers if isinstance(r, dict)] if isinstance(peers, list) else []
 
 
-def holds(rows: list[Mapping[str, Any]], address: str) -> bool:
+def holds(rows: list[Mapping[str, object]], address: str) -> bool:
     """Whether the peer table ``rows`` has the endpoint at ``address`` connected: every one of
     its rank rows (``HOST:PORT``, ``HOST:PORT rank R``) connected or degraded, and one at least."""
     mine = [

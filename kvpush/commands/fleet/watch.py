@@ -51,7 +51,7 @@ class Note:
     t: float
     detail: str
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"event": "silent", "t": round(self.t, 3), "detail": self.detail}
 
 
@@ -72,8 +72,8 @@ class Status:
     up: bool
     detail: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
+    def to_dict(self) -> dict[str, object]:
+        d: dict[str, object] = {
             "event": "registry_up" if self.up else "registry_down",
             "t": round(self.t, 3),
         }

@@ -208,7 +208,7 @@ def prefill_leg(
 
     err = Console(stderr=True, highlight=False)
 
-    def hand_out(params: dict[str, Any]) -> None:
+    def hand_out(params: dict[str, object]) -> None:
         stdio.out(json.dumps(params))  # at once: the vLLM D needs it before the push can run
         if not json_out:
             err.print(

@@ -127,7 +127,7 @@ def probe(
             show_default=False,
         ),
     ] = None,
-    **endpoint: Any,  # options.PROBE: the local geometry, NIXL and security options
+    **endpoint: object,  # options.PROBE: the local geometry, NIXL and security options
 ) -> None:
     try:
         _probe(ctx, **ctx.params)
@@ -152,7 +152,7 @@ def _probe(
     auth_token_file: str | None,
     backends: str,
     progress_thread: bool,
-    **geometry: Any,
+    **geometry: object,
 ) -> None:
     from kvpush.commands.probe import probe as core
     from kvpush.commands.probe.report import local_compat_fields

@@ -29,7 +29,7 @@ class RttStats:
     min_s: float
     median_s: float
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "samples": len(self.samples_s),
             "min_s": self.min_s,
@@ -57,21 +57,21 @@ class ProbeReport:
     address: str
     kind: Literal["kvpush", "vllm"]
     compat_hash: str
-    metadata: dict[str, Any]
+    metadata: dict[str, object]
     rtt: RttStats
     compat_checked: bool = False
     differences: list[tuple[str, Any, Any]] = field(default_factory=list)
     handshake_mode: str | None = None
     handshake_timings_s: dict[str, float] | None = None
     ping_s: list[float] | None = None
-    stats: dict[str, Any] | None = None
+    stats: dict[str, object] | None = None
     notes: list[str] = field(default_factory=list)
     suggest: list[str] = field(default_factory=list)  # kvpush command lines that fit the peer
     # This host's NIXL/UCX ({"nixl", "nixl_build", "ucx"}) and the known issues of either side's.
     local_versions: dict[str, str] = field(default_factory=dict)
     version_warnings: list[str] = field(default_factory=list)
     # ``--lanes``: one row per peer rank written to (``kvpush.commands.probe.lanes``).
-    lanes: list[dict[str, Any]] | None = None
+    lanes: list[dict[str, object]] | None = None
 
     @property
     def compatible(self) -> bool | None:
@@ -81,7 +81,7 @@ class ProbeReport:
     def exit_status(self) -> ExitStatus:
         return ExitStatus.NOT_READY if self.differences else ExitStatus.OK
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d["rtt"] = self.rtt.to_dict()
         d["differences"] = [
