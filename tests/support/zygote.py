@@ -1,7 +1,8 @@
-"""A zygote for many ``kvpush serve-*`` processes: kvpush and torch imported once, then forked.
+"""A zygote for many ``kvpush serve-*`` processes: kvpush imported once, then forked.
 
 Usage: ``python -m tests.support.zygote`` (``Zygote`` below starts and talks to it). A cold
-``python -m kvpush serve-decode`` costs ~2.5 s of CPU, most of it importing torch; the freeze
+``python -m kvpush serve-decode`` costs about a second of CPU in imports (2.5 s while it still
+imported torch); the freeze
 stress test SIGTERMs 200 endpoint processes, which cold would need more CPU than this 2-core
 host gives in three minutes. The zygote imports what ``serve`` imports, starts no thread and no
 NIXL agent, and for each request forks a child that runs the operator's own entry point
@@ -60,7 +61,7 @@ def _child(argv: list[str], log: str) -> None:
 
 
 def main() -> int:
-    # What serve imports (torch with it), before any fork; no thread, no agent, no ZMQ context.
+    # What serve imports, before any fork; no thread, no agent, no ZMQ context.
     import kvpush.cli.app
     import kvpush.commands.serve.command
     import kvpush.endpoint  # noqa: F401
