@@ -24,9 +24,25 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, TypeAlias, TypedDict
 
-from kvpush.memory.allocator import runs_in
+import numpy as np
+
+from kvpush.memory.allocator import BlockAllocator, FreeListAllocator, runs_in
+
+#: Either of the pool's allocation policies (kvpush's extent allocator, the plain free list).
+Allocator: TypeAlias = BlockAllocator | FreeListAllocator
+
+
+class ChurnAllocator(Protocol):
+    """What churn calls on an allocator (either policy, or a wrapper of one)."""
+
+    num_blocks: int
+
+    def allocate(self, owner: str, n: int) -> np.ndarray: ...
+    def release(self, owner: str) -> int: ...
+    def counts(self) -> dict[str, int]: ...
+
 
 CHURN_PREFIX = "churn."
 
@@ -40,6 +56,16 @@ class ChurnSpec:
     max_tokens: int = 8192
 
 
+class ChurnFields(TypedDict):
+    """A ``ChurnSpec`` as JSON (what ``model_churn`` is sent)."""
+
+    seed: int
+    steps: int
+    occupancy: float
+    min_tokens: int
+    max_tokens: int
+
+
 @dataclass
 class ChurnResult:
     residents: dict[str, int]  # owner -> blocks, still allocated
@@ -51,7 +77,7 @@ class ChurnResult:
         return sum(self.residents.values())
 
 
-def churn(alloc: Any, spec: ChurnSpec, block_tokens: int) -> ChurnResult:
+def churn(alloc: ChurnAllocator, spec: ChurnSpec, block_tokens: int) -> ChurnResult:
     """Run ``spec`` on ``alloc`` (any allocator with the ``BlockAllocator`` API); owners are
     ``churn.<i>``. Deterministic for a given spec, block size and pool size."""
     rng = random.Random(spec.seed)
@@ -89,7 +115,7 @@ def churn(alloc: Any, spec: ChurnSpec, block_tokens: int) -> ChurnResult:
     return ChurnResult(live, spec.steps, forced, blocks / runs if runs else 0.0)
 
 
-def make_room(alloc: Any, residents: dict[str, int], need_blocks: int, seed: int) -> int:
+def make_room(alloc: ChurnAllocator, residents: dict[str, int], need_blocks: int, seed: int) -> int:
     """Finish residents in seeded random order until ``need_blocks`` are free; return how many
     were finished (``residents`` is updated)."""
     rng = random.Random(seed)
@@ -106,7 +132,7 @@ def make_room(alloc: Any, residents: dict[str, int], need_blocks: int, seed: int
 
 
 def alloc_cost(
-    make: Callable[[int], Any],
+    make: Callable[[int], Allocator],
     num_blocks: int,
     sizes: tuple[int, ...],
     ops: int,

@@ -6,11 +6,19 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from kvpush.config import Role
 
 Progress = Callable[[str], None]
+
+
+class Geometry(TypedDict):
+    """A pool's shape as ``endpoint_cfg`` takes it (``**geo``)."""
+
+    layers: int
+    block_bytes: int
+
 
 #: Lead time between scheduling an open-loop window and its start, so that every worker has
 #: received its command before the first request is due.

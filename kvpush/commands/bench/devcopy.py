@@ -15,7 +15,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TypedDict
+
+from kvpush.commands.bench.worker_state import WorkerState
+
+
+class DeviceCopyResult(TypedDict):
+    """The reply of ``device_copy_pairs``."""
+
+    n: int
+    bytes: int
+    elapsed_s: float
+    gbps: float
+    device: str
+    copies_per_request: float
 
 
 def _pieces(lo: list[int], ro: list[int]) -> list[tuple[int, int, int]]:
@@ -30,13 +43,13 @@ def _pieces(lo: list[int], ro: list[int]) -> list[tuple[int, int, int]]:
 
 
 def device_copy_pairs(
-    state: Any, pairs: list[list[list[int]]], n: int, warmup: int = 2
-) -> dict[str, Any]:
+    state: WorkerState, pairs: list[list[list[int]]], n: int, warmup: int = 2
+) -> DeviceCopyResult:
     """``n`` requests' bytes copied with torch, cycling through ``pairs`` (see the module)."""
     import torch
 
-    src = state.endpoint.pool.as_tensor()
-    dst = getattr(state, "copy_dst", None)
+    src = state.endpoint.get().pool.as_tensor()
+    dst = state.copy_dst
     if dst is None or dst.shape != src.shape or dst.device != src.device:
         dst = torch.zeros_like(src)
         state.copy_dst = dst
@@ -72,12 +85,12 @@ def device_copy_pairs(
     }
 
 
-def release_copy(state: Any) -> None:
+def release_copy(state: WorkerState) -> None:
     """Free the second buffer (its memory goes back to the device)."""
     state.copy_dst = None
 
 
-COMMANDS: dict[str, Callable[..., Any]] = {
+COMMANDS: dict[str, Callable[..., object]] = {
     "device_copy_pairs": device_copy_pairs,
     "release_copy": release_copy,
 }

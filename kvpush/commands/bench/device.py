@@ -44,7 +44,7 @@ QUICK_BUDGET = 8 << 20
 FULL_ROUNDS = 3
 
 
-def _specs(shape: Shape, nb: int, device: str) -> dict[str, dict[str, Any]]:
+def _specs(shape: Shape, nb: int, device: str) -> dict[str, dict[str, object]]:
     out = {}
     for role in (Role.PREFILL, Role.DECODE):
         cfg = _endpoint(role, shape, nb)

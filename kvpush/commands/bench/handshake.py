@@ -69,7 +69,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
             + ", ".join(f"{2 * la * b:,}" for la, b in sizes)
             + " descriptors"
         )
-        specs: dict[str, dict[str, Any]] = {}
+        specs: dict[str, dict[str, object]] = {}
         for layers, blocks in sizes:
             descs = 2 * layers * blocks
             specs[f"p-{descs}"] = endpoint_cfg(

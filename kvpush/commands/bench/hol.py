@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.commands.bench import noise
-from kvpush.commands.bench.common import Progress, endpoint_cfg, logs_dir, start_at
+from kvpush.commands.bench.common import Geometry, Progress, endpoint_cfg, logs_dir, start_at
 from kvpush.commands.bench.hol_params import Case, HolParams
 from kvpush.commands.bench.hol_report import MODES, report
 from kvpush.commands.bench.passes import join_request, steady_load, steady_phases
@@ -78,7 +78,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         "hol", "hol: head-of-line blocking behind a slow new peer", quick, params=asdict(p)
     )
     timeouts = {"side_channel_s": p.timeout_s, "handshake_s": p.timeout_s}
-    geo: dict[str, Any] = {"layers": p.layers, "block_bytes": p.block_bytes}
+    geo: Geometry = {"layers": p.layers, "block_bytes": p.block_bytes}
     with Cluster(logs_dir(out_dir, "hol")) as cl:
         progress("hol: starting P (deferred), P (blocking) and D1")
         cases = _cases(p)

@@ -14,11 +14,25 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import numpy as np
 
-from kvpush.commands.bench.raw_node import RawNode, block_starts, pool_buffer, region_bases
+from kvpush.commands.bench.raw_node import RawNodeInfo, block_starts, pool_buffer, region_bases
+from kvpush.commands.bench.worker_state import WorkerState
+
+#: libc's ``process_vm_writev``: (pid, local iovecs, count, remote iovecs, count, flags) -> bytes
+PvwFn = Callable[..., int]
+
+
+class CopyResult(TypedDict):
+    """The reply of ``pvw_loop``, ``pvw_pairs`` and ``memcpy_loop``."""
+
+    n: int
+    bytes: int
+    elapsed_s: float
+    gbps: float
+    iovecs_per_request: NotRequired[float]  # pvw_pairs's only
 
 
 class _IOVec(ctypes.Structure):
@@ -28,7 +42,7 @@ class _IOVec(ctypes.Structure):
 _IOV_MAX = 1024
 
 
-def _pvw_fn() -> Any:
+def _pvw_fn() -> PvwFn:
     libc = ctypes.CDLL(None, use_errno=True)
     fn = libc.process_vm_writev
     fn.argtypes = [
@@ -40,13 +54,14 @@ def _pvw_fn() -> Any:
         ctypes.c_ulong,
     ]
     fn.restype = ctypes.c_ssize_t
-    return fn
+    call: PvwFn = fn
+    return call
 
 
-def pvw_loop(state: Any, target: dict[str, Any], blocks: int, n: int) -> dict[str, Any]:
+def pvw_loop(state: WorkerState, target: RawNodeInfo, blocks: int, n: int) -> CopyResult:
     """``process_vm_writev`` of the same descriptor shape (one iovec per block per region)."""
     fn = _pvw_fn()
-    node: RawNode = state.raw
+    node = state.raw.get()
     regions, num_blocks, block_bytes = node.geometry
     t_blocks = target["geometry"][1]
     lbases = region_bases(node.tensor)
@@ -103,11 +118,13 @@ def _iovecs(
     return np.ascontiguousarray(lv), np.ascontiguousarray(rv)
 
 
-def pvw_pairs(state: Any, target: dict[str, Any], pairs: list[list[list[int]]], n: int) -> Any:
+def pvw_pairs(
+    state: WorkerState, target: RawNodeInfo, pairs: list[list[list[int]]], n: int
+) -> CopyResult:
     """``process_vm_writev`` of the same bytes as ``raw_pairs_loop``: for each pair, its merged
     runs in every region as iovecs, ``IOV_MAX`` per call; ``n`` pairs, cycling."""
     fn = _pvw_fn()
-    node: RawNode = state.raw
+    node = state.raw.get()
     block_bytes = node.geometry[2]
     lbases = region_bases(node.tensor)
     pid = int(target["pid"])
@@ -155,8 +172,8 @@ def pvw_pairs(state: Any, target: dict[str, Any], pairs: list[list[list[int]]], 
 
 
 def memcpy_loop(
-    state: Any, regions: int, num_blocks: int, block_bytes: int, blocks: int, n: int
-) -> dict[str, Any]:
+    state: WorkerState, regions: int, num_blocks: int, block_bytes: int, blocks: int, n: int
+) -> CopyResult:
     """Single-threaded memcpy (numpy ``copyto``) of the same shape inside this process: one
     copy per region of ``blocks`` consecutive blocks (contiguous there)."""
     src = pool_buffer(regions, num_blocks, block_bytes).numpy()

@@ -27,20 +27,85 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any
+from typing import Protocol, TypedDict
 
 from kvpush.commands.bench.probes import process_cpu_s, threads_cpu_s
+from kvpush.commands.bench.worker_state import WorkerState
 
 
-def start_endpoint(state: Any, config: dict[str, object]) -> dict[str, object]:
+class _Rep(Protocol):
+    """What the recorder reads of a ``DecodeRep`` (``kvpush.wire``: not the bench's to import)."""
+
+    @property
+    def latency_s(self) -> float: ...
+    @property
+    def outcome(self) -> str: ...
+    @property
+    def verified(self) -> bool | None: ...
+    @property
+    def reason(self) -> str: ...
+
+
+class _Done(Protocol):
+    """A finished ``decode()`` future."""
+
+    def result(self) -> _Rep: ...
+
+
+class Recorded(TypedDict):
+    """D's outcomes by request index (``decode_at``'s reply; the others extend it)."""
+
+    t_call: list[float]  # seconds since the window's t0
+    t_done: list[float | None]
+    latency_s: list[float]  # D's own measure, decode() -> verified completion
+    ok: list[bool]
+    verified: list[bool | None]
+    reasons: dict[str, int]  # failures by reason
+    completed: int
+
+
+class SteadyDecodeResult(Recorded):
+    """The reply of ``steady_decode``."""
+
+    max_late_s: float
+
+
+class DecodeManyResult(Recorded):
+    """The reply of ``decode_many``."""
+
+    elapsed_s: float
+    cpu_s: float
+    threads_cpu_s: dict[str, float]
+
+
+class SteadyPrefillResult(TypedDict):
+    """The reply of ``steady_prefill``."""
+
+    n: int
+    max_late_s: float
+    late_events: list[list[float]]  # [seconds since t0, seconds late] when > 20 ms late
+    prefill_p50_s: float
+    prefill_max_s: float
+
+
+class EndpointInfo(TypedDict):
+    """The reply of ``start_endpoint`` (``procs.Worker.info``)."""
+
+    address: str
+    engine_id: str
+    incarnation: str
+    pid: int
+    role: str
+
+
+def start_endpoint(state: WorkerState, config: dict[str, object]) -> EndpointInfo:
     """Start one endpoint from an ``EndpointConfig`` JSON map."""
     from kvpush.commands.common.node import build
     from kvpush.endpoint import freeze_startup_heap, open_endpoint
 
     cfg, instruments = build(config)
     ep = open_endpoint(cfg, instruments)
-    state.endpoint = ep
+    state.endpoint.put(ep)
     freeze_startup_heap()  # as serve-* does: the figures are a served endpoint's
     return {
         "address": ep.address,
@@ -75,8 +140,10 @@ class _Recorder:
         self._lock = threading.Lock()
         self.done = threading.Semaphore(0)
 
-    def callback(self, i: int, release: threading.Semaphore | None = None) -> object:
-        def cb(f: Future[Any]) -> None:
+    def callback(
+        self, i: int, release: threading.Semaphore | None = None
+    ) -> Callable[[_Done], None]:
+        def cb(f: _Done) -> None:
             t = time.time()
             try:
                 rep = f.result()
@@ -106,7 +173,7 @@ class _Recorder:
             got += 1
         return got
 
-    def result(self, t0: float, completed: int) -> dict[str, object]:
+    def result(self, t0: float, completed: int) -> Recorded:
         return {
             "t_call": [round(t - t0, 6) for t in self.t_call],
             "t_done": [round(t - t0, 6) if t else None for t in self.t_done],
@@ -122,7 +189,7 @@ class _Recorder:
 
 
 def steady_decode(
-    state: Any,
+    state: WorkerState,
     p_addr: str,
     prefix: str,
     rate: float,
@@ -131,9 +198,9 @@ def steady_decode(
     blocks: int,
     deadline_s: float = 0.0,
     wait_s: float = 60.0,
-) -> dict[str, object]:
+) -> SteadyDecodeResult:
     """Open loop: decode ``{prefix}{i}`` at wall time ``t0 + i / rate`` for ``duration`` s."""
-    ep = state.endpoint
+    ep = state.endpoint.get()
     n = max(1, int(duration * rate))
     rec = _Recorder(n)
     late = 0.0
@@ -145,22 +212,20 @@ def steady_decode(
         fut = ep.decode(f"{prefix}{i}", p_addr, blocks, deadline_s)
         fut.add_done_callback(rec.callback(i))
     completed = rec.wait(n, wait_s)
-    out = rec.result(t0, completed)
-    out["max_late_s"] = late
-    return out
+    return {**rec.result(t0, completed), "max_late_s": late}
 
 
 def decode_at(
-    state: Any,
+    state: WorkerState,
     p_addr: str,
     transfer_id: str,
     t_wall: float,
     blocks: int,
     deadline_s: float = 0.0,
     wait_s: float = 60.0,
-) -> dict[str, object]:
+) -> Recorded:
     """One decode at wall time ``t_wall`` (a peer joining)."""
-    ep = state.endpoint
+    ep = state.endpoint.get()
     rec = _Recorder(1)
     _sleep_until(t_wall)
     rec.t_call[0] = time.time()
@@ -170,7 +235,7 @@ def decode_at(
 
 
 def decode_many(
-    state: Any,
+    state: WorkerState,
     p_addr: str,
     prefix: str,
     n: int,
@@ -178,9 +243,9 @@ def decode_many(
     inflight: int,
     deadline_s: float = 0.0,
     wait_s: float = 120.0,
-) -> dict[str, object]:
+) -> DecodeManyResult:
     """Closed loop: ``n`` decodes with at most ``inflight`` outstanding; returns timings + CPU."""
-    ep = state.endpoint
+    ep = state.endpoint.get()
     rec = _Recorder(n)
     slots = threading.Semaphore(inflight)
     cpu0 = process_cpu_s()
@@ -194,27 +259,29 @@ def decode_many(
         )
     completed = rec.wait(n, wait_s)
     t1 = time.time()
-    out = rec.result(t0, completed)
-    out["elapsed_s"] = t1 - t0
-    out["cpu_s"] = process_cpu_s() - cpu0
+    cpu_s = process_cpu_s() - cpu0
     th1 = threads_cpu_s(state)
-    out["threads_cpu_s"] = {k: th1[k] - th0.get(k, 0.0) for k in th1}
-    return out
+    return {
+        **rec.result(t0, completed),
+        "elapsed_s": t1 - t0,
+        "cpu_s": cpu_s,
+        "threads_cpu_s": {k: th1[k] - th0.get(k, 0.0) for k in th1},
+    }
 
 
-def set_verify(state: Any, verify: bool) -> None:
+def set_verify(state: WorkerState, verify: bool) -> None:
     """Turn D's content verification on or off (timed parts run without it, then verify)."""
-    state.endpoint.set_verify(verify)
+    state.endpoint.get().set_verify(verify)
 
 
 # --------------------------------------------------------------------------- P side
 
 
 def steady_prefill(
-    state: Any, prefix: str, rate: float, t0: float, duration: float, blocks: int
-) -> dict[str, object]:
+    state: WorkerState, prefix: str, rate: float, t0: float, duration: float, blocks: int
+) -> SteadyPrefillResult:
     """Open loop: prefill ``{prefix}{i}`` at wall time ``t0 + i / rate``."""
-    ep = state.endpoint
+    ep = state.endpoint.get()
     n = max(1, int(duration * rate))
     late = 0.0
     events: list[list[float]] = []  # [seconds since t0, seconds late] when > 20 ms late
@@ -238,14 +305,16 @@ def steady_prefill(
     }
 
 
-def prefill_at(state: Any, transfer_id: str, t_wall: float, blocks: int) -> None:
+def prefill_at(state: WorkerState, transfer_id: str, t_wall: float, blocks: int) -> None:
     _sleep_until(t_wall)
-    state.endpoint.prefill(transfer_id, blocks)
+    state.endpoint.get().prefill(transfer_id, blocks)
 
 
-def prefill_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) -> dict[str, object]:
+def prefill_many(
+    state: WorkerState, prefix: str, n: int, blocks: int, start: int = 0
+) -> dict[str, object]:
     """Prefill ``n`` transfers as fast as the pool allows (waits for free blocks, never fails)."""
-    ep = state.endpoint
+    ep = state.endpoint.get()
     alloc = ep.pool.allocator
     waited = 0
     t0 = time.time()
@@ -258,12 +327,14 @@ def prefill_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) -
     return {"elapsed_s": time.time() - t0, "waits": waited, "cpu_s": process_cpu_s() - cpu0}
 
 
-def finish_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) -> dict[str, object]:
+def finish_many(
+    state: WorkerState, prefix: str, n: int, blocks: int, start: int = 0
+) -> dict[str, object]:
     """Mark ``n`` transfers' blocks finished *without* writing the pattern, as fast as the pool
     allows: the stand-in for a model that has just computed its KV, for timed parts whose D
     does not verify (content is checked in a separate, verified pass). Costs an allocation and
     an inbox put per rank, where ``prefill`` also writes every byte."""
-    ep = state.endpoint
+    ep = state.endpoint.get()
     finish = ep.finish
     waited = 0
     t0 = time.time()
@@ -282,9 +353,9 @@ def finish_many(state: Any, prefix: str, n: int, blocks: int, start: int = 0) ->
     return {"elapsed_s": time.time() - t0, "waits": waited}
 
 
-def wait_idle(state: Any, timeout_s: float = 30.0) -> dict[str, object]:
+def wait_idle(state: WorkerState, timeout_s: float = 30.0) -> dict[str, object]:
     """Wait until the pool has no allocated/in-flight blocks (all pushes done or failed)."""
-    return dict(state.endpoint.wait_idle(timeout_s))
+    return dict(state.endpoint.get().wait_idle(timeout_s))
 
 
 COMMANDS: dict[str, Callable[..., object]] = {

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpush.commands.bench.churn import alloc_cost
 from kvpush.commands.bench.common import Progress, endpoint_cfg, logs_dir
@@ -42,6 +42,13 @@ from kvpush.config import KvRegions, Role
 from kvpush.memory.allocator import BlockAllocator, FreeListAllocator
 from kvpush.memory.descriptors import merged_descriptors
 from kvpush.memory.shapes import Shape
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from kvpush.commands.bench.raw import RawLoopResult
+    from kvpush.commands.bench.raw_node import RawNodeInfo
 
 #: pattern -> (allocator, shuffled order, churn first)
 _PATTERN = {
@@ -141,7 +148,7 @@ def _endpoint(role: Role, shape: Shape, num_blocks: int) -> dict[str, Any]:
     return cfg
 
 
-def _specs(shape: Shape, plan: Plan) -> dict[str, dict[str, Any]]:
+def _specs(shape: Shape, plan: Plan) -> dict[str, dict[str, object]]:
     nb = plan.pool_blocks[shape.name]
     tag = shape.name.replace("/", "-")
     return {
@@ -166,7 +173,7 @@ def _shape(
     pw, dw = (ws[name] for name in specs)
     # The raw target polls like kvpush's D receiver (spin 2 ms after activity, then sleep up
     # to 1 ms): at these sizes polling back to back was no faster and takes a core.
-    target = dw.call("raw_pool_node", poll="backoff", paused=True, call_timeout=300)
+    target: RawNodeInfo = dw.call("raw_pool_node", poll="backoff", paused=True, call_timeout=300)
     pw.call("raw_pool_node", poll="none", paused=True, call_timeout=300)
     pw.call("raw_prepare", target=target, call_timeout=300)
     # Warm the P->D path once (handshake, UCX wire-up) before anything is timed.
@@ -211,7 +218,7 @@ def _setup(
 def _size(
     pw: Worker,
     dw: Worker,
-    target: dict[str, Any],
+    target: RawNodeInfo,
     shape: Shape,
     nb: int,
     tokens: int,
@@ -259,7 +266,7 @@ def _size(
 def _replay(
     pw: Worker,
     dw: Worker,
-    target: dict[str, Any],
+    target: RawNodeInfo,
     pairs: list[list[list[int]]],
     n: int,
     inflight: int,
@@ -268,6 +275,8 @@ def _replay(
     """Replay the ids a kvpush pass got with raw NIXL (merge on, then off) and
     process_vm_writev; the figures go into ``a``."""
     dw.call("raw_poll", on=True)
+    r_on: RawLoopResult
+    r_off: RawLoopResult
     try:
         r_on, r_off = (
             pw.call(
@@ -339,8 +348,8 @@ def _kvpush(
 ) -> dict[str, Any]:
     regions = shape.regions
     r, c0, c1 = ClosedLoop(pw, dw, prefix, n, blocks, inflight).timed(120.0, wait_s=600.0)
-    lp = pw.call("model_recorded", prefix=prefix)
-    ld = dw.call("model_recorded", prefix=prefix)
+    lp: dict[str, list[int]] = pw.call("model_recorded", prefix=prefix)
+    ld: dict[str, list[int]] = dw.call("model_recorded", prefix=prefix)
     keys = sorted(set(lp) & set(ld), key=lambda k: int(k.rsplit(".", 1)[1]))
     pairs = [[lp[k], ld[k]] for k in keys]
     descs = [merged_descriptors(_arr(a), _arr(b), regions) for a, b in pairs]
@@ -375,7 +384,7 @@ def _verified_pass(
     return sum(1 for x in v["verified"] if x is True), nv
 
 
-def _arr(ids: list[int]) -> Any:
+def _arr(ids: list[int]) -> npt.NDArray[np.int64]:
     import numpy as np
 
     return np.asarray(ids, dtype=np.int64)

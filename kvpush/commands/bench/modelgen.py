@@ -20,18 +20,56 @@ import gc
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
-from kvpush.commands.bench.churn import CHURN_PREFIX, ChurnSpec, churn, make_room
-from kvpush.memory.allocator import BlockAllocator, FreeListAllocator
+from kvpush.commands.bench.churn import (
+    CHURN_PREFIX,
+    Allocator,
+    ChurnFields,
+    ChurnSpec,
+    churn,
+    make_room,
+)
+from kvpush.commands.bench.worker_state import WorkerState
+from kvpush.memory.allocator import BlockAllocator, Fragmentation, FreeListAllocator
+
+
+class FragInfo(TypedDict):
+    """A pool's ``Fragmentation`` as JSON (the reply of ``model_frag``)."""
+
+    total: int
+    free: int
+    free_runs: int
+    largest_free_run: int
+    free_run_hist: list[int]
+    alloc_mean_run_len: float
+
+
+class ChurnInfo(TypedDict):
+    """What churn left in a pool (the reply of ``model_churn``)."""
+
+    allocations: int
+    forced_finishes: int
+    churn_mean_run_len: float
+    residents: int
+    resident_blocks: int
+    finished_for_room: int
+    fragmentation: FragInfo
+
+
+class PoolInfo(TypedDict):
+    """The reply of ``model_pool``."""
+
+    kind: str
+    num_blocks: int
 
 
 class RecordingAllocator:
     """An allocator proxy that remembers the ids of every allocation but churn's."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Allocator) -> None:
         self.inner = inner
         self.recorded: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
@@ -52,17 +90,17 @@ class RecordingAllocator:
         return getattr(self.inner, name)
 
 
-def _recorder(state: Any) -> RecordingAllocator:
-    alloc = state.endpoint.pool.allocator
+def _recorder(state: WorkerState) -> RecordingAllocator:
+    alloc = state.endpoint.get().pool.allocator
     if not isinstance(alloc, RecordingAllocator):
         raise RuntimeError("model_pool first")
     return alloc
 
 
-def model_pool(state: Any, kind: str, order_seed: int | None = None) -> dict[str, Any]:
+def model_pool(state: WorkerState, kind: str, order_seed: int | None = None) -> PoolInfo:
     """Give the (idle) endpoint a fresh allocator: ``extent`` (kvpush's) or ``freelist``
     (in id order, or shuffled with ``order_seed``)."""
-    pool = state.endpoint.pool
+    pool = state.endpoint.get().pool
     deadline = time.monotonic() + 30.0
     while not _idle(pool.allocator):  # the last completions may still be releasing
         if time.monotonic() > deadline:
@@ -70,7 +108,7 @@ def model_pool(state: Any, kind: str, order_seed: int | None = None) -> dict[str
         time.sleep(0.01)
     n = int(pool.cfg.num_blocks)
     if kind == "extent":
-        inner: Any = BlockAllocator(n)
+        inner: Allocator = BlockAllocator(n)
     elif kind == "freelist":
         order = None
         if order_seed is not None:
@@ -78,19 +116,20 @@ def model_pool(state: Any, kind: str, order_seed: int | None = None) -> dict[str
         inner = FreeListAllocator(n, order=order)
     else:
         raise ValueError(f"unknown allocator {kind!r}")
-    pool.allocator = RecordingAllocator(inner)
+    # A duck-typed proxy in the allocator's place: the endpoint's code is untouched.
+    pool.allocator = RecordingAllocator(inner)  # type: ignore[assignment]
     gc.collect()  # see model_churn
     return {"kind": kind, "num_blocks": n}
 
 
-def _idle(alloc: Any) -> bool:
+def _idle(alloc: Allocator) -> bool:
     """Nothing but churn residents allocated (no request of the endpoint's own)."""
     return all(o.startswith(CHURN_PREFIX) for o in alloc.owners())
 
 
 def model_churn(
-    state: Any, spec: dict[str, Any], block_tokens: int, need_blocks: int
-) -> dict[str, Any]:
+    state: WorkerState, spec: ChurnFields, block_tokens: int, need_blocks: int
+) -> ChurnInfo:
     """Churn the fresh allocator (``ChurnSpec`` fields), then finish residents until
     ``need_blocks`` are free. Returns what churn left: residents, fragmentation."""
     rec = _recorder(state)
@@ -113,16 +152,16 @@ def model_churn(
     }
 
 
-def model_recorded(state: Any, prefix: str) -> dict[str, list[int]]:
+def model_recorded(state: WorkerState, prefix: str) -> dict[str, list[int]]:
     """Block ids of this endpoint's allocations whose owner starts with ``prefix`` (once)."""
     return _recorder(state).take(prefix)
 
 
-def model_frag(state: Any) -> dict[str, Any]:
-    return _frag(state.endpoint.pool.allocator.fragmentation())
+def model_frag(state: WorkerState) -> FragInfo:
+    return _frag(state.endpoint.get().pool.allocator.fragmentation())
 
 
-def _frag(f: Any) -> dict[str, Any]:
+def _frag(f: Fragmentation) -> FragInfo:
     return {
         "total": f.total,
         "free": f.free,

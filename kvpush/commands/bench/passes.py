@@ -13,11 +13,20 @@ from __future__ import annotations
 import math
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpush.commands.bench.common import PREFILL_AHEAD_S, warmup_s
 from kvpush.commands.bench.procs import Worker
 from kvpush.commands.bench.stats import summary, window
+
+if TYPE_CHECKING:
+    from kvpush.commands.bench.loadgen import (
+        DecodeManyResult,
+        Recorded,
+        SteadyDecodeResult,
+        SteadyPrefillResult,
+    )
+    from kvpush.commands.bench.raw_node import RawNodeInfo
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,11 +44,11 @@ class SteadyLoad:
 
 def steady_load(
     pw: Worker, dw: Worker, load: SteadyLoad, prefix: str, t0: float, duration: float, wait_s: float
-) -> tuple[Future[Any], Future[Any]]:
+) -> tuple[Future[SteadyDecodeResult], Future[SteadyPrefillResult]]:
     """Open-loop load from ``t0`` for ``duration`` s: D decodes ``{prefix}{i}`` at ``load.rate``
     per second while P finishes the same transfers ahead. The futures of D's ``steady_decode``
     and P's ``steady_prefill`` answers."""
-    args = {
+    args: dict[str, float | str] = {
         "prefix": prefix,
         "rate": load.rate,
         "t0": t0,
@@ -51,30 +60,39 @@ def steady_load(
 
 
 def join_request(
-    pw: Worker, dw: Worker, transfer_id: str, t_wall: float, blocks: int, **decode: Any
-) -> Future[Any]:
+    pw: Worker, dw: Worker, transfer_id: str, t_wall: float, blocks: int, **decode: float
+) -> Future[Recorded]:
     """D sends one request to P at ``t_wall`` (a peer joining), P prefilling it ahead
     (``decode``: more ``decode_at`` arguments). The future of D's ``decode_at`` answer."""
-    args = {"transfer_id": transfer_id, "t_wall": t_wall, "blocks": blocks}
-    fd, _ = _p_ahead(pw, dw, ("decode_at", "prefill_at"), "t_wall", args, **decode)
+    args: dict[str, float | str] = {"transfer_id": transfer_id, "t_wall": t_wall, "blocks": blocks}
+    fd: Future[Recorded] = _p_ahead(pw, dw, ("decode_at", "prefill_at"), "t_wall", args, **decode)[
+        0
+    ]
     return fd
 
 
 def _p_ahead(
-    pw: Worker, dw: Worker, cmds: tuple[str, str], at: str, args: dict[str, Any], **decode: Any
+    pw: Worker,
+    dw: Worker,
+    cmds: tuple[str, str],
+    at: str,
+    args: dict[str, float | str],
+    **decode: float,
 ) -> tuple[Future[Any], Future[Any]]:
     """D's command of ``cmds`` (D's, P's) with ``args``, and P's with the same ``args`` but its
     start time (argument ``at``) ``PREFILL_AHEAD_S`` earlier, so that D's latency measures the
     push, not P catching up. The futures of D's and P's answers."""
     d_cmd, p_cmd = cmds
     fd = dw.call_async(d_cmd, p_addr=pw.address, **args, **decode)
-    fp = pw.call_async(p_cmd, **{**args, at: args[at] - PREFILL_AHEAD_S})
+    start = args[at]
+    assert isinstance(start, float)  # t0 or t_wall: a wall-clock time
+    fp = pw.call_async(p_cmd, **{**args, at: start - PREFILL_AHEAD_S})
     return fd, fp
 
 
 def steady_phases(
     t: list[float], lat: list[float], ok: list[bool], before_s: float, during_s: float
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, dict[str, float]]:
     """D1's latencies before, during and after a join (``t``: seconds since the join; the
     join's window lasts ``during_s``; the first seconds of the steady load are warm-up)."""
     phases = {}
@@ -101,8 +119,8 @@ class ClosedLoop:
     inflight: int
 
     def timed(
-        self, finish_wait_s: float = 60.0, **decode: Any
-    ) -> tuple[dict[str, Any], dict[str, float], dict[str, float]]:
+        self, finish_wait_s: float = 60.0, **decode: float
+    ) -> tuple[DecodeManyResult, dict[str, float], dict[str, float]]:
         """P finishes the transfers (no bytes written) as fast as its pool allows while D
         decodes them (``decode``: more ``decode_many`` arguments). Returns D's ``decode_many``
         answer and P's thread CPU seconds before and after it."""
@@ -114,7 +132,7 @@ class ClosedLoop:
         fp.result(finish_wait_s)
         return r, c0, c1
 
-    def verified(self, prefill_wait_s: float = 60.0, **decode: Any) -> dict[str, Any]:
+    def verified(self, prefill_wait_s: float = 60.0, **decode: float) -> DecodeManyResult:
         """P writes the pattern into the transfers and D, its verification switched on, checks
         every byte (``decode``: more ``decode_many`` arguments). D's ``decode_many`` answer."""
         self.dw.call("set_verify", verify=True)
@@ -123,8 +141,8 @@ class ClosedLoop:
         fv.result(prefill_wait_s)
         return v
 
-    def _decode_many(self, more: dict[str, Any]) -> dict[str, Any]:
-        r: dict[str, Any] = self.dw.call(
+    def _decode_many(self, more: dict[str, float]) -> DecodeManyResult:
+        r: DecodeManyResult = self.dw.call(
             "decode_many",
             p_addr=self.pw.address,
             prefix=self.prefix,
@@ -143,11 +161,11 @@ def raw_pair(
     target_blocks: int,
     initiator_blocks: int,
     block_bytes: int,
-    **agent: Any,
-) -> dict[str, Any]:
+    **agent: bool,
+) -> RawNodeInfo:
     """Fresh raw NIXL nodes for a baseline: the target polls (spins), the initiator does not
     (``agent``: more ``raw_node`` arguments for both). The target's info, to write to."""
-    ti: dict[str, Any] = rt.call(
+    ti: RawNodeInfo = rt.call(
         "raw_node",
         regions=regions,
         num_blocks=target_blocks,

@@ -15,25 +15,43 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TypedDict
 
+from kvpush.commands.bench.worker_state import WorkerState
 from kvpush.config import HandshakeMode
+
+
+class GcGeneration(TypedDict):
+    count: int
+    total_s: float
+    max_s: float
+
+
+class GcReport(TypedDict):
+    """The reply of ``gc_report``."""
+
+    tracked_objects: int
+    frozen_objects: int
+    gen0: GcGeneration
+    gen1: GcGeneration
+    gen2: GcGeneration
+    slowest: list[list[float]]  # [wall time, generation, seconds], slowest first
+
 
 _SC_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def stats(state: Any) -> dict[str, Any]:
-    snap: dict[str, Any] = state.endpoint.snapshot().to_dict()
-    return snap
+def stats(state: WorkerState) -> dict[str, object]:
+    return state.endpoint.get().snapshot().to_dict()
 
 
 def handshake_series(
-    state: Any, p_addr: str, modes: list[str], repeats: int, settle_s: float = 0.0
-) -> dict[str, Any]:
+    state: WorkerState, p_addr: str, modes: list[str], repeats: int, settle_s: float = 0.0
+) -> dict[str, list[dict[str, float]]]:
     """Handshake to ``p_addr`` ``repeats`` times per mode (interleaved), forgetting the peer
     after each so the next one starts from nothing. Returns phase timings per mode."""
-    ep = state.endpoint
+    ep = state.endpoint.get()
     out: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for _ in range(repeats):
         for m in modes:
@@ -49,11 +67,10 @@ def handshake_series(
     return out
 
 
-def metadata_sizes(state: Any) -> dict[str, int]:
+def metadata_sizes(state: WorkerState) -> dict[str, int]:
     """Bytes this endpoint sends in a handshake reply: its NIXL agent metadata in each mode
     and kvpush's own endpoint metadata."""
-    sizes: dict[str, int] = state.endpoint.metadata_sizes()
-    return sizes
+    return state.endpoint.get().metadata_sizes()
 
 
 def process_cpu_s() -> float:
@@ -74,7 +91,7 @@ def _thread_cpu_s(tid: int) -> float | None:
             return None
 
 
-def threads_cpu_s(state: Any) -> dict[str, float]:
+def threads_cpu_s(state: WorkerState) -> dict[str, float]:
     """CPU seconds of the endpoint's owner threads (P's writer, D's receiver) and the process."""
     out: dict[str, float] = {}
     for t in threading.enumerate():
@@ -95,7 +112,7 @@ def threads_cpu_s(state: Any) -> dict[str, float]:
     return out
 
 
-def cpu(state: Any) -> dict[str, float]:
+def cpu(state: WorkerState) -> dict[str, float]:
     return threads_cpu_s(state)
 
 
@@ -105,7 +122,7 @@ _gc_log: list[tuple[int, float, float]] = []  # (generation, wall time, seconds)
 _gc_t0: list[float] = [0.0]
 
 
-def _gc_cb(phase: str, info: dict[str, Any]) -> None:
+def _gc_cb(phase: str, info: Mapping[str, int]) -> None:
     if phase == "start":
         _gc_t0[0] = time.perf_counter()
     elif len(_gc_log) < 100_000:
@@ -114,7 +131,7 @@ def _gc_cb(phase: str, info: dict[str, Any]) -> None:
         )
 
 
-def gc_watch(state: Any) -> None:
+def gc_watch(state: WorkerState) -> None:
     """Start recording this process's garbage-collector pauses (they stop every thread)."""
     import gc
 
@@ -123,25 +140,29 @@ def gc_watch(state: Any) -> None:
         gc.callbacks.append(_gc_cb)
 
 
-def gc_report(state: Any) -> dict[str, Any]:
+def _generation(g: int) -> GcGeneration:
+    d = [x for x in _gc_log if x[0] == g]
+    return {
+        "count": len(d),
+        "total_s": sum(x[2] for x in d),
+        "max_s": max((x[2] for x in d), default=0.0),
+    }
+
+
+def gc_report(state: WorkerState) -> GcReport:
     """Pauses per generation since ``gc_watch``: count, total and max seconds, slowest times."""
     import gc
 
-    out: dict[str, Any] = {
+    return {
         "tracked_objects": len(gc.get_objects()),
         "frozen_objects": gc.get_freeze_count(),
+        "gen0": _generation(0),
+        "gen1": _generation(1),
+        "gen2": _generation(2),
+        "slowest": [
+            [round(t, 3), g, round(s, 4)] for g, t, s in sorted(_gc_log, key=lambda x: -x[2])[:10]
+        ],
     }
-    for g in (0, 1, 2):
-        d = [x for x in _gc_log if x[0] == g]
-        out[f"gen{g}"] = {
-            "count": len(d),
-            "total_s": sum(x[2] for x in d),
-            "max_s": max((x[2] for x in d), default=0.0),
-        }
-    out["slowest"] = [
-        [round(t, 3), g, round(s, 4)] for g, t, s in sorted(_gc_log, key=lambda x: -x[2])[:10]
-    ]
-    return out
 
 
 COMMANDS: dict[str, Callable[..., object]] = {

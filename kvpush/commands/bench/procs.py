@@ -19,13 +19,17 @@ import json
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutTimeout
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvpush.commands.common import launch
 from kvpush.errors import KvpushError
+
+if TYPE_CHECKING:
+    from kvpush.commands.bench.loadgen import EndpointInfo
 
 
 class BenchError(KvpushError):
@@ -49,12 +53,12 @@ class Worker:
             cwd=launch.ROOT,
         )
         self._ids = itertools.count(1)
-        self._futs: dict[int, Future[Any]] = {0: Future()}
+        self._futs: dict[int, Future[object]] = {0: Future()}
         self._lock = threading.Lock()
         self._wlock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name=f"bench-{name}", daemon=True)
         self._reader.start()
-        self.info: dict[str, Any] = {}
+        self.info: EndpointInfo | None = None  # start_endpoint's reply
 
     # ------------------------------------------------------------------ protocol
     def _read(self) -> None:
@@ -93,9 +97,11 @@ class Worker:
         if f is not None:
             self._result(f, timeout_s, "start")
 
+    # A reply is the worker's JSON as parsed, untyped (the one boundary where it is): each caller
+    # reads it as the reply's TypedDict, declared beside the command in the worker's modules.
     def call_async(self, cmd: str, **args: object) -> Future[Any]:
         mid = next(self._ids)
-        fut: Future[Any] = Future()
+        fut: Future[object] = Future()
         with self._lock:
             if self.popen.poll() is not None:
                 fut.set_exception(
@@ -118,7 +124,7 @@ class Worker:
     def call(self, cmd: str, call_timeout: float = 120.0, **args: object) -> Any:
         return self._result(self.call_async(cmd, **args), call_timeout, cmd)
 
-    def _result(self, fut: Future[Any], timeout_s: float, what: str) -> Any:
+    def _result(self, fut: Future[object], timeout_s: float, what: str) -> object:
         try:
             return fut.result(timeout_s)
         except FutTimeout:
@@ -147,7 +153,9 @@ class Worker:
 
     @property
     def address(self) -> str:
-        return str(self.info["address"])
+        if self.info is None:
+            raise BenchError(f"worker {self.name} hosts no endpoint", "start_endpoint first")
+        return self.info["address"]
 
     @property
     def pid(self) -> int:
@@ -174,7 +182,7 @@ class Cluster:
         return w
 
     def endpoints(
-        self, specs: dict[str, dict[str, Any]], timeout_s: float = 90.0
+        self, specs: Mapping[str, Mapping[str, object]], timeout_s: float = 90.0
     ) -> dict[str, Worker]:
         """Start one endpoint worker per ``name -> EndpointConfig dict``, in parallel."""
         ws = {name: self.spawn(name) for name in specs}
@@ -183,7 +191,7 @@ class Cluster:
             w.wait_started(timeout_s)
             futs[name] = w.call_async("start_endpoint", config=specs[name])
         for name, f in futs.items():
-            ws[name].info = ws[name]._result(f, timeout_s, "start_endpoint")
+            ws[name].info = cast("EndpointInfo", ws[name]._result(f, timeout_s, "start_endpoint"))
         return ws
 
     def stop(self, w: Worker) -> None:

@@ -19,21 +19,59 @@ import base64
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, NotRequired, Protocol, TypedDict, cast
 
 import numpy as np
 
 from kvpush.commands.bench.probes import process_cpu_s
-from kvpush.commands.bench.raw_node import RawNode, block_starts, region_bases
+from kvpush.commands.bench.raw_node import RawNodeInfo, block_starts, region_bases
+from kvpush.commands.bench.worker_state import WorkerState
+
+if TYPE_CHECKING:
+    from kvpush.transport.agent import DList, Handle, Xfer
+    from kvpush.transport.nixl import NixlAgent
+
+#: Posts WRITE ``i``: its transfer and first state (DONE, PROC or ERR).
+Post = Callable[[int], "tuple[Xfer, str]"]
+
+
+class RawLoopResult(TypedDict):
+    """The reply of ``raw_write_loop`` and ``raw_pairs_loop``."""
+
+    n: int
+    bytes: int
+    elapsed_s: float
+    cpu_s: float
+    thread_cpu_s: float
+    gbps: float
+    per_s: float
+    post_to_done_p50_s: float
+    post_to_done_p99_s: NotRequired[float]  # raw_write_loop's only
+
+
+class _UnmergedAgent(Protocol):
+    """The two calls of NIXL's own agent a WRITE with the descriptor merge off makes."""
+
+    def make_prepped_xfer(
+        self,
+        operation: str,
+        local_xfer_side: object,
+        local_indices: np.ndarray,
+        remote_xfer_side: object,
+        remote_indices: np.ndarray,
+        notif_msg: bytes,
+        skip_desc_merge: bool,
+    ) -> Handle: ...
+    def transfer(self, handle: object) -> str: ...
 
 
 def _run_writes(
-    agent: Any, post: Callable[[int], tuple[Any, str]], count: int, inflight: int
+    agent: NixlAgent, post: Post, count: int, inflight: int
 ) -> tuple[float, float, float, list[float]]:
     """``count`` WRITEs ``post(i)``-ed with at most ``inflight`` outstanding, each polled with
     ``check_xfer_state`` until DONE and released. Returns elapsed, process CPU and thread CPU
     seconds and the sorted post -> DONE latencies."""
-    pending: deque[Any] = deque()
+    pending: deque[Xfer] = deque()
     lat: list[float] = []
     posted: deque[float] = deque()
     c0 = process_cpu_s()
@@ -42,11 +80,11 @@ def _run_writes(
     for i in range(count):
         while len(pending) >= inflight:
             x = pending[0]
-            st = agent.state(x)
-            if st == "DONE":
+            state = agent.state(x)
+            if state == "DONE":
                 agent.release(pending.popleft())
                 lat.append(time.perf_counter() - posted.popleft())
-            elif st == "ERR":
+            elif state == "ERR":
                 raise RuntimeError("raw WRITE failed")
         x, st = post(i)
         tp = time.perf_counter()
@@ -68,14 +106,14 @@ def _run_writes(
 
 
 def raw_write_loop(
-    state: Any,
-    target: dict[str, Any],
+    state: WorkerState,
+    target: RawNodeInfo,
     blocks: int,
     n: int,
     inflight: int,
     notif: bool,
     warmup: int = 8,
-) -> dict[str, Any]:
+) -> RawLoopResult:
     """``n`` WRITEs of ``blocks`` blocks x every region into the target, ``inflight`` at a time.
 
     Each WRITE is ``make_prepped_xfer`` + ``transfer`` on prepared lists, then polled with
@@ -83,7 +121,7 @@ def raw_write_loop(
     """
     from kvpush.memory.descriptors import block_descs, xfer_indices
 
-    node: RawNode = state.raw
+    node = state.raw.get()
     agent = node.agent
     regions, num_blocks, block_bytes = node.geometry
     t_regions, t_blocks, t_bb = target["geometry"]
@@ -112,7 +150,7 @@ def raw_write_loop(
     ]
     nbytes = blocks * regions * block_bytes
 
-    def post(i: int) -> tuple[Any, str]:
+    def post(i: int) -> tuple[Xfer, str]:
         li, ri = idx[i % len(idx)]
         return agent.post_write(local, li, remote, ri, (b"n%d" % i) if notif else b"")
 
@@ -137,14 +175,14 @@ def raw_write_loop(
 
 
 def _post_unmerged(
-    agent: Any, local: Any, li: Any, remote: Any, ri: Any, notif: bytes
-) -> tuple[Any, str]:
+    agent: NixlAgent, local: DList, li: np.ndarray, remote: DList, ri: np.ndarray, notif: bytes
+) -> tuple[Xfer, str]:
     """A WRITE with NIXL's descriptor merge off (``skip_desc_merge=True``, documented as
     deprecated in nixl 1.5.1). ``NixlAgent.post_write`` has no such switch (kvpush always
     merges), so this one baseline calls the agent inside the adapter directly."""
     from kvpush.transport.nixl import Xfer
 
-    raw = agent._agent
+    raw = cast(_UnmergedAgent, agent._agent)
     h = raw.make_prepped_xfer(
         "WRITE", local.handle, li, remote.handle, ri, notif, skip_desc_merge=True
     )
@@ -158,20 +196,20 @@ def _post_unmerged(
 
 
 def raw_pairs_loop(
-    state: Any,
+    state: WorkerState,
     pairs: list[list[list[int]]],
     n: int,
     inflight: int,
     merge: bool = True,
     notif: bool = True,
     warmup: int = 1,
-) -> dict[str, Any]:
+) -> RawLoopResult:
     """``n`` WRITEs cycling through ``pairs`` (``[local_ids, remote_ids]``, position-matched,
     every region), ``inflight`` at a time, into the prepared target; ``merge=False`` turns
     NIXL's merge of consecutive descriptors off."""
     from kvpush.memory.descriptors import xfer_indices
 
-    node: RawNode = state.raw
+    node = state.raw.get()
     peer = node.peer
     if peer is None:
         raise RuntimeError("raw_prepare first")
@@ -186,7 +224,7 @@ def raw_pairs_loop(
     ]
     sizes = [len(lo) * regions * block_bytes for lo, _ in pairs]
 
-    def post(i: int) -> tuple[Any, str]:
+    def post(i: int) -> tuple[Xfer, str]:
         li, ri = idx[i % len(idx)]
         msg = (b"n%d" % i) if notif else b""
         if merge:

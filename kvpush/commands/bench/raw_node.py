@@ -23,10 +23,27 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
+
+from kvpush.commands.bench.worker_state import WorkerState
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvpush.transport.nixl import NixlAgent
 
 
-def pool_buffer(regions: int, num_blocks: int, block_bytes: int) -> Any:
+class RawNodeInfo(TypedDict):
+    """A raw node as another worker loads it (the reply of ``raw_node`` / ``raw_pool_node``)."""
+
+    metadata: str  # the agent's full NIXL metadata, base64
+    bases: list[int]  # each region's base address
+    pid: int
+    geometry: list[int]  # [regions, num_blocks, block_bytes]
+    mem_type: str  # NIXL's: DRAM or VRAM
+
+
+def pool_buffer(regions: int, num_blocks: int, block_bytes: int) -> torch.Tensor:
     """A zeroed ``(regions, num_blocks, block_bytes)`` uint8 tensor: a kvpush pool's shape."""
     import torch
 
@@ -34,12 +51,12 @@ def pool_buffer(regions: int, num_blocks: int, block_bytes: int) -> Any:
     return torch.zeros((regions, num_blocks, block_bytes), dtype=torch.uint8)
 
 
-def mem_type(t: Any) -> str:
+def mem_type(t: torch.Tensor) -> str:
     """NIXL's memory type of a tensor: ``VRAM`` on a GPU, else ``DRAM``."""
     return "VRAM" if getattr(t, "is_cuda", False) else "DRAM"
 
 
-def region_bases(t: Any) -> list[int]:
+def region_bases(t: torch.Tensor) -> list[int]:
     """The base address of each region of a pool-shaped tensor."""
     base = int(t.data_ptr())
     stride = int(t.shape[1] * t.shape[2])
@@ -56,7 +73,7 @@ class RawNode:
         block_bytes: int,
         progress_thread: bool,
         poll: str,
-        tensor: Any = None,
+        tensor: torch.Tensor | None = None,
         paused: bool = False,
     ) -> None:
         from kvpush.config import AgentConfig
@@ -104,7 +121,7 @@ class RawNode:
                 time.sleep(sleep)
                 sleep = min(sleep * 2, 0.001)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> RawNodeInfo:
         import os
 
         return {
@@ -133,28 +150,29 @@ class RawNode:
 
 
 def raw_node(
-    state: Any,
+    state: WorkerState,
     regions: int,
     num_blocks: int,
     block_bytes: int,
     progress_thread: bool = False,
     poll: str = "spin",
-) -> dict[str, Any]:
-    if state.raw is not None:
-        state.raw.close()
+) -> RawNodeInfo:
+    old = state.raw.peek()
+    if old is not None:
+        old.close()
     node = RawNode(regions, num_blocks, block_bytes, progress_thread, poll)
-    state.raw = node
+    state.raw.put(node)
     return node.info()
 
 
-def raw_close(state: Any) -> None:
-    if state.raw is not None:
-        state.raw.close()
-        state.raw = None
+def raw_close(state: WorkerState) -> None:
+    node = state.raw.take()
+    if node is not None:
+        node.close()
 
 
-def raw_notifs(state: Any) -> int:
-    return int(state.raw.notifs)
+def raw_notifs(state: WorkerState) -> int:
+    return int(state.raw.get().notifs)
 
 
 def block_starts(num_blocks: int, blocks: int, count: int) -> list[int]:
@@ -166,7 +184,7 @@ def block_starts(num_blocks: int, blocks: int, count: int) -> list[int]:
 class _Peer:
     """A target loaded into a raw initiator, both whole-pool descriptor lists prepped once."""
 
-    def __init__(self, agent: Any, node: RawNode, target: dict[str, Any]) -> None:
+    def __init__(self, agent: NixlAgent, node: RawNode, target: RawNodeInfo) -> None:
         from kvpush.memory.descriptors import block_descs
 
         regions, num_blocks, block_bytes = node.geometry
@@ -187,38 +205,39 @@ class _Peer:
         )
         agent.make_connection(self.name)
 
-    def close(self, agent: Any) -> None:
+    def close(self, agent: NixlAgent) -> None:
         agent.release_dlist(self.local)
         agent.release_dlist(self.remote)
         agent.remove_remote(self.name)
 
 
-def raw_pool_node(state: Any, poll: str = "spin", paused: bool = True) -> dict[str, Any]:
+def raw_pool_node(state: WorkerState, poll: str = "spin", paused: bool = True) -> RawNodeInfo:
     """A raw agent registering this endpoint's own pool tensor (a second registration of the
     same memory), its poller ``paused`` until ``raw_poll(on=True)``."""
-    if state.raw is not None:
-        state.raw.close()
-    t = state.endpoint.pool.as_tensor()
+    old = state.raw.peek()
+    if old is not None:
+        old.close()
+    t = state.endpoint.get().pool.as_tensor()
     regions, num_blocks, block_bytes = (int(x) for x in t.shape)
     node = RawNode(regions, num_blocks, block_bytes, False, poll, tensor=t, paused=paused)
-    state.raw = node
+    state.raw.put(node)
     return node.info()
 
 
-def raw_poll(state: Any, on: bool) -> None:
-    state.raw.set_polling(on)
+def raw_poll(state: WorkerState, on: bool) -> None:
+    state.raw.get().set_polling(on)
 
 
-def raw_prepare(state: Any, target: dict[str, Any]) -> None:
+def raw_prepare(state: WorkerState, target: RawNodeInfo) -> None:
     """Load ``target`` (a ``raw_pool_node`` info) and prep both pools' descriptor lists."""
-    node: RawNode = state.raw
+    node = state.raw.get()
     if node.peer is not None:
         node.peer.close(node.agent)
     node.peer = None
     node.peer = _Peer(node.agent, node, target)
 
 
-COMMANDS: dict[str, Callable[..., Any]] = {
+COMMANDS: dict[str, Callable[..., object]] = {
     "raw_node": raw_node,
     "raw_notifs": raw_notifs,
     "raw_close": raw_close,

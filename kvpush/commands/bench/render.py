@@ -8,10 +8,13 @@ scenario). Run in the orchestrator process, on the caller's thread; no I/O.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvpush.commands.bench.report import Machine, TableDict
 
 
-def _table_lines(t: dict[str, Any], sep: str = "  ") -> list[str]:
+def _table_lines(t: TableDict, sep: str = "  ") -> list[str]:
     cols = t["columns"]
     rows = t["rows"]
     widths = [
@@ -37,7 +40,7 @@ def _numeric(cell: str) -> bool:
         return False
 
 
-def _md_table_lines(t: dict[str, Any]) -> list[str]:
+def _md_table_lines(t: TableDict) -> list[str]:
     rows = ["| " + " | ".join(row) + " |" for row in t["rows"]]
     return [
         "| " + " | ".join(t["columns"]) + " |",
@@ -46,7 +49,7 @@ def _md_table_lines(t: dict[str, Any]) -> list[str]:
     ]
 
 
-def _load(machine: dict[str, Any]) -> str:
+def _load(machine: Machine) -> str:
     """The host's 1-minute load average at the scenario's start and end."""
     start, end = machine["loadavg"][0], machine["loadavg_end"][0]
     return f"load average {start:.2f} at start, {end:.2f} at end"

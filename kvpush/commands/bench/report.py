@@ -20,7 +20,7 @@ import platform
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, NotRequired, TypedDict
 
 from kvpush.commands.bench.stats import finite
 
@@ -48,23 +48,64 @@ def fmt_num(x: float | None, digits: int = 2) -> str:
     return f"{x:,.{digits}f}"
 
 
+class TableDict(TypedDict):
+    """One table of a result: cells already formatted."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+    note: str
+
+
+class TargetDict(TypedDict):
+    """One target of a result: what was asked, what was measured, met or not."""
+
+    name: str
+    target: str
+    measured: str
+    met: bool | None
+    note: str
+
+
+Package = Literal["nixl", "torch", "numpy", "pyzmq", "kvpush"]
+PACKAGES: tuple[Package, ...] = ("nixl", "torch", "numpy", "pyzmq", "kvpush")
+
+
+class Machine(TypedDict):
+    """The host a result was measured on (``machine_info``; ``loadavg_end`` added at the end)."""
+
+    cpus: int | None
+    kernel: str
+    python: str
+    loadavg: list[float]
+    cpu: NotRequired[str]
+    mem_gib: NotRequired[float]
+    nixl: NotRequired[str]
+    torch: NotRequired[str]
+    numpy: NotRequired[str]
+    pyzmq: NotRequired[str]
+    kvpush: NotRequired[str]
+    ucx_tls: NotRequired[str]
+    loadavg_end: NotRequired[list[float]]
+
+
 @dataclass
 class Report:
     scenario: str
     title: str
     quick: bool
-    params: dict[str, Any] = field(default_factory=dict)
-    tables: list[dict[str, Any]] = field(default_factory=list)
-    targets: list[dict[str, Any]] = field(default_factory=list)
+    params: dict[str, object] = field(default_factory=dict)
+    tables: list[TableDict] = field(default_factory=list)
+    targets: list[TargetDict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     figures: dict[str, Any] = field(default_factory=dict)
     charts: list[str] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
-    machine_start: dict[str, Any] = field(default_factory=lambda: machine_info())
+    machine_start: Machine = field(default_factory=lambda: machine_info())
 
     def table(
-        self, title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], note: str = ""
+        self, title: str, columns: Sequence[str], rows: Sequence[Sequence[object]], note: str = ""
     ) -> None:
         self.tables.append(
             {
@@ -113,8 +154,8 @@ def _clean(x: object) -> object:
     return x
 
 
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
+def machine_info() -> Machine:
+    info: Machine = {
         "cpus": os.cpu_count(),
         "kernel": platform.release(),
         "python": platform.python_version(),
@@ -136,7 +177,7 @@ def machine_info() -> dict[str, Any]:
         pass
     from importlib.metadata import PackageNotFoundError, version
 
-    for pkg in ("nixl", "torch", "numpy", "pyzmq", "kvpush"):
+    for pkg in PACKAGES:
         with contextlib.suppress(PackageNotFoundError):
             info[pkg] = version(pkg)
     info["ucx_tls"] = os.environ.get("UCX_TLS", "(unset)")

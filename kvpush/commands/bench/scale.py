@@ -13,16 +13,26 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpush.commands.bench import noise
 from kvpush.commands.bench.chart import Panel, Series, line_chart
-from kvpush.commands.bench.common import Progress, endpoint_cfg, logs_dir, start_at, warmup_s
+from kvpush.commands.bench.common import (
+    Geometry,
+    Progress,
+    endpoint_cfg,
+    logs_dir,
+    start_at,
+    warmup_s,
+)
 from kvpush.commands.bench.passes import SteadyLoad, join_request, steady_load, steady_phases
 from kvpush.commands.bench.procs import Cluster
 from kvpush.commands.bench.report import Report, fmt_ms, fmt_x
 from kvpush.commands.bench.stats import median, ratio
 from kvpush.config import Role
+
+if TYPE_CHECKING:
+    from kvpush.commands.bench.loadgen import Recorded, SteadyDecodeResult
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,9 +58,9 @@ class _Storm:
 
     names: list[str]
     quiet_join: float  # D1's first request in quiet time (s)
-    d1: dict[str, Any]  # D1's steady_decode result
+    d1: SteadyDecodeResult
     p_late: float  # how far P's open-loop generator fell behind (s)
-    joins: dict[str, dict[str, Any]]  # each new D's decode_at result
+    joins: dict[str, Recorded]  # each new D's decode_at result
     stalls: list[tuple[float, float]]  # host stalls: (s since the storm, ms late)
     hs: dict[str, float]  # P's handshake duration per new D (s)
     d1_hs: float
@@ -72,7 +82,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
 def _measure(p: ScaleParams, out_dir: Path, progress: Progress) -> _Storm:
     """P, D1 and the new Ds: D1 joins in quiet time, then steady load, and mid-run every new D
     sends its first request at the same instant."""
-    geo: dict[str, Any] = {"layers": p.layers, "block_bytes": p.block_bytes}
+    geo: Geometry = {"layers": p.layers, "block_bytes": p.block_bytes}
     names = [f"d-new{k}" for k in range(p.new_peers)]
     with Cluster(logs_dir(out_dir, "scale")) as cl:
         progress(f"scale: starting P, D1 and {p.new_peers} new D endpoints")

@@ -29,28 +29,29 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import NotRequired, TextIO, TypedDict, cast
 
 from kvpush import logsafe
+from kvpush.commands.bench.worker_state import WorkerState
 
 _out_lock = threading.Lock()
-_out: Any = None
+_out: TextIO | None = None
 
 
-def _emit(msg: dict[str, Any]) -> None:
+class _Command(TypedDict):
+    """One line from the orchestrator (``kvpush.commands.bench.procs.Worker.call_async``)."""
+
+    id: int
+    cmd: str
+    args: NotRequired[dict[str, object]]
+
+
+def _emit(msg: dict[str, object]) -> None:
     line = json.dumps(msg, separators=(",", ":"))
     with _out_lock:
+        assert _out is not None  # set by main() before the first command
         _out.write(line + "\n")
         _out.flush()
-
-
-class WorkerState:
-    """What this worker hosts: at most one endpoint and/or one raw baseline."""
-
-    def __init__(self) -> None:
-        self.endpoint: Any = None
-        self.raw: Any = None
-        self.stopping = threading.Event()
 
 
 def _commands(state: WorkerState) -> dict[str, Callable[..., object]]:
@@ -76,15 +77,15 @@ def _bind(fn: Callable[..., object], state: WorkerState) -> Callable[..., object
 
 def _stop(state: WorkerState) -> None:
     state.stopping.set()
-    if state.endpoint is not None:
-        state.endpoint.stop(2.0)
-        state.endpoint = None
-    if state.raw is not None:
-        state.raw.close()
-        state.raw = None
+    ep = state.endpoint.take()
+    if ep is not None:
+        ep.stop(2.0)
+    node = state.raw.take()
+    if node is not None:
+        node.close()
 
 
-def _run_one(cmds: dict[str, Callable[..., object]], msg: dict[str, Any]) -> None:
+def _run_one(cmds: dict[str, Callable[..., object]], msg: _Command) -> None:
     mid = msg.get("id")
     try:
         fn = cmds[msg["cmd"]]
@@ -125,7 +126,7 @@ def main() -> int:
         line = line.strip()
         if not line:
             continue
-        msg = json.loads(line)
+        msg = cast(_Command, json.loads(line))
         if msg.get("cmd") == "stop":
             _run_one(cmds, msg)
             break

@@ -97,7 +97,7 @@ Concurrency = Annotated[int, option("--concurrency", "-c", help="Requests in fli
 Blocks = Annotated[int, option("--blocks", help="Blocks per request.")]
 
 #: Variables that two declarations share (drive's and demo's --requests; leg decode's and leg
-#: prefill's --blocks, the request's blocks: per-command help, the same meaning). Any other
+#: prefill's --blocks, the request's blocks: per-command help, the same meaning). Every other
 #: variable that two options with different help would share is a clash
 #: (``tests/integration/test_cli_operator.py`` walks every command).
 SHARED_ENV: frozenset[str] = frozenset({"KVPUSH_REQUESTS", "KVPUSH_LEG_BLOCKS"})

@@ -5,7 +5,7 @@ Owns ``install`` (wrap ``sys.stdout``/``sys.stderr`` once, at the start of ``mai
 ``kvpush serve-decode -o json | head -1``) raises ``BrokenPipeError``; the wrapper swallows it,
 points the file descriptor at ``/dev/null`` (so the interpreter's own flush at exit is quiet
 too) and remembers it: a command goes on to its real exit status, an endpoint goes on serving.
-Any thread may write; the flag is a plain bool set once.
+Every thread may write; the flag is a plain bool set once.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ drive's own contact and fits the run. Owns
 * ``start_notes`` / ``said`` (the words for a record left out or pending: each named once).
 
 Pure functions of records and metadata (``kvpush.commands.drive.preflight.misfit`` judges each
-peer); ``kvpush.commands.drive.targets`` does the contacting and the following. Any thread.
+peer); ``kvpush.commands.drive.targets`` does the contacting and the following. Runs on any thread.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ decoded with kvpush's bounded, typed decoders (the compatibility hash first, the
 size only and never handed to NIXL.
 
 Ranks: a kvpush peer's identity lists every (pp, tp) rank it serves and its ``tp_size``
-(``served_ranks`` reads it as "0..N-1"). Any other rank than 0,0 is asked for only when it is
+(``served_ranks`` reads it as "0..N-1"). A rank other than 0,0 is asked for only when it is
 known to be served, and then everything the probe does -- the metadata, the handshake, the
 pings -- is with that rank.
 """
