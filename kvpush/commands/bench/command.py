@@ -29,7 +29,7 @@ def scenarios(incomplete: str) -> list[str]:
     """Tab-completion of the scenario (runs on every Tab press: the bench package is light)."""
     from kvpush.commands.bench import NAMES
 
-    return complete.starting([*NAMES, "trace", "all"], incomplete)
+    return complete.starting([*NAMES, "trace", "peer", "all"], incomplete)
 
 
 def register(app: typer.Typer) -> None:
@@ -50,7 +50,8 @@ def bench(
             "pushes between VRAM pools vs raw NIXL and a torch copy; not part of all); trace "
             "(a request trace replayed at rising speedups: the knee for a pair and for 1 P x "
             "2 D, with the pool each step needed; --workload FILE or a synthetic one; not part "
-            "of all).",
+            "of all); peer (kvpush P -> D beside vLLM P -> D with vLLM's own NixlPushConnector: "
+            "requests/s, latency, CPU per request; needs --vllm-python; not part of all).",
             show_default=False,
             autocompletion=scenarios,
         ),
@@ -87,9 +88,51 @@ def bench(
             show_default=False,
         ),
     ] = None,
+    vllm_python: Annotated[
+        str | None,
+        option(
+            "--vllm-python",
+            help="bench peer: the python of the vLLM virtualenv (scripts/vllm-venv.sh builds "
+            "it and prints its path). [default: $KVPUSH_VLLM_PYTHON]",
+            env=False,
+            metavar="PATH",
+            show_default=False,
+        ),
+    ] = None,
+    requests: Annotated[
+        int | None,
+        option(
+            "--requests",
+            help="bench peer: requests per round of the 1-block, 16-in-flight cell; the other "
+            "cells scale with it. [default: 600; --quick: 64]",
+            env=False,
+            show_default=False,
+        ),
+    ] = None,
+    rounds: Annotated[
+        int | None,
+        option(
+            "--rounds",
+            help="bench peer: rounds (each runs every cell on both systems, the order "
+            "alternating). [default: 3; --quick: 1]",
+            env=False,
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     from kvpush.commands.bench.console import run_scenarios
 
+    if scenario == "peer":
+        from kvpush.commands.bench.peer import run_peer
+
+        return run_peer(quick, json_out, out_dir, vllm_python, requests, rounds)
+    if vllm_python is not None or requests is not None or rounds is not None:
+        from kvpush.errors import ConfigError
+
+        raise ConfigError(
+            "--vllm-python, --requests and --rounds are for 'kvpush bench peer'",
+            "drop them, or run bench peer",
+        )
     if scenario == "trace":
         from kvpush.commands.bench.trace import run_trace
 
