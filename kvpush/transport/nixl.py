@@ -1,12 +1,11 @@
 """The only module that imports ``nixl``: a narrow, typed wrapper around one NIXL agent.
 
-``NixlAgent`` implements ``kvpush.transport.agent.Agent`` (the engine's view of an agent); the
-handles, ``XferState``, ``TransferKind`` and ``TransferError`` live there and are re-exported here.
-
-It translates NIXL's exceptions into kvpush's typed errors, fixes the agent configuration kvpush
-relies on (no spinning progress thread by default, read/write thread-sync so background
-handshakes may load agents while the owning thread posts transfers) and keeps NIXL from writing
-INFO logs to stdout. It holds no policy: callers decide what to do with each failure.
+``NixlAgent`` implements ``kvpush.transport.agent.Agent`` (handles, ``XferState``,
+``TransferError`` live there). It translates NIXL's exceptions into kvpush's typed errors, fixes
+the agent configuration kvpush relies on (no spinning progress thread by default, read/write
+thread-sync so background handshakes may load agents while the owning thread posts transfers),
+keeps NIXL's INFO logs off stdout and loads NIXL's wheel without torch (``transport.wheel``). It
+holds no policy: callers decide what to do with each failure.
 
 Threads: the owning thread (P's writer, D's receiver) calls post/state/notifs; handshake workers
 call add_remote/prep_remote/make_connection; NIXL's RW sync mode serialises what must be. Agent
@@ -21,15 +20,11 @@ of a peer that restarted, and tests can assert that it never happened.
 
 from __future__ import annotations
 
-import ast
 import importlib
-import importlib.util
 import logging
 import os
-import sys
 import threading
 from collections.abc import Iterable
-from pathlib import Path
 from types import ModuleType
 from typing import Protocol
 
@@ -47,6 +42,7 @@ from kvpush.transport.agent import (
     Xfer,
     XferState,
 )
+from kvpush.transport.wheel import nixl_wheel
 
 __all__ = ["DList", "NixlAgent", "TransferError", "TransferKind", "Xfer", "XferState"]
 
@@ -85,54 +81,11 @@ NIXL_STATUS = {
 }
 
 
-#: The wheels ``import nixl`` tries, in its order, when the process has no CUDA (nixl 1.5).
-_CPU_WHEELS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
-
-
-def _torch_cuda_on_disk() -> str | None:
-    """``torch.version.cuda`` of the installed torch read from its ``version.py`` (parsed, not
-    run, not imported): ``"none"`` for a CPU-only build, None when there is no torch to read."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.origin:
-        return None
-    try:
-        tree = ast.parse(Path(spec.origin).with_name("version.py").read_text())
-    except (OSError, SyntaxError, ValueError):
-        return None
-    for node in tree.body:
-        target: ast.expr | None = None
-        if isinstance(node, ast.AnnAssign):
-            target = node.target
-        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target = node.targets[0]
-        value = getattr(node, "value", None)
-        if isinstance(target, ast.Name) and target.id == "cuda" and isinstance(value, ast.Constant):
-            return str(value.value).lower() if value.value is not None else "none"
-    return None
-
-
-def _nixl_wheel() -> str:
-    """The module whose ``_api`` / ``_bindings`` to load.
-
-    ``import nixl`` (the meta package) picks the ``nixl_cuXX`` wheel by the process's CUDA; on
-    a host whose torch is a CPU-only build it imports all of torch just to learn that there is
-    no CUDA (1-6 s of every endpoint's start-up here, more than the rest of it). There, and
-    only there, kvpush picks the wheel itself, in the order the meta package would; anywhere
-    else (torch already imported, a CUDA torch, no torch) ``nixl``'s own choice stands.
-    """
-    if "torch" in sys.modules or _torch_cuda_on_disk() != "none":
-        return "nixl"
-    for name in _CPU_WHEELS:
-        if importlib.util.find_spec(name) is not None:
-            return name
-    return "nixl"
-
-
 def _import_nixl() -> tuple[ModuleType, ModuleType]:
     global _nixl, _bind
     if _nixl is None:
         try:
-            wheel = _nixl_wheel()
+            wheel = nixl_wheel()
             api = importlib.import_module(f"{wheel}._api")
             bind = importlib.import_module(f"{wheel}._bindings")
         except Exception as e:  # ImportError, or a broken native library
