@@ -50,10 +50,9 @@ log = logging.getLogger(__name__)
 
 # NIXL logs twice: its Python layer (INFO lines to stdout) and its C++ core (absl, glog-style
 # lines such as "E1201 ... genNotif ... NIXL_ERR_REMOTE_DISCONNECT" on stderr), both set by
-# NIXL_LOG_LEVEL, read when the library loads. Every NIXL error that matters reaches kvpush as
-# a status it translates (TransferError, NixlUnavailableError) and logs itself, in its own
-# words, once (e.g. "evicting peer HOST:PORT: heartbeat failed: P disconnected"): NIXL's own
-# lines are left out unless the operator asks for them (NIXL_LOG_LEVEL=WARN, INFO, DEBUG).
+# NIXL_LOG_LEVEL, read when the library loads. Every NIXL error that matters reaches kvpush as a
+# status it translates (TransferError, NixlUnavailableError) and logs in its own words, once:
+# NIXL's own lines are left out unless the operator asks for them (NIXL_LOG_LEVEL=WARN, DEBUG).
 os.environ.setdefault("NIXL_LOG_LEVEL", "FATAL")
 
 _AGENT_MD_MAGIC = b"nixlSerDes|Agent"  # how nixl 1.5's serialized agent metadata starts
