@@ -14,19 +14,14 @@ Threads: the caller's, and one reader thread per driver (resolves the answers' f
 from __future__ import annotations
 
 import contextlib
-import itertools
-import json
 import os
 import signal
-import threading
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutTimeout
 from pathlib import Path
 
 from kvpush.commands.bench.fleet_procs import free_port
 from kvpush.commands.bench.peer_plan import PeerPlan
 from kvpush.commands.bench.peer_vllm import DRIVER
-from kvpush.commands.bench.procs import BenchError
+from kvpush.commands.bench.rpc import LineRpc
 from kvpush.commands.common import launch
 from kvpush.errors import ConfigError
 
@@ -48,7 +43,7 @@ def vllm_python(given: str | None) -> str:
     return path
 
 
-class Driver:
+class Driver(LineRpc):
     """One ``driver.py`` process and its JSON-lines protocol (see the driver's docstring)."""
 
     def __init__(self, python: str, role: str, args: list[str], run_dir: Path) -> None:
@@ -62,64 +57,12 @@ class Driver:
         env.setdefault("NIXL_LOG_LEVEL", "WARN")
         cmd = [python, str(DRIVER), "--role", role, "--workdir", str(run_dir / f"vllm-{role}"),
                *args]  # fmt: skip
-        self.popen = launch.spawn(cmd, self.log_path, env, piped=True, own_session=True)
-        self._ids = itertools.count(1)
-        self._started: Future[Json] = Future()  # id 0: info once ready (or the start-up error)
-        self._futs: dict[int, Future[Json]] = {0: self._started}
-        self._lock = threading.Lock()
-        threading.Thread(target=self._read, name=f"bench-vllm-{role}", daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for raw in self.popen.stdout:
-            try:
-                msg = json.loads(raw)
-            except ValueError:
-                continue
-            with self._lock:
-                fut = self._futs.pop(msg.get("id"), None)
-            if fut is None:
-                continue
-            if msg.get("ok"):
-                fut.set_result(msg.get("result") or {})
-            else:
-                fut.set_exception(self._error(f"{msg.get('error')}"))
-        with self._lock:
-            futs, self._futs = list(self._futs.values()), {}
-        for f in futs:
-            f.set_exception(self._error(f"exited ({self.popen.poll()})"))
-
-    def _error(self, what: str) -> BenchError:
-        return BenchError(f"vLLM {self.role} driver: {what}", f"see {self.log_path}")
-
-    def call_async(self, cmd: str, **args: object) -> Future[Json]:
-        mid = next(self._ids)
-        fut: Future[Json] = Future()
-        with self._lock:
-            if self.popen.poll() is not None:
-                fut.set_exception(self._error("is not running"))
-                return fut
-            self._futs[mid] = fut
-        try:
-            assert self.popen.stdin is not None
-            self.popen.stdin.write(
-                (json.dumps({"id": mid, "cmd": cmd, "args": args}) + "\n").encode()
-            )
-            self.popen.stdin.flush()
-        except OSError as e:
-            with self._lock:
-                self._futs.pop(mid, None)
-            fut.set_exception(self._error(f"cannot send {cmd}: {e}"))
-        return fut
-
-    def result(self, fut: Future[Json], timeout_s: float, what: str) -> Json:
-        try:
-            return fut.result(timeout_s)
-        except FutTimeout:
-            raise self._error(f"{what} did not answer in {timeout_s:g}s") from None
+        popen = launch.spawn(cmd, self.log_path, env, piped=True, own_session=True)
+        super().__init__(popen, self.log_path, f"vLLM {role} driver")
 
     def ready(self, timeout_s: float) -> Json:
-        return self.result(self._started, timeout_s, "start-up")
+        info: Json = self.started(timeout_s)
+        return info
 
     def signal(self, sig: int) -> None:
         if self.popen.poll() is None:
