@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import numpy as np
 
@@ -44,6 +44,11 @@ class Completer:
             self._ex.submit(self.complete, req, block_ids)
         else:
             self.complete(req, block_ids)
+
+    def executor(self) -> Executor:
+        """The completer's own thread, for work that must run where completions read the pool
+        (``kvpush.decode.warmup``)."""
+        return self._ex
 
     def close(self) -> None:
         self._ex.shutdown(wait=True)

@@ -27,6 +27,7 @@ from kvpush.decode.order import DecodeOrder
 from kvpush.decode.outcomes import failed_rep
 from kvpush.decode.receiver import Receiver
 from kvpush.decode.requests import Delay, DRequest, PRanks, Waiting
+from kvpush.decode.warmup import warm_request_path
 from kvpush.errors import KvpushError, NoFreeBlocksError
 from kvpush.peers.handshakes import PeerGone
 from kvpush.runtime.context import EndpointContext
@@ -58,6 +59,9 @@ class DecodeRole:
     # ------------------------------------------------------------------ RoleWorker
     def start(self) -> None:
         self.owner.start()
+        if self.ctx.cfg.prewarm:  # its first request finds the completer's path warm
+            ex = self.completer.executor()
+            warm_request_path(self.ctx.pool, ex, self.ctx.telemetry, self.ctx.cfg.tp_rank)
 
     def stop_intake(self, drain_s: float) -> None:
         self._stopping.set()

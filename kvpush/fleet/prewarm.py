@@ -22,22 +22,23 @@ Never on the data path: at most ``concurrency`` warm-ups run at once, each on a 
 pool, and a warm-up only starts handshakes on the handshake manager's own threads (a request
 for the same peer meanwhile joins that handshake, single-flight; pushes to other peers do not
 wait for it). Threads: ``registry-prewarm`` (schedules, every ``TICK_S``) and ``prewarm-N``
-workers; ``want``/``forget`` on the peer watch's thread; one lock for the targets.
+workers (``kvpush.fleet.due``); ``want``/``forget`` on the peer watch's thread; one lock for
+the targets.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvpush.config import Role
 from kvpush.errors import IncompatiblePeerError, KvpushError
+from kvpush.fleet.due import DueRunner
 from kvpush.fleet.pairs import format_differences, pair_differences
 from kvpush.fleet.record import EndpointRecord, MemberRecord, joined
 from kvpush.peers.handshakes import PeerConn
@@ -102,22 +103,21 @@ class Prewarmer:
         self._own = own
         self._tm = telemetry
         self._wait_s = wait_s
-        self._concurrency = concurrency
-        self._lock = threading.Lock()
-        self._targets: dict[str, _Target] = {}
-        self._running = 0
-        self._stop = threading.Event()
-        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="prewarm")
-        self._thread = threading.Thread(target=self._run, name="registry-prewarm", daemon=True)
+        self._due: DueRunner[str, _Target] = DueRunner(
+            self._warm,
+            name="registry-prewarm",
+            pool_name="prewarm",
+            workers=concurrency,
+            tick_s=TICK_S,
+            limit=concurrency,
+        )
         telemetry.declare(counters=[Counter.PREWARMS, Counter.PREWARMS_FAILED])
 
     def start(self) -> None:
-        self._thread.start()
+        self._due.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5.0)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._due.stop()
 
     # ------------------------------------------------------------------ the peer watch's thread
     def want(self, rec: EndpointRecord) -> None:
@@ -126,56 +126,36 @@ class Prewarmer:
             self.forget(rec.address)
             return
         now = time.monotonic()
-        with self._lock:
-            t = self._targets.get(rec.address)
+        with self._due.lock:
+            t = self._due.items.get(rec.address)
             if t is not None and t.record.incarnation == rec.incarnation:
                 return
-            self._targets[rec.address] = _Target(rec, now, since=now)
+            self._due.items[rec.address] = _Target(rec, now, since=now)
 
     def forget(self, address: str) -> None:
-        with self._lock:
-            self._targets.pop(address, None)
+        with self._due.lock:
+            self._due.items.pop(address, None)
 
     def pending(self) -> int:
         """Targets not warm yet."""
-        with self._lock:
-            return len(self._targets)
+        return self._due.count()
 
-    # ------------------------------------------------------------------ scheduler and workers
-    def _run(self) -> None:
-        while not self._stop.wait(TICK_S):
-            now = time.monotonic()
-            with self._lock:
-                free = self._concurrency - self._running
-                due = [t for t in self._targets.values() if not t.running and t.due <= now]
-                due = sorted(due, key=lambda t: t.due)[: max(0, free)]
-                for t in due:
-                    t.running = True
-                    self._running += 1
-            for t in due:
-                try:
-                    self._pool.submit(self._warm, t)
-                except RuntimeError:  # the pool is shut down: stopping
-                    return
-
-    def _warm(self, t: _Target) -> None:
+    # ------------------------------------------------------------------ workers
+    def _warm(self, t: _Target) -> float | None:
+        """One warm-up of ``t`` (a worker): None when it is done, else when to try again."""
         rec = t.record
         t0 = time.monotonic()
         try:
             waiting, started = self._try(rec)
         except IncompatiblePeerError as e:
-            self._done(t)
             log.warning("prewarm: %s %s is not warmed: %s", rec.role, rec.address, e.message)
-            return
+            return None
         except Exception as e:  # a failed or silent handshake: said, tried again later
-            self._failed(t, e)
-            return
+            return self._failed(t, e)
         if waiting:
-            self._again(t, 1.0)  # an older incarnation's connection: the data path settles it
-            return
-        self._done(t)
+            return 1.0  # an older incarnation's connection: the data path settles it
         if not started:
-            return  # every rank was connected already (a request came first)
+            return None  # every rank was connected already (a request came first)
         self._tm.inc(Counter.PREWARMS)
         log.info(
             "prewarm: handshaken with %s %s (incarnation %s) in %.0f ms, before any request%s",
@@ -185,6 +165,7 @@ class Prewarmer:
             (time.monotonic() - t0) * 1e3,
             f" ({t.tries} failed tries before)" if t.tries else "",
         )
+        return None
 
     def _try(self, rec: EndpointRecord) -> tuple[bool, bool]:
         """Warm ``rec`` from every rank (raises what a handshake raised): whether a rank still
@@ -207,10 +188,11 @@ class Prewarmer:
                 fut.result(min(0.5, max(0.01, deadline - time.monotonic())))
                 return
             except FutureTimeout:
-                if self._stop.is_set() or time.monotonic() >= deadline:
+                if self._due.stopping() or time.monotonic() >= deadline:
                     raise
 
-    def _failed(self, t: _Target, e: Exception) -> None:
+    def _failed(self, t: _Target, e: Exception) -> float:
+        """Count and say a failed warm-up; the back-off before the next try."""
         self._tm.inc(Counter.PREWARMS_FAILED)
         why = e.message if isinstance(e, KvpushError) else f"{type(e).__name__}: {e}"
         t.tries += 1
@@ -225,17 +207,4 @@ class Prewarmer:
             why,
             delay,
         )
-        self._again(t, delay)
-
-    def _again(self, t: _Target, delay: float) -> None:
-        with self._lock:
-            t.running = False
-            t.due = time.monotonic() + delay
-            self._running -= 1
-
-    def _done(self, t: _Target) -> None:
-        with self._lock:
-            t.running = False
-            self._running -= 1
-            if self._targets.get(t.record.address) is t:
-                del self._targets[t.record.address]
+        return delay

@@ -23,22 +23,22 @@ then every ``recheck_s`` while nothing is proven:
   the suspicion ends; a peer the endpoint no longer holds (the data path dropped it: a NIXL
   disconnect, a refused side channel, a heartbeat) is no longer looked at.
 
-Threads: ``registry-suspects`` (its own loop, every ``TICK_S``) hands each due check to a pool
-of ``workers`` threads (each check bounded by a few seconds), so a wiped registry's thousand
-hints are checked concurrently and a frozen peer's check never delays another's. Nothing here
-is on the data path: ``forget_peer`` only queues the eviction to the ranks' owner threads.
+Threads: ``registry-suspects`` (its own loop, every ``TICK_S``: ``kvpush.fleet.due``) hands
+each due check to a pool of ``workers`` threads (each check bounded by a few seconds), so a
+wiped registry's thousand hints are checked concurrently and a frozen peer's check never delays
+another's. Nothing here is on the data path: ``forget_peer`` only queues the eviction to the
+ranks' owner threads.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from kvpush.fleet.due import DueRunner
 from kvpush.fleet.record import EndpointRecord
 from kvpush.peers.sighting import Sighting
 from kvpush.telemetry.names import Counter, Failure
@@ -95,11 +95,14 @@ class Suspects:
         self._tm = telemetry
         self._on_proven = on_proven
         self._recheck = recheck_s
-        self._lock = threading.Lock()
-        self._peers: dict[tuple[str, str], Suspect] = {}
-        self._stop = threading.Event()
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="registry-check")
-        self._thread = threading.Thread(target=self._run, name="registry-suspects", daemon=True)
+        self._due: DueRunner[tuple[str, str], Suspect] = DueRunner(
+            self._check,
+            name="registry-suspects",
+            pool_name="registry-check",
+            workers=workers,
+            tick_s=TICK_S,
+        )
+        self._peers = self._due.items  # under ``self._due.lock``
         telemetry.declare(
             counters=[
                 Counter.REGISTRY_HINTS,
@@ -109,12 +112,10 @@ class Suspects:
         )
 
     def start(self) -> None:
-        self._thread.start()
+        self._due.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5.0)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._due.stop()
 
     # ------------------------------------------------------------------ the watch's thread
     def add(self, hint: Hint, previous: EndpointRecord, held: bool) -> None:
@@ -123,7 +124,7 @@ class Suspects:
         s = Suspect(hint, previous, held, now, now)
         if held:
             self._tm.inc(Counter.REGISTRY_HINTS)
-        with self._lock:
+        with self._due.lock:
             if s.key in self._peers:
                 return
             if len(self._peers) >= MAX_SUSPECTS:
@@ -136,7 +137,7 @@ class Suspects:
 
     def clear(self, address: str, incarnation: str) -> bool:
         """The registry shows ``address`` with ``incarnation`` again: that suspicion ends."""
-        with self._lock:
+        with self._due.lock:
             s = self._peers.pop((address, incarnation), None)
         if s is not None and s.held:
             log.info(
@@ -147,31 +148,19 @@ class Suspects:
         return s is not None
 
     def count(self) -> int:
-        with self._lock:
-            return len(self._peers)
+        return self._due.count()
 
     # ------------------------------------------------------------------ checker threads
-    def _run(self) -> None:
-        while not self._stop.wait(TICK_S):
-            now = time.monotonic()
-            with self._lock:
-                due = [s for s in self._peers.values() if not s.running and s.due <= now]
-                for s in due:
-                    s.running = True
-            for s in due:
-                try:
-                    self._pool.submit(self._check, s)
-                except RuntimeError:  # the pool is shut down: stopping
-                    return
-
-    def _check(self, s: Suspect) -> None:
+    def _check(self, s: Suspect) -> float | None:
+        """One look at ``s`` (a checker thread): None when it is settled, else when to look
+        again."""
         try:
-            self._look(s)
+            return self._look(s)
         except Exception:  # a check that fails must not leave the suspect stuck
             log.exception("registry: checking %s failed", s.record.address)
-            self._again(s)
+            return self._recheck
 
-    def _look(self, s: Suspect) -> None:
+    def _look(self, s: Suspect) -> float | None:
         rec = s.record
         address, inc = rec.address, rec.incarnation
         if s.held and not self._ep.holds_peer(address, inc):
@@ -179,8 +168,7 @@ class Suspects:
             # own evidence settled the work; only NIXL keys in etcd may still matter.
             s.held = False
             if rec.nixl_metadata != "etcd":
-                self._drop(s)
-                return
+                return None
         s.checks += 1
         seen = self._ep.look_at_peer(address)
         if seen.proves_gone(inc):
@@ -220,16 +208,10 @@ class Suspects:
                     self._recheck,
                 )
             if not s.held and time.monotonic() - s.since > UNHELD_GIVE_UP_S:
-                self._drop(s)
-                return
-            self._again(s)
-
-    def _again(self, s: Suspect) -> None:
-        with self._lock:
-            s.running = False
-            s.due = time.monotonic() + self._recheck
+                return None
+            return self._recheck
+        return None
 
     def _drop(self, s: Suspect) -> None:
-        with self._lock:
-            if self._peers.get(s.key) is s:
-                del self._peers[s.key]
+        """Settled: out of the table now, before what follows (a new hint is a new suspect)."""
+        self._due.drop(s.key, s)

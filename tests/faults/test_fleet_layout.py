@@ -5,9 +5,10 @@ Invariants: under ``drive --registry`` a registered endpoint's own registry watc
 nothing while every load summary changes (``registry_watch_events`` flat); a join, a restart and
 a leave still reach every endpoint, and a restarted peer's stale agent is still released on the
 side channel's proof. ``--prewarm``: a D that joins an idle cluster is handshaken by the P (and
-the D by it) before any request, so the first request starts no handshake; a D that refuses is
-tried again, counted and shown in the P's peer table, and pushes to the others go on. No timing
-is asserted: the "eventually" loops have wide deadlines.
+the D by it) before any request, so the first request starts no handshake, and the D ran its
+own request path once before it was ready; a D that refuses is tried again, counted and shown
+in the P's peer table, and pushes to the others go on. No timing is asserted: the "eventually"
+loops have wide deadlines.
 """
 
 from __future__ import annotations
@@ -156,6 +157,10 @@ def test_prewarm_handshakes_a_joining_d_before_any_request(
     wait_for(lambda: connected(d, p.address), 30, "D handshook P")
     assert counter(p, "prewarms") >= 1 and counter(d, "prewarms") >= 1
     assert "before any request" in p.log_text()
+    # D's own request path (the completer's verification and digest) ran once before it was
+    # ready: said in its stats and its log (kvpush.decode.warmup).
+    assert snapshot(d.address)["info"].get("warmup") == "request path"
+    assert "request path warmed before ready" in d.log_text()
     started = (counter(p, "handshakes_started"), counter(d, "handshakes_started"))
     rep, err = drive("-p", p.address, "-d", d.address, "-n", "3", "--blocks", "4")
     assert (rep["ok"], rep["verified"]) == (3, 3), (rep, err[-2000:])
@@ -170,6 +175,7 @@ def test_prewarm_retries_a_refusing_d_shows_it_and_pushes_to_others_go_on(
     p = serve.serve("prefill", *SMALL, *reg(etcd, "--prewarm"))
     d1 = serve.serve("decode", *SMALL, *reg(etcd))
     wait_for(lambda: connected(p, d1.address, "full"), 30, "P warmed D1")
+    assert "warmup" not in snapshot(d1.address)["info"]  # a D without --prewarm: not warmed
     # A compatible D's record whose port refuses connections (nothing listens there yet).
     port = unused_port()
     ghost = f"127.0.0.1:{port}"
