@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvpush.address import parse_address
-from kvpush.errors import AuthError, PeerError, PeerUnreachableError, ProtocolError
+from kvpush.errors import AuthError, KvpushError, PeerError, PeerUnreachableError, ProtocolError
 from kvpush.transport.contact import Contact, tcp_contact
 
 if TYPE_CHECKING:
@@ -83,6 +83,8 @@ class ClientPool:
     def _take(self, address: str) -> SideChannelClient:
         with self._cond:
             while True:
+                if self._closed:
+                    raise KvpushError(f"no client for {address}: the run's connections are closed")
                 idle = self._idle.setdefault(address, [])
                 if idle:
                     return idle.pop()
@@ -130,6 +132,7 @@ class ClientPool:
                 while lst:
                     lst.pop().close()
                     self._count -= 1
+            self._cond.notify_all()  # a borrower waiting for room gets its error
 
 
 # ------------------------------------------------------------------------- raw first contact

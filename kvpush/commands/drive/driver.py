@@ -46,7 +46,7 @@ from kvpush.commands.common import control, reasons
 from kvpush.commands.common.results import DriveConfig, DriveReport, RequestResult, summarize
 from kvpush.commands.drive.health import Health, Peer
 from kvpush.commands.drive.ledger import Ledger
-from kvpush.commands.drive.legs import Legs
+from kvpush.commands.drive.legs import CONTACT_S, Legs
 from kvpush.commands.drive.notes import down_at_start_note, long_run_note
 from kvpush.commands.drive.otlp import DriveSpans
 from kvpush.commands.drive.plan import (
@@ -161,6 +161,18 @@ class Driver:
         d = format_address(*parse_address(address))
         self.trace_join(d)
         self.health.add(d, Role.DECODE)
+        if not self._cancel.is_set():  # a router opens its connection when it learns of a D
+            threading.Thread(target=self._open, args=(d,), name="drive-open", daemon=True).start()
+
+    def _open(self, d: str) -> None:
+        """Open a client to a D that joined mid-run and identify it once, so that its first
+        request does not pay the socket's handshakes (~1.3 ms here); one short-lived thread,
+        within the pool's budget and ``CONTACT_S``. A failure is the request path's business."""
+        try:
+            with self._d_pool.borrow(d) as c:
+                c.identify(timeout_s=CONTACT_S)
+        except KvpushError as e:
+            log.debug("opening a connection to D %s ahead of its first request: %s", d, e)
 
     def add_prefill(self, address: str) -> None:
         """A P that joined while the run goes on (``drive --registry``): its own prefill-leg
