@@ -432,7 +432,8 @@ def main() -> int:
     except Exception as e:
         wire.send(0, False, f"start-up failed: {type(e).__name__}: {e}")
         raise
-    signal.signal(signal.SIGTERM, lambda s, f: setattr(eng, "stopping", True))
+    # No signal handler of its own (kvpush's one rule: only StopFlag installs them): the
+    # orchestrator ends a driver with the stop command, else SIGKILL; SIGTERM's default ends it.
     inbox: queue.Queue[dict[str, object] | None] = queue.Queue()
     threading.Thread(target=read_commands, args=(inbox, wire), daemon=True).start()
     wire.send(0, True, eng.info())
