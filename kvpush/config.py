@@ -357,6 +357,11 @@ class EndpointConfig:
     # Per-request phase stamps (``kvpush.telemetry.phases``): in the answers, for ``drive
     # --trace``, and the ``phase_*`` histograms. Off only to measure what they cost.
     phase_stamps: bool = True
+    # --coalesce/--no-coalesce (issue 30). P: pushes ready for the same D rank in one pass of
+    # the writer go as one WRITE with one ``Completions`` naming them all (never waiting to fill
+    # a batch), to a D whose PUSH_REG says it takes them. D: its PUSH_REGs say so. Off: one
+    # WRITE and one ``Completion`` per push, as before (the A/B of ``bench rate``).
+    coalesce: bool = True
     tracing: TracingConfig = field(default_factory=TracingConfig)  # OTLP spans of each request
     auth_token: bytes | None = None
     allow_all_interfaces: bool = False

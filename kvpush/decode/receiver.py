@@ -2,7 +2,9 @@
 
 For each new request it makes sure a handshake to P exists (notif-only by default: D only ever
 notifies P), deferred through a done-callback exactly like P's writer and never blocking; then
-it sends PUSH_REG, counts completion notifications (expected = max(1, P_tp / D_tp)), sends
+it sends PUSH_REG (saying it takes ``Completions`` unless ``--no-coalesce``), counts completion
+notifications (expected = max(1, P_tp / D_tp); a ``Completions`` counts once for each request
+it names), sends
 heartbeats for waiting requests and enforces each request's deadline. A whole request goes to
 the completer (verification off this thread). A request that fails after its PUSH_REG went out
 tells P (``Cancel``) and keeps its blocks quarantined until P's fence or the WRITE's own
@@ -277,6 +279,7 @@ class Receiver:
             remote_pp_size=req.p_pp_size,
             decode_incarnation=md.incarnation,
             decode_tp_rank=md.tp_rank,
+            batch_done=self.cfg.coalesce,
         )
 
     def _push_reg_failed(self, w: Waiting, s: int, conn: PeerConn, e: TransferError) -> None:
@@ -326,7 +329,12 @@ class Receiver:
 
     def _on_notif(self, sender: str, msg: protocol.Notif) -> None:
         if isinstance(msg, protocol.Completion):
-            self._on_completion(sender, msg)
+            self._on_completion(sender, msg.request_id)
+        elif isinstance(msg, protocol.Completions):
+            # One WRITE carried several requests' blocks: each named request completes
+            # exactly as if its own Completion had come, in the order P wrote them.
+            for d in msg.done:
+                self._on_completion(sender, d.request_id)
         elif isinstance(msg, protocol.Failure):
             self._on_failure(sender, msg)
         elif isinstance(msg, protocol.Fence):
@@ -340,8 +348,8 @@ class Receiver:
         else:
             self._ctx.telemetry.fail(Failure.UNEXPECTED_NOTIF)
 
-    def _on_completion(self, sender: str, msg: protocol.Completion) -> None:
-        w = self.table.waiting(msg.request_id)
+    def _on_completion(self, sender: str, request_id: str) -> None:
+        w = self.table.waiting(request_id)
         if w is not None:
             s = self._source(w.req, w.ranks, sender)
             if s is None:
@@ -363,7 +371,7 @@ class Receiver:
                 self.table.finish(w)
                 self._completer.submit(w.req, w.block_ids)
             return
-        ab = self.table.abandoned(msg.request_id)
+        ab = self.table.abandoned(request_id)
         if ab is not None:
             # That rank's abandoned WRITE completed: its bytes have landed.
             self._settle(ab, sender, "completed late")

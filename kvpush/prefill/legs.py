@@ -11,6 +11,10 @@ its steps go into the ``phase_*`` histograms; each post's descriptors and time i
 prep+post calls go to ``kvpush.prefill.lanestats``. State lives in the ``PushTable`` (``Writing``,
 ``Leg``, ``FenceWrite``); this object only acts on it.
 
+Coalescing (``kvpush.prefill.coalesce``): legs that may share a WRITE wait in ``ready`` for the
+pass's end; ``post_ready`` posts each group as one WRITE (a ``Batch``), whose legs each end as if
+posted alone.
+
 Nothing here calls back up into the writer: a call that finds a peer to evict, or a push
 whose blocks must wait again, returns it as an event (``kvpush.prefill.events``) that the
 writer dispatches. Which entries are polled when is the writer's (``check`` polls one).
@@ -25,8 +29,11 @@ import logging
 import time
 from collections.abc import Sequence
 
+from kvpush.config import Wire
 from kvpush.peers.handshakes import PeerConn, PeerKey
 from kvpush.peers.tp import Slice
+from kvpush.prefill import coalesce
+from kvpush.prefill.coalesce import Pending, Ready
 from kvpush.prefill.context import WriterContext
 from kvpush.prefill.events import ENDED, NO_EVENTS, Ended, Event, EvictPeer, Rewait
 from kvpush.prefill.fences import Fences
@@ -34,6 +41,7 @@ from kvpush.prefill.lanestats import PeerLanes
 from kvpush.prefill.outcomes import Outcomes
 from kvpush.prefill.plan import PlanError, WritePlan, plan_write
 from kvpush.prefill.table import (
+    Batch,
     FenceEntry,
     FenceWrite,
     InFlight,
@@ -82,6 +90,9 @@ class Legs:
         self._n_ok = 0  # pushes ok (the drop_agents_after fault hook)
         self._drop_agents_after = ctx.instruments.drop_agents_after
         self._lanes = lanes  # per-peer posting figures (``kvpush.prefill.lanestats``)
+        # Legs matched in this pass that may share a WRITE (kvpush's wire, --coalesce).
+        self.ready = Pending()
+        self._coalesce = ctx.cfg.coalesce and ctx.cfg.wire == Wire.KVPUSH
 
     # ------------------------------------------------------------------ descriptor lists
     def open(self) -> None:
@@ -141,17 +152,87 @@ class Legs:
         self._table.writing(w)
         evictions: list[Event] | None = None  # (none on the hot path)
         for r, conn, plan, local in plans:
+            if self._coalesce and coalesce.coalescable(self.cfg, r, plan):
+                self.ready.add(Ready(w, r, conn, plan, local))  # still ``unposted``
+                continue
             w.unposted -= 1
             ev = self.post(w, r, conn, plan, local)
             if ev is not None:
                 evictions = evictions or []
                 evictions.append(ev)
+        if not w.unposted:
+            self._posted(w)
+        return evictions or NO_EVENTS
+
+    def _posted(self, w: Writing) -> None:
+        """Every leg of ``w`` was posted (or failed at post)."""
         if w.legs and not w.settled:
-            self._pool.allocator.mark_inflight(push.key)
+            self._pool.allocator.mark_inflight(w.push.key)
         elif not w.legs and not w.settled:  # every leg failed at post, or the last one did
             self._table.forget(w)
             self.settle(w)
-        return evictions or NO_EVENTS
+
+    def post_ready(self, group: list[Ready]) -> EvictPeer | None:
+        """Post one D rank's ready legs: one alone as ``post`` would, several as one WRITE with
+        one ``Completions``. Each push whose last leg this was is then settled or marked."""
+        for g in group:
+            g.writing.unposted -= 1
+        first = group[0]
+        if first.conn.evicted:
+            # Evicted since matched (a WRITE of this pass failed on it): nothing was posted.
+            e = TransferError(TransferKind.PEER_UNKNOWN, "peer evicted before the WRITE")
+            for g in group:
+                self._post_failed(g.writing, g.registration, g.conn, e)
+            ev = None
+        elif len(group) == 1:
+            ev = self.post(first.writing, first.registration, first.conn, first.plan, first.local)
+        else:
+            ev = self._post_batch(group)
+        for g in group:
+            if not g.writing.unposted:
+                self._posted(g.writing)
+        return ev
+
+    def _post_batch(self, group: list[Ready]) -> EvictPeer | None:
+        """Several pushes' legs to one D rank as one WRITE (``kvpush.prefill.coalesce``)."""
+        conn = group[0].conn
+        lidx, ridx, nbytes = coalesce.indices(group)
+        notif = self._codec.encode(coalesce.notification(self.cfg, group))
+        assert conn.remote_dlist is not None
+        t_post = time.monotonic()
+        try:
+            xfer, state = self._agent.post_write(
+                group[0].local, lidx, conn.remote_dlist, ridx, notif
+            )
+        except TransferError as e:
+            for g in group:
+                self._post_failed(g.writing, g.registration, conn, e)
+            if self._transport_error(conn, e):
+                return EvictPeer(conn.key, f"WRITE post failed: {e.status}", _soft(e))
+            return None
+        post_s = time.monotonic() - t_post
+        if self._lanes is not None:
+            self._lanes.posted(conn.key, conn.agent_name, len(lidx), nbytes, post_s)
+        deadline = self._dialect.write_deadline(t_post, nbytes, self.cfg.timeouts)
+        for g in group:
+            g.writing.t_posted = t_post
+        legs = [
+            Leg(g.writing, g.registration, xfer, conn, t_post, deadline, g.plan.nbytes, post_s)
+            for g in group
+        ]
+        batch = Batch(xfer, conn, t_post, deadline, nbytes, legs, post_s)
+        self._table.leg_posted(batch)
+        if state == XFER_DONE:
+            self.complete(batch, at_post=True)
+        elif state == XFER_ERR:
+            self.abandon(batch, Failure.WRITE_ERROR, "transfer() returned ERR")
+        return None
+
+    def _post_failed(self, w: Writing, r: Registration, conn: PeerConn, e: TransferError) -> None:
+        """One leg could not be posted: nothing of it can land; its D rank is told."""
+        w.failed[r.reg.decode_tp_rank] = (Failure.WRITE_POST_FAILED, False)
+        self._out.tell(r, conn, Failure.WRITE_POST_FAILED, str(e), may_have_written=False)
+        self._tm.fail(Failure.WRITE_POST_FAILED)
 
     def _local_slice(self, sl: Slice) -> DList:
         """The local descriptor list of a chunk of every page (prepared once per chunk)."""
@@ -187,9 +268,7 @@ class Legs:
                 local, plan.local_idx, conn.remote_dlist, plan.remote_idx, notif
             )
         except TransferError as e:
-            w.failed[reg.decode_tp_rank] = (Failure.WRITE_POST_FAILED, False)
-            self._out.tell(r, conn, Failure.WRITE_POST_FAILED, str(e), may_have_written=False)
-            self._tm.fail(Failure.WRITE_POST_FAILED)
+            self._post_failed(w, r, conn, e)
             if self._transport_error(conn, e):
                 return EvictPeer(conn.key, f"WRITE post failed: {e.status}", _soft(e))
             return None
@@ -250,12 +329,21 @@ class Legs:
             self._table.done(entry)
             self._fences.completed(entry)
             return
-        entry.writing.nbytes += entry.nbytes
-        entry.writing.t_done = now = time.monotonic()
-        self._tm.observe(Hist.WRITE_DURATION, now - entry.t_post)
+        now = time.monotonic()
         if self._lanes is not None and not at_post:  # (done within its post: the post was all)
             self._lanes.done(entry.conn.key, entry.post_s, now - entry.t_post)
-        w = self._table.done(entry)
+        if isinstance(entry, Batch):
+            self._table.done(entry)  # the WRITE; then each of its legs, in order
+            for leg in entry.legs:
+                self._leg_done(leg, now)
+        else:
+            self._leg_done(entry, now)
+
+    def _leg_done(self, leg: Leg, now: float) -> None:
+        leg.writing.nbytes += leg.nbytes
+        leg.writing.t_done = now
+        self._tm.observe(Hist.WRITE_DURATION, now - leg.t_post)
+        w = self._table.done(leg)
         if w is not None:
             self.settle(w)
 
@@ -269,18 +357,21 @@ class Legs:
             return
         # Bytes may still be moving unless the peer is gone: quarantine until a fence.
         may_have_written = not dead
+        legs = entry.legs if isinstance(entry, Batch) else [entry]
         if not released:
-            log.warning("writer: NIXL could not cancel the WRITE of %s; fencing", entry.push.key)
-        self._out.fail_leg(entry, reason, detail, may_have_written)
-        if may_have_written:
-            reg = entry.registration.reg
-            self._fences.add(
-                entry.conn.key,
-                FenceEntry(entry.push.key, int(reg.local_block_ids[0][0]), reg.request_id),
-            )
-        w = self._table.done(entry)
-        if w is not None:
-            self.settle(w)
+            log.warning("writer: NIXL could not cancel the WRITE of %s; fencing", legs[0].push.key)
+        self._table.done(entry)  # a batch fails every leg it carries, each as if alone
+        for leg in legs:
+            self._out.fail_leg(leg, reason, detail, may_have_written)
+            if may_have_written:
+                reg = leg.registration.reg
+                self._fences.add(
+                    leg.conn.key,
+                    FenceEntry(leg.push.key, int(reg.local_block_ids[0][0]), reg.request_id),
+                )
+            w = self._table.done(leg)
+            if w is not None:
+                self.settle(w)
 
     def settle(self, w: Writing) -> None:
         """Every leg of a push ended: the blocks go back (or wait for a fence). Once."""
@@ -341,15 +432,17 @@ class Legs:
         registry's ``peer_left`` / ``peer_restarted``)."""
         for entry in self._table.legs_to(key):
             self._agent.release(entry.xfer)
-            if isinstance(entry, Leg):
-                self._out.fail_leg(entry, why, reason, may_have_written=False)
-                w = self._table.done(entry)
-                if w is not None:
-                    self.settle(w)
-            else:
+            if isinstance(entry, FenceWrite):
                 self._table.done(entry)
                 for e in entry.entries:
                     self._pool.allocator.release_quarantined(e.key)
+                continue
+            self._table.done(entry)
+            for leg in entry.legs if isinstance(entry, Batch) else [entry]:
+                self._out.fail_leg(leg, why, reason, may_have_written=False)
+                w = self._table.done(leg)
+                if w is not None:
+                    self.settle(w)
 
 
 def _soft(e: TransferError) -> bool:

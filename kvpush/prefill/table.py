@@ -7,21 +7,22 @@ the request id when a PUSH_REG carries none) is in exactly one typed state::
     Registered ──blocks──▶ (matched) ──▶ Writing ──▶ gone            (P->D peer already connected)
     Registered ──Cancel──▶ CancelledEarly ──blocks──▶ gone (blocks freed at once)
 
-A push may need several registrations: when D has k times P's ranks, each of P's pages is
-written in k chunks to k D ranks, each of which registers; the push is matched once all k are
-here, and its WRITEs are its *legs*, one per D rank.
+A push may need several registrations: when D has k times P's ranks, each of P's pages is written
+in k chunks to k D ranks, each of which registers; the push is matched once all k are here, and its
+WRITEs are its *legs*, one per D rank.
 
 Either side may arrive first. A finished transfer holds P's blocks under a lease that starts when
-its blocks finish; D's heartbeats renew it while D waits; an expired lease gives the blocks back.
-A registration that never meets its blocks is dropped after ``reg_ttl_s`` (D's own deadline fails
-the request on D's side). Matching is O(1) per arrival; expiry touches only what is due: each
-waiting state enters a deadline heap when it is set (``DueHeap``; a renewed lease goes back in
-at its new time, an entry whose state moved on is dropped when it comes up), so a table of a
-hundred thousand declined ids costs a housekeeping tick nothing until their time comes.
+its blocks finish; D's heartbeats renew it while D waits; an expired lease gives the blocks back. A
+registration that never meets its blocks is dropped after ``reg_ttl_s`` (D's own deadline fails the
+request on D's side). Matching is O(1) per arrival; expiry touches only what is due: each waiting
+state enters a deadline heap when it is set (``DueHeap``; a renewed lease goes back in at its new
+time, an entry whose state moved on is dropped when it comes up), so a table of a hundred thousand
+declined ids costs a housekeeping tick nothing until their time comes.
 
-In-flight WRITEs and fences are also indexed here, by NIXL handle and per peer in posting order
-(``queues``): WRITEs on one connection complete in order, so the writer polls each peer's oldest
-first and stops at the first one still in progress; a periodic sweep (``inflight``) polls all.
+In-flight WRITEs (legs, or a ``Batch`` of coalesced legs) and fences are also indexed here, by NIXL
+handle and per peer in posting order (``queues``): WRITEs on one connection complete in order, so
+the writer polls each peer's oldest first and stops at the first one still in progress; a periodic
+sweep (``inflight``) polls all.
 
 The records that arrive and leave (``Finished``, ``Registration``, ``Push``, ``PushOutcome``) are
 ``kvpush.prefill.records``; this module re-exports them.
@@ -95,6 +96,19 @@ class Leg:
 
 
 @dataclass
+class Batch:
+    """One WRITE of several pushes' legs to one D rank (``Completions``): ended as one."""
+
+    xfer: Xfer
+    conn: PeerConn
+    t_post: float
+    deadline: float
+    nbytes: int
+    legs: list[Leg]
+    post_s: float = 0.0
+
+
+@dataclass
 class Writing:
     """A push whose WRITEs are posted: legs still in flight, and how the others ended."""
 
@@ -145,7 +159,7 @@ class FenceWrite:
 
 
 State = Waiting | Registered | AwaitingHandshake | Writing | CancelledEarly
-InFlight = Leg | FenceWrite
+InFlight = Leg | Batch | FenceWrite
 
 
 class DuplicateError(ValueError):
@@ -303,9 +317,10 @@ class PushTable:
     def writing(self, w: Writing) -> None:
         self._set(w.push.key, w)
 
-    def leg_posted(self, leg: Leg) -> None:
-        leg.writing.legs[leg.d_rank] = leg
-        self._track(leg)
+    def leg_posted(self, entry: Leg | Batch) -> None:
+        for leg in entry.legs if isinstance(entry, Batch) else (entry,):
+            leg.writing.legs[leg.d_rank] = leg
+        self._track(entry)
 
     def _track(self, entry: InFlight) -> None:
         k = id(entry.xfer)
@@ -324,8 +339,8 @@ class PushTable:
         self._track(fw)
 
     def done(self, entry: InFlight) -> Writing | None:
-        """A WRITE leg or a fence completed or was abandoned: forget it. Returns the push's
-        Writing once its last leg is gone (the caller then settles the push), else None."""
+        """A WRITE leg, batch or fence completed or was abandoned: forget it. Returns the
+        push's Writing once its last leg is gone (the caller then settles it), else None."""
         k = id(entry.xfer)
         if self._inflight.get(k) is entry:
             del self._inflight[k]
@@ -334,8 +349,8 @@ class PushTable:
             del q[k]
             if not q:
                 del self._queues[peer]
-        if isinstance(entry, FenceWrite):
-            return None
+        if isinstance(entry, (FenceWrite, Batch)):
+            return None  # (a batch's legs then end one by one: ``done`` of each)
         w = entry.writing
         w.legs.pop(entry.d_rank, None)
         if w.legs or w.unposted:
@@ -413,6 +428,7 @@ def _in_rank_order(regs: dict[int, Registration]) -> tuple[Registration, ...]:
 
 __all__ = [
     "AwaitingHandshake",
+    "Batch",
     "CancelledEarly",
     "DuplicateError",
     "FenceEntry",

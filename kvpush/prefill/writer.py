@@ -7,27 +7,27 @@ drains them, polls NIXL notifications (PUSH_REG, heartbeat, cancel, ping), polls
 in-flight WRITEs oldest first up to the first still in progress and, every few milliseconds,
 polls every in-flight WRITE, expires leases and deadlines and sends fences. It spins while WRITEs
 are in flight and backs off when idle: with NIXL's progress thread off, this polling *is* progress.
+Pushes matched in a pass are posted at its end, one WRITE per D rank (``kvpush.prefill.coalesce``).
 
 Never blocking on the network. When the P->D handshake is not ready, the handshake-wait strategy
-(``kvpush.prefill.strategy``) parks the push and returns; ``Instruments.writer`` waits instead,
-for comparison only. A transfer's whole state is one typed entry of the ``PushTable``. This
-module decides *what* to write and when (matching, TP ranks, which WRITEs to poll when,
-shutdown); posting the WRITEs, polling one and ending each exactly once is
-``kvpush.prefill.legs``; which D ranks a PUSH_REG stands for is ``kvpush.prefill.ranks``; the
-connection each leg is written on (handshakes, the one incarnation check) and evicting a D rank
-is ``kvpush.prefill.peers``; transfers declined before they are written are
-``kvpush.prefill.declines``; which lane carries each D's KV is ``kvpush.prefill.lanestats``.
-The writer is handed its rank's ``EndpointContext``; it and its
+(``kvpush.prefill.strategy``) parks the push and returns; ``Instruments.writer`` waits instead, for
+comparison only. A transfer's whole state is one typed entry of the ``PushTable``. This module
+decides *what* to write and when (matching, TP ranks, which WRITEs to poll when, shutdown); posting
+the WRITEs, polling one and ending each exactly once is ``kvpush.prefill.legs``; which D ranks a
+PUSH_REG stands for is ``kvpush.prefill.ranks``; the connection each leg is written on (handshakes,
+the one incarnation check) and evicting a D rank is ``kvpush.prefill.peers``; transfers declined
+before they are written are ``kvpush.prefill.declines``; which lane carries each D's KV is
+``kvpush.prefill.lanestats``. The writer is handed its rank's ``EndpointContext``; it and its
 collaborators (``Outcomes``, ``Fences``, ``Legs``, ``DecodePeers``, ``Declines``) share one
-``WriterContext`` built from it (``kvpush.prefill.context``), and they never call back up: what
-the writer must act on (a peer to evict, blocks to wait again) comes back as an event
+``WriterContext`` built from it (``kvpush.prefill.context``), and they never call back up: what the
+writer must act on (a peer to evict, blocks to wait again) comes back as an event
 (``kvpush.prefill.events``) that ``_dispatch`` acts on.
 
-Every failure goes through ``Outcomes.fail`` (``kvpush.prefill.outcomes``: count, rate-limited
-log, Failure notification to D, blocks released or quarantined). P's blocks return to the pool
-when their WRITE completes or their lease lapses. A WRITE abandoned while its bytes may still be
-moving quarantines P's blocks and tells D ``may_have_written``; a fence
-(``kvpush.prefill.fences``) then frees both sides.
+Every failure goes through ``Outcomes.fail`` (``kvpush.prefill.outcomes``: count, rate-limited log,
+Failure notification to D, blocks released or quarantined). P's blocks return to the pool when
+their WRITE completes or their lease lapses. A WRITE abandoned while its bytes may still be moving
+quarantines P's blocks and tells D ``may_have_written``; a fence (``kvpush.prefill.fences``) then
+frees both sides.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class PushWriter:
         self._ctx = ctx = WriterContext.of(ep, self.table, on_outcome or _ignore)
         self.finished = owner.inbox("finished", 1 << 16, self._on_finished, self._item_failed)
         self.deferred = owner.inbox("deferred", 1 << 16, self._on_deferred, self._item_failed)
-        self.tasks = owner.inbox("tasks", 1 << 16, _call, self._item_failed)
+        self.tasks = owner.inbox("tasks", 1 << 16, self._task, self._item_failed)
         self._wait: HandshakeWait = (
             BlockingWait(t.handshake_s + 1)
             if ep.instruments.writer == WriterMode.BLOCKING
@@ -125,7 +125,20 @@ class PushWriter:
         n = drain_notifications(
             self._ctx.agent, self._ctx.codec, self._ctx.telemetry, self._rl, self._on_notif
         )
+        self._flush()  # the pass's matched pushes: coalesced per D rank, posted now
         return n + self._poll_legs() if self.table.has_inflight() else n
+
+    def _flush(self) -> None:
+        """Post this pass's matched legs, one WRITE per D rank (before anything sees them)."""
+        while self._legs.ready:
+            for group in self._legs.ready.take():
+                ev = self._legs.post_ready(group)
+                if ev is not None:
+                    self._dispatch(ev)
+
+    def _task(self, task: Callable[[], None]) -> None:
+        self._flush()
+        task()
 
     def _poll_legs(self) -> int:
         """Each peer's WRITEs oldest first, up to the first one still in progress: WRITEs on one
@@ -179,6 +192,7 @@ class PushWriter:
         }
 
     def housekeeping(self, now: float) -> None:
+        self._flush()
         if self.table.has_inflight():
             self._sweep(now)
         fins, regs = self.table.expire(now)
@@ -261,13 +275,12 @@ class PushWriter:
                 f"{MAX_PENDING_REGISTRATIONS} registrations already wait for P's blocks",
             )
             return
-        held = self.table.request_ids(r.key)
         try:
             got = self.table.add_registration(r, expected=expected)
-        except DuplicateError as e:
+        except DuplicateError as e:  # (refused before the table changed: ids as they were)
             self._ctx.telemetry.fail(Failure.DUPLICATE_REGISTRATION)
             self._rl.warning("dupreg", "writer: %s", e)
-            if r.reg.request_id not in held:
+            if r.reg.request_id not in self.table.request_ids(r.key):
                 # The same transfer under another request id: that request can never be
                 # served, so its D hears it now instead of at its deadline.
                 self._out.decline(
@@ -327,6 +340,8 @@ class PushWriter:
             if push.attempt >= 3 + len(push.registrations):
                 self._out.fail(push, Failure.HANDSHAKE_FAILED, "peer kept disconnecting")
                 return
+            if isinstance(self._wait, BlockingWait):
+                self._flush()  # (what was matched before is not held up by this wait)
             try:
                 if not self._wait.pending(push, conns):
                     return  # parked: it comes back through the deferred inbox
@@ -358,6 +373,7 @@ class PushWriter:
             self.table.renew(keys, time.monotonic())
         elif isinstance(msg, protocol.Cancel):
             self._ctx.telemetry.inc(Counter.CANCELS_RECEIVED)
+            self._flush()  # a push matched earlier in this pass is posted first, as it was
             self._out.on_cancel(msg, sender)
         elif isinstance(msg, protocol.Ping):
             self._on_ping(sender, msg)
@@ -376,6 +392,7 @@ class PushWriter:
         Every transfer still held ends in an outcome (``why``: the owner's stop reason, else
         ``shutting_down``); every D that registered is told, so it frees its blocks at once."""
         reason, detail = why or self._stop_why()
+        self._flush()
         for f in self.finished.close():
             self._ctx.pool.allocator.release(f.key)
             self._ctx.report(PushOutcome(f.transfer_id, False, reason, detail))
@@ -408,28 +425,20 @@ class PushWriter:
         self._out.stopping(reason, detail)
 
     def _stop_why(self) -> tuple[Failure, str]:
-        """Why work this rank still holds ends now: the owner's stop reason (a failed rank),
-        else a graceful stop."""
+        """Why work still held ends now: the owner's stop reason (a failed rank), else a stop."""
         return self._owner.stop_reason or (Failure.SHUTTING_DOWN, "P is shutting down")
 
     def abort(self, error: BaseException) -> None:
         """This rank's loop died: fail every push now (in-flight WRITEs get a short grace to
         land, so D is told a clear outcome rather than left quarantined)."""
-        rank = self.cfg.tp_rank
-        self.drain(
-            time.monotonic() + 1.0,
-            (Failure.RANK_FAILED, f"P rank {rank} failed: {type(error).__name__}: {error}"),
-        )
+        why = f"P rank {self.cfg.tp_rank} failed: {type(error).__name__}: {error}"
+        self.drain(time.monotonic() + 1.0, (Failure.RANK_FAILED, why))
 
     def _crash_check(self) -> None:
         """Fault hook (tests): this rank's loop dies after its Nth finished transfer."""
         rank, after = self._instruments.crash_rank_after
         if rank == self.cfg.tp_rank and 0 < after <= self._n_finished:
             raise RankCrash(f"fault injection: rank {rank} crashed after {after} transfers")
-
-
-def _call(task: Callable[[], None]) -> None:
-    task()
 
 
 def _ignore_error(e: BaseException) -> None:

@@ -1,7 +1,8 @@
 """The NIXL notifications of kvpush's wire protocol (v1): registrations, completions and the rest.
 
 Owns the notification structs -- ``PushReg`` (D's blocks are ready), ``Completion`` (attached to
-P's WRITE), ``Heartbeat``, ``Failure``, ``Cancel``, ``Fence``, ``Ping`` -- and their union
+P's WRITE), ``Completions`` (attached to one WRITE that carries several requests: coalesced
+pushes), ``Heartbeat``, ``Failure``, ``Cancel``, ``Fence``, ``Ping`` -- and their union
 ``Notif``. Declarations only (no I/O, no threads); framing, size checks and the reusable
 decoder are ``kvpush.wire.protocol``'s, which also keeps the version history; sealing and
 opening them per wire is ``kvpush.wire.notifs``.
@@ -35,6 +36,10 @@ class PushReg(Struct, tag="push_reg", frozen=True, kw_only=True):
     remote_pp_size: SmallPos = 1
     decode_incarnation: Str128 = ""
     decode_tp_rank: NonNeg = 0
+    # D takes ``Completions`` (one notification naming several requests): P may coalesce this
+    # request's WRITE with others to the same D rank. Absent (False) from an older kvpush D
+    # and from vLLM's form: P then attaches a single ``Completion``, as before.
+    batch_done: bool = False
 
 
 class Completion(Struct, tag="done", frozen=True, kw_only=True):
@@ -45,6 +50,29 @@ class Completion(Struct, tag="done", frozen=True, kw_only=True):
     p_tp_size: SmallPos = 1
     p_tp_rank: NonNeg = 0
     nbytes: NonNeg = 0
+
+
+#: The most requests one ``Completions`` names (P's writer also keeps its encoded size well
+#: under the notification limit).
+MAX_BATCH_DONE = 256
+
+
+class Done(Struct, array_like=True, frozen=True):
+    """One request of a ``Completions``: the fields a single ``Completion`` carries for it."""
+
+    request_id: Str256
+    transfer_id: Str256 = ""
+    nbytes: NonNeg = 0
+
+
+class Completions(Struct, tag="done_n", frozen=True, kw_only=True):
+    """Attached to one WRITE of P that carries the blocks of several requests to one D rank
+    (sent only to a D whose PUSH_REGs said ``batch_done``): each named request's blocks have
+    landed, exactly as a ``Completion`` of its own would say."""
+
+    p_tp_size: SmallPos = 1
+    p_tp_rank: NonNeg = 0
+    done: Annotated[list[Done], Meta(min_length=1, max_length=MAX_BATCH_DONE)]
 
 
 class Heartbeat(Struct, tag="hb", frozen=True, kw_only=True):
@@ -98,4 +126,4 @@ class Ping(Struct, tag="ping", frozen=True, kw_only=True):
     reply_rank: NonNeg = 0
 
 
-Notif: TypeAlias = PushReg | Completion | Heartbeat | Failure | Cancel | Fence | Ping
+Notif: TypeAlias = PushReg | Completion | Completions | Heartbeat | Failure | Cancel | Fence | Ping

@@ -24,6 +24,8 @@ History:
   fields of DecodeReq/DecodeRep/PrefillReq/PrefillRep, PushWaitReq/PushWaitRep,
   EndpointMetadata.ucx_version, DecodeRep.phases and PushWaitRep.phases (``drive --trace``),
   PrefillReq/DecodeReq.traceparent and .tracestate (OpenTelemetry's W3C context, issue 28).
+  PushReg.batch_done and the ``Completions`` notification (issue 30): P sends ``Completions``
+  only to a D whose PUSH_REG said ``batch_done``; a D without the field gets ``Completion``s.
 """
 
 from __future__ import annotations
@@ -54,8 +56,11 @@ from kvpush.wire.fields import (
     Str256,
 )
 from kvpush.wire.notif_messages import (
+    MAX_BATCH_DONE,
     Cancel,
     Completion,
+    Completions,
+    Done,
     Failure,
     Fence,
     Heartbeat,
@@ -94,6 +99,7 @@ __all__ = [
     "MAGIC_REP",
     "MAGIC_REQ",
     "MAX_AGENT_METADATA_BYTES",
+    "MAX_BATCH_DONE",
     "MAX_FRAME_BYTES",
     "MAX_NOTIF_BYTES",
     "PROTOCOL_VERSION",
@@ -102,10 +108,12 @@ __all__ = [
     "BlockList",
     "Cancel",
     "Completion",
+    "Completions",
     "DeclineRep",
     "DeclineReq",
     "DecodeRep",
     "DecodeReq",
+    "Done",
     "EndpointMetadata",
     "Envelope",
     "ErrorRep",

@@ -7,6 +7,10 @@ pattern write), D's verification off while timed, then a verified pass. Raw: the
 descriptors and pool sizes, WRITE + a short notification, the same number in flight, progress
 threads off, the target polling. Rounds alternate raw / kvpush.
 
+Coalescing A/B (issue 30): a second P/D pair runs with ``coalesce=False`` (one WRITE and one
+``Completion`` per push, as before coalescing), in the same rounds, its turn alternating with
+the default pair's; one run shows coalescing on vs off vs raw NIXL.
+
 CPU per push comes from the kernel's per-thread accounting (``/proc/self/task/*/schedstat``):
 P's writer thread, and the raw initiator's loop thread. *Writer overhead per push* is the
 difference: what kvpush's writer spends beyond the NIXL calls a bare loop makes. The full run
@@ -54,24 +58,36 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         progress("rate: starting P, D and the raw workers")
         ws = _endpoints(cl, quick)
         pw, dw = ws["p"], ws["d"]
+        sw, sd = ws["p-single"], ws["d-single"]
         nospin = "p-nospin" in ws
         rt, ri = cl.spawn("raw-target"), cl.spawn("raw-initiator")
         rt.wait_started()
         ri.wait_started()
         _kvpush(pw, dw, "warm.", 1000 if not quick else 300, 64)
+        _kvpush(sw, sd, "warm.", 1000 if not quick else 300, 64)
         if nospin:
             _kvpush(ws["p-nospin"], ws["d-nospin"], "warm.", 1000, 64)
         for inflight, n in configs:
             progress(f"rate: {inflight} in flight")
-            kv, raw, kv_ns = [], [], []
+            kv, raw, kv_ns, kv_single = [], [], [], []
             for k in range(rounds):
                 raw.append(_raw_round(rt, ri, n, inflight))
+                if k % 2:  # coalescing off first in odd rounds: neither always goes first
+                    kv_single.append(_kvpush(sw, sd, f"k{inflight}.r{k}.", n, inflight))
                 kv.append(_kvpush(pw, dw, f"k{inflight}.r{k}.", n, inflight))
+                if not k % 2:
+                    kv_single.append(_kvpush(sw, sd, f"k{inflight}.r{k}.", n, inflight))
                 if nospin and inflight > 1:
                     kv_ns.append(
                         _kvpush(ws["p-nospin"], ws["d-nospin"], f"k{inflight}.r{k}.", n, inflight)
                     )
-            out[inflight] = {"n": n, "kvpush": kv, "raw": raw, "kvpush_d_nospin": kv_ns}
+            out[inflight] = {
+                "n": n,
+                "kvpush": kv,
+                "raw": raw,
+                "kvpush_d_nospin": kv_ns,
+                "kvpush_single": kv_single,
+            }
             if inflight == configs[0][0]:
                 hist = pw.call("stats")["histograms"]
                 out[inflight]["p_hist"] = {
@@ -84,8 +100,8 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
 
 
 def _endpoints(cl: Cluster, quick: bool) -> dict[str, Worker]:
-    """P and D (D does not verify: timed parts), and, in a full run, a second pair whose D does
-    not keep polling after activity (busy_spin_us=0)."""
+    """P and D (D does not verify: timed parts), a pair with coalescing off (the A/B), and, in a
+    full run, a pair whose D does not keep polling after activity (busy_spin_us=0)."""
     nospin: dict[str, dict[str, Any]] = {}
     if not quick:
         dcfg = endpoint_cfg(
@@ -98,14 +114,20 @@ def _endpoints(cl: Cluster, quick: bool) -> dict[str, Worker]:
             ),
             "d-nospin": dcfg,
         }
-    return cl.endpoints(
-        {
-            **nospin,
-            "p": endpoint_cfg(Role.PREFILL, layers=1, block_bytes=BLOCK_BYTES, num_blocks=P_BLOCKS),
-            "d": endpoint_cfg(
-                Role.DECODE, layers=1, block_bytes=BLOCK_BYTES, num_blocks=D_BLOCKS, verify=False
-            ),
-        }
+    single = {
+        "p-single": {**p_cfg(), "coalesce": False},
+        "d-single": {**d_cfg(), "coalesce": False},
+    }
+    return cl.endpoints({**nospin, **single, "p": p_cfg(), "d": d_cfg()})
+
+
+def p_cfg() -> dict[str, Any]:
+    return endpoint_cfg(Role.PREFILL, layers=1, block_bytes=BLOCK_BYTES, num_blocks=P_BLOCKS)
+
+
+def d_cfg() -> dict[str, Any]:
+    return endpoint_cfg(
+        Role.DECODE, layers=1, block_bytes=BLOCK_BYTES, num_blocks=D_BLOCKS, verify=False
     )
 
 
@@ -133,7 +155,9 @@ def _verified_pass(pw: Worker, dw: Worker, n: int) -> int:
 
 
 def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, inflight: int) -> dict[str, Any]:
+    w0 = _writes(pw.call("stats"))
     r, c0, c1 = ClosedLoop(pw, dw, prefix, n, 1, inflight).timed()
+    w1 = _writes(pw.call("stats"))
     ok = sum(1 for x in r["ok"] if x)
     lat = [x for x, g in zip(r["latency_s"], r["ok"], strict=True) if g]
     return {
@@ -146,7 +170,24 @@ def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, inflight: int) -> dict[
         "p_cpu_us": (c1["process"] - c0["process"]) / max(1, ok) * 1e6,
         "d_cpu_us": r["cpu_s"] / max(1, ok) * 1e6,
         "d_receiver_cpu_us": r["threads_cpu_s"].get("decode-receiver", 0.0) / max(1, ok) * 1e6,
+        # P's WRITEs posted meanwhile (its lane figures count posts) and pushes per WRITE
+        "writes": w1[0] - w0[0],
+        "pushes_per_write": ratio(w1[1] - w0[1], w1[0] - w0[0]),
+        "post_us_per_desc": w1[2],
     }
+
+
+def _writes(snap: dict[str, Any]) -> tuple[int, int, float]:
+    """P's WRITEs posted so far (every D rank's), pushes ended ok, and the latest mean post
+    time per descriptor (us) of its busiest peer (``kvpush.prefill.lanestats``)."""
+    writes, per_desc, most = 0, math.nan, -1
+    for row in snap.get("peers") or []:
+        lane = row.get("lane") if isinstance(row, dict) else None
+        if isinstance(lane, dict) and isinstance(lane.get("pushes"), int):
+            writes += lane["pushes"]
+            if lane["pushes"] > most and lane.get("post_us_per_desc") is not None:
+                most, per_desc = lane["pushes"], float(lane["post_us_per_desc"])
+    return writes, int((snap.get("counters") or {}).get("pushes_ok", 0)), per_desc
 
 
 def _report(rep: Report, out: dict[int, dict[str, Any]], verified: int, nverify: int) -> None:
@@ -215,6 +256,7 @@ def _report(rep: Report, out: dict[int, dict[str, Any]], verified: int, nverify:
         "With 1 in flight the owner threads spin between pushes (busy_spin_us), so their CPU "
         "per push is mostly waiting, not work.",
     )
+    _coalescing(rep, out)
     for inflight, e in out.items():
         ns = e.get("kvpush_d_nospin") or []
         if not ns:
@@ -270,4 +312,91 @@ def _report(rep: Report, out: dict[int, dict[str, Any]], verified: int, nverify:
         rep.notes.append(
             f"verified pass: {verified}/{nverify} pushes written with the pattern by P and "
             "checked byte by byte on D"
+        )
+
+
+def _coalescing(rep: Report, out: dict[int, dict[str, Any]]) -> None:
+    """Coalescing on (the defaults) vs off vs raw NIXL, same rounds: the A/B of issue 30."""
+    rows = []
+    for inflight, e in out.items():
+        single = e.get("kvpush_single") or []
+        if not single:
+            continue
+        raw_rate = median([x["per_s"] for x in e["raw"]])
+        raw_us = median([x["thread_cpu_s"] / x["n"] * 1e6 for x in e["raw"]])
+        fig: dict[str, Any] = {"single_rounds": single}
+        for name, runs in (("coalescing on", e["kvpush"]), ("coalescing off", single)):
+            rate = median([x["per_s"] for x in runs])
+            w_us = median([x["writer_cpu_us"] for x in runs])
+            d_us = median([x["d_cpu_us"] for x in runs])
+            lat = runs[len(runs) // 2]["latency"]
+            rows.append(
+                [
+                    str(inflight),
+                    name,
+                    fmt_num(rate, 0),
+                    f"{ratio(rate, raw_rate) * 100:.0f}%",
+                    fmt_num(median([x.get("pushes_per_write", math.nan) for x in runs]), 2),
+                    fmt_num(median([x.get("post_us_per_desc", math.nan) for x in runs]), 2),
+                    fmt_num(w_us, 1),
+                    fmt_num(median([x["p_cpu_us"] for x in runs]), 1),
+                    fmt_num(d_us, 1),
+                    fmt_ms(lat["p50"], 3),
+                    fmt_ms(lat["p99"], 3),
+                ]
+            )
+            key = "on" if runs is e["kvpush"] else "off"
+            fig[key] = {"per_s": rate, "ratio": ratio(rate, raw_rate), "writer_cpu_us": w_us}
+        rows.append(
+            [
+                str(inflight),
+                "raw NIXL",
+                fmt_num(raw_rate, 0),
+                "100%",
+                "1.00",
+                "-",
+                fmt_num(raw_us, 1),
+                "-",
+                "-",
+                "-",
+                "-",
+            ]
+        )
+        fig["writer_cpu_on_over_off"] = ratio(
+            fig["on"]["writer_cpu_us"], fig["off"]["writer_cpu_us"]
+        )
+        fig["rate_on_over_off"] = ratio(fig["on"]["per_s"], fig["off"]["per_s"])
+        rep.figures[f"inflight_{inflight}"]["coalescing"] = fig
+        if inflight > 1:
+            c = fig["writer_cpu_on_over_off"]
+            rep.target(
+                f"P writer CPU per push, coalescing on / off, {inflight} in flight",
+                "<= 50%",
+                f"{c * 100:.0f}% ({fmt_num(fig['on']['writer_cpu_us'], 1)} / "
+                f"{fmt_num(fig['off']['writer_cpu_us'], 1)} us)",
+                c <= 0.5 if math.isfinite(c) else None,
+            )
+    if rows:
+        rep.table(
+            "coalescing on vs off vs raw NIXL (same rounds; medians)",
+            [
+                "in flight",
+                "config",
+                "pushes/s",
+                "of raw",
+                "pushes/WRITE",
+                "post us/desc",
+                "P writer us",
+                "P process us",
+                "D process us",
+                "lat p50 ms",
+                "lat p99 ms",
+            ],
+            rows,
+            note="coalescing on: pushes ready for one D in a writer pass go as one WRITE + one "
+            "Completions notification (the default); off: one WRITE + one Completion each "
+            "(--no-coalesce). pushes/WRITE: P's pushes per WRITE posted (median round); "
+            "post us/desc: P's time in NIXL's prep+post calls per descriptor "
+            "(kvpush.prefill.lanestats). raw NIXL's 'P writer us' is the raw loop's CPU per "
+            "WRITE+notif.",
         )

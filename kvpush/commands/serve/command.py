@@ -89,6 +89,13 @@ LANES_HELP = (
     "that file)."
 )
 Lanes = Annotated[bool, option("--lanes/--no-lanes", help=LANES_HELP, panel=PANEL_NIXL)]
+COALESCE_HELP = (
+    "P: pushes ready for the same D rank in one pass of the writer go as one NIXL WRITE with one "
+    "notification naming them all (never waiting to fill a batch), to a D that takes them; D: "
+    "its registrations say it takes them. kvpush's wire only (vLLM's is unchanged). "
+    "--no-coalesce: one WRITE and one completion notification per push."
+)
+Coalesce = Annotated[bool, option("--coalesce/--no-coalesce", help=COALESCE_HELP, panel=PANEL_NIXL)]
 OtlpEndpoint = Annotated[
     str | None,
     option(
@@ -105,21 +112,25 @@ OtlpRatio = Annotated[
 
 
 def _command(role: Role) -> Callable[..., None]:
-    """The body of ``serve-<role>``: every option but ``--lanes`` and the traces' is an entry
-    of the endpoint table."""
+    """The body of ``serve-<role>``: every option but ``--lanes``, ``--coalesce`` and the
+    traces' is an entry of the endpoint table."""
 
     def body(
         lanes: Lanes = True,
+        coalesce: Coalesce = True,
         otlp_traces_endpoint: OtlpEndpoint = None,
         otlp_sample_ratio: OtlpRatio = 1.0,
-        **params: Any,
+        **params: object,
     ) -> None:
         cfg = translate.endpoint_config(role, params)
         traces = tracing.resolve(otlp_traces_endpoint, otlp_sample_ratio)
         if traces.endpoint:
             tracing.require_sdk()  # before anything starts, not once the pool is allocated
         cfg = dataclasses.replace(
-            cfg, agent=dataclasses.replace(cfg.agent, lanes=lanes), tracing=traces
+            cfg,
+            agent=dataclasses.replace(cfg.agent, lanes=lanes),
+            tracing=traces,
+            coalesce=coalesce,
         )
         opts = ServeOptions.from_params(params)
         raise typer.Exit(serve(cfg, opts))
@@ -146,7 +157,7 @@ def setup_logging(console: Console, level: LogLevel | str, rich_handler: bool) -
     root.setLevel(lvl.upper())
 
 
-def write_ready_file(path: str, info: dict[str, Any]) -> None:
+def write_ready_file(path: str, info: dict[str, object]) -> None:
     """Write ``info`` as JSON to ``path`` atomically (temp file in the same dir + rename)."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".ready-", dir=directory)
@@ -259,7 +270,7 @@ def _start(run: _Running, cfg: EndpointConfig, opts: ServeOptions, stop: StopFla
         health.registration = run.member.verdict
         run.member.start()
     if opts.ready_file:
-        info: dict[str, Any] = {
+        info: dict[str, object] = {
             "address": ep.address,
             "engine_id": cfg.engine_id,
             "incarnation": ep.incarnation,

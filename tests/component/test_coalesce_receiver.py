@@ -1,0 +1,144 @@
+"""Component tests of D's side of coalescing (issue 30): its PUSH_REGs say it takes
+``Completions`` (unless ``--no-coalesce``), and one ``Completions`` completes each request it
+names exactly as a ``Completion`` of its own would: verified, late ones settled, unknown ones
+counted, another agent's refused. Real pool, telemetry, codec, owner loop and handshakes over
+real ZMQ to stub P peers; only the NIXL agent is faked.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvpush.config import EndpointConfig, Role, Timeouts
+from kvpush.decode.role import DecodeRole
+from kvpush.memory.allocator import BlockState
+from kvpush.wire import protocol
+from tests.component.test_receiver import D_POOL, Rig, _settled
+from tests.support.fakes import FakeAgent, fake_context, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _rig(coalesce: bool) -> Rig:
+    cfg = EndpointConfig(
+        role=Role.DECODE,
+        engine_id="d-test",
+        pool=D_POOL,
+        timeouts=Timeouts(side_channel_s=5, handshake_s=5, heartbeat_s=5),
+        coalesce=coalesce,
+    )
+    agent = FakeAgent(name="d-test#fake")
+    ctx = fake_context(cfg, agent)
+    role = DecodeRole(ctx)
+    return Rig(agent, ctx.pool, ctx.telemetry, ctx.handshakes, role, ctx.codec, ctx.control)
+
+
+@pytest.fixture
+def make_rig() -> Iterator[Callable[..., Rig]]:
+    rigs: list[Rig] = []
+
+    def make(coalesce: bool = True) -> Rig:
+        r = _rig(coalesce)
+        rigs.append(r)
+        return r
+
+    yield make
+    for r in rigs:
+        r.role.completer.close()
+        r.control.shutdown()
+        for s in r.stubs:
+            s.stop()
+        wait_until(functools.partial(_settled, r.hs), 10, "handshakes to settle")
+        r.hs.close()
+
+
+def _done(*rids: str) -> protocol.Completions:
+    return protocol.Completions(
+        done=[protocol.Done(request_id=r, transfer_id=r, nbytes=0) for r in rids]
+    )
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_push_reg_says_whether_d_takes_completions(
+    make_rig: Callable[..., Rig], coalesce: bool
+) -> None:
+    rig = make_rig(coalesce)
+    p = rig.stub()
+    rig.decode(p, "t1")
+    assert rig.registered(p, "t1").batch_done is coalesce
+
+
+def test_one_completions_completes_every_request_it_names_verified(
+    make_rig: Callable[..., Rig],
+) -> None:
+    rig = make_rig()
+    p = rig.stub()
+    futs = {t: rig.decode(p, t, n=2) for t in ("t1", "t2", "t3")}
+    for t in futs:
+        rig.registered(p, t)
+        rig.land(t)
+    rig.from_p(p, _done("t1", "t2", "t3"))
+    for t, fut in futs.items():
+        rep = rig.result(fut)
+        assert rep.outcome == "ok" and rep.verified is True, (t, rep)
+        assert rep.nbytes == 2 * D_POOL.regions * D_POOL.block_bytes
+    assert rig.counters()["requests_ok"] == 3
+    assert rig.free() == D_POOL.num_blocks
+
+
+def test_a_member_whose_bytes_are_wrong_fails_alone(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    p = rig.stub()
+    good, bad = rig.decode(p, "t1", n=2), rig.decode(p, "t2", n=2)
+    rig.registered(p, "t1")
+    rig.registered(p, "t2")
+    rig.land("t1")  # t2's bytes never landed
+    rig.from_p(p, _done("t1", "t2"))
+    assert rig.result(good).outcome == "ok"
+    rep = rig.result(bad)
+    assert rep.outcome == "failed" and rep.verified is False
+
+
+def test_a_batch_settles_an_abandoned_member_and_counts_an_unknown_one(
+    make_rig: Callable[..., Rig],
+) -> None:
+    rig = make_rig()
+    p = rig.stub()
+    gone = rig.decode(p, "t1", deadline_s=30)
+    live = rig.decode(p, "t2", deadline_s=300)
+    rig.registered(p, "t1")
+    rig.registered(p, "t2")
+    rig.role.receiver.housekeeping(time.monotonic() + 31)  # t1 abandoned, quarantined
+    assert gone.result(1).reason == "deadline"
+    assert rig.pool.allocator.state_of("t1") == BlockState.QUARANTINED
+    rig.land("t2")
+    rig.from_p(p, _done("t1", "nobody", "t2"))
+    assert rig.result(live).outcome == "ok"
+    rig.steps_until(lambda: rig.free() == D_POOL.num_blocks, "t1's late completion")
+    assert rig.failures()["unknown_completion"] == 1
+
+
+def test_a_batch_from_another_agent_completes_nothing(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    p = rig.stub()
+    fut = rig.decode(p, "t1")
+    rig.registered(p, "t1")
+    rig.from_p(p, _done("t1"), sender="mallory")
+    rig.step()
+    assert not fut.done()
+    assert rig.failures()["forged_notif"] == 1
+
+
+def test_a_batch_naming_a_request_twice_completes_it_once(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    p = rig.stub()
+    fut = rig.decode(p, "t1")
+    rig.registered(p, "t1")
+    rig.land("t1")
+    rig.from_p(p, _done("t1", "t1"))
+    assert rig.result(fut).outcome == "ok"
+    assert rig.counters()["requests_ok"] == 1
