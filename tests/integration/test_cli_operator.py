@@ -49,7 +49,7 @@ def test_completion_offers_shapes_dtypes_devices_and_scenarios() -> None:
     assert _complete("kvpush serve-prefill --device ")[:2] == ["cpu", "cuda"]
     assert _complete("kvpush bench ") == [
         "hol", "handshake", "bandwidth", "rate", "scale", "tp", "model", "fleet", "device", "trace",
-        "all",
+        "peer", "all",
     ]  # fmt: skip
     assert _complete("kvpush bench h") == ["hol", "handshake"]
 

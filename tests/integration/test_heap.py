@@ -41,8 +41,9 @@ def test_a_busy_d_keeps_no_answered_request_alive_and_freezes_its_startup_heap(
         ClosedLoop(pw, dw, "warm.", n, 1, 16).timed()
         before = {name: w.call("gc_report") for name, w in ws.items()}
         for b in before.values():
-            # What start-up built is frozen, out of every later collection.
-            assert b["frozen_objects"] > 50_000, b
+            # What start-up built is frozen, out of every later collection (~35,000 objects
+            # here since an endpoint no longer imports torch; ~60,000 with it).
+            assert b["frozen_objects"] > 20_000, b
         r, _, _ = ClosedLoop(pw, dw, "k.", n, 1, 16).timed()
         assert all(r["ok"]), r["reasons"]
         after = {name: w.call("gc_report") for name, w in ws.items()}
