@@ -432,8 +432,7 @@ def main() -> int:
     except Exception as e:
         wire.send(0, False, f"start-up failed: {type(e).__name__}: {e}")
         raise
-    # No signal handler of its own (kvpush's one rule: only StopFlag installs them): the
-    # orchestrator ends a driver with the stop command, else SIGKILL; SIGTERM's default ends it.
+    # No signal handler (only StopFlag installs them): stop command, else SIGKILL/SIGTERM.
     inbox: queue.Queue[dict[str, object] | None] = queue.Queue()
     threading.Thread(target=read_commands, args=(inbox, wire), daemon=True).start()
     wire.send(0, True, eng.info())
