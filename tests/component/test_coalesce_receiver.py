@@ -7,34 +7,16 @@ real ZMQ to stub P peers; only the NIXL agent is faked.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvpush.config import EndpointConfig, Role, Timeouts
-from kvpush.decode.role import DecodeRole
 from kvpush.memory.allocator import BlockState
 from kvpush.wire import protocol
-from tests.component.test_receiver import D_POOL, Rig, _settled
-from tests.support.fakes import FakeAgent, fake_context, wait_until
+from tests.component.test_receiver import D_POOL, Rig, _make_rig, close_rig
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _rig(coalesce: bool) -> Rig:
-    cfg = EndpointConfig(
-        role=Role.DECODE,
-        engine_id="d-test",
-        pool=D_POOL,
-        timeouts=Timeouts(side_channel_s=5, handshake_s=5, heartbeat_s=5),
-        coalesce=coalesce,
-    )
-    agent = FakeAgent(name="d-test#fake")
-    ctx = fake_context(cfg, agent)
-    role = DecodeRole(ctx)
-    return Rig(agent, ctx.pool, ctx.telemetry, ctx.handshakes, role, ctx.codec, ctx.control)
 
 
 @pytest.fixture
@@ -42,18 +24,13 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
     rigs: list[Rig] = []
 
     def make(coalesce: bool = True) -> Rig:
-        r = _rig(coalesce)
+        r = _make_rig(coalesce=coalesce)  # ``tests.component.test_receiver``'s rig
         rigs.append(r)
         return r
 
     yield make
     for r in rigs:
-        r.role.completer.close()
-        r.control.shutdown()
-        for s in r.stubs:
-            s.stop()
-        wait_until(functools.partial(_settled, r.hs), 10, "handshakes to settle")
-        r.hs.close()
+        close_rig(r)
 
 
 def _done(*rids: str) -> protocol.Completions:

@@ -9,23 +9,18 @@ cancel and a failed batch stay exact per request.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
 
-from kvpush.config import EndpointConfig, Role, Timeouts
-from kvpush.instruments import Instruments
 from kvpush.memory.allocator import BlockState
 from kvpush.memory.descriptors import xfer_index_list
 from kvpush.prefill.coalesce import MAX_MEMBERS
-from kvpush.prefill.writer import PushWriter
-from kvpush.runtime.owner import OwnerThread
 from kvpush.transport.agent import TransferError, TransferKind, XferState
 from kvpush.wire import protocol
-from tests.component.test_writer import P_POOL, Rig, _settled
-from tests.support.fakes import FakeAgent, StubPeer, decode_notif, fake_context, wait_until
+from tests.component.test_writer import P_POOL, Rig, _make_rig, close_rig
+from tests.support.fakes import StubPeer, decode_notif
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,41 +30,18 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
     rigs: list[Rig] = []
 
     def make(coalesce: bool = True) -> Rig:
-        r = _rig(coalesce)
+        r = _make_rig(coalesce=coalesce)  # ``tests.component.test_writer``'s rig
         rigs.append(r)
         return r
 
     yield make
     for r in rigs:
-        if r.owner.alive:
-            r.owner.stop(2)
-        r.control.shutdown()
-        for s in r.stubs:
-            s.stop()
-        wait_until(functools.partial(_settled, r.hs), 10, "handshakes to settle")
-        r.hs.close()
+        close_rig(r)
 
 
 @pytest.fixture
 def rig(make_rig: Callable[..., Rig]) -> Rig:
     return make_rig()
-
-
-def _rig(coalesce: bool) -> Rig:
-    """``tests.component.test_writer``'s rig, with ``--coalesce`` as asked."""
-    cfg = EndpointConfig(
-        role=Role.PREFILL,
-        engine_id="p-test",
-        pool=P_POOL,
-        timeouts=Timeouts(side_channel_s=5, handshake_s=5),
-        coalesce=coalesce,
-    )
-    agent = FakeAgent(name="p-test#fake")
-    ctx = fake_context(cfg, agent, Instruments())
-    owner = OwnerThread("push-writer", cfg.agent)
-    w = PushWriter(ctx, owner)
-    w.on_start()
-    return Rig(agent, ctx.pool, ctx.telemetry, ctx.handshakes, w, owner, ctx.codec, ctx.control)
 
 
 def _ready(

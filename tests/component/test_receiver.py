@@ -118,7 +118,9 @@ class Rig:
         self.role.receiver.housekeeping(t)
 
 
-def _make_rig(handshake: HandshakeMode = HandshakeMode.NOTIF, tp_size: int = 1) -> Rig:
+def _make_rig(
+    handshake: HandshakeMode = HandshakeMode.NOTIF, tp_size: int = 1, coalesce: bool = True
+) -> Rig:
     cfg = EndpointConfig(
         role=Role.DECODE,
         engine_id="d-test",
@@ -126,6 +128,7 @@ def _make_rig(handshake: HandshakeMode = HandshakeMode.NOTIF, tp_size: int = 1) 
         timeouts=Timeouts(side_channel_s=5, handshake_s=5, heartbeat_s=5),
         handshake_mode=handshake,
         tp_size=tp_size,
+        coalesce=coalesce,
     )
     agent = FakeAgent(name="d-test#fake")
     ctx = fake_context(cfg, agent)
@@ -149,12 +152,17 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
 
     yield make
     for r in rigs:
-        r.role.completer.close()
-        r.control.shutdown()
-        for s in r.stubs:
-            s.stop()
-        wait_until(functools.partial(_settled, r.hs), 10, "handshakes to settle")
-        r.hs.close()
+        close_rig(r)
+
+
+def close_rig(r: Rig) -> None:
+    """Stop a rig's completer, its stub peers and its handshakes (a fixture's teardown)."""
+    r.role.completer.close()
+    r.control.shutdown()
+    for s in r.stubs:
+        s.stop()
+    wait_until(functools.partial(_settled, r.hs), 10, "handshakes to settle")
+    r.hs.close()
 
 
 @pytest.fixture

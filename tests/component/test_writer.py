@@ -127,12 +127,13 @@ class Rig:
         return self.pool.allocator.counts()["free"]
 
 
-def _make_rig(mode: WriterMode = WriterMode.DEFERRED) -> Rig:
+def _make_rig(mode: WriterMode = WriterMode.DEFERRED, coalesce: bool = True) -> Rig:
     cfg = EndpointConfig(
         role=Role.PREFILL,
         engine_id="p-test",
         pool=P_POOL,
         timeouts=Timeouts(side_channel_s=5, handshake_s=5),
+        coalesce=coalesce,
     )
     agent = FakeAgent(name="p-test#fake")
     ctx = fake_context(cfg, agent, Instruments(writer=mode))
@@ -159,13 +160,18 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
 
     yield make
     for r in rigs:
-        if r.owner.alive:
-            r.owner.stop(2)
-        r.control.shutdown()
-        for s in r.stubs:
-            s.stop()
-        wait_until(functools.partial(_settled, r.hs), 10, "handshakes to settle")
-        r.hs.close()
+        close_rig(r)
+
+
+def close_rig(r: Rig) -> None:
+    """Stop a rig's writer, its stub peers and its handshakes (a fixture's teardown)."""
+    if r.owner.alive:
+        r.owner.stop(2)
+    r.control.shutdown()
+    for s in r.stubs:
+        s.stop()
+    wait_until(functools.partial(_settled, r.hs), 10, "handshakes to settle")
+    r.hs.close()
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import pytest
 
 from kvpush.wire import protocol
 from tests.support.legs import _client, stats
-from tests.support.procs import Proc, start_endpoint
+from tests.support.procs import Proc, endpoints
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -30,19 +30,8 @@ N = 48  # requests per round: far more than one writer pass handles one at a tim
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
-    procs: list[Proc] = []
-
-    def start(role: str, name: str, **extra: object) -> Proc:
-        cfg: dict[str, object] = {"role": role, "pool": POOL}
-        cfg.update(extra)
-        p = start_endpoint(cfg, tmp_path, name)
-        procs.append(p)
-        return p
-
-    yield start
-    for p in procs:
-        rc = p.stop()
-        assert rc == 0, f"{p.address} exited {rc}:\n{p.log_text()}"
+    with endpoints(tmp_path, POOL) as start:
+        yield start
 
 
 def _prefill(p: Proc, tids: list[str]) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support.legs import Outcome, run_many, run_request, stats
-from tests.support.procs import Proc, start_endpoint
+from tests.support.procs import Proc, endpoints
 
 pytestmark = pytest.mark.integration
 
@@ -23,20 +24,9 @@ def _gauges(addr: str) -> dict[str, float]:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path):
-    procs: list[Proc] = []
-
-    def start(role: str, name: str, **extra: object) -> Proc:
-        cfg: dict[str, object] = {"role": role, "pool": POOL}
-        cfg.update(extra)
-        p = start_endpoint(cfg, tmp_path, name)
-        procs.append(p)
-        return p
-
-    yield start
-    for p in procs:
-        rc = p.stop()
-        assert rc == 0, f"{p.address} exited {rc}:\n{p.log_text()}"
+def cluster(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
+    with endpoints(tmp_path, POOL) as start:
+        yield start
 
 
 def _wait_idle(addr: str, key: str, want: float, timeout: float = 10.0) -> dict[str, float]:

@@ -18,11 +18,12 @@ settings must not leak into a test), with ``launch.PLAIN_OUTPUT`` (``NO_COLOR``,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,25 @@ def start_endpoint(cfg: dict[str, object], tmp: Path, name: str, timeout: float 
         env=_launch.child_env(keep_kvpush=True, on_path=True),
         timeout=timeout,
     )
+
+
+@contextlib.contextmanager
+def endpoints(tmp: Path, pool: Mapping[str, object]) -> Iterator[Callable[..., Proc]]:
+    """``start(role, name, **cfg)``: node endpoints of this ``pool`` in ``tmp``; on exit each is
+    stopped and must have exited 0 (its log in the failure)."""
+    procs: list[Proc] = []
+
+    def start(role: str, name: str, **extra: object) -> Proc:
+        cfg: dict[str, object] = {"role": role, "pool": dict(pool)}
+        cfg.update(extra)
+        p = start_endpoint(cfg, tmp, name)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        rc = p.stop()
+        assert rc == 0, f"{p.address} exited {rc}:\n{p.log_text()}"
 
 
 class Launcher:
