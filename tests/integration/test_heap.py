@@ -14,6 +14,7 @@ import pytest
 
 from kvpush.commands.bench.common import endpoint_cfg
 from kvpush.commands.bench.passes import ClosedLoop
+from kvpush.commands.bench.probes import GcReport
 from kvpush.commands.bench.procs import Cluster
 from kvpush.config import Role
 
@@ -39,14 +40,14 @@ def test_a_busy_d_keeps_no_answered_request_alive_and_freezes_its_startup_heap(
         # The first pass fills what is bounded (P's ring of recent outcomes, the heaps' slack);
         # the second may add next to nothing.
         ClosedLoop(pw, dw, "warm.", n, 1, 16).timed()
-        before = {name: w.call("gc_report") for name, w in ws.items()}
+        before = {name: w.call("gc_report", reply=GcReport) for name, w in ws.items()}
         for b in before.values():
             # What start-up built is frozen, out of every later collection (~35,000 objects
             # here since an endpoint no longer imports torch; ~60,000 with it).
             assert b["frozen_objects"] > 20_000, b
         r, _, _ = ClosedLoop(pw, dw, "k.", n, 1, 16).timed()
         assert all(r["ok"]), r["reasons"]
-        after = {name: w.call("gc_report") for name, w in ws.items()}
+        after = {name: w.call("gc_report", reply=GcReport) for name, w in ws.items()}
         for name in ws:
             grew = after[name]["tracked_objects"] - before[name]["tracked_objects"]
             # ~35 objects per answered request were kept on D before: 200,000 here.

@@ -31,7 +31,10 @@ import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpush.commands.bench.report import ResultDict
 
 SCENARIOS: tuple[str, ...] = (
     "hol", "handshake", "bandwidth", "rate", "scale", "tp", "model", "fleet",
@@ -53,7 +56,7 @@ def run(
     out_dir: Path | None = None,
     progress: Callable[[str], None] = _quiet,
     device: str = "cpu",
-) -> dict[str, Any]:
+) -> ResultDict:
     """Run one scenario; write ``<out_dir>/<name>.json`` (and its chart); return the result.
     ``device`` is for the ``DEVICE_SCENARIOS``; the others run on DRAM only."""
     from kvpush.errors import ConfigError
@@ -76,7 +79,7 @@ def run(
     monitor = HostMonitor().start()
     try:
         kw = {"device": device} if name in DEVICE_SCENARIOS else {}
-        result: dict[str, Any] = mod.run(quick, out, progress, **kw)
+        result: ResultDict = mod.run(quick, out, progress, **kw)
     finally:
         noise = monitor.stop()
     result["host_noise"] = noise
@@ -88,8 +91,8 @@ def run_all(
     quick: bool = False,
     out_dir: Path | None = None,
     progress: Callable[[str], None] = _quiet,
-    on_result: Callable[[dict[str, Any]], None] | None = None,
-) -> list[dict[str, Any]]:
+    on_result: Callable[[ResultDict], None] | None = None,
+) -> list[ResultDict]:
     """Run every scenario in turn; also write ``<out_dir>/summary.md`` (markdown tables of all)."""
     from kvpush.commands.bench.render import render_summary
 

@@ -25,13 +25,16 @@ thread that runs the scenario; the endpoints and the raw loops run in the worker
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
-from kvpush.commands.bench.bandwidth_report import kib, report
-from kvpush.commands.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.commands.bench.bandwidth_report import SizeResult, kib, report
+from kvpush.commands.bench.common import EndpointCfg, Progress, endpoint_cfg, logs_dir
+from kvpush.commands.bench.host_limits import CopyResult
 from kvpush.commands.bench.passes import ClosedLoop, raw_pair
+from kvpush.commands.bench.probes import StatsReply
 from kvpush.commands.bench.procs import Cluster, Worker
-from kvpush.commands.bench.report import Report
+from kvpush.commands.bench.raw import RawLoopResult
+from kvpush.commands.bench.report import Report, ResultDict
 from kvpush.config import Role
 
 BLOCKS = 4
@@ -48,7 +51,7 @@ PT_SIZE = 256 << 10
 NOSPIN_SIZES = (256 << 10, 1 << 20)
 
 
-def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
+def run(quick: bool, out_dir: Path, progress: Progress) -> ResultDict:
     sizes = QUICK_SIZES if quick else FULL_SIZES
     total = (64 << 20) if quick else (1536 << 20)
     rounds = 1 if quick else 5
@@ -63,7 +66,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
             "rounds": rounds,
         },
     )
-    res: list[dict[str, Any]] = []
+    res: list[SizeResult] = []
     with Cluster(logs_dir(out_dir, "bandwidth")) as cl:
         rt, ri = cl.spawn("raw-target"), cl.spawn("raw-initiator")
         rt.wait_started()
@@ -106,15 +109,15 @@ def _size(
     *,
     progress_thread: bool,
     nospin: bool = False,
-) -> dict[str, Any]:
+) -> SizeResult:
     blocks, p_blocks, d_blocks = _geometry(bs)
     req_bytes = blocks * REGIONS * bs
     n = max(INFLIGHT * 4, total // req_bytes)
     tag = f"{bs >> 10}k" + ("-pt" if progress_thread else "")
     ws = _endpoints(cl, tag, bs, p_blocks, d_blocks, progress_thread, nospin)
     pw, dw = ws[f"p-{tag}"], ws[f"d-{tag}"]
-    kv: list[dict[str, Any]] = []
-    kv_nospin: list[dict[str, Any]] = []
+    kv: list[KvRound] = []
+    kv_nospin: list[KvRound] = []
     if nospin:
         _kvpush(
             ws[f"p-{tag}-nospin"],
@@ -124,7 +127,7 @@ def _size(
             blocks,
             bs,
         )
-    raw: list[dict[str, Any]] = []
+    raw: list[RawLoopResult] = []
     pvw: list[float] = []
     mem: list[float] = []
     _kvpush(pw, dw, "warm.", max(INFLIGHT * 2, n // 10), blocks, bs)
@@ -175,17 +178,24 @@ def _endpoints(
     """P and D for one block size (D does not verify: timed parts), and with ``nospin`` a
     second pair whose D does not keep polling after activity (busy_spin_us=0)."""
 
-    def pair(spin: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-        geometry: dict[str, Any] = {"layers": 1, "block_bytes": bs}
-        if spin:
-            geometry["progress_thread"] = progress_thread
-        p = endpoint_cfg(Role.PREFILL, num_blocks=p_blocks, **geometry)
-        d = endpoint_cfg(Role.DECODE, num_blocks=d_blocks, verify=False, **geometry)
+    def pair(spin: bool) -> tuple[EndpointCfg, EndpointCfg]:
+        pt = spin and progress_thread  # the default (off) for the pair without spin
+        p = endpoint_cfg(
+            Role.PREFILL, num_blocks=p_blocks, layers=1, block_bytes=bs, progress_thread=pt
+        )
+        d = endpoint_cfg(
+            Role.DECODE,
+            num_blocks=d_blocks,
+            verify=False,
+            layers=1,
+            block_bytes=bs,
+            progress_thread=pt,
+        )
         if not spin:
             d["agent"]["busy_spin_us"] = 0
         return p, d
 
-    cfgs: dict[str, dict[str, Any]] = {}
+    cfgs: dict[str, EndpointCfg] = {}
     if nospin:
         cfgs[f"p-{tag}-nospin"], cfgs[f"d-{tag}-nospin"] = pair(spin=False)
     cfgs[f"p-{tag}"], cfgs[f"d-{tag}"] = pair(spin=True)
@@ -201,29 +211,45 @@ def _raw_round(
     progress_thread: bool,
     pvw: list[float],
     mem: list[float] | None,
-) -> dict[str, Any]:
+) -> RawLoopResult:
     """One round of the baselines between fresh raw nodes: the pipelined NIXL WRITE+notif loop
     (returned) and, without a progress thread, ``process_vm_writev`` (appended to ``pvw``) and
     a memcpy (appended to ``mem`` when given)."""
     _, p_blocks, d_blocks = _geometry(bs)
     ti = raw_pair(rt, ri, REGIONS, d_blocks, p_blocks, bs, progress_thread=progress_thread)
     same = {"blocks": blocks, "n": n, "call_timeout": 600}  # every baseline moves the same bytes
-    raw: dict[str, Any] = ri.call(
-        "raw_write_loop", target=ti, inflight=INFLIGHT, notif=True, **same
+    raw = ri.call(
+        "raw_write_loop", reply=RawLoopResult, target=ti, inflight=INFLIGHT, notif=True, **same
     )
     if not progress_thread:
-        pvw.append(ri.call("pvw_loop", target=ti, **same)["gbps"])
+        pvw.append(ri.call("pvw_loop", reply=CopyResult, target=ti, **same)["gbps"])
     ri.call("raw_close")
     rt.call("raw_close")
     if not progress_thread and mem is not None:
         memcpy = ri.call(
-            "memcpy_loop", regions=REGIONS, num_blocks=p_blocks, block_bytes=bs, **same
+            "memcpy_loop",
+            reply=CopyResult,
+            regions=REGIONS,
+            num_blocks=p_blocks,
+            block_bytes=bs,
+            **same,
         )
         mem.append(memcpy["gbps"])
     return raw
 
 
-def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, blocks: int, bs: int) -> dict[str, Any]:
+class KvRound(TypedDict):
+    """One timed kvpush round (``_kvpush``): GB/s and CPU as shares of its elapsed time."""
+
+    gbps: float
+    in_write_frac: float
+    failed: int
+    p_cpu_frac: float
+    writer_cpu_frac: float
+    d_cpu_frac: float
+
+
+def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, blocks: int, bs: int) -> KvRound:
     w0 = _write_time(pw)
     r, c0, c1 = ClosedLoop(pw, dw, prefix, n, blocks, INFLIGHT).timed()
     w1 = _write_time(pw)
@@ -241,5 +267,5 @@ def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, blocks: int, bs: int) -
 
 
 def _write_time(pw: Worker) -> float:
-    h = pw.call("stats")["histograms"].get("write_duration") or {}
-    return float(h.get("sum", 0.0))
+    h = pw.call("stats", reply=StatsReply)["histograms"].get("write_duration")
+    return float(h["sum"]) if h else 0.0

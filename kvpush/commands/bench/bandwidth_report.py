@@ -7,11 +7,45 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from kvpush.commands.bench.chart import Panel, Series, line_chart
 from kvpush.commands.bench.report import Report, fmt_num
 from kvpush.commands.bench.stats import median, ratio
+
+
+class SizeResult(TypedDict):
+    """One block size's rounds, as ``kvpush.commands.bench.bandwidth`` measured them."""
+
+    block_bytes: int
+    blocks: int
+    requests: int
+    request_bytes: int
+    progress_thread: bool
+    kvpush_gbps: list[float]
+    kvpush_failed: int
+    kvpush_p_cpu: list[float]
+    kvpush_writer_cpu: list[float]
+    kvpush_d_cpu: list[float]
+    kvpush_in_write: list[float]
+    kvpush_d_nospin_gbps: list[float]
+    kvpush_d_nospin_d_cpu: list[float]
+    raw_gbps: list[float]
+    pvw_gbps: list[float]
+    memcpy_gbps: list[float]
+    verified: int
+    verify_requests: int
+
+
+class SizeFigures(SizeResult):
+    """One block size's figures: its rounds and their medians and ratios."""
+
+    kvpush_median_gbps: float
+    raw_median_gbps: float
+    ratio: float
+    ratio_best: float
+    pvw_median_gbps: float
+    memcpy_median_gbps: float
 
 
 def kib(bs: int) -> str:
@@ -19,9 +53,7 @@ def kib(bs: int) -> str:
     return f"{bs >> 20} MiB" if bs >= 1 << 20 else f"{bs >> 10} KiB"
 
 
-def report(
-    rep: Report, res: list[dict[str, Any]], pt: dict[str, Any] | None, out_dir: Path
-) -> None:
+def report(rep: Report, res: list[SizeResult], pt: SizeResult | None, out_dir: Path) -> None:
     """Fill ``rep`` from the per-size results ``res`` and the progress-thread-on run ``pt``
     (``None`` in ``--quick``); write ``bandwidth.svg`` to ``out_dir``. The request shape is
     read from ``rep.params``, as the run recorded it."""
@@ -29,7 +61,7 @@ def report(
         rep.params[k] for k in ("blocks_per_request", "regions", "inflight")
     )
     rows = []
-    figs = []
+    figs: list[SizeFigures] = []
     for e in res:
         kv, raw = median(e["kvpush_gbps"]), median(e["raw_gbps"])
         pv = median(e["pvw_gbps"]) if e["pvw_gbps"] else math.nan

@@ -6,7 +6,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import NotRequired, TypedDict
 
 from kvpush.config import Role
 
@@ -18,6 +18,43 @@ class Geometry(TypedDict):
 
     layers: int
     block_bytes: int
+
+
+class PoolCfg(TypedDict):
+    """An endpoint's pool, as ``EndpointCfg`` carries it."""
+
+    num_blocks: int
+    layers: int
+    block_bytes: int
+    dtype: NotRequired[str]
+    kv_regions: NotRequired[str]
+    kv_heads: NotRequired[int]
+    device: NotRequired[str]
+
+
+class AgentCfg(TypedDict):
+    """An endpoint's NIXL agent settings, as ``EndpointCfg`` carries them."""
+
+    progress_thread: bool
+    busy_spin_us: NotRequired[int]
+    etcd_endpoints: NotRequired[str]
+    etcd_namespace: NotRequired[str]
+
+
+class EndpointCfg(TypedDict):
+    """What ``endpoint_cfg`` builds and a scenario may adjust before a worker's
+    ``start_endpoint`` gets it (as JSON)."""
+
+    role: Role
+    pool: PoolCfg
+    agent: AgentCfg
+    verify: bool
+    writer_mode: str
+    phase_stamps: NotRequired[bool]
+    timeouts: NotRequired[dict[str, float]]
+    handshake_reply_delay_s: NotRequired[float]
+    tp_size: NotRequired[int]
+    coalesce: NotRequired[bool]
 
 
 #: Lead time between scheduling an open-loop window and its start, so that every worker has
@@ -48,10 +85,10 @@ def endpoint_cfg(
     progress_thread: bool = False,
     timeouts: dict[str, float] | None = None,
     reply_delay_s: float = 0.0,
-) -> dict[str, Any]:
+) -> EndpointCfg:
     """An ``EndpointConfig`` and its ``Instruments`` as the JSON map
     ``kvpush.commands.common.node.build`` reads."""
-    cfg: dict[str, Any] = {
+    cfg: EndpointCfg = {
         "role": role,
         "pool": {"num_blocks": num_blocks, "layers": layers, "block_bytes": block_bytes},
         "agent": {"progress_thread": progress_thread},

@@ -12,8 +12,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvpush.errors import ConfigError, ExitStatus, KvpushError
+
+if TYPE_CHECKING:
+    from kvpush.commands.bench.report import ResultDict
 
 
 def run_scenarios(
@@ -40,7 +44,7 @@ def run_scenarios(
 
     first = True
 
-    def show(result: dict[str, object]) -> None:
+    def show(result: ResultDict) -> None:
         nonlocal first
         if json_out:
             print(json.dumps(result), flush=True)

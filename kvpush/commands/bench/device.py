@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
-from kvpush.commands.bench.common import Progress, logs_dir
+from kvpush.commands.bench.common import EndpointCfg, Progress, logs_dir
+from kvpush.commands.bench.devcopy import DeviceCopyResult
 from kvpush.commands.bench.model import _endpoint, _kvpush, _verified_pass, inflight_for
 from kvpush.commands.bench.procs import Cluster, Worker
-from kvpush.commands.bench.report import Report, fmt_num, fmt_x
+from kvpush.commands.bench.raw import RawLoopResult
+from kvpush.commands.bench.raw_node import RawNodeInfo
+from kvpush.commands.bench.report import Report, ResultDict, fmt_num, fmt_x
 from kvpush.commands.bench.stats import median
 from kvpush.config import Role
 from kvpush.memory.pool import check_device
@@ -44,7 +47,27 @@ QUICK_BUDGET = 8 << 20
 FULL_ROUNDS = 3
 
 
-def _specs(shape: Shape, nb: int, device: str) -> dict[str, dict[str, object]]:
+class DeviceCell(TypedDict):
+    """One (shape, request size) cell: its rounds (``_shape``), then its medians (``_report``)."""
+
+    shape: str
+    tokens: int
+    blocks: int
+    request_bytes: int
+    inflight: int
+    requests: int
+    kvpush_gbps: list[float]
+    raw_gbps: list[float]
+    copy_gbps: list[float]
+    kvpush_failed: int
+    verified: int
+    verify_requests: int
+    kvpush_median: NotRequired[float]
+    raw_median: NotRequired[float]
+    copy_median: NotRequired[float]
+
+
+def _specs(shape: Shape, nb: int, device: str) -> dict[str, EndpointCfg]:
     out = {}
     for role in (Role.PREFILL, Role.DECODE):
         cfg = _endpoint(role, shape, nb)
@@ -53,7 +76,7 @@ def _specs(shape: Shape, nb: int, device: str) -> dict[str, dict[str, object]]:
     return out
 
 
-def run(quick: bool, out_dir: Path, progress: Progress, device: str = "cpu") -> dict[str, Any]:
+def run(quick: bool, out_dir: Path, progress: Progress, device: str = "cpu") -> ResultDict:
     mem = check_device(device)  # a clear error before any process starts
     shapes = [SHAPES[n].with_layers(QUICK_LAYERS) if quick else SHAPES[n] for n in SHAPE_NAMES]
     tokens = QUICK_TOKENS if quick else FULL_TOKENS
@@ -73,7 +96,7 @@ def run(quick: bool, out_dir: Path, progress: Progress, device: str = "cpu") -> 
             "rounds": rounds,
         },
     )
-    cells: list[dict[str, Any]] = []
+    cells: list[DeviceCell] = []
     with Cluster(logs_dir(out_dir, "device")) as cl:
         for shape in shapes:
             nb = QUICK_POOL_BLOCKS if quick else FULL_POOL_BLOCKS[shape.name]
@@ -101,14 +124,16 @@ def _shape(
     budget: int,
     rounds: int,
     progress: Progress,
-) -> list[dict[str, Any]]:
-    target = dw.call("raw_pool_node", poll="backoff", paused=True, call_timeout=300)
+) -> list[DeviceCell]:
+    target = dw.call(
+        "raw_pool_node", reply=RawNodeInfo, poll="backoff", paused=True, call_timeout=300
+    )
     pw.call("raw_pool_node", poll="none", paused=True, call_timeout=300)
     pw.call("raw_prepare", target=target, call_timeout=300)
     for w in (pw, dw):
         w.call("model_pool", kind="extent", call_timeout=60)
     _kvpush(pw, dw, f"{shape.name}.warm.", 4, shape, min(shape.blocks_for(tokens[0]), nb // 4), 2)
-    cells = []
+    cells: list[DeviceCell] = []
     for t in tokens:
         inflight = inflight_for(shape.request_bytes(t))
         blocks = min(shape.blocks_for(t), nb // inflight)  # what the pools hold in flight
@@ -126,14 +151,20 @@ def _shape(
             dw.call("raw_poll", on=True)
             try:
                 rr = pw.call(
-                    "raw_pairs_loop", pairs=r["pairs"], n=n, inflight=inflight, call_timeout=900
+                    "raw_pairs_loop",
+                    reply=RawLoopResult,
+                    pairs=r["pairs"],
+                    n=n,
+                    inflight=inflight,
+                    call_timeout=900,
                 )
             finally:
                 dw.call("raw_poll", on=False)
             raw.append(rr["gbps"])
-            copy.append(
-                pw.call("device_copy_pairs", pairs=r["pairs"], n=n, call_timeout=900)["gbps"]
+            cp = pw.call(
+                "device_copy_pairs", reply=DeviceCopyResult, pairs=r["pairs"], n=n, call_timeout=900
             )
+            copy.append(cp["gbps"])
         verified, nv = _verified_pass(pw, dw, f"{shape.name}.{t}.v.", inflight, blocks)
         cells.append(
             {
@@ -157,10 +188,10 @@ def _shape(
     return cells
 
 
-def _report(rep: Report, cells: list[dict[str, Any]], mem: str) -> None:
+def _report(rep: Report, cells: list[DeviceCell], mem: str) -> None:
     rows = []
     for c in cells:
-        kv, raw, cp = (median(c[k]) for k in ("kvpush_gbps", "raw_gbps", "copy_gbps"))
+        kv, raw, cp = median(c["kvpush_gbps"]), median(c["raw_gbps"]), median(c["copy_gbps"])
         rows.append(
             [
                 c["shape"],

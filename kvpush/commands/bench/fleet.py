@@ -48,7 +48,7 @@ from kvpush.commands.bench.fleet_procs import (
     watch_startup,
 )
 from kvpush.commands.bench.procs import BenchError
-from kvpush.commands.bench.report import Report, fmt_ms, fmt_num, fmt_x
+from kvpush.commands.bench.report import Report, ResultDict, fmt_ms, fmt_num, fmt_x
 from kvpush.commands.bench.stats import median, ratio
 from kvpush.config import Role
 
@@ -111,7 +111,7 @@ def _drive_p99(p: str, d: str, params: FleetParams) -> dict[str, Any]:
     return rep
 
 
-def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
+def run(quick: bool, out_dir: Path, progress: Progress) -> ResultDict:
     from kvpush.fleet.etcd import Etcd
     from kvpush.fleet.record import loads_prefix, members_prefix
     from kvpush.fleet.store import list_endpoints
@@ -266,7 +266,7 @@ def _p99_rounds(pairs: list[tuple[str, str, str]], p: FleetParams) -> list[dict[
     return rounds
 
 
-def _report(rep: Report, p: FleetParams, m: dict[str, Any]) -> dict[str, Any]:
+def _report(rep: Report, p: FleetParams, m: dict[str, Any]) -> ResultDict:
     n = m["n"]
     rep.table(
         f"start-up with {n} endpoints registered (process start to output, median of {p.cli_runs})",

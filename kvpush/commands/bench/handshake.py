@@ -23,10 +23,11 @@ from typing import Any
 
 from kvpush.commands.bench import handshake_etcd
 from kvpush.commands.bench.chart import Panel, Series, line_chart
-from kvpush.commands.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.commands.bench.common import EndpointCfg, Progress, endpoint_cfg, logs_dir
 from kvpush.commands.bench.handshake_etcd import PHASE_COLUMNS, PHASES, phase_cells
+from kvpush.commands.bench.probes import HandshakeSeries
 from kvpush.commands.bench.procs import Cluster, Worker
-from kvpush.commands.bench.report import Report, fmt_ms, fmt_x
+from kvpush.commands.bench.report import Report, ResultDict, fmt_ms, fmt_x
 from kvpush.commands.bench.stats import median, percentile, ratio
 from kvpush.config import Role
 
@@ -37,7 +38,7 @@ FULL_SIZES = ((4, 128), (16, 512), (64, 1024), (512, 1024))  # (layers, blocks):
 QUICK_SIZES = ((4, 128), (64, 1024))
 
 
-def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
+def run(quick: bool, out_dir: Path, progress: Progress) -> ResultDict:
     sizes = QUICK_SIZES if quick else FULL_SIZES
     repeats = 4 if quick else 15
     warmup = 1 if quick else 2
@@ -69,7 +70,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
             + ", ".join(f"{2 * la * b:,}" for la, b in sizes)
             + " descriptors"
         )
-        specs: dict[str, dict[str, object]] = {}
+        specs: dict[str, EndpointCfg] = {}
         for layers, blocks in sizes:
             descs = 2 * layers * blocks
             specs[f"p-{descs}"] = endpoint_cfg(
@@ -90,6 +91,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
                 descs = 2 * layers * blocks
                 r = ws[f"d-{descs}"].call(
                     "handshake_series",
+                    reply=HandshakeSeries,
                     p_addr=ws[f"p-{descs}"].address,
                     modes=list(MODES),
                     repeats=1,
@@ -118,7 +120,7 @@ def _entry(
         "regions": 2 * layers,
         "blocks": blocks,
         "descriptors": 2 * layers * blocks,
-        "metadata_bytes": pw.call("metadata_sizes"),
+        "metadata_bytes": pw.call("metadata_sizes", reply=dict[str, int]),
     }
     for m in MODES:
         rows = samples[m]

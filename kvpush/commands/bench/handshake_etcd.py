@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
 
-from kvpush.commands.bench.common import Progress, endpoint_cfg
+from kvpush.commands.bench.common import EndpointCfg, Progress, endpoint_cfg
+from kvpush.commands.bench.probes import HandshakeSeries
 from kvpush.commands.bench.procs import BenchError, Worker
 from kvpush.commands.bench.report import Report, fmt_ms, fmt_x
 from kvpush.commands.bench.stats import median, percentile, ratio
@@ -60,9 +60,9 @@ def start_etcd(stack: contextlib.ExitStack, run_dir: Path, progress: Progress) -
         return "", f"etcd rows skipped: etcd did not start: {e}"
 
 
-def specs(etcd_url: str) -> dict[str, dict[str, Any]]:
+def specs(etcd_url: str) -> dict[str, EndpointCfg]:
     """The endpoints of the comparison: a side-channel pair, and an etcd pair when etcd runs."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, EndpointCfg] = {}
     for t in TRANSPORTS:
         if t == "etcd" and not etcd_url:
             continue
@@ -93,6 +93,7 @@ def one_round(
         for label, asker, peer, mode in KINDS:
             r = ws[f"cmp-{asker}-{t}"].call(
                 "handshake_series",
+                reply=HandshakeSeries,
                 p_addr=ws[f"cmp-{peer}-{t}"].address,
                 modes=[mode],
                 repeats=per_round,
@@ -107,7 +108,7 @@ def report(
 ) -> None:
     """The side-by-side table, the etcd/side-channel ratios, and the raw samples."""
     rows = []
-    fig: dict[str, Any] = {}
+    fig: dict[str, dict[str, float]] = {}
     for label, *_ in KINDS:
         for t in TRANSPORTS:
             got = samples.get(t, {}).get(label)

@@ -25,15 +25,17 @@ import time
 from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from kvpush.commands.bench import noise
 from kvpush.commands.bench.common import Geometry, Progress, endpoint_cfg, logs_dir, start_at
 from kvpush.commands.bench.hol_params import Case, HolParams
 from kvpush.commands.bench.hol_report import MODES, report
+from kvpush.commands.bench.loadgen import Recorded
 from kvpush.commands.bench.passes import join_request, steady_load, steady_phases
+from kvpush.commands.bench.probes import PeerReply, StatsReply
 from kvpush.commands.bench.procs import Cluster, Worker
-from kvpush.commands.bench.report import Report
+from kvpush.commands.bench.report import Report, ResultDict
 from kvpush.config import Role
 
 NEVER_S = 3600.0  # "never": the joining D answers handshakes after an hour
@@ -72,7 +74,7 @@ def _cases(p: HolParams) -> list[Case]:
     ]
 
 
-def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
+def run(quick: bool, out_dir: Path, progress: Progress) -> ResultDict:
     p = QUICK if quick else FULL
     rep = Report(
         "hol", "hol: head-of-line blocking behind a slow new peer", quick, params=asdict(p)
@@ -115,7 +117,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
         ps = {m: ws[f"p-{m}"] for m in MODES}
         d1 = ws["d1"]
         normal_join, normal_hs = _quiet_joins(ps, d1, p)
-        results: dict[str, list[dict[str, Any]]] = {}
+        results: dict[str, list[HolWindow]] = {}
         for k in range(p.repeats):
             for case in cases:
                 progress(f"hol: repeat {k + 1}/{p.repeats}, case {case.key}: {case.label}")
@@ -153,7 +155,12 @@ def _quiet_joins(
     for m in MODES:
         t = start_at(0.2)
         f = d1.call_async(
-            "decode_at", p_addr=ps[m].address, transfer_id=f"warm.{m}", t_wall=t, blocks=p.blocks
+            "decode_at",
+            reply=Recorded,
+            p_addr=ps[m].address,
+            transfer_id=f"warm.{m}",
+            t_wall=t,
+            blocks=p.blocks,
         )
         ps[m].call("prefill_at", transfer_id=f"warm.{m}", t_wall=t, blocks=p.blocks)
         r = f.result(60)
@@ -169,17 +176,45 @@ def _warm(pw: Worker, d1: Worker, p: HolParams, prefix: str) -> None:
     fd.result(60)
 
 
-def _peer_row(pw: Worker, address: str) -> dict[str, Any]:
-    for row in pw.call("stats")["peers"]:
+def _peer_row(pw: Worker, address: str) -> PeerReply | None:
+    for row in pw.call("stats", reply=StatsReply)["peers"]:
         if row["peer"] == address:
-            return dict(row)
-    return {}
+            return row
+    return None
 
 
 def _peer_duration(pw: Worker, address: str) -> float:
     """P's handshake duration for a connected peer (NaN when it is not connected)."""
     row = _peer_row(pw, address)
-    return float(row["duration_s"]) if row.get("state") == "connected" else math.nan
+    return float(row["duration_s"]) if row and row["state"] == "connected" else math.nan
+
+
+def _peer_state(pw: Worker, address: str) -> str:
+    row = _peer_row(pw, address)
+    return row["state"] if row else "unknown"
+
+
+class JoinerResult(TypedDict):
+    """One joining D's first request in a window, and how P saw its handshake."""
+
+    ok: bool
+    latency_s: float | None
+    reasons: dict[str, int]
+    p_handshake_s: float
+    p_peer_state: str
+
+
+class HolWindow(TypedDict):
+    """One window of one case and writer (``_window``), as ``hol_report`` reads it."""
+
+    phases: dict[str, dict[str, float]]
+    window_s: float
+    joiners: dict[str, JoinerResult]
+    series: list[list[float]]
+    failed: int
+    reasons: dict[str, int]
+    generator_late_s: dict[str, float]
+    host_stalls: list[list[float]]
 
 
 def _window(
@@ -191,7 +226,7 @@ def _window(
     win: float,
     p: HolParams,
     rep: int,
-) -> dict[str, Any]:
+) -> HolWindow:
     total = p.before_s + win + p.after_s
     t0 = start_at()
     t_join = t0 + p.before_s
@@ -201,7 +236,7 @@ def _window(
     jf = _join(pw, joiners, case, f"join.{case.key}.{mode}.{rep}.", t_join, p, wait_s)
     r = fd.result(wait_s + 30)
     p_late = fp.result(60)["max_late_s"]
-    joined = {}
+    joined: dict[str, JoinerResult] = {}
     for name, f in jf.items():
         jr = f.result(wait_s + 30)
         joined[name] = {
@@ -209,7 +244,7 @@ def _window(
             "latency_s": jr["latency_s"][0] if jr["ok"][0] else None,
             "reasons": jr["reasons"],
             "p_handshake_s": _peer_duration(pw, joiners[name].address),
-            "p_peer_state": _peer_row(pw, joiners[name].address).get("state", "unknown"),
+            "p_peer_state": _peer_state(pw, joiners[name].address),
         }
     # Both sides idle before the next window: P has pushed everything, D1 has verified and
     # returned every block (after a blocking stall D1 verifies a backlog of hundreds).
@@ -241,7 +276,7 @@ def _join(
     t_join: float,
     p: HolParams,
     wait_s: float,
-) -> dict[str, Future[Any]]:
+) -> dict[str, Future[Recorded]]:
     """Each joining D of ``case`` sends one request at its offset after ``t_join`` (P prefills
     it just ahead); the futures of their ``decode_at`` answers by joiner name."""
     jf = {}

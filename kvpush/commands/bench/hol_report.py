@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpush.commands.bench.chart import Panel, Series, line_chart
 from kvpush.commands.bench.common import warmup_s
@@ -15,6 +15,7 @@ from kvpush.commands.bench.report import Report, fmt_ms, fmt_x
 from kvpush.commands.bench.stats import median, ratio
 
 if TYPE_CHECKING:
+    from kvpush.commands.bench.hol import HolWindow
     from kvpush.commands.bench.hol_params import Case, HolParams
 
 #: The two writers compared, in the order a window runs them on even repeats.
@@ -26,12 +27,12 @@ def _stall_cell(stalls: list[list[float]]) -> str:
     return f"{len(big)} (max {max(big):.0f} ms)" if big else "0"
 
 
-def _med(runs: list[dict[str, Any]], phase: str, stat: str) -> float:
+def _med(runs: list[HolWindow], phase: str, stat: str) -> float:
     return median([r["phases"][phase][stat] for r in runs])
 
 
 def _latency_table(
-    rep: Report, p: HolParams, cases: list[Case], res: dict[str, list[dict[str, Any]]]
+    rep: Report, p: HolParams, cases: list[Case], res: dict[str, list[HolWindow]]
 ) -> None:
     """D1's push latency before, during and after the joins, per case and writer."""
     nrep = p.repeats
@@ -89,7 +90,7 @@ def _joiners_table(
     rep: Report,
     nrep: int,
     cases: list[Case],
-    res: dict[str, list[dict[str, Any]]],
+    res: dict[str, list[HolWindow]],
     normal_join: dict[str, float],
     normal_hs: dict[str, float],
 ) -> None:
@@ -130,7 +131,7 @@ def report(
     rep: Report,
     p: HolParams,
     cases: list[Case],
-    res: dict[str, list[dict[str, Any]]],
+    res: dict[str, list[HolWindow]],
     normal_join: dict[str, float],
     normal_hs: dict[str, float],
     out_dir: Path,
@@ -140,7 +141,7 @@ def report(
     nrep = p.repeats
     _latency_table(rep, p, cases, res)
     _joiners_table(rep, nrep, cases, res, normal_join, normal_hs)
-    figures: dict[str, Any] = {"normal_join_s": normal_join, "normal_p_handshake_s": normal_hs}
+    figures: dict[str, object] = {"normal_join_s": normal_join, "normal_p_handshake_s": normal_hs}
     for c in cases:
         dfr, blk = res[f"{c.key}/deferred"], res[f"{c.key}/blocking"]
         win = dfr[0]["window_s"]

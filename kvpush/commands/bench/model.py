@@ -28,15 +28,28 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpush.commands.bench.churn import alloc_cost
-from kvpush.commands.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.commands.bench.common import EndpointCfg, Progress, endpoint_cfg, logs_dir
+from kvpush.commands.bench.host_limits import CopyResult
+from kvpush.commands.bench.model_cells import (
+    AllocCost,
+    Cell,
+    CellBase,
+    FreshPool,
+    KvPass,
+    Rounds,
+    RunLens,
+)
 from kvpush.commands.bench.model_plan import Plan
 from kvpush.commands.bench.model_report import COST_SERIES, PATTERNS, report
+from kvpush.commands.bench.modelgen import ChurnInfo, FragInfo
 from kvpush.commands.bench.passes import ClosedLoop
 from kvpush.commands.bench.procs import Cluster, Worker
-from kvpush.commands.bench.report import Report
+from kvpush.commands.bench.raw import RawLoopResult
+from kvpush.commands.bench.raw_node import RawNodeInfo
+from kvpush.commands.bench.report import Report, ResultDict
 from kvpush.commands.bench.stats import median
 from kvpush.config import KvRegions, Role
 from kvpush.memory.allocator import BlockAllocator, FreeListAllocator
@@ -46,9 +59,6 @@ from kvpush.memory.shapes import Shape
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
-
-    from kvpush.commands.bench.raw import RawLoopResult
-    from kvpush.commands.bench.raw_node import RawNodeInfo
 
 #: pattern -> (allocator, shuffled order, churn first)
 _PATTERN = {
@@ -69,7 +79,7 @@ def inflight_for(request_bytes: int) -> int:
     return 4 if request_bytes <= 64 << 20 else 2
 
 
-def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
+def run(quick: bool, out_dir: Path, progress: Progress) -> ResultDict:
     plan = Plan.make(quick)
     rep = Report(
         "model",
@@ -90,7 +100,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
     )
     progress("model: allocation cost by pool size")
     cost = _alloc_costs(quick)
-    cells: list[dict[str, Any]] = []
+    cells: list[Cell] = []
     with Cluster(logs_dir(out_dir, "model")) as cl:
         # Full run: one shape's processes at a time (GiBs of pools each, and no neighbours
         # while measuring). Quick: all start together, a smoke has nothing to disturb.
@@ -108,11 +118,11 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
 # --------------------------------------------------------------------------- allocation cost
 
 
-def _alloc_costs(quick: bool) -> list[dict[str, Any]]:
+def _alloc_costs(quick: bool) -> list[AllocCost]:
     pools = COST_POOLS_QUICK if quick else COST_POOLS_FULL
     ops = 500 if quick else 20000
     rounds = 1 if quick else 3
-    out = []
+    out: list[AllocCost] = []
     for series, sizes in COST_SERIES.items():
         for name, cls in (("extent", BlockAllocator), ("freelist", FreeListAllocator)):
             for n in pools:
@@ -134,7 +144,7 @@ def _alloc_costs(quick: bool) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- one shape
 
 
-def _endpoint(role: Role, shape: Shape, num_blocks: int) -> dict[str, Any]:
+def _endpoint(role: Role, shape: Shape, num_blocks: int) -> EndpointCfg:
     cfg = endpoint_cfg(
         role,
         layers=shape.layers,
@@ -148,7 +158,7 @@ def _endpoint(role: Role, shape: Shape, num_blocks: int) -> dict[str, Any]:
     return cfg
 
 
-def _specs(shape: Shape, plan: Plan) -> dict[str, dict[str, object]]:
+def _specs(shape: Shape, plan: Plan) -> dict[str, EndpointCfg]:
     nb = plan.pool_blocks[shape.name]
     tag = shape.name.replace("/", "-")
     return {
@@ -163,7 +173,7 @@ def _shape(
     plan: Plan,
     progress: Progress,
     started: dict[str, Worker] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[Cell]:
     """Every (size, pattern) cell of one shape, on one P/D pair (started here, or ``started``
     already), stopped at the end."""
     nb = plan.pool_blocks[shape.name]
@@ -173,14 +183,16 @@ def _shape(
     pw, dw = (ws[name] for name in specs)
     # The raw target polls like kvpush's D receiver (spin 2 ms after activity, then sleep up
     # to 1 ms): at these sizes polling back to back was no faster and takes a core.
-    target: RawNodeInfo = dw.call("raw_pool_node", poll="backoff", paused=True, call_timeout=300)
+    target = dw.call(
+        "raw_pool_node", reply=RawNodeInfo, poll="backoff", paused=True, call_timeout=300
+    )
     pw.call("raw_pool_node", poll="none", paused=True, call_timeout=300)
     pw.call("raw_prepare", target=target, call_timeout=300)
     # Warm the P->D path once (handshake, UCX wire-up) before anything is timed.
     _setup(pw, dw, shape, "contiguous", nb, plan)
     t0 = plan.tokens[0]
     _kvpush(pw, dw, f"{shape.name}.warm.", 8, shape, shape.blocks_for(t0), 4)
-    cells = []
+    cells: list[Cell] = []
     for tokens in plan.tokens:
         cells.extend(_size(pw, dw, target, shape, nb, tokens, plan, progress))
     for w in (pw, dw):
@@ -194,24 +206,25 @@ def _shape(
 
 def _setup(
     pw: Worker, dw: Worker, shape: Shape, pattern: str, need: int, plan: Plan
-) -> dict[str, Any]:
+) -> dict[str, ChurnInfo | FreshPool]:
     """Fresh allocators of the pattern's policy on P and D, churned if the pattern says so
     (seeded: the same pools every time). Returns what each side's pool looks like."""
     kind, shuffled, do_churn = _PATTERN[pattern]
-    out: dict[str, Any] = {}
+    out: dict[str, ChurnInfo | FreshPool] = {}
     for side, w, seed in (("p", pw, SEED_P), ("d", dw, SEED_D)):
         w.call("model_pool", kind=kind, order_seed=seed if shuffled else None, call_timeout=60)
         if do_churn:
             spec = {**asdict(plan.churn), "seed": plan.churn.seed + seed}
             out[side] = w.call(
                 "model_churn",
+                reply=ChurnInfo,
                 spec=spec,
                 block_tokens=shape.block_tokens,
                 need_blocks=need,
                 call_timeout=300,
             )
         else:
-            out[side] = {"fragmentation": w.call("model_frag")}
+            out[side] = {"fragmentation": w.call("model_frag", reply=FragInfo)}
     return out
 
 
@@ -224,7 +237,7 @@ def _size(
     tokens: int,
     plan: Plan,
     progress: Progress,
-) -> list[dict[str, Any]]:
+) -> list[Cell]:
     """One request size, every pattern. Each round measures all four patterns back to back
     (in a rotating order), each as: pools set up, a kvpush pass, then raw NIXL (merge on,
     merge off) and process_vm_writev replaying the ids that pass got -- so that every ratio
@@ -234,10 +247,10 @@ def _size(
     inflight = inflight_for(req_bytes)
     n = max(3 * inflight, math.ceil(plan.budget / req_bytes))
     need = min(nb, inflight * blocks)  # what the in-flight requests hold, on either side
-    acc: dict[str, dict[str, Any]] = {
+    acc: dict[str, Rounds] = {
         p: {"kv": [], "raw_on": [], "raw_off": [], "pvw": [], "raw_cpu": []} for p in PATTERNS
     }
-    pools: dict[str, Any] = {}
+    pools: dict[str, dict[str, ChurnInfo | FreshPool]] = {}
     for k in range(plan.rounds):
         progress(f"model: {shape.name}, {tokens} tokens, round {k + 1}/{plan.rounds}")
         order = PATTERNS[k % len(PATTERNS) :] + PATTERNS[: k % len(PATTERNS)]
@@ -249,16 +262,20 @@ def _size(
             )
             a["kv"].append(r)
             _replay(pw, dw, target, r["pairs"], n, inflight, a)
-    cells = []
+    cells: list[Cell] = []
     for pattern in PATTERNS:
         _setup(pw, dw, shape, pattern, need, plan)
         verified, nv = _verified_pass(
             pw, dw, f"{shape.name}.{tokens}.{pattern}.v.", inflight, blocks
         )
         cells.append(
-            _cell(shape, tokens, pattern, blocks, req_bytes, inflight, n, acc[pattern])
-            | {"verified": verified, "verify_requests": nv, "pool": pools[pattern]}
-            | _run_lens(acc[pattern])
+            {
+                **_cell(shape, tokens, pattern, blocks, req_bytes, inflight, n, acc[pattern]),
+                "verified": verified,
+                "verify_requests": nv,
+                "pool": pools[pattern],
+                **_run_lens(acc[pattern]),
+            }
         )
     return cells
 
@@ -270,17 +287,16 @@ def _replay(
     pairs: list[list[list[int]]],
     n: int,
     inflight: int,
-    a: dict[str, Any],
+    a: Rounds,
 ) -> None:
     """Replay the ids a kvpush pass got with raw NIXL (merge on, then off) and
     process_vm_writev; the figures go into ``a``."""
     dw.call("raw_poll", on=True)
-    r_on: RawLoopResult
-    r_off: RawLoopResult
     try:
         r_on, r_off = (
             pw.call(
                 "raw_pairs_loop",
+                reply=RawLoopResult,
                 pairs=pairs,
                 n=n,
                 inflight=inflight,
@@ -294,7 +310,8 @@ def _replay(
     a["raw_on"].append(r_on["gbps"])
     a["raw_cpu"].append(r_on["thread_cpu_s"] / r_on["n"])
     a["raw_off"].append(r_off["gbps"])
-    a["pvw"].append(pw.call("pvw_pairs", target=target, pairs=pairs, n=n, call_timeout=900)["gbps"])
+    pvw = pw.call("pvw_pairs", reply=CopyResult, target=target, pairs=pairs, n=n, call_timeout=900)
+    a["pvw"].append(pvw["gbps"])
 
 
 def _cell(
@@ -305,8 +322,8 @@ def _cell(
     req_bytes: int,
     inflight: int,
     n: int,
-    a: dict[str, Any],
-) -> dict[str, Any]:
+    a: Rounds,
+) -> CellBase:
     """One (size, pattern) cell of the result from its rounds' figures ``a``."""
     kv = a["kv"]
     return {
@@ -334,7 +351,7 @@ def _cell(
     }
 
 
-def _run_lens(a: dict[str, Any]) -> dict[str, float]:
+def _run_lens(a: Rounds) -> RunLens:
     """Mean run length of the ids P's and D's allocations got (median over rounds)."""
     kv = a["kv"]
     return {
@@ -345,11 +362,11 @@ def _run_lens(a: dict[str, Any]) -> dict[str, float]:
 
 def _kvpush(
     pw: Worker, dw: Worker, prefix: str, n: int, shape: Shape, blocks: int, inflight: int
-) -> dict[str, Any]:
+) -> KvPass:
     regions = shape.regions
     r, c0, c1 = ClosedLoop(pw, dw, prefix, n, blocks, inflight).timed(120.0, wait_s=600.0)
-    lp: dict[str, list[int]] = pw.call("model_recorded", prefix=prefix)
-    ld: dict[str, list[int]] = dw.call("model_recorded", prefix=prefix)
+    lp = pw.call("model_recorded", reply=dict[str, list[int]], prefix=prefix)
+    ld = dw.call("model_recorded", reply=dict[str, list[int]], prefix=prefix)
     keys = sorted(set(lp) & set(ld), key=lambda k: int(k.rsplit(".", 1)[1]))
     pairs = [[lp[k], ld[k]] for k in keys]
     descs = [merged_descriptors(_arr(a), _arr(b), regions) for a, b in pairs]

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpush.commands.bench.chart import Panel, Series, line_chart
 from kvpush.commands.bench.report import Report, fmt_num
 from kvpush.commands.bench.stats import median, ratio
 
 if TYPE_CHECKING:
+    from kvpush.commands.bench.model_cells import AllocCost, Cell, CellFigures, Medians
     from kvpush.commands.bench.model_plan import Plan
 
 PATTERNS = ("contiguous", "shuffled", "churn", "churn-freelist")
@@ -42,29 +43,28 @@ def _ms(s: float) -> str:
 def report(
     rep: Report,
     plan: Plan,
-    cells: list[dict[str, Any]],
-    cost: list[dict[str, Any]],
+    cells: list[Cell],
+    cost: list[AllocCost],
     out_dir: Path,
 ) -> None:
-    figs = []
+    figs: list[CellFigures] = []
+    out: list[dict[str, object]] = []  # the figures' JSON: the cell, its medians, its pools
     for c in cells:
         kv, raw = median(c["kvpush_gbps"]), median(c["raw_gbps"])
-        figs.append(
-            {
-                **{k: v for k, v in c.items() if k != "pool"},
-                "kvpush_median_gbps": kv,
-                "kvpush_median_per_s": median(c["kvpush_per_s"]),
-                "raw_median_gbps": raw,
-                "raw_nomerge_median_gbps": median(c["raw_nomerge_gbps"]),
-                "pvw_median_gbps": median(c["pvw_gbps"]),
-                "kvpush_over_raw": _per_round(c["kvpush_gbps"], c["raw_gbps"]),
-                "writer_ms_per_req": median(c["writer_cpu_per_req_s"]) * 1e3,
-                "p_ms_per_req": median(c["p_cpu_per_req_s"]) * 1e3,
-                "d_ms_per_req": median(c["d_cpu_per_req_s"]) * 1e3,
-                "raw_ms_per_req": median(c["raw_cpu_per_req_s"]) * 1e3,
-                "pool": c["pool"],
-            }
-        )
+        m: Medians = {
+            "kvpush_median_gbps": kv,
+            "kvpush_median_per_s": median(c["kvpush_per_s"]),
+            "raw_median_gbps": raw,
+            "raw_nomerge_median_gbps": median(c["raw_nomerge_gbps"]),
+            "pvw_median_gbps": median(c["pvw_gbps"]),
+            "kvpush_over_raw": _per_round(c["kvpush_gbps"], c["raw_gbps"]),
+            "writer_ms_per_req": median(c["writer_cpu_per_req_s"]) * 1e3,
+            "p_ms_per_req": median(c["p_cpu_per_req_s"]) * 1e3,
+            "d_ms_per_req": median(c["d_cpu_per_req_s"]) * 1e3,
+            "raw_ms_per_req": median(c["raw_cpu_per_req_s"]) * 1e3,
+        }
+        figs.append({**c, **m})
+        out.append({**{k: v for k, v in c.items() if k != "pool"}, **m, "pool": c["pool"]})
     by = {(f["shape"], f["tokens"], f["pattern"]): f for f in figs}
     for shape in plan.shapes:
         rows = []
@@ -122,6 +122,8 @@ def report(
         if not f["pattern"].startswith("churn"):
             continue
         d, p = f["pool"]["d"], f["pool"]["p"]
+        if "resident_blocks" not in d or "resident_blocks" not in p:
+            continue  # a churn pattern's pools always churned
         prow.append(
             [
                 f["shape"],
@@ -160,13 +162,13 @@ def report(
         )
     _cost_table(rep, cost)
     _targets(rep, plan, by, cost)
-    rep.figures["cells"] = figs
+    rep.figures["cells"] = out
     rep.figures["alloc_cost"] = [{k: v for k, v in c.items() if k != "rounds"} for c in cost]
     rep.data["alloc_cost_rounds"] = cost
     _chart(rep, plan, by, out_dir)
 
 
-def _cost_table(rep: Report, cost: list[dict[str, Any]]) -> None:
+def _cost_table(rep: Report, cost: list[AllocCost]) -> None:
     rows = []
     for series in COST_SERIES:
         pools = sorted({c["num_blocks"] for c in cost if c["series"] == series})
@@ -225,7 +227,7 @@ def _share_target(
     )
 
 
-def _cost_targets(rep: Report, cost: list[dict[str, Any]]) -> None:
+def _cost_targets(rep: Report, cost: list[AllocCost]) -> None:
     """The allocator's cost per allocate (and release) from the smallest to the largest pool."""
     for series in COST_SERIES:
         ext = [c for c in cost if c["series"] == series and c["allocator"] == "extent"]
@@ -258,8 +260,8 @@ def _cost_targets(rep: Report, cost: list[dict[str, Any]]) -> None:
 def _targets(
     rep: Report,
     plan: Plan,
-    by: dict[tuple[str, int, str], dict[str, Any]],
-    cost: list[dict[str, Any]],
+    by: dict[tuple[str, int, str], CellFigures],
+    cost: list[AllocCost],
 ) -> None:
     rep.notes.append(
         "each ratio in the targets is the median over rounds of the ratio within a round (all "
@@ -313,7 +315,7 @@ def _targets(
 
 
 def _chart(
-    rep: Report, plan: Plan, by: dict[tuple[str, int, str], dict[str, Any]], out_dir: Path
+    rep: Report, plan: Plan, by: dict[tuple[str, int, str], CellFigures], out_dir: Path
 ) -> None:
     panels = []
     for shape in plan.shapes:

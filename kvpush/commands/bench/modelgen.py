@@ -20,7 +20,7 @@ import gc
 import threading
 import time
 from collections.abc import Callable
-from typing import TypedDict
+from typing import TypedDict, final
 
 import numpy as np
 
@@ -47,6 +47,7 @@ class FragInfo(TypedDict):
     alloc_mean_run_len: float
 
 
+@final
 class ChurnInfo(TypedDict):
     """What churn left in a pool (the reply of ``model_churn``)."""
 

@@ -13,20 +13,21 @@ from __future__ import annotations
 import math
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TypeVar
 
 from kvpush.commands.bench.common import PREFILL_AHEAD_S, warmup_s
+from kvpush.commands.bench.loadgen import (
+    DecodeManyResult,
+    Recorded,
+    SteadyDecodeResult,
+    SteadyPrefillResult,
+)
 from kvpush.commands.bench.procs import Worker
+from kvpush.commands.bench.raw_node import RawNodeInfo
 from kvpush.commands.bench.stats import summary, window
 
-if TYPE_CHECKING:
-    from kvpush.commands.bench.loadgen import (
-        DecodeManyResult,
-        Recorded,
-        SteadyDecodeResult,
-        SteadyPrefillResult,
-    )
-    from kvpush.commands.bench.raw_node import RawNodeInfo
+D = TypeVar("D")
+P = TypeVar("P")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +57,8 @@ def steady_load(
         "blocks": load.blocks,
     }
     cmds = ("steady_decode", "steady_prefill")
-    return _p_ahead(pw, dw, cmds, "t0", args, wait_s=wait_s)
+    replies = (SteadyDecodeResult, SteadyPrefillResult)
+    return _p_ahead(pw, dw, cmds, replies, "t0", args, wait_s=wait_s)
 
 
 def join_request(
@@ -65,28 +67,28 @@ def join_request(
     """D sends one request to P at ``t_wall`` (a peer joining), P prefilling it ahead
     (``decode``: more ``decode_at`` arguments). The future of D's ``decode_at`` answer."""
     args: dict[str, float | str] = {"transfer_id": transfer_id, "t_wall": t_wall, "blocks": blocks}
-    fd: Future[Recorded] = _p_ahead(pw, dw, ("decode_at", "prefill_at"), "t_wall", args, **decode)[
-        0
-    ]
-    return fd
+    cmds = ("decode_at", "prefill_at")
+    return _p_ahead(pw, dw, cmds, (Recorded, object), "t_wall", args, **decode)[0]
 
 
 def _p_ahead(
     pw: Worker,
     dw: Worker,
     cmds: tuple[str, str],
+    replies: tuple[type[D], type[P]],
     at: str,
     args: dict[str, float | str],
     **decode: float,
-) -> tuple[Future[Any], Future[Any]]:
+) -> tuple[Future[D], Future[P]]:
     """D's command of ``cmds`` (D's, P's) with ``args``, and P's with the same ``args`` but its
     start time (argument ``at``) ``PREFILL_AHEAD_S`` earlier, so that D's latency measures the
     push, not P catching up. The futures of D's and P's answers."""
     d_cmd, p_cmd = cmds
-    fd = dw.call_async(d_cmd, p_addr=pw.address, **args, **decode)
+    d_reply, p_reply = replies
+    fd = dw.call_async(d_cmd, reply=d_reply, p_addr=pw.address, **args, **decode)
     start = args[at]
     assert isinstance(start, float)  # t0 or t_wall: a wall-clock time
-    fp = pw.call_async(p_cmd, **{**args, at: start - PREFILL_AHEAD_S})
+    fp = pw.call_async(p_cmd, reply=p_reply, **{**args, at: start - PREFILL_AHEAD_S})
     return fd, fp
 
 
@@ -126,9 +128,9 @@ class ClosedLoop:
         answer and P's thread CPU seconds before and after it."""
         pw = self.pw
         fp = pw.call_async("finish_many", prefix=self.prefix, n=self.n, blocks=self.blocks)
-        c0: dict[str, float] = pw.call("cpu")
+        c0 = pw.call("cpu", reply=dict[str, float])
         r = self._decode_many({"call_timeout": 900, **decode})
-        c1: dict[str, float] = pw.call("cpu")
+        c1 = pw.call("cpu", reply=dict[str, float])
         fp.result(finish_wait_s)
         return r, c0, c1
 
@@ -142,8 +144,9 @@ class ClosedLoop:
         return v
 
     def _decode_many(self, more: dict[str, float]) -> DecodeManyResult:
-        r: DecodeManyResult = self.dw.call(
+        return self.dw.call(
             "decode_many",
+            reply=DecodeManyResult,
             p_addr=self.pw.address,
             prefix=self.prefix,
             n=self.n,
@@ -151,7 +154,6 @@ class ClosedLoop:
             inflight=self.inflight,
             **more,
         )
-        return r
 
 
 def raw_pair(
@@ -165,8 +167,9 @@ def raw_pair(
 ) -> RawNodeInfo:
     """Fresh raw NIXL nodes for a baseline: the target polls (spins), the initiator does not
     (``agent``: more ``raw_node`` arguments for both). The target's info, to write to."""
-    ti: RawNodeInfo = rt.call(
+    ti = rt.call(
         "raw_node",
+        reply=RawNodeInfo,
         regions=regions,
         num_blocks=target_blocks,
         block_bytes=block_bytes,

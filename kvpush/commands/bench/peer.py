@@ -23,15 +23,14 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from kvpush.commands.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.commands.bench.common import EndpointCfg, Progress, endpoint_cfg, logs_dir
 from kvpush.commands.bench.passes import ClosedLoop
 from kvpush.commands.bench.peer_plan import Cell, PeerPlan
 from kvpush.commands.bench.peer_report import SYSTEMS, Round, report
 from kvpush.commands.bench.peer_vllm.pair import VllmPair, vllm_python
 from kvpush.commands.bench.procs import Cluster, Worker
-from kvpush.commands.bench.report import Report
+from kvpush.commands.bench.report import Report, ResultDict
 from kvpush.config import Role
 
 ROUND_TIMEOUT_S = 300.0
@@ -39,13 +38,13 @@ RESUME_SETTLE_S = 0.3  # after SIGCONT, before the round: both processes running
 WARM_SMALL = 20  # 1-block requests, 1 in flight: the handshakes
 
 
-def _kvpush_cfg(role: Role, plan: PeerPlan, num_blocks: int) -> dict[str, Any]:
+def _kvpush_cfg(role: Role, plan: PeerPlan, num_blocks: int) -> EndpointCfg:
     g = plan.geometry
     cfg = endpoint_cfg(
         role, layers=g.layers, block_bytes=g.block_bytes, num_blocks=num_blocks,
         verify=role != Role.DECODE,
     )  # fmt: skip
-    cfg["pool"].update(kv_regions="per-layer", kv_heads=g.kv_heads, dtype=g.dtype)
+    cfg["pool"].update({"kv_regions": "per-layer", "kv_heads": g.kv_heads, "dtype": g.dtype})
     return cfg
 
 
@@ -111,7 +110,7 @@ def run(
     vllm_py: str | None = None,
     requests: int | None = None,
     rounds: int | None = None,
-) -> dict[str, Any]:
+) -> ResultDict:
     python = vllm_python(vllm_py)  # before anything starts: a clear error, nothing to stop
     plan = PeerPlan.make(quick, requests, rounds)
     rep = Report(

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 from kvpush.commands.bench.worker_state import WorkerState
 from kvpush.config import HandshakeMode
@@ -39,6 +39,45 @@ class GcReport(TypedDict):
     slowest: list[list[float]]  # [wall time, generation, seconds], slowest first
 
 
+class HistReply(TypedDict):
+    """One histogram of ``stats`` (``kvpush.telemetry.snapshot.HistSnapshot``), in seconds."""
+
+    count: int
+    sum: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+
+
+class LaneReply(TypedDict, total=False):
+    """What the scenarios read of a P peer row's ``lane`` (``kvpush.prefill.lanestats``)."""
+
+    pushes: int
+    post_us_per_desc: float
+
+
+class PeerReply(TypedDict):
+    """What the scenarios read of one peer row of ``stats`` (``kvpush.peers.table``)."""
+
+    peer: str
+    state: str
+    duration_s: float
+    lane: NotRequired[LaneReply]
+
+
+class StatsReply(TypedDict):
+    """What the scenarios read of ``stats``' answer: the endpoint's telemetry snapshot
+    (``Snapshot.to_dict``, more keys than these)."""
+
+    counters: dict[str, int]
+    histograms: dict[str, HistReply]
+    peers: list[PeerReply]
+
+
+#: The reply of ``handshake_series``: per mode, one row of phase timings (s) per handshake.
+HandshakeSeries = dict[str, list[dict[str, float]]]
+
 _SC_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -48,11 +87,11 @@ def stats(state: WorkerState) -> dict[str, object]:
 
 def handshake_series(
     state: WorkerState, p_addr: str, modes: list[str], repeats: int, settle_s: float = 0.0
-) -> dict[str, list[dict[str, float]]]:
+) -> HandshakeSeries:
     """Handshake to ``p_addr`` ``repeats`` times per mode (interleaved), forgetting the peer
     after each so the next one starts from nothing. Returns phase timings per mode."""
     ep = state.endpoint.get()
-    out: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    out: HandshakeSeries = {m: [] for m in modes}
     for _ in range(repeats):
         for m in modes:
             t0 = time.perf_counter()

@@ -18,14 +18,14 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TypeVar, overload
 
+from kvpush.commands.bench.loadgen import EndpointInfo
 from kvpush.commands.bench.rpc import BenchError as BenchError  # the bench's error, re-exported
 from kvpush.commands.bench.rpc import LineRpc
 from kvpush.commands.common import launch
 
-if TYPE_CHECKING:
-    from kvpush.commands.bench.loadgen import EndpointInfo
+R = TypeVar("R")
 
 
 class Worker(LineRpc):
@@ -49,10 +49,18 @@ class Worker(LineRpc):
         self.info: EndpointInfo | None = None  # start_endpoint's reply
 
     def wait_started(self, timeout_s: float = 60.0) -> None:
-        self.started(timeout_s)
+        self.started(timeout_s, reply=object)
 
-    def call(self, cmd: str, call_timeout: float = 120.0, **args: object) -> Any:
-        return self.result(self.call_async(cmd, **args), call_timeout, cmd)
+    @overload
+    def call(self, cmd: str, call_timeout: float = ..., *, reply: type[R], **args: object) -> R: ...
+    @overload
+    def call(self, cmd: str, call_timeout: float = ..., **args: object) -> object: ...
+    def call(
+        self, cmd: str, call_timeout: float = 120.0, *, reply: type[R] | object = object,
+        **args: object,
+    ) -> R | object:  # fmt: skip
+        """``cmd``'s answer, read as ``reply`` (``LineRpc.call_async``)."""
+        return self.result(self.call_async(cmd, reply=reply, **args), call_timeout, cmd)
 
     # ------------------------------------------------------------------ lifecycle
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -110,9 +118,9 @@ class Cluster:
         futs = {}
         for name, w in ws.items():
             w.wait_started(timeout_s)
-            futs[name] = w.call_async("start_endpoint", config=specs[name])
+            futs[name] = w.call_async("start_endpoint", reply=EndpointInfo, config=specs[name])
         for name, f in futs.items():
-            ws[name].info = cast("EndpointInfo", ws[name].result(f, timeout_s, "start_endpoint"))
+            ws[name].info = ws[name].result(f, timeout_s, "start_endpoint")
         return ws
 
     def stop(self, w: Worker) -> None:

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
-from kvpush.commands.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.commands.bench.common import EndpointCfg, Progress, endpoint_cfg, logs_dir
 from kvpush.commands.bench.passes import ClosedLoop, raw_pair
+from kvpush.commands.bench.probes import HistReply, StatsReply
 from kvpush.commands.bench.procs import Cluster, Worker
-from kvpush.commands.bench.report import Report, fmt_ms, fmt_num
+from kvpush.commands.bench.raw import RawLoopResult
+from kvpush.commands.bench.report import Report, ResultDict, fmt_ms, fmt_num
 from kvpush.commands.bench.stats import median, ratio, summary
 from kvpush.config import Role
 
@@ -36,7 +38,33 @@ P_BLOCKS = 1024
 D_BLOCKS = 256
 
 
-def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
+class KvRound(TypedDict):
+    """One timed kvpush round (``_kvpush``)."""
+
+    per_s: float
+    failed: int
+    latency: dict[str, float]
+    writer_cpu_us: float
+    p_cpu_us: float
+    d_cpu_us: float
+    d_receiver_cpu_us: float
+    writes: int
+    pushes_per_write: float
+    post_us_per_desc: float
+
+
+class InflightRounds(TypedDict):
+    """Every round of one in-flight configuration."""
+
+    n: int
+    kvpush: list[KvRound]
+    raw: list[RawLoopResult]
+    kvpush_d_nospin: list[KvRound]
+    kvpush_single: list[KvRound]
+    p_hist: NotRequired[dict[str, HistReply | None]]
+
+
+def run(quick: bool, out_dir: Path, progress: Progress) -> ResultDict:
     configs = ((64, 2000), (1, 300)) if quick else ((64, 20000), (1, 3000))
     rounds = 1 if quick else 3
     rep = Report(
@@ -53,7 +81,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
             "d_pool_blocks": D_BLOCKS,
         },
     )
-    out: dict[int, dict[str, Any]] = {}
+    out: dict[int, InflightRounds] = {}
     with Cluster(logs_dir(out_dir, "rate")) as cl:
         progress("rate: starting P, D and the raw workers")
         ws = _endpoints(cl, quick)
@@ -69,7 +97,10 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
             _kvpush(ws["p-nospin"], ws["d-nospin"], "warm.", 1000, 64)
         for inflight, n in configs:
             progress(f"rate: {inflight} in flight")
-            kv, raw, kv_ns, kv_single = [], [], [], []
+            kv: list[KvRound] = []
+            raw: list[RawLoopResult] = []
+            kv_ns: list[KvRound] = []
+            kv_single: list[KvRound] = []
             for k in range(rounds):
                 raw.append(_raw_round(rt, ri, n, inflight))
                 if k % 2:  # coalescing off first in odd rounds: neither always goes first
@@ -89,7 +120,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
                 "kvpush_single": kv_single,
             }
             if inflight == configs[0][0]:
-                hist = pw.call("stats")["histograms"]
+                hist = pw.call("stats", reply=StatsReply)["histograms"]
                 out[inflight]["p_hist"] = {
                     h: hist.get(h) for h in ("push_latency", "write_duration")
                 }
@@ -102,7 +133,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
 def _endpoints(cl: Cluster, quick: bool) -> dict[str, Worker]:
     """P and D (D does not verify: timed parts), a pair with coalescing off (the A/B), and, in a
     full run, a pair whose D does not keep polling after activity (busy_spin_us=0)."""
-    nospin: dict[str, dict[str, Any]] = {}
+    nospin: dict[str, EndpointCfg] = {}
     if not quick:
         dcfg = endpoint_cfg(
             Role.DECODE, layers=1, block_bytes=BLOCK_BYTES, num_blocks=D_BLOCKS, verify=False
@@ -121,21 +152,22 @@ def _endpoints(cl: Cluster, quick: bool) -> dict[str, Worker]:
     return cl.endpoints({**nospin, **single, "p": p_cfg(), "d": d_cfg()})
 
 
-def p_cfg() -> dict[str, Any]:
+def p_cfg() -> EndpointCfg:
     return endpoint_cfg(Role.PREFILL, layers=1, block_bytes=BLOCK_BYTES, num_blocks=P_BLOCKS)
 
 
-def d_cfg() -> dict[str, Any]:
+def d_cfg() -> EndpointCfg:
     return endpoint_cfg(
         Role.DECODE, layers=1, block_bytes=BLOCK_BYTES, num_blocks=D_BLOCKS, verify=False
     )
 
 
-def _raw_round(rt: Worker, ri: Worker, n: int, inflight: int) -> dict[str, Any]:
+def _raw_round(rt: Worker, ri: Worker, n: int, inflight: int) -> RawLoopResult:
     """One round of the raw pipelined WRITE+notif loop between fresh raw nodes."""
     ti = raw_pair(rt, ri, REGIONS, D_BLOCKS, P_BLOCKS, BLOCK_BYTES)
-    r: dict[str, Any] = ri.call(
+    r = ri.call(
         "raw_write_loop",
+        reply=RawLoopResult,
         target=ti,
         blocks=1,
         n=n,
@@ -154,10 +186,10 @@ def _verified_pass(pw: Worker, dw: Worker, n: int) -> int:
     return sum(1 for x in v["verified"] if x is True)
 
 
-def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, inflight: int) -> dict[str, Any]:
-    w0 = _writes(pw.call("stats"))
+def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, inflight: int) -> KvRound:
+    w0 = _writes(pw.call("stats", reply=StatsReply))
     r, c0, c1 = ClosedLoop(pw, dw, prefix, n, 1, inflight).timed()
-    w1 = _writes(pw.call("stats"))
+    w1 = _writes(pw.call("stats", reply=StatsReply))
     ok = sum(1 for x in r["ok"] if x)
     lat = [x for x, g in zip(r["latency_s"], r["ok"], strict=True) if g]
     return {
@@ -177,7 +209,7 @@ def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, inflight: int) -> dict[
     }
 
 
-def _writes(snap: dict[str, Any]) -> tuple[int, int, float]:
+def _writes(snap: StatsReply) -> tuple[int, int, float]:
     """P's WRITEs posted so far (every D rank's), pushes ended ok, and the latest mean post
     time per descriptor (us) of its busiest peer (``kvpush.prefill.lanestats``)."""
     writes, per_desc, most = 0, math.nan, -1
@@ -190,8 +222,9 @@ def _writes(snap: dict[str, Any]) -> tuple[int, int, float]:
     return writes, int((snap.get("counters") or {}).get("pushes_ok", 0)), per_desc
 
 
-def _report(rep: Report, out: dict[int, dict[str, Any]], verified: int, nverify: int) -> None:
+def _report(rep: Report, out: dict[int, InflightRounds], verified: int, nverify: int) -> None:
     rows = []
+    figs: dict[int, dict[str, object]] = {}
     for inflight, e in out.items():
         kv_rate = median([x["per_s"] for x in e["kvpush"]])
         raw_rate = median([x["per_s"] for x in e["raw"]])
@@ -215,7 +248,7 @@ def _report(rep: Report, out: dict[int, dict[str, Any]], verified: int, nverify:
                 fmt_ms(lat["max"], 3),
             ]
         )
-        rep.figures[f"inflight_{inflight}"] = {
+        fig: dict[str, object] = {
             "kvpush_per_s": kv_rate,
             "raw_per_s": raw_rate,
             "ratio": r,
@@ -226,6 +259,7 @@ def _report(rep: Report, out: dict[int, dict[str, Any]], verified: int, nverify:
             "raw_rounds": [{k: v for k, v in x.items()} for x in e["raw"]],
             "p_histograms": e.get("p_hist"),
         }
+        figs[inflight] = rep.figures[f"inflight_{inflight}"] = fig
         if inflight > 1:
             rep.target(
                 f"kvpush / raw pushes per second, {inflight} in flight",
@@ -256,7 +290,7 @@ def _report(rep: Report, out: dict[int, dict[str, Any]], verified: int, nverify:
         "With 1 in flight the owner threads spin between pushes (busy_spin_us), so their CPU "
         "per push is mostly waiting, not work.",
     )
-    _coalescing(rep, out)
+    _coalescing(rep, out, figs)
     for inflight, e in out.items():
         ns = e.get("kvpush_d_nospin") or []
         if not ns:
@@ -280,9 +314,9 @@ def _report(rep: Report, out: dict[int, dict[str, Any]], verified: int, nverify:
                 for name, runs in (("defaults", e["kvpush"]), ("D busy_spin_us=0", ns))
             ],
         )
-        rep.figures[f"inflight_{inflight}"]["d_nospin_per_s"] = ns_rate
-        rep.figures[f"inflight_{inflight}"]["d_nospin_gain"] = ratio(ns_rate, kv_rate)
-        rep.figures[f"inflight_{inflight}"]["d_nospin_rounds"] = ns
+        figs[inflight]["d_nospin_per_s"] = ns_rate
+        figs[inflight]["d_nospin_gain"] = ratio(ns_rate, kv_rate)
+        figs[inflight]["d_nospin_rounds"] = ns
     first = next(iter(out.values()))
     ph = first.get("p_hist") or {}
     if ph:
@@ -315,8 +349,11 @@ def _report(rep: Report, out: dict[int, dict[str, Any]], verified: int, nverify:
         )
 
 
-def _coalescing(rep: Report, out: dict[int, dict[str, Any]]) -> None:
-    """Coalescing on (the defaults) vs off vs raw NIXL, same rounds: the A/B of issue 30."""
+def _coalescing(
+    rep: Report, out: dict[int, InflightRounds], figs: dict[int, dict[str, object]]
+) -> None:
+    """Coalescing on (the defaults) vs off vs raw NIXL, same rounds: the A/B of issue 30;
+    each configuration's figures go into ``figs`` (``rep.figures``' own)."""
     rows = []
     for inflight, e in out.items():
         single = e.get("kvpush_single") or []
@@ -324,7 +361,8 @@ def _coalescing(rep: Report, out: dict[int, dict[str, Any]]) -> None:
             continue
         raw_rate = median([x["per_s"] for x in e["raw"]])
         raw_us = median([x["thread_cpu_s"] / x["n"] * 1e6 for x in e["raw"]])
-        fig: dict[str, Any] = {"single_rounds": single}
+        fig: dict[str, object] = {"single_rounds": single}
+        side: dict[str, dict[str, float]] = {}
         for name, runs in (("coalescing on", e["kvpush"]), ("coalescing off", single)):
             rate = median([x["per_s"] for x in runs])
             w_us = median([x["writer_cpu_us"] for x in runs])
@@ -346,7 +384,11 @@ def _coalescing(rep: Report, out: dict[int, dict[str, Any]]) -> None:
                 ]
             )
             key = "on" if runs is e["kvpush"] else "off"
-            fig[key] = {"per_s": rate, "ratio": ratio(rate, raw_rate), "writer_cpu_us": w_us}
+            fig[key] = side[key] = {
+                "per_s": rate,
+                "ratio": ratio(rate, raw_rate),
+                "writer_cpu_us": w_us,
+            }
         rows.append(
             [
                 str(inflight),
@@ -362,18 +404,16 @@ def _coalescing(rep: Report, out: dict[int, dict[str, Any]]) -> None:
                 "-",
             ]
         )
-        fig["writer_cpu_on_over_off"] = ratio(
-            fig["on"]["writer_cpu_us"], fig["off"]["writer_cpu_us"]
-        )
-        fig["rate_on_over_off"] = ratio(fig["on"]["per_s"], fig["off"]["per_s"])
-        rep.figures[f"inflight_{inflight}"]["coalescing"] = fig
+        c = ratio(side["on"]["writer_cpu_us"], side["off"]["writer_cpu_us"])
+        fig["writer_cpu_on_over_off"] = c
+        fig["rate_on_over_off"] = ratio(side["on"]["per_s"], side["off"]["per_s"])
+        figs[inflight]["coalescing"] = fig
         if inflight > 1:
-            c = fig["writer_cpu_on_over_off"]
             rep.target(
                 f"P writer CPU per push, coalescing on / off, {inflight} in flight",
                 "<= 50%",
-                f"{c * 100:.0f}% ({fmt_num(fig['on']['writer_cpu_us'], 1)} / "
-                f"{fmt_num(fig['off']['writer_cpu_us'], 1)} us)",
+                f"{c * 100:.0f}% ({fmt_num(side['on']['writer_cpu_us'], 1)} / "
+                f"{fmt_num(side['off']['writer_cpu_us'], 1)} us)",
                 c <= 0.5 if math.isfinite(c) else None,
             )
     if rows:

@@ -8,10 +8,10 @@ scenario). Run in the orchestrator process, on the caller's thread; no I/O.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvpush.commands.bench.report import Machine, TableDict
+    from kvpush.commands.bench.report import Machine, ResultDict, TableDict
 
 
 def _table_lines(t: TableDict, sep: str = "  ") -> list[str]:
@@ -59,7 +59,7 @@ def _met(m: bool | None) -> str:
     return "met" if m is True else "MISSED" if m is False else "n/a"
 
 
-def render_text(r: dict[str, Any]) -> str:
+def render_text(r: ResultDict) -> str:
     lines = [f"== {r['title']} ({r['command']}, {r['elapsed_s']:.0f}s) =="]
     for t in r["tables"]:
         lines += ["", t["title"], *_table_lines(t)]
@@ -87,7 +87,7 @@ def render_text(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render_markdown(r: dict[str, Any]) -> str:
+def render_markdown(r: ResultDict) -> str:
     out = [f"### {r['title']}", "", f"`{r['command']}` — {r['elapsed_s']:.0f} s", ""]
     for t in r["tables"]:
         out += [f"**{t['title']}**", "", *_md_table_lines(t)]
@@ -113,7 +113,7 @@ def render_markdown(r: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def render_summary(results: Sequence[dict[str, Any]]) -> str:
+def render_summary(results: Sequence[ResultDict]) -> str:
     """Markdown of a whole ``bench all`` run: the host, then every scenario's tables."""
     if not results:
         return ""

@@ -20,7 +20,7 @@ import platform
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Literal, NotRequired, TypedDict
 
 from kvpush.commands.bench.stats import finite
 
@@ -89,6 +89,27 @@ class Machine(TypedDict):
     loadavg_end: NotRequired[list[float]]
 
 
+class ResultDict(TypedDict):
+    """A scenario's result: ``Report.to_dict()``, plus the host's noise over the run (added by
+    ``kvpush.commands.bench.run``); ``figures`` and ``data`` are for machines, never read here."""
+
+    scenario: str
+    title: str
+    quick: bool
+    command: str
+    started_at: str
+    elapsed_s: float
+    machine: Machine
+    params: dict[str, object]
+    tables: list[TableDict]
+    targets: list[TargetDict]
+    notes: list[str]
+    figures: object
+    charts: list[str]
+    data: object
+    host_noise: NotRequired[dict[str, object]]
+
+
 @dataclass
 class Report:
     scenario: str
@@ -98,9 +119,9 @@ class Report:
     tables: list[TableDict] = field(default_factory=list)
     targets: list[TargetDict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    figures: dict[str, Any] = field(default_factory=dict)
+    figures: dict[str, object] = field(default_factory=dict)
     charts: list[str] = field(default_factory=list)
-    data: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, object] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     machine_start: Machine = field(default_factory=lambda: machine_info())
 
@@ -123,7 +144,7 @@ class Report:
             {"name": name, "target": target, "measured": measured, "met": met, "note": note}
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> ResultDict:
         end = machine_info()
         return {
             "scenario": self.scenario,

@@ -17,9 +17,11 @@ import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutTimeout
 from pathlib import Path
-from typing import Any
+from typing import TypeVar, cast, overload
 
 from kvpush.errors import KvpushError
+
+R = TypeVar("R")
 
 
 class BenchError(KvpushError):
@@ -35,8 +37,8 @@ class LineRpc:
         self.log_path = log_path
         self.label = label
         self._ids = itertools.count(1)
-        self._started: Future[Any] = Future()  # id 0: the child's start-up answer
-        self._futs: dict[int, Future[Any]] = {0: self._started}
+        self._started: Future[object] = Future()  # id 0: the child's start-up answer
+        self._futs: dict[int, Future[object]] = {0: self._started}
         self._lock = threading.Lock()
         self._wlock = threading.Lock()
         threading.Thread(target=self._read, name=f"bench-{label}", daemon=True).start()
@@ -65,11 +67,19 @@ class LineRpc:
             if not f.done():
                 f.set_exception(self.error(f"exited ({self.popen.poll()})"))
 
-    # A reply is the child's JSON as parsed, untyped (the one boundary where it is): each caller
-    # reads it as the reply's TypedDict, declared beside the command on the child's side.
-    def call_async(self, cmd: str, **args: object) -> Future[Any]:
+    # A reply is the child's JSON as parsed, untyped: ``reply`` names the TypedDict (or plain
+    # type) it is read as, declared beside the command on the child's side. This is the one
+    # boundary where the parsed JSON gets its type; without ``reply`` the answer is an ``object``
+    # (waited for, or passed on, never read).
+    @overload
+    def call_async(self, cmd: str, *, reply: type[R], **args: object) -> Future[R]: ...
+    @overload
+    def call_async(self, cmd: str, **args: object) -> Future[object]: ...
+    def call_async(
+        self, cmd: str, *, reply: type[R] | object = object, **args: object
+    ) -> Future[R] | Future[object]:
         mid = next(self._ids)
-        fut: Future[Any] = Future()
+        fut: Future[object] = Future()
         with self._lock:
             if self.popen.poll() is not None:
                 fut.set_exception(self.error("is not running"))
@@ -85,14 +95,14 @@ class LineRpc:
             with self._lock:
                 self._futs.pop(mid, None)
             fut.set_exception(self.error(f"cannot send {cmd}: {e}"))
-        return fut
+        return cast("Future[R]", fut)  # the one place an answer gets its type: ``reply``
 
-    def result(self, fut: Future[Any], timeout_s: float, what: str) -> Any:
+    def result(self, fut: Future[R], timeout_s: float, what: str) -> R:
         try:
             return fut.result(timeout_s)
         except FutTimeout:
             raise self.error(f"{what} did not answer in {timeout_s:g}s") from None
 
-    def started(self, timeout_s: float) -> Any:
-        """The child's start-up answer (id 0), once it came."""
-        return self.result(self._started, timeout_s, "start-up")
+    def started(self, timeout_s: float, reply: type[R]) -> R:
+        """The child's start-up answer (id 0), once it came, read as ``reply``."""
+        return self.result(cast("Future[R]", self._started), timeout_s, "start-up")

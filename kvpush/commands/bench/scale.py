@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpush.commands.bench import noise
 from kvpush.commands.bench.chart import Panel, Series, line_chart
@@ -25,14 +25,16 @@ from kvpush.commands.bench.common import (
     start_at,
     warmup_s,
 )
+from kvpush.commands.bench.loadgen import Recorded
 from kvpush.commands.bench.passes import SteadyLoad, join_request, steady_load, steady_phases
+from kvpush.commands.bench.probes import StatsReply
 from kvpush.commands.bench.procs import Cluster
-from kvpush.commands.bench.report import Report, fmt_ms, fmt_x
+from kvpush.commands.bench.report import Report, ResultDict, fmt_ms, fmt_x
 from kvpush.commands.bench.stats import median, ratio
 from kvpush.config import Role
 
 if TYPE_CHECKING:
-    from kvpush.commands.bench.loadgen import Recorded, SteadyDecodeResult
+    from kvpush.commands.bench.loadgen import SteadyDecodeResult
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +68,7 @@ class _Storm:
     d1_hs: float
 
 
-def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
+def run(quick: bool, out_dir: Path, progress: Progress) -> ResultDict:
     p = QUICK if quick else FULL
     rep = Report(
         "scale",
@@ -96,7 +98,12 @@ def _measure(p: ScaleParams, out_dir: Path, progress: Progress) -> _Storm:
         # D1 joins in quiet time (the reference join), then warms up.
         tw = start_at(0.2)
         f = d1.call_async(
-            "decode_at", p_addr=pw.address, transfer_id="warm", t_wall=tw, blocks=p.blocks
+            "decode_at",
+            reply=Recorded,
+            p_addr=pw.address,
+            transfer_id="warm",
+            t_wall=tw,
+            blocks=p.blocks,
         )
         pw.call("prefill_at", transfer_id="warm", t_wall=tw, blocks=p.blocks)
         quiet_join = f.result(60)["latency_s"][0]
@@ -113,9 +120,11 @@ def _measure(p: ScaleParams, out_dir: Path, progress: Progress) -> _Storm:
             (round(ts - t_join, 3), round(late * 1e3, 1))
             for ts, late in noise.stalls_between(t0, t0 + total + 1.0)
         ]
-        peers = {row["peer"]: row for row in pw.call("stats")["peers"]}
-        hs = {n: float(peers.get(ws[n].address, {}).get("duration_s", math.nan)) for n in names}
-        d1_hs = float(peers.get(d1.address, {}).get("duration_s", math.nan))
+        peers = {
+            row["peer"]: row["duration_s"] for row in pw.call("stats", reply=StatsReply)["peers"]
+        }
+        hs = {n: float(peers.get(ws[n].address, math.nan)) for n in names}
+        d1_hs = float(peers.get(d1.address, math.nan))
     return _Storm(names, quiet_join, r, p_late, joins, stalls, hs, d1_hs)
 
 

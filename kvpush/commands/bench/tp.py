@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from kvpush.commands.bench.bandwidth import BLOCKS, INFLIGHT, PUSH_PARAMS, REGIONS
 from kvpush.commands.bench.chart import Panel, Series, line_chart
-from kvpush.commands.bench.common import Progress, endpoint_cfg, logs_dir
+from kvpush.commands.bench.common import EndpointCfg, Progress, endpoint_cfg, logs_dir
+from kvpush.commands.bench.loadgen import DecodeManyResult
 from kvpush.commands.bench.passes import ClosedLoop
 from kvpush.commands.bench.procs import Cluster, Worker
-from kvpush.commands.bench.report import Report, fmt_num
+from kvpush.commands.bench.report import Report, ResultDict, fmt_num
 from kvpush.commands.bench.stats import median, ratio
 from kvpush.config import Role
 
@@ -37,7 +38,7 @@ FULL_TPS = (1, 2, 4)
 QUICK_TPS = (1, 2)
 
 
-def _cfg(role: Role, tp: int, blocks: int) -> dict[str, Any]:
+def _cfg(role: Role, tp: int, blocks: int) -> EndpointCfg:
     cfg = endpoint_cfg(
         role, layers=1, block_bytes=PAGE, num_blocks=blocks, verify=role != Role.DECODE
     )
@@ -46,7 +47,7 @@ def _cfg(role: Role, tp: int, blocks: int) -> dict[str, Any]:
     return cfg
 
 
-def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
+def run(quick: bool, out_dir: Path, progress: Progress) -> ResultDict:
     tps = QUICK_TPS if quick else FULL_TPS
     per_rank = (48 << 20) if quick else (384 << 20)
     rounds = 1 if quick else 3
@@ -104,13 +105,27 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> dict[str, Any]:
     return rep.to_dict()
 
 
-def _push(pairs: list[tuple[Worker, Worker]], prefix: str, n: int) -> dict[str, Any]:
+class Pushed(TypedDict):
+    """What every pair of a round pushed together (``_push``)."""
+
+    bytes: int
+    elapsed_s: float
+    failed: int
+
+
+def _push(pairs: list[tuple[Worker, Worker]], prefix: str, n: int) -> Pushed:
     """Every pair pushes ``n`` requests at once; bytes per rank summed over the pairs, elapsed
     the slowest pair's."""
     fps = [pw.call_async("finish_many", prefix=prefix, n=n, blocks=BLOCKS) for pw, _ in pairs]
     fds = [
         dw.call_async(
-            "decode_many", p_addr=pw.address, prefix=prefix, n=n, blocks=BLOCKS, inflight=INFLIGHT
+            "decode_many",
+            reply=DecodeManyResult,
+            p_addr=pw.address,
+            prefix=prefix,
+            n=n,
+            blocks=BLOCKS,
+            inflight=INFLIGHT,
         )
         for pw, dw in pairs
     ]

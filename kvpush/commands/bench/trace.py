@@ -32,7 +32,7 @@ from typing import Any
 
 from kvpush.commands.bench.common import Progress, logs_dir
 from kvpush.commands.bench.procs import BenchError
-from kvpush.commands.bench.report import Report, fmt_ms, fmt_num
+from kvpush.commands.bench.report import Report, ResultDict, fmt_ms, fmt_num
 from kvpush.commands.common import launch
 
 KVPUSH = [sys.executable, "-m", "kvpush"]
@@ -209,9 +209,7 @@ COLUMNS = ["speedup", "offered req/s", "ok/s", "GB/s", "p50 ms", "p99 ms", "fail
            "D peak used/pool", "pool needed (blocks)", "late p99 ms", "within"]  # fmt: skip
 
 
-def run(
-    quick: bool, out_dir: Path, progress: Progress, workload: str | None = None
-) -> dict[str, Any]:
+def run(quick: bool, out_dir: Path, progress: Progress, workload: str | None = None) -> ResultDict:
     p = QUICK if quick else FULL
     what = workload or f"synthetic conversation-like trace ({p.requests} requests, seed {p.seed})"
     rep = Report(

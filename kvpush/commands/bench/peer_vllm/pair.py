@@ -61,8 +61,7 @@ class Driver(LineRpc):
         super().__init__(popen, self.log_path, f"vLLM {role} driver")
 
     def ready(self, timeout_s: float) -> Json:
-        info: Json = self.started(timeout_s)
-        return info
+        return self.started(timeout_s, reply=Json)
 
     def signal(self, sig: int) -> None:
         if self.popen.poll() is None:
@@ -115,9 +114,9 @@ class VllmPair:
         finished and not yet sent), D registers them with ``inflight`` outstanding. D's answer
         (latencies, elapsed, CPU) with P's CPU seconds as ``p_cpu_s``."""
         p, d = self.drivers
-        fp = p.call_async("serve", prefix=prefix, n=n, blocks=blocks, ahead=2 * inflight,
-                          timeout_s=timeout_s)  # fmt: skip
-        fd = d.call_async("run", p=self.p_info, prefix=prefix, n=n, blocks=blocks,
+        fp = p.call_async("serve", reply=Json, prefix=prefix, n=n, blocks=blocks,
+                          ahead=2 * inflight, timeout_s=timeout_s)  # fmt: skip
+        fd = d.call_async("run", reply=Json, p=self.p_info, prefix=prefix, n=n, blocks=blocks,
                           inflight=inflight, timeout_s=timeout_s)  # fmt: skip
         dr = d.result(fd, timeout_s + 30, "run")
         pr = p.result(fp, 60, "serve")
