@@ -1,17 +1,17 @@
 """D's receiver: the role loop that owns D's side of NIXL, on the endpoint's ``OwnerThread``.
 
 For each new request it makes sure a handshake to P exists (notif-only by default: D only ever
-notifies P), deferred through a done-callback exactly like P's writer and never blocking; then
-it sends PUSH_REG (saying it takes ``Completions`` unless ``--no-coalesce``), counts completion
-notifications (expected = max(1, P_tp / D_tp); a ``Completions`` counts once for each request
-it names), sends
-heartbeats for waiting requests and enforces each request's deadline. A whole request goes to
-the completer (verification off this thread). A request that fails after its PUSH_REG went out
-tells P (``Cancel``) and keeps its blocks quarantined until P's fence or the WRITE's own
-completion says no more bytes can land (vLLM's C1: never hand them to the next request before);
-how a failed request ends and when its blocks come back is ``kvpush.decode.outcomes``;
-heartbeats and P ranks that are gone or stopped are ``kvpush.decode.peers``; which P ranks a
-request draws from, and a connection to each, is ``kvpush.decode.sources``.
+notifies P), deferred through a done-callback exactly like P's writer and never blocking; then it
+sends PUSH_REG (saying it takes ``Completions`` unless ``--no-coalesce``; several in one
+notification to a P that takes them: ``kvpush.decode.registrar``), counts completion notifications
+(expected = max(1, P_tp / D_tp); a ``Completions`` counts once for each request it names), sends
+heartbeats for waiting requests and enforces each request's deadline. A whole request goes to the
+completer (verification off this thread). A request that fails after its PUSH_REG went out tells P
+(``Cancel``) and keeps its blocks quarantined until P's fence or the WRITE's own completion says no
+more bytes can land (vLLM's C1: never hand them to the next request before); how a failed request
+ends and when its blocks come back is ``kvpush.decode.outcomes``; heartbeats and P ranks that are
+gone or stopped are ``kvpush.decode.peers``; which P ranks a request draws from, and a connection to
+each, is ``kvpush.decode.sources``.
 
 Seams: everything it touches is handed in (the rank's ``EndpointContext``: agent, pool,
 handshakes, codec, telemetry, the local metadata; and the completer), so component tests drive
@@ -28,6 +28,7 @@ from kvpush.config import Role
 from kvpush.decode.completer import Completer
 from kvpush.decode.outcomes import Outcomes, failed_rep
 from kvpush.decode.peers import PrefillPeers
+from kvpush.decode.registrar import Registrar
 from kvpush.decode.requests import (
     Abandoned,
     Delay,
@@ -70,6 +71,7 @@ class Receiver:
         self._out = Outcomes(ctx, self.table)
         self._peers = PrefillPeers(ctx, self.table, self._out)
         self._sources = Sources(ctx, self.table, self._out, self._peers, owner, self.ready)
+        self._regs = Registrar(ctx, self.table, self.cfg.coalesce, self._push_reg_failed)
         self._next_hb = 0.0
         self._next_idle = 0.0
         self._n_new = 0
@@ -80,6 +82,7 @@ class Receiver:
         pass
 
     def poll(self) -> int:
+        self._regs.flush()  # what this pass's inboxes registered, before P's answers are read
         return drain_notifications(
             self._ctx.agent, self._ctx.codec, self._ctx.telemetry, self._rl, self._on_notif
         )
@@ -118,6 +121,7 @@ class Receiver:
                 self._report_quarantine(ab, now)
         for key, why in self._ctx.handshakes.down():  # its process is gone (kvpush.peers.watch)
             self._peers.evict(key, f"down: {why}")
+        self._regs.flush()
 
     def _report_quarantine(self, ab: Abandoned, now: float) -> None:
         """Say (once) what a long-quarantined request's blocks wait for."""
@@ -155,6 +159,7 @@ class Receiver:
         )
 
     def _fail_all(self, reason: Failure, detail: str) -> None:
+        self._regs.clear()  # never sent: P knows nothing of those requests
         for w in self.table.all_waiting():
             self._out.fail(w, reason, detail, notify_p=True)
         for item in self._owner.close_inboxes():
@@ -238,49 +243,12 @@ class Receiver:
         self._register(w)
 
     def _register(self, w: Waiting) -> None:
-        """PUSH_REG to every source P rank not registered with yet."""
+        """PUSH_REG to every source P rank not registered with yet (``kvpush.decode.registrar``)."""
         if w.delay is not None:
             # Held in D's queue: P's lease is heartbeated meanwhile, blocks come later.
             self.table.move(w, WaitPhase.WAITING_BLOCKS)
             return
-        ids = [w.block_ids.tolist()]
-        # Stamped before the sends: P may match a PUSH_REG before this thread runs again.
-        phases.stamp(w.req.phases, phases.PUSH_REG_SENT)
-        for s in w.ranks.sources:
-            if s in w.registered:
-                continue
-            conn = w.ranks.conns[s]
-            try:
-                self._ctx.agent.send_notif(
-                    conn.agent_name, self._ctx.codec.encode(self._push_reg(w, conn, ids))
-                )
-            except TransferError as e:
-                self._push_reg_failed(w, s, conn, e)
-                return
-            self._ctx.handshakes.transport_ok(w.ranks.key(s))
-            w.registered.add(s)
-            self._ctx.telemetry.inc(Counter.PUSH_REGS_SENT)
-        self.table.move(w, WaitPhase.REGISTERED)
-
-    def _push_reg(self, w: Waiting, conn: PeerConn, ids: list[list[int]]) -> protocol.PushReg:
-        md, req = self._ctx.metadata, w.req
-        return protocol.PushReg(
-            request_id=req.request_id,
-            transfer_id=req.transfer_id,
-            decode_engine_id=md.engine_id,
-            decode_host=md.host,
-            decode_port=md.port,
-            decode_tp_size=md.tp_size,
-            local_block_ids=ids,
-            remote_engine_id=conn.metadata.engine_id,
-            remote_host=req.p_addr[0],
-            remote_port=req.p_addr[1],
-            remote_tp_size=w.ranks.p_tp,
-            remote_pp_size=req.p_pp_size,
-            decode_incarnation=md.incarnation,
-            decode_tp_rank=md.tp_rank,
-            batch_done=self.cfg.coalesce,
-        )
+        self._regs.register(w)
 
     def _push_reg_failed(self, w: Waiting, s: int, conn: PeerConn, e: TransferError) -> None:
         """A PUSH_REG to source rank ``s`` could not be sent: P restarted or vanished. Forget

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from kvpush import PROTOCOL_VERSION, __version__
-from kvpush.config import EndpointConfig, Role
+from kvpush.config import EndpointConfig, Role, Wire
 from kvpush.endpoint.ping import Pinger
 from kvpush.instruments import Instruments
 from kvpush.memory.pool import KvPool
@@ -166,6 +166,7 @@ class Rank(Generic[R]):
             kv_heads=cfg.pool.kv_heads,
             tp_ranks=list(range(cfg.tp_size)),
             ucx_version=local_versions().ucx,
+            takes_push_regs=cfg.coalesce and cfg.role is Role.PREFILL and cfg.wire is Wire.KVPUSH,
         )
 
     def _wire_telemetry(self, auth: Authenticator) -> None:

@@ -358,15 +358,16 @@ class PushWriter:
     # ------------------------------------------------------------------ notifications
     def _on_notif(self, sender: str, msg: protocol.Notif) -> None:
         self._lanes.heard(sender)  # its first is the peer's first contact (lanes)
-        if isinstance(msg, protocol.PushReg):
-            self._ctx.telemetry.inc(Counter.PUSH_REGS_RECEIVED)
-            key = self._ctx.dialect.registration_key(msg)
-            r = Registration(key, msg, sender, time.monotonic())
-            if self._owner.stopping:
-                # Too late to be served: D hears why now, not when P's agent is gone.
-                self._out.refuse_registration(r, *self._stop_why())
-            else:
-                self._on_registration(r)
+        if isinstance(msg, protocol.PushReg | protocol.PushRegs):
+            # PushRegs: several registrations, each handled as if it had come alone, in order
+            for reg in msg.regs if isinstance(msg, protocol.PushRegs) else (msg,):
+                self._ctx.telemetry.inc(Counter.PUSH_REGS_RECEIVED)
+                key = self._ctx.dialect.registration_key(reg)
+                r = Registration(key, reg, sender, time.monotonic())
+                if self._owner.stopping:  # too late: D hears why now, not when P's agent is gone
+                    self._out.refuse_registration(r, *self._stop_why())
+                else:
+                    self._on_registration(r)
         elif isinstance(msg, protocol.Heartbeat):
             self._ctx.telemetry.inc(Counter.HEARTBEATS_RECEIVED)
             keys = [self._ctx.dialect.transfer_key(t) for t in msg.transfer_ids]

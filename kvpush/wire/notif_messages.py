@@ -1,8 +1,9 @@
 """The NIXL notifications of kvpush's wire protocol (v1): registrations, completions and the rest.
 
-Owns the notification structs -- ``PushReg`` (D's blocks are ready), ``Completion`` (attached to
-P's WRITE), ``Completions`` (attached to one WRITE that carries several requests: coalesced
-pushes), ``Heartbeat``, ``Failure``, ``Cancel``, ``Fence``, ``Ping`` -- and their union
+Owns the notification structs -- ``PushReg`` (D's blocks are ready), ``PushRegs`` (several
+requests' ``PushReg``s in one notification), ``Completion`` (attached to P's WRITE),
+``Completions`` (attached to one WRITE that carries several requests: coalesced pushes),
+``Heartbeat``, ``Failure``, ``Cancel``, ``Fence``, ``Ping`` -- and their union
 ``Notif``. Declarations only (no I/O, no threads); framing, size checks and the reusable
 decoder are ``kvpush.wire.protocol``'s, which also keeps the version history; sealing and
 opening them per wire is ``kvpush.wire.notifs``.
@@ -40,6 +41,19 @@ class PushReg(Struct, tag="push_reg", frozen=True, kw_only=True):
     # request's WRITE with others to the same D rank. Absent (False) from an older kvpush D
     # and from vLLM's form: P then attaches a single ``Completion``, as before.
     batch_done: bool = False
+
+
+#: The most ``PushReg``s one ``PushRegs`` carries (D also keeps their encoded size well under
+#: the notification limit: ``kvpush.decode.registrar``).
+MAX_BATCH_REGS = 32
+
+
+class PushRegs(Struct, tag="push_regs", frozen=True, kw_only=True):
+    """D -> one agent of P: several requests' blocks are ready, each exactly as its own
+    ``PushReg`` would say (sent only to a P whose metadata says ``takes_push_regs``; P handles
+    each one in order, as if it had come alone)."""
+
+    regs: Annotated[list[PushReg], Meta(min_length=1, max_length=MAX_BATCH_REGS)]
 
 
 class Completion(Struct, tag="done", frozen=True, kw_only=True):
@@ -126,4 +140,6 @@ class Ping(Struct, tag="ping", frozen=True, kw_only=True):
     reply_rank: NonNeg = 0
 
 
-Notif: TypeAlias = PushReg | Completion | Completions | Heartbeat | Failure | Cancel | Fence | Ping
+Notif: TypeAlias = (
+    PushReg | PushRegs | Completion | Completions | Heartbeat | Failure | Cancel | Fence | Ping
+)

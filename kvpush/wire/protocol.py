@@ -26,6 +26,8 @@ History:
   PrefillReq/DecodeReq.traceparent and .tracestate (OpenTelemetry's W3C context, issue 28).
   PushReg.batch_done and the ``Completions`` notification (issue 30): P sends ``Completions``
   only to a D whose PUSH_REG said ``batch_done``; a D without the field gets ``Completion``s.
+  EndpointMetadata.takes_push_regs and the ``PushRegs`` notification (issue 30): D sends several
+  PUSH_REGs in one notification only to a P whose metadata says ``takes_push_regs``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from kvpush.wire.fields import (
 )
 from kvpush.wire.notif_messages import (
     MAX_BATCH_DONE,
+    MAX_BATCH_REGS,
     Cancel,
     Completion,
     Completions,
@@ -67,6 +70,7 @@ from kvpush.wire.notif_messages import (
     Notif,
     Ping,
     PushReg,
+    PushRegs,
 )
 from kvpush.wire.side_messages import (
     COMPAT_FIELDS,
@@ -100,6 +104,7 @@ __all__ = [
     "MAGIC_REQ",
     "MAX_AGENT_METADATA_BYTES",
     "MAX_BATCH_DONE",
+    "MAX_BATCH_REGS",
     "MAX_FRAME_BYTES",
     "MAX_NOTIF_BYTES",
     "PROTOCOL_VERSION",
@@ -132,6 +137,7 @@ __all__ = [
     "PrefillRep",
     "PrefillReq",
     "PushReg",
+    "PushRegs",
     "PushWaitRep",
     "PushWaitReq",
     "SideReply",

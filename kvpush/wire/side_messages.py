@@ -75,6 +75,9 @@ class EndpointMetadata(Struct, frozen=True, kw_only=True):
     kv_heads: Pos = 1  # the model's KV heads; 1: a single head replicated on every rank
     tp_ranks: Annotated[list[NonNeg], Meta(max_length=1 << 12)] = []  # ranks the endpoint serves
     ucx_version: Str128 = ""  # the UCX library NIXL uses ("": not readable, or an older kvpush)
+    # A P that takes ``PushRegs`` (several PUSH_REGs in one notification; issue 30). False from
+    # an older kvpush, a vLLM engine, a P on vLLM's wire or one run with --no-coalesce.
+    takes_push_regs: bool = False
 
     @property
     def heads_per_rank(self) -> int:

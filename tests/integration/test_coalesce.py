@@ -195,3 +195,40 @@ def test_a_failed_batch_fails_each_of_its_requests_with_the_reason(
         if len(failed) > 1:
             return
     pytest.fail("in 6 tries, the first WRITE after the drop never carried more than one push")
+
+
+def test_d_registers_several_requests_in_one_notification_an_old_p_gets_one_each(
+    cluster: Callable[..., Proc],
+) -> None:
+    """D's PUSH_REGs of one pass go to a P that takes them as one ``PushRegs``: P receives
+    fewer notifications than registrations, and each request still lands verified in its own
+    blocks; a P that does not take them (``coalesce: false``, as a P from before) gets one
+    notification per registration. D holds each request 0.3 s, so its registrations go out
+    together from one housekeeping pass (bounded retries keep a slow host from failing it)."""
+    d = cluster("decode", "d")
+    new_p = cluster("prefill", "p-new")
+    old_p = cluster("prefill", "p-old", coalesce=False)
+
+    def regs_and_notifs(p: Proc) -> tuple[int, int]:
+        """Registrations P took, and the notifications that carried them (not heartbeats)."""
+        notifs = _counter(p.address, "notifs_received") - _counter(p.address, "heartbeats_received")
+        return _counter(p.address, "push_regs_received"), notifs
+
+    batched = False
+    for k in range(5):
+        r0, n0 = regs_and_notifs(new_p)
+        reps, _ = _round(new_p, d, f"new{k}.", hold_s=0.3)
+        _verified(reps)
+        r1, n1 = regs_and_notifs(new_p)
+        assert r1 - r0 == N
+        if n1 - n0 < N:
+            batched = True
+            break
+    assert batched, "no round sent two registrations in one notification"
+
+    r0, n0 = regs_and_notifs(old_p)
+    reps, _ = _round(old_p, d, "old.", hold_s=0.3)
+    _verified(reps)
+    r1, n1 = regs_and_notifs(old_p)
+    assert (r1 - r0, n1 - n0) == (N, N)
+    _all_free(new_p, old_p, d)
