@@ -33,8 +33,8 @@ from kvpush.wire import protocol
 SendFailed = Callable[[Waiting, int, PeerConn, TransferError], None]
 
 
-#: The most encoded bytes of registrations one ``PushRegs`` carries: a quarter of the default
-#: notification limit, so that a P configured with a smaller one still takes it.
+#: The most bytes of block ids (and per-request fields) one ``PushRegs`` carries: a quarter of
+#: the default notification limit, so that a P configured with a smaller one still takes it.
 BATCH_REG_BYTES = 16 * 1024
 
 
@@ -101,7 +101,7 @@ class Registrar:
 
     def _send(self, agent_name: str, batch: list[_Held], done: list[Waiting]) -> None:
         msg: protocol.Notif = (
-            batch[0].reg if len(batch) == 1 else protocol.PushRegs(regs=[h.reg for h in batch])
+            batch[0].reg if len(batch) == 1 else protocol.PushRegs.of([h.reg for h in batch])
         )
         try:
             self._ctx.agent.send_notif(agent_name, self._ctx.codec.encode(msg))
@@ -141,14 +141,18 @@ class Registrar:
 
 
 def _batches(items: list[_Held]) -> list[list[_Held]]:
-    """``items`` in order, cut at ``MAX_BATCH_REGS`` registrations or ``BATCH_REG_BYTES``
-    encoded bytes (a registration larger than that goes alone)."""
+    """``items`` in order, cut at ``MAX_BATCH_REGS`` registrations, ``BATCH_REG_BYTES`` of
+    block ids, or a registration whose shared fields differ (``protocol.shares``)."""
     out: list[list[_Held]] = []
     cur: list[_Held] = []
     size = 0
     for h in items:
-        n = len(protocol.encode(h.reg))
-        if cur and (len(cur) >= protocol.MAX_BATCH_REGS or size + n > BATCH_REG_BYTES):
+        n = 5 * sum(len(g) for g in h.reg.local_block_ids) + 64  # msgpack: <= 5 bytes an id
+        if cur and (
+            len(cur) >= protocol.MAX_BATCH_REGS
+            or size + n > BATCH_REG_BYTES
+            or not protocol.shares(cur[0].reg, h.reg)
+        ):
             out.append(cur)
             cur, size = [], 0
         cur.append(h)

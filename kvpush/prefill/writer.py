@@ -360,7 +360,7 @@ class PushWriter:
         self._lanes.heard(sender)  # its first is the peer's first contact (lanes)
         if isinstance(msg, protocol.PushReg | protocol.PushRegs):
             # PushRegs: several registrations, each handled as if it had come alone, in order
-            for reg in msg.regs if isinstance(msg, protocol.PushRegs) else (msg,):
+            for reg in msg.expand() if isinstance(msg, protocol.PushRegs) else (msg,):
                 self._ctx.telemetry.inc(Counter.PUSH_REGS_RECEIVED)
                 key = self._ctx.dialect.registration_key(reg)
                 r = Registration(key, reg, sender, time.monotonic())

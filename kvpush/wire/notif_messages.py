@@ -43,17 +43,99 @@ class PushReg(Struct, tag="push_reg", frozen=True, kw_only=True):
     batch_done: bool = False
 
 
-#: The most ``PushReg``s one ``PushRegs`` carries (D also keeps their encoded size well under
-#: the notification limit: ``kvpush.decode.registrar``).
-MAX_BATCH_REGS = 32
+#: The most registrations one ``PushRegs`` carries (D also keeps its encoded size well under the
+#: notification limit: ``kvpush.decode.registrar``).
+MAX_BATCH_REGS = 64
+
+
+class Reg(Struct, array_like=True, frozen=True):
+    """One request of a ``PushRegs``: the fields of its ``PushReg`` that differ per request."""
+
+    request_id: Str256
+    local_block_ids: Groups
+    transfer_id: Str256 = ""
+    remote_pp_size: SmallPos = 1
 
 
 class PushRegs(Struct, tag="push_regs", frozen=True, kw_only=True):
     """D -> one agent of P: several requests' blocks are ready, each exactly as its own
-    ``PushReg`` would say (sent only to a P whose metadata says ``takes_push_regs``; P handles
-    each one in order, as if it had come alone)."""
+    ``PushReg`` would say (``expand``); the fields they share are carried once. Sent only to a
+    P whose metadata says ``takes_push_regs``; P handles each in order, as if it came alone."""
 
-    regs: Annotated[list[PushReg], Meta(min_length=1, max_length=MAX_BATCH_REGS)]
+    decode_engine_id: Str128
+    decode_host: Str256
+    decode_port: Port
+    decode_tp_size: SmallPos = 1
+    remote_engine_id: Str128
+    remote_host: Str256
+    remote_port: Port
+    remote_tp_size: SmallPos = 1
+    decode_incarnation: Str128 = ""
+    decode_tp_rank: NonNeg = 0
+    batch_done: bool = False
+    regs: Annotated[list[Reg], Meta(min_length=1, max_length=MAX_BATCH_REGS)]
+
+    @classmethod
+    def of(cls, regs: list[PushReg]) -> PushRegs:
+        """The registrations as one notification; each must share the first's common fields
+        (``shares``)."""
+        r = regs[0]
+        return cls(
+            decode_engine_id=r.decode_engine_id,
+            decode_host=r.decode_host,
+            decode_port=r.decode_port,
+            decode_tp_size=r.decode_tp_size,
+            remote_engine_id=r.remote_engine_id,
+            remote_host=r.remote_host,
+            remote_port=r.remote_port,
+            remote_tp_size=r.remote_tp_size,
+            decode_incarnation=r.decode_incarnation,
+            decode_tp_rank=r.decode_tp_rank,
+            batch_done=r.batch_done,
+            regs=[
+                Reg(x.request_id, x.local_block_ids, x.transfer_id, x.remote_pp_size) for x in regs
+            ],
+        )
+
+    def expand(self) -> list[PushReg]:
+        """Each request's ``PushReg``, as it would have come alone."""
+        return [
+            PushReg(
+                request_id=g.request_id,
+                transfer_id=g.transfer_id,
+                decode_engine_id=self.decode_engine_id,
+                decode_host=self.decode_host,
+                decode_port=self.decode_port,
+                decode_tp_size=self.decode_tp_size,
+                local_block_ids=g.local_block_ids,
+                remote_engine_id=self.remote_engine_id,
+                remote_host=self.remote_host,
+                remote_port=self.remote_port,
+                remote_tp_size=self.remote_tp_size,
+                remote_pp_size=g.remote_pp_size,
+                decode_incarnation=self.decode_incarnation,
+                decode_tp_rank=self.decode_tp_rank,
+                batch_done=self.batch_done,
+            )
+            for g in self.regs
+        ]
+
+
+def shares(a: PushReg, b: PushReg) -> bool:
+    """Whether ``a`` and ``b`` can go in one ``PushRegs`` (the fields it carries once agree)."""
+    return (
+        a.decode_engine_id == b.decode_engine_id
+        and a.decode_host == b.decode_host
+        and a.decode_port == b.decode_port
+        and a.decode_tp_size == b.decode_tp_size
+        and a.remote_engine_id == b.remote_engine_id
+        and a.remote_host == b.remote_host
+        and a.remote_port == b.remote_port
+        and a.remote_tp_size == b.remote_tp_size
+        and a.decode_incarnation == b.decode_incarnation
+        and a.decode_tp_rank == b.decode_tp_rank
+        and a.batch_done == b.batch_done
+    )
 
 
 class Completion(Struct, tag="done", frozen=True, kw_only=True):

@@ -71,6 +71,8 @@ from kvpush.wire.notif_messages import (
     Ping,
     PushReg,
     PushRegs,
+    Reg,
+    shares,
 )
 from kvpush.wire.side_messages import (
     COMPAT_FIELDS,
@@ -140,6 +142,7 @@ __all__ = [
     "PushRegs",
     "PushWaitRep",
     "PushWaitReq",
+    "Reg",
     "SideReply",
     "SideRequest",
     "SmallPos",
@@ -163,6 +166,7 @@ __all__ = [
     "encode",
     "encode_metadata",
     "make_envelope_bytes",
+    "shares",
 ]
 
 MAGIC_REQ = b"KVQ\x01"

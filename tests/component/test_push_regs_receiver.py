@@ -55,7 +55,7 @@ def _regs(rig: Rig, p: StubPeer) -> list[tuple[str, list[str]]]:
     out: list[tuple[str, list[str]]] = []
     for m in rig.sent_to(p):
         if isinstance(m, protocol.PushRegs):
-            out.append(("batch", [r.transfer_id for r in m.regs]))
+            out.append(("batch", [r.transfer_id for r in m.expand()]))
         elif isinstance(m, protocol.PushReg) and m.transfer_id != "first":
             out.append(("single", [m.transfer_id]))
     return out
@@ -71,9 +71,11 @@ def test_one_pass_of_registrations_goes_as_one_push_regs_in_order(
     assert _regs(rig, p) == [("batch", ["t1", "t2", "t3", "t4"])]
     batch = next(m for m in rig.sent_to(p) if isinstance(m, protocol.PushRegs))
     alone = rig.registered(p, "first")
-    for r in batch.regs:  # each registration exactly as its own PushReg would be
-        assert r.local_block_ids == [rig.pool.allocator.blocks_of(r.request_id).tolist()]
-        assert (r.decode_engine_id, r.batch_done) == (alone.decode_engine_id, True)
+    for r in batch.expand():  # each registration exactly as its own PushReg would be
+        ids = [rig.pool.allocator.blocks_of(r.request_id).tolist()]
+        assert r == msgspec.structs.replace(
+            alone, request_id=r.request_id, transfer_id=r.transfer_id, local_block_ids=ids
+        )
     assert rig.counters()["push_regs_sent"] == 5
     for t in futs:
         rig.pool.fill(t, rig.pool.allocator.blocks_of(t))
