@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from typer import _click as click  # typer >= 0.26 ships its own copy of click
@@ -105,7 +105,7 @@ def _error(message: str, hint: str | None) -> None:
     sys.stderr.flush()
 
 
-def _usage_error(e: Any) -> tuple[str, str]:
+def _usage_error(e: click.exceptions.ClickException) -> tuple[str, str]:
     """Message and hint of a click usage error, naming where a bad value came from."""
     ctx = getattr(e, "ctx", None)
     path = ctx.command_path if ctx is not None else "kvpush"

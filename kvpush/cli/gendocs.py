@@ -13,7 +13,9 @@ import argparse
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Any
+
+from typer import _click as click  # typer >= 0.26 ships its own copy of click
+from typer.core import TyperGroup, TyperOption
 
 from kvpush import PROTOCOL_VERSION, __version__
 from kvpush.cli.completion import PROG, completion_script
@@ -39,7 +41,7 @@ def _opt(name: str) -> str:
     return "\\fB" + _esc(name).replace("-", "\\-") + "\\fR"
 
 
-def _metavar(param: Any) -> str:
+def _metavar(param: click.Parameter) -> str:
     if getattr(param, "is_flag", False) or getattr(param, "count", False):
         return ""
     if getattr(param, "metavar", None):
@@ -58,7 +60,7 @@ def _metavar(param: Any) -> str:
     return "TEXT"
 
 
-def _default(param: Any) -> str | None:
+def _default(param: TyperOption) -> str | None:
     if param.show_default is False:
         return None
     d = param.default
@@ -80,7 +82,7 @@ def _paragraphs(text: str | None) -> list[str]:
     return [p for p in paras if p and p != "\b"]
 
 
-def _option_block(param: Any) -> list[str]:
+def _option_block(param: TyperOption) -> list[str]:
     names = [*param.opts, *param.secondary_opts]
     head = ", ".join(_opt(n) for n in names)
     mv = _metavar(param)
@@ -99,7 +101,7 @@ def _option_block(param: Any) -> list[str]:
     return lines
 
 
-def _synopsis(name: str, cmd: Any) -> str:
+def _synopsis(name: str, cmd: click.Command) -> str:
     args = " ".join(
         f"\\fI{_esc((p.name or '').upper())}\\fR"
         for p in cmd.params
@@ -109,16 +111,22 @@ def _synopsis(name: str, cmd: Any) -> str:
     return f"{_opt(PROG)} {words} [\\fIOPTIONS\\fR]" + (f" {args}" if args else "")
 
 
-def commands(root: Any) -> list[tuple[str, Any]]:
+def commands(root: click.Command) -> list[tuple[str, click.Command]]:
     """Every command as (name, click command), a group's as ``group sub`` (``fleet ls``)."""
-    out: list[tuple[str, Any]] = []
-    for name, cmd in root.commands.items():
-        subs = getattr(cmd, "commands", None)
-        if subs:
-            out += [(f"{name} {sub}", c) for sub, c in subs.items()]
+    out: list[tuple[str, click.Command]] = []
+    for name, cmd in _root(root).commands.items():
+        if isinstance(cmd, TyperGroup) and cmd.commands:
+            out += [(f"{name} {sub}", c) for sub, c in cmd.commands.items()]
         else:
             out.append((name, cmd))
     return out
+
+
+def _root(cmd: click.Command) -> TyperGroup:
+    """The app's click command: the group of every command."""
+    if not isinstance(cmd, TyperGroup):
+        raise TypeError(f"the kvpush app is a {type(cmd).__name__}, not a group of commands")
+    return cmd
 
 
 def man_page() -> str:
@@ -127,7 +135,7 @@ def man_page() -> str:
 
     from kvpush.cli.app import EPILOG, HELP, app
 
-    root: Any = get_command(app)
+    root = _root(get_command(app))
     out: list[str] = [
         '.\\" Generated from the CLI by "python -m kvpush.cli.gendocs"; do not edit.',
         f'.TH KVPUSH 1 "" "kvpush {__version__}" "User Commands"',
@@ -148,7 +156,7 @@ def man_page() -> str:
         ".SH GLOBAL OPTIONS",
     ]
     for p in root.params:
-        if p.param_type_name == "option":
+        if isinstance(p, TyperOption):
             out += _option_block(p)
     out += [".TP", f"{_opt('-h')}, {_opt('--help')}", "Show help and exit."]
     out.append(".SH COMMANDS")
@@ -179,13 +187,13 @@ EXAMPLES = (
 )
 
 
-def _command_section(name: str, cmd: Any) -> list[str]:
+def _command_section(name: str, cmd: click.Command) -> list[str]:
     """One command's ``.SS``: synopsis, help paragraphs, arguments and options."""
     out = [".SS " + _esc(name), _synopsis(name, cmd)]
     for para in _paragraphs(cmd.help):
         out += [".PP", _esc(para)]
     args = [p for p in cmd.params if p.param_type_name == "argument"]
-    opts = [p for p in cmd.params if p.param_type_name == "option"]
+    opts = [p for p in cmd.params if isinstance(p, TyperOption)]
     if args:
         out += [".PP", "Arguments:"]
         for a in args:
@@ -256,7 +264,7 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def _md_option(param: Any) -> str:
+def _md_option(param: TyperOption) -> str:
     names = ", ".join(f"`{n}`" for n in (*param.opts, *param.secondary_opts))
     mv = _metavar(param)
     what = " ".join((param.help or "").split())
@@ -275,7 +283,7 @@ def cli_markdown() -> str:
 
     from kvpush.cli.app import app
 
-    root: Any = get_command(app)
+    root = _root(get_command(app))
     out = [
         "<!-- Generated from the CLI by `python -m kvpush.cli.gendocs`; do not edit. -->",
         "# kvpush command reference",
@@ -288,7 +296,7 @@ def cli_markdown() -> str:
         "",
         "| option | meaning | default | environment |",
         "|---|---|---|---|",
-        *(_md_option(p) for p in root.params if p.param_type_name == "option"),
+        *(_md_option(p) for p in root.params if isinstance(p, TyperOption)),
     ]
     for name, cmd in commands(root):
         out += ["", f"## kvpush {name}", ""]
@@ -297,7 +305,7 @@ def cli_markdown() -> str:
         args = [p for p in cmd.params if p.param_type_name == "argument"]
         if args:
             out += ["Arguments: " + ", ".join(f"`{(a.name or '').upper()}`" for a in args), ""]
-        opts = [p for p in cmd.params if p.param_type_name == "option"]
+        opts = [p for p in cmd.params if isinstance(p, TyperOption)]
         if opts:
             out += ["| option | meaning | default | environment |", "|---|---|---|---|"]
             out += [_md_option(p) for p in opts]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import typer
 
@@ -94,7 +93,7 @@ def config_values(
     given ``section_keys`` (table -> that command's options), so is a key of the wrong role.
     """
     base = Path(path).resolve().parent
-    items: list[tuple[str, Any]] = []
+    items: list[tuple[str, object]] = []
     for key, value in data.items():
         if isinstance(value, dict):
             _check_section(key, value, path, known, section_keys)

@@ -8,8 +8,8 @@ and the ``leg`` commands. Runs on the main thread, last in the command.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Any, NoReturn
+from collections.abc import Callable, Mapping
+from typing import NoReturn, Protocol, TypeVar
 
 import typer
 from rich.console import Console, RenderableType
@@ -18,9 +18,18 @@ from kvpush.commands.common import stdio
 from kvpush.errors import ExitStatus
 
 
+class Report(Protocol):
+    """What ``finish`` prints: a report with a JSON form."""
+
+    def to_dict(self) -> Mapping[str, object]: ...
+
+
+R = TypeVar("R", bound=Report)
+
+
 def finish(
-    report: Any,
-    view: Callable[[Any], RenderableType],
+    report: R,
+    view: Callable[[R], RenderableType],
     json_out: bool,
     *,
     ok: bool,

@@ -14,8 +14,6 @@ every Tab press). Runs on the main thread at import time.
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvpush.commands.common import complete
 from kvpush.commands.common.configfile import config_callback
 from kvpush.commands.common.optspec import (
@@ -32,6 +30,7 @@ from kvpush.commands.common.optspec import (
     NixlMetadata,
     Opt,
     OutputMode,
+    TyperKw,
     param_name,
 )
 from kvpush.config import (
@@ -50,13 +49,13 @@ from kvpush.config import (
 from kvpush.fleet.config import DEFAULT_TTL_S, LEAVE_GRACE_S, LOAD_PERIOD_S
 
 
-def _pool(name: str) -> Any:
+def _pool(name: str) -> object:
     return getattr(PoolConfig, name)
 
 
-def _pool_opt(name: str, type_: Any, help: str, **kw: Any) -> Opt:
+def _pool_opt(name: str, type_: object, help: str, kw: TyperKw | None = None) -> Opt:
     """The option of ``PoolConfig.<name>``: its flag and default from the configuration."""
-    return Opt(name, (POOL_FLAGS[name],), type_, help, _pool(name), PANEL_GEOM, **kw)
+    return Opt(name, (POOL_FLAGS[name],), type_, help, _pool(name), PANEL_GEOM, kw=kw or {})
 
 
 def _timeout_opt(fld: str, help: str, seconds: bool = True) -> Opt:
@@ -66,7 +65,7 @@ def _timeout_opt(fld: str, help: str, seconds: bool = True) -> Opt:
     return Opt(param_name(flag), (flag,), float, help, default, PANEL_TIME, seconds=seconds)
 
 
-def _agent(option: str) -> Any:
+def _agent(option: str) -> object:
     fld = {param_name(flag): f for f, flag in AGENT_FLAGS.items()}[option]
     value = getattr(AgentConfig, fld, None)
     return value if value is not None else AgentConfig.__dataclass_fields__[fld].default
@@ -134,7 +133,7 @@ ENDPOINT_OPTS: list[Opt] = [
         "vLLM's attention backend name, e.g. FLASH_ATTN, CPU_ATTN (--wire vllm without --like; "
         "default FLASH_ATTN).", None, PANEL_VLLM, show_default=False),
     Opt("backends", (AGENT_FLAGS["backends"],), str, "Comma-separated NIXL backends to create.",
-        ",".join(_agent("backends")), PANEL_NIXL),
+        ",".join(AgentConfig.backends), PANEL_NIXL),
     Opt("progress_thread", ("--progress-thread/--no-progress-thread",), bool,
         "Start NIXL's own progress thread. Off by default: it spins a whole core even when "
         "idle (its delay is hard-coded to 0), which halves bandwidth on small hosts; kvpush's "

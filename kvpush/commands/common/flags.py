@@ -12,13 +12,11 @@ Imports typer only. Runs on the main thread, when a command's parameters are rea
 
 from __future__ import annotations
 
-from typing import Any
-
 from typer import _click as click  # typer >= 0.26 ships its own copy of click
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
 
-def shown_as_flags(params: list[Any]) -> list[Any]:
+def shown_as_flags(params: list[click.Parameter]) -> list[click.Parameter]:
     """``params``, each flag (``--json``, ``--verify/--no-verify``, ``--help``) given no
     metavar, the value type typer would print beside it."""
     for p in params:
@@ -28,10 +26,10 @@ def shown_as_flags(params: list[Any]) -> list[Any]:
 
 
 class Command(TyperCommand):
-    def get_params(self, ctx: click.Context) -> list[Any]:
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
         return shown_as_flags(super().get_params(ctx))
 
 
 class Group(TyperGroup):
-    def get_params(self, ctx: click.Context) -> list[Any]:
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
         return shown_as_flags(super().get_params(ctx))

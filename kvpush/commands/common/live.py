@@ -19,7 +19,7 @@ transports, red with their flags) once its rows carry lanes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Unpack
 
 from rich import box
 from rich.console import Group, RenderableType
@@ -43,6 +43,9 @@ from kvpush.commands.common.readings import (
     primary_latency,
     rank_name,
 )
+
+if TYPE_CHECKING:
+    from kvpush.commands.common.rows import TableKw
 from kvpush.config import Role
 from kvpush.telemetry.names import QUEUE_GAUGES, Counter, Gauge
 from kvpush.telemetry.snapshot import Snapshot
@@ -155,7 +158,7 @@ def lane_cell(row: Mapping[str, object]) -> Text:
 # --- the live view ----------------------------------------------------------------------------
 
 
-def section(title: str | None = None, **kw: Any) -> Table:
+def section(title: str | None = None, **kw: Unpack[TableKw]) -> Table:
     """A table as every view draws one: a bold cyan title on the left, a rule under the
     header, no edges."""
     return Table(

@@ -33,6 +33,7 @@ from kvpush.commands.common.optspec import (
     Opt,
     OutputMode,
     Shell,
+    TyperKw,
     envvar,
     option,
     param_name,
@@ -112,7 +113,7 @@ def help_text(doc: str) -> str:
 def signature(
     fn: Callable[..., object],
     entries: Sequence[Entry],
-    extra: Mapping[str, Mapping[str, object]] | None = None,
+    extra: Mapping[str, TyperKw] | None = None,
 ) -> inspect.Signature:
     """``fn``'s own parameters (its ``**kwargs`` left out), then the table ``entries`` (``key``
     or ``(key, default)``), in order; ``extra`` adds typer keywords to some entries."""
@@ -135,7 +136,7 @@ def register(
     doc: str,
     entries: Sequence[Entry] = (),
     *,
-    extra: Mapping[str, Mapping[str, object]] | None = None,
+    extra: Mapping[str, TyperKw] | None = None,
 ) -> None:
     """Add ``fn`` as command ``name`` of ``app``, with ``doc`` as its help; ``entries`` of the
     endpoint table reach ``fn`` as keyword arguments (its ``**kwargs``)."""

@@ -14,10 +14,10 @@ on the main thread at import time.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Annotated, Any
+from typing import Annotated, TypedDict, Unpack
 
 import typer
 
@@ -59,6 +59,19 @@ class Shell(str, Enum):
     fish = "fish"
 
 
+class TyperKw(TypedDict, total=False):
+    """The ``typer.Option`` keywords the commands' options use beyond ``option``'s own."""
+
+    show_default: bool | str
+    metavar: str | None
+    hidden: bool
+    is_eager: bool
+    callback: Callable[..., object] | None
+    autocompletion: Callable[..., object] | None
+    dir_okay: bool
+    file_okay: bool
+
+
 def param_name(flag: str) -> str:
     """``--side-channel-timeout`` -> ``side_channel_timeout``."""
     return flag.lstrip("-").split("/")[0].replace("-", "_")
@@ -78,7 +91,7 @@ def option(
     panel: str | None = None,
     seconds: bool = False,
     env: bool = True,
-    **kw: Any,
+    **kw: Unpack[TyperKw],
 ) -> object:
     """The ``typer.Option`` of a plain typed parameter (``Annotated[int, option(...)] = 5``):
     its ``KVPUSH_<OPTION>`` variable (``KVPUSH_<SCOPE>_<OPTION>`` with a command ``scope``, for
@@ -101,32 +114,23 @@ class Opt:
 
     name: str  # the parameter name the command receives
     decls: tuple[str, ...]
-    type: Any
+    type: object  # the parameter's annotation: a type, or a union of types
     help: str
-    default: Any = None
+    default: object = None
     panel: str | None = None
     metavar: str | None = None
     show_default: bool | str = True
     seconds: bool = False  # its value is a duration: it reads SECONDS, not <float>
-    kw: Mapping[str, Any] = field(default_factory=dict)
+    kw: TyperKw = field(default_factory=lambda: TyperKw())
 
-    def info(self, extra: Mapping[str, Any] | None = None) -> object:
+    def info(self, extra: TyperKw | None = None) -> object:
         """The ``typer.Option`` (``extra``: more typer keywords, a command's own callback)."""
-        kw = {**self.kw, **(extra or {})}
+        kw: TyperKw = {**self.kw, **(extra or {}), "show_default": self.show_default}
         if self.metavar is not None:
             kw["metavar"] = self.metavar
-        return option(
-            *self.decls,
-            help=self.help,
-            panel=self.panel,
-            seconds=self.seconds,
-            show_default=self.show_default,
-            **kw,
-        )
+        return option(*self.decls, help=self.help, panel=self.panel, seconds=self.seconds, **kw)
 
-    def parameter(
-        self, default: Any = None, extra: Mapping[str, Any] | None = None
-    ) -> inspect.Parameter:
+    def parameter(self, default: object = None, extra: TyperKw | None = None) -> inspect.Parameter:
         """The keyword parameter typer reads, ``default`` overriding the table's."""
         return inspect.Parameter(
             self.name,
@@ -137,4 +141,4 @@ class Opt:
 
 
 #: A command's table entry: an option key, or ``(key, default)`` to override its default.
-Entry = str | tuple[str, Any]
+Entry = str | tuple[str, object]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpush.errors import ConfigError, RegistryUnavailable
 from kvpush.fleet.config import Access, check_file, read_password_file
@@ -118,14 +118,19 @@ def unreachable_hint(urls: str) -> str:
     )
 
 
-def registry_source(p: Mapping[str, Any]) -> RegistrySource:
+def registry_source(p: Mapping[str, object]) -> RegistrySource:
     """The registry of a command's parsed options (``options.REGISTRY``: drive's and fleet's)."""
+
+    def text(name: str) -> str | None:  # each of these options is a text, or unset
+        v = p.get(name)
+        return None if v is None else str(v)
+
     return RegistrySource(
-        urls=p.get("registry") or "",
-        cluster=p.get("cluster") or "default",
-        user=p.get("registry_user"),
-        password_file=p.get("registry_password_file"),
-        ca=p.get("registry_ca"),
-        cert=p.get("registry_cert"),
-        key=p.get("registry_key"),
+        urls=text("registry") or "",
+        cluster=text("cluster") or "default",
+        user=text("registry_user"),
+        password_file=text("registry_password_file"),
+        ca=text("registry_ca"),
+        cert=text("registry_cert"),
+        key=text("registry_key"),
     )

@@ -1,12 +1,13 @@
 """Label/value lines for the commands' human reports, and the units they print.
 
 ``Rows`` lays out label/value lines without table padding (a pipe gets no trailing blanks);
-``ibytes`` and ``in_ms`` write sizes and durations. Pure; runs on whichever thread prints.
+``ibytes`` and ``in_ms`` write sizes and durations; ``TableKw`` names the table keywords a view
+adds to a section of ``kvpush.commands.common.live``. Pure; runs on whichever thread prints.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
 
 from rich.console import Group
 from rich.text import Text
@@ -14,11 +15,19 @@ from rich.text import Text
 from kvpush.commands.common.readings import fmt_ms
 
 
+class TableKw(TypedDict, total=False):
+    """The ``rich.table.Table`` keywords a view adds to ``live.section``'s own."""
+
+    show_header: bool
+    collapse_padding: bool
+    expand: bool
+
+
 class Rows:
     """Label/value lines, printed without table padding (no trailing blanks in pipes)."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[str, Any]] = []
+        self.rows: list[tuple[str, object]] = []
 
     def add(self, label: str, value: object) -> None:
         self.rows.append((label, value))

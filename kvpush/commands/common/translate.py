@@ -14,7 +14,8 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from enum import Enum
+from typing import TYPE_CHECKING, TypedDict, TypeVar
 
 from kvpush.address import binds_all_interfaces
 from kvpush.commands.common.options import LogLevel, OutputMode, param_name
@@ -25,6 +26,7 @@ from kvpush.config import (
     AgentConfig,
     EndpointConfig,
     HandshakeMode,
+    KvRegions,
     PoolConfig,
     Role,
     Timeouts,
@@ -39,12 +41,63 @@ if TYPE_CHECKING:
 
 MODEL_LIKE = ("--block-tokens", "--kv-heads", "--head-dim")
 
+#: Parsed option values, ``{param: value}`` (typer's ``ctx.params``): each value has its option's
+#: type, which the readers below narrow to at the point of use.
+Params = Mapping[str, object]
 
-def pool_config(p: Mapping[str, Any], num_blocks: int | None = None) -> PoolConfig:
+_T = TypeVar("_T")
+_E = TypeVar("_E", bound=Enum)
+
+
+def _mistyped(name: str, value: object, kind: str) -> TypeError:
+    return TypeError(f"option {name}: {value!r} is not {kind}")
+
+
+def _need(p: Params, name: str, kind: type[_T]) -> _T:
+    """The value of option ``name``, of its type ``kind``."""
+    v = p[name]
+    if isinstance(v, kind):
+        return v
+    raise _mistyped(name, v, kind.__name__)
+
+
+def _maybe(p: Params, name: str, kind: type[_T]) -> _T | None:
+    """The value of option ``name`` (None when absent or unset), of its type ``kind``."""
+    v = p.get(name)
+    if v is None or isinstance(v, kind):
+        return v
+    raise _mistyped(name, v, kind.__name__)
+
+
+def _number(p: Params, name: str) -> float | None:
+    """The value of a numeric option (an int or a float; None when absent or unset)."""
+    v = p.get(name)
+    if v is None or isinstance(v, int | float):
+        return v
+    raise _mistyped(name, v, "a number")
+
+
+def number(p: Params, name: str) -> float:
+    """The value of a numeric option (an int or a float) that is set (``--timeout``)."""
+    v = _number(p, name)
+    if v is None:
+        raise _mistyped(name, v, "a number")
+    return v
+
+
+def _member(p: Params, name: str, kind: type[_E]) -> _E | None:
+    """The value of an enum option (its value's text reads as the member; None when unset)."""
+    v = p.get(name)
+    return None if v is None or v == "" else v if isinstance(v, kind) else kind(v)
+
+
+def pool_config(p: Params, num_blocks: int | None = None) -> PoolConfig:
     """PoolConfig from parsed options (``num_blocks`` overrides the option, for probes)."""
-    model = {flag: p.get(param_name(flag)) for flag in MODEL_LIKE}
-    blocks = p["num_blocks"] if num_blocks is None else num_blocks
-    layout = p.get("kv_layout") or PoolConfig.kv_layout
+    model = {flag: _maybe(p, param_name(flag), int) for flag in MODEL_LIKE}
+    blocks = _need(p, "num_blocks", int) if num_blocks is None else num_blocks
+    layout = _maybe(p, "kv_layout", str) or PoolConfig.kv_layout
+    regions = _member(p, "kv_regions", KvRegions) or PoolConfig.kv_regions
+    tp = _need(p, "tp", int) if "tp" in p else 1
     given = [k for k, v in model.items() if v is not None]
     if given:
         if p.get("block_bytes") is not None:
@@ -60,36 +113,36 @@ def pool_config(p: Mapping[str, Any], num_blocks: int | None = None) -> PoolConf
             )
         return PoolConfig.from_model(
             num_blocks=blocks,
-            layers=p["layers"],
+            layers=_need(p, "layers", int),
             block_tokens=int(model["--block-tokens"] or 0),
             kv_heads=int(model["--kv-heads"] or 0),
             head_dim=int(model["--head-dim"] or 0),
-            dtype=p["dtype"],
-            device=p["device"],
-            tp_size=int(p.get("tp", 1)),
+            dtype=_need(p, "dtype", str),
+            device=_need(p, "device", str),
+            tp_size=tp,
             kv_layout=layout,
-            kv_regions=p.get("kv_regions") or PoolConfig.kv_regions,
+            kv_regions=regions,
         )
-    bb = p.get("block_bytes")
+    bb = _maybe(p, "block_bytes", int)
     return PoolConfig(
         num_blocks=blocks,
-        layers=p["layers"],
+        layers=_need(p, "layers", int),
         block_bytes=PoolConfig.block_bytes if bb is None else bb,
-        device=p["device"],
-        dtype=p["dtype"],
+        device=_need(p, "device", str),
+        dtype=_need(p, "dtype", str),
         kv_layout=layout,
-        kv_regions=p.get("kv_regions") or PoolConfig.kv_regions,
-        tp_size=int(p.get("tp", 1)),
+        kv_regions=regions,
+        tp_size=tp,
     )
 
 
 _VLLM_HASH = re.compile(r"^[0-9a-fA-F]{64}$")
 
 
-def vllm_wire(p: Mapping[str, Any], pool: PoolConfig) -> tuple[VllmWireConfig | None, PoolConfig]:
+def vllm_wire(p: Params, pool: PoolConfig) -> tuple[VllmWireConfig | None, PoolConfig]:
     """``--wire vllm``: the vLLM wire config (and the pool reshaped by ``--like``)."""
-    wire = p.get("wire") or Wire.KVPUSH
-    like_addr = p.get("like")
+    wire = _member(p, "wire", Wire) or Wire.KVPUSH
+    like_addr = _maybe(p, "like", str)
     given = [f for f in ("compat_hash", "vllm_block_size", "attn_backend") if p.get(f)]
     if wire != Wire.VLLM:
         if like_addr or given:
@@ -124,33 +177,52 @@ def vllm_wire(p: Mapping[str, Any], pool: PoolConfig) -> tuple[VllmWireConfig | 
         )
     else:
         cfg = VllmWireConfig(compat_hash=str(p["compat_hash"]))
-    overrides: dict[str, Any] = {}
-    if p.get("compat_hash"):
-        overrides["compat_hash"] = str(p["compat_hash"]).lower()
-    if p.get("vllm_block_size"):
-        overrides["block_size"] = int(p["vllm_block_size"])
-    if p.get("attn_backend"):
-        overrides["attn_backend_name"] = str(p["attn_backend"])
-    return replace(cfg, **overrides), pool
+    given_backend = p.get("attn_backend")
+    return replace(
+        cfg,
+        compat_hash=str(p["compat_hash"]).lower() if p.get("compat_hash") else cfg.compat_hash,
+        block_size=_maybe(p, "vllm_block_size", int) or cfg.block_size,
+        attn_backend_name=str(given_backend) if given_backend else cfg.attn_backend_name,
+    ), pool
 
 
 def backends(text: str) -> tuple[str, ...]:
     return tuple(b.strip() for b in str(text).split(",") if b.strip())
 
 
-def agent_config(p: Mapping[str, Any]) -> AgentConfig:
-    values: dict[str, Any] = {
-        fld: p[param_name(flag)] for fld, flag in AGENT_FLAGS.items() if param_name(flag) in p
-    }
-    if "backends" in values:
-        values["backends"] = backends(values["backends"])
-    if "progress_thread" in values:
-        values["progress_thread"] = bool(values["progress_thread"])
-    values.update(nixl_etcd(p))
+class _AgentValues(TypedDict, total=False):
+    """The ``AgentConfig`` fields the options set (an option not given keeps the default)."""
+
+    backends: tuple[str, ...]
+    progress_thread: bool
+    num_threads: int
+    idle_poll_max_us: int
+    busy_spin_us: int
+    etcd_endpoints: str
+    etcd_namespace: str
+
+
+def agent_config(p: Params) -> AgentConfig:
+    opt = {fld: param_name(flag) for fld, flag in AGENT_FLAGS.items()}
+    values: _AgentValues = {}
+    if opt["backends"] in p:
+        values["backends"] = backends(str(p[opt["backends"]]))
+    if opt["progress_thread"] in p:
+        values["progress_thread"] = bool(p[opt["progress_thread"]])
+    if opt["num_threads"] in p:
+        values["num_threads"] = _need(p, opt["num_threads"], int)
+    if opt["idle_poll_max_us"] in p:
+        values["idle_poll_max_us"] = _need(p, opt["idle_poll_max_us"], int)
+    if opt["busy_spin_us"] in p:
+        values["busy_spin_us"] = _need(p, opt["busy_spin_us"], int)
+    etcd = nixl_etcd(p)
+    if etcd:
+        values["etcd_endpoints"] = etcd["etcd_endpoints"]
+        values["etcd_namespace"] = etcd["etcd_namespace"]
     return AgentConfig(**values)
 
 
-def nixl_etcd(p: Mapping[str, Any]) -> dict[str, str]:
+def nixl_etcd(p: Params) -> dict[str, str]:
     """``--nixl-metadata etcd``: the NIXL etcd settings of the agent config ({} when off)."""
     mode = p.get("nixl_metadata")
     if str(getattr(mode, "value", mode) or "sidechannel") != "etcd":
@@ -178,15 +250,16 @@ def nixl_etcd(p: Mapping[str, Any]) -> dict[str, str]:
     return {"etcd_endpoints": ",".join(urls), "etcd_namespace": f"/nixl/kvpush/{cluster}"}
 
 
-def timeouts(p: Mapping[str, Any]) -> Timeouts:
+def timeouts(p: Params) -> Timeouts:
     values: dict[str, float] = {}
     for fld, flag in TIMEOUT_FLAGS.items():
         name = param_name(flag)
         if name in p:
-            require_positive(flag, p[name])
-            values[fld] = float(p[name])
+            value = number(p, name)
+            require_positive(flag, value)
+            values[fld] = float(value)
     if param_name(WATCHDOG_FLAG) in p:
-        values["watchdog_s"] = float(p[param_name(WATCHDOG_FLAG)])
+        values["watchdog_s"] = float(number(p, param_name(WATCHDOG_FLAG)))
     return Timeouts(**values)
 
 
@@ -221,26 +294,26 @@ def check_ready_file(path: str) -> None:
         )
 
 
-def endpoint_config(role: Role, p: Mapping[str, Any]) -> EndpointConfig:
+def endpoint_config(role: Role, p: Params) -> EndpointConfig:
     """The endpoint's frozen config from the parsed options of serve-prefill / serve-decode."""
     vllm, pool = vllm_wire(p, pool_config(p))
     return EndpointConfig(
         role=role,
         tp_size=pool.tp_size,
-        host=bare_host(p["host"]),
-        port=p["port"],
-        engine_id=p.get("engine_id") or "",
+        host=bare_host(_need(p, "host", str)),
+        port=_need(p, "port", int),
+        engine_id=_maybe(p, "engine_id", str) or "",
         pool=pool,
-        wire=p.get("wire") or Wire.KVPUSH,
+        wire=_member(p, "wire", Wire) or Wire.KVPUSH,
         vllm=vllm,
         agent=agent_config(p),
         timeouts=timeouts(p),
-        handshake_mode=p.get("handshake") or HandshakeMode.NOTIF,
+        handshake_mode=_member(p, "handshake", HandshakeMode) or HandshakeMode.NOTIF,
         # A vLLM P's bytes follow no kvpush pattern: on vLLM's wire D reports digests instead.
         verify=bool(p.get("verify", True)) and vllm is None,
-        auth_token=auth_token(p.get("auth_token_file")),
+        auth_token=auth_token(_maybe(p, "auth_token_file", str)),
         allow_all_interfaces=bool(p.get("expose", False)),
-        evict_after_errors=int(p.get("evict_after_errors") or 3),
+        evict_after_errors=_maybe(p, "evict_after_errors", int) or 3,
         prewarm=bool(p.get("prewarm", False)),
     )
 
@@ -258,26 +331,32 @@ class ServeOptions:
     registry: RegistryConfig | None = None
 
     @staticmethod
-    def from_params(p: Mapping[str, Any]) -> ServeOptions:
-        require_positive("--interval", p["interval"])
-        if p["ready_file"]:
-            check_ready_file(p["ready_file"])
-        if not (0 <= p["metrics_port"] <= 65535):
+    def from_params(p: Params) -> ServeOptions:
+        interval = number(p, "interval")
+        require_positive("--interval", interval)
+        ready_file = _maybe(p, "ready_file", str)
+        if ready_file:
+            check_ready_file(ready_file)
+        metrics_port = _need(p, "metrics_port", int)
+        if not (0 <= metrics_port <= 65535):
             raise ConfigError(
-                f"invalid port {p['metrics_port']}", "use 1-65535 for --metrics-port, or 0 for off"
+                f"invalid port {metrics_port}", "use 1-65535 for --metrics-port, or 0 for off"
             )
+        log_level = _member(p, "log_level", LogLevel)
+        if log_level is None:
+            raise _mistyped("log_level", log_level, LogLevel.__name__)
         return ServeOptions(
-            output=p["output"],
-            interval_s=float(p["interval"]),
-            log_level=p["log_level"],
-            ready_file=p["ready_file"],
-            metrics_host=p["metrics_host"],
-            metrics_port=p["metrics_port"],
+            output=_member(p, "output", OutputMode),
+            interval_s=float(interval),
+            log_level=log_level,
+            ready_file=ready_file,
+            metrics_host=_need(p, "metrics_host", str),
+            metrics_port=metrics_port,
             registry=registry_config(p),
         )
 
 
-def registry_config(p: Mapping[str, Any]) -> RegistryConfig | None:
+def registry_config(p: Params) -> RegistryConfig | None:
     """``--registry`` and its companions -> RegistryConfig (None without ``--registry``).
     Files are read and checked here, before the endpoint allocates anything."""
     from kvpush.fleet.config import check_file, read_password_file
@@ -296,9 +375,10 @@ def registry_config(p: Mapping[str, Any]) -> RegistryConfig | None:
 
     # A user without a password file (or a certificate without its key) is refused by the
     # config's own ``Access`` check, with the flags in its hint.
-    pw_file = p.get("registry_password_file")
-    user = p.get("registry_user")
-    advertise = p.get("advertise") or None
+    pw_file = _maybe(p, "registry_password_file", str)
+    user = _maybe(p, "registry_user", str)
+    advertise = _maybe(p, "advertise", str) or None
+    leave_grace = _number(p, "registry_leave_grace")
     if advertise is None and binds_all_interfaces(str(p.get("host", ""))):
         raise ConfigError(
             f"--registry with --host {p.get('host')} needs --advertise HOST",
@@ -308,17 +388,15 @@ def registry_config(p: Mapping[str, Any]) -> RegistryConfig | None:
     return RegistryConfig(
         urls=str(urls),
         cluster=str(p.get("cluster") or "default"),
-        ttl_s=int(p.get("registry_ttl") or 10),
-        load_period_s=float(p.get("registry_load_period") or LOAD_PERIOD_S),
-        leave_grace_s=float(
-            LEAVE_GRACE_S if p.get("registry_leave_grace") is None else p["registry_leave_grace"]
-        ),
+        ttl_s=_maybe(p, "registry_ttl", int) or 10,
+        load_period_s=float(_number(p, "registry_load_period") or LOAD_PERIOD_S),
+        leave_grace_s=float(LEAVE_GRACE_S if leave_grace is None else leave_grace),
         advertise=advertise,
         user=user or None,
         password=read_password_file(pw_file) if pw_file else None,
-        ca_cert=check_file("--registry-ca", p.get("registry_ca")),
-        cert=check_file("--registry-cert", p.get("registry_cert")),
-        key=check_file("--registry-key", p.get("registry_key")),
+        ca_cert=check_file("--registry-ca", _maybe(p, "registry_ca", str)),
+        cert=check_file("--registry-cert", _maybe(p, "registry_cert", str)),
+        key=check_file("--registry-key", _maybe(p, "registry_key", str)),
     )
 
 

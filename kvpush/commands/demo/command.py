@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Annotated, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
 
 from kvpush.commands.common import options
 from kvpush.commands.common.ending import finish
@@ -22,6 +23,9 @@ from kvpush.commands.common.optspec import option
 from kvpush.commands.demo import view as reports
 from kvpush.errors import ConfigError
 from kvpush.runtime.signals import StopFlag
+
+if TYPE_CHECKING:
+    from kvpush.commands.demo.demo import Demo
 
 DOC = """Start one P and two D endpoints on loopback, push a few hundred requests through them.
 
@@ -111,11 +115,11 @@ def demo(
     finish(report, reports.demo_summary, json_out, ok=report.ok, interrupted=report.interrupted)
 
 
-def _logs(kept: bool, workdir: Any) -> str:
+def _logs(kept: bool, workdir: Path) -> str:
     return f"logs kept in {workdir}" if kept else "work directory removed"
 
 
-def _run(d: Any, show_live: bool, quiet: bool) -> None:
+def _run(d: Demo, show_live: bool, quiet: bool) -> None:
     con = Console(stderr=True)
     if not quiet:
         con.print(
@@ -126,7 +130,7 @@ def _run(d: Any, show_live: bool, quiet: bool) -> None:
     d.start()
     d.start_driving()
 
-    def view() -> Any:
+    def view() -> RenderableType:
         return reports.demo_view(d.progress(), d.cfg.requests, d.events, d.prefill_stats())
 
     if show_live:

@@ -18,9 +18,10 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from kvpush.commands.common import control
 from kvpush.commands.demo.cluster import Child, Cluster, DemoInterrupted
@@ -30,11 +31,26 @@ from kvpush.config import Role
 from kvpush.errors import KvpushError
 from kvpush.wire import protocol
 
+if TYPE_CHECKING:
+    from kvpush.transport.client import SideChannelClient
+
+
+class ChildRow(TypedDict):
+    """One endpoint the demo ran, as its report says it."""
+
+    name: str
+    role: Role
+    address: str
+    returncode: int | None
+    requests: int  # requests it served
+    extra: bool  # the decoder that joined mid-run
+    log: str
+
 
 @dataclass(frozen=True)
 class DemoReport:
     drive: DriveReport
-    children: list[dict[str, Any]]
+    children: list[ChildRow]
     events: list[str]
     extra_decoder_requests: int
     workdir: str
@@ -50,7 +66,7 @@ class DemoReport:
             and (self.extra_decoder_requests > 0 or not any(c["extra"] for c in self.children))
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "ok": self.ok,
             "interrupted": self.interrupted,
@@ -80,7 +96,7 @@ class Demo:
         self._thread: threading.Thread | None = None
         self._report: DriveReport | None = None
         self._error: BaseException | None = None
-        self._stats_client: Any = None
+        self._stats_client: SideChannelClient | None = None
         self._t0 = time.monotonic()
 
     def _event(self, text: str) -> None:
@@ -127,7 +143,7 @@ class Demo:
             self._extra_ready.wait(self.cfg.start_timeout_s)
 
     # ------------------------------------------------------------------ driving
-    def start_driving(self, on_result: Any = None) -> None:
+    def start_driving(self, on_result: Callable[[RequestResult], None] | None = None) -> None:
         assert self.prefill is not None
         if self.interrupted:
             raise DemoInterrupted("demo interrupted before driving", "nothing was driven")
@@ -177,7 +193,7 @@ class Demo:
         if self._driver is not None:
             self._driver.cancel()
 
-    def prefill_stats(self, timeout_s: float = 1.0) -> dict[str, Any] | None:
+    def prefill_stats(self, timeout_s: float = 1.0) -> dict[str, object] | None:
         """P's telemetry snapshot (StatsReq); None when it does not answer in time.
 
         Call from one thread only (the client it keeps is not thread-safe).
@@ -206,7 +222,7 @@ class Demo:
         assert self._report is not None
         extra_addr = self.extra.address if self.extra else ""
         extra_n = self._report.by_decode.get(extra_addr, 0) if extra_addr else 0
-        children = [
+        children: list[ChildRow] = [
             {
                 "name": c.name,
                 "role": c.role,
@@ -249,7 +265,7 @@ class Demo:
 
 
 def run_demo(
-    cfg: DemoConfig, on_result: Any = None
+    cfg: DemoConfig, on_result: Callable[[RequestResult], None] | None = None
 ) -> DemoReport:  # pragma: no cover - convenience for scripts
     demo = Demo(cfg)
     try:

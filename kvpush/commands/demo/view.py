@@ -6,7 +6,7 @@ the summary starts with drive's (``kvpush.commands.drive.view``). Runs on the ma
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.console import Group, RenderableType
 from rich.progress_bar import ProgressBar
@@ -17,8 +17,11 @@ from kvpush.commands.common.live import render_live
 from kvpush.commands.drive.view import drive_summary
 from kvpush.telemetry.snapshot import snapshot_from_dict
 
+if TYPE_CHECKING:
+    from kvpush.commands.demo.demo import DemoReport
 
-def demo_summary(r: Any) -> RenderableType:
+
+def demo_summary(r: DemoReport) -> RenderableType:
     """The human form of a ``DemoReport``: the drive summary, the children, the events."""
     lines: list[RenderableType] = [drive_summary(r.drive, title="demo")]
     for c in r.children:

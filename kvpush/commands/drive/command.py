@@ -15,22 +15,20 @@ The old spelling of one vLLM leg (``drive --decode D --kv-transfer-params ...``,
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console, RenderableType
+from rich.console import Console
 
 from kvpush.commands.common import options, translate
-from kvpush.commands.common.ending import finish
 from kvpush.commands.common.optspec import option
 from kvpush.commands.drive import progress
 from kvpush.commands.drive import view as reports
 from kvpush.commands.drive import workload_options as wo
-from kvpush.commands.drive.otlp import DriveSpans, TracedReport
+from kvpush.commands.drive.otlp import DriveSpans, finish_traced
 from kvpush.commands.drive.otlp import note as otlp_note
 from kvpush.commands.leg import command as legs
 from kvpush.commands.leg import otlp as otlp_options
@@ -40,7 +38,8 @@ from kvpush.logsafe import shown
 from kvpush.runtime.signals import StopFlag
 
 if TYPE_CHECKING:
-    from kvpush.commands.common.results import DriveConfig, RequestResult
+    from kvpush.commands.common.results import DriveConfig, DriveReport, RequestResult
+    from kvpush.commands.drive.driver import Driver
     from kvpush.commands.drive.targets import FleetTargets
     from kvpush.commands.drive.workload import Replay
     from kvpush.config import TracingConfig
@@ -319,19 +318,13 @@ def drive(
             f"drive: interrupted ({signame or 'cancelled'}): intake stopped; the summary "
             "counts requests never sent and those still in flight as cancelled"
         )
-    view: Callable[[Any], RenderableType] = reports.drive_summary
+    ok, interrupted = report.all_verified, report.interrupted
     if replay is not None:
         from kvpush.commands.drive.workload_report import workload_summary
 
-        view, report = workload_summary, replay.report(report, report.concurrency)
-    ok, interrupted = report.all_verified, report.interrupted
-    if spans is not None:  # --json: the traces' counts beside the report
-        report, view = TracedReport(report, spans), functools.partial(_unwrapped, view)
-    finish(report, view, json_out, ok=ok, interrupted=interrupted)
-
-
-def _unwrapped(view: Callable[[Any], RenderableType], traced: TracedReport) -> RenderableType:
-    return view(traced.report)
+        wr = replay.report(report, report.concurrency)
+        finish_traced(wr, workload_summary, spans, json_out, ok=ok, interrupted=interrupted)
+    finish_traced(report, reports.drive_summary, spans, json_out, ok=ok, interrupted=interrupted)
 
 
 def _endpoints(
@@ -368,13 +361,13 @@ def _run(
     tty: bool,
     replay: Replay | None,
     traces: TracingConfig,
-) -> tuple[Any, str | None, dict[str, object] | None]:
+) -> tuple[DriveReport, str | None, dict[str, object] | None]:
     """Run the driver under a signal handler, with a progress bar (``tty``) or progress lines,
     on ``replay``'s schedule when there is one; return its report, the signal that stopped
     it, if one did, and what its traces did (``--otlp-traces-endpoint``)."""
     from kvpush.commands.drive.driver import DriveHooks, Driver
 
-    driver: Any = None
+    driver: Driver  # set below, before the first tick
 
     def tick() -> None:
         if not tty:

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvpush.commands.common import control
 from kvpush.commands.common.reasons import Leg
@@ -41,6 +41,9 @@ from kvpush.commands.common.results import DriveConfig
 from kvpush.config import Role
 from kvpush.errors import KvpushError
 from kvpush.transport.contact import tcp_contact
+
+if TYPE_CHECKING:
+    from kvpush.transport.client import SideChannelClient
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +92,7 @@ class Health:
         self._rr: dict[Leg, int] = {Role.PREFILL: 0, Role.DECODE: 0}
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._clients: dict[str, Any] = {}  # monitor thread only
+        self._clients: dict[str, SideChannelClient] = {}  # monitor thread only
         self._thread = threading.Thread(target=self._run, name="drive-monitor", daemon=True)
 
     # ------------------------------------------------------------------ workers (any thread)

@@ -7,7 +7,8 @@ worker) it starts the request's ``kvpush.request`` client span -- a new trace, k
 when the request is decided (``resolved``, on the thread that decided it) the span is handed to
 the tracing thread to end, with its outcome, reason and ``kvpush.*`` attributes. A request that
 was never sent (no peer up, interrupted) still gets its span, failed, with the reason. Also
-``TracedReport``: the run's report with the traces' counts (``--json``: ``traces``).
+``TracedReport``: the run's report with the traces' counts (``--json``: ``traces``), which
+``finish_traced`` prints.
 
 Threads: drive's workers (``sent``, ``context``), any thread (``resolved``), the caller of
 ``close``; the span work itself is the tracing thread's (``kvpush.telemetry.tracing``).
@@ -17,14 +18,18 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Generic, NoReturn, TypeVar
 
+from kvpush.commands.common.ending import Report, finish
 from kvpush.commands.common.results import DriveConfig, RequestResult
 from kvpush.telemetry.tracing import TraceCounts, Tracing
 from kvpush.telemetry.tracing.spans import REQUEST, SpanSpec, attributes
 
 if TYPE_CHECKING:
+    from rich.console import RenderableType
+
     from kvpush.config import TracingConfig
     from kvpush.telemetry.tracing.otel import ClientSpan
 
@@ -91,17 +96,36 @@ def request_span(result: RequestResult, t1: float, blocks: int) -> SpanSpec:
     return SpanSpec(REQUEST, t1, t1, attrs, error=error, detail=result.detail)
 
 
+R = TypeVar("R", bound=Report)
+
+
 @dataclass(frozen=True)
-class TracedReport:
+class TracedReport(Generic[R]):
     """A run's report and its traces: ``to_dict`` adds ``traces`` (``--json``)."""
 
-    report: Any
+    report: R
     traces: dict[str, object]
 
     def to_dict(self) -> dict[str, object]:
-        d: dict[str, object] = self.report.to_dict()
+        d = dict(self.report.to_dict())
         d["traces"] = self.traces
         return d
+
+
+def finish_traced(
+    report: R,
+    view: Callable[[R], RenderableType],
+    spans: dict[str, object] | None,
+    json_out: bool,
+    *,
+    ok: bool,
+    interrupted: bool,
+) -> NoReturn:
+    """``finish``, with the traces' counts beside the report (``--json``) when there are."""
+    if spans is not None:
+        traced = TracedReport(report, spans)
+        finish(traced, lambda t: view(t.report), json_out, ok=ok, interrupted=interrupted)
+    finish(report, view, json_out, ok=ok, interrupted=interrupted)
 
 
 def note(summary: dict[str, object]) -> str:

@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpush.commands.common.registry import RegistrySource
 from kvpush.commands.common.results import DriveConfig
@@ -55,7 +55,13 @@ from kvpush.commands.drive.admission import (
     unusable_address,
 )
 from kvpush.commands.drive.due_checks import DueChecks
-from kvpush.commands.drive.preflight import CHECK_THREADS, contact_all, contact_wait, peer_metadata
+from kvpush.commands.drive.preflight import (
+    CHECK_THREADS,
+    Found,
+    contact_all,
+    contact_wait,
+    peer_metadata,
+)
 from kvpush.commands.drive.readmit import Checked
 from kvpush.config import Role
 from kvpush.errors import ConfigError, KvpushError
@@ -166,7 +172,7 @@ class FleetTargets:
         self._pending = [rec for rec, _ in st.pending.values()]
         return replace(cfg, prefill=tuple(st.prefill), decode=tuple(st.decode), preflight=False)
 
-    def _none_fit(self, st: Start, found: dict[str, Any]) -> KvpushError:
+    def _none_fit(self, st: Start, found: dict[str, Found]) -> KvpushError:
         """The error of a start with no P (or no D) that answers and fits: the first one's
         own error when none of that role answered (exit 69), else what did not fit."""
         role = Role.PREFILL if not st.prefill else Role.DECODE

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, NotRequired, TypedDict
 
 from kvpush.commands.common import control
 from kvpush.commands.common.results import RequestResult
@@ -103,6 +103,24 @@ class _Rec:
         return self.result is not None and not self.active and not self.asking_p
 
 
+class TraceRecord(TypedDict):
+    """One line of the trace file (as written; the summary's statistics read it back)."""
+
+    transfer_id: str
+    index: int
+    outcome: str  # "ok" | "failed"
+    reason: str
+    detail: str
+    prefill: str
+    decode: str
+    latency_s: float
+    phases: dict[str, float]  # seconds since the request was sent, on this host's clock
+    clock_error_s: float
+    ended_at: NotRequired[str]  # a failed request's last phase reached
+    p_note: NotRequired[str]
+    phases_missing: NotRequired[str]
+
+
 class Tracer:
     def __init__(self, path: Path, token: bytes | None = None, timeout_s: float = 5.0) -> None:
         try:
@@ -120,7 +138,7 @@ class Tracer:
         self._recs: dict[int, _Rec] = {}
         self.offsets: dict[str, ClockOffset] = {}
         self._unmeasured: dict[str, str] = {}  # address -> why its offset is unknown
-        self.records: list[dict[str, Any]] = []  # as written (for the summary's statistics)
+        self.records: list[TraceRecord] = []  # as written (for the summary's statistics)
 
     # ------------------------------------------------------------------ before the run
     def start(self, peers: Iterable[str]) -> list[str]:
@@ -262,7 +280,7 @@ class Tracer:
         self._f.close()
 
     # ------------------------------------------------------------------ the record
-    def record(self, i: int, r: _Rec) -> dict[str, Any]:
+    def record(self, i: int, r: _Rec) -> TraceRecord:
         res = r.result
         assert res is not None
         stamps: dict[str, float] = {}
@@ -279,7 +297,7 @@ class Tracer:
             err += off.error_s
             for name, t in got.items():
                 stamps[name] = round(t - off.offset_s - r.t_wall, 6)
-        out: dict[str, Any] = {
+        out: TraceRecord = {
             "transfer_id": res.transfer_id,
             "index": i,
             "outcome": "ok" if res.ok else "failed",
@@ -310,14 +328,16 @@ class Tracer:
                 log.warning("trace line of %s not written: %s", rec["transfer_id"], e)
 
 
-def phase_stats(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+def phase_stats(records: Iterable[Mapping[str, object]]) -> dict[str, dict[str, float]]:
     """Per phase, over the ok records that reached it: count, p50, p99 and max of the seconds
     since the request was sent (nearest rank, as drive's latency)."""
     by: dict[str, list[float]] = {}
     for rec in records:
         if rec.get("outcome") != "ok":
             continue
-        for name, t in rec.get("phases", {}).items():
+        phases = rec.get("phases", {})
+        assert isinstance(phases, dict), "a trace record's phases are a map"
+        for name, t in phases.items():
             by.setdefault(name, []).append(float(t))
     out: dict[str, dict[str, float]] = {}
     known = [p.value for p in ph.ORDER if p.value in by]

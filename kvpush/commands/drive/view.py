@@ -6,7 +6,7 @@ renderables or strings (``--json`` prints ``to_dict`` instead). Runs on the main
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.console import Group, RenderableType
 from rich.text import Text
@@ -14,8 +14,12 @@ from rich.text import Text
 from kvpush.commands.common.readings import fmt_bytes
 from kvpush.commands.common.rows import Rows, in_ms
 
+if TYPE_CHECKING:
+    from kvpush.commands.common.reasons import Leg
+    from kvpush.commands.common.results import DriveReport
 
-def drive_summary(r: Any, title: str = "drive") -> RenderableType:
+
+def drive_summary(r: DriveReport, title: str = "drive") -> RenderableType:
     """The human form of a ``DriveReport``."""
     t = Rows()
     t.add("requests", f"{r.requests}: {r.ok} ok, {r.failed} failed")
@@ -48,7 +52,12 @@ def drive_summary(r: Any, title: str = "drive") -> RenderableType:
 
 
 def drive_progress_line(
-    done: int, ok: int, failed: int, in_flight: int, total: int, peers: list[Any]
+    done: int,
+    ok: int,
+    failed: int,
+    in_flight: int,
+    total: int,
+    peers: list[tuple[str, Leg, bool, str, int]],
 ) -> str:
     """One progress line for stderr when it is not a terminal (every few seconds)."""
     down = [f"{addr} ({role}) down" for addr, role, up, _why, _n in peers if not up]

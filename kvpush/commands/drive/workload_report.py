@@ -26,7 +26,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from rich.console import Group, RenderableType
 from rich.text import Text
@@ -66,10 +66,72 @@ class Record:
     result: RequestResult
 
 
+class Quantiles(TypedDict):
+    p50: float
+    p99: float
+
+
+class LatencyBucket(TypedDict):
+    """One prompt-size bucket of ``latency_by_prompt``."""
+
+    bucket: str
+    tokens: list[int | None]  # [low, high); high None for the last
+    requests: int
+    ok: int
+    failed: int
+    latency_s: Quantiles | None  # of the ok ones (None when none was ok)
+
+
+class PoolFigures(TypedDict):
+    """One D's pool over the run, from its own gauges (``pools``)."""
+
+    total_blocks: int
+    peak_used_blocks: int
+    peak_fraction: float
+    time_full_s: float
+    samples: int
+    used_blocks: list[int | None]  # the highest use in each bin (None: no sample)
+    demand_peak_blocks: int
+
+
+class Rate(TypedDict):
+    offered_per_s: float | None
+    achieved_ok_per_s: float
+
+
+class Lateness(TypedDict):
+    p50: float
+    p99: float
+    max: float
+    tolerance_s: float
+    late: int
+
+
+class WorkloadFigures(TypedDict):
+    """The replay's figures: ``workload`` of ``drive --workload --json``."""
+
+    source: str
+    requests: int
+    bad_lines: int
+    before_start_at: int
+    start_at_s: float
+    speedup: float
+    block_tokens: int
+    blocks_total: int
+    blocks_ok: int
+    rate: Rate
+    lateness_s: Lateness
+    workers: int
+    latency_by_prompt: list[LatencyBucket]
+    bin_s: float
+    gb_per_s: list[float]
+    pools: dict[str, PoolFigures]
+
+
 @dataclass(frozen=True)
 class WorkloadReport:
     base: DriveReport
-    workload: dict[str, Any]
+    workload: WorkloadFigures
 
     @property
     def all_verified(self) -> bool:
@@ -83,7 +145,7 @@ class WorkloadReport:
     def notes(self) -> list[str]:
         return self.base.notes
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {**self.base.to_dict(), "workload": self.workload}
 
 
@@ -95,8 +157,8 @@ def _q(xs: Sequence[float]) -> dict[str, float]:
     return {"p50": percentile(xs, 50), "p99": percentile(xs, 99), "max": max(xs, default=0.0)}
 
 
-def _buckets(recs: Sequence[Record]) -> list[dict[str, Any]]:
-    out = []
+def _buckets(recs: Sequence[Record]) -> list[LatencyBucket]:
+    out: list[LatencyBucket] = []
     for lo, hi, name in BUCKETS:
         inb = [r for r in recs if lo <= r.tokens < hi]
         if not inb:
@@ -145,11 +207,11 @@ def _demand(recs: Sequence[Record]) -> dict[str, int]:
 
 def _pools(
     points: Sequence[PoolPoint], width: float, bins: int, demand: Mapping[str, int], pools: Pools
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, PoolFigures]:
     by: dict[str, list[PoolPoint]] = defaultdict(list)
     for p in points:
         by[p[1]].append(p)
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, PoolFigures] = {}
     for d in dict.fromkeys([*pools.decode, *by, *demand]):
         pts = sorted(by.get(d, []))
         total = max((p[3] for p in pts), default=pools.decode.get(d, 0))
@@ -189,7 +251,8 @@ def build(
     bins = max(1, int(elapsed // width) + 1)
     late = [r.late_s for r in recs if r.late_s is not None]
     over = sum(1 for x in late if x > tolerance_s)
-    w: dict[str, Any] = {
+    q = _q(late)
+    w: WorkloadFigures = {
         "source": workload.source,
         "requests": len(recs),
         "bad_lines": len(workload.problems),
@@ -203,7 +266,13 @@ def build(
             "offered_per_s": (len(recs) - 1) / span if span > 0 else None,
             "achieved_ok_per_s": base.ok / elapsed if elapsed > 0 else 0.0,
         },
-        "lateness_s": {**_q(late), "tolerance_s": tolerance_s, "late": over},
+        "lateness_s": {
+            "p50": q["p50"],
+            "p99": q["p99"],
+            "max": q["max"],
+            "tolerance_s": tolerance_s,
+            "late": over,
+        },
         "workers": concurrency,
         "latency_by_prompt": _buckets(recs),
         "bin_s": width,

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TypedDict
 
 from kvpush.commands.common import reasons
 from kvpush.commands.common.results import DriveConfig, RequestResult
@@ -194,7 +194,7 @@ def _drive_pair(p: str, d: str, blocks: int, cfg: CheckConfig, note: str, t0: fl
     rest = [r.latency_s for r in ok if r.index > 0] or [r.latency_s for r in ok]
     p50 = median(rest) if rest else None
     nbytes = ok[0].nbytes if ok else 0
-    common: dict[str, Any] = {
+    common: _Figures = {
         "blocks": blocks,
         "pushes": cfg.pushes,
         "pushes_ok": len(ok),
@@ -208,7 +208,7 @@ def _drive_pair(p: str, d: str, blocks: int, cfg: CheckConfig, note: str, t0: fl
     }
     if ok:  # P wrote to D: which lane carried it, in P's own word
         lane = pair_lane(p, d, cfg.auth_token)
-        common.update(lane=lane.word, lane_flags=lane.flags)
+        common["lane"], common["lane_flags"] = lane.word, lane.flags
     if len(ok) == cfg.pushes and report.verified == cfg.pushes:
         return PairResult(p, d, "ok", "", note, **common)
     bad = next((r for r in ordered if not r.ok and r.reason != "cancelled"), None)
@@ -220,6 +220,21 @@ def _drive_pair(p: str, d: str, blocks: int, cfg: CheckConfig, note: str, t0: fl
             f"{len(ok)} of {cfg.pushes} pushes within --deadline {cfg.deadline_s:g}s", **common,
         )  # fmt: skip
     return PairResult(p, d, "failed", "verify_failed", "a push did not verify", **common)
+
+
+class _Figures(TypedDict, total=False):
+    """A pair's figures, as ``PairResult`` takes them."""
+
+    blocks: int
+    pushes: int
+    pushes_ok: int
+    first_ms: float | None
+    handshake_ms: float | None
+    p50_ms: float | None
+    gb_per_s: float | None
+    elapsed_s: float
+    lane: str
+    lane_flags: list[str]
 
 
 def _registered(

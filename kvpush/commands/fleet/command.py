@@ -17,10 +17,11 @@ import json
 import re
 import sys
 import time
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
 
 from kvpush.commands.common import options, stdio, translate
 from kvpush.commands.common.optspec import PANEL_OUT, option
@@ -28,6 +29,10 @@ from kvpush.config import Role, require_positive
 from kvpush.errors import ConfigError, ExitStatus
 from kvpush.logsafe import shown
 from kvpush.runtime.signals import StopFlag
+
+if TYPE_CHECKING:
+    from kvpush.commands.fleet.source import FleetSource
+    from kvpush.commands.fleet.watch import FleetWatch
 
 #: The width of the console that writes to a pipe: wide enough that nothing is ever cut
 #: (the tables drop no column there, and lines are only as wide as what they hold).
@@ -100,7 +105,7 @@ def _out() -> tuple[Console, int | None]:
     return Console(highlight=False, width=PIPE_WIDTH), None
 
 
-def _print(make: Any) -> None:
+def _print(make: Callable[[int | None], RenderableType]) -> None:
     """``make(width)`` printed on stdout at the width it must fit."""
     console, width = _out()
     console.print(make(width), soft_wrap=True)
@@ -140,7 +145,7 @@ def fleet_source(
     peers: list[str] | None,
     concurrency: int,
     token_file: str | None = None,
-) -> Any:
+) -> FleetSource:
     from kvpush.commands.fleet.source import fleet_source
 
     require_positive("--concurrency", concurrency)
@@ -245,16 +250,17 @@ def _until(duration: float | None) -> float:
     return time.monotonic() + duration if duration is not None else float("inf")
 
 
-def _watch_live(w: Any, interval: float, duration: float | None, stop: StopFlag) -> None:
+def _watch_live(w: FleetWatch, interval: float, duration: float | None, stop: StopFlag) -> None:
     from rich.live import Live
 
     from kvpush.commands.fleet import render as views
+    from kvpush.commands.fleet.watch import Note, Status
 
     console = Console()
     end = _until(duration)
     status = ""
 
-    def frame() -> Any:
+    def frame() -> RenderableType:
         return views.render_watch(  # console.width follows a resized terminal
             w.rows(), list(w.model.events), w.source.cluster, w.started_at, status, console.width
         )
@@ -264,9 +270,9 @@ def _watch_live(w: Any, interval: float, duration: float | None, stop: StopFlag)
         while not stop.event.is_set() and time.monotonic() < end:
             wait = max(0.0, min(next_draw, end) - time.monotonic())
             for item in w.poll(min(wait, 0.25)):
-                if hasattr(item, "up"):
+                if isinstance(item, Status):
                     status = "" if item.up else f"registry down: {item.detail}"
-                elif hasattr(item, "detail"):
+                elif isinstance(item, Note):
                     status = item.detail
             if time.monotonic() >= next_draw:
                 next_draw = time.monotonic() + interval
@@ -274,9 +280,10 @@ def _watch_live(w: Any, interval: float, duration: float | None, stop: StopFlag)
 
 
 def _watch_lines(
-    w: Any, interval: float, duration: float | None, stop: StopFlag, json_out: bool
+    w: FleetWatch, interval: float, duration: float | None, stop: StopFlag, json_out: bool
 ) -> None:
     from kvpush.commands.fleet import render as views
+    from kvpush.commands.fleet.watch import Note, Status
 
     cluster = w.source.cluster
     t0 = w.started_at
@@ -295,14 +302,14 @@ def _watch_lines(
         for item in w.poll(min(wait, 0.25)):
             if json_out:
                 stdio.out(json.dumps(item.to_dict()))
-            elif hasattr(item, "up"):
+            elif isinstance(item, Status):
                 stdio.out(
                     shown(
                         f"+{item.t - t0:.1f}s registry "
                         + ("up again: listed anew" if item.up else f"down: {item.detail}")
                     )
                 )
-            elif hasattr(item, "detail"):
+            elif isinstance(item, Note):
                 stdio.out(shown(f"+{item.t - t0:.1f}s {item.detail}"))
             else:
                 stdio.out(views.event_line(item, t0))

@@ -10,8 +10,8 @@ the pair's thread, one short side-channel request.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvpush.errors import KvpushError
 
@@ -23,7 +23,7 @@ ASK_S = 3.0
 class PairLane:
     word: str = ""  # e.g. "cma", "tcp!tcp_on_one_host", "ambiguous", "?"
     flags: list[str] = field(default_factory=list)
-    detail: dict[str, Any] = field(default_factory=dict)  # D rank 0's ``lane`` row
+    detail: dict[str, object] = field(default_factory=dict)  # D rank 0's ``lane`` row
 
 
 def pair_lane(p: str, d: str, token: bytes | None) -> PairLane:
@@ -43,6 +43,11 @@ def pair_lane(p: str, d: str, token: bytes | None) -> PairLane:
     if not rows:
         return PairLane("?")
     words = sorted({lane_word(r) for r in rows})
-    flags = sorted({f for r in rows for f in (r.get("lane_flags") or []) if isinstance(f, str)})
+    flags = sorted({f for r in rows for f in _flags(r) if isinstance(f, str)})
     lane = rows[0].get("lane")
     return PairLane("|".join(words), flags, dict(lane) if isinstance(lane, dict) else {})
+
+
+def _flags(row: Mapping[str, object]) -> list[object]:
+    flags = row.get("lane_flags")
+    return flags if isinstance(flags, list) else []

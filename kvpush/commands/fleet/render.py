@@ -14,7 +14,7 @@ and lines (``isatty()``, ``--json``) belongs to the command.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TypedDict
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -108,7 +108,14 @@ def ls_table(
     return fitted(f"cluster {cluster}: {n_p} prefill, {len(rows) - n_p} decode", cols, cells, width)
 
 
-def rows_json(rows: Iterable[FleetRow], cluster: str) -> dict[str, Any]:
+class RowsJSON(TypedDict):
+    """``fleet ls --json`` (and the watch's ``snapshot``/``rows`` lines): the fleet's rows."""
+
+    cluster: str
+    endpoints: list[dict[str, object]]
+
+
+def rows_json(rows: Iterable[FleetRow], cluster: str) -> RowsJSON:
     return {"cluster": cluster, "endpoints": [r.to_dict() for r in rows]}
 
 

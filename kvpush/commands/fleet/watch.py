@@ -26,8 +26,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpush.commands.fleet.sight import sight_all
 from kvpush.commands.fleet.source import FleetSource
@@ -90,7 +91,7 @@ class FleetWatch:
         self.listed_in_s = 0.0
         self.problems: list[str] = []
         self._poll_s = poll_s
-        self._q: queue.Queue[Any] = queue.Queue(QUEUE_MAX)
+        self._q: queue.Queue[FleetEvent | _Silent] = queue.Queue(QUEUE_MAX)
         self._follow: Follow | None = None
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
@@ -117,7 +118,7 @@ class FleetWatch:
             self._spawn(self._poll_listed, "fleet-poll")
         return listed.records
 
-    def _spawn(self, target: Any, name: str) -> None:
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
         t.start()
         self._threads.append(t)

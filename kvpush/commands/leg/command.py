@@ -20,7 +20,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -31,6 +31,9 @@ from kvpush.commands.common.optspec import PANEL_VLLM, option
 from kvpush.commands.leg import otlp
 from kvpush.commands.leg import view as reports
 from kvpush.errors import KvpushError
+
+if TYPE_CHECKING:
+    from kvpush.commands.leg.legs import LegReport
 
 HELP = "Drive one leg of a vLLM push deployment by hand, with no router: a kvpush D or P."
 
@@ -227,7 +230,7 @@ def prefill_leg(
 @dataclass
 class _Traced:
     trace: tuple[str, str]
-    report: Any = None
+    report: LegReport | None = None
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpush.address import format_address, parse_address
 from kvpush.commands.common import control
@@ -63,17 +63,17 @@ class LegReport:
     nbytes: int
     sha256: str
     seconds: float
-    kv_transfer_params: dict[str, Any]
+    kv_transfer_params: dict[str, object]
 
     @property
     def ok(self) -> bool:
         return self.outcome == "ok"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
-def load_params(text: str) -> dict[str, Any]:
+def load_params(text: str) -> dict[str, object]:
     """``--kv-transfer-params``: a JSON object, the path of a file holding one, or ``-`` for
     stdin. A whole vLLM response that carries the map under ``kv_transfer_params`` is taken
     too. The keys D needs are checked here, types included, so a bad map is refused before
@@ -114,7 +114,9 @@ def load_params(text: str) -> dict[str, Any]:
     return check_params(params, where)
 
 
-def check_params(params: dict[str, Any], where: str = "--kv-transfer-params") -> dict[str, Any]:
+def check_params(
+    params: dict[str, object], where: str = "--kv-transfer-params"
+) -> dict[str, object]:
     """The router contract a decode leg needs: keys present, each of the right type."""
     missing = [k for k in REQUIRED_PARAMS if k not in params]
     if missing:
@@ -144,7 +146,18 @@ def check_params(params: dict[str, Any], where: str = "--kv-transfer-params") ->
     return params
 
 
-def blocks_of(params: Mapping[str, Any], blocks: int | None) -> int:
+def _checked_int(params: Mapping[str, object], key: str) -> int:
+    """An integer key of params ``check_params`` let through (``pp_size`` defaults to 1)."""
+    value = params.get(key, 1)
+    if not isinstance(value, int):
+        raise ConfigError(
+            f"--kv-transfer-params: {key} must be an integer, got {value!r}",
+            "pass the kv_transfer_params a vLLM P returned, unchanged",
+        )
+    return value
+
+
+def blocks_of(params: Mapping[str, object], blocks: int | None) -> int:
     """How many blocks D allocates: as many as P holds (vLLM refuses any other count)."""
     remote = params.get("remote_block_ids")
     if isinstance(remote, list) and remote and isinstance(remote[0], list):
@@ -210,7 +223,7 @@ def _contact(client: SideChannelClient, role: Role, timeout_s: float) -> None:
 
 def decode_leg(
     d_address: str,
-    params: Mapping[str, Any],
+    params: Mapping[str, object],
     blocks: int | None,
     timeout_s: float,
     token: bytes | None = None,
@@ -233,13 +246,13 @@ def decode_leg(
     req = protocol.DecodeReq(
         transfer_id=str(params["remote_request_id"]),
         prefill_host=str(params["remote_host"]),
-        prefill_port=int(params["remote_port"]),
+        prefill_port=_checked_int(params, "remote_port"),
         num_blocks=n,
         deadline_s=timeout_s,
         remote_engine_id=str(params["remote_engine_id"]),
         remote_request_id=str(params["remote_request_id"]),
-        remote_tp_size=int(params["tp_size"]),
-        remote_pp_size=int(params.get("pp_size", 1)),
+        remote_tp_size=_checked_int(params, "tp_size"),
+        remote_pp_size=_checked_int(params, "pp_size"),
         digest=True,
         alloc_delay_s=alloc_delay_s,
         traceparent=trace[0],
@@ -271,7 +284,7 @@ def prefill_leg(
     blocks: int,
     timeout_s: float,
     token: bytes | None = None,
-    on_params: Callable[[dict[str, Any]], None] | None = None,
+    on_params: Callable[[dict[str, object]], None] | None = None,
     trace: tuple[str, str] = ("", ""),
 ) -> LegReport:
     if not request_id:
@@ -310,7 +323,7 @@ def prefill_leg(
                 seconds=time.monotonic() - t0,
                 kv_transfer_params={},
             )
-        params = dict(rep.kv_transfer_params)
+        params: dict[str, object] = dict(rep.kv_transfer_params)
         if not params:
             raise PeerError(
                 f"{addr} is not on vLLM's wire: it returned no kv_transfer_params",

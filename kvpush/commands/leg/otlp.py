@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 from kvpush.commands.common.optspec import option
 from kvpush.config import TracingConfig
@@ -23,6 +23,7 @@ from kvpush.telemetry.tracing.spans import REQUEST, SpanSpec, attributes
 
 if TYPE_CHECKING:
     from kvpush.commands.leg.legs import LegReport
+    from kvpush.telemetry.tracing.otel import ClientSpan
 
 Endpoint = Annotated[
     str | None,
@@ -62,7 +63,7 @@ class LegSpan:
 
     def __init__(self, cfg: TracingConfig, parent: str = "") -> None:
         self._tracing: tracing.Tracing | None = None
-        self._client: Any = None
+        self._client: ClientSpan | None = None
         self.traceparent, self.tracestate = parent, ""
         if cfg.endpoint:
             self._tracing = tracing.Tracing(cfg, "kvpush-leg").start()
@@ -73,7 +74,7 @@ class LegSpan:
     def end(self, report: LegReport | None, reason: str = "", detail: str = "") -> None:
         """The leg ended (``report``), or failed before it had one (``reason``): the span ends
         and goes out (bounded wait)."""
-        if self._tracing is None:
+        if self._tracing is None or self._client is None:
             return
         build = functools.partial(_leg_span, report, time.time(), reason, detail)
         self._tracing.end_client(self._client, build)

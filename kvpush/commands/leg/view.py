@@ -5,7 +5,7 @@ Pure: a ``LegReport`` (``kvpush.commands.leg.legs``) in, a rich renderable out. 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.console import RenderableType
 from rich.text import Text
@@ -14,8 +14,11 @@ from kvpush.commands.common.readings import fmt_bytes
 from kvpush.commands.common.rows import Rows
 from kvpush.config import Role
 
+if TYPE_CHECKING:
+    from kvpush.commands.leg.legs import LegReport
 
-def leg_report(r: Any) -> RenderableType:
+
+def leg_report(r: LegReport) -> RenderableType:
     """The human form of a ``vllm_legs.LegReport`` (one decode or prefill leg)."""
     t = Rows()
     if r.ok:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -26,6 +26,11 @@ from kvpush.errors import (
     KvpushError,
     PeerUnreachableError,
 )
+
+if TYPE_CHECKING:
+    from kvpush.commands.common.translate import Params
+    from kvpush.commands.probe.report import ProbeReport
+    from kvpush.config import EndpointConfig
 
 DOC = """Ask a peer who it is, whether it is healthy and whether it is compatible with us.
 
@@ -46,7 +51,7 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return src is not None and src.name != "DEFAULT"
 
 
-def error_object(address: str, e: KvpushError) -> dict[str, Any]:
+def error_object(address: str, e: KvpushError) -> dict[str, object]:
     """The one JSON object ``probe --json`` prints when the probe ends in an error."""
     with contextlib.suppress(ConfigError):
         address = format_address(*parse_address(address))
@@ -195,20 +200,22 @@ def _probe(
         if report.differences:
             report.notes.append("incompatible peer: --handshake/--ping skipped")
         else:
-            report = _with_handshake(report, p, agent, local_pool, token, asked[1])
+            report = _with_handshake(
+                report, p, agent, local_pool, token, (handshake, ping, asked[1])
+            )
     if lanes:
         if report.differences:
             report.notes.append("incompatible peer: --lanes skipped")
         else:
-            report = _with_lanes(report, p, agent, local_pool, token)
+            report = _with_lanes(report, p, agent, local_pool, token, timeout)
     _print(report, json_out)
 
 
-def _tiny_base(p: dict[str, Any], agent: AgentConfig, role: Role) -> Any:
+def _tiny_base(p: Params, agent: AgentConfig, role: Role) -> EndpointConfig:
     """The probe's tiny local endpoint before it takes the peer's geometry."""
     from kvpush.config import EndpointConfig, Timeouts
 
-    timeout = p["timeout"]
+    timeout = translate.number(p, "timeout")
     return EndpointConfig(
         role=role,
         agent=agent,
@@ -218,8 +225,13 @@ def _tiny_base(p: dict[str, Any], agent: AgentConfig, role: Role) -> Any:
 
 
 def _with_lanes(
-    report: Any, p: dict[str, Any], agent: AgentConfig, local_pool: PoolConfig | None, token: Any
-) -> Any:
+    report: ProbeReport,
+    p: Params,
+    agent: AgentConfig,
+    local_pool: PoolConfig | None,
+    token: bytes | None,
+    timeout_s: float,
+) -> ProbeReport:
     """``report`` with the lanes of a few real pushes with the (kvpush) peer."""
     from kvpush.commands.probe import kvpush_peer as probe_kvpush
     from kvpush.commands.probe.lanes import lane_probe
@@ -227,25 +239,25 @@ def _with_lanes(
     base = _tiny_base(p, agent, Role.DECODE)
     cfg = probe_kvpush.tiny_local_config(report.metadata, local_pool, token, base)
     role = str(report.metadata.get("role") or "")
-    rows = lane_probe(report.address, role, cfg, token, p["timeout"])
+    rows = lane_probe(report.address, role, cfg, token, timeout_s)
     return dataclasses.replace(report, lanes=rows)
 
 
 def _with_handshake(
-    report: Any,
-    p: dict[str, Any],
+    report: ProbeReport,
+    p: Params,
     agent: AgentConfig,
     local_pool: PoolConfig | None,
     token: bytes | None,
-    rank: int,
-) -> Any:
+    asked: tuple[HandshakeMode | None, int, int],
+) -> ProbeReport:
     """``report`` with the timings of a real NIXL handshake (``--handshake``) and notification
     pings (``--ping``) from a tiny local decode endpoint."""
     from kvpush.commands.probe import kvpush_peer as probe_kvpush
     from kvpush.commands.probe import probe as core
     from kvpush.commands.probe import vllm_peer as probe_vllm
 
-    handshake, ping = p["handshake"], p["ping"]
+    handshake, ping, rank = asked
     base = _tiny_base(p, agent, Role.DECODE)
     if report.kind == "vllm":
         # Loads the peer's agent (and, full, its descriptors); sends it nothing.
@@ -261,7 +273,7 @@ def _with_handshake(
     )
 
 
-def _print(report: Any, json_out: bool) -> None:
+def _print(report: ProbeReport, json_out: bool) -> None:
     if json_out:
         stdio.out(json.dumps(report.to_dict(), default=str))
     else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -23,6 +23,9 @@ from kvpush.commands.probe.report import ProbeReport, rtt_stats
 from kvpush.config import EndpointConfig, KvRegions, PoolConfig, Role
 from kvpush.errors import IncompatiblePeerError, PeerError, ProtocolError
 from kvpush.wire import protocol
+
+if TYPE_CHECKING:
+    from kvpush.transport.client import PeerIdentity, SideChannelClient
 
 # kvpush endpoints stamp HandshakeRep.server_clock with time.time() (wall clock, comparable
 # across hosts); vLLM stamps its get_meta_msg answer with time.perf_counter().
@@ -38,7 +41,7 @@ def _incompatible_protocol(address: str, e: ProtocolError) -> IncompatiblePeerEr
 
 
 def _handshakes(
-    addr: str, client: Any, req: protocol.HandshakeReq, count: int
+    addr: str, client: SideChannelClient, req: protocol.HandshakeReq, count: int
 ) -> tuple[list[tuple[float, float, float]], protocol.HandshakeRep | None]:
     """``count`` handshakes: the (sent, received, server clock) of each, and the last reply."""
     samples: list[tuple[float, float, float]] = []
@@ -59,19 +62,21 @@ def _handshakes(
 
 def measure(
     addr: str,
-    client: Any,
-    ident: Any,
+    client: SideChannelClient,
+    ident: PeerIdentity,
     count: int,
     local: dict[str, object] | None,
     want_stats: bool,
     tp_rank: int = 0,
 ) -> ProbeReport:
     kv = ident.kvpush
+    if kv is None:  # the caller measures only a peer that said it is a kvpush endpoint
+        raise PeerError(f"{addr} is not a kvpush endpoint")
     if kv.error:
         raise PeerError(f"{addr} is a kvpush endpoint: {kv.error}", "ask for rank 0,0")
     req = protocol.HandshakeReq(mode="notif", requester="kvpush-probe", tp_rank=tp_rank)
     samples, rep = _handshakes(addr, client, req, count)
-    stats_d: dict[str, Any] | None = None
+    stats_d: dict[str, object] | None = None
     if want_stats:
         s = control.call(client, protocol.StatsReq())
         if not isinstance(s, protocol.StatsRep):
@@ -80,7 +85,7 @@ def measure(
     assert rep is not None
     try:
         md = protocol.decode_metadata(rep.metadata)
-        meta: dict[str, Any] = msgspec.structs.asdict(md)
+        meta: dict[str, object] = msgspec.structs.asdict(md)
     except ProtocolError:
         # Not our schema (another version): decode loosely only to name what differs.
         meta = protocol.decode_metadata_loose(rep.metadata)
@@ -118,8 +123,14 @@ def measure(
     )
 
 
+def _count(value: object, default: int) -> int:
+    """A count of the peer's metadata (``int(value or default)``; a value no count can be read
+    from reads as ``default``)."""
+    return int(value) if isinstance(value, int | float | str) and value else default
+
+
 def tiny_local_config(
-    remote: dict[str, Any], given: PoolConfig | None, token: bytes | None, base: EndpointConfig
+    remote: dict[str, object], given: PoolConfig | None, token: bytes | None, base: EndpointConfig
 ) -> EndpointConfig:
     """The probe's own decode endpoint: the peer's geometry (or the given one), 4 blocks, one
     rank -- so its page is the model's page (every rank's share of a TP peer together), as the
@@ -127,10 +138,10 @@ def tiny_local_config(
     if given is not None:
         pool = replace(given, num_blocks=4, tp_size=1)
     else:
-        layers = int(remote.get("layers") or 1)
-        kv_heads = int(remote.get("kv_heads") or 1)
-        tp_size = int(remote.get("tp_size") or 1)
-        block_bytes = int(remote.get("block_bytes") or 4096)
+        layers = _count(remote.get("layers"), 1)
+        kv_heads = _count(remote.get("kv_heads"), 1)
+        tp_size = _count(remote.get("tp_size"), 1)
+        block_bytes = _count(remote.get("block_bytes"), 4096)
         pool = PoolConfig(
             num_blocks=4,
             layers=layers,

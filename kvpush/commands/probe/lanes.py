@@ -29,10 +29,10 @@ import socket
 import uuid
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
 
 from kvpush.address import parse_address
 from kvpush.commands.common import control
+from kvpush.commands.probe.report import LaneRow
 from kvpush.config import EndpointConfig, Role
 from kvpush.errors import ConfigError, PeerError
 from kvpush.wire import protocol
@@ -70,7 +70,7 @@ def local_host_for(peer_host: str) -> str:
 
 def lane_probe(
     address: str, role: str, local: EndpointConfig, token: bytes | None, timeout_s: float
-) -> list[dict[str, Any]]:
+) -> list[LaneRow]:
     """The lane rows of ``pushes`` real pushes with the kvpush peer at ``address`` of ``role``
     (``local``: the tiny endpoint's config, from the peer's geometry); raises typed errors."""
     host, _ = parse_address(address)
@@ -90,7 +90,7 @@ def lane_probe(
 
 def _into_decode(
     address: str, cfg: EndpointConfig, token: bytes | None, timeout_s: float
-) -> list[dict[str, Any]]:
+) -> list[LaneRow]:
     """A tiny P in this process writes into D; its own rows say the lane."""
     from kvpush.endpoint import open_endpoint
 
@@ -116,7 +116,7 @@ def _into_decode(
 
 def _from_prefill(
     address: str, cfg: EndpointConfig, token: bytes | None, timeout_s: float
-) -> list[dict[str, Any]]:
+) -> list[LaneRow]:
     """P writes into a tiny D of this process; P's row for it says the lane."""
     from kvpush.endpoint import open_endpoint
 
@@ -146,7 +146,7 @@ def _from_prefill(
     return [_side(r, "the peer P, writing into this probe's D") for r in rows]
 
 
-def lane_rows(snapshot: Mapping[str, Any], address: str) -> list[dict[str, Any]]:
+def lane_rows(snapshot: Mapping[str, object], address: str) -> list[dict[str, object]]:
     """A P's peer rows (its ``StatsReq`` reply's ``snapshot``, or an ``-o json`` line) for the
     D whose side channel is ``address`` (``HOST:PORT`` as D announces it): one per D rank
     (``HOST:PORT`` for rank 0, ``HOST:PORT rank R``) and, at P's TP > 1, per P rank (``rank``).
@@ -164,7 +164,7 @@ def lane_rows(snapshot: Mapping[str, Any], address: str) -> list[dict[str, Any]]
     ]
 
 
-def lane_word(row: Mapping[str, Any]) -> str:
+def lane_word(row: Mapping[str, object]) -> str:
     """A lane row in a few characters, for a matrix cell: ``cma``, ``tcp!tcp_on_one_host``,
     ``ambiguous``, ``?``."""
     lane = row.get("lane")
@@ -195,11 +195,14 @@ def _check(address: str, rep: object, tid: str) -> None:
         raise PeerError(f"the lane probe's push {tid} with {address} landed wrong bytes")
 
 
-def _side(row: dict[str, Any], writer: str) -> dict[str, Any]:
-    lane = row.get("lane")
+def _side(row: Mapping[str, object], writer: str) -> LaneRow:
+    got = row.get("lane")
     flags = row.get("lane_flags")
-    if not isinstance(lane, dict):
-        lane = {"evidence": "unknown: the peer reports no lane (lanes off, or an older kvpush)"}
+    lane: dict[str, object] = (
+        got
+        if isinstance(got, dict)
+        else {"evidence": "unknown: the peer reports no lane (lanes off, or an older kvpush)"}
+    )
     return {
         "peer": row.get("peer"),
         "writer": writer,

@@ -25,7 +25,7 @@ pings -- is with that rank.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvpush.address import format_address, parse_address
 from kvpush.commands.common import control
@@ -36,6 +36,9 @@ from kvpush.config import EndpointConfig, HandshakeMode, require_counts
 from kvpush.errors import ConfigError, PeerError, PeerUnreachableError, ProtocolError
 from kvpush.transport.versions import Versions, local_versions, warnings_for
 from kvpush.wire import protocol
+
+if TYPE_CHECKING:
+    from kvpush.transport.client import PeerIdentity, SideChannelClient
 
 UNREACHABLE_HINT = control.UNREACHABLE_HINT
 
@@ -97,7 +100,9 @@ def probe(
             raise PeerUnreachableError(e.message, UNREACHABLE_HINT) from None
 
 
-def _check_rank(addr: str, ident: Any, ranks: tuple[int, int], peer_tp: int | None) -> None:
+def _check_rank(
+    addr: str, ident: PeerIdentity, ranks: tuple[int, int], peer_tp: int | None
+) -> None:
     """Refuse to ask a peer for a rank it may not serve (it would kill a vLLM listener)."""
     kv = ident.kvpush
     if kv is not None:
@@ -129,7 +134,7 @@ def _with_versions(report: ProbeReport) -> ProbeReport:
     return replace(report, local_versions=asdict(mine), version_warnings=warns)
 
 
-def _with_stats(report: ProbeReport, client: Any) -> ProbeReport:
+def _with_stats(report: ProbeReport, client: SideChannelClient) -> ProbeReport:
     s = client.request(protocol.StatsReq())
     if not isinstance(s, protocol.StatsRep):
         raise PeerError(f"{report.address} answered a stats request with {type(s).__name__}")

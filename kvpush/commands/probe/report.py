@@ -11,8 +11,9 @@ to import).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
 from kvpush import PROTOCOL_VERSION
 from kvpush.commands.common.stats import median
@@ -52,6 +53,15 @@ def rtt_stats(samples: list[tuple[float, float, float]]) -> RttStats:
     return RttStats(rtts, offset, min(rtts), median(rtts))
 
 
+class LaneRow(TypedDict):
+    """``probe --lanes``: the lane of one peer rank written to (``kvpush.commands.probe.lanes``)."""
+
+    peer: object  # the peer row's name: ``HOST:PORT`` or ``HOST:PORT rank R``
+    writer: str  # whose WRITE it is: this probe's P, or the peer P
+    lane: dict[str, object]  # ``write``, ``devices``, ``notif``, ``locality``, ``evidence``...
+    lane_flags: list[str]
+
+
 @dataclass(frozen=True)
 class ProbeReport:
     address: str
@@ -60,7 +70,7 @@ class ProbeReport:
     metadata: dict[str, object]
     rtt: RttStats
     compat_checked: bool = False
-    differences: list[tuple[str, Any, Any]] = field(default_factory=list)
+    differences: list[tuple[str, object, object]] = field(default_factory=list)
     handshake_mode: str | None = None
     handshake_timings_s: dict[str, float] | None = None
     ping_s: list[float] | None = None
@@ -71,7 +81,7 @@ class ProbeReport:
     local_versions: dict[str, str] = field(default_factory=dict)
     version_warnings: list[str] = field(default_factory=list)
     # ``--lanes``: one row per peer rank written to (``kvpush.commands.probe.lanes``).
-    lanes: list[dict[str, object]] | None = None
+    lanes: list[LaneRow] | None = None
 
     @property
     def compatible(self) -> bool | None:
@@ -106,7 +116,7 @@ def local_compat_fields(pool: PoolConfig) -> dict[str, object]:
     }
 
 
-def served_ranks(ranks: list[Any], tp_size: object = None) -> str:
+def served_ranks(ranks: Iterable[Sequence[int]], tp_size: object = None) -> str:
     """A peer's ranks for a person: ``0..3 (tp 4)`` for pipeline rank 0 and tensor ranks
     0..N-1 (what kvpush serves), else every ``pp,tp`` pair."""
     pairs = [(int(r[0]), int(r[1])) for r in ranks]

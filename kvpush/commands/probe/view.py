@@ -6,7 +6,7 @@ renderables; ``probe_stats`` draws the peer's live telemetry. Runs on the main t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.console import Group, RenderableType
 from rich.text import Text
@@ -16,8 +16,11 @@ from kvpush.commands.common.rows import Rows, ibytes, in_ms
 from kvpush.commands.probe.report import served_ranks  # pure: no sockets, safe for Tab completion
 from kvpush.telemetry.snapshot import snapshot_from_dict
 
+if TYPE_CHECKING:
+    from kvpush.commands.probe.report import LaneRow, ProbeReport
 
-def _kvpush_rows(t: Rows, md: dict[str, Any]) -> None:
+
+def _kvpush_rows(t: Rows, md: dict[str, object]) -> None:
     t.add("role", md.get("role"))
     t.add("engine id", md.get("engine_id"))
     t.add("incarnation", md.get("incarnation"))
@@ -29,33 +32,44 @@ def _kvpush_rows(t: Rows, md: dict[str, Any]) -> None:
     )
     t.add("device", f"{md.get('device_kind')} (id {md.get('device_id')})")
     try:
-        total = ibytes(int(md["num_blocks"]) * int(md["regions"]) * int(md["block_bytes"]))
+        total = ibytes(_int(md["num_blocks"]) * _int(md["regions"]) * _int(md["block_bytes"]))
         t.add(
             "geometry",
             f"{md['num_blocks']} blocks × {md['regions']} regions ({md['layers']} layers × "
-            f"K/V) × {ibytes(int(md['block_bytes']))}, {md.get('dtype')}, "
+            f"K/V) × {ibytes(_int(md['block_bytes']))}, {md.get('dtype')}, "
             f"{md.get('kv_layout')}: {total}",
         )
     except (KeyError, TypeError, ValueError):
         t.add("geometry", "?")
-    ranks = served_ranks(md.get("ranks") or [], md.get("tp_size"))
+    listed = md.get("ranks")
+    ranks = served_ranks(listed if isinstance(listed, list) else [], md.get("tp_size"))
     tp_size = md.get("tp_size")
     t.add("ranks", ranks if tp_size == 1 else f"{ranks}, describing rank {md.get('tp_rank')}")
-    t.add("backends", ",".join(md.get("backends") or []))
+    backends = md.get("backends")
+    t.add("backends", ",".join(backends if isinstance(backends, list | tuple) else []))
     t.add("auth", "on" if md.get("auth") else "off")
 
 
-def _vllm_rows(t: Rows, md: dict[str, Any]) -> None:
+def _int(v: object) -> int:
+    """A count of the peer's metadata (``TypeError`` when there is none to read)."""
+    if isinstance(v, int | float | str):
+        return int(v)
+    raise TypeError(f"not a count: {v!r}")
+
+
+def _vllm_rows(t: Rows, md: dict[str, object]) -> None:
     for k, v in md.items():
         if k in ("agent_metadata_bytes", "ranks", "regions", "kv_caches_base_addr"):
             continue
         t.add(k, v)
     t.add("regions", f"{md.get('regions')}: base addresses {md.get('kv_caches_base_addr')}")
     t.add("agent metadata", f"{md.get('agent_metadata_bytes')} bytes (not loaded)")
-    t.add("rank", f"pp {md['ranks'][0][0]}, tp {md['ranks'][0][1]}")
+    ranks = md["ranks"]
+    assert isinstance(ranks, list), "vllm_peer.measure lists the rank it asked for"
+    t.add("rank", f"pp {ranks[0][0]}, tp {ranks[0][1]}")
 
 
-def probe_report(r: Any) -> RenderableType:
+def probe_report(r: ProbeReport) -> RenderableType:
     """The human form of a ``ProbeReport``: a headline and label/value rows."""
     status = "healthy" if not r.differences else "INCOMPATIBLE"
     head = Text.from_markup(f"[bold]{r.kind} endpoint at {r.address}[/bold]: {status}")
@@ -89,7 +103,7 @@ def probe_report(r: Any) -> RenderableType:
     return Group(head, t.render())
 
 
-def _compat_rows(t: Rows, r: Any) -> None:
+def _compat_rows(t: Rows, r: ProbeReport) -> None:
     if r.differences:
         t.add("compatible", "NO")
         for f, local, remote in r.differences:
@@ -100,7 +114,7 @@ def _compat_rows(t: Rows, r: Any) -> None:
         t.add("compatible", "protocol yes; geometry not checked (give --block-bytes, --layers...)")
 
 
-def _timing_rows(t: Rows, r: Any) -> None:
+def _timing_rows(t: Rows, r: ProbeReport) -> None:
     """The handshake's phases (``--handshake``) and the NIXL pings (``--ping``)."""
     if r.handshake_timings_s is not None:
         phases = [(k.removesuffix("_s"), v) for k, v in r.handshake_timings_s.items()]
@@ -111,14 +125,14 @@ def _timing_rows(t: Rows, r: Any) -> None:
         t.add("nixl ping", f"{figures} ({len(pings)} round trips)")
 
 
-def probe_stats(r: Any) -> RenderableType | None:
+def probe_stats(r: ProbeReport) -> RenderableType | None:
     """The peer's live telemetry of ``probe --stats`` (None without it)."""
     return None if r.stats is None else render_live(snapshot_from_dict(r.stats))
 
 
-def lane_text(row: dict[str, Any]) -> list[tuple[str, str]]:
+def lane_text(row: LaneRow) -> list[tuple[str, str]]:
     """A lane row's label/value lines for a person."""
-    lane: dict[str, Any] = row["lane"]
+    lane = row["lane"]
 
     def joined(key: str) -> str:
         v = lane.get(key)
@@ -139,5 +153,5 @@ def lane_text(row: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
-def _cfg(lane: dict[str, Any]) -> str:
+def _cfg(lane: dict[str, object]) -> str:
     return f" (UCX cfg#{lane['cfg']})" if isinstance(lane.get("cfg"), int) else ""

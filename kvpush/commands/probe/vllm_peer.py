@@ -11,7 +11,7 @@ Runs on the caller's thread, on the client that ``kvpush.commands.probe.probe.pr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -20,6 +20,9 @@ from kvpush.commands.probe.report import ProbeReport, rtt_stats
 from kvpush.config import EndpointConfig, PoolConfig, Role
 from kvpush.errors import KvpushError, PeerError
 from kvpush.wire import vllm
+
+if TYPE_CHECKING:
+    from kvpush.transport.client import PeerIdentity, SideChannelClient
 
 
 def vllm_differences(
@@ -39,7 +42,11 @@ def vllm_differences(
 
 
 def measure(
-    addr: str, client: Any, first: Any, count: int, local: dict[str, object] | None
+    addr: str,
+    client: SideChannelClient,
+    first: PeerIdentity,
+    count: int,
+    local: dict[str, object] | None,
 ) -> ProbeReport:
     """A vLLM side channel: only ever ``get_meta_msg`` on the one connection."""
     samples: list[tuple[float, float, float]] = []
@@ -56,8 +63,9 @@ def measure(
             "ask for a rank it serves",
         )
     md = vllm.decode_agent_metadata(payload.agent_metadata_bytes)
-    meta: dict[str, Any] = msgspec.structs.asdict(md)
-    meta["agent_metadata_bytes"] = len(meta.pop("agent_metadata"))
+    meta: dict[str, object] = msgspec.structs.asdict(md)
+    del meta["agent_metadata"]
+    meta["agent_metadata_bytes"] = len(md.agent_metadata)
     meta["regions"] = len(md.kv_caches_base_addr)
     meta["kv_caches_base_addr"] = [hex(a) for a in md.kv_caches_base_addr]
     meta["ranks"] = [list(first.ranks)]

@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -46,6 +46,20 @@ from kvpush.errors import ExitStatus, KvpushError
 from kvpush.runtime.heap import freeze_startup_heap
 from kvpush.runtime.signals import StopFlag
 from kvpush.telemetry import tracing
+
+if TYPE_CHECKING:
+    from kvpush.decode.group import DecodeGroup
+    from kvpush.decode.role import DecodeRole
+    from kvpush.endpoint.core import Endpoint
+    from kvpush.fleet.member import Membership
+    from kvpush.prefill.group import PrefillGroup
+    from kvpush.prefill.role import PrefillRole
+    from kvpush.telemetry.health import Health
+    from kvpush.telemetry.prom import PrometheusExporter
+    from kvpush.telemetry.snapshot import Snapshot
+
+    #: What ``open_endpoint`` starts: a P or a D.
+    Served = Endpoint[PrefillRole, PrefillGroup] | Endpoint[DecodeRole, DecodeGroup]
 
 log = logging.getLogger("kvpush.serve")
 
@@ -190,11 +204,12 @@ def serve(cfg: EndpointConfig, opts: ServeOptions) -> int:
     run = _Running()
     failure: BaseException | None = None
     try:
-        _start(run, cfg, opts, stop)
+        ep = _start(run, cfg, opts, stop)
         if output is OutputMode.LIVE:
-            failure = _loop_live(run.ep, stop, console)
+            failure = _loop_live(ep, stop, console)
         else:
-            failure = _loop_lines(run.ep, stop, output, opts.interval_s, lines)
+            fn = lines.render_json if output is OutputMode.JSON else lines.render_plain
+            failure = _loop_lines(ep, stop, opts.interval_s, fn)
         if stop.signame:
             log.info("%s received: draining (up to %gs)", stop.signame, cfg.timeouts.drain_s)
     finally:
@@ -237,12 +252,17 @@ def _output(cfg: EndpointConfig, opts: ServeOptions, console: Console) -> Output
 class _Running:
     """What ``_start`` got running so far: ``_stop`` stops exactly that."""
 
-    ep: Any = None
-    exporter: Any = None
-    member: Any = None
+    ep: Served | None = None
+    exporter: PrometheusExporter | None = None
+    member: Membership | None = None
+
+    def snapshot(self) -> Snapshot:
+        """The endpoint's telemetry (the exporter serves it once the endpoint is up)."""
+        assert self.ep is not None, "asked for telemetry before the endpoint started"
+        return self.ep.snapshot()
 
 
-def _start(run: _Running, cfg: EndpointConfig, opts: ServeOptions, stop: StopFlag) -> None:
+def _start(run: _Running, cfg: EndpointConfig, opts: ServeOptions, stop: StopFlag) -> Served:
     from kvpush.endpoint import open_endpoint
 
     if opts.metrics_port:
@@ -250,9 +270,7 @@ def _start(run: _Running, cfg: EndpointConfig, opts: ServeOptions, stop: StopFla
 
         # Bound before the pool is allocated (a busy port fails in milliseconds, not after
         # gigabytes); served once the endpoint is up.
-        run.exporter = PrometheusExporter(
-            lambda: run.ep.snapshot(), opts.metrics_host, opts.metrics_port
-        )
+        run.exporter = PrometheusExporter(run.snapshot, opts.metrics_host, opts.metrics_port)
         run.exporter.reserve()
     run.ep = ep = open_endpoint(cfg)
     stop.rearm()  # UCX took SIGHUP over while the endpoint started
@@ -281,6 +299,7 @@ def _start(run: _Running, cfg: EndpointConfig, opts: ServeOptions, stop: StopFla
             info["metrics"] = run.exporter.url
         write_ready_file(opts.ready_file, info)
     log.info("%s endpoint ready on %s; Ctrl+C or SIGTERM drains and stops", cfg.role, ep.address)
+    return ep
 
 
 def _stop(run: _Running, opts: ServeOptions, failure: BaseException | None) -> None:
@@ -320,16 +339,15 @@ def _pump_lanes() -> None:
     lanes.refresh()
 
 
-def _health(ep: Any) -> Any:
+def _health(ep: Served) -> Health:
     from kvpush.telemetry.health import Health
 
     return Health(ep.snapshot, ep.failure, lambda: ep.stopping)
 
 
 def _loop_lines(
-    ep: Any, stop: StopFlag, output: OutputMode, interval_s: float, render: Any
+    ep: Served, stop: StopFlag, interval_s: float, fn: Callable[[Snapshot], str]
 ) -> BaseException | None:
-    fn = render.render_json if output is OutputMode.JSON else render.render_plain
     next_t = time.monotonic() + interval_s
     told = False
     while not stop.event.is_set():
@@ -352,7 +370,7 @@ def _loop_lines(
     return None
 
 
-def _loop_live(ep: Any, stop: StopFlag, console: Console) -> BaseException | None:
+def _loop_live(ep: Served, stop: StopFlag, console: Console) -> BaseException | None:
     """Redraw the fitted view every ``LIVE_REFRESH_S`` from this thread only (no refresh
     thread of rich's). When the terminal's size changed, the screen is cleared first: a
     terminal that re-wraps its lines on a resize leaves the old frame taller than the view
