@@ -58,7 +58,18 @@ def test_every_section_is_visible_at_80x24(tmp_path: Path, serve: Launcher, tp: 
     term, address = _p_on_terminal(tmp_path, 80, 24, tp)
     try:
         _push(term, address, serve, tp)
-        shown = term.wait_for(lambda s: any(f"pushes {N * tp}" in ln for ln in s), 20)
+        total = 64 * tp
+        idle = f"allocated 0  inflight 0  quar. 0  free {total}  of {total} blocks"
+
+        def settled(s: list[str]) -> bool:
+            # The last push counted, and the frame drawn after it settled: the counters move
+            # before the owner publishes its queue gauges, and a frame may be half redrawn
+            # when the screen is read -- so wait for the whole quiet frame, then check it.
+            text = "\n".join(s)
+            quiet = re.search(r"Queues\s+finished 0  regs 0  deferred 0  inflight 0", text)
+            return f"pushes {N * tp}" in text and idle in text and quiet is not None
+
+        shown = term.wait_for(settled, 20)
         frame = _frame(shown)
         text = "\n".join(frame)
         assert "..." not in text, text  # nothing cut by the terminal's height
@@ -74,8 +85,7 @@ def test_every_section_is_visible_at_80x24(tmp_path: Path, serve: Launcher, tp: 
             text,
         ), text
         assert re.search(r"Failures none", text), text
-        total = 64 * tp
-        assert f"allocated 0  inflight 0  quar. 0  free {total}  of {total} blocks" in text, text
+        assert idle in text, text
         if tp > 1:
             head = next(i for i, ln in enumerate(frame) if ln.startswith("rank fin."))
             assert frame[head].split()[-2:] == ["pushes/s", "GB/s"], text
