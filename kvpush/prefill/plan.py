@@ -18,7 +18,7 @@ from kvpush.telemetry.names import Failure
 from kvpush.wire import protocol
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per push, and a frozen init costs 4x
 class WritePlan:
     local_idx: Indices  # indices into P's local descriptor list
     remote_idx: Indices  # indices into D's remote descriptor list

