@@ -39,7 +39,7 @@ MAX_BATCH_BYTES = 4 << 20
 _NOTIF_BUDGET = protocol.MAX_NOTIF_BYTES // 2
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per push, and a frozen init costs 4x
 class Ready:
     """One leg matched in this pass, waiting for the pass's end to be posted."""
 
