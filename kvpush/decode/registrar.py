@@ -88,8 +88,7 @@ class Registrar:
             held, self._held = self._held, {}
             done: list[Waiting] = []
             for agent_name, items in held.items():
-                live = [h for h in items if h.w.phase is not WaitPhase.ENDED]
-                for batch in _batches(live):
+                for batch in _batches(_live(items)):
                     self._send(agent_name, batch, done)
             for w in done:
                 if w.phase is not WaitPhase.ENDED and w.registered.issuperset(w.ranks.sources):
@@ -138,6 +137,19 @@ class Registrar:
             decode_tp_rank=md.tp_rank,
             batch_done=self._ctx.cfg.coalesce,
         )
+
+
+def _live(items: list[_Held]) -> list[_Held]:
+    """What is still to send: not ended, not registered with that rank meanwhile (a request
+    registered again after a failed send), each (request, rank) once."""
+    seen: set[tuple[int, int]] = set()
+    out: list[_Held] = []
+    for h in items:
+        k = (id(h.w), h.source)
+        if h.w.phase is not WaitPhase.ENDED and h.source not in h.w.registered and k not in seen:
+            seen.add(k)
+            out.append(h)
+    return out
 
 
 def _batches(items: list[_Held]) -> list[list[_Held]]:
