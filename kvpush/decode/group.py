@@ -98,7 +98,9 @@ class DecodeGroup:
         deadline_s: float = 0.0,
         request_id: str = "",
     ) -> Future[protocol.DecodeRep]:
-        """A plain kvpush request (``submit`` takes any ``DecodeOrder``)."""
+        """A plain kvpush request (``submit`` takes any ``DecodeOrder``); the future's
+        ``DecodeRep`` says how it ended and how long it took (it never raises for a peer's
+        failure)."""
         return self.submit(
             DecodeOrder(transfer_id, prefill_address, num_blocks, deadline_s, request_id)
         )

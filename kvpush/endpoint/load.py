@@ -7,7 +7,8 @@ about building, serving and stopping). Nothing here re-implements a path the eng
   ``kvpush.decode.group``) -- the wire's transfer keys, every rank reserved or none, a refusal
   told to the D ranks that registered -- so a measured call costs what a served request costs.
   ``finish`` is ``prefill`` without the pattern (a model that has just computed its KV, for timed
-  parts whose D does not verify);
+  parts whose D does not verify). Each is the group's method itself, with its signature and
+  docstring (``_group_verb``), called on the endpoint's group;
 * D's content check switched off for timed parts and on again (``set_verify``);
 * the pool's free blocks and whether it is idle (``free_blocks``, ``pool_counts``,
   ``wait_idle``), read from every rank's allocator;
@@ -23,8 +24,8 @@ others are cheap reads, or (``forget_handshake``) wait for the owner thread a fe
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvpush.address import parse_address
 from kvpush.config import EndpointConfig
@@ -35,7 +36,25 @@ from kvpush.peers.state import PeerGone
 from kvpush.prefill.group import PrefillGroup
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.names import Failure
-from kvpush.wire import protocol
+
+_G = TypeVar("_G")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _group_verb(
+    pick: Callable[[LoadVerbs, str], _G], method: Callable[Concatenate[_G, _P], _R]
+) -> Callable[Concatenate[LoadVerbs, _P], _R]:
+    """The group's ``method`` as the endpoint's verb of the same name and signature: called on
+    the group ``pick`` returns (a KvpushError naming the verb on an endpoint of the other role)."""
+    name = method.__name__
+
+    def verb(self: LoadVerbs, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return method(pick(self, name), *args, **kwargs)
+
+    verb.__name__, verb.__qualname__ = name, f"LoadVerbs.{name}"
+    verb.__doc__ = method.__doc__
+    return verb
 
 
 class LoadVerbs:
@@ -45,38 +64,28 @@ class LoadVerbs:
     ranks: list[Rank[Any]]
     group: object  # the endpoint's PrefillGroup or DecodeGroup
 
-    # ------------------------------------------------------------------ P
-    def prefill(
-        self, transfer_id: str, num_blocks: int, request_id: str = "", digest: bool = False
-    ) -> tuple[list[int], str]:
-        """P: what a served ``PrefillReq`` does: every rank's share reserved (all or nothing),
-        filled with the pattern and handed to its writer. Returns rank 0's block ids and, with
-        ``digest``, the sha256 of the filled bytes."""
-        return self._p("prefill").prefill(transfer_id, num_blocks, request_id, digest)
+    # ------------------------------------------------------------------ the groups
+    def _p(self, verb: str) -> PrefillGroup:
+        if not isinstance(self.group, PrefillGroup):
+            raise KvpushError(f"{verb}() is P's", "call it on a prefill endpoint")
+        return self.group
 
-    def finish(self, transfer_id: str, num_blocks: int, request_id: str = "") -> None:
-        """P: ``prefill`` without writing the pattern (the blocks are handed over as they are).
-        Raises ``NoFreeBlocksError`` when a rank's pool is full (check ``free_blocks`` first)."""
-        self._p("finish").finish(transfer_id, num_blocks, request_id)
+    def _d(self, verb: str) -> DecodeGroup:
+        if not isinstance(self.group, DecodeGroup):
+            raise KvpushError(f"{verb}() is D's", "call it on a decode endpoint")
+        return self.group
 
-    # ------------------------------------------------------------------ D
-    def decode(
-        self,
-        transfer_id: str,
-        prefill_address: str,
-        num_blocks: int,
-        deadline_s: float = 0.0,
-        request_id: str = "",
-    ) -> Future[protocol.DecodeRep]:
-        """D: what a served ``DecodeReq`` does; the future's ``DecodeRep`` says how it ended and
-        how long it took (it never raises for a peer's failure)."""
-        group = self._d("decode")
-        return group.decode(transfer_id, prefill_address, num_blocks, deadline_s, request_id)
-
-    def set_verify(self, on: bool) -> None:
-        """D: check every completed transfer's content against the pattern (``on``), or not
-        (timed parts run without it, then a verified pass checks the bytes)."""
-        self._d("set_verify").set_verify(on)
+    # ------------------------------------------------------------------ P and D: the groups' own
+    # P: what a served ``PrefillReq`` does: every rank's share reserved (all or nothing), filled
+    # with the pattern and handed to its writer; ``finish`` does it without the pattern (raises
+    # ``NoFreeBlocksError`` when a rank's pool is full: check ``free_blocks`` first).
+    prefill = _group_verb(_p, PrefillGroup.prefill)
+    finish = _group_verb(_p, PrefillGroup.finish)
+    # D: what a served ``DecodeReq`` does; the future's ``DecodeRep`` says how it ended and how
+    # long it took (it never raises for a peer's failure). ``set_verify``: timed parts run
+    # without the content check, then a verified pass checks the bytes.
+    decode = _group_verb(_d, DecodeGroup.decode)
+    set_verify = _group_verb(_d, DecodeGroup.set_verify)
 
     # ------------------------------------------------------------------ pool
     def free_blocks(self) -> int:
@@ -118,17 +127,6 @@ class LoadVerbs:
             "agent_conn_only": len(rk.agent_md_conn),
             "endpoint": len(rk.md_bytes),
         }
-
-    # ------------------------------------------------------------------ the groups
-    def _p(self, verb: str) -> PrefillGroup:
-        if not isinstance(self.group, PrefillGroup):
-            raise KvpushError(f"{verb}() is P's", "call it on a prefill endpoint")
-        return self.group
-
-    def _d(self, verb: str) -> DecodeGroup:
-        if not isinstance(self.group, DecodeGroup):
-            raise KvpushError(f"{verb}() is D's", "call it on a decode endpoint")
-        return self.group
 
 
 def _two_passes(owner: OwnerThread, timeout_s: float, address: str) -> None:

@@ -6,6 +6,8 @@ to reach etcd -- the client URLs, parsed here once (``parse_urls``), the credent
 needs its password, a client certificate its key), the per-call deadline -- and every etcd client
 (``kvpush.fleet.etcd.Etcd``) is built from one. ``RegistryConfig`` is an endpoint's registration
 (cluster, lease TTL, load period, leave grace, the address to advertise) with its ``access``.
+Both take the credentials' fields from ``Credentials`` (``CredentialArgs``: the same as keyword
+arguments, for ``Access.of`` and ``Etcd``).
 A password file must be private (no access for other users, the rule of ``--auth-token-file``),
 TLS files must exist, a TTL leaves room for three refreshes. The password is held with
 ``repr=False``: it never reaches a log line, a ``repr`` or an error message. Pure values and
@@ -18,6 +20,7 @@ import os
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict, Unpack
 from urllib.parse import urlsplit
 
 from kvpush.errors import ConfigError
@@ -65,18 +68,37 @@ def parse_urls(spec: str | Sequence[str]) -> list[str]:
     return urls
 
 
-@dataclass(frozen=True)
-class Access:
-    """How to reach etcd: the client URLs (parsed), the credentials, one call's deadline.
-    Build one with ``Access.of`` (which parses the URLs); the pairs are checked here."""
+@dataclass(frozen=True, kw_only=True)
+class Credentials:
+    """Who calls etcd, and how: the user and its password, the TLS files, one call's deadline
+    (keyword-only). ``Access`` checks the pairs; ``RegistryConfig`` builds its ``Access`` from
+    them."""
 
-    urls: tuple[str, ...]
     user: str | None = None
     password: str | None = field(default=None, repr=False)
     ca_cert: str | None = None
     cert: str | None = None
     key: str | None = None
     timeout_s: float = TIMEOUT_S
+
+
+class CredentialArgs(TypedDict, total=False):
+    """``Credentials``' fields as keyword arguments (``Access.of``, ``Etcd``)."""
+
+    user: str | None
+    password: str | None
+    ca_cert: str | None
+    cert: str | None
+    key: str | None
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Access(Credentials):
+    """How to reach etcd: the client URLs (parsed), the credentials, one call's deadline.
+    Build one with ``Access.of`` (which parses the URLs); the pairs are checked here."""
+
+    urls: tuple[str, ...]
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -95,34 +117,21 @@ class Access:
             )
 
     @staticmethod
-    def of(
-        spec: str | Sequence[str],
-        *,
-        user: str | None = None,
-        password: str | None = None,
-        ca_cert: str | None = None,
-        cert: str | None = None,
-        key: str | None = None,
-        timeout_s: float = TIMEOUT_S,
-    ) -> Access:
-        """The access to the etcd at ``spec`` (comma-separated URLs, or a list of them)."""
-        return Access(tuple(parse_urls(spec)), user, password, ca_cert, cert, key, timeout_s)
+    def of(spec: str | Sequence[str], **creds: Unpack[CredentialArgs]) -> Access:
+        """The access to the etcd at ``spec`` (comma-separated URLs, or a list of them) with
+        ``creds`` (``Credentials``' fields, each optional)."""
+        return Access(tuple(parse_urls(spec)), **creds)
 
 
 @dataclass(frozen=True)
-class RegistryConfig:
-    """Where and how to register; ``access`` is built (the URLs parsed) once, here."""
+class RegistryConfig(Credentials):
+    """Where and how to register (the credentials keyword-only); ``access`` is built (the URLs
+    parsed, the pairs checked) once, here."""
 
     urls: str
     cluster: str = "default"
     ttl_s: int = DEFAULT_TTL_S
     advertise: str | None = None  # the host peers and routers use (the key's address)
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    ca_cert: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    timeout_s: float = TIMEOUT_S
     load_period_s: float = LOAD_PERIOD_S
     leave_grace_s: float = LEAVE_GRACE_S
     access: Access = field(init=False, repr=False, compare=False)

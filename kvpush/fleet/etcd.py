@@ -26,7 +26,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypedDict, TypeVar, cast
+from typing import Any, TypedDict, TypeVar, Unpack, cast
 
 import requests
 
@@ -35,7 +35,7 @@ from kvpush.errors import (
     RegistryError,
     RegistryUnavailable,
 )
-from kvpush.fleet.config import Access, parse_urls
+from kvpush.fleet.config import Access, CredentialArgs, parse_urls
 from kvpush.fleet.watchstream import (
     EtcdRefused,
     Unreachable,
@@ -158,26 +158,10 @@ class Etcd:
     """An etcd client over one or more client URLs (see the module docstring)."""
 
     def __init__(
-        self,
-        access: Access | str | Sequence[str],
-        *,
-        user: str | None = None,
-        password: str | None = None,
-        ca_cert: str | None = None,
-        cert: str | None = None,
-        key: str | None = None,
-        timeout_s: float = 2.0,
+        self, access: Access | str | Sequence[str], **creds: Unpack[CredentialArgs]
     ) -> None:
         if not isinstance(access, Access):
-            access = Access.of(
-                access,
-                user=user,
-                password=password,
-                ca_cert=ca_cert,
-                cert=cert,
-                key=key,
-                timeout_s=timeout_s,
-            )
+            access = Access.of(access, **creds)
         self.access = access
         self.urls = list(access.urls)
         self.user = access.user

@@ -20,6 +20,7 @@ I/O, no threads.
 from __future__ import annotations
 
 import re
+from typing import TypeVar
 
 import msgspec
 from msgspec import Struct
@@ -141,6 +142,7 @@ _enc = msgspec.json.Encoder()
 _member_dec = msgspec.json.Decoder(MemberRecord)
 _load_dec = msgspec.json.Decoder(LoadRecord)
 _MEMBER_FIELDS = MemberRecord.__struct_fields__
+_Rec = TypeVar("_Rec", MemberRecord, LoadRecord)
 
 
 def member_of(rec: MemberRecord) -> MemberRecord:
@@ -167,23 +169,23 @@ def encode_load(rec: EndpointRecord) -> bytes:
 
 def decode_member(raw: bytes) -> MemberRecord:
     """The membership record in ``raw``; ValueError when it is not one of this schema."""
-    try:
-        rec = _member_dec.decode(raw)
-    except msgspec.DecodeError as e:
-        raise ValueError(f"not a kvpush v{SCHEMA} membership record: {e}") from None
-    if rec.schema != SCHEMA:
-        raise ValueError(f"membership record of schema {rec.schema}, this kvpush reads {SCHEMA}")
-    return rec
+    return _decoded(_member_dec, raw, "membership")
 
 
 def decode_load(raw: bytes) -> LoadRecord:
     """The load record in ``raw``; ValueError when it is not one of this schema."""
+    return _decoded(_load_dec, raw, "load")
+
+
+def _decoded(dec: msgspec.json.Decoder[_Rec], raw: bytes, what: str) -> _Rec:
+    """The ``what`` record ``dec`` reads in ``raw``; ValueError when it is not one of this
+    schema (``what`` names the key in the message)."""
     try:
-        rec = _load_dec.decode(raw)
+        rec = dec.decode(raw)
     except msgspec.DecodeError as e:
-        raise ValueError(f"not a kvpush v{SCHEMA} load record: {e}") from None
+        raise ValueError(f"not a kvpush v{SCHEMA} {what} record: {e}") from None
     if rec.schema != SCHEMA:
-        raise ValueError(f"load record of schema {rec.schema}, this kvpush reads {SCHEMA}")
+        raise ValueError(f"{what} record of schema {rec.schema}, this kvpush reads {SCHEMA}")
     return rec
 
 

@@ -20,7 +20,7 @@ No threads, no I/O: they run on the scrape thread inside the exporter's collecto
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -66,72 +66,94 @@ def lane_labels(row: dict[str, object]) -> dict[str, str] | None:
     }
 
 
+# The numbers of a peer row, one family each: its kind, name and help, and how the row gives
+# the number (anything but an int or a float: no sample for that peer).
+_Kind = type[CounterMetricFamily] | type[GaugeMetricFamily]
+_Number = tuple[_Kind, str, str, Callable[[dict[str, object]], object]]
+_HANDSHAKE_NUMBERS: tuple[_Number, ...] = (
+    (
+        CounterMetricFamily,
+        "kvpush_peer_handshake_failures",
+        "Failed handshakes per peer since it entered the peer table",
+        lambda row: row.get("failures"),
+    ),
+    (
+        GaugeMetricFamily,
+        "kvpush_peer_handshake_duration_seconds",
+        "Duration of the last handshake per peer",
+        lambda row: row.get("duration_s"),
+    ),
+)
+_LANE_NUMBERS: tuple[_Number, ...] = (
+    (
+        GaugeMetricFamily,
+        "kvpush_peer_descriptors_per_push",
+        "Descriptors of the last WRITE to each peer",
+        lambda row: _lane(row).get("descs_per_push"),
+    ),
+    (
+        GaugeMetricFamily,
+        "kvpush_peer_post_seconds_per_descriptor",
+        "Mean time in NIXL's prep+post calls per descriptor of the WRITEs to each peer",
+        lambda row: _seconds(_lane(row).get("post_us_per_desc")),
+    ),
+)
+
+
+def _lane(row: dict[str, object]) -> dict[str, object]:
+    """A row's ``lane`` (a P's rows with UCX's lane report), or an empty one."""
+    lane = row.get("lane")
+    return lane if isinstance(lane, dict) else {}
+
+
+def _seconds(us: object) -> object:
+    return us / 1e6 if isinstance(us, int | float) else None
+
+
+def _peer_rows(
+    parts: Sequence[tuple[list[str], Snapshot]],
+) -> list[tuple[list[str], dict[str, object]]]:
+    """Every peer row of every part, with its labels: the part's, then ``peer`` and
+    ``peer_rank``."""
+    return [
+        ([*key, *split_peer(str(row.get("peer", "")))], row) for key, s in parts for row in s.peers
+    ]
+
+
+def _numbers(
+    table: tuple[_Number, ...], rows: list[tuple[list[str], dict[str, object]]], labels: list[str]
+) -> Sequence[Metric]:
+    """The families of ``table``, each with a sample for every row that gives its number."""
+    families = [kind(name, doc, labels=labels) for kind, name, doc, _ in table]
+    for peer, row in rows:
+        for family, (*_, number) in zip(families, table, strict=True):
+            n = number(row)
+            if isinstance(n, int | float):
+                family.add_metric(peer, n)
+    return families
+
+
 def peer_families(parts: Sequence[tuple[list[str], Snapshot]], lab: list[str]) -> Iterator[Metric]:
     peer_lab = [*lab, "peer", "peer_rank"]
+    rows = _peer_rows(parts)
     state = GaugeMetricFamily(
         "kvpush_peer_handshake_state",
         "1 for each peer, labelled with its handshake mode and state",
         labels=[*peer_lab, "mode", "state"],
     )
-    failures = CounterMetricFamily(
-        "kvpush_peer_handshake_failures",
-        "Failed handshakes per peer since it entered the peer table",
-        labels=peer_lab,
-    )
-    duration = GaugeMetricFamily(
-        "kvpush_peer_handshake_duration_seconds",
-        "Duration of the last handshake per peer",
-        labels=peer_lab,
-    )
-    for key, s in parts:
-        for row in s.peers:
-            peer = [*key, *split_peer(str(row.get("peer", "")))]
-            mode, st = str(row.get("mode", "")), str(row.get("state", ""))
-            state.add_metric([*peer, mode, st], 1)
-            n = row.get("failures")
-            if isinstance(n, int | float):
-                failures.add_metric(peer, n)
-            d = row.get("duration_s")
-            if isinstance(d, int | float):
-                duration.add_metric(peer, d)
+    for peer, row in rows:
+        mode, st = str(row.get("mode", "")), str(row.get("state", ""))
+        state.add_metric([*peer, mode, st], 1)
     yield state
-    yield failures
-    yield duration
-    yield from _lane_families(parts, peer_lab)
-
-
-def _lane_families(
-    parts: Sequence[tuple[list[str], Snapshot]], peer_lab: list[str]
-) -> Iterator[Metric]:
+    yield from _numbers(_HANDSHAKE_NUMBERS, rows, peer_lab)
     info = InfoMetricFamily(
         "kvpush_peer_lane",
         "Which transports carry the WRITE and the notification to each peer (UCX's own report)",
         labels=peer_lab,
     )
-    descs = GaugeMetricFamily(
-        "kvpush_peer_descriptors_per_push",
-        "Descriptors of the last WRITE to each peer",
-        labels=peer_lab,
-    )
-    post = GaugeMetricFamily(
-        "kvpush_peer_post_seconds_per_descriptor",
-        "Mean time in NIXL's prep+post calls per descriptor of the WRITEs to each peer",
-        labels=peer_lab,
-    )
-    for key, s in parts:
-        for row in s.peers:
-            labels = lane_labels(row)
-            if labels is None:
-                continue
-            peer = [*key, *split_peer(str(row.get("peer", "")))]
+    for peer, row in rows:
+        labels = lane_labels(row)
+        if labels is not None:
             info.add_metric(peer, labels)
-            lane = row["lane"]
-            assert isinstance(lane, dict)
-            n, per = lane.get("descs_per_push"), lane.get("post_us_per_desc")
-            if isinstance(n, int | float):
-                descs.add_metric(peer, n)
-            if isinstance(per, int | float):
-                post.add_metric(peer, per / 1e6)
     yield info
-    yield descs
-    yield post
+    yield from _numbers(_LANE_NUMBERS, rows, peer_lab)

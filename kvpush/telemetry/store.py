@@ -17,6 +17,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
+from typing import TypeVar
 
 from kvpush.config import Role
 from kvpush.telemetry.names import RATE_COUNTERS
@@ -34,6 +36,7 @@ from kvpush.telemetry.snapshot import (
 )
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _ceil = math.ceil
 _log10 = math.log10
@@ -88,6 +91,11 @@ class Histogram:
 # --- the store --------------------------------------------------------------------------------
 
 _Scalar = str | int | float
+
+
+def _float_of(fn: Callable[[], float]) -> float:
+    """A gauge's reading as a float (the conversion may raise, as the call may)."""
+    return float(fn())
 
 
 def _peer_value(v: object, depth: int = 0) -> object:
@@ -246,12 +254,8 @@ class Telemetry:
     def _read_gauges(self, fns: dict[str, Callable[[], float]]) -> dict[str, float]:
         out: dict[str, float] = {}
         for name, fn in fns.items():
-            try:
-                value = float(fn())
-            except Exception as e:  # a broken gauge must not break the scrape or the view
-                self._report_broken(f"gauge {name}", e)
-                continue
-            if math.isfinite(value):  # NaN/inf have no JSON form
+            value = self._guarded(f"gauge {name}", partial(_float_of, fn))
+            if value is not None and math.isfinite(value):  # NaN/inf have no JSON form
                 out[name] = value
         return out
 
@@ -262,23 +266,27 @@ class Telemetry:
     ) -> list[dict[str, object]]:
         rows: list[dict[str, object]] = []
         for fn in sources:
-            try:
-                got = fn()
-            except Exception as e:
-                self._report_broken(f"peers source {fn!r}", e)
-                continue
-            rows.extend({str(k): _peer_value(v) for k, v in row.items()} for row in got)
+            got = self._guarded(f"peers source {fn!r}", fn)
+            if got is not None:
+                rows.extend({str(k): _peer_value(v) for k, v in row.items()} for row in got)
         for extra in extras:
-            try:
-                more = extra()
-            except Exception as e:
-                self._report_broken(f"peer fields {extra!r}", e)
+            more = self._guarded(f"peer fields {extra!r}", extra)
+            if more is None:
                 continue
             for row in rows:
                 add = more.get(str(row.get("peer", "")))
                 if add:
                     row.update({str(k): _peer_value(v) for k, v in add.items()})
         return rows
+
+    def _guarded(self, what: str, fn: Callable[[], _T]) -> _T | None:
+        """``fn()``, or None when it raises: a broken source must not break the scrape or the
+        view; it is left out, and logged once (``what`` names it)."""
+        try:
+            return fn()
+        except Exception as e:
+            self._report_broken(what, e)
+            return None
 
     def _report_broken(self, what: str, e: Exception) -> None:
         if what not in self._broken_sources:
