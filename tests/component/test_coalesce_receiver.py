@@ -8,29 +8,15 @@ real ZMQ to stub P peers; only the NIXL agent is faked.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
 from kvpush.memory.allocator import BlockState
 from kvpush.wire import protocol
-from tests.component.test_receiver import D_POOL, Rig, _make_rig, close_rig
+from tests.component.test_receiver import D_POOL, Rig
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def make_rig() -> Iterator[Callable[..., Rig]]:
-    rigs: list[Rig] = []
-
-    def make(coalesce: bool = True) -> Rig:
-        r = _make_rig(coalesce=coalesce)  # ``tests.component.test_receiver``'s rig
-        rigs.append(r)
-        return r
-
-    yield make
-    for r in rigs:
-        close_rig(r)
 
 
 def _done(*rids: str) -> protocol.Completions:
@@ -41,18 +27,18 @@ def _done(*rids: str) -> protocol.Completions:
 
 @pytest.mark.parametrize("coalesce", [True, False])
 def test_push_reg_says_whether_d_takes_completions(
-    make_rig: Callable[..., Rig], coalesce: bool
+    make_d_rig: Callable[..., Rig], coalesce: bool
 ) -> None:
-    rig = make_rig(coalesce)
+    rig = make_d_rig(coalesce)
     p = rig.stub()
     rig.decode(p, "t1")
     assert rig.registered(p, "t1").batch_done is coalesce
 
 
 def test_one_completions_completes_every_request_it_names_verified(
-    make_rig: Callable[..., Rig],
+    make_d_rig: Callable[..., Rig],
 ) -> None:
-    rig = make_rig()
+    rig = make_d_rig()
     p = rig.stub()
     futs = {t: rig.decode(p, t, n=2) for t in ("t1", "t2", "t3")}
     for t in futs:
@@ -67,8 +53,8 @@ def test_one_completions_completes_every_request_it_names_verified(
     assert rig.free() == D_POOL.num_blocks
 
 
-def test_a_member_whose_bytes_are_wrong_fails_alone(make_rig: Callable[..., Rig]) -> None:
-    rig = make_rig()
+def test_a_member_whose_bytes_are_wrong_fails_alone(make_d_rig: Callable[..., Rig]) -> None:
+    rig = make_d_rig()
     p = rig.stub()
     good, bad = rig.decode(p, "t1", n=2), rig.decode(p, "t2", n=2)
     rig.registered(p, "t1")
@@ -81,9 +67,9 @@ def test_a_member_whose_bytes_are_wrong_fails_alone(make_rig: Callable[..., Rig]
 
 
 def test_a_batch_settles_an_abandoned_member_and_counts_an_unknown_one(
-    make_rig: Callable[..., Rig],
+    make_d_rig: Callable[..., Rig],
 ) -> None:
-    rig = make_rig()
+    rig = make_d_rig()
     p = rig.stub()
     gone = rig.decode(p, "t1", deadline_s=30)
     live = rig.decode(p, "t2", deadline_s=300)
@@ -99,8 +85,8 @@ def test_a_batch_settles_an_abandoned_member_and_counts_an_unknown_one(
     assert rig.failures()["unknown_completion"] == 1
 
 
-def test_a_batch_from_another_agent_completes_nothing(make_rig: Callable[..., Rig]) -> None:
-    rig = make_rig()
+def test_a_batch_from_another_agent_completes_nothing(make_d_rig: Callable[..., Rig]) -> None:
+    rig = make_d_rig()
     p = rig.stub()
     fut = rig.decode(p, "t1")
     rig.registered(p, "t1")
@@ -110,8 +96,8 @@ def test_a_batch_from_another_agent_completes_nothing(make_rig: Callable[..., Ri
     assert rig.failures()["forged_notif"] == 1
 
 
-def test_a_batch_naming_a_request_twice_completes_it_once(make_rig: Callable[..., Rig]) -> None:
-    rig = make_rig()
+def test_a_batch_naming_a_request_twice_completes_it_once(make_d_rig: Callable[..., Rig]) -> None:
+    rig = make_d_rig()
     p = rig.stub()
     fut = rig.decode(p, "t1")
     rig.registered(p, "t1")

@@ -10,31 +10,17 @@ agent is faked.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import msgspec
 import pytest
 
 from kvpush.transport.agent import TransferError, TransferKind
 from kvpush.wire import protocol
-from tests.component.test_receiver import D_POOL, Rig, _make_rig, close_rig
+from tests.component.test_receiver import D_POOL, Rig
 from tests.support.fakes import StubPeer
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def make_rig() -> Iterator[Callable[..., Rig]]:
-    rigs: list[Rig] = []
-
-    def make(coalesce: bool = True) -> Rig:
-        r = _make_rig(coalesce=coalesce)  # ``tests.component.test_receiver``'s rig
-        rigs.append(r)
-        return r
-
-    yield make
-    for r in rigs:
-        close_rig(r)
 
 
 def _p(rig: Rig, takes: bool = True) -> StubPeer:
@@ -62,9 +48,9 @@ def _regs(rig: Rig, p: StubPeer) -> list[tuple[str, list[str]]]:
 
 
 def test_one_pass_of_registrations_goes_as_one_push_regs_in_order(
-    make_rig: Callable[..., Rig],
+    make_d_rig: Callable[..., Rig],
 ) -> None:
-    rig = make_rig()
+    rig = make_d_rig()
     p = _p(rig)
     futs = {t: rig.decode(p, t) for t in ("t1", "t2", "t3", "t4")}
     rig.step()  # one pass: all four taken, registered together
@@ -90,9 +76,9 @@ def test_one_pass_of_registrations_goes_as_one_push_regs_in_order(
 
 @pytest.mark.parametrize(("takes", "coalesce"), [(False, True), (True, False)])
 def test_a_p_that_does_not_take_them_or_a_d_without_coalescing_sends_one_each(
-    make_rig: Callable[..., Rig], takes: bool, coalesce: bool
+    make_d_rig: Callable[..., Rig], takes: bool, coalesce: bool
 ) -> None:
-    rig = make_rig(coalesce)
+    rig = make_d_rig(coalesce)
     p = _p(rig, takes)
     for t in ("t1", "t2", "t3"):
         rig.decode(p, t)
@@ -100,8 +86,8 @@ def test_a_p_that_does_not_take_them_or_a_d_without_coalescing_sends_one_each(
     assert _regs(rig, p) == [("single", ["t1"]), ("single", ["t2"]), ("single", ["t3"])]
 
 
-def test_a_lone_registration_goes_as_a_plain_push_reg(make_rig: Callable[..., Rig]) -> None:
-    rig = make_rig()
+def test_a_lone_registration_goes_as_a_plain_push_reg(make_d_rig: Callable[..., Rig]) -> None:
+    rig = make_d_rig()
     p = _p(rig)
     rig.decode(p, "t1")
     rig.step()
@@ -109,9 +95,9 @@ def test_a_lone_registration_goes_as_a_plain_push_reg(make_rig: Callable[..., Ri
 
 
 def test_a_request_cancelled_before_its_registration_left_is_never_registered(
-    make_rig: Callable[..., Rig],
+    make_d_rig: Callable[..., Rig],
 ) -> None:
-    rig = make_rig()
+    rig = make_d_rig()
     p = _p(rig)
     futs = {t: rig.decode(p, t) for t in ("t1", "t2", "t3")}
     rig.role.cancel("t2")  # drained after the new requests, in the same pass
@@ -124,11 +110,11 @@ def test_a_request_cancelled_before_its_registration_left_is_never_registered(
 
 
 def test_a_failed_batch_send_takes_each_request_down_the_single_send_path(
-    make_rig: Callable[..., Rig],
+    make_d_rig: Callable[..., Rig],
 ) -> None:
     """P's agent is gone under D: the batch's send fails; like a single PUSH_REG's failure,
     each request handshakes afresh once and registers again, and all of them complete."""
-    rig = make_rig()
+    rig = make_d_rig()
     p = _p(rig)
     futs = {t: rig.decode(p, t) for t in ("t1", "t2", "t3")}
     rig.agent.raise_on("send_notif", TransferError(TransferKind.PEER_DEAD, "agent gone"))
