@@ -178,22 +178,29 @@ def _grid(f: _Frame) -> list[str]:
     yt = _log_ticks(f.ylo, f.yhi) if p.logy else _nice_ticks(f.ylo, f.yhi)
     for v in (v for v in yt if f.ylo <= v <= f.yhi):
         y = f.sy(v)
-        out.append(f'<line x1="{f.x0}" x2="{f.x0 + f.w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>')
-        out.append(
-            f'<text x="{f.x0 - 6}" y="{y + 4:.1f}" text-anchor="end">{_tick_label(v)}</text>'
-        )
+        line = (f"{f.x0}", f"{f.x0 + f.w}", f"{y:.1f}", f"{y:.1f}", "#ddd")
+        out += _grid_line(line, (f"{f.x0 - 6}", f"{y + 4:.1f}", "end"), _tick_label(v))
     xt = p.xticks or [
         (v, _tick_label(v))
         for v in (_log_ticks(f.xlo, f.xhi) if p.logx else _nice_ticks(f.xlo, f.xhi))
     ]
     for v, label in ((v, label) for v, label in xt if f.xlo <= v <= f.xhi):
-        x = f.sx(v)
-        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{f.y0}" y2="{f.y0 + f.h}" stroke="#eee"/>')
-        out.append(
-            f'<text x="{x:.1f}" y="{f.y0 + f.h + 16}" text-anchor="middle">'
-            f"{html.escape(label)}</text>"
-        )
+        x = f"{f.sx(v):.1f}"
+        line = (x, x, f"{f.y0}", f"{f.y0 + f.h}", "#eee")
+        out += _grid_line(line, (x, f"{f.y0 + f.h + 16}", "middle"), label)
     return out
+
+
+def _grid_line(
+    line: tuple[str, str, str, str, str], text: tuple[str, str, str], label: str
+) -> list[str]:
+    """One grid line (``x1, x2, y1, y2, stroke``) and its tick label (``x, y, text-anchor``)."""
+    x1, x2, y1, y2, stroke = line
+    tx, ty, anchor = text
+    return [
+        f'<line x1="{x1}" x2="{x2}" y1="{y1}" y2="{y2}" stroke="{stroke}"/>',
+        f'<text x="{tx}" y="{ty}" text-anchor="{anchor}">{html.escape(label)}</text>',
+    ]
 
 
 def _marks(f: _Frame) -> list[str]:

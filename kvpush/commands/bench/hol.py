@@ -30,7 +30,7 @@ from typing import TypedDict
 from kvpush.commands.bench import noise
 from kvpush.commands.bench.common import Geometry, Progress, endpoint_cfg, logs_dir, start_at
 from kvpush.commands.bench.hol_params import Case, HolParams
-from kvpush.commands.bench.hol_report import MODES, report
+from kvpush.commands.bench.hol_report import MODES, Measured, report
 from kvpush.commands.bench.loadgen import Recorded
 from kvpush.commands.bench.passes import join_request, steady_load, steady_phases
 from kvpush.commands.bench.probes import PeerReply, StatsReply
@@ -140,7 +140,7 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> ResultDict:
                 if not quick:
                     for w in joiners.values():
                         cl.stop(w)
-    report(rep, p, cases, results, normal_join, normal_hs, out_dir)
+    report(rep, p, Measured(cases, results, normal_join, normal_hs), out_dir)
     return rep.to_dict()
 
 

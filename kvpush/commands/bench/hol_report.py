@@ -6,6 +6,7 @@ that runs the scenario, once every window has been measured.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,17 @@ if TYPE_CHECKING:
 
 #: The two writers compared, in the order a window runs them on even repeats.
 MODES = ("deferred", "blocking")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the scenario measured: the windows (keyed ``case/writer``, one entry per repeat) of
+    ``cases``, and D1's quiet joins by writer (its first request; P's handshake with it)."""
+
+    cases: list[Case]
+    res: dict[str, list[HolWindow]]
+    normal_join: dict[str, float]
+    normal_hs: dict[str, float]
 
 
 def _stall_cell(stalls: list[list[float]]) -> str:
@@ -86,23 +98,15 @@ def _latency_table(
     )
 
 
-def _joiners_table(
-    rep: Report,
-    nrep: int,
-    cases: list[Case],
-    res: dict[str, list[HolWindow]],
-    normal_join: dict[str, float],
-    normal_hs: dict[str, float],
-) -> None:
+def _joiners_table(rep: Report, nrep: int, got: Measured) -> None:
     """Each joining peer's first request and P's handshake with it, beside a quiet join."""
     jrows = []
     for m in MODES:
-        jrows.append(
-            ["D1 (quiet, reference)", m, fmt_ms(normal_join[m]), fmt_ms(normal_hs[m]), "ok"]
-        )
-    for c in cases:
+        quiet = [fmt_ms(got.normal_join[m]), fmt_ms(got.normal_hs[m])]
+        jrows.append(["D1 (quiet, reference)", m, *quiet, "ok"])
+    for c in got.cases:
         for m in MODES:
-            runs = res[f"{c.key}/{m}"]
+            runs = got.res[f"{c.key}/{m}"]
             for name in runs[0]["joiners"]:
                 js = [r["joiners"][name] for r in runs]
                 lat = [j["latency_s"] for j in js if j["latency_s"] is not None]
@@ -127,20 +131,12 @@ def _joiners_table(
     )
 
 
-def report(
-    rep: Report,
-    p: HolParams,
-    cases: list[Case],
-    res: dict[str, list[HolWindow]],
-    normal_join: dict[str, float],
-    normal_hs: dict[str, float],
-    out_dir: Path,
-) -> None:
-    """Fill ``rep`` from the windows ``res`` (keyed ``case/writer``, one entry per repeat) and
-    the quiet joins; write ``hol.svg`` to ``out_dir``."""
+def report(rep: Report, p: HolParams, got: Measured, out_dir: Path) -> None:
+    """Fill ``rep`` from what the scenario measured; write ``hol.svg`` to ``out_dir``."""
     nrep = p.repeats
+    cases, res, normal_join, normal_hs = got.cases, got.res, got.normal_join, got.normal_hs
     _latency_table(rep, p, cases, res)
-    _joiners_table(rep, nrep, cases, res, normal_join, normal_hs)
+    _joiners_table(rep, nrep, got)
     figures: dict[str, object] = {"normal_join_s": normal_join, "normal_p_handshake_s": normal_hs}
     for c in cases:
         dfr, blk = res[f"{c.key}/deferred"], res[f"{c.key}/blocking"]

@@ -128,9 +128,14 @@ def _sleep_until(t_wall: float) -> None:
 
 
 class _Recorder:
-    """Collects DecodeRep outcomes by request index (callbacks run on D's completer thread)."""
+    """Issues D's decodes of ``n`` requests from one P and collects their ``DecodeRep``
+    outcomes by request index (callbacks run on D's completer thread)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(
+        self, state: WorkerState, n: int, p_addr: str, blocks: int, deadline_s: float
+    ) -> None:
+        self._decode = state.endpoint.get().decode
+        self._to = (p_addr, blocks, deadline_s)
         self.t_call = [0.0] * n
         self.t_done = [0.0] * n
         self.latency = [0.0] * n
@@ -139,6 +144,13 @@ class _Recorder:
         self.reasons: dict[str, int] = {}
         self._lock = threading.Lock()
         self.done = threading.Semaphore(0)
+
+    def issue(self, i: int, transfer_id: str, slot: threading.Semaphore | None = None) -> float:
+        """Decode ``transfer_id`` as request ``i`` now (its done-callback gives ``slot`` back);
+        the wall time of the call."""
+        self.t_call[i] = now = time.time()
+        self._decode(transfer_id, *self._to).add_done_callback(self.callback(i, slot))
+        return now
 
     def callback(
         self, i: int, release: threading.Semaphore | None = None
@@ -200,17 +212,13 @@ def steady_decode(
     wait_s: float = 60.0,
 ) -> SteadyDecodeResult:
     """Open loop: decode ``{prefix}{i}`` at wall time ``t0 + i / rate`` for ``duration`` s."""
-    ep = state.endpoint.get()
     n = max(1, int(duration * rate))
-    rec = _Recorder(n)
+    rec = _Recorder(state, n, p_addr, blocks, deadline_s)
     late = 0.0
     for i in range(n):
         t = t0 + i / rate
         _sleep_until(t)
-        rec.t_call[i] = now = time.time()
-        late = max(late, now - t)
-        fut = ep.decode(f"{prefix}{i}", p_addr, blocks, deadline_s)
-        fut.add_done_callback(rec.callback(i))
+        late = max(late, rec.issue(i, f"{prefix}{i}") - t)
     completed = rec.wait(n, wait_s)
     return {**rec.result(t0, completed), "max_late_s": late}
 
@@ -225,11 +233,9 @@ def decode_at(
     wait_s: float = 60.0,
 ) -> Recorded:
     """One decode at wall time ``t_wall`` (a peer joining)."""
-    ep = state.endpoint.get()
-    rec = _Recorder(1)
+    rec = _Recorder(state, 1, p_addr, blocks, deadline_s)
     _sleep_until(t_wall)
-    rec.t_call[0] = time.time()
-    ep.decode(transfer_id, p_addr, blocks, deadline_s).add_done_callback(rec.callback(0))
+    rec.issue(0, transfer_id)
     completed = rec.wait(1, wait_s)
     return rec.result(t_wall, completed)
 
@@ -245,18 +251,14 @@ def decode_many(
     wait_s: float = 120.0,
 ) -> DecodeManyResult:
     """Closed loop: ``n`` decodes with at most ``inflight`` outstanding; returns timings + CPU."""
-    ep = state.endpoint.get()
-    rec = _Recorder(n)
+    rec = _Recorder(state, n, p_addr, blocks, deadline_s)
     slots = threading.Semaphore(inflight)
     cpu0 = process_cpu_s()
     th0 = threads_cpu_s(state)
     t0 = time.time()
     for i in range(n):
         slots.acquire()
-        rec.t_call[i] = time.time()
-        ep.decode(f"{prefix}{i}", p_addr, blocks, deadline_s).add_done_callback(
-            rec.callback(i, slots)
-        )
+        rec.issue(i, f"{prefix}{i}", slots)
     completed = rec.wait(n, wait_s)
     t1 = time.time()
     cpu_s = process_cpu_s() - cpu0

@@ -167,21 +167,7 @@ def raw_pair(
 ) -> RawNodeInfo:
     """Fresh raw NIXL nodes for a baseline: the target polls (spins), the initiator does not
     (``agent``: more ``raw_node`` arguments for both). The target's info, to write to."""
-    ti = rt.call(
-        "raw_node",
-        reply=RawNodeInfo,
-        regions=regions,
-        num_blocks=target_blocks,
-        block_bytes=block_bytes,
-        **agent,
-        poll="spin",
-    )
-    ri.call(
-        "raw_node",
-        regions=regions,
-        num_blocks=initiator_blocks,
-        block_bytes=block_bytes,
-        **agent,
-        poll="none",
-    )
+    shape = {"regions": regions, "block_bytes": block_bytes, **agent}  # the same on both
+    ti = rt.call("raw_node", reply=RawNodeInfo, num_blocks=target_blocks, poll="spin", **shape)
+    ri.call("raw_node", num_blocks=initiator_blocks, poll="none", **shape)
     return ti

@@ -10,7 +10,10 @@ share (``AuthTokenFile``, ``Shape``, ``Concurrency``, ``Blocks``). ``register`` 
 function takes some table entries as ``**kwargs``: its signature is the function's own
 parameters, then those entries -- so ``serve-prefill`` and ``serve-decode``, built wholly from
 the table, cannot drift apart, and probe, drive and fleet take the endpoints' flags and
-``KVPUSH_*`` variables.
+``KVPUSH_*`` variables. Options that the commands of one group all end with (``leg``'s wait,
+output, token and tracing) are declared once as the signature of a function that reads them
+(``register``'s ``shared``). ``add_group`` adds a group (``kvpush fleet|leg|workload ...``) and
+its commands (``Sub``).
 
 Imports typer and the configuration only (no torch, nixl or zmq: typer re-runs the program on
 every Tab press). Runs on the main thread at import time.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import typer
 
@@ -45,6 +48,7 @@ __all__ = [
     "OPTIONS",
     "PROBE",
     "REGISTRY",
+    "SHARED",
     "SHARED_ENV",
     "AuthTokenFile",
     "Blocks",
@@ -55,8 +59,9 @@ __all__ = [
     "OutputMode",
     "Shape",
     "Shell",
+    "Sub",
+    "add_group",
     "envvar",
-    "group",
     "help_text",
     "option",
     "param_name",
@@ -103,6 +108,9 @@ Blocks = Annotated[int, option("--blocks", help="Blocks per request.")]
 #: (``tests/integration/test_cli_operator.py`` walks every command).
 SHARED_ENV: frozenset[str] = frozenset({"KVPUSH_REQUESTS", "KVPUSH_LEG_BLOCKS"})
 
+#: The keyword that gets the value of a group's shared options (``register``'s ``shared``).
+SHARED = "shared"
+
 
 def help_text(doc: str) -> str:
     """A command's help: ``doc`` with each paragraph joined into one line."""
@@ -114,15 +122,19 @@ def signature(
     fn: Callable[..., object],
     entries: Sequence[Entry],
     extra: Mapping[str, TyperKw] | None = None,
+    shared: Callable[..., object] | None = None,
 ) -> inspect.Signature:
-    """``fn``'s own parameters (its ``**kwargs`` left out), then the table ``entries`` (``key``
-    or ``(key, default)``), in order; ``extra`` adds typer keywords to some entries."""
-    own = inspect.signature(fn, eval_str=True).parameters.values()
-    params = [
-        p if p.name == "ctx" else p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-        for p in own
-        if p.kind is not inspect.Parameter.VAR_KEYWORD
+    """``fn``'s own parameters (its ``**kwargs`` left out, and its ``shared`` when ``shared`` is
+    given), then ``shared``'s parameters, then the table ``entries`` (``key`` or
+    ``(key, default)``), in order; ``extra`` adds typer keywords to some entries."""
+    own = [
+        p
+        for p in inspect.signature(fn, eval_str=True).parameters.values()
+        if p.kind is not inspect.Parameter.VAR_KEYWORD and not (shared and p.name == SHARED)
     ]
+    if shared is not None:
+        own += inspect.signature(shared, eval_str=True).parameters.values()
+    params = [p if p.name == "ctx" else p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
     for e in entries:
         key, default = (e, None) if isinstance(e, str) else e
         params.append(OPTIONS[key].parameter(default, (extra or {}).get(key)))
@@ -137,27 +149,47 @@ def register(
     entries: Sequence[Entry] = (),
     *,
     extra: Mapping[str, TyperKw] | None = None,
+    shared: Callable[..., object] | None = None,
 ) -> None:
     """Add ``fn`` as command ``name`` of ``app``, with ``doc`` as its help; ``entries`` of the
-    endpoint table reach ``fn`` as keyword arguments (its ``**kwargs``)."""
-    if not entries:
+    endpoint table reach ``fn`` as keyword arguments (its ``**kwargs``). ``shared``: options
+    several commands of a group end with, declared once as the signature of a function that
+    reads them into one value; ``fn`` gets that value as its keyword ``shared``."""
+    if not entries and shared is None:
         app.command(name, cls=Command, help=help_text(doc))(fn)
         return
+    tail = [] if shared is None else list(inspect.signature(shared).parameters)
 
     def command(**params: object) -> object:
+        if shared is not None:
+            params[SHARED] = shared(**{k: params.pop(k) for k in tail})
         return fn(**params)
 
-    command.__signature__ = signature(fn, entries, extra)  # type: ignore[attr-defined]
+    command.__signature__ = signature(fn, entries, extra, shared)  # type: ignore[attr-defined]
     command.__name__ = name.replace("-", "_")
     app.command(name, cls=Command, help=help_text(doc))(command)
 
 
-def group(name: str, help: str) -> typer.Typer:
-    """A group of commands (``kvpush fleet ...``, ``kvpush leg ...``); ``app.add_typer`` it."""
-    return typer.Typer(
+class Sub(NamedTuple):
+    """One command of a group (``register``'s arguments)."""
+
+    name: str
+    fn: Callable[..., object]
+    doc: str
+    entries: Sequence[Entry] = ()
+    shared: Callable[..., object] | None = None
+
+
+def add_group(app: typer.Typer, name: str, help: str, subs: Sequence[Sub]) -> None:
+    """Add the group ``kvpush NAME ...`` (``fleet``, ``leg``, ``workload``) to ``app``, with
+    ``subs`` as its commands."""
+    group = typer.Typer(
         name=name,
         cls=Group,
         help=help,
         no_args_is_help=True,
         context_settings={"help_option_names": ["-h", "--help"]},
     )
+    for sub in subs:
+        register(group, sub.name, sub.fn, sub.doc, sub.entries, shared=sub.shared)
+    app.add_typer(group)

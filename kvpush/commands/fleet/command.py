@@ -89,11 +89,12 @@ etcd does not answer; also 3 when a listed endpoint could not be seen."""
 
 
 def register(app: typer.Typer) -> None:
-    group = options.group("fleet", HELP)
-    options.register(group, "ls", ls, LS_DOC + _FLEET_DOC, options.REGISTRY)
-    options.register(group, "watch", watch, WATCH_DOC + _FLEET_DOC, options.REGISTRY)
-    options.register(group, "check", check, CHECK_DOC + _FLEET_DOC, options.REGISTRY)
-    app.add_typer(group)
+    subs = [
+        options.Sub("ls", ls, LS_DOC + _FLEET_DOC, options.REGISTRY),
+        options.Sub("watch", watch, WATCH_DOC + _FLEET_DOC, options.REGISTRY),
+        options.Sub("check", check, CHECK_DOC + _FLEET_DOC, options.REGISTRY),
+    ]
+    options.add_group(app, "fleet", HELP, subs)
 
 
 def _out() -> tuple[Console, int | None]:

@@ -9,9 +9,11 @@ JSON object. Exit status 0 when the leg's push completed, 1 when it failed or la
 ``--otlp-traces-endpoint`` the leg is one client span (``kvpush.commands.leg.otlp``), a child of
 ``--traceparent`` when given, and the endpoint's span joins it.
 
-The signatures are the CLI: plain typed parameters, each with its option. ``drive``'s old
-spelling of the same legs (``--kv-transfer-params``, ``--request-id``) calls ``decode_leg`` /
-``prefill_leg`` here after a deprecation note. Runs on the main thread.
+The signatures are the CLI: plain typed parameters, each with its option; the options both
+legs end with are ``leg_options``'s, read into one ``LegOptions`` that each leg gets as
+``shared`` (``kvpush.commands.common.options.register``). ``drive``'s old spelling of the same
+legs (``--kv-transfer-params``, ``--request-id``) calls ``decode_leg`` / ``prefill_leg`` here
+after a deprecation note. Runs on the main thread.
 """
 
 from __future__ import annotations
@@ -72,10 +74,36 @@ TIMEOUT_S = 30.0
 
 
 def register(app: typer.Typer) -> None:
-    group = options.group("leg", HELP)
-    options.register(group, "decode", decode, DECODE_DOC)
-    options.register(group, "prefill", prefill, PREFILL_DOC)
-    app.add_typer(group)
+    subs = [
+        options.Sub("decode", decode, DECODE_DOC, shared=leg_options),
+        options.Sub("prefill", prefill, PREFILL_DOC, shared=leg_options),
+    ]
+    options.add_group(app, "leg", HELP, subs)
+
+
+@dataclass(frozen=True)
+class LegOptions:
+    """The options both legs end with, read: the wait, the output, the token and the span."""
+
+    timeout: float
+    json_out: bool
+    token: bytes | None
+    span: otlp.LegSpan
+
+
+def leg_options(
+    timeout: Timeout = TIMEOUT_S,
+    json_out: JsonOut = False,
+    auth_token_file: options.AuthTokenFile = None,
+    traceparent: otlp.Traceparent = None,
+    otlp_traces_endpoint: otlp.Endpoint = None,
+    otlp_sample_ratio: otlp.Ratio = 1.0,
+) -> LegOptions:
+    """Both legs' last options (each leg's signature goes on with these): the token is read
+    first, then the tracing options are checked."""
+    token = translate.auth_token(auth_token_file)
+    span = _span(traceparent, otlp_traces_endpoint, otlp_sample_ratio)
+    return LegOptions(timeout, json_out, token, span)
 
 
 def decode(
@@ -120,16 +148,13 @@ def decode(
             seconds=True,
         ),
     ] = 0.0,
-    timeout: Timeout = TIMEOUT_S,
-    json_out: JsonOut = False,
-    auth_token_file: options.AuthTokenFile = None,
-    traceparent: otlp.Traceparent = None,
-    otlp_traces_endpoint: otlp.Endpoint = None,
-    otlp_sample_ratio: otlp.Ratio = 1.0,
+    *,
+    shared: LegOptions,
 ) -> None:
-    token = translate.auth_token(auth_token_file)
-    span = _span(traceparent, otlp_traces_endpoint, otlp_sample_ratio)
-    decode_leg(decode, kv_transfer_params, blocks, timeout, alloc_delay, token, json_out, span)
+    timeout, token, json_out = shared.timeout, shared.token, shared.json_out
+    decode_leg(
+        decode, kv_transfer_params, blocks, timeout, alloc_delay, token, json_out, shared.span
+    )
 
 
 def prefill(
@@ -160,16 +185,12 @@ def prefill(
             scope="leg",
         ),
     ],
-    timeout: Timeout = TIMEOUT_S,
-    json_out: JsonOut = False,
-    auth_token_file: options.AuthTokenFile = None,
-    traceparent: otlp.Traceparent = None,
-    otlp_traces_endpoint: otlp.Endpoint = None,
-    otlp_sample_ratio: otlp.Ratio = 1.0,
+    *,
+    shared: LegOptions,
 ) -> None:
-    token = translate.auth_token(auth_token_file)
-    span = _span(traceparent, otlp_traces_endpoint, otlp_sample_ratio)
-    prefill_leg(prefill, request_id, blocks, timeout, token, json_out, span=span)
+    prefill_leg(
+        prefill, request_id, blocks, shared.timeout, shared.token, shared.json_out, span=shared.span
+    )
 
 
 def _span(traceparent: str | None, endpoint: str | None, ratio: float) -> otlp.LegSpan:

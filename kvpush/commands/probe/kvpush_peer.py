@@ -19,7 +19,7 @@ import msgspec
 
 from kvpush import PROTOCOL_VERSION
 from kvpush.commands.common import control
-from kvpush.commands.probe.report import ProbeReport, rtt_stats
+from kvpush.commands.probe.report import ProbeReport, answered
 from kvpush.config import EndpointConfig, KvRegions, PoolConfig, Role
 from kvpush.errors import IncompatiblePeerError, PeerError, ProtocolError
 from kvpush.wire import protocol
@@ -111,16 +111,7 @@ def measure(
         ]
     else:
         diffs = protocol.compat_differences(local, remote_fields)
-    return ProbeReport(
-        address=addr,
-        kind="kvpush",
-        compat_hash=rep.compat_hash,
-        metadata=meta,
-        rtt=rtt_stats(samples),
-        compat_checked=local is not None,
-        differences=diffs,
-        stats=stats_d,
-    )
+    return answered(addr, "kvpush", rep.compat_hash, meta, samples, local, diffs, stats=stats_d)
 
 
 def _count(value: object, default: int) -> int:

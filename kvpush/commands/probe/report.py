@@ -2,11 +2,11 @@
 
 Owns the report's data model and its JSON form (``ProbeReport.to_dict``, what ``probe --json``
 prints), the round-trip statistics (``rtt_stats``: RTTs and the clock offset of the best
-sample), the compatibility fields a local geometry announces (``local_compat_fields``) and how
-a peer's ranks read for a person (``served_ranks``). The probes that fill it are
-``kvpush.commands.probe.kvpush_peer`` and ``kvpush.commands.probe.vllm_peer``; the human form is
-drawn by ``kvpush.commands.probe.view``. Pure: no I/O, no threads, no sockets (safe for the CLI
-to import).
+sample), the report both probes make of a peer's answers (``answered``), the compatibility
+fields a local geometry announces (``local_compat_fields``) and how a peer's ranks read for a
+person (``served_ranks``). The probes that fill it are ``kvpush.commands.probe.kvpush_peer`` and
+``kvpush.commands.probe.vllm_peer``; the human form is drawn by ``kvpush.commands.probe.view``.
+Pure: no I/O, no threads, no sockets (safe for the CLI to import).
 """
 
 from __future__ import annotations
@@ -101,6 +101,35 @@ class ProbeReport:
         d["status"] = "healthy" if self.exit_status == ExitStatus.OK else "incompatible"
         d["exit_status"] = int(self.exit_status)
         return d
+
+
+def answered(
+    address: str,
+    kind: Literal["kvpush", "vllm"],
+    compat_hash: str,
+    metadata: dict[str, object],
+    samples: list[tuple[float, float, float]],
+    local: dict[str, object] | None,
+    differences: list[tuple[str, object, object]],
+    *,
+    stats: dict[str, object] | None = None,
+    notes: list[str] | None = None,
+    suggest: list[str] | None = None,
+) -> ProbeReport:
+    """The report of a peer's answers, as both probes make it: the round trips of ``samples``,
+    and the compatibility checked when a ``local`` geometry was given."""
+    return ProbeReport(
+        address=address,
+        kind=kind,
+        compat_hash=compat_hash,
+        metadata=metadata,
+        rtt=rtt_stats(samples),
+        compat_checked=local is not None,
+        differences=differences,
+        stats=stats,
+        notes=notes or [],
+        suggest=suggest or [],
+    )
 
 
 def local_compat_fields(pool: PoolConfig) -> dict[str, object]:

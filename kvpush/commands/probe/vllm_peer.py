@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvpush.commands.common.like import likeness_of
-from kvpush.commands.probe.report import ProbeReport, rtt_stats
+from kvpush.commands.probe.report import ProbeReport, answered
 from kvpush.config import EndpointConfig, PoolConfig, Role
 from kvpush.errors import KvpushError, PeerError
 from kvpush.wire import vllm
@@ -90,17 +90,8 @@ def measure(
     diffs = vllm_differences(local, md) if local is not None else []
     if local is not None:
         notes.append("dtype is not in vLLM's metadata: it is part of the compatibility hash")
-    return ProbeReport(
-        address=addr,
-        kind="vllm",
-        compat_hash=payload.compatibility_hash,
-        metadata=meta,
-        rtt=rtt_stats(samples),
-        compat_checked=local is not None,
-        differences=diffs,
-        notes=notes,
-        suggest=suggest,
-    )
+    hash_ = payload.compatibility_hash
+    return answered(addr, "vllm", hash_, meta, samples, local, diffs, notes=notes, suggest=suggest)
 
 
 def tiny_vllm_config(address: str, base: EndpointConfig) -> EndpointConfig:

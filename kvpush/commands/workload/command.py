@@ -37,10 +37,8 @@ number and what is wrong) and the rest is read on."""
 
 
 def register(app: typer.Typer) -> None:
-    group = options.group("workload", HELP)
-    options.register(group, "synth", synth, SYNTH_DOC)
-    options.register(group, "stats", trace_stats, STATS_DOC)
-    app.add_typer(group)
+    subs = [options.Sub("synth", synth, SYNTH_DOC), options.Sub("stats", trace_stats, STATS_DOC)]
+    options.add_group(app, "workload", HELP, subs)
 
 
 def synth(

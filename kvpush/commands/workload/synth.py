@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from statistics import NormalDist
 
 from kvpush.commands.common.stats import percentile
@@ -142,13 +142,7 @@ class TraceStats:
     output_tokens: dict[str, float]
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "requests": self.requests,
-            "span_s": self.span_s,
-            "rate": self.rate,
-            "input_tokens": self.input_tokens,
-            "output_tokens": self.output_tokens,
-        }
+        return asdict(self)  # the fields, in order
 
 
 def _quantiles(xs: Sequence[float]) -> dict[str, float]:
