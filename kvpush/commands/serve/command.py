@@ -105,9 +105,10 @@ LANES_HELP = (
 Lanes = Annotated[bool, option("--lanes/--no-lanes", help=LANES_HELP, panel=PANEL_NIXL)]
 COALESCE_HELP = (
     "P: pushes ready for the same D rank in one pass of the writer go as one NIXL WRITE with one "
-    "notification naming them all (never waiting to fill a batch), to a D that takes them; D: "
-    "its registrations say it takes them. kvpush's wire only (vLLM's is unchanged). "
-    "--no-coalesce: one WRITE and one completion notification per push."
+    "notification naming them all (never waiting to fill a batch), to a D that takes them. D: "
+    "its registrations say it takes them, and those of one pass go to a P that takes them in "
+    "one notification. kvpush's wire only (vLLM's is unchanged). --no-coalesce: one WRITE and "
+    "one completion notification per push, one notification per registration."
 )
 Coalesce = Annotated[bool, option("--coalesce/--no-coalesce", help=COALESCE_HELP, panel=PANEL_NIXL)]
 OtlpEndpoint = Annotated[
