@@ -11,7 +11,7 @@ opening them per wire is ``kvpush.wire.notifs``.
 
 from __future__ import annotations
 
-from typing import Annotated, TypeAlias
+from typing import Annotated, Any, TypeAlias
 
 from msgspec import Meta, Struct
 
@@ -79,19 +79,8 @@ class PushRegs(Struct, tag="push_regs", frozen=True, kw_only=True):
     def of(cls, regs: list[PushReg]) -> PushRegs:
         """The registrations as one notification; each must share the first's common fields
         (``shares``)."""
-        r = regs[0]
         return cls(
-            decode_engine_id=r.decode_engine_id,
-            decode_host=r.decode_host,
-            decode_port=r.decode_port,
-            decode_tp_size=r.decode_tp_size,
-            remote_engine_id=r.remote_engine_id,
-            remote_host=r.remote_host,
-            remote_port=r.remote_port,
-            remote_tp_size=r.remote_tp_size,
-            decode_incarnation=r.decode_incarnation,
-            decode_tp_rank=r.decode_tp_rank,
-            batch_done=r.batch_done,
+            **_shared(regs[0]),
             regs=[
                 Reg(x.request_id, x.local_block_ids, x.transfer_id, x.remote_pp_size) for x in regs
             ],
@@ -99,43 +88,30 @@ class PushRegs(Struct, tag="push_regs", frozen=True, kw_only=True):
 
     def expand(self) -> list[PushReg]:
         """Each request's ``PushReg``, as it would have come alone."""
+        common = _shared(self)
         return [
             PushReg(
                 request_id=g.request_id,
                 transfer_id=g.transfer_id,
-                decode_engine_id=self.decode_engine_id,
-                decode_host=self.decode_host,
-                decode_port=self.decode_port,
-                decode_tp_size=self.decode_tp_size,
                 local_block_ids=g.local_block_ids,
-                remote_engine_id=self.remote_engine_id,
-                remote_host=self.remote_host,
-                remote_port=self.remote_port,
-                remote_tp_size=self.remote_tp_size,
                 remote_pp_size=g.remote_pp_size,
-                decode_incarnation=self.decode_incarnation,
-                decode_tp_rank=self.decode_tp_rank,
-                batch_done=self.batch_done,
+                **common,
             )
             for g in self.regs
         ]
 
 
+#: The fields of a ``PushReg`` that a ``PushRegs`` carries once for all its registrations.
+SHARED_FIELDS = tuple(f for f in PushRegs.__struct_fields__ if f != "regs")
+
+
+def _shared(m: PushReg | PushRegs) -> dict[str, Any]:
+    return {f: getattr(m, f) for f in SHARED_FIELDS}
+
+
 def shares(a: PushReg, b: PushReg) -> bool:
     """Whether ``a`` and ``b`` can go in one ``PushRegs`` (the fields it carries once agree)."""
-    return (
-        a.decode_engine_id == b.decode_engine_id
-        and a.decode_host == b.decode_host
-        and a.decode_port == b.decode_port
-        and a.decode_tp_size == b.decode_tp_size
-        and a.remote_engine_id == b.remote_engine_id
-        and a.remote_host == b.remote_host
-        and a.remote_port == b.remote_port
-        and a.remote_tp_size == b.remote_tp_size
-        and a.decode_incarnation == b.decode_incarnation
-        and a.decode_tp_rank == b.decode_tp_rank
-        and a.batch_done == b.batch_done
-    )
+    return all(getattr(a, f) == getattr(b, f) for f in SHARED_FIELDS)
 
 
 class Completion(Struct, tag="done", frozen=True, kw_only=True):
