@@ -109,8 +109,11 @@ class Registrar:
                 if h.w.phase is not WaitPhase.ENDED and h.source not in h.w.registered:
                     self._failed(h.w, h.source, h.conn, e)
             return
+        # one send to one P agent: its connection is fine once, however many it carried
+        self._ctx.handshakes.transport_ok(batch[0].w.ranks.key(batch[0].source))
+        self._ctx.telemetry.inc(Counter.PUSH_REGS_SENT, len(batch))
         for h in batch:
-            self._sent(h.w, h.source)
+            h.w.registered.add(h.source)
             done.append(h.w)
 
     def _sent(self, w: Waiting, s: int) -> None:
