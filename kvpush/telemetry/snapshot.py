@@ -4,7 +4,9 @@ Histograms use fixed log-spaced buckets (10 per decade from 1 µs to 1000 s, bou
 significant digits so that Prometheus ``le`` labels read cleanly). Percentiles are interpolated
 geometrically inside a bucket, so they are within one bucket width (a factor 10**0.1 ≈ 1.26) of the
 exact value, and usually much closer. Everything here is pure: the live view, ``--json`` lines,
-``kvpush probe --stats`` and the Prometheus exporter all read these types.
+``kvpush probe --stats`` and the Prometheus exporter all read these types. ``HistSnapshot`` is
+re-exported from ``kvpush.stats_schema``, where readers that may not import the telemetry (the
+bench) find the same definition.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 import msgspec
 
 from kvpush.config import Role
+from kvpush.stats_schema import HistSnapshot
 from kvpush.telemetry.names import POOL_GAUGES, QUEUE_GAUGES, RATE_COUNTERS
 
 __all__ = [
@@ -63,24 +66,6 @@ def bucket_index(seconds: float) -> int:
 
 
 # --- the snapshot -----------------------------------------------------------------------------
-
-
-class HistSnapshot(msgspec.Struct, frozen=True):
-    """One histogram at snapshot time. Times in seconds; zeros when nothing was observed.
-
-    ``buckets`` is cumulative ``(le, count)``, listed only at the bounds whose own bucket is
-    non-empty (a sparse form that keeps ``--json`` lines short); ``expand_buckets`` restores the
-    full fixed list of ``BUCKET_BOUNDS`` that Prometheus needs. Observations above the last bound
-    are in ``count`` but under no finite ``le``.
-    """
-
-    count: int
-    sum: float
-    p50: float
-    p90: float
-    p99: float
-    max: float
-    buckets: list[tuple[float, int]]
 
 
 class Snapshot(msgspec.Struct, frozen=True, omit_defaults=True):

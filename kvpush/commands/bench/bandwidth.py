@@ -31,7 +31,7 @@ from kvpush.commands.bench.bandwidth_report import SizeResult, kib, report
 from kvpush.commands.bench.common import EndpointCfg, Progress, endpoint_cfg, logs_dir
 from kvpush.commands.bench.host_limits import CopyResult
 from kvpush.commands.bench.passes import ClosedLoop, raw_pair
-from kvpush.commands.bench.probes import StatsReply
+from kvpush.commands.bench.probes import StatsReply, histogram
 from kvpush.commands.bench.procs import Cluster, Worker
 from kvpush.commands.bench.raw import RawLoopResult
 from kvpush.commands.bench.report import Report, ResultDict
@@ -267,5 +267,5 @@ def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, blocks: int, bs: int) -
 
 
 def _write_time(pw: Worker) -> float:
-    h = pw.call("stats", reply=StatsReply)["histograms"].get("write_duration")
-    return float(h["sum"]) if h else 0.0
+    raw = pw.call("stats", reply=StatsReply)["histograms"].get("write_duration")
+    return histogram(raw).sum if raw else 0.0

@@ -18,8 +18,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import NotRequired, TypedDict
 
+import msgspec
+
 from kvpush.commands.bench.worker_state import WorkerState
 from kvpush.config import HandshakeMode
+from kvpush.stats_schema import HistSnapshot
 
 
 class GcGeneration(TypedDict):
@@ -39,15 +42,17 @@ class GcReport(TypedDict):
     slowest: list[list[float]]  # [wall time, generation, seconds], slowest first
 
 
-class HistReply(TypedDict):
-    """One histogram of ``stats`` (``kvpush.telemetry.snapshot.HistSnapshot``), in seconds."""
+#: One histogram of ``stats`` as the reply's JSON carries it; ``histogram`` reads it.
+HistJson = dict[str, object]
 
-    count: int
-    sum: float
-    p50: float
-    p90: float
-    p99: float
-    max: float
+
+def histogram(raw: HistJson) -> HistSnapshot:
+    """One histogram of a ``stats`` reply, decoded as the schema its producer, the endpoint's
+    telemetry, encodes (``kvpush.stats_schema``): seconds, and sparse cumulative buckets.
+
+    Raises ``msgspec.ValidationError`` when the reply does not follow it.
+    """
+    return msgspec.convert(raw, HistSnapshot)
 
 
 class LaneReply(TypedDict, total=False):
@@ -71,7 +76,7 @@ class StatsReply(TypedDict):
     (``Snapshot.to_dict``, more keys than these)."""
 
     counters: dict[str, int]
-    histograms: dict[str, HistReply]
+    histograms: dict[str, HistJson]
     peers: list[PeerReply]
 
 

@@ -25,7 +25,7 @@ from typing import NotRequired, TypedDict
 
 from kvpush.commands.bench.common import EndpointCfg, Progress, endpoint_cfg, logs_dir
 from kvpush.commands.bench.passes import ClosedLoop, raw_pair
-from kvpush.commands.bench.probes import HistReply, StatsReply
+from kvpush.commands.bench.probes import HistJson, StatsReply, histogram
 from kvpush.commands.bench.procs import Cluster, Worker
 from kvpush.commands.bench.raw import RawLoopResult
 from kvpush.commands.bench.report import Report, ResultDict, fmt_ms, fmt_num
@@ -61,7 +61,7 @@ class InflightRounds(TypedDict):
     raw: list[RawLoopResult]
     kvpush_d_nospin: list[KvRound]
     kvpush_single: list[KvRound]
-    p_hist: NotRequired[dict[str, HistReply | None]]
+    p_hist: NotRequired[dict[str, HistJson | None]]
 
 
 def run(quick: bool, out_dir: Path, progress: Progress) -> ResultDict:
@@ -320,20 +320,20 @@ def _report(rep: Report, out: dict[int, InflightRounds], verified: int, nverify:
     first = next(iter(out.values()))
     ph = first.get("p_hist") or {}
     if ph:
+        hists = {name: histogram(raw) for name, raw in ph.items() if raw}
         rep.table(
             "P telemetry histograms over the first configuration's rounds (ms)",
             ["histogram", "count", "p50", "p90", "p99", "max"],
             [
                 [
                     name,
-                    str(h["count"]),
-                    fmt_ms(h["p50"], 3),
-                    fmt_ms(h["p90"], 3),
-                    fmt_ms(h["p99"], 3),
-                    fmt_ms(h["max"], 3),
+                    str(h.count),
+                    fmt_ms(h.p50, 3),
+                    fmt_ms(h.p90, 3),
+                    fmt_ms(h.p99, 3),
+                    fmt_ms(h.max, 3),
                 ]
-                for name, h in ph.items()
-                if h
+                for name, h in hists.items()
             ],
             note="push_latency: P matched blocks with PUSH_REG -> WRITE complete; "
             "write_duration: WRITE posted -> complete (cumulative since P started, incl. "
