@@ -129,7 +129,6 @@ def load_of(snap: Snapshot) -> Load:
 def endpoint_record(ep: Member, address: str, metrics_url: str = "") -> EndpointRecord:
     """What ``ep`` publishes (its load summary empty: the registrar fills it)."""
     cfg, md = ep.cfg, ep.metadata
-    pool = cfg.pool
     compat = ep.dialect.compat_hash(md)
     return EndpointRecord(
         role=cfg.role,
@@ -140,16 +139,7 @@ def endpoint_record(ep: Member, address: str, metrics_url: str = "") -> Endpoint
         pid=os.getpid(),
         tp_size=cfg.tp_size,
         wire=cfg.wire.value,
-        geometry=Geometry(
-            num_blocks=pool.num_blocks,
-            layers=pool.layers,
-            regions=pool.regions,
-            block_bytes=pool.block_bytes,
-            dtype=pool.dtype,
-            kv_layout=pool.kv_layout,
-            kv_heads=pool.kv_heads,
-            device=str(md.device_kind),
-        ),
+        geometry=Geometry.of(cfg.pool, device=str(md.device_kind)),
         compat_hash=compat,
         kvpush_version=__version__,
         nixl_version=md.nixl_version,

@@ -20,12 +20,16 @@ I/O, no threads.
 from __future__ import annotations
 
 import re
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 from msgspec import Struct
 
 from kvpush.config import Role
+
+if TYPE_CHECKING:
+    from kvpush.config import PoolConfig
+    from kvpush.wire.protocol import EndpointMetadata
 
 SCHEMA = 2
 ROOT = "/kvpush/v2"
@@ -46,6 +50,16 @@ class Geometry(Struct, frozen=True, kw_only=True):
     kv_layout: str
     kv_heads: int = 1
     device: str = "cpu"
+
+    @classmethod
+    def of(cls, pool: PoolConfig | EndpointMetadata, device: str) -> Geometry:
+        """The geometry of ``pool`` (an endpoint's ``PoolConfig``, or a peer's metadata): every
+        field but ``device``, which each source names in its own words, so the caller says it."""
+        return cls(**{f: getattr(pool, f) for f in _POOL_FIELDS}, device=device)
+
+
+#: What ``Geometry.of`` reads of a pool (the same names in ``PoolConfig`` and the metadata).
+_POOL_FIELDS = tuple(f for f in Geometry.__struct_fields__ if f != "device")
 
 
 class Load(Struct, frozen=True, kw_only=True):
