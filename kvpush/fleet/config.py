@@ -8,23 +8,24 @@ needs its password, a client certificate its key), the per-call deadline -- and 
 (cluster, lease TTL, load period, leave grace, the address to advertise) with its ``access``.
 Both take the credentials' fields from ``Credentials`` (``CredentialArgs``: the same as keyword
 arguments, for ``Access.of`` and ``Etcd``).
-A password file must be private (no access for other users, the rule of ``--auth-token-file``),
-TLS files must exist, a TTL leaves room for three refreshes. The password is held with
-``repr=False``: it never reaches a log line, a ``repr`` or an error message. Pure values and
-file reads; no etcd client is imported here (``import kvpush.cli`` stays light).
+A password file must be private (no access for other users, the rule of ``--auth-token-file``:
+both are read by ``kvpush.wire.auth.read_secret_file``), TLS files must exist, a TTL leaves room
+for three refreshes. The password is held with ``repr=False``: it never reaches a log line, a
+``repr`` or an error message. Pure values and file reads; no etcd client is imported here
+(``import kvpush.cli`` stays light).
 """
 
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TypedDict, Unpack
 from urllib.parse import urlsplit
 
 from kvpush.errors import ConfigError
 from kvpush.fleet.record import check_cluster
+from kvpush.wire.auth import SecretFileWords, read_secret_file
 
 DEFAULT_TTL_S = 10
 MIN_TTL_S = 2
@@ -96,7 +97,8 @@ class CredentialArgs(TypedDict, total=False):
 @dataclass(frozen=True)
 class Access(Credentials):
     """How to reach etcd: the client URLs (parsed), the credentials, one call's deadline.
-    Build one with ``Access.of`` (which parses the URLs); the pairs are checked here."""
+    Build one with ``Access.of`` or ``Access.of_credentials`` (which parse the URLs); the pairs
+    are checked here."""
 
     urls: tuple[str, ...]
 
@@ -122,6 +124,13 @@ class Access(Credentials):
         ``creds`` (``Credentials``' fields, each optional)."""
         return Access(tuple(parse_urls(spec)), **creds)
 
+    @staticmethod
+    def of_credentials(spec: str | Sequence[str], creds: Credentials) -> Access:
+        """The access to the etcd at ``spec`` with the credentials ``creds`` holds (e.g. a
+        ``RegistryConfig``'s)."""
+        given = {f.name: getattr(creds, f.name) for f in fields(Credentials)}
+        return Access(tuple(parse_urls(spec)), **given)
+
 
 @dataclass(frozen=True)
 class RegistryConfig(Credentials):
@@ -137,16 +146,7 @@ class RegistryConfig(Credentials):
     access: Access = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        access = Access.of(
-            self.urls,
-            user=self.user,
-            password=self.password,
-            ca_cert=self.ca_cert,
-            cert=self.cert,
-            key=self.key,
-            timeout_s=self.timeout_s,
-        )
-        object.__setattr__(self, "access", access)
+        object.__setattr__(self, "access", Access.of_credentials(self.urls, self))
         try:
             check_cluster(self.cluster)
         except ValueError as e:
@@ -172,35 +172,35 @@ class RegistryConfig(Credentials):
         return self.ttl_s / 3
 
 
+_FLAG = "--registry-password-file"
+_PASSWORD_FILE = SecretFileWords(
+    missing=(f"{_FLAG} {{path}}: {{strerror}}", "check the path and its permissions"),
+    not_regular=(f"{_FLAG} {{path}} is not a regular file", "give the path of a file"),
+    # the rule of --auth-token-file
+    loose=(
+        f"{_FLAG} {{path}} is readable by other users (mode {{mode:03o}})",
+        "restrict it to its owner: chmod 600 {path}",
+    ),
+    unreadable=(
+        f"{_FLAG} {{path}} cannot be read as UTF-8 text: {{error}}",
+        "put the password on one line of a UTF-8 file",
+    ),
+)
+
+
 def read_password_file(path: str) -> str:
     """The password in ``path`` (one line, trailing newline dropped); refused unless the file
     is readable by its owner only. The message names the file, never its content."""
-    flag = "--registry-password-file"
+    raw = read_secret_file(path, _PASSWORD_FILE)
     try:
-        st = os.stat(path)
-    except OSError as e:
-        raise ConfigError(
-            f"{flag} {path}: {e.strerror}", "check the path and its permissions"
-        ) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"{flag} {path} is not a regular file", "give the path of a file")
-    if st.st_mode & 0o007:  # the rule of --auth-token-file
-        raise ConfigError(
-            f"{flag} {path} is readable by other users (mode {stat.S_IMODE(st.st_mode):03o})",
-            f"restrict it to its owner: chmod 600 {path}",
-        )
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(
-            f"{flag} {path} cannot be read as UTF-8 text: {type(e).__name__}",
-            "put the password on one line of a UTF-8 file",
-        ) from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _PASSWORD_FILE.error(_PASSWORD_FILE.unreadable, path, e) from None
     password = text.rstrip("\r\n")
-    if not password or "\n" in password:
+    # a lone "\r" breaks a line too (what reading the file as text made of it)
+    if not password or "\n" in password or "\r" in password:
         raise ConfigError(
-            f"{flag} {path} must hold the password on exactly one line",
+            f"{_FLAG} {path} must hold the password on exactly one line",
             "write it with: printf '%s' \"$PASSWORD\" > FILE; chmod 600 FILE",
         )
     return password

@@ -5,6 +5,10 @@ loopback by default). With a token every side-channel request and reply and ever
 kvpush acts on must carry a valid tag over (channel, timestamp, nonce, body); a timestamp outside
 the window or a nonce seen before is rejected. Thread-safe: the side-channel thread and the
 writer/receiver threads share one instance.
+
+Owns also ``read_secret_file``: the one reader of a secret kept in a file (the token here, the
+etcd password in ``kvpush.fleet.config``), which refuses a file other users can reach and words
+its errors the caller's way (``SecretFileWords``). Pure file reads, on the caller's thread.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from kvpush.errors import AuthError, ConfigError
 from kvpush.wire import protocol
@@ -24,24 +30,55 @@ CH_REPLY = b"rep"
 CH_NOTIF = b"notif"
 
 
-def load_token_file(path: str) -> bytes:
-    """Read a shared token; refuse files other users can read."""
+@dataclass(frozen=True)
+class SecretFileWords:
+    """How a caller's errors speak of its secret file: each a (message, hint) pair of templates
+    over ``{path}``, ``{strerror}`` (the system's words), ``{error}`` (the exception's name) and
+    ``{mode}`` (the file's permission bits, an int)."""
+
+    missing: tuple[str, str]  # the file cannot be looked at (no such file, no access)
+    loose: tuple[str, str]  # other users may reach it
+    unreadable: tuple[str, str]  # it cannot be read
+    not_regular: tuple[str, str] | None = None  # None: whatever is there is read
+
+    def error(
+        self, words: tuple[str, str], path: str, e: Exception | None = None, mode: int = 0
+    ) -> ConfigError:
+        """The ConfigError of ``words`` (one of the pairs above) for ``path``."""
+        strerror = e.strerror if isinstance(e, OSError) else ""
+        said = {"path": path, "strerror": strerror, "error": type(e).__name__, "mode": mode}
+        return ConfigError(words[0].format(**said), words[1].format(**said))
+
+
+def read_secret_file(path: str, words: SecretFileWords) -> bytes:
+    """The bytes in ``path``; refused (``words``' ConfigError) unless the file is private to its
+    owner (no access for other users), and, where ``words`` says so, a regular file. The
+    errors name the file, never its content."""
     try:
         st = os.stat(path)
     except OSError as e:
-        raise ConfigError(
-            f"cannot read auth token file {path}: {e.strerror}", "check the path and permissions"
-        ) from None
+        raise words.error(words.missing, path, e) from None
+    if words.not_regular is not None and not stat.S_ISREG(st.st_mode):
+        raise words.error(words.not_regular, path)
     if st.st_mode & 0o007:
-        raise ConfigError(
-            f"auth token file {path} is readable by other users",
-            f"run: chmod 600 {path}",
-        )
+        raise words.error(words.loose, path, mode=stat.S_IMODE(st.st_mode))
     try:
         with open(path, "rb") as f:
-            token = f.read().strip()
+            return f.read()
     except OSError as e:
-        raise ConfigError(f"cannot read auth token file {path}: {e.strerror}", "") from None
+        raise words.error(words.unreadable, path, e) from None
+
+
+_TOKEN_FILE = SecretFileWords(
+    missing=("cannot read auth token file {path}: {strerror}", "check the path and permissions"),
+    loose=("auth token file {path} is readable by other users", "run: chmod 600 {path}"),
+    unreadable=("cannot read auth token file {path}: {strerror}", ""),
+)
+
+
+def load_token_file(path: str) -> bytes:
+    """Read a shared token; refuse files other users can read."""
+    token = read_secret_file(path, _TOKEN_FILE).strip()
     if len(token) < 16:
         raise ConfigError(
             f"auth token in {path} is shorter than 16 bytes",
