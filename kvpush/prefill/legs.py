@@ -61,6 +61,7 @@ from kvpush.transport.agent import (
     DList,
     TransferError,
     TransferKind,
+    XferState,
 )
 from kvpush.wire import protocol
 
@@ -220,12 +221,7 @@ class Legs:
             Leg(g.writing, g.registration, xfer, conn, t_post, deadline, g.plan.nbytes, post_s)
             for g in group
         ]
-        batch = Batch(xfer, conn, t_post, deadline, nbytes, legs, post_s)
-        self._table.leg_posted(batch)
-        if state == XFER_DONE:
-            self.complete(batch, at_post=True)
-        elif state == XFER_ERR:
-            self.abandon(batch, Failure.WRITE_ERROR, "transfer() returned ERR")
+        self._track(Batch(xfer, conn, t_post, deadline, nbytes, legs, post_s), state)
         return None
 
     def _post_failed(self, w: Writing, r: Registration, conn: PeerConn, e: TransferError) -> None:
@@ -276,14 +272,18 @@ class Legs:
         if self._lanes is not None:
             self._lanes.posted(conn.key, conn.agent_name, len(plan.local_idx), plan.nbytes, post_s)
         deadline = self._dialect.write_deadline(t_post, plan.nbytes, self.cfg.timeouts)
-        leg = Leg(w, r, xfer, conn, t_post, deadline, plan.nbytes, post_s)
         w.t_posted = t_post
-        self._table.leg_posted(leg)
-        if state == XFER_DONE:
-            self.complete(leg, at_post=True)
-        elif state == XFER_ERR:
-            self.abandon(leg, Failure.WRITE_ERROR, "transfer() returned ERR")
+        self._track(Leg(w, r, xfer, conn, t_post, deadline, plan.nbytes, post_s), state)
         return None
+
+    def _track(self, posted: Leg | Batch, state: XferState) -> None:
+        """A WRITE just posted, in the table; one that ended at its post (done or failed) is
+        settled here and now."""
+        self._table.leg_posted(posted)
+        if state == XFER_DONE:
+            self.complete(posted, at_post=True)
+        elif state == XFER_ERR:
+            self.abandon(posted, Failure.WRITE_ERROR, "transfer() returned ERR")
 
     def check(self, entry: InFlight, now: float) -> Ended | EvictPeer | None:
         """Poll one WRITE (or fence): None while in progress; once it ended (completed, failed
