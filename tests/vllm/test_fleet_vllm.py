@@ -26,6 +26,7 @@ import pytest
 from harness import Untouched, VllmPeer, request_ids, start_many, stop_many
 
 from kvpush.commands.leg.legs import prefill_leg
+from kvpush.transport.contact import tcp_contact
 from tests.conftest import Served, ServeFactory, run_cli
 from tests.support.procs import wait_ready
 
@@ -67,7 +68,7 @@ def test_fleet_check_across_vllm_engines(
     )
     untouched = Untouched(vp, vd, vd64)
     r = run_cli("fleet", "check", "--endpoints", str(listing), "--json", timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr + _state_of(vp, vd, vd64, kp)
     rep = json.loads(r.stdout)
     assert rep["problems"] == [] and rep["unseen"] == 0, rep
     assert sorted(rep["prefills"]) == sorted([vp.address, kp.address])
@@ -86,7 +87,7 @@ def test_fleet_check_across_vllm_engines(
     assert (stand_in["outcome"], stand_in["reason"]) == ("compatible", "metadata"), stand_in
 
     text = run_cli("fleet", "check", "--endpoints", str(listing), timeout=120)
-    assert text.returncode == 0, text.stdout + text.stderr
+    assert text.returncode == 0, text.stdout + text.stderr + _state_of(vp, vd, vd64, kp)
     assert "compatible (metadata)" in text.stdout
     assert f"INCOMPATIBLE {vp.address} -> {vd64.address}: incompatible: block_bytes" in (
         text.stdout
@@ -110,3 +111,15 @@ def test_fleet_check_across_vllm_engines(
     assert dres["ok"] is True and dres["sha256"] == leg.sha256, (dres, leg)
     for peer in (vp, vd, vd64):
         peer.assert_alive("after the fleet check and the push")
+
+
+def _state_of(vp: VllmPeer, vd: VllmPeer, vd64: VllmPeer, kp: Served) -> str:
+    """After a failed check: each endpoint's state and a fresh TCP look at it, so that a rare
+    failure says whether the peers or the check were at fault."""
+    lines = ["", "-- after the failed check:"]
+    for peer in (vp, vd, vd64):
+        seen = tcp_contact(peer.address, 3.0)
+        lines.append(f"{peer.address}: {peer.why_not_alive() or 'alive'}; look: {seen}")
+    seen = tcp_contact(kp.address, 3.0)
+    lines.append(f"{kp.address} (kvpush): exit {kp.proc.poll()}; look: {seen}")
+    return "\n".join(lines)
