@@ -139,7 +139,7 @@ def endpoint_record(ep: Member, address: str, metrics_url: str = "") -> Endpoint
         pid=os.getpid(),
         tp_size=cfg.tp_size,
         wire=cfg.wire.value,
-        geometry=Geometry.of(cfg.pool, device=str(md.device_kind)),
+        geometry=Geometry.of(cfg.pool, str(md.device_kind)),
         compat_hash=compat,
         kvpush_version=__version__,
         nixl_version=md.nixl_version,

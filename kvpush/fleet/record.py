@@ -52,10 +52,17 @@ class Geometry(Struct, frozen=True, kw_only=True):
     device: str = "cpu"
 
     @classmethod
-    def of(cls, pool: PoolConfig | EndpointMetadata, device: str) -> Geometry:
+    def of(cls, pool: PoolConfig | EndpointMetadata, mem_type: str) -> Geometry:
         """The geometry of ``pool`` (an endpoint's ``PoolConfig``, or a peer's metadata): every
-        field but ``device``, which each source names in its own words, so the caller says it."""
-        return cls(**{f: getattr(pool, f) for f in _POOL_FIELDS}, device=device)
+        field of it, and ``device`` from the pool's NIXL memory type (``device_of``)."""
+        return cls(**{f: getattr(pool, f) for f in _POOL_FIELDS}, device=device_of(mem_type))
+
+
+def device_of(mem_type: str) -> str:
+    """A record's ``device`` for a pool in NIXL's memory type ``mem_type``: ``cuda`` for
+    ``VRAM``, else ``cpu`` -- one vocabulary whoever wrote the record (the endpoint itself,
+    ``fleet`` looking at a listed kvpush endpoint or vLLM engine)."""
+    return "cuda" if mem_type == "VRAM" else "cpu"
 
 
 #: What ``Geometry.of`` reads of a pool (the same names in ``PoolConfig`` and the metadata).

@@ -141,6 +141,7 @@ def test_graceful_stop_removes_the_key_first(etcd, serve) -> None:
     rec = until("P registered", lambda: record_at(e, p.address))
     assert (rec.role, rec.incarnation, rec.address) == ("prefill", p.incarnation, p.address)
     assert rec.pid == p.popen.pid and rec.agent_names and rec.geometry.num_blocks == 64
+    assert rec.geometry.device == "cpu"  # the words fleet ls --peer uses too, not NIXL's DRAM
     assert p.stop() == 0
     assert record_at(e, p.address) is None  # gone when the process is, no waiting on a TTL
     log = p.log_text()

@@ -32,7 +32,7 @@ from kvpush.address import parse_address
 from kvpush.commands.fleet.entries import Entry
 from kvpush.config import Role
 from kvpush.errors import KvpushError, PeerError
-from kvpush.fleet.record import EndpointRecord, Geometry, Load
+from kvpush.fleet.record import EndpointRecord, Geometry, Load, device_of
 from kvpush.wire import protocol, vllm
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def _vllm_record(entry: Entry, ident: PeerIdentity, role: Role, now: float) -> E
             block_bytes=lk.block_bytes,
             dtype="",  # not in vLLM's metadata: its compatibility hash covers it
             kv_layout=lk.kv_layout,
-            device="cuda" if mem == "VRAM" else "cpu",
+            device=device_of(mem),
         ),
         compat_hash=payload.compatibility_hash,
         kvpush_version=kv.version if kv is not None else "",
@@ -114,7 +114,7 @@ def _kvpush_record(entry: Entry, client: SideChannelClient, now: float) -> Endpo
         pid=0,
         tp_size=md.tp_size,
         wire="kvpush",
-        geometry=Geometry.of(md, device="cuda" if md.device_kind == "VRAM" else "cpu"),
+        geometry=Geometry.of(md, md.device_kind),
         compat_hash=protocol.compat_hash(md),
         kvpush_version=md.kvpush_version,
         nixl_version=md.nixl_version,
