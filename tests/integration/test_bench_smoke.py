@@ -158,11 +158,18 @@ def test_scenario_quick(name: str, tmp_path: Path) -> None:
     data: Any = r["data"]
     if name == "hol":
         assert {"slow", "dead", "two-slow+healthy"} <= set(figures)
+        assert "alone" not in figures  # the third peer's reference: no targets of its own
         assert set(data["series"]) == {
             f"{c}/{m}"
-            for c in ("slow", "dead", "two-slow+healthy")
+            for c in ("slow", "dead", "two-slow+healthy", "alone")
             for m in ("deferred", "blocking")
         }
+        # the reference of the third peer's target: a fresh D joining alone, once per repeat
+        assert len(figures["healthy_alone_join_s"]) == 1, figures["healthy_alone_join_s"]
+        targets: Any = r["targets"]
+        third = [t for t in targets if t["name"].startswith("healthy third peer joins")]
+        assert len(third) == 1 and third[0]["measured"] != "failed", third
+        assert figures["healthy_third_over_alone"] > 0, figures["healthy_third_over_alone"]
     if name == "handshake":
         sizes = figures["sizes"]
         assert len(sizes) >= 2 and all(

@@ -3,8 +3,10 @@
 Processes: P-deferred and P-blocking (``Instruments.writer``: the blocking writer is no serve
 flag), D1 (established, steady load on both), and per case the joining Ds: a D whose handshake
 replies take H seconds (``Instruments.handshake_reply_delay_s``: its side channel answers
-late), a D that never answers (replies delayed for an hour: P's handshake times out), and two
-slow Ds plus a healthy third one joining 50 ms after them.
+late), a D that never answers (replies delayed for an hour: P's handshake times out), two
+slow Ds plus a healthy third one joining 50 ms after them, and -- the third one's reference -- a
+healthy D joining alone at the same point of its window (a fresh process like the third one: a
+new peer's first request is compared with a new peer's, not with D1's warm second join).
 
 Per case and writer mode, in the same run and interleaved (case by case, deferred then
 blocking): D1 decodes at a steady rate (open loop, ``steady_decode``) while P prefills the same
@@ -70,6 +72,13 @@ def _cases(p: HolParams) -> list[Case]:
                 ("d3-healthy", 0.0, 0.05),
             ),
             "delay",
+        ),
+        Case(
+            "alone",
+            "a healthy new D joins alone, 50 ms into the window (the third peer's reference)",
+            (("d3-alone", 0.0, 0.05),),
+            "delay",
+            reference=True,
         ),
     ]
 

@@ -26,3 +26,6 @@ class Case:
     label: str
     joiners: tuple[tuple[str, float, float], ...]  # (worker name, reply delay, join offset)
     window_of: str  # "delay" or "timeout"
+    #: A reference, not a test of the writer: its joiner is what another case's healthy peer is
+    #: compared with, and it has no head-of-line targets of its own.
+    reference: bool = False
