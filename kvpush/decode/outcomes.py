@@ -63,6 +63,7 @@ class Outcomes:
                 decode_host=self._ctx.cfg.host,
                 decode_port=self._ctx.metadata.port,
                 decode_tp_rank=self._ctx.metadata.tp_rank,
+                decode_incarnation=self._ctx.incarnation,
             )
             held = self._ctx.dialect.abandoned_until(time.monotonic(), self._ctx.cfg.timeouts)
             if held is None:

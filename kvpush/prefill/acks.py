@@ -10,6 +10,13 @@ quarantined for as long as P lived. ``OwedAcks`` keeps them per D rank and hands
 what is still owed after that is counted ``cancel_unacknowledged``. Bounded: at most
 ``MAX_OWED_ACKS`` acknowledgements owed at once (beyond it, counted and dropped).
 
+An acknowledgement goes only to the D agent that cancelled (the incarnation at that address when
+the Cancel came): sent over the connection of an incarnation that died since, it is lost; and
+when P evicts a D rank's connection, only what it owed to that connection's agent is dropped --
+what a newer incarnation at the same address is owed stays, and P handshakes to it. An
+acknowledgement whose incarnation P finds replaced (P connected to another one at that address
+after the Cancel came) has nobody left to free blocks for: dropped, not counted.
+
 Runs on the writer thread; a handshake's completion comes back through the tasks inbox.
 """
 
@@ -18,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from kvpush.config import HandshakeMode
 from kvpush.peers.handshakes import PeerConn, PeerKey
@@ -31,6 +39,15 @@ from kvpush.wire import protocol
 MAX_ATTEMPTS = 6
 #: Acknowledgements owed at once, over every D rank.
 MAX_OWED_ACKS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Owed:
+    """One acknowledgement owed: to the agent whose Cancel it answers, since ``t_owed``."""
+
+    ack: protocol.Failure
+    agent: str  # the D agent that cancelled (one incarnation of that D rank)
+    t_owed: float  # wall clock, as a connection's ``connected_at``
 
 
 class OwedAcks:
@@ -47,7 +64,7 @@ class OwedAcks:
         self._tasks = tasks
         self._notify = notify
         self._retry_s = max(retry_s, 0.05)
-        self._owed: dict[PeerKey, list[protocol.Failure]] = {}
+        self._owed: dict[PeerKey, list[Owed]] = {}
         self._attempts: dict[PeerKey, int] = {}
         self._due: dict[PeerKey, float] = {}  # next handshake for a rank whose last failed
         self._pending: set[PeerKey] = set()  # a handshake is under way
@@ -57,12 +74,13 @@ class OwedAcks:
     def n_owed(self) -> int:
         return self._n
 
-    def add(self, key: PeerKey, ack: protocol.Failure) -> None:
-        """Owe ``ack`` to D rank ``key``: send it once a connection to it is up."""
+    def add(self, key: PeerKey, ack: protocol.Failure, agent: str) -> None:
+        """Owe ``ack`` to ``agent``, D rank ``key``'s incarnation that cancelled: send it once a
+        connection to it is up."""
         if self._n >= MAX_OWED_ACKS:
             self._ctx.telemetry.fail(Failure.CANCEL_UNACKNOWLEDGED)
             return
-        self._owed.setdefault(key, []).append(ack)
+        self._owed.setdefault(key, []).append(Owed(ack, agent, time.time()))
         self._n += 1
         if key not in self._due:  # else: its back-off decides when to try again
             self._connect(key)
@@ -74,9 +92,20 @@ class OwedAcks:
                 del self._due[key]
                 self._connect(key)
 
-    def forget(self, key: PeerKey) -> None:
-        """D rank ``key`` is gone (its process ended): nothing of it waits for these."""
-        self._drop(key, counted=False)
+    def forget(self, key: PeerKey, conn: PeerConn | None) -> None:
+        """P evicted D rank ``key``'s connection ``conn`` (None: it had none): what was owed to
+        its agent is dropped (that incarnation is gone or will be connected afresh); what a
+        newer incarnation is owed stays, and P handshakes to it now."""
+        owed = self._owed.get(key, [])
+        if conn is None or all(o.agent == conn.agent_name for o in owed):
+            self._drop(key, counted=False)
+            return
+        keep = [o for o in owed if o.agent != conn.agent_name]
+        self._n -= len(owed) - len(keep)
+        self._owed[key] = keep
+        self._attempts.pop(key, None)
+        self._due.pop(key, None)
+        self._connect(key)
 
     def _connect(self, key: PeerKey) -> None:
         if key in self._pending:
@@ -106,16 +135,30 @@ class OwedAcks:
 
     def _flush(self, key: PeerKey) -> None:
         conn = self._ctx.handshakes.get(key)
-        acks = self._owed.get(key, [])
         if conn is None:
             self._failed(key)
             return
-        while acks:
-            if not self._notify(conn, acks[0]):
+        owed = self._owed.get(key, [])
+        later: list[Owed] = []  # owed to a newer incarnation than the one connected
+        while owed:
+            o = owed[0]
+            if o.agent != conn.agent_name:
+                if conn.connected_at <= o.t_owed:
+                    later.append(o)  # P still holds an older incarnation's connection
+                else:
+                    self._n -= 1  # replaced since it cancelled: nobody waits for this
+                owed.pop(0)
+                continue
+            if not self._notify(conn, o.ack):
+                owed[:0] = later
                 self._failed(key)
                 return
-            acks.pop(0)
+            owed.pop(0)
             self._n -= 1
+        if later:
+            self._owed[key] = later
+            self._failed(key)  # handshake again later: the old connection goes meanwhile
+            return
         self._owed.pop(key, None)
         self._attempts.pop(key, None)
 

@@ -226,4 +226,4 @@ class Outcomes:
             self._ctx.telemetry.fail(Failure.CANCEL_UNACKNOWLEDGED)
             return
         # Owed until a connection is up: handshakes again if one fails (kvpush.prefill.acks).
-        self.acks.add((msg.decode_host, msg.decode_port, msg.decode_tp_rank), ack)
+        self.acks.add((msg.decode_host, msg.decode_port, msg.decode_tp_rank), ack, sender)

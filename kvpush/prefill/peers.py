@@ -1,14 +1,14 @@
 """P's view of the D ranks it writes to: the connection a leg is written on, and a D rank that is
 gone, idle, down or restarted.
 
-``connection`` is the full connection to the D incarnation that registered (the one incarnation
-check, ``_current``), or the handshake's future while one runs: a PUSH_REG whose incarnation died
-since fails its push (``stale_registration``); a D restarted at the same address is evicted
-before its new incarnation is connected (``peer_restarted``). ``evict`` forgets a D rank: its legs
-in flight fail, or -- a peer evicted for transport errors, which may still be alive -- are
-abandoned as bytes that may still land while its fences stay owed; its connection is released.
-``forget`` evicts every rank of a D proven gone; ``housekeeping`` the idle ones (once a second)
-and those the peer watch found down.
+``connection`` is the full connection to the D incarnation that registered, or the handshake's
+future while one runs. The one incarnation check is ``heard_from`` (a PUSH_REG's and a Cancel's):
+a PUSH_REG whose incarnation died since fails its push (``stale_registration``); a D restarted at
+the same address is evicted before its new incarnation is connected (``peer_restarted``).
+``evict`` forgets a D rank: its legs in flight fail, or -- a peer evicted for transport errors,
+which may still be alive -- are abandoned as bytes that may still land while its fences stay
+owed; its connection is released. ``forget`` evicts every rank of a D proven gone;
+``housekeeping`` the idle ones (once a second) and those the peer watch found down.
 
 Thread: the writer's owner thread (``PushWriter`` calls it). It calls ``Legs``, ``Fences`` and
 ``Outcomes`` (the writer's other collaborators), never back up into the writer.
@@ -65,21 +65,34 @@ class DecodePeers:
             # The handshake said connected, yet there is no full connection.
             self._out.fail(push, Failure.HANDSHAKE_FAILED, "peer not connected")
             return None
-        if conn is not None and not _current(r, conn):
-            if again or conn.connected_at > time.time() - (time.monotonic() - r.t_arrived):
-                # We connected to this incarnation after the PUSH_REG arrived (``again``: just
-                # now): it comes from an incarnation that has since died. Evicting the live one
-                # would fail its pushes; writing would hit blocks that belong to someone else.
-                self._out.fail(push, Failure.STALE_REGISTRATION, "D restarted after this PUSH_REG")
-                return None
-            # D restarted at the same address: forget the old incarnation first.
-            self.evict(key, f"new incarnation {r.reg.decode_incarnation}", Failure.PEER_RESTARTED)
-            conn = None
+        if not self.heard_from(key, r.reg.decode_incarnation, r.t_arrived, again):
+            # Writing would hit blocks that belong to someone else now.
+            self._out.fail(push, Failure.STALE_REGISTRATION, "D restarted after this PUSH_REG")
+            return None
+        conn = self._ctx.handshakes.get(key)  # (None when an older incarnation was just dropped)
         if conn is not None and conn.remote_dlist is not None:
             return conn
         hint = PeerHint(r.reg.decode_engine_id, r.reg.decode_tp_size, role=Role.DECODE)
         fut = self._ctx.handshakes.ensure(key, HandshakeMode.FULL, hint)
         return fut if fut is not None else self.connection(push, r, again=True)
+
+    def heard_from(
+        self, key: PeerKey, incarnation: str, t_arrived: float, connected_since: bool = False
+    ) -> bool:
+        """The one incarnation check, for a message (a PUSH_REG, a Cancel) from D rank ``key``'s
+        ``incarnation`` that arrived at ``t_arrived``. False when it comes from an incarnation
+        that has since died: P connected to another one at that address after it arrived
+        (``connected_since``: P just did); evicting the live one would fail its pushes. True
+        otherwise -- P holds that incarnation, none, or (D restarted at the same address) an
+        older one, which is evicted first (``peer_restarted``). A message naming no
+        incarnation (an older kvpush D, vLLM) matches any."""
+        conn = self._ctx.handshakes.get(key)
+        if conn is None or not incarnation or conn.metadata.incarnation == incarnation:
+            return True
+        if connected_since or conn.connected_at > time.time() - (time.monotonic() - t_arrived):
+            return False
+        self.evict(key, f"new incarnation {incarnation}", Failure.PEER_RESTARTED)
+        return True
 
     def forget(self, g: PeerGone) -> None:
         """A D proven gone or replaced: evict every rank of it (its legs fail with ``g.reason``)."""
@@ -96,7 +109,7 @@ class DecodePeers:
         else:
             self._legs.peer_gone(key, reason, failure or Failure.PEER_DEAD)
             self._fences.forget_peer(key)
-            self._out.acks.forget(key)
+            self._out.acks.forget(key, conn)
         if conn is not None:
             self._ctx.handshakes.release_conn(conn)
 
@@ -111,10 +124,3 @@ class DecodePeers:
                     self.evict(key, "idle")
         for key, why in self._ctx.handshakes.down():  # its process is gone (kvpush.peers.watch)
             self.evict(key, f"down: {why}")
-
-
-def _current(r: Registration, conn: PeerConn) -> bool:
-    """The one incarnation check: ``conn`` reaches the D incarnation that sent ``r`` (a
-    PUSH_REG without an incarnation matches any)."""
-    inc = r.reg.decode_incarnation
-    return not inc or conn.metadata.incarnation == inc

@@ -315,14 +315,7 @@ class PushWriter:
             reg = d.push.registration
             # With D's address: when the handshake failed there is no connection yet, and the
             # acknowledgement is owed until one is up (kvpush.prefill.acks), not dropped.
-            cancel = protocol.Cancel(
-                request_id=reg.reg.request_id,
-                transfer_id=reg.reg.transfer_id,
-                decode_host=reg.reg.decode_host,
-                decode_port=reg.reg.decode_port,
-                decode_tp_rank=reg.reg.decode_tp_rank,
-            )
-            self._out.ack_cancel(cancel, reg.sender)
+            self._out.ack_cancel(protocol.Cancel.of(reg.reg), reg.sender)
         elif d.error is not None:
             self._out.fail(d.push, handshake_failure(d.error, Role.DECODE), str(d.error))
         elif self._owner.stopping:
@@ -375,6 +368,9 @@ class PushWriter:
         elif isinstance(msg, protocol.Cancel):
             self._ctx.telemetry.inc(Counter.CANCELS_RECEIVED)
             self._flush()  # a push matched earlier in this pass is posted first, as it was
+            if msg.decode_port:  # (its acknowledgement goes to the incarnation that cancelled)
+                peer = (msg.decode_host, msg.decode_port, msg.decode_tp_rank)
+                self._peers.heard_from(peer, msg.decode_incarnation, time.monotonic())
             self._out.on_cancel(msg, sender)
         elif isinstance(msg, protocol.Ping):
             self._on_ping(sender, msg)

@@ -175,13 +175,23 @@ class Cancel(Struct, tag="cancel", frozen=True, kw_only=True):
     """D -> P: D abandoned this request; P must not WRITE into its blocks, and fences.
 
     Carries D's side-channel address so that P can acknowledge even before it ever connected
-    to D (the common case: D's deadline passes before P finished its blocks)."""
+    to D (the common case: D's deadline passes before P finished its blocks), and D's
+    incarnation, so that P acknowledges to the incarnation that cancelled: a P still holding
+    the connection of a D that restarted at that address drops it first, as for a PUSH_REG
+    (absent from an older kvpush D: then any incarnation matches)."""
 
     request_id: Str256
     transfer_id: Str256 = ""
     decode_host: Str256 = ""
     decode_port: Port = 0
     decode_tp_rank: NonNeg = 0
+    decode_incarnation: Str128 = ""
+
+    @classmethod
+    def of(cls, reg: PushReg) -> Cancel:
+        """The Cancel of the request ``reg`` registered, as its D would send it (each of its
+        fields is the PUSH_REG's field of that name)."""
+        return cls(**{f: getattr(reg, f) for f in cls.__struct_fields__})
 
 
 class Fence(Struct, tag="fence", frozen=True, kw_only=True):

@@ -233,6 +233,31 @@ def test_d_restarted_at_same_address(tmp_path: Path) -> None:
             settle(a, quarantine_clears=True)
 
 
+def test_cancel_from_a_restarted_d_is_acknowledged_to_it(tmp_path: Path) -> None:
+    """P still holds its connection to a D that was killed and restarted at the same address
+    when the new incarnation registers a request and cancels it (its deadline passed before
+    P's blocks were done): P acknowledges the cancel to the incarnation that sent it, not over
+    the dead one's connection, and does not drop it when the dead one is evicted; the new D's
+    blocks come back. (The soak found this: the ack went to the old agent, or was forgotten
+    with it, and the new D's blocks stayed quarantined for as long as P lived.)"""
+    port = free_port()
+    with cluster_ctx(tmp_path) as c:
+        p = c.start("prefill", "p")
+        d = c.start("decode", "d", port=port)
+        fresh_batch(p.address, [d.address], n=4)  # P holds a full connection to D
+        c.kill("d")
+        d = c.restart("d")
+        for i in range(3):
+            r = run_leg(f"cancel-{i}", p.address, d.address, 4, deadline_s=0.5, send_p=False)
+            assert (r.outcome, r.reason) == ("failed", "deadline"), r
+        settle(d.address, timeout_s=15, quarantine_clears=True)
+        assert failures(p.address).get("cancel_unacknowledged", 0) == 0, failures(p.address)
+        fresh_batch(p.address, [d.address], n=4, prefix="after")
+        for a in (p.address, d.address):
+            settle(a, quarantine_clears=True)
+
+
+@pytest.mark.slow
 @pytest.mark.slow
 def test_p_killed_mid_push_then_restarted(tmp_path: Path) -> None:
     port = free_port()

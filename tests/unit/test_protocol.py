@@ -383,3 +383,13 @@ def test_decoding_is_fast_on_a_large_frame() -> None:
     with pytest.raises(ProtocolError):
         protocol.decode_request_body(b"\x91" * (protocol.MAX_FRAME_BYTES - 16))
     assert time.perf_counter() - t0 < 5.0
+
+
+def test_a_cancel_names_the_request_and_d_incarnation_of_its_push_reg() -> None:
+    reg = next(m for m in NOTIFS if isinstance(m, protocol.PushReg))
+    c = protocol.Cancel.of(reg)
+    assert (c.request_id, c.transfer_id, c.decode_incarnation) == ("r", "t", "inc")
+    assert (c.decode_host, c.decode_port, c.decode_tp_rank) == ("127.0.0.1", 1, 1)
+    # An older kvpush D's Cancel (no incarnation) still decodes: P then matches any.
+    old = msgspec.json.encode({"type": "cancel", "request_id": "r"})
+    assert msgspec.json.decode(old, type=protocol.Cancel).decode_incarnation == ""
