@@ -19,6 +19,7 @@ import time
 
 from kvpush.config import HandshakeMode
 from kvpush.peers.handshakes import PeerKey
+from kvpush.peers.state import peer_name
 from kvpush.prefill.context import WriterContext
 from kvpush.prefill.plan import fence_plan
 from kvpush.prefill.table import FenceEntry, FenceWrite
@@ -66,6 +67,30 @@ class Fences:
         else:  # peer stalled (e.g. frozen): fence again later; blocks stay quarantined
             self._pending.setdefault(fw.conn.key, []).extend(fw.entries)
 
+    def _drop_replaced(
+        self, peer: PeerKey, entries: list[FenceEntry], incarnation: str
+    ) -> list[FenceEntry]:
+        """The entries whose D incarnation is the one now connected at ``peer``; the others'
+        incarnation was replaced at that address (a new one answered P's handshake there):
+        nothing of theirs can land any more, so their blocks are free -- and a fence must never
+        carry them, for it would write onto a block the new incarnation may have given to
+        another request."""
+        keep = [e for e in entries if not e.incarnation or e.incarnation == incarnation]
+        if len(keep) < len(entries):
+            for e in entries:
+                if e.incarnation and e.incarnation != incarnation:
+                    self._ctx.pool.allocator.release_quarantined(e.key)
+            log.info(
+                "fences: %d owed to a replaced incarnation of %s dropped (nothing can land)",
+                len(entries) - len(keep),
+                peer_name(peer),
+            )
+            if keep:
+                self._pending[peer] = keep
+            else:
+                del self._pending[peer]
+        return keep
+
     def send(self, local_dlist: DList) -> list[FenceWrite]:
         """Post one fence per peer with pending entries; return those already DONE at post."""
         done: list[FenceWrite] = []
@@ -79,6 +104,9 @@ class Fences:
                 if now >= self._reconnect_at.get(peer, 0.0):
                     self._reconnect_at[peer] = now + self._timeout_s
                     self._ctx.handshakes.ensure(peer, HandshakeMode.FULL)
+                continue
+            entries = self._drop_replaced(peer, entries, conn.metadata.incarnation)
+            if not entries:
                 continue
             del self._pending[peer]
             if len(entries) > MAX_PER_FENCE:

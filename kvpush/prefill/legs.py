@@ -367,7 +367,12 @@ class Legs:
                 reg = leg.registration.reg
                 self._fences.add(
                     leg.conn.key,
-                    FenceEntry(leg.push.key, int(reg.local_block_ids[0][0]), reg.request_id),
+                    FenceEntry(
+                        leg.push.key,
+                        int(reg.local_block_ids[0][0]),
+                        reg.request_id,
+                        leg.conn.metadata.incarnation,
+                    ),
                 )
             w = self._table.done(leg)
             if w is not None:

@@ -138,11 +138,13 @@ class CancelledEarly:
 
 @dataclass(frozen=True)
 class FenceEntry:
-    """A quarantined transfer a fence covers: P's key, one of D's blocks of it, D's request id."""
+    """A quarantined transfer a fence covers: P's key, one of D's blocks of it, D's request id,
+    and the D incarnation its WRITE went to (the block is that incarnation's; "" if unknown)."""
 
     key: str
     d_block: int
     d_request_id: str
+    incarnation: str = ""
 
 
 @dataclass

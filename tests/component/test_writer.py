@@ -524,6 +524,49 @@ def test_write_timeouts_degrade_but_never_evict_so_the_fence_shares_their_connec
     assert rig.free() == 32
 
 
+def test_a_fence_owed_to_a_replaced_d_incarnation_is_never_written_to_the_new_one(
+    rig: Rig,
+) -> None:
+    """WRITEs that failed (bytes may still land) until P evicted the peer for transport errors,
+    fences still owed; then D restarted at the same address. P's reconnection finds the new
+    incarnation: the fences are dropped and P's blocks freed (nothing can land in a process
+    that is gone), and no fence WRITE goes to the new D -- it would land on a block the new
+    incarnation may have handed to another request."""
+    d = rig.stub()
+    rig.agent.default_state = XferState.PROC
+    rig.connect(d)
+    n = 3  # the default error limit: the third error evicts the peer
+    for i in range(n):
+        rig.writer.finished.put(rig.finished(f"t{i}", 1))
+        rig.register(rig.registration(d, rig.reg(d, f"t{i}", [20 + i], request_id=f"r{i}")))
+    rig.step()
+    assert len(rig.agent.writes) == n
+    for wr in rig.agent.writes:
+        rig.agent.script_states(wr.xfer, TransferError(TransferKind.BACKEND, "check: boom"))
+    rig.step()
+    assert rig.failures()["write_error"] == n
+    assert rig.hs.get(d.key) is None  # evicted for transport errors: maybe alive, fences owed
+    assert all(rig.pool.allocator.state_of(f"t{i}") == BlockState.QUARANTINED for i in range(n))
+
+    d.new_incarnation()  # D restarted at the same address
+    rig.agent.default_state = XferState.DONE
+    rig.owner.force_housekeeping()
+    rig.step()  # the owed fences make P connect again: to the new incarnation
+
+    def reconnected() -> bool:
+        rig.owner.force_housekeeping()
+        rig.step()
+        conn = rig.hs.get(d.key)
+        return conn is not None and conn.metadata.incarnation == d.incarnation
+
+    wait_until(reconnected, what="P to connect to D's new incarnation")
+    rig.owner.force_housekeeping()
+    rig.step()
+    assert len(rig.agent.writes) == n, "a fence of the old incarnation was written to the new one"
+    assert rig.counters().get("fences_sent", 0) == 0
+    assert rig.free() == 32  # the blocks of the replaced incarnation's WRITEs are free
+
+
 # ------------------------------------------------------------------ cancel from D
 
 
