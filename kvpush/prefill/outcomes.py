@@ -18,6 +18,7 @@ from kvpush.config import Role
 from kvpush.peers.handshakes import PeerConn
 from kvpush.prefill.acks import OwedAcks
 from kvpush.prefill.context import WriterContext
+from kvpush.prefill.events import EvictPeer
 from kvpush.prefill.limits import MAX_DECLINED_IDS
 from kvpush.prefill.table import (
     AwaitingHandshake,
@@ -35,7 +36,7 @@ from kvpush.runtime.decline import Decliner
 from kvpush.runtime.inbox import Inbox
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.names import Counter, Failure
-from kvpush.transport.agent import TransferError
+from kvpush.transport.agent import GONE, TransferError
 from kvpush.wire import protocol
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ class Outcomes:
         self._rl = RateLimitedLog(log)
         # A cancel acknowledged once its handshake is up comes back through ``tasks``.
         self.acks = OwedAcks(ctx, owner, tasks, self.notify, ACK_RETRY_S)
+        # Peers a failed notification said to evict, with the connection it failed on: the
+        # writer evicts them after its pass (``take_evictions``), not in the middle of it.
+        self._evictions: list[tuple[PeerConn, EvictPeer]] = []
 
     def fail(self, push: Push, reason: Failure, detail: str) -> None:
         """A push that fails before any of its WRITEs was posted: every target D rank is told,
@@ -118,9 +122,18 @@ class Outcomes:
             return True
         except TransferError as e:
             self._rl.warning("notify", "notification to %s failed: %s", conn.address, e)
-            if not conn.evicted:  # counted and degraded; the next WRITE error evicts it
-                self._ctx.handshakes.transport_error(conn.key, e)
+            if not conn.evicted and self._ctx.handshakes.transport_error(conn.key, e):
+                # NIXL said its agent is gone (or errors piled up): evicted after this pass.
+                soft = e.kind not in GONE
+                reason = f"notification failed: {e.status}"
+                self._evictions.append((conn, EvictPeer(conn.key, reason, soft)))
             return False
+
+    def take_evictions(self) -> list[tuple[PeerConn, EvictPeer]]:
+        """The peers failed notifications said to evict since the last call, each with the
+        connection the notification failed on (a newer one at that key is not evicted)."""
+        out, self._evictions = self._evictions, []
+        return out
 
     def stopping(self, reason: Failure, detail: str) -> None:
         """This P rank writes nothing more: a request-less ``Failure`` to every connected D

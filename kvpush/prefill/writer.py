@@ -126,7 +126,16 @@ class PushWriter:
             self._ctx.agent, self._ctx.codec, self._ctx.telemetry, self._rl, self._on_notif
         )
         self._flush()  # the pass's matched pushes: coalesced per D rank, posted now
-        return n + self._poll_legs() if self.table.has_inflight() else n
+        n = n + self._poll_legs() if self.table.has_inflight() else n
+        self._evict_unreachable()
+        return n
+
+    def _evict_unreachable(self) -> None:
+        """Evict the peers a failed notification said to (its agent is gone), if the
+        connection it failed on is still the one held at that key."""
+        for conn, ev in self._out.take_evictions():
+            if not conn.evicted and self._ctx.handshakes.get(ev.key) is conn:
+                self._dispatch(ev)
 
     def _flush(self) -> None:
         """Post this pass's matched legs, one WRITE per D rank (before anything sees them)."""
@@ -208,6 +217,7 @@ class PushWriter:
             for fw in self._fences.send(self._legs.local_dlist):
                 self._legs.complete(fw)
         self._out.acks.retry(now)
+        self._evict_unreachable()
         self._peers.housekeeping(now)
 
     # ------------------------------------------------------------------ inbox handlers

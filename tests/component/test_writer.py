@@ -584,6 +584,21 @@ def test_cancel_of_waiting_registration_acknowledged(rig: Rig) -> None:
     assert rig.tm.snapshot().gauges["regs_waiting_blocks"] == 0
 
 
+def test_a_notification_that_finds_d_gone_evicts_it_after_the_pass(rig: Rig) -> None:
+    """NIXL says D's agent is gone when P acknowledges its cancel: the peer is evicted (its
+    agent removed) by the end of the pass, not left degraded until some WRITE fails too."""
+    d = rig.stub()
+    rig.connect(d)
+    rig.notify_from(d, rig.reg(d, "t1", [1, 2], request_id="r1"))
+    rig.step()
+    rig.agent.raise_on("send_notif", TransferError(TransferKind.PEER_DEAD, "send_notif: gone"))
+    rig.notify_from(d, protocol.Cancel(request_id="r1", transfer_id="t1"))
+    rig.step()
+    assert rig.hs.get(d.key) is None
+    assert d.agent_name in rig.agent.removed
+    assert rig.counters()["peers_evicted"] == 1
+
+
 def _cancel_from_unconnected(rig: Rig, d: StubPeer, rid: str) -> None:
     """D's Cancel of a request P does not know, from a D rank P holds no connection to."""
     rig.notify_from(

@@ -105,6 +105,12 @@ def _forge(forger: Forger, p_address: str, transfer_id: str, d_port: int, p_port
     )
 
 
+def _warnings(log: str, last: int = 25) -> str:
+    """An endpoint log's last warnings (a long quarantine says what its blocks wait for)."""
+    lines = [ln[:400] for ln in log.splitlines() if " WARNING " in ln or " ERROR " in ln]
+    return "\n".join(lines[-last:])
+
+
 def test_soak_with_random_faults(tmp_path: Path) -> None:
     rng = random.Random(int(os.environ.get("KVPUSH_SOAK_SEED", "11")))
     ports = {n: free_port() for n in ("p", "d0", "d1", "d2")}
@@ -165,7 +171,14 @@ def test_soak_with_random_faults(tmp_path: Path) -> None:
         p = c.procs["p"]
         d_addrs = [c.procs[f"d{i}"].address for i in range(3)]
         fresh_batch(p.address, d_addrs, n=24, prefix="after-soak")
-        for a in (p.address, *d_addrs):
-            settle(a, timeout_s=15, quarantine_clears=True)
+        for name, proc in c.procs.items():
+            try:
+                settle(proc.address, timeout_s=15, quarantine_clears=True)
+            except AssertionError as e:
+                # What each endpoint said about what it waits for (its warnings, the last ones).
+                said = {n: _warnings(q.log_text()) for n, q in c.procs.items()}
+                raise AssertionError(
+                    f"{name}: {e}\n" + "\n".join(f"--- {n}:\n{w}" for n, w in said.items())
+                ) from None
         for n, proc in c.procs.items():
             base[n].assert_bounded(ProcStats.of(proc.popen.pid), f"{n} after the soak")
