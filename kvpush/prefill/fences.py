@@ -22,7 +22,7 @@ from kvpush.peers.handshakes import PeerKey
 from kvpush.peers.state import peer_name
 from kvpush.prefill.context import WriterContext
 from kvpush.prefill.plan import fence_plan
-from kvpush.prefill.table import FenceEntry, FenceWrite
+from kvpush.prefill.table import FenceEntry, FenceWrite, Leg
 from kvpush.ratelog import RateLimitedLog
 from kvpush.telemetry.names import Counter, Failure
 from kvpush.transport.agent import XFER_DONE, DList, TransferError
@@ -31,6 +31,14 @@ from kvpush.wire import protocol
 log = logging.getLogger(__name__)
 
 MAX_PER_FENCE = 4096  # one Fence notification names at most this many requests
+
+
+def entry_of(leg: Leg) -> FenceEntry:
+    """What a fence of ``leg``'s abandoned WRITE covers: one of its D blocks, of the D
+    incarnation it went to."""
+    reg = leg.registration.reg
+    d_block = int(reg.local_block_ids[0][0])
+    return FenceEntry(leg.push.key, d_block, reg.request_id, leg.conn.metadata.incarnation)
 
 
 class Fences:

@@ -36,13 +36,12 @@ from kvpush.prefill import coalesce
 from kvpush.prefill.coalesce import Pending, Ready
 from kvpush.prefill.context import WriterContext
 from kvpush.prefill.events import ENDED, NO_EVENTS, Ended, Event, EvictPeer, Rewait
-from kvpush.prefill.fences import Fences
+from kvpush.prefill.fences import Fences, entry_of
 from kvpush.prefill.lanestats import PeerLanes
 from kvpush.prefill.outcomes import Outcomes
 from kvpush.prefill.plan import PlanError, WritePlan, plan_write
 from kvpush.prefill.table import (
     Batch,
-    FenceEntry,
     FenceWrite,
     InFlight,
     Leg,
@@ -364,16 +363,7 @@ class Legs:
         for leg in legs:
             self._out.fail_leg(leg, reason, detail, may_have_written)
             if may_have_written:
-                reg = leg.registration.reg
-                self._fences.add(
-                    leg.conn.key,
-                    FenceEntry(
-                        leg.push.key,
-                        int(reg.local_block_ids[0][0]),
-                        reg.request_id,
-                        leg.conn.metadata.incarnation,
-                    ),
-                )
+                self._fences.add(leg.conn.key, entry_of(leg))
             w = self._table.done(leg)
             if w is not None:
                 self.settle(w)

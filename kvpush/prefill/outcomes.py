@@ -129,11 +129,12 @@ class Outcomes:
                 self._evictions.append((conn, EvictPeer(conn.key, reason, soft)))
             return False
 
-    def take_evictions(self) -> list[tuple[PeerConn, EvictPeer]]:
-        """The peers failed notifications said to evict since the last call, each with the
-        connection the notification failed on (a newer one at that key is not evicted)."""
+    def take_evictions(self) -> list[EvictPeer]:
+        """The peers failed notifications said to evict since the last call whose connection
+        is still the one that failed (a newer one at that key is not evicted)."""
         out, self._evictions = self._evictions, []
-        return out
+        hs = self._ctx.handshakes
+        return [ev for conn, ev in out if not conn.evicted and hs.get(ev.key) is conn]
 
     def stopping(self, reason: Failure, detail: str) -> None:
         """This P rank writes nothing more: a request-less ``Failure`` to every connected D

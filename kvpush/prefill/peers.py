@@ -28,6 +28,7 @@ from kvpush.prefill.legs import Legs
 from kvpush.prefill.outcomes import Outcomes
 from kvpush.prefill.table import Push, Registration
 from kvpush.telemetry.names import Failure
+from kvpush.wire import protocol
 
 
 class DecodePeers:
@@ -93,6 +94,12 @@ class DecodePeers:
             return False
         self.evict(key, f"new incarnation {incarnation}", Failure.PEER_RESTARTED)
         return True
+
+    def cancelled(self, msg: protocol.Cancel) -> None:
+        """A Cancel from the D rank it names: the incarnation check, before P acknowledges."""
+        if msg.decode_port:
+            key = (msg.decode_host, msg.decode_port, msg.decode_tp_rank)
+            self.heard_from(key, msg.decode_incarnation, time.monotonic())
 
     def forget(self, g: PeerGone) -> None:
         """A D proven gone or replaced: evict every rank of it (its legs fail with ``g.reason``)."""

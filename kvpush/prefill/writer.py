@@ -127,15 +127,9 @@ class PushWriter:
         )
         self._flush()  # the pass's matched pushes: coalesced per D rank, posted now
         n = n + self._poll_legs() if self.table.has_inflight() else n
-        self._evict_unreachable()
+        for ev in self._out.take_evictions():  # a notification found its agent gone
+            self._dispatch(ev)
         return n
-
-    def _evict_unreachable(self) -> None:
-        """Evict the peers a failed notification said to (its agent is gone), if the
-        connection it failed on is still the one held at that key."""
-        for conn, ev in self._out.take_evictions():
-            if not conn.evicted and self._ctx.handshakes.get(ev.key) is conn:
-                self._dispatch(ev)
 
     def _flush(self) -> None:
         """Post this pass's matched legs, one WRITE per D rank (before anything sees them)."""
@@ -217,7 +211,8 @@ class PushWriter:
             for fw in self._fences.send(self._legs.local_dlist):
                 self._legs.complete(fw)
         self._out.acks.retry(now)
-        self._evict_unreachable()
+        for ev in self._out.take_evictions():
+            self._dispatch(ev)
         self._peers.housekeeping(now)
 
     # ------------------------------------------------------------------ inbox handlers
@@ -378,9 +373,7 @@ class PushWriter:
         elif isinstance(msg, protocol.Cancel):
             self._ctx.telemetry.inc(Counter.CANCELS_RECEIVED)
             self._flush()  # a push matched earlier in this pass is posted first, as it was
-            if msg.decode_port:  # (its acknowledgement goes to the incarnation that cancelled)
-                peer = (msg.decode_host, msg.decode_port, msg.decode_tp_rank)
-                self._peers.heard_from(peer, msg.decode_incarnation, time.monotonic())
+            self._peers.cancelled(msg)  # (acknowledged to the incarnation that cancelled)
             self._out.on_cancel(msg, sender)
         elif isinstance(msg, protocol.Ping):
             self._on_ping(sender, msg)
