@@ -117,8 +117,11 @@ def attribute(configs: list[EpConfig], contacts: Mapping[str, float]) -> dict[st
     """Pure: the peer agents new configurations' tables are attributed to (see the module
     docstring of ``kvpush.transport.lanes``): agent -> configuration index, where the agent's
     first contact is the only one within the table's window among the agents not attributed
-    yet. Repeated until nothing changes: a table attributed takes its agent out of the other
-    tables' windows (each new configuration is caused by one peer, each peer causes one)."""
+    yet -- or the only one at or after the table's time, the others stamped in its slack before
+    it: a contact follows the table it caused, so one stamped before a table is the cause of an
+    earlier table (or of none). Repeated until nothing changes: a table attributed takes its
+    agent out of the other tables' windows (each new configuration is caused by one peer, each
+    peer causes one)."""
     out: dict[str, int] = {}
     open_ = sorted(configs, key=lambda c: c.ts)
     changed = True
@@ -126,12 +129,14 @@ def attribute(configs: list[EpConfig], contacts: Mapping[str, float]) -> dict[st
         changed = False
         for c in list(open_):
             inside = [
-                a
+                (a, t)
                 for a, t in contacts.items()
                 if a not in out and c.ts - SLACK_S <= t <= c.ts + WINDOW_S
             ]
-            if len(inside) == 1:
-                out[inside[0]] = c.index
+            after = [a for a, t in inside if t >= c.ts]
+            cause = after if len(after) == 1 else [a for a, _ in inside]
+            if len(cause) == 1:
+                out[cause[0]] = c.index
                 open_.remove(c)
                 changed = True
     return out

@@ -26,11 +26,14 @@ and later variants (``ucp_put*(multi)``) at their first use.
 
 Attribution to a peer (the tables name no peer): each ``LaneBook`` (one per local agent) knows
 each peer agent's first contact -- the wall time of the first notification this agent received
-from it or of its first WRITE posted to it, whichever came first (measured here: 30-80 ms after
-the table it caused). A newly printed configuration, taken in the order of the tables'
-timestamps T, is attributed to a peer when that peer's first contact is the only one, among
-the peers not attributed yet, within [T - ``SLACK_S``, T + ``WINDOW_S``] (0.05 s, 2 s);
-repeated until nothing changes (a peer attributed to one table leaves the others' windows). Any
+from it or of its first WRITE posted to it, whichever came first (measured: 30-80 ms after
+the table it caused on a slow shared host, ~6 ms on a quiet one). A newly printed configuration,
+taken in the order of the tables' timestamps T, is attributed to a peer when that peer's first
+contact is the only one, among the peers not attributed yet, within [T - ``SLACK_S``, T +
+``WINDOW_S``] (0.05 s, 2 s), or the only one at or after T (a contact follows the table it
+caused: one stamped in the slack before T belongs to an earlier table -- two pairs checked one
+after the other, 50 ms apart); repeated until nothing changes (a peer attributed to one table
+leaves the others' windows). Any
 other peer -- one that reused an existing configuration (no new table), or one whose window it
 shared -- is assigned a configuration when exactly one known configuration has the peer's
 locality (same host -> intra-node, else inter-node), counting only those printed by the peer's

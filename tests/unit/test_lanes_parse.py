@@ -18,7 +18,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.transport.lanebook import EVIDENCE_UCX, EpConfig, LaneBook, attribute, resolve
+from kvpush.transport.lanebook import (
+    EVIDENCE_UCX,
+    SLACK_S,
+    EpConfig,
+    LaneBook,
+    attribute,
+    resolve,
+)
 from kvpush.transport.lanes import LaneLog
 from kvpush.transport.protoinfo import (
     NOTIF,
@@ -244,6 +251,16 @@ def test_a_peer_attributed_to_a_later_table_leaves_an_earlier_tables_window() ->
     tcp, cma = _configs(REAL)[1], _configs(REAL)[2]
     cma.ts = tcp.ts + 1.0  # two pushes a second apart: the tcp table's window holds both
     contacts = {"d-tcp": tcp.ts + 0.03, "d-cma": cma.ts + 0.02}
+    assert attribute([tcp, cma], contacts) == {"d-tcp": 1, "d-cma": 2}
+
+
+def test_a_contact_stamped_just_before_a_table_belongs_to_the_earlier_one() -> None:
+    # Measured on a quiet host (fleet check, two pairs one after the other): each contact
+    # ~6 ms after its table, the second table 45 ms after the first contact -- inside its slack.
+    tcp, cma = _configs(REAL)[1], _configs(REAL)[2]
+    cma.ts = tcp.ts + 0.051
+    contacts = {"d-tcp": tcp.ts + 0.006, "d-cma": cma.ts + 0.008}
+    assert tcp.ts - SLACK_S <= contacts["d-tcp"] < cma.ts  # in both windows, before cfg#2
     assert attribute([tcp, cma], contacts) == {"d-tcp": 1, "d-cma": 2}
 
 
