@@ -144,6 +144,7 @@ class Driver:
             on_down=self._on_down,
             on_event=self._event,
             readmit=self._readmit,
+            replaced=self._replaced,
         )
         self.grace = PeerGrace(cfg.peer_grace_s, self.health.any_up)
         self._legs = Legs(
@@ -321,6 +322,11 @@ class Driver:
     def _readmit(self, address: str, role: reasons.Leg) -> str:
         """Monitor thread: a peer that was down passes the preflight again (else why not)."""
         return self._readmission.check(address, role) if self._readmission is not None else ""
+
+    def _replaced(self, address: str, incarnation: str, starting: bool) -> bool:
+        """Monitor thread: another process answers at ``address`` than passed the checks."""
+        ra = self._readmission
+        return ra is not None and ra.replaced(address, incarnation, starting)
 
     def _on_resolved(self, result: RequestResult) -> None:
         """A request's result is recorded (on the thread that decided it)."""

@@ -13,8 +13,11 @@ when it last answered) and the *monitor* thread that keeps it true. The monitor
 * re-checks a down peer every ``recheck_s`` (TCP, then ``get_meta_msg``, then ``readmit``:
   drive's preflight of that one peer) and brings it back only when all of them pass; an endpoint
   that answers "starting" is not ready;
-* marks down at once a peer a worker found answering as a new incarnation (``restarted``): its
-  requests in flight went to the old process and fail now; it comes back through ``readmit``.
+* marks down at once a peer a worker found answering as a new incarnation (``restarted``), or
+  whose answer to the monitor's own liveness check comes from one (``replaced``: another
+  incarnation, or "starting" from a peer that had passed its checks -- a serving endpoint never
+  goes back to starting): its requests in flight went to the old process and fail now; it comes
+  back through ``readmit``. A peer restarted at its port within one TCP look is only found so.
 
 Only a peer with requests in flight keeps a socket of the monitor's (at most
 ``MONITOR_CLIENTS`` of them): an idle peer's client is closed after each look, so a thousand
@@ -51,6 +54,8 @@ TCP_EVERY_S = 0.5
 TICK_S = 0.1
 #: Side-channel clients the monitor keeps open (those of peers with requests in flight).
 MONITOR_CLIENTS = 32
+#: Why a peer found answering as another process is down (its requests in flight fail).
+RESTARTED = "restarted as a new incarnation"
 
 
 @dataclass
@@ -81,11 +86,15 @@ class Health:
         on_down: OnDown,
         on_event: Callable[[str], None],
         readmit: Callable[[str, Leg], str] | None = None,
+        replaced: Callable[[str, str, bool], bool] | None = None,
     ) -> None:
         self.cfg = cfg  # its auth token and liveness_s, stall_s, recheck_s
         self._on_down = on_down
         self._on_event = on_event
         self._readmit = readmit
+        # (address, incarnation it answered as, answered "starting"): another process than the
+        # one that passed the checks (``Readmission.replaced``)
+        self._replaced = replaced
         self._lock = threading.Lock()
         self._peers: dict[str, Peer] = {}
         self._order: dict[Leg, list[str]] = {Role.PREFILL: [], Role.DECODE: []}
@@ -242,7 +251,7 @@ class Health:
             stalled = busy and now - p.last_reply >= self.cfg.stall_s
             p.suspect = False
         if up and p.restarted:
-            self._mark_down(p, "restarted as a new incarnation", dead=True)
+            self._mark_down(p, RESTARTED, dead=True)
             return
         if up:
             self._check_up(p, now, suspect=suspect, busy=busy, stalled=stalled)
@@ -261,7 +270,12 @@ class Health:
                 return
         if (suspect or stalled) and now - p.last_liveness >= self.cfg.stall_s:
             p.last_liveness = now
-            why = self._answers(p)
+            why = self._answers(p, up=True)
+            if why == RESTARTED:
+                with self._lock:
+                    p.restarted = True
+                self._mark_down(p, why, dead=True)
+                return
             if why:
                 if why == "no answer":
                     why = f"no answer to a liveness check within {self.cfg.liveness_s:g}s"
@@ -290,10 +304,11 @@ class Health:
             p.up, p.why, p.last_reply, p.restarted = True, "", time.monotonic(), False
         self._on_event(f"{p.role} {p.address} is back up: it takes requests again")
 
-    def _answers(self, p: Peer) -> str:
+    def _answers(self, p: Peer, up: bool = False) -> str:
         """ "" when ``p`` answers a ``get_meta_msg`` as a ready endpoint, else "no answer" or
-        "still starting" (an endpoint still starting answers, but is not ready). The client is
-        kept for the next look only while ``p`` has requests in flight."""
+        "still starting" (an endpoint still starting answers, but is not ready) -- or, for a
+        peer that is ``up``, ``RESTARTED`` when another process answers (``replaced``). The
+        client is kept for the next look only while ``p`` has requests in flight."""
         c = self._clients.pop(p.address, None)
         if c is None:
             c = control.connect(p.address, self.cfg.auth_token, self.cfg.liveness_s)
@@ -303,7 +318,11 @@ class Health:
             why = "no answer"
         else:
             kv = ident.payload.kvpush
-            why = "still starting" if kv is not None and kv.error == "starting" else ""
+            starting = kv is not None and kv.error == "starting"
+            why = "still starting" if starting else ""
+            replaced = self._replaced
+            if up and kv is not None and replaced and replaced(p.address, kv.incarnation, starting):
+                why = RESTARTED
         with self._lock:
             busy = bool(p.inflight)
         if busy and len(self._clients) < MONITOR_CLIENTS:

@@ -8,15 +8,16 @@ every peer of the other role (``preflight.misfit``). What a peer that comes back
 what the run started with, so a D restarted with other ``--layers`` mid-run never gets a request.
 ``fit`` is the same check of metadata fetched elsewhere (``drive --registry``'s checker, which
 contacts many peers at once). It also remembers each peer's pool (``pools``) and incarnation
-(``observe``, ``is_new``): an answer from a new incarnation at a known address means the peer
-restarted since drive last looked, and it must be re-checked before more traffic.
+(``observe``, ``is_new``, ``replaced``): an answer from a new incarnation at a known address
+means the peer restarted since drive last looked, and it must be re-checked before more
+traffic.
 
 Owns ``PeerGrace``: how long drive holds intake while no peer of a role is up (``--peer-grace``),
 so a quick restart reads as a dip in the progress line, not the end of the run.
 
-Threads: ``check`` runs on the monitor thread of ``kvpush.commands.drive.health``; ``fit``,
-``is_new`` on ``drive --registry``'s checker threads; ``observe`` and ``PeerGrace`` on any thread
-(one lock each).
+Threads: ``check`` and ``replaced`` run on the monitor thread of
+``kvpush.commands.drive.health``; ``fit``, ``is_new`` on ``drive --registry``'s checker threads;
+``observe`` and ``PeerGrace`` on any thread (one lock each).
 """
 
 from __future__ import annotations
@@ -78,6 +79,15 @@ class Readmission:
         with self._lock:
             known = self._inc.get(address)
         return bool(incarnation) and known is not None and known != incarnation
+
+    def replaced(self, address: str, incarnation: str, starting: bool) -> bool:
+        """Whether the process answering at ``address`` is not the one that last passed the
+        checks there: another incarnation, or one still starting (an endpoint that served
+        never goes back to starting). Nothing is recorded."""
+        if not starting:
+            return self.is_new(address, incarnation)
+        with self._lock:
+            return address in self._inc
 
     def pools(self) -> Pools:
         """Each peer's pool (blocks per rank), as it last passed the checks, by role."""
