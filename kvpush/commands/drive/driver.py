@@ -391,7 +391,9 @@ class Driver:
 
     def _on_down(self, peer: Peer, dead: bool, inflight: list[int]) -> None:
         """Monitor thread: a dead peer's requests in flight fail now; their workers are blocked
-        until their own deadline, so each is retired and replaced (within the socket reserve)."""
+        until their own deadline, so each is retired and replaced (within the socket reserve).
+        A request in flight at a dead P holds its worker's D socket and a P socket and thread
+        of that P's executor (its prefill leg, which P will never answer): both are added."""
         reason = Failure.PEER_RESTARTED if peer.restarted else reasons.UNREACHABLE[peer.role]
         for i in inflight:
             wid = self.ledger.worker_of(i)
@@ -399,16 +401,19 @@ class Driver:
                 replace = (
                     wid is not None
                     and wid not in self._retired
-                    and peer.role == Role.DECODE
                     and self._replacements < REPLACEMENT_RESERVE
                 )
                 if replace:
                     assert wid is not None
                     self._retired.add(wid)
                     self._replacements += 1
+                p_exec = self._p_exec.get(peer.address) if peer.role == Role.PREFILL else None
             self.ledger.fail(i, reason, f"{peer.address} ({peer.role}): {peer.why}")
             if replace:
                 self._d_pool.grow(1)  # the retired worker keeps its socket until its deadline
+                if p_exec is not None:
+                    self._p_pool.grow(1)
+                    p_exec.grow(1)
                 self._spawn_worker()
 
 

@@ -1,10 +1,10 @@
 """A few daemon threads that run one peer's short requests: drive's prefill legs.
 
-Owns ``Senders``: ``submit(fn, *args)`` queues a call and returns its ``Future``; ``close``
-lets the threads end once the queue is drained. The threads are daemons on purpose: a leg
-stuck at a frozen peer must not keep the process from exiting once every request of a drive
-is accounted for (``concurrent.futures`` threads are joined at exit). The leg itself records
-its outcome; a ``Future`` only says when it is done.
+Owns ``Senders``: ``submit(fn, *args)`` queues a call and returns its ``Future``; ``grow``
+adds threads; ``close`` lets the threads end once the queue is drained. The threads are daemons
+on purpose: a leg stuck at a frozen peer must not keep the process from exiting once every
+request of a drive is accounted for (``concurrent.futures`` threads are joined at exit). The
+leg itself records its outcome; a ``Future`` only says when it is done.
 """
 
 from __future__ import annotations
@@ -22,11 +22,18 @@ class Senders:
         self._q: queue.SimpleQueue[tuple[Future[None], Callable[[], None]] | None] = (
             queue.SimpleQueue()
         )
-        self._threads = [
-            threading.Thread(target=self._run, name=f"{name}-{k}", daemon=True) for k in range(n)
-        ]
-        for t in self._threads:
+        self._name = name
+        self._threads: list[threading.Thread] = []
+        self.grow(n)
+
+    def grow(self, n: int) -> None:
+        """``n`` more threads (a call stuck at a dead peer holds one until its deadline)."""
+        for _ in range(n):
+            t = threading.Thread(
+                target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True
+            )
             t.start()
+            self._threads.append(t)
 
     def submit(self, fn: Callable[..., None], *args: object) -> Future[None]:
         fut: Future[None] = Future()
