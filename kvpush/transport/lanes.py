@@ -33,13 +33,13 @@ contact is the only one, among the peers not attributed yet, within [T - ``SLACK
 ``WINDOW_S``] (0.05 s, 2 s), or the only one at or after T (a contact follows the table it
 caused: one stamped in the slack before T belongs to an earlier table -- two pairs checked one
 after the other, 50 ms apart); repeated until nothing changes (a peer attributed to one table
-leaves the others' windows). Any
-other peer -- one that reused an existing configuration (no new table), or one whose window it
-shared -- is assigned a configuration when exactly one known configuration has the peer's
-locality (same host -> intra-node, else inter-node), counting only those printed by the peer's
-first contact when there are any (one printed later was made by a later peer); otherwise its
-lane is ambiguous and the candidates are listed (``ambiguous: cfg#1|cfg#2``). If no table ever
-appears (lanes off, or a UCX that prints none) the lane is ``unknown`` with the reason.
+leaves the others' windows). Any other peer -- one that reused an existing configuration (no new
+table), or one whose window it shared -- is assigned a configuration when exactly one known
+configuration has the peer's locality (same host -> intra-node, else inter-node), counting only
+those printed by the peer's first contact when there are any (one printed later was made by a
+later peer); otherwise its lane is ambiguous and the candidates are listed (``ambiguous:
+cfg#1|cfg#2``). If no table ever appears (lanes off, or a UCX that prints none) the lane is
+``unknown`` with the reason.
 
 Threads: ``creating`` on the thread that creates an agent (under NIXL's creation lock);
 ``LaneBook.contact`` on the owner thread (a dict insert, once per peer); reading the file
