@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvpush.address import format_address
 from kvpush.config import Role
@@ -129,9 +129,11 @@ class Outcomes:
                 self._evictions.append((conn, EvictPeer(conn.key, reason, soft)))
             return False
 
-    def take_evictions(self) -> list[EvictPeer]:
+    def take_evictions(self) -> Sequence[EvictPeer]:
         """The peers failed notifications said to evict since the last call whose connection
         is still the one that failed (a newer one at that key is not evicted)."""
+        if not self._evictions:
+            return ()  # the writer asks after every pass: nothing allocated when none is due
         out, self._evictions = self._evictions, []
         hs = self._ctx.handshakes
         return [ev for conn, ev in out if not conn.evicted and hs.get(ev.key) is conn]
