@@ -32,8 +32,12 @@ from kvpush.wire import protocol
 #: The most legs one WRITE carries (``Completions`` may name up to ``MAX_BATCH_DONE``).
 MAX_MEMBERS = 64
 #: A leg larger than this is never coalesced, and a batch stops growing here: large pushes run
-#: at the copy's speed alone, and their first request should not wait for the others' bytes.
-MAX_BATCH_BYTES = 4 << 20
+#: at the copy's speed alone, and a batch's first request waits for at most this many of the
+#: others' bytes (~1.5 ms of copying at 6 GB/s). 8 MiB, not 4: 2 MiB requests then share a WRITE
+#: four at a time, not two, which took 256 KiB-block pushes from 82-88 % to 93-98 % of raw NIXL
+#: (BENCHMARKS.md, "A batch of 8 MiB"); 16 MiB swallowed bench bandwidth's whole window of 8 and
+#: lost the pipelining (83 %).
+MAX_BATCH_BYTES = 8 << 20
 #: Room for the notification's request and transfer ids (UTF-8: at most 4 bytes a character),
 #: well under the notification limit once enveloped and sealed.
 _NOTIF_BUDGET = protocol.MAX_NOTIF_BYTES // 2
