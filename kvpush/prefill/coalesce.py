@@ -29,8 +29,12 @@ from kvpush.prefill.table import Registration, Writing
 from kvpush.transport.agent import DList
 from kvpush.wire import protocol
 
-#: The most legs one WRITE carries (``Completions`` may name up to ``MAX_BATCH_DONE``).
-MAX_MEMBERS = 64
+#: The most legs one WRITE carries (``Completions`` may name up to ``MAX_BATCH_DONE``). 16, not
+#: 64: with 64 a window of 64 small pushes went as one WRITE, and P and D took turns on it (D
+#: handled a convoy of 64 while P's writer waited for the next registrations); in batches of 16,
+#: P posts the next batch while D handles the last: 1-block pushes at 64 in flight +21 % (8 or 12
+#: alike, 4 lost it again to the per-WRITE cost; BENCHMARKS.md, "Batches of 16").
+MAX_MEMBERS = 16
 #: A leg larger than this is never coalesced, and a batch stops growing here: large pushes run
 #: at the copy's speed alone, and a batch's first request waits for at most this many of the
 #: others' bytes (~1.5 ms of copying at 6 GB/s). 8 MiB, not 4: 2 MiB requests then share a WRITE

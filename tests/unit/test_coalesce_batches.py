@@ -183,7 +183,7 @@ def test_groups_are_cut_before_the_notification_could_pass_its_limit() -> None:
     c = _conn(1)
     p = Pending()
     for i in range(MAX_MEMBERS):
-        p.add(_ready(c, f"{i:03d}" + "x" * 250))  # ~2 KiB of ids each, worst case
+        p.add(_ready(c, f"{i:03d}" + "x" * 253))  # ids of the longest kind: the worst case
     groups = p.take()
     assert len(groups) > 1
     codec = NotifCodec(Authenticator(TOKEN))
