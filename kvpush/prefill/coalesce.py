@@ -32,15 +32,16 @@ from kvpush.wire import protocol
 #: The most legs one WRITE carries (``Completions`` may name up to ``MAX_BATCH_DONE``). 16, not
 #: 64: with 64 a window of 64 small pushes went as one WRITE, and P and D took turns on it (D
 #: handled a convoy of 64 while P's writer waited for the next registrations); in batches of 16,
-#: P posts the next batch while D handles the last: 1-block pushes at 64 in flight +21 % (8 or 12
-#: alike, 4 lost it again to the per-WRITE cost; BENCHMARKS.md, "Batches of 16").
+#: P posts the next batch while D handles the last: 1-block pushes at 64 in flight +17-25 % (8 or
+#: 12 alike, 4 lost it again to the per-WRITE cost; BENCHMARKS.md, "Batches of 8 MiB and of 16
+#: pushes").
 MAX_MEMBERS = 16
 #: A leg larger than this is never coalesced, and a batch stops growing here: large pushes run
 #: at the copy's speed alone, and a batch's first request waits for at most this many of the
 #: others' bytes (~1.5 ms of copying at 6 GB/s). 8 MiB, not 4: 2 MiB requests then share a WRITE
 #: four at a time, not two, which took 256 KiB-block pushes from 82-88 % to 93-98 % of raw NIXL
-#: (BENCHMARKS.md, "A batch of 8 MiB"); 16 MiB swallowed bench bandwidth's whole window of 8 and
-#: lost the pipelining (83 %).
+#: in an A/B (BENCHMARKS.md, "Batches of 8 MiB and of 16 pushes"); 16 MiB swallowed bench
+#: bandwidth's whole window of 8 and lost the pipelining (83 %).
 MAX_BATCH_BYTES = 8 << 20
 #: Room for the notification's request and transfer ids (UTF-8: at most 4 bytes a character),
 #: well under the notification limit once enveloped and sealed.
