@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import ports
+from kvpush.commands.common import ports
 from tests.support.etcd import EtcdServer
 from tests.support.procs import KVPUSH, Launcher, Proc, clean_env, wait_ready
 
@@ -40,7 +40,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def unused_port() -> int:
-    """A TCP port nobody listens on right now, outside the ephemeral range (tests.support.ports)."""
+    """A TCP port nobody listens on right now, outside the ephemeral range
+    (``kvpush.commands.common.ports``)."""
     return ports.free_port()
 
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpush.commands.common.ports import free_port
 from kvpush.telemetry.names import OWN_FAILURES, QUEUE_GAUGES, Failure, PeerState
 from tests.conftest import SMALL, run_cli
 from tests.prometheus import contract
 from tests.support.etcd import EtcdServer
-from tests.support.ports import free_port
 from tests.support.procs import Launcher, wait_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

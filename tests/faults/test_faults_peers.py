@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
+from kvpush.commands.common.ports import free_port
 from kvpush.wire import protocol
 from tests.support.cluster import cluster_ctx
 from tests.support.fault_legs import Result, run_leg
 from tests.support.invariants import check_results, fresh_batch, settle
-from tests.support.ports import free_port
 from tests.support.procstats import ProcStats
 from tests.support.side import counters, failures, gauges, request, snapshot
 from tests.support.waits import wait_for

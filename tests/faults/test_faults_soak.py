@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
+from kvpush.commands.common.ports import free_port
 from tests.support.cluster import Cluster, cluster_ctx
 from tests.support.fault_legs import Result, run_leg
 from tests.support.forger import Forger
 from tests.support.invariants import check_results, fresh_batch, settle
 from tests.support.junk import junk_frames
 from tests.support.marks import skip_unless_marker_selected
-from tests.support.ports import free_port
 from tests.support.procs import Proc
 from tests.support.procstats import ProcStats
 

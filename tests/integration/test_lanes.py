@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from kvpush.commands.common import launch as _launch
+from kvpush.commands.common import ports
 from tests.conftest import SMALL, run_cli
-from tests.support import ports
 from tests.support.procs import Launcher, Proc, clean_env, serve_cmd, wait_ready
 from tests.support.waits import wait_for
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpush.commands.common.ports import free_port
 from kvpush.telemetry.tracing.spans import D_CHAIN, DECODE, P_CHAIN, PREFILL, REQUEST
 from tests.conftest import SMALL, run_cli
 from tests.support.otlp import (
@@ -36,7 +37,6 @@ from tests.support.otlp import (
     Collector,
     Span,
 )
-from tests.support.ports import free_port
 from tests.support.procs import KVPUSH, Launcher, Proc, clean_env, launch, serve_cmd, wait_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

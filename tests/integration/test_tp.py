@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
+from kvpush.commands.common.ports import free_port
 from kvpush.peers.tp import sources
 from tests.support.legs import Outcome, run_many, run_request, stats
-from tests.support.ports import free_port
 from tests.support.procs import Proc, launch, node_cmd, wait_ready
 
 pytestmark = pytest.mark.integration

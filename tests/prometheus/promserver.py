@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.support.ports import free_port
+from kvpush.commands.common.ports import free_port
 from tests.support.waits import wait_for
 
 

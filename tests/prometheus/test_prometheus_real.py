@@ -29,13 +29,13 @@ from typing import Any
 
 import pytest
 
+from kvpush.commands.common.ports import free_port
 from kvpush.wire import protocol
 from tests.conftest import SMALL
 from tests.prometheus import contract
 from tests.prometheus.promserver import PrometheusServer, binaries, config_text
 from tests.support import side
 from tests.support.etcd import EtcdServer
-from tests.support.ports import free_port
 from tests.support.procs import KVPUSH, Launcher, Proc, clean_env, wait_ready
 from tests.support.waits import wait_for
 

@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.support.ports import free_port
+from kvpush.commands.common.ports import free_port
 
 
 def etcd_binary() -> str | None:

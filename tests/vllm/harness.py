@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.support import ports
+from kvpush.commands.common import ports
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

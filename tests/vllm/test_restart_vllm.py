@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 from harness import VllmPeer, pattern_sha256, request_ids
 
+from kvpush.commands.common.ports import free_port
 from kvpush.commands.leg.legs import decode_leg, prefill_leg
 from tests.conftest import ServeFactory
 from tests.support.legs import stats
-from tests.support.ports import free_port
 from tests.support.procs import wait_ready
 
 LEASE_S = 6

@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.commands.bench.procs import BenchError
+from kvpush.commands.common.ports import free_port
 from kvpush.config import Role
 
 CLUSTER = "bench"
@@ -40,12 +40,6 @@ def bench_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update({"NO_COLOR": "1", "COLUMNS": "200", "NIXL_LOG_LEVEL": "WARN"})
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def etcd_binary() -> str:

@@ -42,7 +42,6 @@ from kvpush.commands.bench.fleet_procs import (
     cli,
     cpu_s,
     etcd_requests,
-    free_port,
     python_start,
     rates,
     scrape,
@@ -51,6 +50,7 @@ from kvpush.commands.bench.fleet_procs import (
 from kvpush.commands.bench.procs import BenchError
 from kvpush.commands.bench.report import Report, fmt_ms, fmt_num, fmt_x
 from kvpush.commands.bench.stats import median, ratio
+from kvpush.commands.common.ports import free_port
 from kvpush.config import Role
 
 EVENTS = "kvpush_registry_watch_events_total"

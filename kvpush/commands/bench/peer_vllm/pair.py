@@ -18,11 +18,11 @@ import os
 import signal
 from pathlib import Path
 
-from kvpush.commands.bench.fleet_procs import free_port
 from kvpush.commands.bench.peer_plan import PeerPlan
 from kvpush.commands.bench.peer_vllm import DRIVER
 from kvpush.commands.bench.rpc import LineRpc
 from kvpush.commands.common import launch
+from kvpush.commands.common.ports import free_port
 from kvpush.errors import ConfigError
 
 Json = dict[str, object]

@@ -1,12 +1,14 @@
-"""Ports for test endpoints that restart at the same address.
+"""Ports for processes a tool starts and points others at later (bench workers, vLLM's side
+channel, etcd; test endpoints that restart at the same address).
 
 A port taken with ``bind(port 0)`` comes from the kernel's *ephemeral* range (32768-60999 here),
 the range every outgoing connection on the host draws its local port from. Released, it can be
 handed to some other process's connection at any moment -- a UCX connection, a ZMQ client, a
-parallel test -- and an endpoint restarted on it then fails with "address already in use" (seen
-in the fault soak with other work on the host). These ports come from just below that range,
-where the kernel never assigns one by itself, and are checked free (for a listener that sets
-SO_REUSEADDR, as ZMQ does) before they are handed out.
+parallel test -- and a process that binds it later fails with "address already in use" (seen in
+the fault soak with other work on the host, and in ``bench peer``: vLLM's D binds its side
+channel a minute after its port was chosen, once vLLM is imported, and found it taken). These
+ports come from just below that range, where the kernel never assigns one by itself, and are
+checked free (for a listener that sets SO_REUSEADDR, as ZMQ does) before they are handed out.
 """
 
 from __future__ import annotations
