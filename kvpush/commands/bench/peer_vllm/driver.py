@@ -30,7 +30,6 @@ import os
 import queue
 import resource
 import signal
-import socket
 import sys
 import threading
 import time
@@ -97,21 +96,6 @@ def write_model_dir(a: argparse.Namespace) -> str:
     return os.path.abspath(str(a.model_dir))
 
 
-def check_bindable(port: int) -> None:
-    """Raise unless ``port`` can be bound on 127.0.0.1 now. vLLM's handshake listener binds it in
-    a thread of its own, and when that bind fails start-up waits for the thread's ready event
-    forever (the orchestrator then gave up after 300 s with no cause)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ's listener does
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError as e:
-            raise RuntimeError(
-                f"side-channel port {port} cannot be bound ({e.strerror}): vLLM's handshake "
-                "listener would wait for it forever"
-            ) from None
-
-
 def allow_block_tokens(tokens: int) -> None:
     """Let the CPU backend accept ``tokens``-token blocks (see the module docstring)."""
     if tokens % 32 == 0:
@@ -149,7 +133,6 @@ class Engine:
         self.caches = {n: torch.zeros(shape, dtype=dtype) for n in self.layer_names}
         self.work.register_kv_caches(self.caches)
         md = self.work.get_handshake_metadata()
-        check_bindable(a.port)
         self.sched.set_xfer_handshake_metadata_pp_aware({(0, 0): md})
         self.sent: set[str] = set()
         self.recvd: dict[str, float] = {}  # request id -> when a step reported it
