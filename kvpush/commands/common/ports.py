@@ -1,5 +1,5 @@
-"""Ports for processes a tool starts and points others at later (bench workers, vLLM's side
-channel, etcd; test endpoints that restart at the same address).
+"""Ports for processes a tool starts and points others at later (vLLM's side channel in ``bench
+peer``, etcd in ``bench fleet``; test endpoints that restart at the same address).
 
 A port taken with ``bind(port 0)`` comes from the kernel's *ephemeral* range (32768-60999 here),
 the range every outgoing connection on the host draws its local port from. Released, it can be
