@@ -1,10 +1,12 @@
 """The live metrics store of one endpoint: counters, failures, histograms, gauges, peer rows.
 
 Worker threads (writer, receiver, side channel, handshake threads) bump it with
-``inc``/``fail``/``observe`` -- each a dict update or a bucket increment under a short lock, well
-under a microsecond. Nothing here runs a thread. Readers never touch live state:
-``Telemetry.snapshot()`` copies the counters and histogram buckets under their locks, reads the
-registered gauge and peer callables (a P's peer rows get their ``lane`` fields there:
+``inc``/``fail``/``observe``. ``fail`` is a dict update under a short lock; ``inc`` and ``observe``,
+on every push's path, only append to a queue (atomic, no lock), folded into the counters and
+buckets in runs by the thread that fills it and by every snapshot before it reads: a snapshot
+sees everything bumped before it. Nothing here runs a thread. Readers never touch live state:
+``Telemetry.snapshot()`` folds, then copies the counters and histogram buckets under their locks,
+reads the registered gauge and peer callables (a P's peer rows get their ``lane`` fields there:
 ``peer_extras_fn``), and hands the raw readings to the pure functions of
 ``kvpush.telemetry.snapshot`` that build a frozen ``Snapshot``.
 """
@@ -43,12 +45,23 @@ _log10 = math.log10
 
 
 class Histogram:
-    """Counts of observed durations in fixed log-spaced buckets; ``observe`` is O(1)."""
+    """Counts of observed durations in fixed log-spaced buckets.
 
-    __slots__ = ("_counts", "_lock", "_max", "_min", "_n", "_sum")
+    ``observe`` only queues the value (a deque append: atomic, no lock), and the queue is folded
+    into the buckets in runs of ``FOLD_AT`` by the thread that fills it, and by ``snapshot``
+    before it reads: a snapshot sees every value observed before it. P's writer observes six
+    values a push and D's receiver five; one at a time each paid a lock and the bucket
+    arithmetic with cold caches between two WRITEs' copies (BENCHMARKS.md, issue 30).
+    """
+
+    __slots__ = ("_counts", "_lock", "_max", "_min", "_n", "_queued", "_sum")
+
+    #: Values queued before the observing thread folds them.
+    FOLD_AT = 128
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._queued: deque[float] = deque()
         self._counts = [0] * (_NB + 1)
         self._n = 0
         self._sum = 0.0
@@ -56,33 +69,49 @@ class Histogram:
         self._max = 0.0
 
     def observe(self, seconds: float) -> None:
-        # _bucket_index inlined: this runs once per push on the writer thread.
-        if seconds > _LOW:
-            if seconds > _HIGH:
-                i = _NB
-            else:
-                i = _ceil((_log10(seconds) - _LOG_LOW) * _PER_DECADE)
-                if seconds > BUCKET_BOUNDS[i]:
-                    i += 1
-                elif seconds <= BUCKET_BOUNDS[i - 1]:
-                    i -= 1
-        elif seconds >= 0.0:
-            i = 0
-        elif seconds < 0.0:  # a clock step: a negative duration counts as zero
-            i, seconds = 0, 0.0
-        else:  # NaN: a broken clock reading, not a duration
-            return
-        with self._lock:
-            self._counts[i] += 1
-            self._n += 1
-            self._sum += seconds
-            if seconds > self._max:
-                self._max = seconds
-            if seconds < self._min:
-                self._min = seconds
+        q = self._queued
+        q.append(seconds)
+        if len(q) >= self.FOLD_AT:
+            with self._lock:
+                self._fold()
+
+    def _fold(self) -> None:
+        """Every queued value into the buckets (under the lock: only lock holders pop, so the
+        values counted here are all there; others may append meanwhile, for the next fold)."""
+        q = self._queued
+        counts = self._counts
+        bounds = BUCKET_BOUNDS
+        n, total, lo, hi = self._n, self._sum, self._min, self._max
+        for _ in range(len(q)):
+            seconds = q.popleft()
+            # _bucket_index inlined
+            if seconds > _LOW:
+                if seconds > _HIGH:
+                    i = _NB
+                else:
+                    i = _ceil((_log10(seconds) - _LOG_LOW) * _PER_DECADE)
+                    if seconds > bounds[i]:
+                        i += 1
+                    elif seconds <= bounds[i - 1]:
+                        i -= 1
+            elif seconds >= 0.0:
+                i = 0
+            elif seconds < 0.0:  # a clock step: a negative duration counts as zero
+                i, seconds = 0, 0.0
+            else:  # NaN: a broken clock reading, not a duration
+                continue
+            counts[i] += 1
+            n += 1
+            total += seconds
+            if seconds > hi:
+                hi = seconds
+            if seconds < lo:
+                lo = seconds
+        self._n, self._sum, self._min, self._max = n, total, lo, hi
 
     def snapshot(self) -> HistSnapshot:
         with self._lock:
+            self._fold()
             counts = list(self._counts)
             total, sum_, lo, hi = self._n, self._sum, self._min, self._max
         return hist_snapshot(counts, total, sum_, lo, hi)
@@ -142,6 +171,8 @@ class Telemetry:
         self._started = clock()
         self._lock = threading.Lock()  # guards _counters and _failures
         self._counters: dict[str, int] = {}
+        # Increments not yet added to ``_counters`` (``inc``): folded like a histogram's values.
+        self._incs: deque[tuple[str, int]] = deque()
         self._failures: dict[str, int] = {}
         self._hists: dict[str, Histogram] = {}
         self._gauges: dict[str, Callable[[], float]] = {}
@@ -156,8 +187,18 @@ class Telemetry:
     # -- writers (any thread, hot path) --
 
     def inc(self, counter: str, n: int = 1) -> None:
-        with self._lock:
-            self._counters[counter] = self._counters.get(counter, 0) + n
+        q = self._incs
+        q.append((counter, n))  # (atomic: no lock on the hot path)
+        if len(q) >= Histogram.FOLD_AT:
+            with self._lock:
+                self._fold_incs()
+
+    def _fold_incs(self) -> None:
+        """Every queued increment into ``_counters`` (under the lock, as ``Histogram._fold``)."""
+        q, counters = self._incs, self._counters
+        for _ in range(len(q)):
+            counter, n = q.popleft()
+            counters[counter] = counters.get(counter, 0) + n
 
     def fail(self, kind: str, n: int = 1) -> None:
         with self._lock:
@@ -217,6 +258,7 @@ class Telemetry:
     def snapshot(self) -> Snapshot:
         now = self._clock()
         with self._lock:
+            self._fold_incs()
             counters = dict(self._counters)
             failures = dict(self._failures)
             hists = dict(self._hists)

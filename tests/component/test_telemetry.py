@@ -96,6 +96,7 @@ def test_observe_puts_values_in_the_same_bucket_as_bucket_index() -> None:
     for x in 10 ** rng.uniform(-7, 4, 2000):
         h = Histogram()
         h.observe(float(x))
+        h.snapshot()  # (folds the queued value into its bucket)
         (i,) = [k for k, c in enumerate(h._counts) if c]
         assert i == _bucket_index(float(x))
 
@@ -190,6 +191,55 @@ def test_counters_from_several_threads_sum_exactly() -> None:
     assert s.failures == {"deadline": n_threads * n_iter}
     assert s.histograms["push_latency"].count == n_threads * n_iter
     assert s.histograms["push_latency"].buckets[-1][1] == n_threads * n_iter
+
+
+def test_snapshots_taken_while_threads_bump_lose_nothing() -> None:
+    """``inc`` and ``observe`` queue and fold in runs; a snapshot folds what is queued.
+    Snapshots racing the bumping threads must never drop or double-count a value: counts only
+    grow, and the last snapshot holds every value, with its exact sum."""
+    tel = Telemetry(Role.PREFILL, "p-1")
+    n_threads, n_iter = 4, 20_000
+    start = threading.Barrier(n_threads + 1)
+    seen: list[tuple[int, int]] = []
+
+    def work() -> None:
+        start.wait()
+        for _ in range(n_iter):
+            tel.observe("push_latency", 0.5)
+            tel.inc("bytes_pushed", 3)
+
+    threads = [threading.Thread(target=work) for _ in range(n_threads)]
+    for t in threads:
+        t.start()
+    start.wait()
+    while any(t.is_alive() for t in threads):
+        s = tel.snapshot()
+        h = s.histograms.get("push_latency")
+        seen.append((h.count if h else 0, s.counters.get("bytes_pushed", 0)))
+    for t in threads:
+        t.join()
+    assert seen == sorted(seen)
+    last = tel.snapshot()
+    h = last.histograms["push_latency"]
+    assert h.count == n_threads * n_iter
+    assert h.sum == 0.5 * n_threads * n_iter
+    assert h.buckets[-1][1] == n_threads * n_iter
+    assert last.counters == {"bytes_pushed": 3 * n_threads * n_iter}
+
+
+def test_a_value_below_the_fold_run_is_in_the_next_snapshot() -> None:
+    tel = Telemetry(Role.DECODE, "d-1")
+    tel.inc("requests_ok")
+    assert tel.snapshot().counters == {"requests_ok": 1}
+    h = Histogram()
+    for _ in range(Histogram.FOLD_AT - 1):
+        h.observe(2e-3)
+    assert h.snapshot().count == Histogram.FOLD_AT - 1
+    h.observe(float("nan"))  # a broken clock reading is never counted, queued or not
+    h.observe(-1.0)  # a clock step counts as zero
+    s = h.snapshot()
+    assert s.count == Histogram.FOLD_AT
+    assert s.buckets[0][1] == 1  # the zero, alone in the lowest bucket
 
 
 def test_declare_shows_names_at_zero() -> None:
