@@ -75,6 +75,23 @@ def from_error(e: BaseException, leg: Leg) -> tuple[Failure, str]:
     return Failure.INTERNAL_ERROR, f"{type(e).__name__}: {e}"
 
 
+def from_served_error(e: BaseException, leg: Leg) -> tuple[Failure, str]:
+    """``from_error`` for a leg sent to an endpoint that passed drive's checks: one that now
+    answers "still starting" is another process (``starting``), ``peer_restarted``."""
+    if isinstance(e, KvpushError) and starting(e):
+        return Failure.PEER_RESTARTED, f"{e.message} (another process, not serving yet)"
+    return from_error(e, leg)
+
+
+def starting(e: KvpushError) -> bool:
+    """``e`` is an endpoint's answer while it is still starting (its ranks not built yet: the
+    side channel refuses every request with "starting"). Only a new process says so: one that
+    passed drive's checks and served never does again, so a request refused so has found a new
+    incarnation at that address -- evidence on the wire, like a handshake answered by another
+    incarnation."""
+    return e.message == "starting" or e.message.endswith(": starting")
+
+
 def from_peer(reason: str, detail: str = "") -> tuple[Failure, str]:
     """A reason a peer named on the wire (a newer peer's unknown name keeps it in the detail)."""
     known = Failure.parse(reason) or _PREFILL_CLASS_NAMES.get(reason)

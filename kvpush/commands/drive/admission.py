@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvpush.address import format_address, parse_address
+from kvpush.commands.common.reasons import starting
 from kvpush.commands.drive.preflight import check_shape, misfit
 from kvpush.config import Role
 from kvpush.errors import ConfigError, KvpushError, PeerUnreachableError
@@ -46,7 +47,7 @@ def contact_why(address: str, err: KvpushError) -> tuple[str, bool]:
         if msg.startswith(head):
             msg = msg[len(head) :]
             break
-    if msg.endswith(": starting") or msg == "starting":
+    if starting(err):
         return "still starting", True
     return msg, isinstance(err, PeerUnreachableError)
 

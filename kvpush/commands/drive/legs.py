@@ -154,9 +154,11 @@ class Legs:
                     rep = control.call(c, req)
                 self.health.replied(p)
             except KvpushError as e:
-                reason, detail = reasons.from_error(e, Role.PREFILL)
+                reason, detail = reasons.from_served_error(e, Role.PREFILL)
                 if isinstance(e, PeerUnreachableError):  # refused or timed out: check it
                     self.health.suspect(p)
+                elif reason is Failure.PEER_RESTARTED:  # a new P, still starting: down now
+                    self.health.restarted(p)
                 if reason is Failure.DEADLINE:
                     detail += f" (--timeout {self.cfg.timeout_s:g})"
                 self.ledger.fail(i, reason, f"P {p}: {detail}")
@@ -192,9 +194,11 @@ class Legs:
                 p = got
                 rep = self._both_legs(c, i, p)
         except KvpushError as e:
-            reason, detail = reasons.from_error(e, Role.DECODE)
+            reason, detail = reasons.from_served_error(e, Role.DECODE)
             if isinstance(e, PeerUnreachableError):  # refused or timed out: check it
                 self.health.suspect(d)
+            elif reason is Failure.PEER_RESTARTED:
+                self.health.restarted(d)
             self.ledger.fail(i, reason, f"D {d}: {detail}")
             return True
         self.health.replied(d)

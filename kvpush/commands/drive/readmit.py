@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvpush.commands.common.reasons import Leg
+from kvpush.commands.common.reasons import Leg, starting
 from kvpush.commands.common.results import DriveConfig
 from kvpush.commands.drive.preflight import PREFLIGHT_TIMEOUT_S, misfit, peer_metadata
 from kvpush.commands.drive.schedule import Pools
@@ -107,7 +107,7 @@ class Readmission:
         try:
             md = peer_metadata(address, cfg.auth_token, wait)
         except KvpushError as e:
-            return "still starting" if e.message.endswith(": starting") else e.message
+            return "still starting" if starting(e) else e.message
         return self.fit(address, role, md)
 
     def judge(self, address: str, role: Leg, md: dict[str, object]) -> str:
