@@ -2,13 +2,14 @@
 
 When P's writer matches several pushes for the same D rank (the same connection) in one pass,
 their legs wait here until the pass ends (``Legs.flush``), then go as one NIXL WRITE -- the
-descriptor index lists concatenated -- with one ``Completions`` notification naming every
-request. Nothing ever waits to fill a batch: a pass batches only what is ready in it, and the
-writer flushes before anything that could see those pushes (a task, a cancel, housekeeping, a
-peer's eviction). A leg is coalesced only on kvpush's wire (``--coalesce``, the default) and
-only for a D whose PUSH_REG said it takes ``Completions`` (``PushReg.batch_done``); every other
-leg is posted at once, alone, as before. A group of one goes alone too, with its own
-``Completion``: what a D sees then is byte for byte what it saw before coalescing existed.
+descriptor index pairs of them all, by local index (``indices``) -- with one ``Completions``
+notification naming every request. Nothing ever waits to fill a batch: a pass batches only
+what is ready in it, and the writer flushes before anything that could see those pushes (a
+task, a cancel, housekeeping, a peer's eviction). A leg is coalesced only on kvpush's wire
+(``--coalesce``, the default) and only for a D whose PUSH_REG said it takes ``Completions``
+(``PushReg.batch_done``); every other leg is posted at once, alone, as before. A group of one
+goes alone too, with its own ``Completion``: what a D sees then is byte for byte what it saw
+before coalescing existed.
 
 This module holds what is pure: the pending groups, their caps (members, bytes, the
 notification's size) and the batch's indices and notification. Posting, polling and ending a
@@ -107,22 +108,29 @@ class Pending:
 
 
 def indices(group: list[Ready]) -> tuple[Indices, Indices, int]:
-    """The batch's local and remote descriptor indices (each leg's, concatenated in order)
-    and its bytes."""
+    """The batch's local and remote descriptor indices and its bytes: every leg's (local,
+    remote) pairs, ordered by local index.
+
+    Each pair is one copy and a WRITE's copies have no order of their own (D hears of the
+    batch only once all of them landed), so the order is free -- and in this one NIXL's
+    ``make_prepped_xfer`` merges pairs whose local and remote blocks both follow on into one
+    descriptor. Legs concatenated as matched interleave their regions (leg 1's K, leg 1's V,
+    leg 2's K, ...), which nothing can merge; ordered, 16 one-block pushes whose blocks follow
+    on at both ends are 2 descriptors, not 32 (BENCHMARKS.md, issue 30)."""
     plans = [g.plan for g in group]
     nbytes = sum(p.nbytes for p in plans)
     lidx: list[int] = []
     ridx: list[int] = []
     for p in plans:
         if not isinstance(p.local_idx, list) or not isinstance(p.remote_idx, list):
-            return (
-                np.concatenate([np.asarray(q.local_idx, dtype=np.int32) for q in plans]),
-                np.concatenate([np.asarray(q.remote_idx, dtype=np.int32) for q in plans]),
-                nbytes,
-            )
+            la = np.concatenate([np.asarray(q.local_idx, dtype=np.int32) for q in plans])
+            ra = np.concatenate([np.asarray(q.remote_idx, dtype=np.int32) for q in plans])
+            order = np.argsort(la, kind="stable")
+            return la[order], ra[order], nbytes
         lidx += p.local_idx
         ridx += p.remote_idx
-    return lidx, ridx, nbytes
+    pairs = sorted(zip(lidx, ridx, strict=True))
+    return [a for a, _ in pairs], [b for _, b in pairs], nbytes
 
 
 def notification(cfg: EndpointConfig, group: list[Ready]) -> protocol.Completions:

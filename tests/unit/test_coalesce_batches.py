@@ -134,11 +134,17 @@ def _conn(port: int) -> PeerConn:
 _LOCAL = DList(FakeHandle("dlist"), 64)
 
 
-def _ready(conn: PeerConn, rid: str, nbytes: int = 1024, idx: object = None) -> Ready:
+def _ready(
+    conn: PeerConn, rid: str, nbytes: int = 1024, idx: object = None, ridx: object = None
+) -> Ready:
     reg = Registration(rid, _reg(rid), conn.agent_name, time.monotonic())
     f = Finished(rid, rid, rid, np.array([1]), time.monotonic())
     lidx = [1, 2] if idx is None else idx
-    plan = WritePlan(local_idx=lidx, remote_idx=lidx, nbytes=nbytes)  # type: ignore[arg-type]
+    plan = WritePlan(
+        local_idx=lidx,  # type: ignore[arg-type]
+        remote_idx=lidx if ridx is None else ridx,  # type: ignore[arg-type]
+        nbytes=nbytes,
+    )
     return Ready(Writing(Push(f, (reg,))), reg, conn, plan, _LOCAL)
 
 
@@ -213,19 +219,41 @@ def test_only_kvpush_d_legs_that_take_completions_and_fit_are_coalescable() -> N
 # ------------------------------------------------------------------ the batch
 
 
-def test_indices_concatenate_in_order() -> None:
+def test_indices_are_every_legs_pairs_by_local_index() -> None:
     c = _conn(1)
     g = [_ready(c, "a", idx=[1, 2]), _ready(c, "b", idx=[7, 9])]
     lidx, ridx, nbytes = coalesce.indices(g)
     assert lidx == [1, 2, 7, 9] and ridx == [1, 2, 7, 9] and nbytes == 2048
 
 
-def test_indices_concatenate_arrays_too() -> None:
+def test_indices_order_interleaved_regions_so_runs_follow_on() -> None:
+    """Two 1-block legs of a 2-region pool (block i in region r is r * 100 + i), matched in
+    turn: K, V, K, V as concatenated; K, K, V, V once ordered, each pair kept whole."""
     c = _conn(1)
-    g = [_ready(c, "a", idx=[1, 2]), _ready(c, "b", idx=np.array([7, 9], dtype=np.int32))]
+    g = [
+        _ready(c, "a", idx=[5, 105], ridx=[40, 140]),
+        _ready(c, "b", idx=[6, 106], ridx=[41, 141]),
+    ]
+    lidx, ridx, _ = coalesce.indices(g)
+    assert lidx == [5, 6, 105, 106] and ridx == [40, 41, 140, 141]
+
+
+def test_indices_keep_each_pair_whatever_the_order() -> None:
+    c = _conn(1)
+    g = [_ready(c, "a", idx=[9, 3], ridx=[1, 2]), _ready(c, "b", idx=[4], ridx=[7])]
+    lidx, ridx, _ = coalesce.indices(g)
+    assert list(zip(lidx, ridx, strict=True)) == [(3, 2), (4, 7), (9, 1)]
+
+
+def test_indices_order_arrays_too() -> None:
+    c = _conn(1)
+    g = [
+        _ready(c, "a", idx=[7, 107], ridx=[1, 2]),
+        _ready(c, "b", idx=np.array([8, 108], dtype=np.int32), ridx=[3, 4]),
+    ]
     lidx, ridx, _ = coalesce.indices(g)
     assert isinstance(lidx, np.ndarray) and lidx.dtype == np.int32
-    assert lidx.tolist() == [1, 2, 7, 9] and np.asarray(ridx).tolist() == [1, 2, 7, 9]
+    assert lidx.tolist() == [7, 8, 107, 108] and np.asarray(ridx).tolist() == [1, 3, 2, 4]
 
 
 def test_the_notification_names_each_member_as_its_completion_would() -> None:
