@@ -261,6 +261,10 @@ def _report(rep: Report, out: dict[int, InflightRounds], verified: int, nverify:
         }
         figs[inflight] = rep.figures[f"inflight_{inflight}"] = fig
         if inflight > 1:
+            p_us = median([x["p_cpu_us"] for x in e["kvpush"]])
+            d_us = median([x["d_cpu_us"] for x in e["kvpush"]])
+            fig["cpu_ceiling_per_s"] = cpu_ceiling(p_us, d_us)
+            rep.notes.append(ceiling_note(inflight, p_us, d_us, raw_rate))
             rep.target(
                 f"kvpush / raw pushes per second, {inflight} in flight",
                 ">= 50%",
@@ -347,6 +351,26 @@ def _report(rep: Report, out: dict[int, InflightRounds], verified: int, nverify:
             f"verified pass: {verified}/{nverify} pushes written with the pattern by P and "
             "checked byte by byte on D"
         )
+
+
+def cpu_ceiling(p_us: float, d_us: float) -> float:
+    """Pushes per second that P's and D's CPU per push allow, each process on a core of its
+    own: the slower side's ``1e6 / us`` (P's writer is one thread and D's receiver another, so
+    more cores do not lift it)."""
+    worst = max(p_us, d_us)
+    return 1e6 / worst if worst > 0 and math.isfinite(worst) else math.nan
+
+
+def ceiling_note(inflight: int, p_us: float, d_us: float, raw_rate: float) -> str:
+    """Where the small-push rate stops on this host, in words (``cpu_ceiling``)."""
+    c = cpu_ceiling(p_us, d_us)
+    side = "P" if p_us >= d_us else "D"
+    return (
+        f"{inflight} in flight: P's process spends {fmt_num(p_us, 1)} us and D's "
+        f"{fmt_num(d_us, 1)} us of CPU a push, so even with each on a core of its own kvpush "
+        f"cannot pass {fmt_num(c, 0)} pushes/s here ({ratio(c, raw_rate) * 100:.0f}% of raw "
+        f"NIXL): {side}'s per-push CPU, not the fabric, sets the small-push rate"
+    )
 
 
 def _coalescing(
