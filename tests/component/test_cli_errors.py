@@ -20,6 +20,15 @@ UNREACHABLE = int(ExitStatus.UNREACHABLE)
 
 CASES: list[tuple[list[str], list[str], int]] = [
     (
+        ["bench", "nope"],
+        [
+            "error: unknown benchmark scenario 'nope'",
+            "hint: choose one of hol, handshake, bandwidth, rate, scale, tp, model, fleet, "
+            "device, trace, peer, or all",
+        ],
+        USAGE,
+    ),
+    (
         ["serve-prefill", "--port", "70000"],
         ["error: invalid port 70000", "hint: use 1-65535, or 0 to pick a free port"],
         USAGE,

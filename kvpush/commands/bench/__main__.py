@@ -7,12 +7,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvpush.commands.bench import NAMES
 from kvpush.commands.bench.console import run_bench
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvpush.commands.bench")
-    ap.add_argument("scenario", help="hol, handshake, bandwidth, rate, scale, model or all")
+    ap.add_argument("scenario", help=f"{', '.join(NAMES)} or all ('kvpush bench' runs trace, peer)")
     ap.add_argument("--quick", action="store_true", help="short smoke version")
     ap.add_argument("--json", action="store_true", help="JSON on stdout instead of tables")
     ap.add_argument("--out-dir", type=Path, default=None, help="results, charts and logs")
