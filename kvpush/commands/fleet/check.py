@@ -285,7 +285,8 @@ def check_fleet(
     notes: list[str] = []
     if not ps or not ds:
         missing = Role.PREFILL if not ps else Role.DECODE
-        notes.append(f"no {missing} endpoint registered: no pair to check")
+        where = "listed and seen" if cluster == "listed" else "registered"
+        notes.append(f"no {missing} endpoint {where}: no pair to check")
     pairs = [(p, d) for p in ps for d in ds]
     out: dict[tuple[str, str], PairResult] = {}
 
