@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from kvpush.commands.bench.rate import ceiling_note, cpu_ceiling
+from kvpush.commands.bench.rate_report import ceiling_note, cpu_ceiling
 
 
 def test_the_slower_side_sets_the_ceiling() -> None:
