@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from sortedcontainers import SortedList
 
 from kvpush.errors import NoFreeBlocksError
-from kvpush.telemetry.names import Gauge
+from kvpush.memory.fragmentation import Fragmentation, runs_in, trimmed
 
 _INT32_MAX = 2**31 - 1
 _HIST_BUCKETS = 32  # power-of-two buckets: run lengths 1 .. 2^32-1 (num_blocks < 2^31)
@@ -61,55 +60,6 @@ _COUNT_KEYS = {
 }
 
 
-@dataclass(frozen=True)
-class Fragmentation:
-    """How fragmented a pool is, read in one consistent snapshot.
-
-    ``free_run_hist[k]`` counts free runs whose length is in ``[2**k, 2**(k+1))`` (trailing
-    empty buckets dropped). ``alloc_mean_run_len`` is held blocks / held runs over every owner
-    (quarantined included): the mean length of the runs a WRITE of a current allocation
-    can merge on this side (0.0 when nothing is held).
-    """
-
-    total: int
-    free: int
-    free_runs: int
-    largest_free_run: int
-    free_run_hist: tuple[int, ...]
-    alloc_blocks: int
-    alloc_runs: int
-
-    @property
-    def alloc_mean_run_len(self) -> float:
-        return self.alloc_blocks / self.alloc_runs if self.alloc_runs else 0.0
-
-    def gauges(self) -> dict[str, float]:
-        """Its telemetry gauges (``Gauge.POOL_FREE_RUNS`` ...)."""
-        return {
-            Gauge.POOL_FREE_RUNS: float(self.free_runs),
-            Gauge.POOL_LARGEST_FREE_RUN: float(self.largest_free_run),
-            Gauge.ALLOC_MEAN_RUN_LEN: self.alloc_mean_run_len,
-        }
-
-    def histogram(self) -> list[tuple[int, int, int]]:
-        """``(min_len, max_len, runs)`` per power-of-two bucket, empty trailing ones dropped."""
-        return [(1 << k, (2 << k) - 1, c) for k, c in enumerate(self.free_run_hist)]
-
-
-def runs_in(ids: np.ndarray) -> int:
-    """Number of maximal runs of consecutive ascending ids (1 for ``[4, 5, 6]``, 0 if empty)."""
-    if ids.size == 0:
-        return 0
-    return 1 + int(np.count_nonzero(np.diff(ids) != 1))
-
-
-def _trim(hist: Sequence[int]) -> tuple[int, ...]:
-    k = len(hist)
-    while k and not hist[k - 1]:
-        k -= 1
-    return tuple(hist[:k])
-
-
 class _Allocator:
     """The owner state machine shared by both policies; subclasses own the free space.
 
@@ -119,8 +69,9 @@ class _Allocator:
 
     Subclasses implement, called under the lock: ``_take(owner, n)`` (remove ``n`` <= free
     blocks from the free space for ``owner``, return their ids and the number of runs they
-    form), ``_give(owner, ids)`` (put the owner's blocks back) and ``_free_summary()`` (free
-    runs, largest, histogram).
+    form), ``_give(owner, ids)`` (put the owner's blocks back; ``_give_all`` does several
+    owners', one by one unless a policy does better) and ``_free_summary()`` (free runs,
+    largest, histogram).
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -183,6 +134,17 @@ class _Allocator:
                 return 0
             return self._free_owner(owner)
 
+    def release_many(self, owners: Iterable[str]) -> int:
+        """``release`` of each owner in turn, under one lock (the free space ends the same);
+        the total freed. The extent allocator first joins the runs they free among themselves:
+        a batch of pushes whose blocks follow on costs one run's bookkeeping, not one each."""
+        with self._lock:
+            held = (BlockState.ALLOCATED, BlockState.INFLIGHT)
+            freed = [(o, self._detach(o)) for o in owners if self._owner_state.get(o) in held]
+            if freed:
+                self._give_all(freed)
+            return sum(int(ids.size) for _, ids in freed)
+
     def quarantine(self, owner: str, reason: str) -> int:
         """Move the owner's blocks to QUARANTINED (kept under ``owner``); return how many moved.
 
@@ -241,7 +203,7 @@ class _Allocator:
                 free=free,
                 free_runs=runs,
                 largest_free_run=largest,
-                free_run_hist=_trim(hist),
+                free_run_hist=trimmed(hist),
                 alloc_blocks=self.num_blocks - free,
                 alloc_runs=self._held_runs,
             )
@@ -261,14 +223,23 @@ class _Allocator:
         return n
 
     def _free_owner(self, owner: str) -> int:
+        ids = self._detach(owner)
+        self._give(owner, ids)
+        return int(ids.size)
+
+    def _detach(self, owner: str) -> np.ndarray:
+        """Forget ``owner`` and count its blocks free; the caller gives them back."""
         ids = self._blocks.pop(owner)
         state = self._owner_state.pop(owner)
         self._held_runs -= self._owner_runs.pop(owner)
         n = int(ids.size)
-        self._give(owner, ids)
         self._counts[state] -= n
         self._counts[BlockState.FREE] += n
-        return n
+        return ids
+
+    def _give_all(self, freed: list[tuple[str, np.ndarray]]) -> None:
+        for owner, ids in freed:
+            self._give(owner, ids)
 
     def _take(self, owner: str, n: int) -> tuple[np.ndarray, int]:  # pragma: no cover
         raise NotImplementedError
@@ -349,18 +320,33 @@ class BlockAllocator(_Allocator):
         return ids, len(pieces)
 
     def _give(self, owner: str, ids: np.ndarray) -> None:
-        for start, length in self._pieces.pop(owner):
-            s, k = start, length
-            left_start = self._start_at_end.get(s)
-            if left_start is not None:
-                left_len = s - left_start
-                self._del_run(left_start, left_len)
-                s, k = left_start, k + left_len
-            right_len = self._len_at.get(s + k)
-            if right_len is not None:
-                self._del_run(s + k, right_len)
-                k += right_len
-            self._add_run(s, k)
+        self._give_all([(owner, ids)])
+
+    def _give_all(self, freed: list[tuple[str, np.ndarray]]) -> None:
+        # The owners' pieces joined among themselves first (they never overlap: each block
+        # has one owner), then each joined run once with its free neighbours.
+        pieces = sorted(p for owner, _ in freed for p in self._pieces.pop(owner))
+        s, k = pieces[0]
+        for start, length in pieces[1:]:
+            if start == s + k:
+                k += length
+            else:
+                self._free_run(s, k)
+                s, k = start, length
+        self._free_run(s, k)
+
+    def _free_run(self, s: int, k: int) -> None:
+        """``[s, s + k)`` is free again: one run with its free neighbours on either side."""
+        left_start = self._start_at_end.get(s)
+        if left_start is not None:
+            left_len = s - left_start
+            self._del_run(left_start, left_len)
+            s, k = left_start, k + left_len
+        right_len = self._len_at.get(s + k)
+        if right_len is not None:
+            self._del_run(s + k, right_len)
+            k += right_len
+        self._add_run(s, k)
 
     def _free_summary(self) -> tuple[int, int, list[int]]:
         largest = int(self._by_len[-1]) >> _START_BITS if self._by_len else 0

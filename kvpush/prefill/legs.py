@@ -333,18 +333,22 @@ class Legs:
             self._lanes.done(entry.conn.key, entry.post_s, now - entry.t_post)
         if isinstance(entry, Batch):
             self._table.done(entry)  # the WRITE; then each of its legs, in order
-            for leg in entry.legs:
-                self._leg_done(leg, now)
-        else:
-            self._leg_done(entry, now)
+            ended = [w for leg in entry.legs if (w := self._leg_done(leg, now)) is not None]
+            ok = [w for w in ended if not w.settled and not w.failed]
+            if len(ok) > 1:  # their blocks back in one pass (runs joined), before any report
+                self._pool.allocator.release_many([w.push.key for w in ok])
+                for w in ok:
+                    w.released = True
+            for w in ended:
+                self.settle(w)
+        elif (w := self._leg_done(entry, now)) is not None:
+            self.settle(w)
 
-    def _leg_done(self, leg: Leg, now: float) -> None:
+    def _leg_done(self, leg: Leg, now: float) -> Writing | None:  # (its push, once all ended)
         leg.writing.nbytes += leg.nbytes
         leg.writing.t_done = now
         self._tm.observe(Hist.WRITE_DURATION, now - leg.t_post)
-        w = self._table.done(leg)
-        if w is not None:
-            self.settle(w)
+        return self._table.done(leg)
 
     def abandon(self, entry: InFlight, reason: Failure, detail: str) -> None:
         """A WRITE leg (or fence) that will not complete normally."""
@@ -382,7 +386,8 @@ class Legs:
             )
             return
         now = time.monotonic()
-        self._pool.allocator.release(push.key)
+        if not w.released:  # (a batch's pushes gave theirs back together: ``complete``)
+            self._pool.allocator.release(push.key)
         self._tm.inc(Counter.PUSHES_OK)
         self._n_ok += 1
         if self._n_ok == self._drop_agents_after:

@@ -118,10 +118,10 @@ class Writing:
     nbytes: int = 0  # of the legs that completed
     unposted: int = 0  # legs not posted yet (the push is not over while any is left)
     settled: bool = False
-    # monotonic: legs started (handshakes done), last WRITE posted, last WRITE seen done
-    t_start: float = 0.0
-    t_posted: float = 0.0
-    t_done: float = 0.0
+    released: bool = False  # its blocks went back with its batch's (``Legs.complete``)
+    t_start: float = 0.0  # monotonic: legs started (handshakes done)
+    t_posted: float = 0.0  # monotonic: last WRITE posted
+    t_done: float = 0.0  # monotonic: last WRITE seen done
 
 
 @dataclass

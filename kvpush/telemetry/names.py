@@ -245,7 +245,7 @@ class Gauge(StrEnum):
     POOL_INFLIGHT = "pool_inflight"
     POOL_QUARANTINED = "pool_quarantined"
     POOL_TOTAL = "pool_total"
-    # How fragmented the pool is (kvpush.memory.allocator.Fragmentation): NIXL merges adjacent
+    # How fragmented the pool is (kvpush.memory.fragmentation.Fragmentation): NIXL merges adjacent
     # blocks into one descriptor, so long runs are what keeps a WRITE cheap.
     POOL_FREE_RUNS = "pool_free_runs"
     POOL_LARGEST_FREE_RUN = "pool_largest_free_run"

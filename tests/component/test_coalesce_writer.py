@@ -91,6 +91,24 @@ def test_pushes_ready_in_one_pass_go_as_one_write_with_one_notification(rig: Rig
     assert wr.xfer.released
 
 
+def test_a_batch_gives_every_members_blocks_back_before_any_is_reported() -> None:
+    """The pushes a WRITE ended ok give their blocks back together (``release_many``), and
+    whoever waits for one of them finds them all free: no outcome is out before the blocks."""
+    seen: list[tuple[str, bool, int]] = []
+    holder: list[Rig] = []
+    rig = _make_rig(on_outcome=lambda o: seen.append((o.transfer_id, o.ok, holder[0].free())))
+    holder.append(rig)
+    try:
+        d = rig.stub()
+        _ready(rig, d, 5)
+        rig.step()
+        rig.step()  # DONE
+        assert seen == [(f"t{i}", True, 32) for i in range(5)]
+        assert rig.counters()["pushes_ok"] == 5
+    finally:
+        close_rig(rig)
+
+
 def test_a_d_that_does_not_take_completions_gets_one_write_each(rig: Rig) -> None:
     """An older D (no ``batch_done`` in its PUSH_REG): single WRITEs with single Completions,
     byte for byte what it got before coalescing existed."""

@@ -30,7 +30,7 @@ from kvpush.memory.descriptors import xfer_indices
 from kvpush.memory.pool import KvPool
 from kvpush.peers.handshakes import HandshakeManager
 from kvpush.prefill.acks import MAX_ATTEMPTS
-from kvpush.prefill.table import Finished, Registered, Registration, reg_key
+from kvpush.prefill.table import Finished, PushOutcome, Registered, Registration, reg_key
 from kvpush.prefill.writer import PushWriter
 from kvpush.runtime.owner import OwnerThread
 from kvpush.telemetry.store import Telemetry
@@ -127,7 +127,11 @@ class Rig:
         return self.pool.allocator.counts()["free"]
 
 
-def _make_rig(mode: WriterMode = WriterMode.DEFERRED, coalesce: bool = True) -> Rig:
+def _make_rig(
+    mode: WriterMode = WriterMode.DEFERRED,
+    coalesce: bool = True,
+    on_outcome: Callable[[PushOutcome], None] | None = None,
+) -> Rig:
     cfg = EndpointConfig(
         role=Role.PREFILL,
         engine_id="p-test",
@@ -138,7 +142,7 @@ def _make_rig(mode: WriterMode = WriterMode.DEFERRED, coalesce: bool = True) -> 
     agent = FakeAgent(name="p-test#fake")
     ctx = fake_context(cfg, agent, Instruments(writer=mode))
     owner = OwnerThread("push-writer", cfg.agent)
-    w = PushWriter(ctx, owner)
+    w = PushWriter(ctx, owner, on_outcome)
     owner.export_gauges(ctx.telemetry)
     # What the owner thread does before its first pass: tests run passes themselves.
     w.on_start()

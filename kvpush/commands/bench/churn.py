@@ -28,7 +28,8 @@ from typing import Protocol, TypeAlias, TypedDict
 
 import numpy as np
 
-from kvpush.memory.allocator import BlockAllocator, FreeListAllocator, runs_in
+from kvpush.memory.allocator import BlockAllocator, FreeListAllocator
+from kvpush.memory.fragmentation import runs_in
 
 #: Either of the pool's allocation policies (kvpush's extent allocator, the plain free list).
 Allocator: TypeAlias = BlockAllocator | FreeListAllocator

@@ -409,7 +409,7 @@ def _arr(ids: list[int]) -> npt.NDArray[np.int64]:
 
 def _mean_run_len(id_lists: list[list[int]]) -> float:
     """Blocks / runs of consecutive ascending ids, over these allocations."""
-    from kvpush.memory.allocator import runs_in
+    from kvpush.memory.fragmentation import runs_in
 
     blocks = sum(len(x) for x in id_lists)
     runs = sum(runs_in(_arr(x)) for x in id_lists)

@@ -33,7 +33,8 @@ from kvpush.commands.bench.churn import (
     make_room,
 )
 from kvpush.commands.bench.worker_state import WorkerState
-from kvpush.memory.allocator import BlockAllocator, Fragmentation, FreeListAllocator
+from kvpush.memory.allocator import BlockAllocator, FreeListAllocator
+from kvpush.memory.fragmentation import Fragmentation
 
 
 class FragInfo(TypedDict):
