@@ -320,7 +320,8 @@ class BlockAllocator(_Allocator):
         return ids, len(pieces)
 
     def _give(self, owner: str, ids: np.ndarray) -> None:
-        self._give_all([(owner, ids)])
+        for start, length in self._pieces.pop(owner):  # (from distinct free runs: apart)
+            self._free_run(start, length)
 
     def _give_all(self, freed: list[tuple[str, np.ndarray]]) -> None:
         # The owners' pieces joined among themselves first (they never overlap: each block
