@@ -2,10 +2,11 @@
 
 Verification reads every byte of the request's blocks; it runs here, on one executor thread, so
 it never delays the receiver's notification polling. A request with nothing to read (no
-verification, no digest) is answered on the receiver's thread instead. ``submit`` is called by
-the receiver thread after it removed the request from its table; no other thread touches
-those blocks. ``answered`` stamps a request's answer (``kvpush.telemetry.phases``) and times an
-ok request's steps into the ``phase_*`` histograms; the failure path uses it too.
+verification, no digest) is answered on the receiver's thread instead; the ones a coalesced
+WRITE ended together give their blocks back together first (``submit_many``). ``submit`` is
+called by the receiver thread after it removed the request from its table; no other thread
+touches those blocks. ``answered`` stamps a request's answer (``kvpush.telemetry.phases``) and
+times an ok request's steps into the ``phase_*`` histograms; the failure path uses it too.
 """
 
 from __future__ import annotations
@@ -40,10 +41,29 @@ class Completer:
         to be read (verify, digest), else at once on the caller's thread -- the receiver's, which
         fails requests and answers them the same way; a thread hop per request is most of a
         small one's cost."""
-        if req.digest or (self.verify and not req.p_engine_id):
+        if self._reads(req):
             self._ex.submit(self.complete, req, block_ids)
         else:
             self.complete(req, block_ids)
+
+    def submit_many(self, done: list[tuple[DRequest, np.ndarray]]) -> None:
+        """``submit`` of each, in order (a coalesced WRITE ended them together); those answered
+        at once give their blocks back together first, in one pass of the allocator (their
+        runs joined): every one of them is free before any is answered."""
+        at_once = [not self._reads(req) for req, _ in done]
+        batched = sum(at_once) > 1
+        if batched:  # (a held request keeps its blocks)
+            free = [q for (q, _), now in zip(done, at_once, strict=True) if now and not q.hold]
+            self._pool.allocator.release_many([q.request_id for q in free])
+        for (req, block_ids), now in zip(done, at_once, strict=True):
+            if not now:
+                self._ex.submit(self.complete, req, block_ids)
+            else:
+                self.complete(req, block_ids, batched)
+
+    def _reads(self, req: DRequest) -> bool:
+        """Whether completing ``req`` reads its bytes (a digest, or verification)."""
+        return bool(req.digest) or (self.verify and not req.p_engine_id)
 
     def executor(self) -> Executor:
         """The completer's own thread, for work that must run where completions read the pool
@@ -53,21 +73,22 @@ class Completer:
     def close(self) -> None:
         self._ex.shutdown(wait=True)
 
-    def complete(self, req: DRequest, block_ids: np.ndarray) -> None:
-        """Verify, give the blocks back, resolve the future (this thread)."""
+    def complete(self, req: DRequest, block_ids: np.ndarray, batched: bool = False) -> None:
+        """Verify, give the blocks back, resolve the future (this thread). ``batched``: nothing
+        to read, and the blocks went back already (``submit_many``)."""
         verified: bool | None = None
         sha = ""
         try:
-            if req.digest:
+            if req.digest and not batched:
                 sha = self._pool.digest(block_ids)
-            if self.verify and not req.p_engine_id:  # a vLLM P's bytes follow no kvpush pattern
-                verified = self._pool.verify(req.transfer_id, block_ids)
+            if self.verify and not req.p_engine_id and not batched:  # (a vLLM P's bytes follow
+                verified = self._pool.verify(req.transfer_id, block_ids)  # no kvpush pattern)
                 phases.stamp(req.phases, phases.VERIFIED)
         except Exception:  # a verification bug must still resolve the request
             log.exception("verification of %s failed", req.request_id)
             verified = False
         finally:
-            if not req.hold or verified is False:
+            if not batched and (not req.hold or verified is False):
                 self._pool.allocator.release(req.request_id)
         latency = time.monotonic() - req.t_start
         ok = verified is not False

@@ -300,9 +300,10 @@ class Receiver:
             self._on_completion(sender, msg.request_id)
         elif isinstance(msg, protocol.Completions):
             # One WRITE carried several requests' blocks: each named request completes
-            # exactly as if its own Completion had come, in the order P wrote them.
-            for d in msg.done:
-                self._on_completion(sender, d.request_id)
+            # exactly as if its own Completion had come, in the order P wrote them; those it
+            # ends are answered together (their blocks back in one pass first: ``Completer``).
+            ended = [w for d in msg.done if (w := self._completed(sender, d.request_id))]
+            self._completer.submit_many([(w.req, w.block_ids) for w in ended])
         elif isinstance(msg, protocol.Failure):
             self._on_failure(sender, msg)
         elif isinstance(msg, protocol.Fence):
@@ -317,11 +318,18 @@ class Receiver:
             self._ctx.telemetry.fail(Failure.UNEXPECTED_NOTIF)
 
     def _on_completion(self, sender: str, request_id: str) -> None:
+        w = self._completed(sender, request_id)
+        if w is not None:
+            self._completer.submit(w.req, w.block_ids)
+
+    def _completed(self, sender: str, request_id: str) -> Waiting | None:
+        """``sender``'s completion of ``request_id``: the request when that was its last (out
+        of the table, for the completer), else None (more to come, or refused, or late)."""
         w = self.table.waiting(request_id)
         if w is not None:
             s = self._source(w.req, w.ranks, sender)
             if s is None:
-                return
+                return None
             n = w.completions.get(s, 0)
             if n >= w.req.p_pp_size or s not in w.registered:
                 # A P rank completing twice (or unasked) would hand D bytes it cannot trust.
@@ -332,19 +340,20 @@ class Receiver:
                     w.req.request_id,
                     s,
                 )
-                return
+                return None
             w.completions[s] = n + 1
             if w.received >= w.expected:
                 phases.stamp(w.req.phases, phases.COMPLETION_RECEIVED)
                 self.table.finish(w)
-                self._completer.submit(w.req, w.block_ids)
-            return
+                return w
+            return None
         ab = self.table.abandoned(request_id)
         if ab is not None:
             # That rank's abandoned WRITE completed: its bytes have landed.
             self._settle(ab, sender, "completed late")
-            return
+            return None
         self._ctx.telemetry.fail(Failure.UNKNOWN_COMPLETION)
+        return None
 
     def _on_failure(self, sender: str, msg: protocol.Failure) -> None:
         if not msg.request_id:

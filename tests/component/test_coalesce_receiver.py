@@ -105,3 +105,24 @@ def test_a_batch_naming_a_request_twice_completes_it_once(make_d_rig: Callable[.
     rig.from_p(p, _done("t1", "t1"))
     assert rig.result(fut).outcome == "ok"
     assert rig.counters()["requests_ok"] == 1
+
+
+def test_a_batch_with_nothing_to_read_frees_every_member_before_any_answer(
+    make_d_rig: Callable[..., Rig],
+) -> None:
+    """Verification off: the requests one ``Completions`` ends give their blocks back in one
+    pass (``Completer.submit_many``), and whoever is answered finds all of them free."""
+    rig = make_d_rig()
+    rig.role.completer.verify = False
+    p = rig.stub()
+    seen: list[int] = []
+    futs = [rig.decode(p, t, n=2) for t in ("t1", "t2", "t3")]
+    for t, fut in zip(("t1", "t2", "t3"), futs, strict=True):
+        fut.add_done_callback(lambda _: seen.append(rig.free()))
+        rig.registered(p, t)
+    rig.from_p(p, _done("t1", "t2", "t3"))
+    for fut in futs:
+        rep = rig.result(fut)
+        assert rep.outcome == "ok" and rep.verified is None
+    assert seen == [D_POOL.num_blocks] * 3
+    assert rig.counters()["requests_ok"] == 3
