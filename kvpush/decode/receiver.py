@@ -302,7 +302,9 @@ class Receiver:
             # One WRITE carried several requests' blocks: each named request completes
             # exactly as if its own Completion had come, in the order P wrote them; those it
             # ends are answered together (their blocks back in one pass first: ``Completer``).
-            ended = [w for d in msg.done if (w := self._completed(sender, d.request_id))]
+            ended = [
+                w for d in msg.done if (w := self._completed(sender, d.request_id)) is not None
+            ]
             self._completer.submit_many([(w.req, w.block_ids) for w in ended])
         elif isinstance(msg, protocol.Failure):
             self._on_failure(sender, msg)

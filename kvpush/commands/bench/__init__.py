@@ -50,6 +50,18 @@ def _quiet(msg: str) -> None:
     pass
 
 
+def check_name(name: str, also: tuple[str, ...] = ()) -> None:
+    """Refuse a scenario name that is none of ``NAMES`` (nor ``also``: what the caller runs
+    itself, e.g. the command's ``trace`` and ``peer``), naming every one it takes."""
+    if name not in NAMES and name not in also:
+        from kvpush.errors import ConfigError
+
+        raise ConfigError(
+            f"unknown benchmark scenario {name!r}",
+            f"choose one of {', '.join((*NAMES, *also))}, or all",
+        )
+
+
 def run(
     name: str,
     quick: bool = False,
@@ -61,10 +73,7 @@ def run(
     ``device`` is for the ``DEVICE_SCENARIOS``; the others run on DRAM only."""
     from kvpush.errors import ConfigError
 
-    if name not in NAMES:
-        raise ConfigError(
-            f"unknown benchmark scenario {name!r}", f"choose one of {', '.join(NAMES)}, or all"
-        )
+    check_name(name)
     if device != "cpu" and name not in DEVICE_SCENARIOS:
         raise ConfigError(
             f"bench {name} runs on DRAM only (--device {device})",

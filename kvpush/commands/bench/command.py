@@ -142,13 +142,8 @@ def bench(
 
         raise ConfigError("--workload is for 'kvpush bench trace'", "drop it, or run bench trace")
 
-    from kvpush.commands.bench import NAMES
+    from kvpush.commands.bench import check_name
 
-    if scenario != "all" and scenario not in NAMES:
-        from kvpush.errors import ConfigError
-
-        raise ConfigError(  # (the command runs trace and peer too: name them)
-            f"unknown benchmark scenario {scenario!r}",
-            f"choose one of {', '.join(NAMES)}, trace, peer, or all",
-        )
+    if scenario != "all":
+        check_name(scenario, also=("trace", "peer"))  # (this command runs those two itself)
     run_scenarios(scenario, quick, json_out, out_dir, device)

@@ -27,11 +27,8 @@ def run_scenarios(
     from kvpush.commands.bench.render import render_text
 
     names = b.SCENARIOS if scenario == "all" else (scenario,)
-    if scenario != "all" and scenario not in b.NAMES:
-        raise ConfigError(
-            f"unknown benchmark scenario {scenario!r}",
-            f"choose one of {', '.join(b.NAMES)}, or all",
-        )
+    if scenario != "all":
+        b.check_name(scenario)
     if scenario == "all" and device != "cpu":
         raise ConfigError(
             f"bench all runs on DRAM only (--device {device})",

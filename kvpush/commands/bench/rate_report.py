@@ -48,6 +48,8 @@ def report(rep: Report, out: dict[int, InflightRounds], verified: int, nverify: 
         raw_rate = median([x["per_s"] for x in e["raw"]])
         w_us = median([x["writer_cpu_us"] for x in e["kvpush"]])
         raw_us = median([x["thread_cpu_s"] / x["n"] * 1e6 for x in e["raw"]])
+        p_us = median([x["p_cpu_us"] for x in e["kvpush"]])
+        d_us = median([x["d_cpu_us"] for x in e["kvpush"]])
         lat = e["kvpush"][len(e["kvpush"]) // 2]["latency"]
         r = ratio(kv_rate, raw_rate)
         rows.append(
@@ -59,8 +61,8 @@ def report(rep: Report, out: dict[int, InflightRounds], verified: int, nverify: 
                 fmt_num(w_us, 1),
                 fmt_num(raw_us, 1),
                 fmt_num(w_us - raw_us, 1),
-                fmt_num(median([x["p_cpu_us"] for x in e["kvpush"]]), 1),
-                fmt_num(median([x["d_cpu_us"] for x in e["kvpush"]]), 1),
+                fmt_num(p_us, 1),
+                fmt_num(d_us, 1),
                 fmt_ms(lat["p50"], 3),
                 fmt_ms(lat["p99"], 3),
                 fmt_ms(lat["max"], 3),
@@ -79,8 +81,6 @@ def report(rep: Report, out: dict[int, InflightRounds], verified: int, nverify: 
         }
         figs[inflight] = rep.figures[f"inflight_{inflight}"] = fig
         if inflight > 1:
-            p_us = median([x["p_cpu_us"] for x in e["kvpush"]])
-            d_us = median([x["d_cpu_us"] for x in e["kvpush"]])
             fig["cpu_ceiling_per_s"] = cpu_ceiling(p_us, d_us)
             rep.notes.append(ceiling_note(inflight, p_us, d_us, raw_rate))
             rep.target(
