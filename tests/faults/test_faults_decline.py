@@ -129,14 +129,20 @@ def test_p_stopping_mid_load_is_shutting_down_for_every_request_in_flight(
     tmp_path: Path,
 ) -> None:
     """P gets SIGTERM while two Ds pull steady load through it (every stage of a request in
-    flight: PUSH_REGs on their way, blocks finished or not, WRITEs posted). Every request that
-    was in flight ends with ``shutting_down`` -- P refuses the PUSH_REGs that reach it during
-    its drain, and tells each connected D at its end that it writes nothing more -- never with
-    ``prefill_dead``; requests started after P is gone find it unreachable."""
+    flight: PUSH_REGs on their way, blocks finished or not, WRITEs posted) and a third D waits
+    on two requests P has not prefilled. No request ends with ``prefill_dead``: one whose
+    blocks P had finished is written during the drain (``ok``); one P cannot finish ends with
+    ``shutting_down`` -- P refuses the PUSH_REGs it holds or that reach it during its drain, and
+    tells each connected D at its end that it writes nothing more; one started after P is gone
+    finds it unreachable. The two held requests make sure the ``shutting_down`` path is taken
+    whatever stage the steady requests happen to be at when the signal lands (they all may be
+    past P's intake: CI saw 42 ``ok`` and 6 ``prefill_unreachable``)."""
     with cluster_ctx(tmp_path) as c:
         p = c.start("prefill", "p")
         ds = [c.start("decode", f"d{i}") for i in range(2)]
+        held_d = c.start("decode", "held")
         out: list[Result] = []
+        held: list[Result] = []
         stop = threading.Event()
 
         def worker(w: int) -> None:
@@ -150,14 +156,28 @@ def test_p_stopping_mid_load_is_shutting_down_for_every_request_in_flight(
         for t in workers:
             t.start()
         wait_for(lambda: sum(r.outcome == "ok" for r in out) >= 30, 30, "steady load")
+        waiting = [
+            threading.Thread(
+                target=lambda i=i: held.append(
+                    run_leg(f"held{i}", p.address, held_d.address, 2, send_p=False)
+                )
+            )
+            for i in range(2)
+        ]
+        for t in waiting:
+            t.start()
+        # Sent means D is connected to P: P's word at the end of its drain reaches it.
+        wait_for(
+            lambda: counters(held_d.address).get("push_regs_sent", 0) >= 2, 30, "held PUSH_REGs"
+        )
         c.stop("p")
         stop.set()
-        for t in workers:
+        for t in workers + waiting:
             t.join(DEADLINE_S + 15)
         reasons = check_results(out, allowed={"shutting_down", "prefill_unreachable"})
         assert reasons["ok"] >= 30, reasons
-        assert reasons["shutting_down"] >= 1, reasons  # the requests in flight at the stop
-        for d in ds:
+        assert [r.reason for r in held] == ["shutting_down"] * 2, held
+        for d in [*ds, held_d]:
             assert "prefill_dead" not in failures(d.address), failures(d.address)
             settle(d.address, quarantine_clears=True)
 
