@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -373,6 +374,21 @@ class VllmPeer:
         except OSError:
             return ""
         return "\n".join(lines[-n:])
+
+    def listen_state(self) -> str:
+        """Who listens on the side-channel port, and how many connections wait in its accept
+        queue (``ss``'s Recv-Q): a diagnosis for a listener that stays silent."""
+        ss = shutil.which("ss")
+        if ss is None:
+            return "(ss not installed)"
+        p = subprocess.run(
+            [ss, "-ltnp", f"sport = :{self.port}"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        return (p.stdout + p.stderr).strip()
 
     def error(self, msg: str) -> PeerError:
         return PeerError(
