@@ -425,7 +425,7 @@ class PushTable:
 
 
 def _in_rank_order(regs: dict[int, Registration]) -> tuple[Registration, ...]:
-    return tuple(regs[r] for r in sorted(regs))
+    return tuple(regs.values()) if len(regs) == 1 else tuple(regs[r] for r in sorted(regs))
 
 
 __all__ = [
