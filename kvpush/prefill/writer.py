@@ -385,7 +385,7 @@ class PushWriter:
     def forget(self, g: PeerGone) -> None:
         """From any thread: a D proven gone or replaced (a registry hint, checked); dropped at once
         (its WRITEs in flight fail with ``g.reason``). Dropped when the writer is stopping."""
-        self._owner.hand_off(self.tasks, lambda: self._peers.forget(g), _ignore_error)
+        self._owner.hand_off(self.tasks, lambda: self._peers.forget(g), _ignore)
 
     def drain(self, deadline: float, why: tuple[Failure, str] | None = None) -> None:
         """Stop intake, fail what cannot finish, wait for in-flight WRITEs until the deadline.
@@ -412,6 +412,10 @@ class PushWriter:
                     self._item_failed(d, e)
             self.poll()
             time.sleep(0.0005 if not self.table.has_inflight() else 0)
+        # PUSH_REGs that came since the last pass are refused now (``stopping`` below tells
+        # only the Ds this rank is connected to).
+        c = self._ctx
+        drain_notifications(c.agent, c.codec, c.telemetry, self._rl, self._on_notif)
         self.deferred.close()
         for entry in self.table.inflight():
             self._legs.abandon(entry, reason, f"{detail}: the WRITE did not complete")
@@ -441,9 +445,6 @@ class PushWriter:
             raise RankCrash(f"fault injection: rank {rank} crashed after {after} transfers")
 
 
-def _ignore_error(e: BaseException) -> None:
-    del e  # a task that could not be queued: the writer is stopping and releases every peer
-
-
-def _ignore(outcome: PushOutcome) -> None:
-    pass
+def _ignore(_: object) -> None:
+    """An outcome nobody asked for, or a task that could not be queued (the writer is stopping
+    and releases every peer)."""

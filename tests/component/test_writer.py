@@ -300,6 +300,23 @@ def test_writer_thread_drains_deferred_inbox(rig: Rig) -> None:
     assert rig.free() == 32
 
 
+def test_a_push_reg_that_came_since_the_last_pass_is_refused_by_ps_drain(rig: Rig) -> None:
+    """P stops with a PUSH_REG in its notification queue that no pass has read yet: its drain
+    reads it and refuses it by name with the stop's reason, before the request-less word it
+    sends every connected D at its end (which a D that P never connected to does not get)."""
+    d = rig.stub()
+    rig.connect(d)
+    rig.register(rig.registration(d, rig.reg(d, "late", [3])))
+    rig.owner.stop(0)  # stopping (the rig's loop is stepped by hand: no thread to join)
+    rig.writer.drain(time.monotonic() + 1)
+    fails = [m for m in rig.sent_to(d) if isinstance(m, protocol.Failure)]
+    assert [(m.request_id, m.reason) for m in fails] == [
+        ("late", "shutting_down"),
+        ("", "shutting_down"),
+    ], fails
+    assert rig.counters().get("push_regs_received") == 1
+
+
 @pytest.mark.parametrize("broken", ["raises", "closed"])
 def test_exception_in_callback_path_loses_nothing(
     rig: Rig, monkeypatch: pytest.MonkeyPatch, broken: str

@@ -166,7 +166,7 @@ def test_p_stopping_mid_load_is_shutting_down_for_every_request_in_flight(
         ]
         for t in waiting:
             t.start()
-        # Sent means D is connected to P: P's word at the end of its drain reaches it.
+        # Sent: P reads them by its drain's last look at its notifications and refuses them.
         wait_for(
             lambda: counters(held_d.address).get("push_regs_sent", 0) >= 2, 30, "held PUSH_REGs"
         )
