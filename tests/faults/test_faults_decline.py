@@ -36,6 +36,22 @@ def _p_back(address: str, free: float, timeout_s: float) -> float:
     return time.monotonic() - t0
 
 
+def _held(
+    p: str, d: str, prefix: str, n: int, blocks: int, out: list[Result]
+) -> list[threading.Thread]:
+    """``n`` requests D registers and P is never asked to prefill, each on a started thread
+    that appends how it ended to ``out``."""
+    legs = [
+        threading.Thread(
+            target=lambda i=i: out.append(run_leg(f"{prefix}{i}", p, d, blocks, send_p=False))
+        )
+        for i in range(n)
+    ]
+    for t in legs:
+        t.start()
+    return legs
+
+
 def test_a_refusing_d_beside_a_healthy_one_never_pins_p(tmp_path: Path) -> None:
     with cluster_ctx(tmp_path) as c:
         p = c.start("prefill", "p")
@@ -103,16 +119,7 @@ def test_p_stopping_gracefully_is_shutting_down_not_dead(tmp_path: Path) -> None
         p = c.start("prefill", "p")
         d = c.start("decode", "d")
         out: list[Result] = []
-        legs = [
-            threading.Thread(
-                target=lambda i=i: out.append(
-                    run_leg(f"w{i}", p.address, d.address, 4, send_p=False)
-                )
-            )
-            for i in range(4)
-        ]
-        for t in legs:
-            t.start()
+        legs = _held(p.address, d.address, "w", 4, 4, out)
         wait_for(lambda: gauges(p.address)["regs_waiting_blocks"] == 4, 30, "D's PUSH_REGs")
         t0 = time.monotonic()
         c.stop("p")
@@ -156,16 +163,7 @@ def test_p_stopping_mid_load_is_shutting_down_for_every_request_in_flight(
         for t in workers:
             t.start()
         wait_for(lambda: sum(r.outcome == "ok" for r in out) >= 30, 30, "steady load")
-        waiting = [
-            threading.Thread(
-                target=lambda i=i: held.append(
-                    run_leg(f"held{i}", p.address, held_d.address, 2, send_p=False)
-                )
-            )
-            for i in range(2)
-        ]
-        for t in waiting:
-            t.start()
+        waiting = _held(p.address, held_d.address, "held", 2, 2, held)
         # Sent: P reads them by its drain's last look at its notifications and refuses them.
         wait_for(
             lambda: counters(held_d.address).get("push_regs_sent", 0) >= 2, 30, "held PUSH_REGs"
