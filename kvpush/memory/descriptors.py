@@ -73,19 +73,32 @@ def xfer_index_list(
 ) -> Indices:
     """``xfer_indices``, except that a short result (``SMALL_XFER`` indices or fewer) is a plain
     list: NIXL takes either, and for a 1-block push building small numpy arrays costs more than
-    the rest of its plan."""
+    the rest of its plan. An id outside ``0..num_blocks-1`` raises ``ValueError``."""
     if regions * num_blocks - 1 > _INT32_MAX:
         raise ValueError(
             f"{regions} regions x {num_blocks} blocks exceed the int32 descriptor index range"
         )
-    n = block_ids.size if isinstance(block_ids, np.ndarray) else len(block_ids)
-    if n * regions <= SMALL_XFER:
-        ids = block_ids.ravel().tolist() if isinstance(block_ids, np.ndarray) else block_ids
-        if n and (min(ids) < 0 or max(ids) >= num_blocks):
-            raise ValueError(
-                f"block ids out of range 0..{num_blocks - 1}: min {min(ids)}, max {max(ids)}"
-            )
-        return [r * num_blocks + int(b) for r in range(regions) for b in ids]
+    if isinstance(block_ids, np.ndarray):
+        if block_ids.size * regions > SMALL_XFER:
+            return _xfer_array(block_ids, num_blocks, regions)
+        ids: Sequence[int] = block_ids.ravel().tolist()
+    elif len(block_ids) * regions > SMALL_XFER:
+        return _xfer_array(block_ids, num_blocks, regions)
+    else:
+        ids = block_ids
+    if len(ids) == 1:  # a 1-block push, the most common small one: one check, no min/max
+        b = ids[0]
+        if not 0 <= b < num_blocks:
+            raise ValueError(f"block ids out of range 0..{num_blocks - 1}: {b}")
+        return [b + first for first in range(0, regions * num_blocks, num_blocks)]
+    if ids and (min(ids) < 0 or max(ids) >= num_blocks):
+        raise ValueError(
+            f"block ids out of range 0..{num_blocks - 1}: min {min(ids)}, max {max(ids)}"
+        )
+    return [r * num_blocks + int(b) for r in range(regions) for b in ids]
+
+
+def _xfer_array(block_ids: np.ndarray | Sequence[int], num_blocks: int, regions: int) -> np.ndarray:
     arr = np.asarray(block_ids, dtype=np.int64).reshape(-1)
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= num_blocks):
         raise ValueError(

@@ -58,12 +58,15 @@ def plan_write(
             Failure.BLOCK_COUNT_MISMATCH,
             f"P finished {len(local_ids)} blocks, D registered {len(remote_ids)}",
         )
-    if len(remote_ids) and (min(remote_ids) < 0 or max(remote_ids) >= remote.num_blocks):
-        raise PlanError(Failure.BAD_REGISTRATION, "D block id outside D's pool")
+    try:
+        remote_idx = xfer_index_list(remote_ids, remote.num_blocks, remote.regions)
+    except ValueError as e:  # an id outside D's pool (or a pool beyond int32 indices)
+        detail = f"D's block ids do not fit D's pool: {e}"
+        raise PlanError(Failure.BAD_REGISTRATION, detail) from None
     return WritePlan(
-        local_idx=xfer_index_list(local_ids, local.num_blocks, local.regions),
-        remote_idx=xfer_index_list(remote_ids, remote.num_blocks, remote.regions),
-        nbytes=len(local_ids) * local.regions * (local.block_bytes if sl is None else sl.length),
+        xfer_index_list(local_ids, local.num_blocks, local.regions),
+        remote_idx,
+        len(local_ids) * local.regions * (local.block_bytes if sl is None else sl.length),
     )
 
 

@@ -244,9 +244,10 @@ def test_xfer_indices_small_and_large_paths_agree(
 
 
 @pytest.mark.parametrize("as_array", [True, False])
-@pytest.mark.parametrize("n", [1, 40])  # the plain-Python path and numpy's
-def test_xfer_indices_rejects_out_of_range_both_paths(n: int, as_array: bool) -> None:
-    ids = [0] * (n - 1) + [10]
+@pytest.mark.parametrize("bad", [10, -1])
+@pytest.mark.parametrize("n", [1, 5, 40])  # one block, the plain-Python path and numpy's
+def test_xfer_indices_rejects_out_of_range_every_path(n: int, as_array: bool, bad: int) -> None:
+    ids = [0] * (n - 1) + [bad]
     with pytest.raises(ValueError, match="out of range"):
         xfer_indices(np.array(ids) if as_array else ids, 10, 2)
     with pytest.raises(ValueError, match="out of range"):
