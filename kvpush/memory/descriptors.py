@@ -87,7 +87,7 @@ def xfer_index_list(
     else:
         ids = block_ids
     if len(ids) == 1:  # a 1-block push, the most common small one: one check, no min/max
-        b = ids[0]
+        b = int(ids[0])  # (a numpy scalar in a list would ride into NIXL otherwise)
         if not 0 <= b < num_blocks:
             raise ValueError(f"block ids out of range 0..{num_blocks - 1}: {b}")
         return [b + first for first in range(0, regions * num_blocks, num_blocks)]

@@ -254,6 +254,14 @@ def test_xfer_indices_rejects_out_of_range_every_path(n: int, as_array: bool, ba
         xfer_index_list(np.array(ids) if as_array else ids, 10, 2)
 
 
+@pytest.mark.parametrize("ids", [[np.int64(3)], [np.int64(3), np.int64(4)], np.array([3])])
+def test_short_index_lists_hold_python_ints(ids: list[int] | np.ndarray) -> None:
+    """What NIXL gets for a short push is a list of plain ints, whatever the ids came as."""
+    got = xfer_index_list(ids, 10, 2)
+    assert isinstance(got, list)
+    assert all(type(i) is int for i in got)
+
+
 def test_xfer_indices_rejects_out_of_range() -> None:
     with pytest.raises(ValueError):
         xfer_indices(np.array([10]), 10, 2)
