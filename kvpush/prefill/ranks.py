@@ -28,7 +28,7 @@ from kvpush.prefill.table import Registration
 MAX_FANNED = 1 << 16  # requests the fan-out remembers (each for ttl_s at most)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per PUSH_REG, and a frozen init costs 3x
 class Routed:
     """Register these (one per target D rank they stand for); ``expected``: how many
     registrations the push waits for. Empty when the PUSH_REG was absorbed by a fan-out."""
