@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,6 +165,30 @@ def launch(
     if wait:
         wait_ready(p, timeout)
     return p
+
+
+#: read(2)'s syscall number, as ``/proc/PID/syscall`` shows it, per machine.
+_READ_SYSCALL = {"x86_64": 0, "aarch64": 63}
+
+
+def wait_reading_stdin(proc: subprocess.Popen[str], timeout: float = 60.0) -> None:
+    """Return once ``proc``'s main thread is blocked reading its stdin (``/proc/PID/syscall``):
+    what is piped in next is read at once, not after the process's start-up, however loaded the
+    host. (On a machine whose read(2) number is not known here, it returns at once.)"""
+    nr = _READ_SYSCALL.get(os.uname().machine)
+    deadline = time.monotonic() + timeout
+    while nr is not None:
+        if proc.poll() is not None:
+            raise AssertionError(f"pid {proc.pid} exited {proc.returncode} before reading stdin")
+        try:
+            fields = Path(f"/proc/{proc.pid}/syscall").read_text().split()
+        except OSError:
+            fields = []
+        if len(fields) >= 2 and fields[0] == str(nr) and int(fields[1], 16) == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pid {proc.pid} did not read its stdin within {timeout}s")
+        time.sleep(0.02)
 
 
 def wait_ready(p: Proc, timeout: float = 60.0) -> None:

@@ -25,7 +25,10 @@ from tests.conftest import Served, ServeFactory, run_cli
 from tests.support.procs import wait_ready
 
 TP = 2
-LEASE_S = 8
+# P's lease: the leg's CLI starts only once P has finished, and nothing here tests the lease
+# ending: long enough for a CLI's start on a loaded host (8 s was not, beside a CPU-bound process:
+# ~4.5 s to start, ~2.3 s more to reach D).
+LEASE_S = 30
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(480)]
 

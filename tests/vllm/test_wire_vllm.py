@@ -42,7 +42,7 @@ from harness import (
 
 from kvpush.commands.leg.legs import LegReport, decode_leg, prefill_leg
 from tests.conftest import Served, ServeFactory
-from tests.support.procs import KVPUSH, clean_env, wait_ready
+from tests.support.procs import KVPUSH, clean_env, wait_reading_stdin, wait_ready
 
 LEASE_S = 6
 
@@ -233,9 +233,11 @@ def test_kvpush_p_to_vllm_d(vllm_d: VllmPeer, kvpush_p: Served) -> None:
 
 def test_cli_decode_leg_from_vllm_p(vllm_p: VllmPeer, kvpush_d: Served, tmp_path: Path) -> None:
     """What a router does with a vLLM P's answer, by hand: the params as vLLM returned them,
-    piped in. The leg is started first and waits on stdin: P's lease here is LEASE_S (6 s), and
-    a CLI that starts only once P has finished spends part of it starting (under load, all of
-    it: P then drops the request and D's leg ends at its deadline, as vLLM's lease says)."""
+    piped in. The leg is started first, and P is asked to prefill only once the leg waits on
+    its stdin: P's lease here is LEASE_S (6 s), and a CLI that is still starting when P has
+    finished spends part of it starting (under load, all of it: seen with one CPU-bound process
+    beside the suite, 4.5 s to start and 2.3 s to reach D; P then drops the request and D's leg
+    ends at its deadline, as vLLM's lease says)."""
     p_id, _ = request_ids("cli-v2k")
     blocks = [2, 6]
     mark = vllm_p.wire_mark()
@@ -245,6 +247,7 @@ def test_cli_decode_leg_from_vllm_p(vllm_p: VllmPeer, kvpush_d: Served, tmp_path
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=clean_env(),
     )  # fmt: skip
+    wait_reading_stdin(leg)
     cid = vllm_p.prefill(p_id, blocks)
     params = json.dumps(vllm_p.result(cid, suffix=".params")["params"])
     stdout, stderr = leg.communicate(params, timeout=120)
