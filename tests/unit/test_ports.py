@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from kvpush.commands.common import ports
+
+
+def _listen(port: int) -> None:
+    """Listen on ``port`` as every process given one does (ZMQ, etcd, the metrics server):
+    with SO_REUSEADDR, so a port whose last connection is in TIME_WAIT is free to it."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
 
 
 def test_ports_come_from_below_the_ephemeral_range_and_are_free() -> None:
@@ -13,8 +24,26 @@ def test_ports_come_from_below_the_ephemeral_range_and_are_free() -> None:
     for _ in range(20):
         port = ports.free_port()
         assert 1024 <= port < low
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", port))
+        _listen(port)
+
+
+def test_a_port_whose_last_connection_is_in_time_wait_is_free_to_a_listener() -> None:
+    """The port of an earlier listener (SO_REUSEADDR, as they all set it) whose accepted
+    connection waits in TIME_WAIT is handed out, and a listener takes it. A bare bind, without
+    SO_REUSEADDR, fails there: this file's first test once bound that way, and failed now and then
+    in the suite, after other tests' endpoints had used the port it was handed."""
+    with socket.socket() as lsn:
+        lsn.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        lsn.bind(("127.0.0.1", ports.free_port()))
+        lsn.listen()
+        port = lsn.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            accepted, _ = lsn.accept()
+            accepted.close()  # the listener's side closes first: its end waits in TIME_WAIT
+    with socket.socket() as bare, pytest.raises(OSError):
+        bare.bind(("127.0.0.1", port))
+    assert ports._bindable(port)
+    _listen(port)
 
 
 def test_a_held_port_is_not_handed_out() -> None:
