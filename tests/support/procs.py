@@ -176,8 +176,10 @@ def wait_reading_stdin(proc: subprocess.Popen[str], timeout: float = 60.0) -> No
     what is piped in next is read at once, not after the process's start-up, however loaded the
     host. (On a machine whose read(2) number is not known here, it returns at once.)"""
     nr = _READ_SYSCALL.get(os.uname().machine)
+    if nr is None:
+        return
     deadline = time.monotonic() + timeout
-    while nr is not None:
+    while True:
         if proc.poll() is not None:
             raise AssertionError(f"pid {proc.pid} exited {proc.returncode} before reading stdin")
         try:
