@@ -15,7 +15,9 @@ is nearly all waste. ``bench rate``, 64 in flight, timed with ``gc.callbacks``: 
 ~80 middle collections per 60,000 pushes in P, 5.0 us of P's CPU a push and 8.0 of D's (whose
 load generator keeps every request's result). ``YOUNG_THRESHOLD`` makes them ~12 times rarer:
 0.6 and 4.0 us; each then walks at most that many objects (a millisecond or two), and cyclic
-garbage waits that much longer to be found.
+garbage waits that much longer to be found. What keeps ended work alive for a while counts
+against the threshold too: the deadline heaps' stale entries are bounded well below it
+(``kvpush.runtime.timers.TRIM_SLACK``), and a steady load then makes no young collection at all.
 """
 
 from __future__ import annotations
