@@ -177,6 +177,7 @@ def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, inflight: int) -> KvRou
         "p_cpu_us": (c1["process"] - c0["process"]) / max(1, ok) * 1e6,
         "d_cpu_us": r["cpu_s"] / max(1, ok) * 1e6,
         "d_receiver_cpu_us": r["threads_cpu_s"].get("decode-receiver", 0.0) / max(1, ok) * 1e6,
+        "d_client_cpu_us": r["threads_cpu_s"].get("client", math.nan) / max(1, ok) * 1e6,
         # P's WRITEs posted meanwhile (its lane figures count posts) and pushes per WRITE
         "writes": w1[0] - w0[0],
         "pushes_per_write": ratio(w1[1] - w0[1], w1[0] - w0[0]),
