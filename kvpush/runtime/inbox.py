@@ -39,7 +39,12 @@ class Inbox(Generic[T]):
                     f"{self.name} inbox is full ({self.maxlen})", "the endpoint is overloaded"
                 )
             self._q.append(item)
-        self.wake.set()
+        wake = self.wake
+        # Only when not set already (``set`` takes a lock and notifies: ~1.7 us a put, paid per
+        # request). Nothing is missed: the owner clears the event before it drains, so an item
+        # appended before this check is drained after that clear, or the check sees it clear.
+        if not wake.is_set():
+            wake.set()
 
     def close(self) -> list[T]:
         """Refuse further puts; return what was still queued (the owner fails or finishes it)."""

@@ -113,3 +113,28 @@ def test_concurrent_producers_one_consumer() -> None:
     assert len(got) == n * per
     for p in range(n):  # per-producer order is kept
         assert [i for pp, i in got if pp == p] == list(range(per))
+
+
+def test_no_put_is_missed_by_an_owner_that_clears_then_drains() -> None:
+    """A put skips ``set`` when the event is set already; an owner that sleeps on the event,
+    clears it and then drains (``IdleWaiter``, then the next pass) still sees every item, at
+    once: four producers, 20,000 puts, no wait of the owner's runs out."""
+    wake = threading.Event()
+    boxes: list[Inbox[int]] = [Inbox(f"b{k}", 1 << 20, wake) for k in range(2)]
+    per, producers = 5_000, 4
+
+    def produce(k: int) -> None:
+        for i in range(per):
+            boxes[(k + i) % 2].put(i)
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(producers)]
+    for t in threads:
+        t.start()
+    got = 0
+    while got < per * producers:
+        assert wake.wait(5.0), f"the owner slept through a put ({got} of {per * producers})"
+        wake.clear()
+        got += sum(len(list(b.drain())) for b in boxes)
+    for t in threads:
+        t.join()
+    assert got == per * producers
