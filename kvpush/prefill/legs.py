@@ -3,13 +3,12 @@
 A push becomes one WRITE per target D rank (a *leg*: this rank's page, or its chunk for that
 rank), each carrying its completion notification. ``Legs`` posts them, polls them and ends
 them -- completed, failed at post, failed or timed out while polling, or abandoned when the
-peer dies -- and settles the push once its last leg is over: blocks back to the pool, or
-quarantined until a fence when bytes may still be moving (``kvpush.prefill.fences``). Fences
-are in-flight WRITEs too and end here. An ok push's outcome carries its phase stamps
-(``kvpush.telemetry.phases``: matched, handshake done, last WRITE posted, last seen done) and
-its steps go into the ``phase_*`` histograms; each post's descriptors and time in NIXL's
-prep+post calls go to ``kvpush.prefill.lanestats``. State lives in the ``PushTable`` (``Writing``,
-``Leg``, ``FenceWrite``); this object only acts on it.
+peer dies -- and has the push settled once its last leg is over (``kvpush.prefill.settle``:
+blocks back to the pool, or quarantined until a fence when bytes may still be moving, its
+counters, phase stamps and outcome); a coalesced WRITE's pushes are settled together. Fences
+(``kvpush.prefill.fences``) are in-flight WRITEs too and end here. Each post's descriptors and
+time in NIXL's prep+post calls go to ``kvpush.prefill.lanestats``. State lives in the
+``PushTable`` (``Writing``, ``Leg``, ``FenceWrite``); this object only acts on it.
 
 Coalescing (``kvpush.prefill.coalesce``): legs that may share a WRITE wait in ``ready`` for the
 pass's end; ``post_ready`` posts each group as one WRITE (a ``Batch``), whose legs each end as if
@@ -40,19 +39,18 @@ from kvpush.prefill.fences import Fences, entry_of
 from kvpush.prefill.lanestats import PeerLanes
 from kvpush.prefill.outcomes import Outcomes
 from kvpush.prefill.plan import PlanError, WritePlan, plan_write
+from kvpush.prefill.settle import Settler
 from kvpush.prefill.table import (
     Batch,
     FenceWrite,
     InFlight,
     Leg,
     Push,
-    PushOutcome,
     Registration,
     Writing,
 )
 from kvpush.ratelog import RateLimitedLog
-from kvpush.telemetry import phases
-from kvpush.telemetry.names import Counter, Failure, Hist
+from kvpush.telemetry.names import Failure, Hist
 from kvpush.transport.agent import (
     GONE,
     XFER_DONE,
@@ -87,8 +85,7 @@ class Legs:
         self._rl = RateLimitedLog(log)
         self.local_dlist: DList | None = None  # the whole pool's, from open() on
         self._chunk_dlists: dict[tuple[int, int], DList] = {}  # (offset, length) of each page
-        self._n_ok = 0  # pushes ok (the drop_agents_after fault hook)
-        self._drop_agents_after = ctx.instruments.drop_agents_after
+        self._settler = Settler(ctx, out)  # once every leg of a push ended
         self._lanes = lanes  # per-peer posting figures (``kvpush.prefill.lanestats``)
         # Legs matched in this pass that may share a WRITE (kvpush's wire, --coalesce).
         self.ready = Pending()
@@ -170,7 +167,7 @@ class Legs:
             self._pool.allocator.mark_inflight(w.push.key)
         elif not w.legs and not w.settled:  # every leg failed at post, or the last one did
             self._table.forget(w)
-            self.settle(w)
+            self._settler.settle(w)
 
     def post_ready(self, group: list[Ready]) -> EvictPeer | None:
         """Post one D rank's ready legs: one alone as ``post`` would, several as one WRITE with
@@ -333,16 +330,21 @@ class Legs:
             self._lanes.done(entry.conn.key, entry.post_s, now - entry.t_post)
         if isinstance(entry, Batch):
             self._table.done(entry)  # the WRITE; then each of its legs, in order
-            ended = [w for leg in entry.legs if (w := self._leg_done(leg, now)) is not None]
+            ended: list[Writing] = []
+            for leg in entry.legs:
+                leg.writing.nbytes += leg.nbytes
+                leg.writing.t_done = now
+                if (w := self._table.done(leg)) is not None:
+                    ended.append(w)
+            self._tm.observe_many(Hist.WRITE_DURATION, [now - entry.t_post] * len(entry.legs))
             ok = [w for w in ended if not w.settled and not w.failed]
             if len(ok) > 1:  # their blocks back in one pass (runs joined), before any report
                 self._pool.allocator.release_many([w.push.key for w in ok])
                 for w in ok:
                     w.released = True
-            for w in ended:
-                self.settle(w)
+            self._settler.settle_many(ended)
         elif (w := self._leg_done(entry, now)) is not None:
-            self.settle(w)
+            self._settler.settle(w)
 
     def _leg_done(self, leg: Leg, now: float) -> Writing | None:  # (its push, once all ended)
         leg.writing.nbytes += leg.nbytes
@@ -370,54 +372,7 @@ class Legs:
                 self._fences.add(leg.conn.key, entry_of(leg))
             w = self._table.done(leg)
             if w is not None:
-                self.settle(w)
-
-    def settle(self, w: Writing) -> None:
-        """Every leg of a push ended: the blocks go back (or wait for a fence). Once."""
-        if w.settled:
-            return
-        w.settled = True
-        push = w.push
-        if w.failed:
-            reason, _ = next(iter(w.failed.values()))
-            quarantine = any(may for _, may in w.failed.values())
-            self._out.settle(
-                push, reason, f"{len(w.failed)} of its WRITEs failed", quarantine=quarantine
-            )
-            return
-        now = time.monotonic()
-        if not w.released:  # (a batch's pushes gave theirs back together: ``complete``)
-            self._pool.allocator.release(push.key)
-        self._tm.inc(Counter.PUSHES_OK)
-        self._n_ok += 1
-        if self._n_ok == self._drop_agents_after:
-            for conn in self._hs.connected():  # fault hook: the transport lost under them
-                log.warning("fault injection: NIXL drops the agent of %s", conn.address)
-                self._agent.drop_remote_under(conn.agent_name)
-        self._tm.inc(Counter.BYTES_PUSHED, w.nbytes)
-        t_match = max(push.finished.t_finished, max(r.t_arrived for r in push.registrations))
-        stamps = self._phases(w, t_match, now) if self.cfg.phase_stamps else {}
-        self._report(
-            PushOutcome(
-                push.finished.transfer_id, True, nbytes=w.nbytes, phases=stamps, peer=push.peer
-            )
-        )
-        self._tm.observe(Hist.PUSH_LATENCY, now - t_match)
-
-    def _phases(self, w: Writing, t_match: float, now: float) -> dict[str, float]:
-        """The push's phase stamps on the wall clock; its steps into the phase histograms."""
-        first = min(w.push.finished.t_finished, min(r.t_arrived for r in w.push.registrations))
-        self._tm.observe(Hist.PHASE_MATCH_WAIT, t_match - first)
-        shift = phases.wall_shift()  # monotonic -> wall clock
-        stamps = {
-            phases.REGISTRATION_MATCHED: t_match + shift,
-            phases.HANDSHAKE_DONE: w.t_start + shift,
-            phases.WRITE_POSTED: w.t_posted + shift,
-            phases.WRITE_DONE: (w.t_done or now) + shift,
-        }
-        for hist, seconds in phases.steps(stamps, phases.P_STEPS):
-            self._tm.observe(hist, seconds)
-        return stamps
+                self._settler.settle(w)
 
     def peer_unhealthy(self, key: PeerKey, reason: str) -> None:
         """The peer at ``key`` is evicted for transport errors but may be alive (stalled): its
@@ -442,7 +397,7 @@ class Legs:
                 self._out.fail_leg(leg, why, reason, may_have_written=False)
                 w = self._table.done(leg)
                 if w is not None:
-                    self.settle(w)
+                    self._settler.settle(w)
 
 
 def _soft(e: TransferError) -> bool:

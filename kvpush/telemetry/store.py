@@ -75,6 +75,14 @@ class Histogram:
             with self._lock:
                 self._fold()
 
+    def observe_many(self, values: Iterable[float]) -> None:
+        """``observe`` of each value, queued in one call (a batch's pushes end together)."""
+        q = self._queued
+        q.extend(values)
+        if len(q) >= self.FOLD_AT:
+            with self._lock:
+                self._fold()
+
     def _fold(self) -> None:
         """Every queued value into the buckets (under the lock: only lock holders pop, so the
         values counted here are all there; others may append meanwhile, for the next fold)."""
@@ -210,6 +218,14 @@ class Telemetry:
             with self._lock:
                 h = self._hists.setdefault(hist, Histogram())
         h.observe(seconds)
+
+    def observe_many(self, hist: str, values: Iterable[float]) -> None:
+        """``observe`` of each value into ``hist``, in one call."""
+        h = self._hists.get(hist)
+        if h is None:
+            with self._lock:
+                h = self._hists.setdefault(hist, Histogram())
+        h.observe_many(values)
 
     def declare(
         self,
