@@ -47,19 +47,55 @@ class Completer:
             self.complete(req, block_ids)
 
     def submit_many(self, done: list[tuple[DRequest, np.ndarray]]) -> None:
-        """``submit`` of each, in order (a coalesced WRITE ended them together); those answered
-        at once give their blocks back together first, in one pass of the allocator (their
-        runs joined): every one of them is free before any is answered."""
+        """``submit`` of each (a coalesced WRITE ended them together): those whose bytes are to
+        be read go to the executor, in order; those answered at once give their blocks back
+        together first, in one pass of the allocator (their runs joined) -- every one of them
+        is free before any is answered -- then are answered in order (``_answer_ok``)."""
         at_once = [not self._reads(req) for req, _ in done]
-        batched = sum(at_once) > 1
-        if batched:  # (a held request keeps its blocks)
-            free = [q for (q, _), now in zip(done, at_once, strict=True) if now and not q.hold]
-            self._pool.allocator.release_many([q.request_id for q in free])
+        if sum(at_once) < 2:
+            for req, block_ids in done:
+                self.submit(req, block_ids)
+            return
+        now_reqs = [q for (q, _), now in zip(done, at_once, strict=True) if now]
+        # (a held request keeps its blocks)
+        self._pool.allocator.release_many([q.request_id for q in now_reqs if not q.hold])
         for (req, block_ids), now in zip(done, at_once, strict=True):
             if not now:
                 self._ex.submit(self.complete, req, block_ids)
-            else:
-                self.complete(req, block_ids, batched)
+        self._answer_ok(now_reqs)
+
+    def _answer_ok(self, reqs: list[DRequest]) -> None:
+        """Answer requests with nothing to read whose blocks went back already, each as
+        ``complete`` would: their counters bumped once for all and each histogram fed in one
+        call, then each answered in order (every one counted before its answer is out)."""
+        t = time.monotonic()
+        latency: list[float] = []
+        steps: dict[str, list[float]] = {}
+        reps: list[protocol.DecodeRep] = []
+        nbytes = 0
+        for req in reqs:
+            lat = t - req.t_start
+            latency.append(lat)
+            nbytes += req.nbytes
+            stamps = answered(self._tm, req, observe=True, into=steps)
+            reps.append(
+                protocol.DecodeRep(
+                    transfer_id=req.transfer_id,
+                    request_id=req.request_id,
+                    outcome="ok",
+                    latency_s=lat,
+                    nbytes=req.nbytes,
+                    phases=stamps,
+                )
+            )
+        tm = self._tm
+        tm.inc(Counter.REQUESTS_OK, len(reqs))
+        tm.inc(Counter.BYTES_RECEIVED, nbytes)
+        tm.observe_many(Hist.DECODE_LATENCY, latency)
+        for hist, values in steps.items():
+            tm.observe_many(hist, values)
+        for req, rep in zip(reqs, reps, strict=True):
+            req.future.set_result(rep)
 
     def _reads(self, req: DRequest) -> bool:
         """Whether completing ``req`` reads its bytes (a digest, or verification)."""
@@ -73,22 +109,21 @@ class Completer:
     def close(self) -> None:
         self._ex.shutdown(wait=True)
 
-    def complete(self, req: DRequest, block_ids: np.ndarray, batched: bool = False) -> None:
-        """Verify, give the blocks back, resolve the future (this thread). ``batched``: nothing
-        to read, and the blocks went back already (``submit_many``)."""
+    def complete(self, req: DRequest, block_ids: np.ndarray) -> None:
+        """Verify, give the blocks back, resolve the future (this thread)."""
         verified: bool | None = None
         sha = ""
         try:
-            if req.digest and not batched:
+            if req.digest:
                 sha = self._pool.digest(block_ids)
-            if self.verify and not req.p_engine_id and not batched:  # (a vLLM P's bytes follow
-                verified = self._pool.verify(req.transfer_id, block_ids)  # no kvpush pattern)
+            if self.verify and not req.p_engine_id:  # (a vLLM P's bytes follow no kvpush
+                verified = self._pool.verify(req.transfer_id, block_ids)  # pattern)
                 phases.stamp(req.phases, phases.VERIFIED)
         except Exception:  # a verification bug must still resolve the request
             log.exception("verification of %s failed", req.request_id)
             verified = False
         finally:
-            if not batched and (not req.hold or verified is False):
+            if not req.hold or verified is False:
                 self._pool.allocator.release(req.request_id)
         latency = time.monotonic() - req.t_start
         ok = verified is not False
@@ -120,13 +155,19 @@ class Completer:
         )
 
 
-def answered(tm: Telemetry, req: DRequest, observe: bool) -> dict[str, float]:
-    """Stamp the answer; time the steps of an ok request into the ``phase_*`` histograms; the
-    stamps the answer carries (empty when stamps are off)."""
+def answered(
+    tm: Telemetry, req: DRequest, observe: bool, into: dict[str, list[float]] | None = None
+) -> dict[str, float]:
+    """Stamp the answer; time the steps of an ok request into the ``phase_*`` histograms (or
+    add them to ``into``, by histogram, for the caller to feed in one call); the stamps the
+    answer carries (empty when stamps are off)."""
     if req.phases is None:
         return {}
     phases.stamp(req.phases, phases.ANSWERED)
     if observe:
         for hist, seconds in phases.steps(req.phases, phases.D_STEPS):
-            tm.observe(hist, seconds)
+            if into is None:
+                tm.observe(hist, seconds)
+            else:
+                into.setdefault(hist, []).append(seconds)
     return req.phases

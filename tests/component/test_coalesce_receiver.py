@@ -126,3 +126,32 @@ def test_a_batch_with_nothing_to_read_frees_every_member_before_any_answer(
         assert rep.outcome == "ok" and rep.verified is None
     assert seen == [D_POOL.num_blocks] * 3
     assert rig.counters()["requests_ok"] == 3
+
+
+def test_a_batch_answered_together_is_counted_and_timed_as_each_alone(
+    make_d_rig: Callable[..., Rig],
+) -> None:
+    """The requests one ``Completions`` ends with nothing to read are answered together
+    (``Completer._answer_ok``): each answer ok with its own latency, bytes and stamps in
+    order, every one counted before any answer is out, each latency and step in the
+    histograms."""
+    rig = make_d_rig()
+    rig.role.completer.verify = False
+    p = rig.stub()
+    counted: list[int] = []
+    tids = ("t1", "t2", "t3")
+    futs = [rig.decode(p, t, n=2) for t in tids]
+    for t, fut in zip(tids, futs, strict=True):
+        fut.add_done_callback(lambda _: counted.append(rig.counters()["requests_ok"]))
+        rig.registered(p, t)
+    rig.from_p(p, _done(*tids))
+    reps = [rig.result(f) for f in futs]
+    assert [(r.transfer_id, r.outcome) for r in reps] == [(t, "ok") for t in tids]
+    assert counted == [3, 3, 3]
+    per = 2 * D_POOL.bytes_per_block_all_regions
+    assert all(r.nbytes == per and r.latency_s > 0 for r in reps)
+    assert all(r.phases["answered"] >= r.phases["completion_received"] for r in reps)
+    snap = rig.role.ctx.telemetry.snapshot()
+    assert snap.counters["bytes_received"] == 3 * per
+    assert snap.histograms["decode_latency"].count == 3
+    assert snap.histograms["phase_push_wait"].count == 3
