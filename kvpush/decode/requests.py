@@ -26,6 +26,7 @@ futures, which a full garbage collection would otherwise walk).
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -157,8 +158,11 @@ class RequestTable:
         self._waiting: dict[str, Waiting] = {}
         self._abandoned: dict[str, Abandoned] = {}
         self._counts: dict[WaitPhase, int] = dict.fromkeys(WaitPhase, 0)
-        self._deadlines: DueHeap[Waiting] = DueHeap()
-        self._allocs: DueHeap[Waiting] = DueHeap()
+        # Held weakly: an ended request's objects are freed when it ends -- hot in the cache --
+        # not hundreds at once, cold, when its entry is compacted away or comes up (a busy D
+        # spent ~5 us a request so: ``bench rate``, py-spy).
+        self._deadlines: DueHeap[weakref.ref[Waiting]] = DueHeap()
+        self._allocs: DueHeap[weakref.ref[Waiting]] = DueHeap()
         self._quarantines: DueHeap[Abandoned] = DueHeap()
         self._reports: DueHeap[Abandoned] = DueHeap()
         self.n_delayed = 0  # waiting requests not allocated yet (with a ``delay``)
@@ -194,27 +198,38 @@ class RequestTable:
     def _delayed(self, w: Waiting) -> bool:
         return w.delay is not None and self._holds(w)
 
+    def _live(self, ref: weakref.ref[Waiting]) -> bool:
+        w = ref()
+        return w is not None and self._holds(w)
+
+    def _live_delayed(self, ref: weakref.ref[Waiting]) -> bool:
+        w = ref()
+        return w is not None and self._delayed(w)
+
     def _holds_abandoned(self, ab: Abandoned) -> bool:
         return self._abandoned.get(ab.req.request_id) is ab
 
     def expired(self, now: float) -> list[Waiting]:
         """Waiting requests past their deadline (each returned once; the caller ends them)."""
-        return [w for w in self._deadlines.pop_due(now) if self._holds(w)]
+        return [
+            w for r in self._deadlines.pop_due(now) if (w := r()) is not None and self._holds(w)
+        ]
 
     def due_for_blocks(self, now: float) -> list[tuple[Waiting, Delay]]:
         """Held-back requests whose allocation time came and that are ready for blocks, with
         their ``Delay``; one still connecting to P comes up again shortly."""
         out: list[tuple[Waiting, Delay]] = []
         later: list[Waiting] = []
-        for w in self._allocs.pop_due(now):
-            if not self._holds(w) or w.delay is None:
+        for r in self._allocs.pop_due(now):
+            w = r()
+            if w is None or not self._holds(w) or w.delay is None:
                 continue
             if w.phase is WaitPhase.WAITING_BLOCKS:
                 out.append((w, w.delay))
             else:
                 later.append(w)
         for w in later:
-            self._allocs.push(now + 0.05, w)
+            self._allocs.push(now + 0.05, weakref.ref(w))
         return out
 
     def quarantine_over(self, now: float) -> list[Abandoned]:
@@ -290,12 +305,13 @@ class RequestTable:
             raise ValueError(f"request id {w.req.request_id} in use")
         self._waiting[w.req.request_id] = w
         self._counts[w.phase] += 1
-        self._deadlines.push(w.req.deadline, w)
-        self._deadlines.trim(len(self._waiting), self._holds)
+        ref = weakref.ref(w)
+        self._deadlines.push(w.req.deadline, ref)
+        self._deadlines.trim(len(self._waiting), self._live)
         if w.delay is not None:
             self.n_delayed += 1
-            self._allocs.push(w.delay.alloc_at, w)
-            self._allocs.trim(self.n_delayed, self._delayed)
+            self._allocs.push(w.delay.alloc_at, ref)
+            self._allocs.trim(self.n_delayed, self._live_delayed)
 
     def move(self, w: Waiting, phase: WaitPhase) -> None:
         """A waiting request's next phase (HANDSHAKING, WAITING_BLOCKS, REGISTERED)."""

@@ -11,13 +11,12 @@ A push may need several registrations: when D has k times P's ranks, each of P's
 in k chunks to k D ranks, each of which registers; the push is matched once all k are here, and its
 WRITEs are its *legs*, one per D rank.
 
-Either side may arrive first. A finished transfer holds P's blocks under a lease that starts when
-its blocks finish; D's heartbeats renew it while D waits; an expired lease gives the blocks back. A
-registration that never meets its blocks is dropped after ``reg_ttl_s`` (D's own deadline fails the
-request on D's side). Matching is O(1) per arrival; expiry touches only what is due: each waiting
-state enters a deadline heap when it is set (``DueHeap``; a renewed lease goes back in at its new
-time, an entry whose state moved on is dropped when it comes up), so a table of a hundred thousand
-declined ids costs a housekeeping tick nothing until their time comes.
+Either side may arrive first. Finished blocks are held under a lease from when they finish, renewed
+by D's heartbeats while D waits; an expired lease gives them back. A registration that never meets
+its blocks is dropped after ``reg_ttl_s`` (D's own deadline fails it on D's side). Matching is O(1)
+per arrival; expiry touches only what is due: each waiting state enters a deadline heap when set
+(``DueHeap``: a renewed lease goes back in at its new time, an entry whose state moved on is
+dropped when it comes up), so a hundred thousand declined ids cost a housekeeping tick nothing.
 
 In-flight WRITEs (legs, or a ``Batch`` of coalesced legs) and fences are also indexed here, by NIXL
 handle and per peer in posting order (``queues``): WRITEs on one connection complete in order, so
@@ -31,8 +30,9 @@ The records that arrive and leave (``Finished``, ``Registration``, ``Push``, ``P
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvpush.peers.handshakes import PeerConn, PeerKey
@@ -179,8 +179,9 @@ class PushTable:
         self._counts: dict[type, int] = dict.fromkeys(
             (Waiting, Registered, AwaitingHandshake, Writing, CancelledEarly), 0
         )
-        # When each waiting state (Waiting, Registered, CancelledEarly) is due to expire.
-        self._due: DueHeap[tuple[str, State]] = DueHeap()
+        # When each waiting state (Waiting, Registered, CancelledEarly) expires; held weakly: a
+        # state that moved on (matched, mostly) is freed then, not later, cold, in a compaction.
+        self._due: DueHeap[tuple[str, weakref.ref[State]]] = DueHeap()
 
     # ------------------------------------------------------------------ reads
     def get(self, key: str) -> State | None:
@@ -192,14 +193,15 @@ class PushTable:
     def __len__(self) -> int:
         return len(self._states)
 
-    def senders(self, key: str) -> set[str]:
-        """The NIXL agents whose PUSH_REGs P holds for ``key`` (registered, matched, writing)."""
+    def _regs_of(self, key: str) -> Iterable[Registration]:
         st = self._states.get(key)
         if isinstance(st, (Registered, Waiting)):
-            return {r.sender for r in st.regs.values()}
-        if isinstance(st, (AwaitingHandshake, Writing)):
-            return {r.sender for r in st.push.registrations}
-        return set()
+            return st.regs.values()
+        return st.push.registrations if isinstance(st, (AwaitingHandshake, Writing)) else ()
+
+    def senders(self, key: str) -> set[str]:
+        """The NIXL agents whose PUSH_REGs P holds for ``key`` (registered, matched, writing)."""
+        return {r.sender for r in self._regs_of(key)}
 
     def inflight(self) -> list[InFlight]:
         """A copy: the caller may complete or abandon entries while iterating."""
@@ -225,16 +227,7 @@ class PushTable:
 
     def request_ids(self, key: str) -> set[str]:
         """D's request ids of the PUSH_REGs P holds for ``key``."""
-        st = self._states.get(key)
-        if isinstance(st, (Registered, Waiting)):
-            return {r.reg.request_id for r in st.regs.values()}
-        if isinstance(st, (AwaitingHandshake, Writing)):
-            return {r.reg.request_id for r in st.push.registrations}
-        return set()
-
-    def waiting_keys(self) -> list[str]:
-        """Keys of finished transfers still waiting for their PUSH_REG."""
-        return [k for k, s in self._states.items() if isinstance(s, Waiting)]
+        return {r.reg.request_id for r in self._regs_of(key)}
 
     def waiting_handshake(self) -> Iterator[AwaitingHandshake]:
         return (s for s in list(self._states.values()) if isinstance(s, AwaitingHandshake))
@@ -248,8 +241,12 @@ class PushTable:
         self._counts[type(st)] += 1
         due = self._due_at(st)
         if due is not None:
-            self._due.push(due, (key, st))
-            self._due.trim(len(self._states), lambda e: self._states.get(e[0]) is e[1])
+            self._due.push(due, (key, weakref.ref(st)))
+            self._due.trim(len(self._states), self._current)
+
+    def _current(self, entry: tuple[str, weakref.ref[State]]) -> bool:  # (a due entry)
+        st = entry[1]()
+        return st is not None and self._states.get(entry[0]) is st
 
     def _due_at(self, st: State) -> float | None:
         if isinstance(st, Waiting):
@@ -389,12 +386,13 @@ class PushTable:
         (early cancels are forgotten after the registration TTL too)."""
         fins: list[Finished] = []
         regs: list[Registration] = []
-        for k, st in self._due.pop_due(now):
-            if self._states.get(k) is not st:
+        for k, ref in self._due.pop_due(now):
+            st = ref()
+            if st is None or self._states.get(k) is not st:
                 continue  # moved on since: matched, cancelled, popped
             if isinstance(st, Waiting):
                 if st.lease_until > now:  # renewed by D's heartbeats: due again later
-                    self._due.push(st.lease_until, (k, st))
+                    self._due.push(st.lease_until, (k, ref))
                     continue
                 self.pop(k)
                 fins.append(st.finished)

@@ -150,6 +150,26 @@ def test_push_table_expiry_pops_each_entry_only_once_it_is_due() -> None:
     assert [r.key for r in regs] == ["r"] and m.count(CancelledEarly) == 0 and len(m) == 0
 
 
+def test_a_matched_push_is_freed_with_its_caller_not_held_by_its_lease_entry() -> None:
+    """P's table holds its expiry entries weakly: finished blocks waiting for their PUSH_REG,
+    once matched and written, are freed as soon as the writer lets go (the ids, the
+    registrations), not kept until their lease entry comes up or is compacted away."""
+    m = PushTable(lease_s=30.0, reg_ttl_s=60.0)
+    gc.disable()
+    try:
+        ids = np.arange(2, dtype=np.int64)
+        held = weakref.ref(ids)
+        m.add_finished(Finished("f", "f", "f", ids, 0.0), now=0.0)
+        del ids
+        push = m.add_registration(_reg("f", 1.0))
+        assert push is not None and held() is not None
+        del push
+        assert held() is None
+        assert m.expire(now=100.0) == ([], []) and len(m) == 0
+    finally:
+        gc.enable()
+
+
 def test_push_table_heap_stays_bounded_when_states_move_on() -> None:
     m = PushTable(lease_s=30.0, reg_ttl_s=60.0)
     for i in range(50_000):
@@ -227,6 +247,25 @@ def test_request_table_keeps_no_ended_request_alive_until_its_deadline() -> None
         t.add(w)
         t.finish(w)
     assert t.expired(61.0) == [keep]
+
+
+def test_an_ended_request_is_freed_when_it_ends_not_when_its_deadline_entry_goes() -> None:
+    """The table's deadline and allocation heaps hold requests weakly: once a request ended
+    and its caller let go, its objects are freed at once by reference counting (hot in the
+    cache), not later in a burst when its heap entry is compacted away or comes up. Its
+    entry stays until then and is skipped."""
+    t = RequestTable()
+    gc.disable()  # (nothing here may depend on a collection)
+    try:
+        w = _dreq("gone", 60.0, alloc_at=30.0)
+        fut = weakref.ref(w.req.future)
+        t.add(w)
+        t.finish(w)
+        del w
+        assert fut() is None
+        assert t.expired(61.0) == [] and t.due_for_blocks(61.0) == []
+    finally:
+        gc.enable()
 
 
 def test_a_steady_load_of_requests_starts_no_young_collection() -> None:
