@@ -293,6 +293,8 @@ class BlockAllocator(_Allocator):
         self._hist[length.bit_length() - 1] -= 1
 
     def _take(self, owner: str, n: int) -> tuple[np.ndarray, int]:
+        if n == 1:
+            return self._take_one(owner)
         pieces: list[tuple[int, int]] = []
         left = n
         while True:
@@ -318,6 +320,26 @@ class BlockAllocator(_Allocator):
         pieces.sort()
         ids = np.concatenate([np.arange(s, s + k, dtype=np.int64) for s, k in pieces])
         return ids, len(pieces)
+
+    def _take_one(self, owner: str) -> tuple[np.ndarray, int]:
+        """One block (a 1-block request, the commonest small one): rule 1 in one step -- the
+        shortest run, lowest start among equals, is the sorted list's first -- shortened in
+        place of a remove and an add through ``_del_run``/``_add_run``."""
+        key = int(self._by_len.pop(0))
+        start, length = key & _START_MASK, key >> _START_BITS
+        hist = self._hist
+        hist[length.bit_length() - 1] -= 1
+        del self._len_at[start]
+        if length > 1:
+            rest = length - 1
+            self._by_len.add((rest << _START_BITS) | (start + 1))
+            self._len_at[start + 1] = rest
+            self._start_at_end[start + length] = start + 1
+            hist[rest.bit_length() - 1] += 1
+        else:
+            del self._start_at_end[start + 1]
+        self._pieces[owner] = [(start, 1)]
+        return np.array((start,), dtype=np.int64), 1
 
     def _give(self, owner: str, ids: np.ndarray) -> None:
         for start, length in self._pieces.pop(owner):  # (from distinct free runs: apart)

@@ -111,6 +111,11 @@ class _Model(RuleBasedStateMachine):
         self.free = set(range(n))
 
     # -- rules --------------------------------------------------------------------------
+    @rule(owner=OWNERS)
+    def allocate_one(self, owner: str) -> None:
+        """A 1-block request, the commonest one (``BlockAllocator`` has a path of its own)."""
+        self.allocate(owner, 1)
+
     @rule(owner=OWNERS, k=st.integers(1, 50))
     def allocate(self, owner: str, k: int) -> None:
         if owner in self.held:
