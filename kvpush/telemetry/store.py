@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import TypeVar
 
+import numpy as np
+
 from kvpush.config import Role
 from kvpush.telemetry.names import RATE_COUNTERS
 from kvpush.telemetry.snapshot import (
@@ -42,6 +44,11 @@ _T = TypeVar("_T")
 
 _ceil = math.ceil
 _log10 = math.log10
+_BOUNDS = np.array(BUCKET_BOUNDS, dtype=np.float64)
+
+#: Queued values from which a histogram's fold is done by numpy (below, its fixed cost of
+#: ~30 us is more than the loop's ~0.3 us a value saves).
+VECTOR_AT = 256
 
 
 class Histogram:
@@ -56,8 +63,9 @@ class Histogram:
 
     __slots__ = ("_counts", "_lock", "_max", "_min", "_n", "_queued", "_sum")
 
-    #: Values queued before the observing thread folds them.
-    FOLD_AT = 128
+    #: Values queued before the observing thread folds them (a run this long is bucketed by
+    #: numpy at ~0.12 us a value; by the loop it was ~0.3, in runs of 128: ``_fold``).
+    FOLD_AT = 1024
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -85,12 +93,23 @@ class Histogram:
 
     def _fold(self) -> None:
         """Every queued value into the buckets (under the lock: only lock holders pop, so the
-        values counted here are all there; others may append meanwhile, for the next fold)."""
+        values counted here are all there; others may append meanwhile, for the next fold).
+        A run of ``VECTOR_AT`` or more is bucketed by numpy, a short one (a snapshot's) by the
+        loop: the same rules (``tests/unit/test_histogram_fold.py``)."""
+        q = self._queued
+        k = len(q)
+        if k >= VECTOR_AT:
+            self._fold_array(np.fromiter((q.popleft() for _ in range(k)), np.float64, count=k))
+        else:
+            self._fold_loop(k)
+
+    def _fold_loop(self, k: int) -> None:
+        """``_fold`` of the first ``k`` queued values, one at a time."""
         q = self._queued
         counts = self._counts
         bounds = BUCKET_BOUNDS
         n, total, lo, hi = self._n, self._sum, self._min, self._max
-        for _ in range(len(q)):
+        for _ in range(k):
             seconds = q.popleft()
             # _bucket_index inlined
             if seconds > _LOW:
@@ -116,6 +135,23 @@ class Histogram:
             if seconds < lo:
                 lo = seconds
         self._n, self._sum, self._min, self._max = n, total, lo, hi
+
+    def _fold_array(self, v: np.ndarray) -> None:
+        """``_fold`` of ``v``, the loop's rules vectorised: NaN skipped, a negative duration
+        counted as zero, bucket i the first whose bound is >= the value (``_NB``: above all)."""
+        v = v[~np.isnan(v)]
+        if not v.size:
+            return
+        v = np.maximum(v, 0.0)
+        per = np.bincount(np.searchsorted(_BOUNDS, v, side="left"), minlength=_NB + 1)
+        counts = self._counts
+        for i in np.flatnonzero(per).tolist():
+            counts[i] += int(per[i])
+        self._n += int(v.size)
+        with np.errstate(over="ignore"):  # (a sum past the float range is inf, as in the loop)
+            self._sum += float(v.sum())
+        self._min = min(self._min, float(v.min()))
+        self._max = max(self._max, float(v.max()))
 
     def snapshot(self) -> HistSnapshot:
         with self._lock:
