@@ -78,12 +78,16 @@ def xfer_index_list(
         raise ValueError(
             f"{regions} regions x {num_blocks} blocks exceed the int32 descriptor index range"
         )
-    n = block_ids.size if isinstance(block_ids, np.ndarray) else len(block_ids)
-    if n * regions > SMALL_XFER:  # (before any list is made: a long push stays in numpy)
-        return _xfer_array(block_ids, num_blocks, regions)
-    ids: Sequence[int] = (
-        block_ids.ravel().tolist() if isinstance(block_ids, np.ndarray) else block_ids
-    )
+    ids: Sequence[int]
+    if isinstance(block_ids, np.ndarray):
+        n = block_ids.size
+        if n * regions > SMALL_XFER:  # (before any list is made: a long push stays in numpy)
+            return _xfer_array(block_ids, num_blocks, regions)
+        ids = [block_ids.item()] if n == 1 else block_ids.ravel().tolist()
+    else:
+        if len(block_ids) * regions > SMALL_XFER:
+            return _xfer_array(block_ids, num_blocks, regions)
+        ids = block_ids
     if len(ids) == 1:  # a 1-block push, the most common small one: one check, no min/max
         b = int(ids[0])  # (a numpy scalar in a list would ride into NIXL otherwise)
         if not 0 <= b < num_blocks:
