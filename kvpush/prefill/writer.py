@@ -288,12 +288,9 @@ class PushWriter:
             if r.reg.request_id not in self.table.request_ids(r.key):
                 # The same transfer under another request id: that request can never be
                 # served, so its D hears it now instead of at its deadline.
-                self._out.decline(
-                    r,
-                    Failure.DUPLICATE_REGISTRATION,
-                    f"transfer {r.reg.transfer_id or r.key} is already registered by "
-                    "another request",
-                )
+                why = "is already registered by another request"
+                tid = r.reg.transfer_id or r.key
+                self._out.decline(r, Failure.DUPLICATE_REGISTRATION, f"transfer {tid} {why}")
             return
         if isinstance(got, Push):
             self._start_push(got)
@@ -358,10 +355,11 @@ class PushWriter:
         self._lanes.heard(sender)  # its first is the peer's first contact (lanes)
         if isinstance(msg, protocol.PushReg | protocol.PushRegs):
             # PushRegs: several registrations, each handled as if it had come alone, in order
-            for reg in msg.expand() if isinstance(msg, protocol.PushRegs) else (msg,):
-                self._ctx.telemetry.inc(Counter.PUSH_REGS_RECEIVED)
-                key = self._ctx.dialect.registration_key(reg)
-                r = Registration(key, reg, sender, time.monotonic())
+            regs = msg.expand() if isinstance(msg, protocol.PushRegs) else (msg,)
+            self._ctx.telemetry.inc(Counter.PUSH_REGS_RECEIVED, len(regs))
+            now, key_of = time.monotonic(), self._ctx.dialect.registration_key  # (for them all)
+            for reg in regs:
+                r = Registration(key_of(reg), reg, sender, now)
                 if self._owner.stopping:  # too late: D hears why now, not when P's agent is gone
                     self._out.refuse_registration(r, *self._stop_why())
                 else:
