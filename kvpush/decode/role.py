@@ -51,6 +51,7 @@ class DecodeRole:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._delayed_n = 0  # requests given an alloc_delay_s, not answered yet
+        self._block_nbytes = ctx.cfg.pool.bytes_per_block_all_regions  # (fixed; read per request)
 
     def _delayed_done(self, _f: Future[protocol.DecodeRep]) -> None:
         with self._lock:
@@ -143,7 +144,7 @@ class DecodeRole:
             future=Future(),
             t_start=t0,
             deadline=t0 + dl,
-            nbytes=order.num_blocks * cfg.pool.bytes_per_block_all_regions,
+            nbytes=order.num_blocks * self._block_nbytes,
             digest=(order.digest or vp is not None) and not order.hold,
             hold=order.hold,
             p_engine_id=vp.remote_engine_id if vp is not None else "",
