@@ -77,7 +77,6 @@ class Legs:
         self._codec = ctx.codec
         self._tm = ctx.telemetry
         self._hs = ctx.handshakes  # counts transport errors: degraded, then evicted
-        self._report = ctx.report
         self._geom = ctx.geom
         self._out = out
         self._fences = fences
