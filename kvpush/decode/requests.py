@@ -19,8 +19,8 @@ The table moves requests between states and keeps the counts (per phase, delayed
 Housekeeping touches only what is due: deadlines, allocation times, quarantine limits and
 long-quarantine reports each have a deadline heap (``DueHeap``), filled when a request is added
 or abandoned; an entry whose request moved on is dropped when it comes up, or when such
-entries outnumber the live ones (``DueHeap.trim``: they hold the ended requests and their
-futures, which a full garbage collection would otherwise walk).
+entries outnumber the live ones (``DueHeap.trim``). The deadline and allocation heaps hold
+their requests weakly, so an ended one is freed when it ends, not when its entry goes.
 """
 
 from __future__ import annotations

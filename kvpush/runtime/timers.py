@@ -28,9 +28,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Stale entries a DueHeap keeps at most beyond twice its live items. Each holds its item -- on D
-#: an ended request with its future and callbacks -- so this bounds what ended work stays alive:
-#: at 1,024 a busy D kept ~1,100 ended requests, ~20k objects, enough to set off a young
+#: Stale entries a DueHeap keeps at most beyond twice its live items. An entry holds its item
+#: until it goes (the request and push tables' heaps hold theirs weakly for that reason): at
+#: 1,024 a busy D kept ~1,100 ended requests alive, ~20k objects, enough to set off a young
 #: collection every ~1,200 requests (each walking them all with every thread stopped: 6-8 us
 #: of D's CPU a push, pauses of 7-17 ms, ``bench rate``). Compaction stays amortised: about two
 #: ``keep`` calls a push whatever the slack.
