@@ -18,18 +18,9 @@ from kvpush.prefill.table import Finished, Push, PushOutcome, Registration, Writ
 from kvpush.telemetry import phases
 from kvpush.telemetry.names import Counter, Failure, Hist
 from kvpush.telemetry.store import Telemetry
-from kvpush.wire import protocol
+from tests.unit.test_table import push_reg
 
-REG = protocol.PushReg(
-    request_id="r",
-    decode_engine_id="d",
-    decode_host="127.0.0.1",
-    decode_port=5601,
-    local_block_ids=[[0]],
-    remote_engine_id="p",
-    remote_host="127.0.0.1",
-    remote_port=5600,
-)
+REG = push_reg("t")  # (D at 127.0.0.1:1, rank 0)
 
 
 class _Out:
@@ -112,7 +103,7 @@ def test_a_batch_settles_each_push_as_alone_in_order_counted_before_its_outcome(
     # Blocks: the ok ones' back to the pool; the failed one's left to Outcomes (here: held).
     assert alloc.owners() == ["t1"]
     ok = reports[1]
-    assert ok.nbytes == 1000 and ok.peer == ("127.0.0.1", 5601, 0)
+    assert ok.nbytes == 1000 and ok.peer == ("127.0.0.1", 1, 0)
     shift = phases.wall_shift()
     stamps = ok.phases
     assert stamps[phases.REGISTRATION_MATCHED] == pytest.approx(t0 + shift, abs=0.01)
