@@ -327,28 +327,21 @@ class Legs:
         now = time.monotonic()
         if self._lanes is not None and not at_post:  # (done within its post: the post was all)
             self._lanes.done(entry.conn.key, entry.post_s, now - entry.t_post)
+        legs = entry.legs if isinstance(entry, Batch) else [entry]
         if isinstance(entry, Batch):
             self._table.done(entry)  # the WRITE; then each of its legs, in order
-            ended: list[Writing] = []
-            for leg in entry.legs:
-                leg.writing.nbytes += leg.nbytes
-                leg.writing.t_done = now
-                if (w := self._table.done(leg)) is not None:
-                    ended.append(w)
-            self._tm.observe_many(Hist.WRITE_DURATION, [now - entry.t_post] * len(entry.legs))
-            ok = [w for w in ended if not w.settled and not w.failed]
-            if len(ok) > 1:  # their blocks back in one pass (runs joined), before any report
-                self._pool.allocator.release_many([w.push.key for w in ok])
-                for w in ok:
-                    w.released = True
-            self._settler.settle_many(ended)
-        elif (w := self._leg_done(entry, now)) is not None:
-            self._settler.settle(w)
+        self._tm.observe_many(Hist.WRITE_DURATION, [now - entry.t_post] * len(legs))
+        ended = [w for leg in legs if (w := self._leg_done(leg, now)) is not None]
+        ok = [w for w in ended if not w.settled and not w.failed]
+        if len(ok) > 1:  # a batch's blocks back in one pass (runs joined), before any report
+            self._pool.allocator.release_many([w.push.key for w in ok])
+            for w in ok:
+                w.released = True
+        self._settler.settle_many(ended)
 
     def _leg_done(self, leg: Leg, now: float) -> Writing | None:  # (its push, once all ended)
         leg.writing.nbytes += leg.nbytes
         leg.writing.t_done = now
-        self._tm.observe(Hist.WRITE_DURATION, now - leg.t_post)
         return self._table.done(leg)
 
     def abandon(self, entry: InFlight, reason: Failure, detail: str) -> None:
