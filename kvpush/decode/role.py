@@ -17,8 +17,6 @@ import threading
 import time
 from concurrent.futures import Future
 
-import numpy as np
-
 from kvpush.address import parse_address
 from kvpush.config import Role
 from kvpush.decode.completer import Completer
@@ -26,7 +24,7 @@ from kvpush.decode.limits import MAX_DELAYED_REQUESTS
 from kvpush.decode.order import DecodeOrder
 from kvpush.decode.outcomes import failed_rep
 from kvpush.decode.receiver import Receiver
-from kvpush.decode.requests import Delay, DRequest, PRanks, Waiting
+from kvpush.decode.requests import NO_BLOCKS, Delay, DRequest, PRanks, Waiting
 from kvpush.decode.warmup import warm_request_path
 from kvpush.errors import KvpushError, NoFreeBlocksError
 from kvpush.peers.handshakes import PeerGone
@@ -152,7 +150,7 @@ class DecodeRole:
             p_pp_size=vp.remote_pp_size if vp is not None else 1,
             phases={} if cfg.phase_stamps else None,
         )
-        return Waiting(req, PRanks(p_addr, p_tp=p_tp), np.empty(0, dtype=np.int64))
+        return Waiting(req, PRanks(p_addr, p_tp=p_tp), NO_BLOCKS)
 
     def _refuse(self, w: Waiting, reason: Failure, detail: str) -> Future[protocol.DecodeRep]:
         w.req.future.set_result(failed_rep(self.ctx.telemetry, w.req, reason, detail))

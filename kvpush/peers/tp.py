@@ -24,13 +24,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpush.address import format_address
 from kvpush.errors import IncompatiblePeerError
 
 
-def check_ratio(p_tp: int, d_tp: int, peer: str) -> None:
+def check_ratio(p_tp: int, d_tp: int, peer: str | tuple[str, int]) -> None:
+    """Refuse sizes that neither divide nor are divided (``peer``: a name, or an address
+    formatted only then -- D checks each request's P)."""
     if p_tp % d_tp and d_tp % p_tp:
+        name = peer if isinstance(peer, str) else format_address(*peer)
         raise IncompatiblePeerError(
-            f"{peer}: tensor-parallel sizes do not fit: P has {p_tp} ranks, D has {d_tp}; "
+            f"{name}: tensor-parallel sizes do not fit: P has {p_tp} ranks, D has {d_tp}; "
             "one must divide the other",
             [("tp_size", p_tp, d_tp)],
             "run P and D at TP sizes that divide one another (e.g. 8 and 4)",

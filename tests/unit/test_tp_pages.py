@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from kvpush.config import PoolConfig
+from kvpush.errors import IncompatiblePeerError
 from kvpush.memory.pool import KvPool
-from kvpush.peers.tp import sources, targets, write_slice
+from kvpush.peers.tp import check_ratio, sources, targets, write_slice
 
 HEAD = 256  # bytes of one head slice of one region's page
 HEADS = 4  # the sharded model's KV heads: every TP in {1, 2, 4} divides it
@@ -122,3 +123,13 @@ def test_two_p_ranks_exchanged_is_caught_head_by_head(p_tp: int, d_tp: int) -> N
         f"rank 0, region 0, block 6 (position 0), head 0: "
         f"holds region 0, head {HEADS // p_tp}, position 0 instead"
     )
+
+
+# ------------------------------------------------------------------ sizes that do not fit
+@pytest.mark.parametrize("peer", ["10.0.0.7:5600", ("10.0.0.7", 5600)])
+def test_sizes_that_do_not_divide_are_refused_naming_the_peer(peer: str | tuple[str, int]) -> None:
+    """D checks each request's P with its address as a tuple, formatted only for the refusal."""
+    for p_tp, d_tp in PAIRS:
+        check_ratio(p_tp, d_tp, peer)  # 1, 2, 4: each divides the other
+    with pytest.raises(IncompatiblePeerError, match=r"^10\.0\.0\.7:5600: tensor-parallel sizes"):
+        check_ratio(3, 2, peer)
