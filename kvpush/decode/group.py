@@ -110,10 +110,10 @@ class DecodeGroup:
         dead = self._dead_rank(order)
         if dead is not None:
             return dead
-        if len(self.roles) == 1:
-            fut = self.roles[0].decode(order)
-            fut.add_done_callback(lambda f: self._declined(order.prefill_address, f.result()))
-            return fut
+        if len(self.roles) == 1:  # (a failed answer is declined to P by the rank itself)
+            return self.roles[0].decode(
+                order, on_failed=functools.partial(self._declined, order.prefill_address)
+            )
         request_id = order.request_id
         if order.vllm_params is not None and not request_id:
             base = vllm.base_request_id(order.vllm_params.remote_request_id or order.transfer_id)

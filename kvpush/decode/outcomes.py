@@ -102,9 +102,9 @@ class Outcomes:
 def failed_rep(
     telemetry: Telemetry, req: DRequest, reason: Failure, detail: str
 ) -> protocol.DecodeRep:
-    """The answer of a failed request (counted once here)."""
+    """The answer of a failed request (counted once here, and told to ``req.on_failed``)."""
     telemetry.inc(Counter.REQUESTS_FAILED)
-    return protocol.DecodeRep(
+    rep = protocol.DecodeRep(
         transfer_id=req.transfer_id,
         request_id=req.request_id,
         outcome="failed",
@@ -113,3 +113,6 @@ def failed_rep(
         latency_s=time.monotonic() - req.t_start,
         phases=answered(telemetry, req, observe=False),
     )
+    if req.on_failed is not None:
+        req.on_failed(rep)
+    return rep

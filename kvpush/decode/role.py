@@ -15,6 +15,7 @@ import functools
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvpush.address import parse_address
@@ -98,10 +99,13 @@ class DecodeRole:
         self.completer.verify = on
 
     # ------------------------------------------------------------------ API (any thread)
-    def decode(self, order: DecodeOrder) -> Future[protocol.DecodeRep]:
+    def decode(
+        self, order: DecodeOrder, on_failed: Callable[[protocol.DecodeRep], None] | None = None
+    ) -> Future[protocol.DecodeRep]:
         """Register ``order.num_blocks`` blocks with P for its transfer; the future resolves
         with a ``DecodeRep`` (ok, or failed with a reason). See ``DecodeOrder`` for what each
-        part of the order does."""
+        part of the order does. ``on_failed`` is told a failed answer just before it is out
+        (a refused order included; not one the order's form makes bad)."""
         p_addr = _parse_address(order.prefill_address)
         if order.vllm_params is not None and not self.ctx.dialect.kv_transfer_params:
             fut0: Future[protocol.DecodeRep] = Future()
@@ -114,14 +118,19 @@ class DecodeRole:
                 )
             )
             return fut0
-        w = self._request(order, p_addr)
+        w = self._request(order, p_addr, on_failed)
         if self._stopping.is_set():
             return self._refuse(w, Failure.SHUTTING_DOWN, "D is stopping")
         if order.alloc_delay_s > 0:
             return self._delayed(w, order)
         return self._allocated(w, order.num_blocks)
 
-    def _request(self, order: DecodeOrder, p_addr: tuple[str, int]) -> Waiting:
+    def _request(
+        self,
+        order: DecodeOrder,
+        p_addr: tuple[str, int],
+        on_failed: Callable[[protocol.DecodeRep], None] | None,
+    ) -> Waiting:
         """The receiver's request for ``order`` (no blocks yet)."""
         transfer_id, request_id, vp = order.transfer_id, order.request_id, order.vllm_params
         if vp is not None:
@@ -149,6 +158,7 @@ class DecodeRole:
             p_tp_size=p_tp or 1,
             p_pp_size=vp.remote_pp_size if vp is not None else 1,
             phases={} if cfg.phase_stamps else None,
+            on_failed=on_failed,
         )
         return Waiting(req, PRanks(p_addr, p_tp=p_tp), NO_BLOCKS)
 

@@ -184,6 +184,34 @@ def test_no_free_blocks_refused_at_once(rig: Rig) -> None:
     assert p.requests == []  # no handshake for a refused request
 
 
+def test_only_a_failed_answer_is_told_to_on_failed_before_it_is_out(rig: Rig) -> None:
+    """The rank group's decline to P rides the failure path: ``on_failed`` hears each failed
+    answer once, before its future is done (refused at once, or failed on the receiver), and
+    never an ok one."""
+    told: list[tuple[str, str, bool]] = []
+    futs: dict[str, Future[protocol.DecodeRep]] = {}
+
+    def on_failed(rep: protocol.DecodeRep) -> None:
+        told.append((rep.transfer_id, rep.reason, futs[rep.transfer_id].done()))
+
+    def decode(tid: str, n: int, deadline_s: float = 0.0) -> Future[protocol.DecodeRep]:
+        fut = futs[tid] = Future()  # (the role's own future, answered alike)
+        got = rig.role.decode(DecodeOrder(tid, p.address, n, deadline_s), on_failed=on_failed)
+        got.add_done_callback(lambda f: fut.set_result(f.result()))
+        return got
+
+    p = rig.stub()
+    decode("big", D_POOL.num_blocks + 1)  # refused at once
+    late = decode("late", 2, deadline_s=0.2)  # fails on the receiver at its deadline
+    ok = decode("t1", 2)
+    reg = rig.registered(p, "t1")
+    rig.land("t1")
+    rig.from_p(p, protocol.Completion(request_id=reg.request_id, transfer_id="t1"))
+    assert rig.result(ok).outcome == "ok"
+    assert rig.result(late, timeout_s=10).reason == "deadline"
+    assert told == [("big", "no_free_blocks", False), ("late", "deadline", False)]
+
+
 def test_duplicate_request_id_refused(rig: Rig) -> None:
     p = rig.stub(hold=True)
     rig.decode(p, "t1")
