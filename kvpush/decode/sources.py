@@ -99,7 +99,7 @@ class Sources:
             self._out.fail(w, Failure.INCOMPATIBLE, str(e))
             return False
         ranks.p_tp = tp
-        ranks.sources = tuple(sources(self._ctx.cfg.tp_rank, self._ctx.cfg.tp_size, tp))
+        ranks.sources = sources(self._ctx.cfg.tp_rank, self._ctx.cfg.tp_size, tp)
         for s in list(ranks.conns):
             if s not in ranks.sources:
                 del ranks.conns[s]  # the discovery connection to rank 0 is not a source

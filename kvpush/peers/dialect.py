@@ -87,7 +87,7 @@ class Dialect(Protocol):
         """When a WRITE of ``nbytes`` posted at ``t_post`` (monotonic) is abandoned."""
         ...
 
-    def d_rank(self, reg: protocol.PushReg, mine: list[int]) -> int | None:
+    def d_rank(self, reg: protocol.PushReg, mine: tuple[int, ...]) -> int | None:
         """The D rank a PUSH_REG stands for, given the D ranks this P rank writes (``mine``);
         None: it stands for all of ``mine`` (the fan-out)."""
         ...
@@ -134,7 +134,7 @@ class KvpushDialect:
     def write_deadline(self, t_post: float, nbytes: int, timeouts: Timeouts) -> float:
         return t_post + timeouts.write_deadline_s(nbytes)
 
-    def d_rank(self, reg: protocol.PushReg, mine: list[int]) -> int | None:
+    def d_rank(self, reg: protocol.PushReg, mine: tuple[int, ...]) -> int | None:
         return reg.decode_tp_rank
 
     def abandoned_until(self, now: float, timeouts: Timeouts) -> float | None:
@@ -195,7 +195,7 @@ class VllmDialect:
     def write_deadline(self, t_post: float, nbytes: int, timeouts: Timeouts) -> float:
         return math.inf  # vLLM has none, and no fence could tell its D a late WRITE is over
 
-    def d_rank(self, reg: protocol.PushReg, mine: list[int]) -> int | None:
+    def d_rank(self, reg: protocol.PushReg, mine: tuple[int, ...]) -> int | None:
         # vLLM's PUSH_REG names no rank: P_tp >= D_tp leaves one target; D_tp = k * P_tp has
         # every one of the k D ranks register, and the first stands for all (prefill.ranks).
         return mine[0] if len(mine) <= 1 else None

@@ -22,6 +22,7 @@ Sizes that neither divide nor are divided are refused, naming both.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from kvpush.address import format_address
@@ -41,20 +42,23 @@ def check_ratio(p_tp: int, d_tp: int, peer: str | tuple[str, int]) -> None:
         )
 
 
-def sources(d_rank: int, d_tp: int, p_tp: int) -> list[int]:
+# (Cached, and tuples: D asks for each request's sources, P for each PUSH_REG's targets.)
+@functools.lru_cache(maxsize=256)
+def sources(d_rank: int, d_tp: int, p_tp: int) -> tuple[int, ...]:
     """The P ranks that write into D rank ``d_rank`` (D registers with exactly these)."""
     if p_tp >= d_tp:
         k = p_tp // d_tp
-        return [d_rank * k + i for i in range(k)]
-    return [d_rank // (d_tp // p_tp)]
+        return tuple(d_rank * k + i for i in range(k))
+    return (d_rank // (d_tp // p_tp),)
 
 
-def targets(p_rank: int, p_tp: int, d_tp: int) -> list[int]:
+@functools.lru_cache(maxsize=256)
+def targets(p_rank: int, p_tp: int, d_tp: int) -> tuple[int, ...]:
     """The D ranks P rank ``p_rank`` writes into (it gets a PUSH_REG from each)."""
     if d_tp >= p_tp:
         k = d_tp // p_tp
-        return [p_rank * k + i for i in range(k)]
-    return [p_rank // (p_tp // d_tp)]
+        return tuple(p_rank * k + i for i in range(k))
+    return (p_rank // (p_tp // d_tp),)
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ class RankRouter:
             return Refused(d_rank, d_tp)
         return Routed((r,), len(mine))
 
-    def _fan_out(self, r: Registration, ranks: list[int], now: float) -> Routed:
+    def _fan_out(self, r: Registration, ranks: tuple[int, ...], now: float) -> Routed:
         fanned = self._fanned
         while fanned and next(iter(fanned.values())) < now - self._ttl_s:
             fanned.popitem(last=False)

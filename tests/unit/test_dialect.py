@@ -72,9 +72,9 @@ def test_write_deadlines_by_size_or_none_on_vllm() -> None:
 
 
 def test_a_push_reg_names_its_d_rank_only_on_kvpush_wire() -> None:
-    assert KVPUSH.d_rank(_push_reg("r", d_rank=3), [2, 3]) == 3
-    assert VLLM.d_rank(_push_reg("r", d_rank=0), [3]) == 3  # the one target
-    assert VLLM.d_rank(_push_reg("r", d_rank=0), [2, 3]) is None  # the fan-out
+    assert KVPUSH.d_rank(_push_reg("r", d_rank=3), (2, 3)) == 3
+    assert VLLM.d_rank(_push_reg("r", d_rank=0), (3,)) == 3  # the one target
+    assert VLLM.d_rank(_push_reg("r", d_rank=0), (2, 3)) is None  # the fan-out
 
 
 def test_a_failed_request_is_cancelled_or_held_for_ps_lease() -> None:
