@@ -42,19 +42,36 @@ def check_ratio(p_tp: int, d_tp: int, peer: str | tuple[str, int]) -> None:
         )
 
 
-# (Cached, and tuples: D asks for each request's sources, P for each PUSH_REG's targets.)
-@functools.lru_cache(maxsize=256)
+#: TP sizes up to this have their rank maps cached (D asks for each request's sources, P for
+#: each PUSH_REG's targets); a larger one -- no deployment's, a hostile peer's -- is mapped
+#: afresh each time, so that a peer cycling through sizes cannot fill memory with them.
+CACHED_TP = 256
+
+
 def sources(d_rank: int, d_tp: int, p_tp: int) -> tuple[int, ...]:
     """The P ranks that write into D rank ``d_rank`` (D registers with exactly these)."""
+    if d_tp <= CACHED_TP and p_tp <= CACHED_TP:
+        return _sources(d_rank, d_tp, p_tp)
+    return _sources.__wrapped__(d_rank, d_tp, p_tp)
+
+
+def targets(p_rank: int, p_tp: int, d_tp: int) -> tuple[int, ...]:
+    """The D ranks P rank ``p_rank`` writes into (it gets a PUSH_REG from each)."""
+    if d_tp <= CACHED_TP and p_tp <= CACHED_TP:
+        return _targets(p_rank, p_tp, d_tp)
+    return _targets.__wrapped__(p_rank, p_tp, d_tp)
+
+
+@functools.lru_cache(maxsize=64)
+def _sources(d_rank: int, d_tp: int, p_tp: int) -> tuple[int, ...]:
     if p_tp >= d_tp:
         k = p_tp // d_tp
         return tuple(d_rank * k + i for i in range(k))
     return (d_rank // (d_tp // p_tp),)
 
 
-@functools.lru_cache(maxsize=256)
-def targets(p_rank: int, p_tp: int, d_tp: int) -> tuple[int, ...]:
-    """The D ranks P rank ``p_rank`` writes into (it gets a PUSH_REG from each)."""
+@functools.lru_cache(maxsize=64)
+def _targets(p_rank: int, p_tp: int, d_tp: int) -> tuple[int, ...]:
     if d_tp >= p_tp:
         k = d_tp // p_tp
         return tuple(p_rank * k + i for i in range(k))
