@@ -139,20 +139,21 @@ class Completer:
             reason = Failure.VERIFY_FAILED
             detail = "received bytes differ from the transfer's pattern"
             sha = ""  # a failed answer carries no digest
-        req.future.set_result(
-            protocol.DecodeRep(
-                transfer_id=req.transfer_id,
-                request_id=req.request_id,
-                outcome="ok" if ok else "failed",
-                reason=reason,
-                detail=detail,
-                latency_s=latency,
-                nbytes=req.nbytes,
-                verified=verified,
-                sha256=sha,
-                phases=stamps,
-            )
+        rep = protocol.DecodeRep(
+            transfer_id=req.transfer_id,
+            request_id=req.request_id,
+            outcome="ok" if ok else "failed",
+            reason=reason,
+            detail=detail,
+            latency_s=latency,
+            nbytes=req.nbytes,
+            verified=verified,
+            sha256=sha,
+            phases=stamps,
         )
+        if not ok and req.on_failed is not None:  # (as ``failed_rep`` tells it)
+            req.on_failed(rep)
+        req.future.set_result(rep)
 
 
 def answered(

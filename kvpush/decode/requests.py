@@ -69,9 +69,10 @@ class DRequest:
     p_pp_size: int = 1
     # Phase stamps (kvpush.telemetry.phases) sent back in the answer; None: stamps are off.
     phases: dict[str, float] | None = None
-    # Told a failed answer just before it is out (``failed_rep``): the rank group's decline
-    # to P. On the failure path only -- a done-callback on every future cost each ok request
-    # ~2 us on the caller's thread and ~2 us on the receiver's.
+    # Told a failed answer just before it is out (``failed_rep``, or the completer's failed
+    # verification): the rank group's decline to P. On the failure path only -- a
+    # done-callback on every future cost each ok request ~2 us on the caller's thread and
+    # ~2 us on the receiver's.
     on_failed: Callable[[protocol.DecodeRep], None] | None = None
 
 

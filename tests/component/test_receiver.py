@@ -203,13 +203,21 @@ def test_only_a_failed_answer_is_told_to_on_failed_before_it_is_out(rig: Rig) ->
     p = rig.stub()
     decode("big", D_POOL.num_blocks + 1)  # refused at once
     late = decode("late", 2, deadline_s=0.2)  # fails on the receiver at its deadline
-    ok = decode("t1", 2)
-    reg = rig.registered(p, "t1")
+    ok, wrong = decode("t1", 2), decode("t2", 2)
+    for tid in ("t1", "t2"):
+        rig.registered(p, tid)
     rig.land("t1")
-    rig.from_p(p, protocol.Completion(request_id=reg.request_id, transfer_id="t1"))
+    rig.pool.fill("another-transfer", rig.pool.allocator.blocks_of("t2"))  # fails verification
+    for tid in ("t1", "t2"):
+        rig.from_p(p, protocol.Completion(request_id=tid, transfer_id=tid))
     assert rig.result(ok).outcome == "ok"
+    assert rig.result(wrong).reason == "verify_failed"
     assert rig.result(late, timeout_s=10).reason == "deadline"
-    assert told == [("big", "no_free_blocks", False), ("late", "deadline", False)]
+    assert sorted(told) == [  # (in any order: the deadline and the verification race)
+        ("big", "no_free_blocks", False),
+        ("late", "deadline", False),
+        ("t2", "verify_failed", False),
+    ]
 
 
 def test_duplicate_request_id_refused(rig: Rig) -> None:
