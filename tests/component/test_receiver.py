@@ -186,8 +186,8 @@ def test_no_free_blocks_refused_at_once(rig: Rig) -> None:
 
 def test_only_a_failed_answer_is_told_to_on_failed_before_it_is_out(rig: Rig) -> None:
     """The rank group's decline to P rides the failure path: ``on_failed`` hears each failed
-    answer once, before its future is done (refused at once, or failed on the receiver), and
-    never an ok one."""
+    answer once, before its future is done (refused at once, failed on the receiver or by its
+    verification), and never an ok one."""
     told: list[tuple[str, str, bool]] = []
     futs: dict[str, Future[protocol.DecodeRep]] = {}
 

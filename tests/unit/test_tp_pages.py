@@ -13,6 +13,7 @@ import pytest
 from kvpush.config import PoolConfig
 from kvpush.errors import IncompatiblePeerError
 from kvpush.memory.pool import KvPool
+from kvpush.peers import tp
 from kvpush.peers.tp import check_ratio, sources, targets, write_slice
 
 HEAD = 256  # bytes of one head slice of one region's page
@@ -138,8 +139,6 @@ def test_sizes_that_do_not_divide_are_refused_naming_the_peer(peer: str | tuple[
 def test_rank_maps_of_huge_sizes_are_right_and_never_cached() -> None:
     """A hostile peer's TP size (up to 65,536 on the wire) is mapped like any other, and the
     cache of rank maps -- one lookup per request or PUSH_REG -- keeps only plausible sizes."""
-    from kvpush.peers import tp
-
     before = (tp._sources.cache_info().currsize, tp._targets.cache_info().currsize)
     for big in (tp.CACHED_TP + 1, 1 << 16):
         assert targets(0, 1, big) == tuple(range(big)) and sources(3, big, 1) == (0,)
