@@ -95,7 +95,7 @@ class Completer:
         for hist, values in steps.items():
             tm.observe_many(hist, values)
         for req, rep in zip(reqs, reps, strict=True):
-            req.future.set_result(rep)
+            req.answer(rep)
 
     def _reads(self, req: DRequest) -> bool:
         """Whether completing ``req`` reads its bytes (a digest, or verification)."""
@@ -151,9 +151,7 @@ class Completer:
             sha256=sha,
             phases=stamps,
         )
-        if not ok and req.on_failed is not None:  # (as ``failed_rep`` tells it)
-            req.on_failed(rep)
-        req.future.set_result(rep)
+        req.answer(rep)
 
 
 def answered(

@@ -83,7 +83,7 @@ class Outcomes:
         else:
             self._table.finish(w)
             self._ctx.pool.allocator.release(req.request_id)
-        req.future.set_result(failed_rep(self._ctx.telemetry, req, reason, detail))
+        req.answer(failed_rep(self._ctx.telemetry, req, reason, detail))
 
     def settle_abandoned(self, ab: Abandoned, source: int, why: str) -> None:
         """P rank ``source`` can write nothing more into an abandoned request's blocks; the
@@ -102,7 +102,7 @@ class Outcomes:
 def failed_rep(
     telemetry: Telemetry, req: DRequest, reason: Failure, detail: str
 ) -> protocol.DecodeRep:
-    """The answer of a failed request (counted once here, and told to ``req.on_failed``)."""
+    """The answer of a failed request (counted once here)."""
     telemetry.inc(Counter.REQUESTS_FAILED)
     rep = protocol.DecodeRep(
         transfer_id=req.transfer_id,
@@ -113,6 +113,4 @@ def failed_rep(
         latency_s=time.monotonic() - req.t_start,
         phases=answered(telemetry, req, observe=False),
     )
-    if req.on_failed is not None:
-        req.on_failed(rep)
     return rep

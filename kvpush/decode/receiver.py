@@ -169,9 +169,7 @@ class Receiver:
             live = queued.phase in (WaitPhase.NEW, WaitPhase.HANDSHAKING)
             if live and not queued.req.future.done():
                 self._ctx.pool.allocator.release(queued.req.request_id)
-                queued.req.future.set_result(
-                    failed_rep(self._ctx.telemetry, queued.req, reason, detail)
-                )
+                queued.req.answer(failed_rep(self._ctx.telemetry, queued.req, reason, detail))
 
     def _crash_check(self) -> None:
         """Fault hook (tests): this rank's loop dies after its Nth request."""

@@ -69,11 +69,17 @@ class DRequest:
     p_pp_size: int = 1
     # Phase stamps (kvpush.telemetry.phases) sent back in the answer; None: stamps are off.
     phases: dict[str, float] | None = None
-    # Told a failed answer just before it is out (``failed_rep``, or the completer's failed
-    # verification): the rank group's decline to P. On the failure path only -- a
-    # done-callback on every future cost each ok request ~2 us on the caller's thread and
-    # ~2 us on the receiver's.
+    # Told a failed answer just before it is out (``answer``): the rank group's decline to P.
+    # On the failure path only -- a done-callback on every future cost each ok request ~2 us
+    # on the caller's thread and ~2 us on the receiver's.
     on_failed: Callable[[protocol.DecodeRep], None] | None = None
+
+    def answer(self, rep: protocol.DecodeRep) -> None:
+        """The request's one answer out (every answer goes this way): a failed one is told to
+        ``on_failed`` first."""
+        if self.on_failed is not None and rep.outcome != "ok":
+            self.on_failed(rep)
+        self.future.set_result(rep)
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,7 @@ class DecodeRole:
         return Waiting(req, PRanks(p_addr, p_tp=p_tp), NO_BLOCKS)
 
     def _refuse(self, w: Waiting, reason: Failure, detail: str) -> Future[protocol.DecodeRep]:
-        w.req.future.set_result(failed_rep(self.ctx.telemetry, w.req, reason, detail))
+        w.req.answer(failed_rep(self.ctx.telemetry, w.req, reason, detail))
         return w.req.future
 
     def _delayed(self, w: Waiting, order: DecodeOrder) -> Future[protocol.DecodeRep]:
@@ -211,9 +211,7 @@ class DecodeRole:
             self.receiver.new.put(w)
         except KvpushError as e:
             self.ctx.pool.allocator.release(w.req.request_id)
-            w.req.future.set_result(
-                failed_rep(self.ctx.telemetry, w.req, Failure.OVERLOADED, str(e))
-            )
+            w.req.answer(failed_rep(self.ctx.telemetry, w.req, Failure.OVERLOADED, str(e)))
         return w.req.future
 
     def cancel(self, request_id: str) -> None:
