@@ -9,8 +9,10 @@ test:
 	@scripts/bootstrap.sh
 	.venv/bin/python -m pytest -q -m "not vllm and not gpu and not prometheus"
 
+# The slow suites; installs Debian's ucx-utils first (root, once) for the bench's UCX floors.
 test-slow:
 	@scripts/bootstrap.sh
+	scripts/ucx-setup.sh
 	.venv/bin/python -m pytest -q -m slow
 
 # Against vLLM's real NixlPushConnector (tests/vllm), in a second venv (.vllm-venv, built once, ~3 min;

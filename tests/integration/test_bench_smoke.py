@@ -189,11 +189,27 @@ def test_scenario_quick(name: str, tmp_path: Path) -> None:
             assert any("etcd rows skipped" in n for n in r["notes"]), r["notes"]
     if name in ("bandwidth", "rate"):
         assert "verified" in json.dumps(r["tables"]) or r["notes"]
+    if name == "rate":
+        _check_floors(figures["floors"], r["notes"])
     if name == "model":
         _check_model(r)
     # every worker wrote its log, and none outlives its scenario
     assert list((tmp_path / "logs").iterdir())
     assert _my_workers() == []
+
+
+def _check_floors(floors: Any, notes: list[str]) -> None:
+    """The small requests beside their floors: raw NIXL notifications counted by the target,
+    kvpush's notifications both ways, UCX's own rates when ucx_perftest is installed."""
+    from kvpush.commands.bench import ucx_floors
+
+    assert floors["raw_notifs"] and all(x["per_s"] > 0 for x in floors["raw_notifs"])
+    assert floors["kvpush_d_to_p_notifs_per_s"] > 0
+    assert floors["kvpush_p_to_d_notifs_per_s"] > 0
+    if ucx_floors.perftest() is None:
+        assert floors["ucx"] == [] and any("UCX floors skipped" in n for n in notes), notes
+    else:
+        assert len(floors["ucx"]) == len(ucx_floors.cases(quick=True)), (floors["ucx"], notes)
 
 
 def test_unknown_scenario_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,7 +8,8 @@ Scenarios (one module each; every one starts real P and D processes on 127.0.0.1
 - ``handshake``: D->P notif-only vs full handshakes against P pools of 1k..1M descriptors, and
   the agent metadata over the side channel vs through NIXL's etcd backend;
 - ``bandwidth``: end-to-end push GB/s vs a raw NIXL WRITE loop, ``process_vm_writev`` and memcpy;
-- ``rate``: small pushes per second vs a raw pipelined NIXL WRITE+notif loop;
+- ``rate``: small pushes per second vs a raw pipelined NIXL WRITE+notif loop, and the
+  notifications of both beside raw NIXL's notifications and UCX's own floors (``ucx_perftest``);
 - ``scale``: a storm of new D endpoints joining while established pushes continue;
 - ``tp``: aggregate push bandwidth of N tensor-parallel ranks vs N x one rank (and N processes);
 - ``model``: pushes at real model geometry (``kvpush.memory.shapes``) with block ids contiguous,

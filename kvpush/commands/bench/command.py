@@ -43,15 +43,16 @@ def bench(
             help="hol (head-of-line behind a slow new peer, deferred vs blocking writer), "
             "handshake (notif-only vs full; agent metadata over the side channel vs etcd), "
             "bandwidth (push GB/s vs raw NIXL, process_vm_writev, memcpy), rate (small "
-            "pushes/s vs raw NIXL), scale (many new peers at once), tp (N ranks vs N x one "
-            "rank), model (real model shapes, block ids contiguous, shuffled and after churn, "
-            "vs raw NIXL), fleet (8 P x 16 D registered in etcd: fleet ls/watch/check, "
-            "registry load, p99 with registration on vs off), or all; device (--device cuda: "
-            "pushes between VRAM pools vs raw NIXL and a torch copy; not part of all); trace "
-            "(a request trace replayed at rising speedups: the knee for a pair and for 1 P x "
-            "2 D, with the pool each step needed; --workload FILE or a synthetic one; not part "
-            "of all); peer (kvpush P -> D beside vLLM P -> D with vLLM's own NixlPushConnector: "
-            "requests/s, latency, CPU per request; needs --vllm-python; not part of all).",
+            "pushes/s and notifications/s vs raw NIXL and UCX's own floors), scale (many new "
+            "peers at once), tp (N ranks vs N x one rank), model (real model shapes, block "
+            "ids contiguous, shuffled and after churn, vs raw NIXL), fleet (8 P x 16 D "
+            "registered in etcd: fleet ls/watch/check, registry load, p99 with registration "
+            "on vs off), or all; device (--device cuda: pushes between VRAM pools vs raw NIXL"
+            " and a torch copy; not part of all); trace (a request trace replayed at rising "
+            "speedups: the knee for a pair and for 1 P x 2 D, with the pool each step needed;"
+            " --workload FILE or a synthetic one; not part of all); peer (kvpush P -> D "
+            "beside vLLM P -> D with vLLM's own NixlPushConnector: requests/s, latency, CPU "
+            "per request; needs --vllm-python; not part of all).",
             show_default=False,
             autocompletion=scenarios,
         ),

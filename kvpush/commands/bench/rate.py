@@ -16,6 +16,11 @@ P's writer thread, and the raw initiator's loop thread. *Writer overhead per pus
 difference: what kvpush's writer spends beyond the NIXL calls a bare loop makes. The full run
 also drives a second P/D pair whose D has ``busy_spin_us=0``, in the same rounds. The tables,
 targets and notes are ``kvpush.commands.bench.rate_report``.
+
+Floors (issue 30): the first configuration's rounds also time raw NIXL notifications sent back
+to back (``raw_notifs``) and count kvpush's notifications each way (each side's
+``notifs_received``); after them UCX's own message rates run (``ucx_floors``: ``ucx_perftest``,
+when installed). ``rate_floors`` sets them in one table.
 """
 
 from __future__ import annotations
@@ -23,14 +28,19 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from kvpush.commands.bench import ucx_floors
 from kvpush.commands.bench.common import EndpointCfg, Progress, endpoint_cfg, logs_dir
 from kvpush.commands.bench.passes import ClosedLoop, raw_pair
 from kvpush.commands.bench.probes import StatsReply
 from kvpush.commands.bench.procs import Cluster, Worker
+from kvpush.commands.bench.rate_floors import floors_report
 from kvpush.commands.bench.rate_report import InflightRounds, KvRound, report
 from kvpush.commands.bench.raw import RawLoopResult
+from kvpush.commands.bench.raw_node import RawNodeInfo
+from kvpush.commands.bench.raw_notifs import RawNotifResult
 from kvpush.commands.bench.report import Report, ResultDict
 from kvpush.commands.bench.stats import ratio, summary
+from kvpush.commands.bench.ucx_floors import Floor
 from kvpush.config import Role
 
 BLOCK_BYTES = 16 << 10
@@ -70,6 +80,8 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> ResultDict:
         _kvpush(sw, sd, "warm.", 1000 if not quick else 300, 64)
         if nospin:
             _kvpush(ws["p-nospin"], ws["d-nospin"], "warm.", 1000, 64)
+        notifs: list[RawNotifResult] = []
+        floors: tuple[list[Floor], list[str]] = ([], [])
         for inflight, n in configs:
             progress(f"rate: {inflight} in flight")
             kv: list[KvRound] = []
@@ -87,6 +99,8 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> ResultDict:
                     kv_ns.append(
                         _kvpush(ws["p-nospin"], ws["d-nospin"], f"k{inflight}.r{k}.", n, inflight)
                     )
+                if inflight == configs[0][0]:
+                    notifs.append(_raw_notif_round(rt, ri, n))
             out[inflight] = {
                 "n": n,
                 "kvpush": kv,
@@ -99,9 +113,13 @@ def run(quick: bool, out_dir: Path, progress: Progress) -> ResultDict:
                 out[inflight]["p_hist"] = {
                     h: hist.get(h) for h in ("push_latency", "write_duration")
                 }
+                out[inflight]["raw_notifs"] = notifs
+                progress("rate: UCX's own floors (ucx_perftest)")
+                floors = ucx_floors.measure(quick)
         progress("rate: verified pass")
         verified = _verified_pass(pw, dw, 64)
     report(rep, out, verified, 64)
+    floors_report(rep, out[configs[0][0]], configs[0][0], *floors, ucx_floors.version())
     return rep.to_dict()
 
 
@@ -155,6 +173,22 @@ def _raw_round(rt: Worker, ri: Worker, n: int, inflight: int) -> RawLoopResult:
     return r
 
 
+def _raw_notif_round(rt: Worker, ri: Worker, n: int) -> RawNotifResult:
+    """One round of raw NIXL notifications, back to back, between fresh raw nodes (a page of
+    registered memory each: notifications need none)."""
+    shape = {"regions": 1, "num_blocks": 1, "block_bytes": 4096}
+    ti = rt.call("raw_node", reply=RawNodeInfo, poll="spin", **shape)
+    ii = ri.call("raw_node", reply=RawNodeInfo, poll="none", **shape)
+    warmup = 200
+    rt.call("raw_notif_target", initiator=ii, expect=[warmup, n])
+    r = ri.call(
+        "raw_notif_loop", reply=RawNotifResult, target=ti, n=n, warmup=warmup, call_timeout=300
+    )
+    ri.call("raw_close")
+    rt.call("raw_close")
+    return r
+
+
 def _verified_pass(pw: Worker, dw: Worker, n: int) -> int:
     """``n`` pushes written with the pattern and checked byte by byte on D: how many passed."""
     v = ClosedLoop(pw, dw, "verify.", n, 1, n).verified(call_timeout=300)
@@ -162,9 +196,10 @@ def _verified_pass(pw: Worker, dw: Worker, n: int) -> int:
 
 
 def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, inflight: int) -> KvRound:
-    w0 = _writes(pw.call("stats", reply=StatsReply))
+    p0, d0 = pw.call("stats", reply=StatsReply), dw.call("stats", reply=StatsReply)
     r, c0, c1 = ClosedLoop(pw, dw, prefix, n, 1, inflight).timed()
-    w1 = _writes(pw.call("stats", reply=StatsReply))
+    p1, d1 = pw.call("stats", reply=StatsReply), dw.call("stats", reply=StatsReply)
+    w0, w1 = _writes(p0), _writes(p1)
     ok = sum(1 for x in r["ok"] if x)
     lat = [x for x, g in zip(r["latency_s"], r["ok"], strict=True) if g]
     return {
@@ -182,7 +217,15 @@ def _kvpush(pw: Worker, dw: Worker, prefix: str, n: int, inflight: int) -> KvRou
         "writes": w1[0] - w0[0],
         "pushes_per_write": ratio(w1[1] - w0[1], w1[0] - w0[0]),
         "post_us_per_desc": w1[2],
+        # notifications each side received meanwhile: D -> P (PUSH_REG batches), P -> D
+        "d_to_p_notifs": _notifs(p1) - _notifs(p0),
+        "p_to_d_notifs": _notifs(d1) - _notifs(d0),
+        "elapsed_s": r["elapsed_s"],
     }
+
+
+def _notifs(snap: StatsReply) -> int:
+    return int((snap.get("counters") or {}).get("notifs_received", 0))
 
 
 def _writes(snap: StatsReply) -> tuple[int, int, float]:

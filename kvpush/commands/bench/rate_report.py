@@ -10,6 +10,7 @@ from typing import NotRequired, TypedDict
 
 from kvpush.commands.bench.probes import HistJson, histogram
 from kvpush.commands.bench.raw import RawLoopResult
+from kvpush.commands.bench.raw_notifs import RawNotifResult
 from kvpush.commands.bench.report import Report, fmt_ms, fmt_num
 from kvpush.commands.bench.stats import median, ratio
 
@@ -28,6 +29,9 @@ class KvRound(TypedDict):
     writes: int
     pushes_per_write: float
     post_us_per_desc: float
+    d_to_p_notifs: NotRequired[int]  # notifications P received in the round (PUSH_REG batches)
+    p_to_d_notifs: NotRequired[int]  # ... and D received (completions)
+    elapsed_s: NotRequired[float]
 
 
 class InflightRounds(TypedDict):
@@ -39,6 +43,7 @@ class InflightRounds(TypedDict):
     kvpush_d_nospin: list[KvRound]
     kvpush_single: list[KvRound]
     p_hist: NotRequired[dict[str, HistJson | None]]
+    raw_notifs: NotRequired[list[RawNotifResult]]  # the first configuration's rounds
 
 
 def report(rep: Report, out: dict[int, InflightRounds], verified: int, nverify: int) -> None:

@@ -19,7 +19,7 @@ import base64
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NotRequired, Protocol, TypedDict, cast
+from typing import TYPE_CHECKING, NamedTuple, NotRequired, Protocol, TypedDict, cast
 
 import numpy as np
 
@@ -47,6 +47,7 @@ class RawLoopResult(TypedDict):
     per_s: float
     post_to_done_p50_s: float
     post_to_done_p99_s: NotRequired[float]  # raw_write_loop's only
+    post_us_per_desc: NotRequired[float]  # raw_write_loop's: wall time in post() a descriptor
 
 
 class _UnmergedAgent(Protocol):
@@ -65,15 +66,21 @@ class _UnmergedAgent(Protocol):
     def transfer(self, handle: object) -> str: ...
 
 
-def _run_writes(
-    agent: NixlAgent, post: Post, count: int, inflight: int
-) -> tuple[float, float, float, list[float]]:
+class _Run(NamedTuple):
+    elapsed_s: float
+    cpu_s: float  # the process's
+    thread_s: float  # the loop thread's
+    post_s: float  # wall time inside post() (make_prepped_xfer + transfer)
+    lat: list[float]  # post -> DONE, sorted
+
+
+def _run_writes(agent: NixlAgent, post: Post, count: int, inflight: int) -> _Run:
     """``count`` WRITEs ``post(i)``-ed with at most ``inflight`` outstanding, each polled with
-    ``check_xfer_state`` until DONE and released. Returns elapsed, process CPU and thread CPU
-    seconds and the sorted post -> DONE latencies."""
+    ``check_xfer_state`` until DONE and released."""
     pending: deque[Xfer] = deque()
     lat: list[float] = []
     posted: deque[float] = deque()
+    post_s = 0.0
     c0 = process_cpu_s()
     th0 = time.thread_time()
     t0 = time.perf_counter()
@@ -86,8 +93,10 @@ def _run_writes(
                 lat.append(time.perf_counter() - posted.popleft())
             elif state == "ERR":
                 raise RuntimeError("raw WRITE failed")
+        tb = time.perf_counter()
         x, st = post(i)
         tp = time.perf_counter()
+        post_s += tp - tb
         if st == "DONE":
             agent.release(x)
             lat.append(0.0)
@@ -102,7 +111,7 @@ def _run_writes(
         elif st == "ERR":
             raise RuntimeError("raw WRITE failed")
     t1 = time.perf_counter()
-    return t1 - t0, process_cpu_s() - c0, time.thread_time() - th0, sorted(lat)
+    return _Run(t1 - t0, process_cpu_s() - c0, time.thread_time() - th0, post_s, sorted(lat))
 
 
 def raw_write_loop(
@@ -156,21 +165,23 @@ def raw_write_loop(
 
     try:
         _run_writes(agent, post, warmup, inflight)
-        elapsed, cpu_s, thread_s, lat = _run_writes(agent, post, n, inflight)
+        run = _run_writes(agent, post, n, inflight)
     finally:
         agent.release_dlist(local)
         agent.release_dlist(remote)
         agent.remove_remote(name)
+    lat = run.lat
     return {
         "n": n,
         "bytes": n * nbytes,
-        "elapsed_s": elapsed,
-        "cpu_s": cpu_s,
-        "thread_cpu_s": thread_s,
-        "gbps": n * nbytes / elapsed / 1e9,
-        "per_s": n / elapsed,
+        "elapsed_s": run.elapsed_s,
+        "cpu_s": run.cpu_s,
+        "thread_cpu_s": run.thread_s,
+        "gbps": n * nbytes / run.elapsed_s / 1e9,
+        "per_s": n / run.elapsed_s,
         "post_to_done_p50_s": lat[len(lat) // 2] if lat else 0.0,
         "post_to_done_p99_s": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else 0.0,
+        "post_us_per_desc": run.post_s / n / (blocks * regions) * 1e6,
     }
 
 
@@ -232,17 +243,17 @@ def raw_pairs_loop(
         return _post_unmerged(agent, peer.local, li, peer.remote, ri, msg)
 
     _run_writes(agent, post, warmup, inflight)
-    elapsed, cpu_s, thread_s, lat = _run_writes(agent, post, n, inflight)
+    run = _run_writes(agent, post, n, inflight)
     nbytes = sum(sizes[i % len(sizes)] for i in range(n))
     return {
         "n": n,
         "bytes": nbytes,
-        "elapsed_s": elapsed,
-        "cpu_s": cpu_s,
-        "thread_cpu_s": thread_s,
-        "gbps": nbytes / elapsed / 1e9,
-        "per_s": n / elapsed,
-        "post_to_done_p50_s": lat[len(lat) // 2] if lat else 0.0,
+        "elapsed_s": run.elapsed_s,
+        "cpu_s": run.cpu_s,
+        "thread_cpu_s": run.thread_s,
+        "gbps": nbytes / run.elapsed_s / 1e9,
+        "per_s": n / run.elapsed_s,
+        "post_to_done_p50_s": run.lat[len(run.lat) // 2] if run.lat else 0.0,
     }
 
 

@@ -22,6 +22,7 @@ import base64
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict
 
@@ -88,6 +89,12 @@ class RawNode:
         self.agent.register(self.tensor)
         self.peer: _Peer | None = None
         self.notifs = 0
+        # A notification loop's target (``raw_notifs``): each time the count reaches the first
+        # of ``expects``, that many are taken off it and one b"done" goes back to ``reply_to``
+        # (the initiator's agent name, loaded into ``remotes``: metadata -> name).
+        self.expects: deque[int] = deque()
+        self.reply_to = ""
+        self.remotes: dict[str, str] = {}
         self._stop = threading.Event()
         self._active = threading.Event()
         if not paused:
@@ -114,6 +121,9 @@ class RawNode:
                 self.notifs += n
                 last = time.monotonic()
                 sleep = 50e-6
+                if self.expects and self.notifs >= self.expects[0]:
+                    self.notifs -= self.expects.popleft()
+                    self.agent.send_notif(self.reply_to, b"done")
                 continue
             if self._poll_mode == "spin" or time.monotonic() - last < 0.002:
                 time.sleep(0)
@@ -146,6 +156,9 @@ class RawNode:
         if self.peer is not None:
             self.peer.close(self.agent)
             self.peer = None
+        for name in self.remotes.values():
+            self.agent.remove_remote(name)
+        self.remotes.clear()
         self.agent.close()
 
 
@@ -169,10 +182,6 @@ def raw_close(state: WorkerState) -> None:
     node = state.raw.take()
     if node is not None:
         node.close()
-
-
-def raw_notifs(state: WorkerState) -> int:
-    return int(state.raw.get().notifs)
 
 
 def block_starts(num_blocks: int, blocks: int, count: int) -> list[int]:
@@ -239,7 +248,6 @@ def raw_prepare(state: WorkerState, target: RawNodeInfo) -> None:
 
 COMMANDS: dict[str, Callable[..., object]] = {
     "raw_node": raw_node,
-    "raw_notifs": raw_notifs,
     "raw_close": raw_close,
     "raw_pool_node": raw_pool_node,
     "raw_poll": raw_poll,

@@ -55,7 +55,16 @@ def _emit(msg: dict[str, object]) -> None:
 
 
 def _commands(state: WorkerState) -> dict[str, Callable[..., object]]:
-    from kvpush.commands.bench import devcopy, host_limits, loadgen, modelgen, probes, raw, raw_node
+    from kvpush.commands.bench import (
+        devcopy,
+        host_limits,
+        loadgen,
+        modelgen,
+        probes,
+        raw,
+        raw_node,
+        raw_notifs,
+    )
 
     return {
         "start_endpoint": lambda **a: loadgen.start_endpoint(state, **a),
@@ -65,6 +74,7 @@ def _commands(state: WorkerState) -> dict[str, Callable[..., object]]:
         **{name: _bind(fn, state) for name, fn in probes.COMMANDS.items()},
         **{name: _bind(fn, state) for name, fn in raw_node.COMMANDS.items()},
         **{name: _bind(fn, state) for name, fn in raw.COMMANDS.items()},
+        **{name: _bind(fn, state) for name, fn in raw_notifs.COMMANDS.items()},
         **{name: _bind(fn, state) for name, fn in host_limits.COMMANDS.items()},
         **{name: _bind(fn, state) for name, fn in modelgen.COMMANDS.items()},
         **{name: _bind(fn, state) for name, fn in devcopy.COMMANDS.items()},
