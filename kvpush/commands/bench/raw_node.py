@@ -19,6 +19,7 @@ Threads: the worker's command threads (create, prepare, close); the node's polli
 from __future__ import annotations
 
 import base64
+import logging
 import threading
 import time
 import uuid
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     import torch
 
     from kvpush.transport.nixl import NixlAgent
+
+
+log = logging.getLogger(__name__)
 
 
 class RawNodeInfo(TypedDict):
@@ -123,7 +127,10 @@ class RawNode:
                 sleep = 50e-6
                 if self.expects and self.notifs >= self.expects[0]:
                     self.notifs -= self.expects.popleft()
-                    self.agent.send_notif(self.reply_to, b"done")
+                    try:  # the initiator may be gone: its loop times out and says so
+                        self.agent.send_notif(self.reply_to, b"done")
+                    except Exception as e:
+                        log.warning("raw node: the reply to %s failed: %s", self.reply_to, e)
                 continue
             if self._poll_mode == "spin" or time.monotonic() - last < 0.002:
                 time.sleep(0)
