@@ -9,7 +9,8 @@ test:
 	@scripts/bootstrap.sh
 	.venv/bin/python -m pytest -q -m "not vllm and not gpu and not prometheus"
 
-# The slow suites; installs Debian's ucx-utils first (root, once) for the bench's UCX floors.
+# The slow suites; first unpacks UCX's tools into .venv (scripts/ucx-setup.sh: apt-get download,
+# no root) for the bench's UCX floors.
 test-slow:
 	@scripts/bootstrap.sh
 	scripts/ucx-setup.sh

@@ -61,7 +61,7 @@ def test_without_ucx_perftest_the_floors_are_skipped_with_how_to_install_it(
     assert floors == []
     assert notes == [
         "UCX floors skipped: ucx_perftest is not installed "
-        "(Debian: apt-get install ucx-utils (scripts/ucx-setup.sh))"
+        "(scripts/ucx-setup.sh unpacks Debian's ucx-utils into .venv, no root)"
     ]
 
 
@@ -191,9 +191,9 @@ def test_the_floors_table_carries_figures_and_the_notes_of_skipped_cases() -> No
 
 @pytest.mark.slow
 def test_the_real_ucx_perftest_gives_every_floor() -> None:
-    """Against the installed ucx_perftest (``make test-slow`` installs it: scripts/ucx-setup.sh)."""
+    """Against the real ucx_perftest (``make test-slow`` unpacks it: scripts/ucx-setup.sh)."""
     if ucx_floors.perftest() is None:
-        pytest.fail("ucx_perftest is not installed: run scripts/ucx-setup.sh (as root)")
+        pytest.fail("ucx_perftest is not installed: run scripts/ucx-setup.sh")
     floors, notes = ucx_floors.measure(quick=True)
     assert notes == []
     assert [(f["test"], f["lane"]) for f in floors] == [

@@ -19,6 +19,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from typing import TypedDict
 
 #: How long one ``ucx_perftest`` may take, server start to client exit.
 CASE_TIMEOUT_S = 60.0
-INSTALL_HINT = "Debian: apt-get install ucx-utils (scripts/ucx-setup.sh)"
+INSTALL_HINT = "scripts/ucx-setup.sh unpacks Debian's ucx-utils into .venv, no root"
 
 
 @dataclass(frozen=True)
@@ -75,14 +76,23 @@ def cases(quick: bool) -> list[Case]:
     return out
 
 
+def _tool(name: str) -> str | None:
+    """A UCX tool on PATH, else beside the Python running kvpush (``scripts/ucx-setup.sh``
+    puts them in the virtualenv's bin), else None."""
+    found = shutil.which(name)
+    if found is None:
+        found = shutil.which(name, path=str(Path(sys.executable).parent))
+    return found
+
+
 def perftest() -> str | None:
     """``ucx_perftest``'s path, or None when it is not installed."""
-    return shutil.which("ucx_perftest")
+    return _tool("ucx_perftest")
 
 
 def version() -> str:
     """The UCX ``ucx_info -v`` reports ("1.13.1"), or "?"."""
-    exe = shutil.which("ucx_info")
+    exe = _tool("ucx_info")
     if exe is None:
         return "?"
     try:
