@@ -303,12 +303,7 @@ class BlockAllocator(_Allocator):
         while True:
             i = self._by_len.bisect_left(left << _START_BITS)
             if i < len(self._by_len):  # best fit for what is left
-                key = int(self._by_len[i])
-                start, length = key & _START_MASK, key >> _START_BITS
-                self._del_run(start, length)
-                if length > left:
-                    self._add_run(start + left, length - left)
-                pieces.append((start, left))
+                pieces.append((self._cut(i, left), left))
                 break
             # No run holds the rest: take the longest whole (the caller checked n <= free).
             key = int(self._by_len[-1])
@@ -326,25 +321,31 @@ class BlockAllocator(_Allocator):
 
     def _take_one(self, owner: str) -> tuple[np.ndarray, int]:
         """One block (a 1-block request, the commonest small one): rule 1 in one step -- the
-        shortest run, lowest start among equals, is the sorted list's first -- shortened in
-        place of a remove and an add through ``_del_run``/``_add_run``."""
-        key = int(self._by_len.pop(0))
-        start, length = key & _START_MASK, key >> _START_BITS
-        hist = self._hist
-        hist[length.bit_length() - 1] -= 1
-        del self._len_at[start]
-        if length > 1:
-            rest = length - 1
-            self._by_len.add((rest << _START_BITS) | (start + 1))
-            self._len_at[start + 1] = rest
-            self._start_at_end[start + length] = start + 1
-            hist[rest.bit_length() - 1] += 1
-        else:
-            del self._start_at_end[start + 1]
+        shortest run, lowest start among equals, is the sorted list's first."""
+        start = self._cut(0, 1)
         self._pieces[owner] = [(start, 1)]
         ids = _ONE_ID.copy()
         ids[0] = start
         return ids, 1
+
+    def _cut(self, i: int, k: int) -> int:
+        """Take the first ``k`` blocks of the free run at ``i`` in the sorted list (``k`` <= its
+        length); its start. The run is popped by index and its rest put back, in place of a
+        search-and-remove and a fresh add through ``_del_run``/``_add_run``."""
+        key = int(self._by_len.pop(i))
+        start, length = key & _START_MASK, key >> _START_BITS
+        hist = self._hist
+        hist[length.bit_length() - 1] -= 1
+        del self._len_at[start]
+        if length > k:
+            rest, at = length - k, start + k
+            self._by_len.add((rest << _START_BITS) | at)
+            self._len_at[at] = rest
+            self._start_at_end[start + length] = at
+            hist[rest.bit_length() - 1] += 1
+        else:
+            del self._start_at_end[start + length]
+        return start
 
     def _give(self, owner: str, ids: np.ndarray) -> None:
         for start, length in self._pieces.pop(owner):  # (from distinct free runs: apart)
