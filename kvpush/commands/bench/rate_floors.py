@@ -118,9 +118,10 @@ def floors_report(
         note="kvpush's notifications are counted by the side that receives them (its "
         "notifs_received counter) over each timed round. Raw NIXL notifications: one agent "
         "sends them back to back (nothing windowed), the other polls and counts; rate to the "
-        "last one counted. UCX: ucx_perftest (the system's UCX, not the copy inside NIXL's "
-        "wheel), server and client on 127.0.0.1; UCX_TLS tcp is the lane NIXL's notifications "
-        "take on this host, unset lets UCX choose (shared memory between processes); CPU each "
+        "last one counted. UCX: ucx_perftest (on PATH, else the one scripts/ucx-setup.sh unpacked "
+        "into .venv; not the UCX inside NIXL's wheel), server and client on 127.0.0.1; UCX_TLS "
+        "tcp: the lane NIXL's notifications take on a host without RDMA (kvpush probe --lanes "
+        "names it), unset: UCX's own choice (shared memory between two processes); CPU each "
         "includes each process's start-up.",
     )
     rep.figures["floors"] = {

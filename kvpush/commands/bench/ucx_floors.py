@@ -2,11 +2,13 @@
 ``ucx_perftest`` (Debian's ``ucx-utils``) run as a server and a client process on 127.0.0.1.
 
 Each case is one ``ucx_perftest`` test at one size, on one lane: ``tcp`` (``UCX_TLS=tcp``: the
-lane NIXL's notifications take on this CPU host, ``kvpush probe --lanes`` shows it) and UCX's
-own choice (``UCX_TLS`` unset: shared memory between two processes of one host). Message rates
+lane NIXL's notifications take on a CPU host, ``kvpush probe --lanes`` shows it: "notification
+lane tcp on lo") and UCX's own choice (``UCX_TLS`` unset: shared memory between two processes of
+one host). Message rates
 and latencies are UCX's ``Final:`` line; CPU per message is each process's own (``wait4``'s
-rusage). The ``ucx_perftest`` is the system's UCX, not the one bundled in NIXL's wheel: the
-report names its version. Without ``ucx_perftest`` on PATH the cases are skipped, and the report
+rusage). The ``ucx_perftest`` is a UCX of its own (on PATH, else the one
+``scripts/ucx-setup.sh`` unpacked), not the one bundled in NIXL's wheel: the report names its
+version. Without ``ucx_perftest`` on PATH the cases are skipped, and the report
 says so and how to install it.
 
 Runs in the orchestrator process, on the scenario's thread, between timed rounds (nothing of
