@@ -50,32 +50,28 @@ CACHED_TP = 256
 
 def sources(d_rank: int, d_tp: int, p_tp: int) -> tuple[int, ...]:
     """The P ranks that write into D rank ``d_rank`` (D registers with exactly these)."""
-    if d_tp <= CACHED_TP and p_tp <= CACHED_TP:
-        return _sources(d_rank, d_tp, p_tp)
-    return _sources.__wrapped__(d_rank, d_tp, p_tp)
+    return _facing(d_rank, d_tp, p_tp)
 
 
 def targets(p_rank: int, p_tp: int, d_tp: int) -> tuple[int, ...]:
     """The D ranks P rank ``p_rank`` writes into (it gets a PUSH_REG from each)."""
-    if d_tp <= CACHED_TP and p_tp <= CACHED_TP:
-        return _targets(p_rank, p_tp, d_tp)
-    return _targets.__wrapped__(p_rank, p_tp, d_tp)
+    return _facing(p_rank, p_tp, d_tp)
 
 
-@functools.lru_cache(maxsize=64)
-def _sources(d_rank: int, d_tp: int, p_tp: int) -> tuple[int, ...]:
-    if p_tp >= d_tp:
-        k = p_tp // d_tp
-        return tuple(d_rank * k + i for i in range(k))
-    return (d_rank // (d_tp // p_tp),)
+def _facing(rank: int, mine: int, theirs: int) -> tuple[int, ...]:
+    """The ranks of the other side (``theirs`` ranks) that rank ``rank`` of ``mine`` pairs
+    with: the same map either way round, so sources and targets are one function."""
+    if mine <= CACHED_TP and theirs <= CACHED_TP:
+        return _facing_cached(rank, mine, theirs)
+    return _facing_cached.__wrapped__(rank, mine, theirs)
 
 
-@functools.lru_cache(maxsize=64)
-def _targets(p_rank: int, p_tp: int, d_tp: int) -> tuple[int, ...]:
-    if d_tp >= p_tp:
-        k = d_tp // p_tp
-        return tuple(p_rank * k + i for i in range(k))
-    return (p_rank // (p_tp // d_tp),)
+@functools.lru_cache(maxsize=128)
+def _facing_cached(rank: int, mine: int, theirs: int) -> tuple[int, ...]:
+    if theirs >= mine:
+        k = theirs // mine
+        return tuple(rank * k + i for i in range(k))
+    return (rank // (mine // theirs),)
 
 
 @dataclass(frozen=True)

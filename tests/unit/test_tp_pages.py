@@ -139,9 +139,9 @@ def test_sizes_that_do_not_divide_are_refused_naming_the_peer(peer: str | tuple[
 def test_rank_maps_of_huge_sizes_are_right_and_never_cached() -> None:
     """A hostile peer's TP size (up to 65,536 on the wire) is mapped like any other, and the
     cache of rank maps -- one lookup per request or PUSH_REG -- keeps only plausible sizes."""
-    before = (tp._sources.cache_info().currsize, tp._targets.cache_info().currsize)
+    before = tp._facing_cached.cache_info().currsize
     for big in (tp.CACHED_TP + 1, 1 << 16):
         assert targets(0, 1, big) == tuple(range(big)) and sources(3, big, 1) == (0,)
         assert sources(0, 1, big) == tuple(range(big)) and targets(3, big, 1) == (0,)
-    assert (tp._sources.cache_info().currsize, tp._targets.cache_info().currsize) == before
+    assert tp._facing_cached.cache_info().currsize == before
     assert sources(1, 2, 4) == (2, 3) and targets(1, 4, 2) == (0,)  # cached: the same maps
