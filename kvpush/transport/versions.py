@@ -147,8 +147,10 @@ def _bundled_libucp(build: str) -> str:
     return hits[0] if hits else ""
 
 
-def _ucx_info() -> str:
-    exe = shutil.which("ucx_info")
+def ucx_info_version(exe: str | None = None) -> str:
+    """The UCX version ``ucx_info -v`` prints ("1.13.1"; ``exe``: that ucx_info, else the one
+    on PATH), or "" when there is none or it says nothing readable."""
+    exe = exe or shutil.which("ucx_info")
     if exe is None:
         return ""
     try:
@@ -166,7 +168,7 @@ def ucx_version(build: str = "") -> str:
             v = _ucp_version(path)
             if v:
                 return v
-    return _ucx_info()
+    return ucx_info_version()
 
 
 @functools.lru_cache(maxsize=1)

@@ -49,6 +49,7 @@ def raw_notif_target(state: WorkerState, initiator: RawNodeInfo, expect: list[in
     if name is None:
         name = node.remotes[md] = node.agent.add_remote(base64.b64decode(md))
         node.agent.make_connection(name)
+    node.expects.clear()  # what an earlier loop that timed out still expected
     node.reply_to = name
     node.notifs = 0
     node.expects.extend(expect)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
+from kvpush.transport.versions import ucx_info_version
+
 #: How long one ``ucx_perftest`` may take, server start to client exit.
 CASE_TIMEOUT_S = 60.0
 INSTALL_HINT = "scripts/ucx-setup.sh unpacks Debian's ucx-utils into .venv, no root"
@@ -93,18 +95,9 @@ def perftest() -> str | None:
 
 
 def version() -> str:
-    """The UCX ``ucx_info -v`` reports ("1.13.1"), or "?"."""
+    """The version of the UCX beside ``ucx_perftest`` ("1.13.1"), or "?"."""
     exe = _tool("ucx_info")
-    if exe is None:
-        return "?"
-    try:
-        out = subprocess.run([exe, "-v"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-    for line in out.splitlines():
-        if line.startswith("# Version"):
-            return line.split()[-1]
-    return "?"
+    return (ucx_info_version(exe) if exe else "") or "?"
 
 
 def parse_final(text: str) -> tuple[int, float, float, float, float]:
