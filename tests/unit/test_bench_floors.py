@@ -203,3 +203,31 @@ def test_the_real_ucx_perftest_gives_every_floor() -> None:
         assert f["n"] > 0 and f["per_s"] > 0 and f["p50_us"] > 0, f
         assert f["client_cpu_us"] > 0 and f["server_cpu_us"] > 0, f
     assert ucx_floors.version() != "?"
+
+
+class _Worker:
+    """A bench worker's ``call`` as ``_raw_notif_round`` uses it; ``fail`` names a command that
+    answers with a ``BenchError`` (a worker that timed out, or died)."""
+
+    def __init__(self, fail: str = "") -> None:
+        self.fail = fail
+        self.calls: list[str] = []
+
+    def call(self, cmd: str, call_timeout: float = 120.0, **args: object) -> object:
+        from kvpush.commands.bench.procs import BenchError
+
+        self.calls.append(cmd)
+        if cmd == self.fail:
+            raise BenchError(f"{cmd} did not answer in {call_timeout:g}s")
+        return {"metadata": "", "bases": [], "pid": 1, "geometry": [1, 1, 4096]}
+
+
+def test_a_failed_notification_round_still_closes_both_raw_nodes() -> None:
+    from kvpush.commands.bench import rate
+    from kvpush.commands.bench.procs import BenchError
+
+    rt, ri = _Worker(), _Worker(fail="raw_notif_loop")
+    with pytest.raises(BenchError, match="raw_notif_loop did not answer"):
+        rate._raw_notif_round(rt, ri, 1000)  # type: ignore[arg-type]
+    assert rt.calls == ["raw_node", "raw_notif_target", "raw_close"]
+    assert ri.calls == ["raw_node", "raw_notif_loop", "raw_close"]

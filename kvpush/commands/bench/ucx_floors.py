@@ -31,7 +31,7 @@ from typing import TypedDict
 from kvpush.transport.versions import ucx_info_version
 
 #: How long one ``ucx_perftest`` may take, server start to client exit.
-CASE_TIMEOUT_S = 60.0
+CASE_TIMEOUT_S = 30.0
 INSTALL_HINT = "scripts/ucx-setup.sh unpacks Debian's ucx-utils into .venv, no root"
 
 
