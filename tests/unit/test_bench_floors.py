@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import math
 import socket
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -231,3 +234,43 @@ def test_a_failed_notification_round_still_closes_both_raw_nodes() -> None:
         rate._raw_notif_round(rt, ri, 1000)  # type: ignore[arg-type]
     assert rt.calls == ["raw_node", "raw_notif_target", "raw_close"]
     assert ri.calls == ["raw_node", "raw_notif_loop", "raw_close"]
+
+
+_FAKE = """#!{python}
+# A stand-in ucx_perftest: as a server ("-p PORT") it listens and waits; as a client it {client}.
+import socket, sys, time
+if sys.argv[1] == "-p":
+    s = socket.socket()
+    s.bind(("127.0.0.1", int(sys.argv[2])))
+    s.listen()
+    time.sleep(60)
+{client_code}
+"""
+
+
+def _fake_perftest(tmp_path: Path, client: str, client_code: str) -> str:
+    exe = tmp_path / "ucx_perftest"
+    exe.write_text(_FAKE.format(python=sys.executable, client=client, client_code=client_code))
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def test_a_client_that_fails_is_said_in_its_own_words_and_its_server_is_stopped(
+    tmp_path: Path,
+) -> None:
+    exe = _fake_perftest(
+        tmp_path, "fails", 'print("UCX  ERROR client failed. connect() failed"); sys.exit(255)'
+    )
+    t0 = time.monotonic()
+    with pytest.raises(ucx_floors.FloorError, match="exited 255: UCX  ERROR client failed"):
+        ucx_floors.run_case(exe, ucx_floors.cases(quick=True)[0])
+    assert time.monotonic() - t0 < 10  # the waiting server was stopped, not waited for (60 s)
+
+
+def test_a_client_that_hangs_is_stopped_at_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ucx_floors, "CASE_TIMEOUT_S", 1.0)
+    exe = _fake_perftest(tmp_path, "hangs", "time.sleep(60)")
+    with pytest.raises(ucx_floors.FloorError, match="did not finish in 1 s"):
+        ucx_floors.run_case(exe, ucx_floors.cases(quick=True)[0])

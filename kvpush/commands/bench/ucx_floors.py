@@ -1,15 +1,14 @@
 """UCX's own floors on this host, beside kvpush and raw NIXL in ``kvpush bench rate``: UCX's
-``ucx_perftest`` (Debian's ``ucx-utils``) run as a server and a client process on 127.0.0.1.
+``ucx_perftest`` run as a server and a client process on 127.0.0.1.
 
 Each case is one ``ucx_perftest`` test at one size, on one lane: ``tcp`` (``UCX_TLS=tcp``: the
-lane NIXL's notifications take on a CPU host, ``kvpush probe --lanes`` shows it: "notification
+lane NIXL's notifications take on a CPU host; ``kvpush probe --lanes`` shows it: "notification
 lane tcp on lo") and UCX's own choice (``UCX_TLS`` unset: shared memory between two processes of
-one host). Message rates
-and latencies are UCX's ``Final:`` line; CPU per message is each process's own (``wait4``'s
-rusage). The ``ucx_perftest`` is a UCX of its own (on PATH, else the one
-``scripts/ucx-setup.sh`` unpacked), not the one bundled in NIXL's wheel: the report names its
-version. Without ``ucx_perftest`` on PATH the cases are skipped, and the report
-says so and how to install it.
+one host). Message rates and latencies are UCX's ``Final:`` line; CPU per message is each
+process's own (``wait4``'s rusage). The ``ucx_perftest`` is a UCX of its own -- on PATH, else the
+one ``scripts/ucx-setup.sh`` unpacked from Debian's ``ucx-utils`` into the virtualenv -- not the
+one bundled in NIXL's wheel: the report names its version. Without ``ucx_perftest`` the cases
+are skipped, and the report says so and how to add it.
 
 Runs in the orchestrator process, on the scenario's thread, between timed rounds (nothing of
 kvpush runs meanwhile).
@@ -150,15 +149,19 @@ def _wait_listening(server: subprocess.Popen[bytes], port: int, deadline: float)
 
 
 def _reap(p: subprocess.Popen[bytes], deadline: float) -> tuple[int, float]:
-    """Wait for ``p`` (killed at ``deadline``): its exit status and CPU seconds."""
+    """Wait for ``p`` (killed at ``deadline``, a FloorError then): its exit status and CPU
+    seconds."""
+    late = False
     while True:
         pid, status, ru = os.wait4(p.pid, os.WNOHANG)
         if pid:
             p.returncode = os.waitstatus_to_exitcode(status)
+            if late:
+                raise FloorError(f"ucx_perftest did not finish in {CASE_TIMEOUT_S:g} s")
             return p.returncode, ru.ru_utime + ru.ru_stime
-        if time.monotonic() > deadline:
+        if not late and time.monotonic() > deadline:
             p.kill()
-            deadline = float("inf")
+            late = True
         time.sleep(0.01)
 
 
@@ -194,7 +197,11 @@ def run_case(exe: str, c: Case) -> Floor:
             with clog.open("wb") as co:
                 procs.append(subprocess.Popen(args, env=env, stdout=co, stderr=co))
             rc, client_cpu = _reap(procs[1], deadline)
-            _, server_cpu = _reap(procs[0], deadline)
+            server_cpu = 0.0
+            if rc == 0:
+                _, server_cpu = _reap(procs[0], deadline)
+            else:  # the server waits on for the client that failed: stopped below
+                procs[0].kill()
         finally:
             for p in procs:
                 if p.returncode is None:
