@@ -46,4 +46,9 @@ LD_LIBRARY_PATH="$lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" UCX_MODULE_DIR="$l
 WRAP
     chmod +x ".venv/bin/$tool"
 done
-echo "ucx-setup: UCX $(.venv/bin/ucx_info -v | sed -n 's/^# Version //p') in $DEST" >&2
+if ! ver="$(.venv/bin/ucx_info -v 2>&1)"; then
+    echo "ucx-setup: the unpacked ucx_info does not run: ${ver##*$'\n'}" >&2
+    rm -f .venv/bin/ucx_perftest .venv/bin/ucx_info
+    exit 1
+fi
+echo "ucx-setup: UCX $(sed -n 's/^# Version //p' <<<"$ver") in $DEST" >&2
