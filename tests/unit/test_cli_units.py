@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,23 @@ def test_summarize() -> None:
     assert not rep.all_verified
     assert summarize([_r(0, True), _r(1, True)], 1.0).all_verified
     assert not summarize([_r(0, True, verified=None)], 1.0).all_verified
+
+
+def test_drive_report_json_keys() -> None:
+    """The keys drive --json has printed since the report began (a new field adds one);
+    ``phases`` only where drive --trace measured some."""
+    rep = summarize([_r(0, True), _r(1, False, "decode_timeout")], elapsed_s=1.0)
+    d = rep.to_dict()
+    assert set(d) == {
+        "requests", "ok", "failed", "verified", "all_verified", "interrupted",
+        "failures_by_reason", "first_failures", "latency_s", "elapsed_s", "requests_per_s",
+        "bytes_total", "gb_per_s", "by_decode", "by_prefill", "concurrency", "notes",
+        "peer_events",
+    }  # fmt: skip
+    assert d["all_verified"] is False and d["failures_by_reason"] == {"decode_timeout": 1}
+    json.dumps(d)
+    traced = replace(rep, phases={"sent": {"count": 1.0, "p50": 0.01}})
+    assert traced.to_dict()["phases"] == {"sent": {"count": 1.0, "p50": 0.01}}
 
 
 def test_drive_config_normalizes_and_validates() -> None:

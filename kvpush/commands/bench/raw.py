@@ -74,6 +74,20 @@ class _Run(NamedTuple):
     lat: list[float]  # post -> DONE, sorted
 
 
+def _reap(
+    agent: NixlAgent, pending: deque[Xfer], posted: deque[float], lat: list[float], keep: int
+) -> None:
+    """Poll the oldest WRITE until it is DONE (release it, record its latency) while more than
+    ``keep`` are outstanding; a WRITE in ERR ends the run."""
+    while len(pending) > keep:
+        state = agent.state(pending[0])
+        if state == "DONE":
+            agent.release(pending.popleft())
+            lat.append(time.perf_counter() - posted.popleft())
+        elif state == "ERR":
+            raise RuntimeError("raw WRITE failed")
+
+
 def _run_writes(agent: NixlAgent, post: Post, count: int, inflight: int) -> _Run:
     """``count`` WRITEs ``post(i)``-ed with at most ``inflight`` outstanding, each polled with
     ``check_xfer_state`` until DONE and released."""
@@ -85,14 +99,7 @@ def _run_writes(agent: NixlAgent, post: Post, count: int, inflight: int) -> _Run
     th0 = time.thread_time()
     t0 = time.perf_counter()
     for i in range(count):
-        while len(pending) >= inflight:
-            x = pending[0]
-            state = agent.state(x)
-            if state == "DONE":
-                agent.release(pending.popleft())
-                lat.append(time.perf_counter() - posted.popleft())
-            elif state == "ERR":
-                raise RuntimeError("raw WRITE failed")
+        _reap(agent, pending, posted, lat, keep=inflight - 1)
         tb = time.perf_counter()
         x, st = post(i)
         tp = time.perf_counter()
@@ -103,13 +110,7 @@ def _run_writes(agent: NixlAgent, post: Post, count: int, inflight: int) -> _Run
         else:
             pending.append(x)
             posted.append(tp)
-    while pending:
-        st = agent.state(pending[0])
-        if st == "DONE":
-            agent.release(pending.popleft())
-            lat.append(time.perf_counter() - posted.popleft())
-        elif st == "ERR":
-            raise RuntimeError("raw WRITE failed")
+    _reap(agent, pending, posted, lat, keep=0)
     t1 = time.perf_counter()
     return _Run(t1 - t0, process_cpu_s() - c0, time.thread_time() - th0, post_s, sorted(lat))
 

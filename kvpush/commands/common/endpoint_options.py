@@ -8,8 +8,8 @@ drift apart. Defaults of these options are read from the configuration dataclass
 (``PoolConfig``, ``AgentConfig``, ``Timeouts``) through the field<->flag tables of
 ``kvpush.config``: a default lives in one place too.
 
-Imports typer and the configuration only (no torch, nixl or zmq: typer re-runs the program on
-every Tab press). Runs on the main thread at import time.
+Imports and threads as ``kvpush.commands.common.options`` (which imports this): light enough
+for typer's completion, run at import time.
 """
 
 from __future__ import annotations

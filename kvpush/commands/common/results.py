@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kvpush.address import format_address, parse_address
 from kvpush.commands.common.stats import percentile
@@ -129,28 +129,11 @@ class DriveReport:
         )
 
     def to_dict(self) -> dict[str, object]:
-        d: dict[str, object] = {
-            "requests": self.requests,
-            "ok": self.ok,
-            "failed": self.failed,
-            "verified": self.verified,
-            "all_verified": self.all_verified,
-            "interrupted": self.interrupted,
-            "failures_by_reason": self.failures_by_reason,
-            "first_failures": self.first_failures,
-            "latency_s": self.latency_s,
-            "elapsed_s": self.elapsed_s,
-            "requests_per_s": self.requests_per_s,
-            "bytes_total": self.bytes_total,
-            "gb_per_s": self.gb_per_s,
-            "by_decode": self.by_decode,
-            "by_prefill": self.by_prefill,
-            "concurrency": self.concurrency,
-            "notes": self.notes,
-            "peer_events": self.peer_events,
-        }
-        if self.phases:
-            d["phases"] = self.phases
+        """Every field, then ``all_verified``; ``phases`` only where drive --trace measured some."""
+        d: dict[str, object] = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["all_verified"] = self.all_verified
+        if not self.phases:
+            del d["phases"]
         return d
 
 
