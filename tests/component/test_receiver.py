@@ -159,9 +159,8 @@ def close_rig(r: Rig) -> None:
     """Stop a rig's completer, its stub peers and its handshakes (a fixture's teardown)."""
     r.role.completer.close()
     r.control.shutdown()
-    for s in r.stubs:  # a held handshake is answered now, one still on its way when it comes
-        s.hold = False
-        s.release(error="stopping")
+    for s in r.stubs:
+        s.let_go()
     wait_until(functools.partial(_settled, r.hs), 10, "handshakes to settle")
     for s in r.stubs:
         s.stop()

@@ -173,8 +173,10 @@ def close_rig(r: Rig) -> None:
         r.owner.stop(2)
     r.control.shutdown()
     for s in r.stubs:
-        s.stop()
+        s.let_go()
     wait_until(functools.partial(_settled, r.hs), 10, "handshakes to settle")
+    for s in r.stubs:
+        s.stop()
     r.hs.close()
 
 

@@ -522,9 +522,15 @@ class StubPeer:
             self._answer(req, reply, error)
         return len(held)
 
-    def stop(self) -> None:
+    def let_go(self) -> None:
+        """Hold nothing more: answer every held handshake, and any later one at once, with the
+        error ``stopping`` (a teardown does this before it waits for D's handshakes to settle:
+        a stub stopped first leaves a handshake on its way to wait out its deadline)."""
         self.hold = False
         self.release(error="stopping")
+
+    def stop(self) -> None:
+        self.let_go()
         self.server.stop()
 
 
