@@ -7,6 +7,7 @@ generators all get theirs here. A load generator drives it with the endpoint's o
 ``forget_handshake``...: ``kvpush.endpoint.load``), the groups' paths a served request takes;
 tests and measurements add their hooks (``kvpush.instruments``). ``freeze_startup_heap`` is for a
 process that serves one endpoint and nothing else, as ``serve-*`` does (``kvpush.runtime.heap``).
+``DecodeRep`` is what a ``decode`` future holds: how the request ended and how long it took.
 
 The bench may import this package's face and nothing below it (an import-linter ``forbidden``
 contract in pyproject.toml). Runs on the caller's thread; the endpoint owns its own threads.
@@ -22,6 +23,7 @@ from kvpush.instruments import NO_INSTRUMENTS, Instruments
 from kvpush.prefill.group import PrefillGroup
 from kvpush.prefill.role import PrefillRole
 from kvpush.runtime.heap import freeze_startup_heap
+from kvpush.wire.protocol import DecodeRep
 
 
 def open_endpoint(
@@ -36,6 +38,7 @@ def open_endpoint(
 
 
 __all__ = [
+    "DecodeRep",
     "Endpoint",
     "RankFailure",
     "freeze_startup_heap",

@@ -28,30 +28,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 from kvpush.commands.bench.probes import process_cpu_s, threads_cpu_s
 from kvpush.commands.bench.worker_state import WorkerState
 
+if TYPE_CHECKING:  # the engine is imported where an endpoint starts (start_endpoint)
+    from concurrent.futures import Future
 
-class _Rep(Protocol):
-    """What the recorder reads of a ``DecodeRep`` (``kvpush.wire``: not the bench's to import)."""
-
-    @property
-    def latency_s(self) -> float: ...
-    @property
-    def outcome(self) -> str: ...
-    @property
-    def verified(self) -> bool | None: ...
-    @property
-    def reason(self) -> str: ...
-
-
-class _Done(Protocol):
-    """A finished ``decode()`` future."""
-
-    def result(self) -> _Rep: ...
-
+    from kvpush.endpoint import DecodeRep
 
 #: Tokens of the requests a closed loop may still start (one taken per request, one given back
 #: by each answer's callback).
@@ -161,8 +146,8 @@ class _Recorder:
         self._decode(transfer_id, *self._to).add_done_callback(self.callback(i, slot))
         return now
 
-    def callback(self, i: int, release: Slots | None = None) -> Callable[[_Done], None]:
-        def cb(f: _Done) -> None:
+    def callback(self, i: int, release: Slots | None = None) -> Callable[[Future[DecodeRep]], None]:
+        def cb(f: Future[DecodeRep]) -> None:
             t = time.time()
             try:
                 rep = f.result()
