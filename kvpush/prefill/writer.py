@@ -321,7 +321,7 @@ class PushWriter:
         elif d.error is not None:
             self._out.fail(d.push, handshake_failure(d.error, Role.DECODE), str(d.error))
         elif self._owner.stopping:
-            self._out.fail(d.push, Failure.SHUTTING_DOWN, "P is shutting down")
+            self._out.fail(d.push, *self._stop_why())
         else:
             self._start_push(d.push)
 
@@ -385,11 +385,11 @@ class PushWriter:
         (its WRITEs in flight fail with ``g.reason``). Dropped when the writer is stopping."""
         self._owner.hand_off(self.tasks, lambda: self._peers.forget(g), _ignore)
 
-    def drain(self, deadline: float, why: tuple[Failure, str] | None = None) -> None:
+    def drain(self, deadline: float) -> None:
         """Stop intake, fail what cannot finish, wait for in-flight WRITEs until the deadline.
-        Every transfer still held ends in an outcome (``why``: the owner's stop reason, else
+        Every transfer still held ends in an outcome (the owner's stop reason, else
         ``shutting_down``); every D that registered is told, so it frees its blocks at once."""
-        reason, detail = why or self._stop_why()
+        reason, detail = self._stop_why()
         self._flush()
         for f in self.finished.close():
             self._ctx.pool.allocator.release(f.key)
@@ -434,7 +434,9 @@ class PushWriter:
         """This rank's loop died: fail every push now (in-flight WRITEs get a short grace to
         land, so D is told a clear outcome rather than left quarantined)."""
         why = f"P rank {self.cfg.tp_rank} failed: {type(error).__name__}: {error}"
-        self.drain(time.monotonic() + 1.0, (Failure.RANK_FAILED, why))
+        # Every path of the drain reads it (a deferred push, a PUSH_REG its last pass reads).
+        self._owner.stop_reason = (Failure.RANK_FAILED, why)
+        self.drain(time.monotonic() + 1.0)
 
     def _crash_check(self) -> None:
         """Fault hook (tests): this rank's loop dies after its Nth finished transfer."""

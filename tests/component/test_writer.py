@@ -32,7 +32,7 @@ from kvpush.peers.handshakes import HandshakeManager
 from kvpush.prefill.acks import MAX_ATTEMPTS
 from kvpush.prefill.table import Finished, PushOutcome, Registered, Registration, reg_key
 from kvpush.prefill.writer import PushWriter
-from kvpush.runtime.owner import OwnerThread
+from kvpush.runtime.owner import OwnerThread, RankCrash
 from kvpush.telemetry.store import Telemetry
 from kvpush.transport.agent import TransferError, TransferKind, XferState
 from kvpush.wire import protocol
@@ -317,6 +317,27 @@ def test_a_push_reg_that_came_since_the_last_pass_is_refused_by_ps_drain(rig: Ri
         ("", "shutting_down"),
     ], fails
     assert rig.counters().get("push_regs_received") == 1
+
+
+def test_a_failed_rank_ends_its_deferred_pushes_and_unread_push_regs_with_its_failure(
+    rig: Rig,
+) -> None:
+    """The rank's loop died (``abort``): a push whose handshake answered just then and a
+    PUSH_REG that no pass has read yet end with the rank's failure, as everything else it held
+    does -- not with "shutting down", which would send an operator after whoever stopped P."""
+    d, _ = _pending_push(rig)
+    d.release()
+    wait_until(lambda: len(rig.writer.deferred) == 1, what="the handshake's answer")
+    rig.register(rig.registration(d, rig.reg(d, "late", [3])))
+    rig.owner.stop(0)  # as the owner thread does when its loop raised, before it aborts
+    rig.writer.abort(RankCrash("fault injection"))
+    fails = [m for m in rig.sent_to(d) if isinstance(m, protocol.Failure)]
+    assert [(m.request_id, m.reason) for m in fails] == [
+        ("t1", "rank_failed"),
+        ("late", "rank_failed"),
+        ("", "rank_failed"),
+    ], fails
+    assert all("P rank 0 failed: RankCrash: fault injection" in m.detail for m in fails), fails
 
 
 @pytest.mark.parametrize("broken", ["raises", "closed"])
