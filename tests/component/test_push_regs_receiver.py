@@ -18,7 +18,7 @@ import pytest
 from kvpush.transport.agent import TransferError, TransferKind
 from kvpush.wire import protocol
 from tests.component.test_receiver import D_POOL, Rig
-from tests.support.fakes import StubPeer
+from tests.support.fakes import StubPeer, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -118,9 +118,16 @@ def test_a_failed_batch_send_takes_each_request_down_the_single_send_path(
     p = _p(rig)
     futs = {t: rig.decode(p, t) for t in ("t1", "t2", "t3")}
     rig.agent.raise_on("send_notif", TransferError(TransferKind.PEER_DEAD, "agent gone"))
+    p.hold = True  # the fresh handshake waits, so that all three are back before a pass
+    p.got_request.clear()
     rig.step()
-    # registered again after a fresh handshake (the failed send left nothing)
-    rig.steps_until(lambda: _regs(rig, p), "the registrations sent again")
+    wait_until(p.got_request.is_set, what="the fresh handshake")
+    assert not _regs(rig, p)  # the failed send left nothing
+    p.release()
+    # Its answer reaches each request on the handshake's thread, one at a time: a pass that
+    # ran between two of them would register the first alone (correct, but not this test).
+    wait_until(lambda: len(rig.role.receiver.ready) == 3, what="every request back")
+    rig.step()
     assert _regs(rig, p) == [("batch", ["t1", "t2", "t3"])], [f.done() for f in futs.values()]
     for t in futs:
         rig.pool.fill(t, rig.pool.allocator.blocks_of(t))
