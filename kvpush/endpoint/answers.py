@@ -23,7 +23,7 @@ from kvpush.wire import protocol, vllm
 
 
 def _identity(
-    md: protocol.EndpointMetadata, dialect: Dialect, error: str = ""
+    md: protocol.EndpointMetadata, dialect: Dialect, error: str = "", stopping: bool = False
 ) -> vllm.KvpushIdentity:
     return vllm.KvpushIdentity(
         protocol=PROTOCOL_VERSION,
@@ -35,6 +35,7 @@ def _identity(
         tp_size=md.tp_size,
         ranks=[(0, r) for r in range(md.tp_size)],
         error=error,
+        stopping=stopping,
     )
 
 
@@ -44,17 +45,21 @@ def get_meta_payload(
     auth_enabled: bool,
     agent_md_full: bytes,
     ranks: tuple[int, int],
+    stopping: bool = False,
 ) -> vllm.HandshakePayload:
     if auth_enabled or md is None:
         ident = vllm.KvpushIdentity(
-            protocol=PROTOCOL_VERSION, auth=auth_enabled, error="" if md else "starting"
+            protocol=PROTOCOL_VERSION,
+            auth=auth_enabled,
+            error="" if md else "starting",
+            stopping=stopping,
         )
         return vllm.HandshakePayload("", b"", ident)
     if ranks != (0, md.tp_rank):
         error = f"rank ({ranks[0]}, {ranks[1]}) is not served here"
-        return vllm.HandshakePayload("", b"", _identity(md, dialect, error))
+        return vllm.HandshakePayload("", b"", _identity(md, dialect, error, stopping))
     compat_hash, amd = dialect.answer(md, agent_md_full)
-    return vllm.HandshakePayload(compat_hash, amd, _identity(md, dialect))
+    return vllm.HandshakePayload(compat_hash, amd, _identity(md, dialect, stopping=stopping))
 
 
 def refuse_handshake(

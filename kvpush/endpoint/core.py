@@ -340,7 +340,8 @@ class Endpoint(LoadVerbs, Generic[R, G]):
             reply(protocol.StatsRep(rid=req.rid, snapshot=self.snapshot().to_dict()))
             return
         role = self.cfg.role
-        if self._stopping.is_set():
+        # Draining: no new work; a peer's decline still ends work this endpoint holds.
+        if self._stopping.is_set() and not isinstance(req, protocol.DeclineReq):
             _refuse(reply, req, "not_ready", f"{role} endpoint is shutting down", "retry shortly")
             return
         if not self.group.handle(req, reply):
@@ -388,6 +389,7 @@ class Endpoint(LoadVerbs, Generic[R, G]):
             self.auth.enabled,
             rk.agent_md_full if rk is not None else b"",
             (pp_rank, tp_rank),
+            stopping=self._stopping.is_set(),
         )
         return vllm.encode_get_meta_reply(payload, time.perf_counter())
 

@@ -85,6 +85,8 @@ class KvpushIdentity(Struct, frozen=True, kw_only=True, omit_defaults=True):
     tp_size: SmallPos = 1
     ranks: Annotated[list[tuple[NonNeg, NonNeg]], Meta(max_length=4096)] = []
     error: Str1k = ""  # the endpoint could not serve the asked rank
+    # Draining: it refuses new work (stats and handshakes are still served) and then stops.
+    stopping: bool = False
 
 
 class HandshakePayload(Struct, frozen=True, omit_defaults=True):

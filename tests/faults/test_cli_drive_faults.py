@@ -21,8 +21,10 @@ from typing import Any
 import pytest
 
 from kvpush.telemetry.names import Failure
+from tests.support.fault_legs import Result, run_leg
 from tests.support.legs import stats
 from tests.support.procs import KVPUSH, Proc, clean_env
+from tests.support.side import client, gauges
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
@@ -124,6 +126,51 @@ def test_a_dying_decode_costs_only_its_own_requests(serve, sig: int) -> None:
     _settled(p, d2)
 
 
+def _says_stopping(p: Proc) -> bool:
+    with client(p.address, 5.0) as c:
+        kv = c.identify().kvpush
+    return kv is not None and kv.stopping
+
+
+def test_a_draining_decode_is_sent_no_new_request(serve, kvpush_run) -> None:
+    """D1 got SIGTERM and drains for as long as two requests it registered wait on P (P is never
+    asked to prefill them). Its first-contact answer says it is shutting down, so drive marks
+    it down at its first request and gives every request to D2: the draining D refuses none
+    (before, drive kept sending to it, each request refused at once, until its port closed)."""
+    p = serve.start("prefill", *POOL, *P_FAST)
+    d1 = serve.start("decode", *POOL, "--drain-timeout", "120")
+    d2 = serve.start("decode", *POOL)
+    held: list[Result] = []
+    legs = [
+        threading.Thread(
+            target=lambda i=i: held.append(
+                run_leg(f"held{i}", p.address, d1.address, 1, send_p=False)
+            )
+        )
+        for i in range(2)
+    ]
+    for t in legs:
+        t.start()
+    _until("D1's PUSH_REGs at P", lambda: gauges(p.address)["regs_waiting_blocks"] == 2)
+    d1.proc.send_signal(signal.SIGTERM)
+    _until("D1 to say it is shutting down", lambda: _says_stopping(d1))
+    r = kvpush_run(
+        "drive", "-p", p.address, "-d", d1.address, "-d", d2.address, "-n", "40", "-c", "4",
+        "--blocks", "1", "--json", timeout=120,
+    )  # fmt: skip
+    out = json.loads(r.stdout)
+    _accounted(out, 40)
+    assert out["ok"] == 40, (out["failures_by_reason"], r.stderr)
+    assert out["by_decode"] == {d2.address: 40}
+    assert f"decode {d1.address} is down (shutting down)" in r.stderr
+    # P stops: D1's two requests end (P tells D it writes nothing more), and so does its drain.
+    p.proc.send_signal(signal.SIGTERM)
+    for t in legs:
+        t.join(60)
+    assert [x.reason for x in held] == ["shutting_down"] * 2, held
+    assert d1.proc.wait(60) == 0
+
+
 @pytest.mark.slow
 def test_a_frozen_decode_is_routed_around(serve) -> None:
     p = serve.start("prefill", *POOL, *P_FAST)
@@ -178,6 +225,48 @@ def test_a_frozen_decode_is_routed_around(serve) -> None:
     assert "drive: interrupted (SIGINT)" in stderr
     assert "Traceback" not in stderr
     _settled(p, d1, d2)
+
+
+def test_a_frozen_decode_that_is_then_killed_fails_what_it_held_at_once(serve) -> None:
+    """D1 freezes (SIGSTOP): drive marks it down, not dead (what it holds may still finish if
+    it thaws). Then it is killed: its port refuses, and what it held fails at once -- not at
+    drive's --timeout (300 s, longer than this test waits for the whole run)."""
+    p = serve.start("prefill", *POOL, *P_FAST)
+    d1 = serve.start("decode", *POOL)
+    d2 = serve.start("decode", *POOL)
+    drive = _drive(
+        "-p", p.address, "-d", d1.address, "-d", d2.address, "-n", "1500", "-c", "8",
+        "--blocks", "1", "--timeout", "300",
+    )  # fmt: skip
+    assert drive.stderr is not None and drive.stdout is not None
+    err, std = drive.stderr, drive.stdout
+    err_lines: list[str] = []
+    outs: list[str] = []
+    readers = [
+        threading.Thread(target=lambda: err_lines.extend(iter(err.readline, ""))),
+        threading.Thread(target=lambda: outs.append(std.read())),
+    ]
+    for t in readers:
+        t.start()
+    down = f"decode {d1.address} is down (no answer to a liveness check"
+    try:
+        _until("D1 taking traffic", lambda: _counter(d1, "requests_ok") >= 20)
+        d1.proc.send_signal(signal.SIGSTOP)
+        _until("drive to mark D1 down", lambda: any(down in ln for ln in err_lines))
+        d1.proc.send_signal(signal.SIGKILL)
+        drive.wait(150)  # << --timeout 300
+        for t in readers:
+            t.join(30)
+    finally:
+        drive.kill()
+    stderr = "".join(err_lines)
+    out = json.loads(outs[0])
+    _accounted(out, 1500)
+    gone = f"decode {d1.address} is gone (connection refused): "
+    assert gone in stderr, stderr
+    assert out["failures_by_reason"].get("decode_unreachable", 0) >= 1, out
+    assert "Traceback" not in stderr
+    _settled(p, d2)
 
 
 def test_no_decode_left_fails_the_rest_at_once(serve) -> None:

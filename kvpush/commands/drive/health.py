@@ -12,7 +12,11 @@ when it last answered) and the *monitor* thread that keeps it true. The monitor
   finish when it thaws);
 * re-checks a down peer every ``recheck_s`` (TCP, then ``get_meta_msg``, then ``readmit``:
   drive's preflight of that one peer) and brings it back only when all of them pass; an endpoint
-  that answers "starting" is not ready;
+  that answers "starting" is not ready; one whose connection is refused is dead now, and what
+  was still in flight there (it went down silent or shutting down) fails;
+* marks down a peer that says it is shutting down (its side channel refused a request so, or
+  its answer to ``get_meta_msg`` says ``stopping``): not dead -- its requests in flight end with
+  its drain's answers -- and it stays down while it says so;
 * marks down at once a peer a worker found answering as a new incarnation (``restarted``), or
   whose answer to the monitor's own liveness check comes from one (``replaced``: another
   incarnation, or "starting" from a peer that had passed its checks -- a serving endpoint never
@@ -56,6 +60,8 @@ TICK_S = 0.1
 MONITOR_CLIENTS = 32
 #: Why a peer found answering as another process is down (its requests in flight fail).
 RESTARTED = "restarted as a new incarnation"
+#: Why a peer that said it is shutting down is down (its requests in flight get their answers).
+STOPPING = "shutting down"
 
 
 @dataclass
@@ -73,6 +79,7 @@ class Peer:
     downs: int = 0
     left: bool = False  # out of the rotation (its registry key went): never picked, not rechecked
     restarted: bool = False  # a worker saw a new incarnation answer at this address
+    stopping: bool = False  # a worker heard it say it is shutting down
 
 
 OnDown = Callable[[Peer, bool, list[int]], None]
@@ -146,9 +153,9 @@ class Health:
             return None
 
     def _usable(self, address: str) -> bool:
-        """Up, and not found restarted (under the lock)."""
+        """Up, and not found restarted or shutting down (under the lock)."""
         p = self._peers[address]
-        return p.up and not p.restarted
+        return p.up and not p.restarted and not p.stopping
 
     def count(self, role: Leg) -> int:
         with self._lock:
@@ -204,6 +211,13 @@ class Health:
             p.restarted = p.suspect = True
         self._wake.set()
 
+    def stopping(self, address: str) -> None:
+        """A worker heard ``address`` say it is shutting down: mark it down now (not dead)."""
+        with self._lock:
+            p = self._peers[address]
+            p.stopping = p.suspect = True
+        self._wake.set()
+
     def status(self, address: str) -> tuple[str, Leg] | None:
         """(``up`` | ``down`` | ``left``, role) of ``address``; None when it is not known."""
         with self._lock:
@@ -253,6 +267,9 @@ class Health:
         if up and p.restarted:
             self._mark_down(p, RESTARTED, dead=True)
             return
+        if up and p.stopping:
+            self._mark_down(p, STOPPING, dead=False)
+            return
         if up:
             self._check_up(p, now, suspect=suspect, busy=busy, stalled=stalled)
             return
@@ -289,6 +306,8 @@ class Health:
         p.last_recheck = now
         c = tcp_contact(p.address, self.cfg.liveness_s, look=False)
         if not c.is_zmq:
+            if c.kind == "refused":
+                self._gone(p, c.detail)
             return
         why = self._answers(p)
         if why == "no answer":
@@ -301,8 +320,24 @@ class Health:
             p.why = why
             return
         with self._lock:
-            p.up, p.why, p.last_reply, p.restarted = True, "", time.monotonic(), False
+            p.up, p.why, p.last_reply = True, "", time.monotonic()
+            p.restarted = p.stopping = False
         self._on_event(f"{p.role} {p.address} is back up: it takes requests again")
+
+    def _gone(self, p: Peer, why: str) -> None:
+        """A peer down but not dead (silent, shutting down) now refuses connections: what is
+        still in flight there can no longer be answered, and fails now."""
+        with self._lock:
+            inflight = sorted(p.inflight)
+            p.inflight.clear()
+            if inflight:
+                p.why = why
+        if inflight:
+            self._on_event(
+                f"{p.role} {p.address} is gone ({why}): "
+                f"{len(inflight)} requests in flight there failed"
+            )
+            self._on_down(p, True, inflight)
 
     def _answers(self, p: Peer, up: bool = False) -> str:
         """ "" when ``p`` answers a ``get_meta_msg`` as a ready endpoint, else "no answer" or
@@ -320,6 +355,8 @@ class Health:
             kv = ident.payload.kvpush
             starting = kv is not None and kv.error == "starting"
             why = "still starting" if starting else ""
+            if kv is not None and kv.stopping:
+                why = STOPPING
             replaced = self._replaced
             if up and kv is not None and replaced and replaced(p.address, kv.incarnation, starting):
                 why = RESTARTED
@@ -341,10 +378,11 @@ class Health:
             inflight = sorted(p.inflight) if dead else []
             if dead:
                 p.inflight.clear()
-        fate = (
-            f"{len(inflight)} requests in flight there failed"
-            if dead
-            else "requests already sent there wait for their deadline"
-        )
+        if dead:
+            fate = f"{len(inflight)} requests in flight there failed"
+        elif why == STOPPING:
+            fate = "requests already sent there end with its drain"
+        else:
+            fate = "requests already sent there wait for their deadline"
         self._on_event(f"{p.role} {p.address} is down ({why}): {fate}; new requests avoid it")
         self._on_down(p, dead, inflight)

@@ -4,10 +4,13 @@ executor and the decode leg to D, and record how it ended.
 Owns ``Legs`` (``send``, on a drive worker): the request goes to a D that is up -- the
 worker's home D when there are enough workers (a D that freezes holds only its own workers) --
 and to the next P; a D that cannot be contacted within ``CONTACT_S`` is suspected and another
-is tried (nothing was sent to it); a D that answers as a new incarnation is marked restarted;
-while no peer of a role is up the request waits for the grace (``PeerGrace``), then fails with
-the role's ``*_unreachable``. Every outcome goes to the ``Ledger`` (first news wins). With
-traces on (``kvpush.commands.drive.otlp``) both legs carry the request's W3C trace context.
+is tried (nothing was sent to it); a D that answers as a new incarnation is marked restarted; a
+D whose first-contact answer says it is shutting down is marked down and another D is tried. A
+peer whose intake refuses a leg because it is shutting down is marked down too (the request
+fails ``shutting_down``; what it took before ends with its drain's answers). While no peer of a
+role is up the request waits for the grace (``PeerGrace``), then fails with the role's
+``*_unreachable``. Every outcome goes to the ``Ledger`` (first news wins). With traces on
+(``kvpush.commands.drive.otlp``) both legs carry the request's W3C trace context.
 
 Threads: ``send`` on drive's workers; ``_prefill_leg`` on a P's executor (``Senders``).
 """
@@ -31,7 +34,7 @@ from kvpush.commands.drive.readmit import PeerGrace, Readmission
 from kvpush.commands.drive.senders import Senders
 from kvpush.commands.drive.trace import Tracer
 from kvpush.config import Role
-from kvpush.errors import KvpushError, PeerUnreachableError
+from kvpush.errors import KvpushError, PeerError, PeerUnreachableError
 from kvpush.telemetry.names import Failure
 from kvpush.wire import protocol
 
@@ -139,6 +142,17 @@ class Legs:
         self.health.restarted(d)
         return False
 
+    def _heard(self, address: str, e: KvpushError, reason: Failure) -> None:
+        """What a leg's error says of its peer: refused or timed out (checked now), a new
+        incarnation (down now), or its own side channel refusing because it is shutting down
+        (down now, not dead)."""
+        if isinstance(e, PeerUnreachableError):
+            self.health.suspect(address)
+        elif reason is Failure.PEER_RESTARTED:
+            self.health.restarted(address)
+        elif reason is Failure.SHUTTING_DOWN and isinstance(e, PeerError):
+            self.health.stopping(address)
+
     def _prefill_leg(self, i: int, p: str) -> None:
         """On P's executor: send the prefill leg; a failure decides the request at once."""
         try:
@@ -155,10 +169,7 @@ class Legs:
                 self.health.replied(p)
             except KvpushError as e:
                 reason, detail = reasons.from_served_error(e, Role.PREFILL)
-                if isinstance(e, PeerUnreachableError):  # refused or timed out: check it
-                    self.health.suspect(p)
-                elif reason is Failure.PEER_RESTARTED:  # a new P, still starting: down now
-                    self.health.restarted(p)
+                self._heard(p, e, reason)
                 if reason is Failure.DEADLINE:
                     detail += f" (--timeout {self.cfg.timeout_s:g})"
                 self.ledger.fail(i, reason, f"P {p}: {detail}")
@@ -168,6 +179,8 @@ class Legs:
                 self.ledger.fail(i, Failure.MALFORMED_FRAME, f"P {p} answered with {name}")
             elif rep.outcome != "ok":
                 reason, detail = reasons.from_peer(rep.reason)
+                if reason is Failure.SHUTTING_DOWN:  # P's intake refused it: P is stopping
+                    self.health.stopping(p)
                 self.ledger.fail(i, reason, f"P {p}: {detail or rep.reason}")
         except BaseException as e:
             log.exception("prefill leg of request %d failed", i)
@@ -186,7 +199,11 @@ class Legs:
                 except KvpushError:
                     self.health.suspect(d)
                     return False
-                if not self._same_incarnation(d, ident.payload.kvpush):
+                kv = ident.payload.kvpush
+                if kv is not None and kv.stopping:
+                    self.health.stopping(d)
+                    return False  # nothing sent: another D takes the request
+                if not self._same_incarnation(d, kv):
                     return False  # nothing sent: it is re-checked before it gets traffic
                 got = self._prefill_for(i, p, d)
                 if got is None:
@@ -195,10 +212,7 @@ class Legs:
                 rep = self._both_legs(c, i, p)
         except KvpushError as e:
             reason, detail = reasons.from_served_error(e, Role.DECODE)
-            if isinstance(e, PeerUnreachableError):  # refused or timed out: check it
-                self.health.suspect(d)
-            elif reason is Failure.PEER_RESTARTED:
-                self.health.restarted(d)
+            self._heard(d, e, reason)
             self.ledger.fail(i, reason, f"D {d}: {detail}")
             return True
         self.health.replied(d)
