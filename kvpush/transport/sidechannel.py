@@ -48,6 +48,13 @@ GetMetaHandler = Callable[[int, int], list[bytes]]
 RejectFn = Callable[[Failure], None]
 
 _ctx_lock = threading.Lock()
+#: A stopped side channel stays open until no answer went out for CLOSE_GRACE_S, at most
+#: CLOSE_GRACE_MAX_S: its clients read the last answers before their connection breaks (their
+#: DEALER is ZMQ_IMMEDIATE, and libzmq throws away what a broken connection holds unread).
+CLOSE_GRACE_S = 0.25
+CLOSE_GRACE_MAX_S = 1.0
+#: How long ZMQ may go on sending a closed side channel's last answers (seconds).
+CLOSE_LINGER_S = 1.0
 
 
 def context() -> zmq.Context[zmq.Socket[bytes]]:
@@ -79,6 +86,8 @@ class SideChannelServer:
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._wfd, False)
         self._stop = threading.Event()
+        self._stop_t = 0.0  # when stop() was called
+        self._last_sent = float("-inf")  # when an answer last went out
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self.failure: BaseException | None = None
@@ -100,6 +109,7 @@ class SideChannelServer:
             raise self._startup_error
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop_t = time.monotonic()
         self._stop.set()
         self._wake()
         if self._thread.is_alive():
@@ -163,9 +173,9 @@ class SideChannelServer:
         poller.register(self._rfd, zmq.POLLIN)
         self.heartbeat.start()
         try:
-            while not self._stop.is_set():
+            while not self._done():
                 self.heartbeat.beat()
-                events = dict(poller.poll(200))
+                events = dict(poller.poll(50 if self._stop.is_set() else 200))
                 if self._rfd in events:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._rfd, 4096)
@@ -176,18 +186,33 @@ class SideChannelServer:
                         except zmq.Again:
                             break
                         self._on_frames(frames)
-                while self._replies:
-                    out = self._replies.popleft()
-                    try:
-                        sock.send_multipart(out, zmq.NOBLOCK)
-                    except zmq.ZMQError as e:  # peer gone or HWM: the reply is dropped
-                        self._rl.warning("send", "side channel: reply dropped: %s", e)
+                self._send_replies(sock)
         except BaseException as e:  # pragma: no cover - surfaced to the endpoint
             self.failure = e
             log.exception("side channel thread failed")
         finally:
             self.heartbeat.park()
-            sock.close(0)
+            # What is still queued goes out: ZMQ gets up to CLOSE_LINGER_S to put it on the
+            # wire after the socket closes.
+            self._send_replies(sock)
+            sock.setsockopt(zmq.LINGER, int(CLOSE_LINGER_S * 1000))
+            sock.close()
+
+    def _done(self) -> bool:
+        """Stopped, and its clients had time to read the last answers (``CLOSE_GRACE_S``)."""
+        if not self._stop.is_set():
+            return False
+        now = time.monotonic()
+        return now - self._last_sent >= CLOSE_GRACE_S or now - self._stop_t >= CLOSE_GRACE_MAX_S
+
+    def _send_replies(self, sock: zmq.Socket[bytes]) -> None:
+        while self._replies:
+            out = self._replies.popleft()
+            self._last_sent = time.monotonic()
+            try:
+                sock.send_multipart(out, zmq.NOBLOCK)
+            except zmq.ZMQError as e:  # peer gone or HWM: the reply is dropped
+                self._rl.warning("send", "side channel: reply dropped: %s", e)
 
     def _reject(
         self, ident: bytes, kind: Failure, message: str, hint: str = "", rid: int = 0

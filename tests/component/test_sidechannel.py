@@ -168,6 +168,44 @@ def test_reply_from_another_thread_later(server: Server) -> None:
     assert isinstance(result[0], protocol.StatsRep) and result[0].snapshot == {"late": 1}
 
 
+@pytest.mark.parametrize("size", [1, 4 << 20], ids=["small", "4MiB"])
+def test_answers_given_just_before_stop_still_reach_their_clients(
+    make_server: Callable[..., Server], size: int
+) -> None:
+    """What an endpoint's drain ends is answered, then the side channel stops at once: each
+    answer given before ``stop`` reaches its client. Small ones: the clients read them before
+    their connection breaks (their DEALER drops what a broken connection holds unread); large
+    ones (a big endpoint's stats): ZMQ is still sending when the socket closes."""
+    big: dict[str, object] = {"last": "x" * size}
+    server = make_server()
+    server.hold = True
+    n = 16
+    clients = [server.client() for _ in range(n)]
+    result: list[protocol.SideReply | BaseException] = []
+
+    def ask(c: SideChannelClient) -> None:
+        try:
+            result.append(c.request(protocol.StatsReq(), timeout_s=5))
+        except BaseException as e:
+            result.append(e)
+
+    threads = [threading.Thread(target=ask, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    while len(server.held) < n:
+        threads[0].join(0.001)
+    for req, reply in server.held:
+        reply(protocol.StatsRep(rid=req.rid, snapshot=big))
+    server.srv.stop()
+    for t in threads:
+        t.join(10)
+    for c in clients:
+        c.close()
+    assert len(result) == n
+    missed = [r for r in result if not isinstance(r, protocol.StatsRep) or r.snapshot != big]
+    assert not missed, missed
+
+
 def test_handler_errors_become_error_replies(server: Server) -> None:
     server.raise_ = KvpushError("no such transfer", "check the id")
     with server.client() as c, pytest.raises(PeerError) as ei:
