@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import signal
 import subprocess
 import threading
@@ -82,6 +83,46 @@ def _drive(*args: str) -> subprocess.Popen[str]:
     )
 
 
+class _Watched:
+    """A drive run whose stderr (peer events, progress) and stdout are read as they come."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = _drive(*args)
+        err, std = self.proc.stderr, self.proc.stdout
+        assert err is not None and std is not None
+        self.err_lines: list[str] = []
+        self._out: list[str] = []
+        self._readers = [
+            threading.Thread(target=lambda: self.err_lines.extend(iter(err.readline, ""))),
+            threading.Thread(target=lambda: self._out.append(std.read())),
+        ]
+        for t in self._readers:
+            t.start()
+
+    def said(self, text: str) -> bool:
+        return any(text in ln for ln in self.err_lines)
+
+    def said_all(self, pattern: re.Pattern[str]) -> list[str]:
+        """The first group of each match of ``pattern`` in its stderr so far."""
+        return pattern.findall("".join(self.err_lines))
+
+    def finish(self, timeout: float) -> tuple[dict[str, Any], str]:
+        """Its report and all of its stderr, once it exits within ``timeout``."""
+        self.proc.wait(timeout)
+        for t in self._readers:
+            t.join(30)
+        return json.loads(self._out[0]), "".join(self.err_lines)
+
+
+def _above(count: Callable[[], int], than: int) -> Callable[[], bool]:
+    return lambda: count() > than
+
+
+def _one_p_two_ds(serve: Any) -> tuple[Proc, Proc, Proc]:
+    p = serve.start("prefill", *POOL, *P_FAST)
+    return p, serve.start("decode", *POOL), serve.start("decode", *POOL)
+
+
 def test_concurrency_2000_accounts_for_every_request(serve, kvpush_run) -> None:
     big = ["--num-blocks", "2048", "--layers", "1", "--block-bytes", "4096"]
     p = serve.start("prefill", *big)
@@ -101,9 +142,7 @@ def test_concurrency_2000_accounts_for_every_request(serve, kvpush_run) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_a_dying_decode_costs_only_its_own_requests(serve, sig: int) -> None:
-    p = serve.start("prefill", *POOL, *P_FAST)
-    d1 = serve.start("decode", *POOL)
-    d2 = serve.start("decode", *POOL)
+    p, d1, d2 = _one_p_two_ds(serve)
     drive = _drive(
         "-p", p.address, "-d", d1.address, "-d", d2.address, "-n", "800", "-c", "8",
         "--blocks", "1", "--timeout", "300",
@@ -173,18 +212,11 @@ def test_a_draining_decode_is_sent_no_new_request(serve, kvpush_run) -> None:
 
 @pytest.mark.slow
 def test_a_frozen_decode_is_routed_around(serve) -> None:
-    p = serve.start("prefill", *POOL, *P_FAST)
-    d1 = serve.start("decode", *POOL)
-    d2 = serve.start("decode", *POOL)
-    drive = _drive(
+    p, d1, d2 = _one_p_two_ds(serve)
+    drive = _Watched(
         "-p", p.address, "-d", d1.address, "-d", d2.address, "-n", "100000", "-c", "8",
         "--blocks", "1", "--timeout", "20",
     )  # fmt: skip
-    assert drive.stderr is not None and drive.stdout is not None
-    err = drive.stderr
-    err_lines: list[str] = []  # drive's stderr as it comes (peer events, progress)
-    reader = threading.Thread(target=lambda: err_lines.extend(iter(err.readline, "")))
-    reader.start()
     down = f"decode {d1.address} is down (no answer to a liveness check"
     try:
         _until("D1 taking traffic", lambda: _counter(d1, "requests_ok") >= 20)
@@ -200,7 +232,7 @@ def test_a_frozen_decode_is_routed_around(serve) -> None:
             rate_frozen = _counter(d2, "requests_ok") - before
             assert rate_frozen >= rate_before / 4, (rate_before, rate_frozen)
             # drive marks D1 down; D2 goes on, taking everything.
-            _until("drive to mark D1 down", lambda: any(down in ln for ln in err_lines))
+            _until("drive to mark D1 down", lambda: drive.said(down))
             marked = _counter(d2, "requests_ok")
             _until(
                 "D2 serving while D1 is down", lambda: _counter(d2, "requests_ok") > marked + 100
@@ -209,16 +241,12 @@ def test_a_frozen_decode_is_routed_around(serve) -> None:
             d1.proc.send_signal(signal.SIGCONT)
         thawed = _counter(d1, "requests_ok")
         _until("D1 back in the rotation", lambda: _counter(d1, "requests_ok") > thawed + 20)
-        drive.send_signal(signal.SIGINT)  # the partial summary of an interrupted run
-        stdout = drive.stdout.read()
-        drive.wait(120)
-        reader.join(30)
+        drive.proc.send_signal(signal.SIGINT)  # the partial summary of an interrupted run
+        out, stderr = drive.finish(120)
     finally:
-        drive.kill()
-    stderr = "".join(err_lines)
-    out = json.loads(stdout)
+        drive.proc.kill()
     _accounted(out, 100000)
-    assert drive.returncode == 130
+    assert drive.proc.returncode == 130
     assert out["interrupted"] is True
     assert down in stderr
     assert f"decode {d1.address} is back up" in stderr
@@ -228,43 +256,42 @@ def test_a_frozen_decode_is_routed_around(serve) -> None:
 
 
 def test_a_frozen_decode_that_is_then_killed_fails_what_it_held_at_once(serve) -> None:
-    """D1 freezes (SIGSTOP): drive marks it down, not dead (what it holds may still finish if
-    it thaws). Then it is killed: its port refuses, and what it held fails at once -- not at
-    drive's --timeout (300 s, longer than this test waits for the whole run)."""
-    p = serve.start("prefill", *POOL, *P_FAST)
-    d1 = serve.start("decode", *POOL)
-    d2 = serve.start("decode", *POOL)
-    drive = _drive(
-        "-p", p.address, "-d", d1.address, "-d", d2.address, "-n", "1500", "-c", "8",
+    """D1 freezes (SIGSTOP) while it holds requests: drive marks it down, not dead (they may
+    still finish if it thaws). Then it is killed: its port refuses, and what it held fails at
+    once -- not at drive's --timeout (300 s, longer than this test waits). A freeze that found
+    D1 holding nothing (between two requests of each of its workers) is thawed and tried again."""
+    p, d1, d2 = _one_p_two_ds(serve)
+    drive = _Watched(
+        "-p", p.address, "-d", d1.address, "-d", d2.address, "-n", "100000", "-c", "16",
         "--blocks", "1", "--timeout", "300",
     )  # fmt: skip
-    assert drive.stderr is not None and drive.stdout is not None
-    err, std = drive.stderr, drive.stdout
-    err_lines: list[str] = []
-    outs: list[str] = []
-    readers = [
-        threading.Thread(target=lambda: err_lines.extend(iter(err.readline, ""))),
-        threading.Thread(target=lambda: outs.append(std.read())),
-    ]
-    for t in readers:
-        t.start()
-    down = f"decode {d1.address} is down (no answer to a liveness check"
+    down = re.compile(
+        rf"decode {re.escape(d1.address)} is down \(no answer to a liveness check[^)]*\): "
+        r"(\d+) requests already sent there wait"
+    )
+    back = re.compile(rf"decode {re.escape(d1.address)} (is back up)")
     try:
-        _until("D1 taking traffic", lambda: _counter(d1, "requests_ok") >= 20)
-        d1.proc.send_signal(signal.SIGSTOP)
-        _until("drive to mark D1 down", lambda: any(down in ln for ln in err_lines))
+        held = 0
+        for k in range(5):
+            n = _counter(d1, "requests_ok")
+            _until("D1 taking traffic", _above(lambda: _counter(d1, "requests_ok"), n + 19))
+            d1.proc.send_signal(signal.SIGSTOP)
+            _until("drive to mark D1 down", _above(lambda: len(drive.said_all(down)), k))
+            held = int(drive.said_all(down)[-1])
+            if held:
+                break
+            d1.proc.send_signal(signal.SIGCONT)
+            _until("D1 back up", _above(lambda: len(drive.said_all(back)), k))
+        assert held, "D1 held no request in five freezes"
         d1.proc.send_signal(signal.SIGKILL)
-        drive.wait(150)  # << --timeout 300
-        for t in readers:
-            t.join(30)
+        gone = f"decode {d1.address} is gone (connection refused): {held} requests in flight"
+        _until("D1's requests to fail", lambda: drive.said(gone))
+        drive.proc.send_signal(signal.SIGINT)  # the partial summary of an interrupted run
+        out, stderr = drive.finish(120)
     finally:
-        drive.kill()
-    stderr = "".join(err_lines)
-    out = json.loads(outs[0])
-    _accounted(out, 1500)
-    gone = f"decode {d1.address} is gone (connection refused): "
-    assert gone in stderr, stderr
-    assert out["failures_by_reason"].get("decode_unreachable", 0) >= 1, out
+        drive.proc.kill()
+    _accounted(out, 100000)
+    assert out["failures_by_reason"].get("decode_unreachable", 0) >= held, out
     assert "Traceback" not in stderr
     _settled(p, d2)
 

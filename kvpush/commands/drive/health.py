@@ -375,14 +375,15 @@ class Health:
             p.up, p.why = False, why
             p.downs += 1
             p.last_recheck = time.monotonic()
+            held = len(p.inflight)
             inflight = sorted(p.inflight) if dead else []
             if dead:
                 p.inflight.clear()
         if dead:
-            fate = f"{len(inflight)} requests in flight there failed"
+            fate = f"{held} requests in flight there failed"
         elif why == STOPPING:
-            fate = "requests already sent there end with its drain"
+            fate = f"{held} requests already sent there end with its drain"
         else:
-            fate = "requests already sent there wait for their deadline"
+            fate = f"{held} requests already sent there wait for their deadline"
         self._on_event(f"{p.role} {p.address} is down ({why}): {fate}; new requests avoid it")
         self._on_down(p, dead, inflight)
