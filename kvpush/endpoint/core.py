@@ -234,13 +234,13 @@ class Endpoint(LoadVerbs, Generic[R, G]):
                 rk.role.owner.stop_reason = why
         for rk in self.ranks:
             rk.role.stop_intake(drain)
+        # (What the roles' stop ends below is answered to a closed side channel: its clients
+        # wait out their own deadline. Stopping the side channel after the roles instead let
+        # peers handshake with roles that had stopped -- see docs/reliability.md.)
+        self.server.stop()
         self.group.close()
         for rk in self.ranks:
             rk.role.stop(drain)
-        # Only now: the answers of what the drain ended (``shutting_down``) reach their
-        # clients; meanwhile the side channel refuses new work (stats, handshakes and peers'
-        # declines are still served).
-        self.server.stop()
         self._control.shutdown(wait=False, cancel_futures=True)
         if self.decliner is not None:
             self.decliner.close()  # what the drains declined reaches the peers
