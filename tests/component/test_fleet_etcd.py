@@ -4,6 +4,7 @@ events (join, leave, update, restart) out of a cluster's keys."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -128,6 +129,30 @@ def test_repr_never_shows_the_password() -> None:
 
 
 # -- key/value and leases -----------------------------------------------------------------
+
+
+def test_the_test_etcd_starts_on_fresh_ports_when_its_own_were_taken(tmp_path) -> None:
+    """The fixture's etcd exited once on CI ("etcd exited with 1") -- a parallel test's process
+    had bound a port it was given. It now starts on fresh ports when that happens, as long as no
+    test has read its URL yet; once one has, the port is refused as before."""
+    from tests.support.etcd import EtcdServer
+
+    fresh, late = EtcdServer(tmp_path / "a"), EtcdServer(tmp_path / "b")
+    with socket.socket() as thief:
+        thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        thief.bind(("127.0.0.1", fresh.client_port))
+        thief.listen()
+        late.client_port = fresh.client_port
+        taken = fresh.client_port
+        try:
+            fresh.start()
+            assert fresh.client_port != taken and fresh.healthy()
+            assert late.url.endswith(f":{taken}")
+            with pytest.raises(RuntimeError, match="etcd exited"):
+                late.start()
+        finally:
+            fresh.stop()
+            late.stop()
 
 
 def test_put_get_prefix_delete_and_revisions(etcd) -> None:

@@ -37,6 +37,8 @@ def _free_port() -> int:
 
 
 class EtcdServer:
+    scheme = "http"
+
     def __init__(self, data_dir: Path, host: str = "127.0.0.1") -> None:
         binary = etcd_binary()
         if binary is None:
@@ -48,10 +50,15 @@ class EtcdServer:
         self.peer_port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data_dir.parent / f"etcd-{self.client_port}.log"
+        self._url_out = False  # a test read the URL: its ports must not change any more
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        self._url_out = True
+        return self._client_url()
+
+    def _client_url(self) -> str:
+        return f"{self.scheme}://{self.host}:{self.client_port}"
 
     def _cmd(self) -> list[str]:
         peer = f"http://{self.host}:{self.peer_port}"
@@ -59,15 +66,41 @@ class EtcdServer:
             self.binary,
             "--name", "kvpush-test",
             "--data-dir", str(self.data_dir),
-            "--listen-client-urls", self.url,
-            "--advertise-client-urls", self.url,
+            "--listen-client-urls", self._client_url(),
+            "--advertise-client-urls", self._client_url(),
             "--listen-peer-urls", peer,
             "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"kvpush-test={peer}",
             "--log-level", "warn",
         ]  # fmt: skip
 
-    def start(self, timeout_s: float = 30.0) -> EtcdServer:
+    def start(self, timeout_s: float = 30.0, tries: int = 3) -> EtcdServer:
+        """Start etcd and wait for it to be healthy. Its ports are free when chosen, but another
+        process (a parallel test's endpoint) may bind one before etcd does: a first start that
+        exits on "address already in use" is tried again on fresh ports -- unless the test has
+        read its URL already (a restart, an etcd that comes up after the endpoints)."""
+        for left in range(tries - 1, -1, -1):
+            try:
+                return self._start(timeout_s)
+            except RuntimeError:
+                if left == 0 or self._url_out or not self._port_was_taken():
+                    raise
+            self.client_port, self.peer_port = _free_port(), _free_port()
+            self.log = self.data_dir.parent / f"etcd-{self.client_port}.log"
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        raise AssertionError("unreachable")
+
+    def _port_was_taken(self) -> bool:
+        try:
+            return "address already in use" in self.log.read_text(errors="replace")
+        except OSError:
+            return False
+
+    def restart(self) -> None:
+        self.stop()
+        self._start(30.0)
+
+    def _start(self, timeout_s: float) -> EtcdServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
@@ -84,7 +117,7 @@ class EtcdServer:
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+            with urllib.request.urlopen(self._client_url() + "/health", timeout=1) as r:
                 return bool(json.loads(r.read()).get("health") == "true")
         except (OSError, ValueError):
             return False
@@ -112,7 +145,3 @@ class EtcdServer:
     def thaw(self) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGCONT)
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()

@@ -54,13 +54,11 @@ def make_pki(d: Path) -> Pki:
 class TlsEtcdServer(EtcdServer):
     """``EtcdServer`` on https client URLs that demands a client certificate signed by the CA."""
 
+    scheme = "https"
+
     def __init__(self, data_dir: Path, pki: Pki) -> None:
         super().__init__(data_dir)
         self.pki = pki
-
-    @property
-    def url(self) -> str:
-        return f"https://{self.host}:{self.client_port}"
 
     def _cmd(self) -> list[str]:
         p = self.pki
@@ -74,7 +72,8 @@ class TlsEtcdServer(EtcdServer):
         ctx = ssl.create_default_context(cafile=str(self.pki.ca))
         ctx.load_cert_chain(str(self.pki.client_cert), str(self.pki.client_key))
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=1, context=ctx) as r:
+            health = self._client_url() + "/health"
+            with urllib.request.urlopen(health, timeout=1, context=ctx) as r:
                 return b'"health":"true"' in r.read()
         except (OSError, ValueError):
             return False

@@ -3,7 +3,9 @@ where no outgoing connection can take them in the meantime (``kvpush.commands.co
 
 from __future__ import annotations
 
+import random
 import socket
+from collections import deque
 
 import pytest
 
@@ -51,3 +53,25 @@ def test_a_held_port_is_not_handed_out() -> None:
         held.bind(("127.0.0.1", ports.free_port()))
         held.listen()
         assert not ports._bindable(held.getsockname()[1])
+
+
+class _SameDraws:
+    """A random source that draws ``first`` twice, then ``second``: what a caller asking for two
+    ports in a row (etcd's client and peer port) met now and then, about once in 12,000 calls."""
+
+    def __init__(self, first: int, second: int) -> None:
+        self.draws = [first, first, second]
+
+    def randrange(self, lo: int, hi: int) -> int:
+        return self.draws.pop(0)
+
+
+def test_two_ports_asked_for_in_a_row_are_never_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither port is bound yet when the second is asked for, so a bind check alone would hand
+    the same one out twice, and the process given both would fail with "address already in use"
+    (an etcd in the fleet tests exited so, once, on CI)."""
+    low = ports._ephemeral_low()
+    first, second = low - 7, low - 9
+    monkeypatch.setattr(random, "SystemRandom", lambda: _SameDraws(first, second))
+    monkeypatch.setattr(ports, "_HANDED", deque(maxlen=8))
+    assert (ports.free_port(), ports.free_port()) == (first, second)

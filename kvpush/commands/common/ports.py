@@ -15,9 +15,15 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
+from collections import deque
 from pathlib import Path
 
 _SPAN = 12000  # how far below the ephemeral range to draw from
+# Ports this process handed out lately: a caller that asks for two ports before it binds either
+# (etcd's client and peer port) must never get the same one twice.
+_HANDED: deque[int] = deque(maxlen=512)
+_HANDED_LOCK = threading.Lock()
 
 
 def _ephemeral_low() -> int:
@@ -43,10 +49,14 @@ def free_port() -> int:
     low = _ephemeral_low()
     lo, hi = max(1024, low - _SPAN), low
     rng = random.SystemRandom()
-    for _ in range(64):
-        port = rng.randrange(lo, hi)
-        if _bindable(port):
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    with _HANDED_LOCK:
+        for _ in range(64):
+            port = rng.randrange(lo, hi)
+            if port not in _HANDED and _bindable(port):
+                _HANDED.append(port)
+                return port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        _HANDED.append(port)
+        return port
