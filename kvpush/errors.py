@@ -77,6 +77,11 @@ class PeerError(KvpushError):
     exit_status = ExitStatus.NOT_READY
 
 
+class PeerShuttingDownError(PeerError):
+    """A peer refused a request because it is shutting down (its side channel's ``shutting_down``
+    refusal, or a first-contact answer that says so): news about the peer, not a fault of it."""
+
+
 class IncompatiblePeerError(PeerError):
     """A peer's geometry, dtype, layout or protocol version differs from ours."""
 

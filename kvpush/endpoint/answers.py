@@ -21,6 +21,9 @@ from kvpush import PROTOCOL_VERSION, __version__
 from kvpush.peers.dialect import Dialect
 from kvpush.wire import protocol, vllm
 
+#: A first-contact answer's error once the endpoint's roles have stopped.
+SHUT_DOWN = "shutting down"
+
 
 def _identity(
     md: protocol.EndpointMetadata, dialect: Dialect, error: str = "", stopping: bool = False
@@ -46,13 +49,16 @@ def get_meta_payload(
     agent_md_full: bytes,
     ranks: tuple[int, int],
     stopping: bool = False,
+    closed: bool = False,
 ) -> vllm.HandshakePayload:
-    if auth_enabled or md is None:
+    """``stopping``: the endpoint drains (it still serves what it holds); ``closed``: its roles
+    have stopped, and the answer carries no metadata any peer could load."""
+    if auth_enabled or md is None or closed:
         ident = vllm.KvpushIdentity(
             protocol=PROTOCOL_VERSION,
             auth=auth_enabled,
-            error="" if md else "starting",
-            stopping=stopping,
+            error=SHUT_DOWN if closed else ("" if md else "starting"),
+            stopping=stopping or closed,
         )
         return vllm.HandshakePayload("", b"", ident)
     if ranks != (0, md.tp_rank):

@@ -96,6 +96,11 @@ class Endpoint(LoadVerbs, Generic[R, G]):
         self.auth = Authenticator(cfg.auth_token)
         self._ready = threading.Event()
         self._stopping = threading.Event()
+        # Set (under ``_gate``) once the roles stop: from then on the side channel answers no
+        # handshake and no first contact with metadata, so no peer registers with roles that
+        # stopped; it stays up only so the answers of what the roles ended reach their clients.
+        self._closing = threading.Event()
+        self._gate = threading.Lock()
         self._stopped = False
         self._lock = threading.Lock()
         self._control = ThreadPoolExecutor(max_workers=2, thread_name_prefix="control")
@@ -234,13 +239,12 @@ class Endpoint(LoadVerbs, Generic[R, G]):
                 rk.role.owner.stop_reason = why
         for rk in self.ranks:
             rk.role.stop_intake(drain)
-        # (What the roles' stop ends below is answered to a closed side channel: its clients
-        # wait out their own deadline. Stopping the side channel after the roles instead let
-        # peers handshake with roles that had stopped -- see docs/reliability.md.)
-        self.server.stop()
+        with self._gate:  # no handshake is being answered now, and none will be
+            self._closing.set()
         self.group.close()
         for rk in self.ranks:
             rk.role.stop(drain)
+        self.server.stop()  # after the roles: what their stop ended is answered to its clients
         self._control.shutdown(wait=False, cancel_futures=True)
         if self.decliner is not None:
             self.decliner.close()  # what the drains declined reaches the peers
@@ -336,17 +340,20 @@ class Endpoint(LoadVerbs, Generic[R, G]):
         if not self._ready.is_set():
             _refuse(reply, req, "not_ready", "starting", "retry shortly")
             return
-        if isinstance(req, protocol.HandshakeReq):
-            self._reply_handshake(req, reply)
-            return
         if isinstance(req, protocol.StatsReq):
             reply(protocol.StatsRep(rid=req.rid, snapshot=self.snapshot().to_dict()))
             return
-        role = self.cfg.role
-        # Draining: no new work; a peer's decline still ends work this endpoint holds.
-        if self._stopping.is_set() and not isinstance(req, protocol.DeclineReq):
-            _refuse(reply, req, "not_ready", f"{role} endpoint is shutting down", "retry shortly")
+        if isinstance(req, protocol.HandshakeReq):
+            self._reply_handshake(req, reply)
             return
+        # Draining: no new work; a peer's decline still ends work this endpoint holds (until
+        # the roles stop: then they have ended it all).
+        if self._closing.is_set() or (
+            self._stopping.is_set() and not isinstance(req, protocol.DeclineReq)
+        ):
+            self._refuse_stopping(req, reply)
+            return
+        role = self.cfg.role
         if not self.group.handle(req, reply):
             what = f"a {role} endpoint does not serve {type(req).__name__}"
             hint = "send prefill requests to P and decode requests to D"
@@ -358,7 +365,6 @@ class Endpoint(LoadVerbs, Generic[R, G]):
             reply(refusal)
             return
         rk = self.ranks[req.tp_rank]
-        rk.telemetry.inc(Counter.HANDSHAKES_SERVED)
         agent_md = rk.agent_md_full if req.mode == "full" else rk.agent_md_conn
         rep = protocol.HandshakeRep(
             rid=req.rid,
@@ -371,7 +377,12 @@ class Endpoint(LoadVerbs, Generic[R, G]):
         def send() -> None:
             import msgspec
 
-            reply(msgspec.structs.replace(rep, server_clock=time.time()))
+            with self._gate:
+                if self._closing.is_set():
+                    self._refuse_stopping(req, reply)
+                    return
+                rk.telemetry.inc(Counter.HANDSHAKES_SERVED)
+                reply(msgspec.structs.replace(rep, server_clock=time.time()))
 
         delay = self.instruments.handshake_reply_delay_s
         if delay > 0:
@@ -381,20 +392,26 @@ class Endpoint(LoadVerbs, Generic[R, G]):
         else:
             send()
 
+    def _refuse_stopping(self, req: protocol.SideRequest, reply: ReplyFn) -> None:
+        what = f"{self.cfg.role} endpoint is shutting down"
+        _refuse(reply, req, "shutting_down", what, "send it to another endpoint")
+
     def _answer_get_meta(self, pp_rank: int, tp_rank: int) -> list[bytes]:
         """Answer vLLM's ``get_meta_msg`` (every client's first contact) in vLLM's form."""
         ready = self._ready.is_set()
         rk = self.ranks[tp_rank] if ready and 0 <= tp_rank < len(self.ranks) else None
         md = (rk or self.ranks[0]).metadata if ready else None
-        payload = answers.get_meta_payload(
-            md,
-            self.dialect,
-            self.auth.enabled,
-            rk.agent_md_full if rk is not None else b"",
-            (pp_rank, tp_rank),
-            stopping=self._stopping.is_set(),
-        )
-        return vllm.encode_get_meta_reply(payload, time.perf_counter())
+        with self._gate:  # once the roles stop, no answer carries metadata to load
+            payload = answers.get_meta_payload(
+                md,
+                self.dialect,
+                self.auth.enabled,
+                rk.agent_md_full if rk is not None else b"",
+                (pp_rank, tp_rank),
+                stopping=self._stopping.is_set(),
+                closed=self._closing.is_set(),
+            )
+            return vllm.encode_get_meta_reply(payload, time.perf_counter())
 
     # ------------------------------------------------------------------ probes
     def handshake_to(self, address: str, mode: HandshakeMode, rank: int = 0) -> PeerConn:

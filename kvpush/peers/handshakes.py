@@ -42,6 +42,7 @@ from kvpush.errors import (
     HandshakeError,
     IncompatiblePeerError,
     KvpushError,
+    PeerShuttingDownError,
     PeerUnreachableError,
     ShuttingDownError,
 )
@@ -219,7 +220,8 @@ class HandshakeManager:
 
     @staticmethod
     def _as_typed(exc: BaseException, peer: str) -> KvpushError:
-        if isinstance(exc, (PeerUnreachableError, IncompatiblePeerError, HandshakeError)):
+        typed = (PeerUnreachableError, IncompatiblePeerError, HandshakeError, PeerShuttingDownError)
+        if isinstance(exc, typed):
             return exc
         if isinstance(exc, KvpushError):
             return HandshakeError(peer, exc.message, exc.hint or None)

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from kvpush.config import HandshakeMode, Role
-from kvpush.errors import HandshakeError, IncompatiblePeerError, PeerUnreachableError
+from kvpush.errors import (
+    HandshakeError,
+    IncompatiblePeerError,
+    PeerShuttingDownError,
+    PeerUnreachableError,
+)
 from kvpush.telemetry.names import Failure
 from kvpush.wire import protocol
 
@@ -16,6 +21,8 @@ def handshake_failure(exc: BaseException, peer_role: Role) -> Failure:
         )
     if isinstance(exc, IncompatiblePeerError):
         return Failure.INCOMPATIBLE
+    if isinstance(exc, PeerShuttingDownError):  # its roles stopped: it refuses handshakes
+        return Failure.SHUTTING_DOWN
     return Failure.HANDSHAKE_FAILED
 
 

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 
 from kvpush import PROTOCOL_VERSION
 from kvpush.config import MLA_LAYOUT, Role, VllmWireConfig
-from kvpush.errors import HandshakeError, IncompatiblePeerError, WrongWireError
+from kvpush.errors import (
+    HandshakeError,
+    IncompatiblePeerError,
+    PeerShuttingDownError,
+    WrongWireError,
+)
 from kvpush.wire import protocol, side_messages, vllm
 
 
@@ -72,6 +77,9 @@ def check_vllm_answer(
     """The peer's answer checked in vLLM's order: who answered (a kvpush endpoint says), the
     compatibility hash before anything is decoded, the engine id, then the geometry."""
     kv = payload.kvpush
+    if kv is not None and kv.stopping and not payload.agent_metadata_bytes:
+        # A kvpush endpoint whose roles have stopped: nothing of it may be loaded any more.
+        raise PeerShuttingDownError(f"{peer}: it is shutting down", "send it to another endpoint")
     if kv is not None:
         _check_identity(peer, kv, local, hint)
     if not payload.compatibility_hash or not payload.agent_metadata_bytes:

@@ -28,6 +28,7 @@ from kvpush.errors import (
     AuthError,
     IncompatiblePeerError,
     PeerError,
+    PeerShuttingDownError,
     PeerTimeoutError,
     PeerUnreachableError,
     ProtocolError,
@@ -283,6 +284,8 @@ class SideChannelClient:
                     raise AuthError(
                         f"{self.address} refused the request: {rep.message}", rep.hint or None
                     )
+                if rep.code == "shutting_down":
+                    raise PeerShuttingDownError(f"{self.address}: {rep.message}", rep.hint or None)
                 raise PeerError(f"{self.address}: {rep.message}", rep.hint or None)
             return rep
 

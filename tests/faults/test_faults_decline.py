@@ -4,7 +4,8 @@ Real processes, real NIXL, loopback. The side that cannot take a transfer tells 
 its side channel (``DeclineReq``, ``kvpush.runtime.decline``): D refusing (no free blocks)
 gives P's finished blocks back long before P's lease would; P refusing fails D's request with
 P's reason long before D's deadline; P stopping gracefully fails D's waiting requests with
-``shutting_down``, not ``prefill_dead``. The bounds are fractions of the lease or deadline the
+``shutting_down``, not ``prefill_dead``; D stopping answers the requests its drain ended.
+The bounds are fractions of the lease or deadline the
 other side would otherwise wait for, which these tests set short (``FAST_TIMEOUTS``).
 """
 
@@ -114,7 +115,9 @@ def test_p_refusing_fails_d_at_once_with_ps_reason(tmp_path: Path) -> None:
         assert gauges(p.address)["regs_waiting_blocks"] == 0
 
 
-def test_p_stopping_gracefully_is_shutting_down_not_dead(tmp_path: Path) -> None:
+def _stop_with_four_waiting(tmp_path: Path, who: str) -> tuple[list[Result], float]:
+    """Four requests D registered wait on a P that never pushes them; ``who`` ("p" or "d")
+    is stopped. How they ended, and the seconds from the stop until all had."""
     with cluster_ctx(tmp_path) as c:
         p = c.start("prefill", "p")
         d = c.start("decode", "d")
@@ -122,13 +125,31 @@ def test_p_stopping_gracefully_is_shutting_down_not_dead(tmp_path: Path) -> None
         legs = _held(p.address, d.address, "w", 4, 4, out)
         wait_for(lambda: gauges(p.address)["regs_waiting_blocks"] == 4, 30, "D's PUSH_REGs")
         t0 = time.monotonic()
-        c.stop("p")
+        c.stop(who)
         for t in legs:
-            t.join(DEADLINE_S + 5)
-        assert [r.reason for r in out] == ["shutting_down"] * 4, out
-        assert time.monotonic() - t0 < DEADLINE_S / 2
-        g = settle(d.address, quarantine_clears=True)
-        assert g["pool_quarantined"] == 0, g
+            t.join(DEADLINE_S + 25)
+        took = time.monotonic() - t0
+        if who == "p":
+            g = settle(d.address, quarantine_clears=True)
+            assert g["pool_quarantined"] == 0, g
+        return out, took
+
+
+def test_p_stopping_gracefully_is_shutting_down_not_dead(tmp_path: Path) -> None:
+    out, took = _stop_with_four_waiting(tmp_path, "p")
+    assert [r.reason for r in out] == ["shutting_down"] * 4, out
+    assert took < DEADLINE_S / 2
+
+
+def test_d_stopping_gracefully_answers_its_waiting_requests_with_shutting_down(
+    tmp_path: Path,
+) -> None:
+    """D's drain ends the four requests, and its side channel stays up until their answers are
+    out: each client hears ``shutting_down`` when the drain ends, not silence until its own wait
+    runs out (``d_unreachable``, 20 s)."""
+    out, took = _stop_with_four_waiting(tmp_path, "d")
+    assert [(r.reason, r.detail) for r in out] == [("shutting_down", "D stopped")] * 4, out
+    assert took < DEADLINE_S
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from kvpush.errors import (
     KvpushError,
     NoFreeBlocksError,
     PeerError,
+    PeerShuttingDownError,
     PeerTimeoutError,
     PeerUnreachableError,
     ProtocolError,
@@ -47,6 +48,7 @@ _BEFORE_PEER_ERROR: tuple[tuple[type[KvpushError], Failure], ...] = (
     (AuthError, Failure.AUTH_REJECTED),
     (IncompatiblePeerError, Failure.INCOMPATIBLE),
     (ShuttingDownError, Failure.SHUTTING_DOWN),
+    (PeerShuttingDownError, Failure.SHUTTING_DOWN),
     (NoFreeBlocksError, Failure.NO_FREE_BLOCKS),
 )
 _AFTER_PEER_ERROR: tuple[tuple[type[KvpushError], Failure], ...] = (
@@ -65,7 +67,7 @@ def from_error(e: BaseException, leg: Leg) -> tuple[Failure, str]:
         if isinstance(e, cls):
             return reason, e.message
     if isinstance(e, PeerError):
-        # An ErrorRep: the client does not pass its code on yet, only the message.
+        # Another ErrorRep; an endpoint of an older kvpush refused "shutting down" by text.
         if "shutting down" in e.message:
             return Failure.SHUTTING_DOWN, e.message
         return Failure.BAD_REQUEST, e.message
