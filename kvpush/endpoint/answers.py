@@ -53,7 +53,7 @@ def get_meta_payload(
 ) -> vllm.HandshakePayload:
     """``stopping``: the endpoint drains (it still serves what it holds); ``closed``: its roles
     have stopped, and the answer carries no metadata any peer could load."""
-    if auth_enabled or md is None or closed:
+    if auth_enabled or md is None:
         ident = vllm.KvpushIdentity(
             protocol=PROTOCOL_VERSION,
             auth=auth_enabled,
@@ -61,6 +61,8 @@ def get_meta_payload(
             stopping=stopping or closed,
         )
         return vllm.HandshakePayload("", b"", ident)
+    if closed:  # who it is, and that nothing of it may be loaded any more
+        return vllm.HandshakePayload("", b"", _identity(md, dialect, SHUT_DOWN, stopping=True))
     if ranks != (0, md.tp_rank):
         error = f"rank ({ranks[0]}, {ranks[1]}) is not served here"
         return vllm.HandshakePayload("", b"", _identity(md, dialect, error, stopping))

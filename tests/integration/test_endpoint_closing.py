@@ -17,6 +17,9 @@ from typing import Any
 
 import pytest
 
+from kvpush.commands.probe.command import error_object
+from kvpush.commands.probe.kvpush_peer import DRAINING
+from kvpush.commands.probe.probe import probe
 from kvpush.config import EndpointConfig, HandshakeMode, PoolConfig, Role, VllmWireConfig, Wire
 from kvpush.endpoint import open_endpoint
 from kvpush.errors import PeerShuttingDownError
@@ -38,27 +41,28 @@ def _cfg(role: Role, wire: Wire) -> EndpointConfig:
 
 
 class _HeldStop:
-    """P stopping, its roles' stop held until ``release``: the window between the roles
-    beginning to stop and the side channel closing."""
+    """P stopping, held in one step of its stop until the test leaves the block: ``stop_intake``
+    (draining: no new work, what it holds may finish) or ``stop`` (its roles stopping: the
+    window between them ending their work and the side channel closing)."""
 
-    def __init__(self, ep: Any) -> None:
+    def __init__(self, ep: Any, step: str) -> None:
         self.ep = ep
         self.entered = threading.Event()
         self.go = threading.Event()
         for rk in ep.ranks:
-            stop = rk.role.stop
+            real = getattr(rk.role, step)
 
-            def held(timeout_s: float, stop: Any = stop) -> None:
+            def held(timeout_s: float, real: Any = real) -> None:
                 self.entered.set()
-                assert self.go.wait(60), "the test never let the roles stop"
-                stop(timeout_s)
+                assert self.go.wait(60), "the test never let P's stop go on"
+                real(timeout_s)
 
-            rk.role.stop = held
+            setattr(rk.role, step, held)
         self.thread = threading.Thread(target=ep.stop, daemon=True)
 
     def __enter__(self) -> _HeldStop:
         self.thread.start()
-        assert self.entered.wait(30), "P's roles never began to stop"
+        assert self.entered.wait(30), "P's stop never reached the step held"
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -84,7 +88,7 @@ def test_a_handshake_with_roles_that_stopped_is_refused_shutting_down(
     p, d = pair
     d.handshake_to(p.address, HandshakeMode.NOTIF)  # served while P runs
     d.forget_peer(p.address, None, "peer_left", "the test drops it to handshake afresh")
-    with _HeldStop(p):
+    with _HeldStop(p, "stop"):
         with pytest.raises(PeerShuttingDownError) as ei:
             d.handshake_to(p.address, HandshakeMode.NOTIF)
         assert "shutting down" in ei.value.message
@@ -101,3 +105,21 @@ def test_a_handshake_with_roles_that_stopped_is_refused_shutting_down(
                 assert isinstance(rep, protocol.StatsRep)
                 with pytest.raises(PeerShuttingDownError):
                     c.request(protocol.HandshakeReq(mode="notif", requester="t", tp_rank=0))
+        # probe names it, typed: exit 3, status shutting_down, not "ask for rank 0,0".
+        with pytest.raises(PeerShuttingDownError) as pe:
+            probe(p.address, count=1)
+        assert error_object(p.address, pe.value)["status"] == "shutting_down"
+        assert "shutting down" in pe.value.message
+
+
+def test_a_draining_endpoint_still_serves_handshakes_and_probe_says_it_drains(
+    pair: tuple[Any, Any],
+) -> None:
+    """While it drains, the work it holds may still need a peer's handshake (a D that registers
+    for a prefill P took before its drain): handshakes are served, new work is not."""
+    p, d = pair
+    with _HeldStop(p, "stop_intake"):
+        conn = d.handshake_to(p.address, HandshakeMode.NOTIF)
+        assert conn is not None
+        report = probe(p.address, count=1)
+        assert DRAINING in report.notes

@@ -107,3 +107,31 @@ def test_a_vllm_answer_passes_a_vllm_peers_checks() -> None:
     other = VllmWireConfig(compat_hash="cd" * 32, block_size=32, attn_backend_name="CPU_ATTN")
     with pytest.raises(IncompatiblePeerError, match="compatibility hash"):
         check_vllm_answer("p:1", payload, d, other, PeerHint(), Role.PREFILL)
+
+
+def test_a_stopping_endpoints_first_contact_answer() -> None:
+    """Draining, it still answers what a peer loads (work it holds may need a handshake) and says
+    ``stopping``; once its roles stop, its answer carries nothing to load, on either wire, and a
+    vLLM-wire peer that reads it fails typed "shutting down" (a request ends ``shutting_down``,
+    not ``handshake_failed``)."""
+    from kvpush.endpoint.answers import SHUT_DOWN, get_meta_payload
+    from kvpush.errors import PeerShuttingDownError
+
+    pool = stub_pool(kv_layout="NHD")
+    p = make_metadata(Role.PREFILL, pool, engine_id="p", incarnation=uuid.uuid4().hex)
+    d = make_metadata(Role.DECODE, pool, engine_id="d", incarnation=uuid.uuid4().hex)
+    hint = PeerHint("p", 1, Role.PREFILL)
+    draining = get_meta_payload(p, VLLM, False, b"agent", (0, 0), stopping=True)
+    assert draining.kvpush is not None and draining.kvpush.stopping and draining.kvpush.error == ""
+    assert check_vllm_answer("p:1", draining, d, WIRE, hint, Role.PREFILL).agent_metadata
+    for dialect in (KVPUSH, VLLM):
+        closed = get_meta_payload(p, dialect, False, b"agent", (0, 0), stopping=True, closed=True)
+        assert (closed.compatibility_hash, closed.agent_metadata_bytes) == ("", b"")
+        kv = closed.kvpush
+        assert kv is not None and kv.stopping and kv.error == SHUT_DOWN
+        assert (kv.role, kv.incarnation, kv.wire) == (Role.PREFILL, p.incarnation, dialect.wire)
+    with pytest.raises(PeerShuttingDownError, match="shutting down"):
+        check_vllm_answer("p:1", closed, d, WIRE, hint, Role.PREFILL)
+    starting = get_meta_payload(None, KVPUSH, False, b"", (0, 0))
+    assert starting.kvpush is not None and starting.kvpush.error == "starting"
+    assert not starting.kvpush.stopping

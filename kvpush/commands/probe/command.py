@@ -24,6 +24,7 @@ from kvpush.errors import (
     ExitStatus,
     IncompatiblePeerError,
     KvpushError,
+    PeerShuttingDownError,
     PeerUnreachableError,
 )
 
@@ -59,6 +60,8 @@ def error_object(address: str, e: KvpushError) -> dict[str, object]:
         status = "unreachable"
     elif isinstance(e, IncompatiblePeerError):
         status = "incompatible"
+    elif isinstance(e, PeerShuttingDownError):
+        status = "shutting_down"
     elif e.exit_status == ExitStatus.NOT_READY:
         status = "not_a_side_channel" if getattr(e, "found", "") else "not_ready"
     elif e.exit_status == ExitStatus.USAGE:

@@ -21,7 +21,7 @@ from kvpush import PROTOCOL_VERSION
 from kvpush.commands.common import control
 from kvpush.commands.probe.report import ProbeReport, answered
 from kvpush.config import EndpointConfig, KvRegions, PoolConfig, Role
-from kvpush.errors import IncompatiblePeerError, PeerError, ProtocolError
+from kvpush.errors import IncompatiblePeerError, PeerError, PeerShuttingDownError, ProtocolError
 from kvpush.wire import protocol
 
 if TYPE_CHECKING:
@@ -30,6 +30,19 @@ if TYPE_CHECKING:
 # kvpush endpoints stamp HandshakeRep.server_clock with time.time() (wall clock, comparable
 # across hosts); vLLM stamps its get_meta_msg answer with time.perf_counter().
 _KVPUSH_CLOCK = time.time
+
+
+#: What probe says of a peer whose first-contact answer says it drains (it still serves).
+DRAINING = "shutting down: it drains the work it holds and takes no new work"
+
+
+def stopped(addr: str) -> PeerShuttingDownError:
+    """A peer whose first-contact answer says its roles have stopped (``stopping`` and an
+    error, no metadata): it serves nothing more, and its side channel closes next."""
+    return PeerShuttingDownError(
+        f"{addr} is a kvpush endpoint that is shutting down: it serves nothing more",
+        "probe it again once it has restarted, or probe another endpoint",
+    )
 
 
 def _incompatible_protocol(address: str, e: ProtocolError) -> IncompatiblePeerError:
@@ -72,6 +85,8 @@ def measure(
     kv = ident.kvpush
     if kv is None:  # the caller measures only a peer that said it is a kvpush endpoint
         raise PeerError(f"{addr} is not a kvpush endpoint")
+    if kv.stopping and kv.error:
+        raise stopped(addr)
     if kv.error:
         raise PeerError(f"{addr} is a kvpush endpoint: {kv.error}", "ask for rank 0,0")
     req = protocol.HandshakeReq(mode="notif", requester="kvpush-probe", tp_rank=tp_rank)
@@ -111,7 +126,10 @@ def measure(
         ]
     else:
         diffs = protocol.compat_differences(local, remote_fields)
-    return answered(addr, "kvpush", rep.compat_hash, meta, samples, local, diffs, stats=stats_d)
+    notes = [DRAINING] if kv.stopping else []
+    return answered(
+        addr, "kvpush", rep.compat_hash, meta, samples, local, diffs, stats=stats_d, notes=notes
+    )
 
 
 def _count(value: object, default: int) -> int:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvpush.commands.common.like import likeness_of
+from kvpush.commands.probe.kvpush_peer import DRAINING, stopped
 from kvpush.commands.probe.report import ProbeReport, answered
 from kvpush.config import EndpointConfig, PoolConfig, Role
 from kvpush.errors import KvpushError, PeerError
@@ -57,6 +58,8 @@ def measure(
     payload = ident.payload
     if not payload.agent_metadata_bytes:
         kv = payload.kvpush
+        if kv is not None and kv.stopping:
+            raise stopped(addr)
         raise PeerError(
             f"{addr} answered rank {first.ranks[0]},{first.ranks[1]} without metadata"
             + (f": {kv.error}" if kv is not None and kv.error else ""),
@@ -77,6 +80,8 @@ def measure(
     if kv is not None:
         meta["kvpush"] = msgspec.structs.asdict(kv)
         notes = [f"a kvpush endpoint ({kv.role}) speaking vLLM's push wire"]
+        if kv.stopping:
+            notes.append(DRAINING)
     suggest: list[str] = []
     try:
         lk = likeness_of(payload, addr)
