@@ -12,6 +12,9 @@ wiped prefix), not that the process is gone. ``look`` asks the peer's side chann
   one held is proof that the old process no longer holds the address; the same one refutes the
   hint. A vLLM listener, or a kvpush endpoint still starting, is another process too
   (``incarnation`` empty, ``other_process``);
+- a kvpush endpoint whose roles have stopped (its answer says ``stopping`` and "shutting down",
+  and it refuses every request until its side channel closes) counts as ``refused``: it serves
+  nothing more, whatever incarnation it names;
 - ``silent``: a connection was accepted but nothing useful came back in time (a frozen or
   wedged process, a partition, a token this endpoint does not share): nothing is proven.
 
@@ -30,6 +33,7 @@ from kvpush.peers.watch import refused
 from kvpush.transport.client import SideChannelClient
 from kvpush.wire import protocol
 from kvpush.wire.auth import Authenticator
+from kvpush.wire.vllm import KvpushIdentity
 
 LOOK_TIMEOUT_S = 2.0
 
@@ -49,6 +53,19 @@ class Sighting:
         )
 
 
+def _said(addr: str, kv: KvpushIdentity | None) -> Sighting | None:
+    """What the first-contact answer proves by itself (None: a token hides the incarnation)."""
+    if kv is None:
+        return Sighting("answers", detail=f"a vLLM side channel answers at {addr}")
+    if kv.stopping and kv.error:
+        return Sighting("refused", detail=f"{addr} is shutting down: it serves nothing more")
+    if kv.incarnation:
+        return Sighting("answers", kv.incarnation, f"incarnation {kv.incarnation[:12]}")
+    if kv.error:  # a kvpush endpoint still starting: a process of its own
+        return Sighting("answers", detail=f"an endpoint answers at {addr}: {kv.error}")
+    return None
+
+
 def look(
     host: str,
     port: int,
@@ -62,13 +79,9 @@ def look(
         return Sighting("refused", detail=f"connection to {addr} refused")
     try:
         with SideChannelClient(host, port, auth=auth, timeout_s=timeout_s) as c:
-            kv = c.identify().kvpush
-            if kv is None:
-                return Sighting("answers", detail=f"a vLLM side channel answers at {addr}")
-            if kv.incarnation:
-                return Sighting("answers", kv.incarnation, f"incarnation {kv.incarnation[:12]}")
-            if kv.error:  # a kvpush endpoint still starting: a process of its own
-                return Sighting("answers", detail=f"an endpoint answers at {addr}: {kv.error}")
+            said = _said(addr, c.identify().kvpush)
+            if said is not None:
+                return said
             rep = c.request(protocol.HandshakeReq(mode="notif", requester=requester))
     except KvpushError as e:
         return Sighting("silent", detail=e.message)

@@ -77,9 +77,13 @@ def check_vllm_answer(
     """The peer's answer checked in vLLM's order: who answered (a kvpush endpoint says), the
     compatibility hash before anything is decoded, the engine id, then the geometry."""
     kv = payload.kvpush
-    if kv is not None and kv.stopping and not payload.agent_metadata_bytes:
-        # A kvpush endpoint whose roles have stopped: nothing of it may be loaded any more.
-        raise PeerShuttingDownError(f"{peer}: it is shutting down", "send it to another endpoint")
+    if kv is not None and not payload.agent_metadata_bytes:
+        if kv.stopping:  # a kvpush endpoint whose roles have stopped: nothing more to load
+            raise PeerShuttingDownError(
+                f"{peer}: it is shutting down", "send it to another endpoint"
+            )
+        if kv.error == "starting":  # its answer says nothing else yet (no wire, no role)
+            raise HandshakeError(peer, "starting", "retry shortly: it is still building its ranks")
     if kv is not None:
         _check_identity(peer, kv, local, hint)
     if not payload.compatibility_hash or not payload.agent_metadata_bytes:

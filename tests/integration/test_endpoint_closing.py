@@ -93,6 +93,9 @@ def test_a_handshake_with_roles_that_stopped_is_refused_shutting_down(
             d.handshake_to(p.address, HandshakeMode.NOTIF)
         assert "shutting down" in ei.value.message
         assert handshake_failure(ei.value, Role.PREFILL) == Failure.SHUTTING_DOWN
+        # A registry hint checked now is proven: it refuses everything, whatever it is called.
+        seen = d.look_at_peer(p.address)
+        assert seen.kind == "refused" and seen.proves_gone(p.incarnation), seen
         # Its first-contact answer says so and carries nothing a peer could load; its stats
         # are still answered (an operator's probe sees it stopping, not gone).
         host, port = p.address.rsplit(":", 1)
@@ -123,3 +126,6 @@ def test_a_draining_endpoint_still_serves_handshakes_and_probe_says_it_drains(
         assert conn is not None
         report = probe(p.address, count=1)
         assert DRAINING in report.notes
+        # A registry hint checked now is refuted: what it holds may still finish.
+        seen = d.look_at_peer(p.address)
+        assert seen.kind == "answers" and not seen.proves_gone(p.incarnation), seen

@@ -132,6 +132,21 @@ def test_a_stopping_endpoints_first_contact_answer() -> None:
         assert (kv.role, kv.incarnation, kv.wire) == (Role.PREFILL, p.incarnation, dialect.wire)
     with pytest.raises(PeerShuttingDownError, match="shutting down"):
         check_vllm_answer("p:1", closed, d, WIRE, hint, Role.PREFILL)
-    starting = get_meta_payload(None, KVPUSH, False, b"", (0, 0))
+    starting = get_meta_payload(None, VLLM, False, b"", (0, 0))
     assert starting.kvpush is not None and starting.kvpush.error == "starting"
     assert not starting.kvpush.stopping
+
+
+def test_a_vllm_wire_endpoint_still_starting_is_starting_not_another_wire() -> None:
+    """Its answer says only "starting" (no wire, no role yet): the handshake fails as one with a
+    kvpush-wire endpoint still starting does (drive's ``starting`` sees it), not as
+    ``WrongWireError`` "speaking kvpush's wire" -- which failed the request ``incompatible``."""
+    from kvpush.commands.common.reasons import starting
+    from kvpush.endpoint.answers import get_meta_payload
+    from kvpush.errors import HandshakeError
+
+    d = make_metadata(Role.DECODE, stub_pool(), engine_id="d", incarnation=uuid.uuid4().hex)
+    payload = get_meta_payload(None, VLLM, False, b"", (0, 0))
+    with pytest.raises(HandshakeError) as ei:
+        check_vllm_answer("p:1", payload, d, WIRE, PeerHint("p", 1, Role.PREFILL), Role.PREFILL)
+    assert type(ei.value) is HandshakeError and starting(ei.value), ei.value.message

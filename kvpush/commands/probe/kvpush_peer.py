@@ -26,6 +26,7 @@ from kvpush.wire import protocol
 
 if TYPE_CHECKING:
     from kvpush.transport.client import PeerIdentity, SideChannelClient
+    from kvpush.wire.vllm import KvpushIdentity
 
 # kvpush endpoints stamp HandshakeRep.server_clock with time.time() (wall clock, comparable
 # across hosts); vLLM stamps its get_meta_msg answer with time.perf_counter().
@@ -43,6 +44,16 @@ def stopped(addr: str) -> PeerShuttingDownError:
         f"{addr} is a kvpush endpoint that is shutting down: it serves nothing more",
         "probe it again once it has restarted, or probe another endpoint",
     )
+
+
+def _check_serving(addr: str, kv: KvpushIdentity) -> None:
+    """Raise what probe says of a kvpush endpoint whose first answer says it serves nothing."""
+    if kv.stopping and kv.error:
+        raise stopped(addr)
+    if kv.error == "starting":
+        raise PeerError(f"{addr} is a kvpush endpoint: starting", "probe it again in a moment")
+    if kv.error:
+        raise PeerError(f"{addr} is a kvpush endpoint: {kv.error}", "ask for rank 0,0")
 
 
 def _incompatible_protocol(address: str, e: ProtocolError) -> IncompatiblePeerError:
@@ -85,10 +96,7 @@ def measure(
     kv = ident.kvpush
     if kv is None:  # the caller measures only a peer that said it is a kvpush endpoint
         raise PeerError(f"{addr} is not a kvpush endpoint")
-    if kv.stopping and kv.error:
-        raise stopped(addr)
-    if kv.error:
-        raise PeerError(f"{addr} is a kvpush endpoint: {kv.error}", "ask for rank 0,0")
+    _check_serving(addr, kv)
     req = protocol.HandshakeReq(mode="notif", requester="kvpush-probe", tp_rank=tp_rank)
     samples, rep = _handshakes(addr, client, req, count)
     stats_d: dict[str, object] | None = None
