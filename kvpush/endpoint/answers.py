@@ -21,9 +21,6 @@ from kvpush import PROTOCOL_VERSION, __version__
 from kvpush.peers.dialect import Dialect
 from kvpush.wire import protocol, vllm
 
-#: A first-contact answer's error once the endpoint's roles have stopped.
-SHUT_DOWN = "shutting down"
-
 
 def _identity(
     md: protocol.EndpointMetadata, dialect: Dialect, error: str = "", stopping: bool = False
@@ -57,12 +54,12 @@ def get_meta_payload(
         ident = vllm.KvpushIdentity(
             protocol=PROTOCOL_VERSION,
             auth=auth_enabled,
-            error=SHUT_DOWN if closed else ("" if md else "starting"),
+            error=vllm.SHUT_DOWN if closed else ("" if md else "starting"),
             stopping=stopping or closed,
         )
         return vllm.HandshakePayload("", b"", ident)
     if closed:  # who it is, and that nothing of it may be loaded any more
-        return vllm.HandshakePayload("", b"", _identity(md, dialect, SHUT_DOWN, stopping=True))
+        return vllm.HandshakePayload("", b"", _identity(md, dialect, vllm.SHUT_DOWN, stopping=True))
     if ranks != (0, md.tp_rank):
         error = f"rank ({ranks[0]}, {ranks[1]}) is not served here"
         return vllm.HandshakePayload("", b"", _identity(md, dialect, error, stopping))

@@ -57,7 +57,7 @@ def _said(addr: str, kv: KvpushIdentity | None) -> Sighting | None:
     """What the first-contact answer proves by itself (None: a token hides the incarnation)."""
     if kv is None:
         return Sighting("answers", detail=f"a vLLM side channel answers at {addr}")
-    if kv.stopping and kv.error:
+    if kv.shut_down:
         return Sighting("refused", detail=f"{addr} is shutting down: it serves nothing more")
     if kv.incarnation:
         return Sighting("answers", kv.incarnation, f"incarnation {kv.incarnation[:12]}")

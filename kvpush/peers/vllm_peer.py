@@ -78,7 +78,7 @@ def check_vllm_answer(
     compatibility hash before anything is decoded, the engine id, then the geometry."""
     kv = payload.kvpush
     if kv is not None and not payload.agent_metadata_bytes:
-        if kv.stopping:  # a kvpush endpoint whose roles have stopped: nothing more to load
+        if kv.shut_down:  # a kvpush endpoint whose roles have stopped: nothing more to load
             raise PeerShuttingDownError(
                 f"{peer}: it is shutting down", "send it to another endpoint"
             )

@@ -66,6 +66,11 @@ def get_meta_request(pp_rank: int = 0, tp_rank: int = 0) -> bytes:
     return _enc.encode((GET_META, pp_rank, tp_rank))
 
 
+#: ``KvpushIdentity.error`` of an endpoint whose roles have stopped (with ``stopping``): it
+#: serves nothing more, and its side channel closes next.
+SHUT_DOWN = "shutting down"
+
+
 class KvpushIdentity(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How a kvpush endpoint says who it is in its answer to vLLM's ``get_meta_msg``.
 
@@ -87,6 +92,11 @@ class KvpushIdentity(Struct, frozen=True, kw_only=True, omit_defaults=True):
     error: Str1k = ""  # the endpoint could not serve the asked rank
     # Draining: it refuses new work (stats and handshakes are still served) and then stops.
     stopping: bool = False
+
+    @property
+    def shut_down(self) -> bool:
+        """Its roles have stopped: nothing of it may be loaded, no request is served."""
+        return self.stopping and self.error == SHUT_DOWN
 
 
 class HandshakePayload(Struct, frozen=True, omit_defaults=True):

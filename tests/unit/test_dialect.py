@@ -114,8 +114,8 @@ def test_a_stopping_endpoints_first_contact_answer() -> None:
     ``stopping``; once its roles stop, its answer carries nothing to load, on either wire, and a
     vLLM-wire peer that reads it fails typed "shutting down" (a request ends ``shutting_down``,
     not ``handshake_failed``)."""
-    from kvpush.endpoint.answers import SHUT_DOWN, get_meta_payload
-    from kvpush.errors import PeerShuttingDownError
+    from kvpush.endpoint.answers import get_meta_payload
+    from kvpush.errors import HandshakeError, PeerShuttingDownError
 
     pool = stub_pool(kv_layout="NHD")
     p = make_metadata(Role.PREFILL, pool, engine_id="p", incarnation=uuid.uuid4().hex)
@@ -123,12 +123,18 @@ def test_a_stopping_endpoints_first_contact_answer() -> None:
     hint = PeerHint("p", 1, Role.PREFILL)
     draining = get_meta_payload(p, VLLM, False, b"agent", (0, 0), stopping=True)
     assert draining.kvpush is not None and draining.kvpush.stopping and draining.kvpush.error == ""
+    assert not draining.kvpush.shut_down
+    # Draining, asked for a rank it lacks: no metadata, but not "shutting down".
+    unserved = get_meta_payload(p, VLLM, False, b"agent", (0, 3), stopping=True)
+    assert unserved.kvpush is not None and not unserved.kvpush.shut_down
+    with pytest.raises(HandshakeError, match="not served here"):
+        check_vllm_answer("p:1", unserved, d, WIRE, hint, Role.PREFILL)
     assert check_vllm_answer("p:1", draining, d, WIRE, hint, Role.PREFILL).agent_metadata
     for dialect in (KVPUSH, VLLM):
         closed = get_meta_payload(p, dialect, False, b"agent", (0, 0), stopping=True, closed=True)
         assert (closed.compatibility_hash, closed.agent_metadata_bytes) == ("", b"")
         kv = closed.kvpush
-        assert kv is not None and kv.stopping and kv.error == SHUT_DOWN
+        assert kv is not None and kv.stopping and kv.error == vllm.SHUT_DOWN and kv.shut_down
         assert (kv.role, kv.incarnation, kv.wire) == (Role.PREFILL, p.incarnation, dialect.wire)
     with pytest.raises(PeerShuttingDownError, match="shutting down"):
         check_vllm_answer("p:1", closed, d, WIRE, hint, Role.PREFILL)

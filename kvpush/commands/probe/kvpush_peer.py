@@ -48,7 +48,7 @@ def stopped(addr: str) -> PeerShuttingDownError:
 
 def _check_serving(addr: str, kv: KvpushIdentity) -> None:
     """Raise what probe says of a kvpush endpoint whose first answer says it serves nothing."""
-    if kv.stopping and kv.error:
+    if kv.shut_down:
         raise stopped(addr)
     if kv.error == "starting":
         raise PeerError(f"{addr} is a kvpush endpoint: starting", "probe it again in a moment")

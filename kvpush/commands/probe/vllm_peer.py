@@ -58,7 +58,7 @@ def measure(
     payload = ident.payload
     if not payload.agent_metadata_bytes:
         kv = payload.kvpush
-        if kv is not None and kv.stopping:
+        if kv is not None and kv.shut_down:
             raise stopped(addr)
         raise PeerError(
             f"{addr} answered rank {first.ranks[0]},{first.ranks[1]} without metadata"
