@@ -12,6 +12,7 @@ judges is wide, instead of the milliseconds it lasts on its own.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -88,6 +89,12 @@ def test_a_handshake_with_roles_that_stopped_is_refused_shutting_down(
     p, d = pair
     d.handshake_to(p.address, HandshakeMode.NOTIF)  # served while P runs
     d.forget_peer(p.address, None, "peer_left", "the test drops it to handshake afresh")
+    # forget_peer is carried out on each rank's owner thread: a handshake asked before that
+    # would find the old connection (seen once in a loaded run of make test).
+    deadline = time.monotonic() + 10
+    while d.holds_peer(p.address, None):
+        assert time.monotonic() < deadline, "D never dropped its connection to P"
+        time.sleep(0.02)
     with _HeldStop(p, "stop"):
         with pytest.raises(PeerShuttingDownError) as ei:
             d.handshake_to(p.address, HandshakeMode.NOTIF)
