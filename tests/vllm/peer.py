@@ -476,13 +476,7 @@ class Engine:
             if any(w[0] == "stop" for w in work):
                 break
             try:
-                for w in work:
-                    if w[0] == "fill":
-                        self.fill(int(w[1]), list(w[2]))
-                    elif w[0] == "clear":
-                        self.clear(list(w[1]))
-                    elif w[0] == "dump":
-                        self.dump(str(w[1]), list(w[2]))
+                self.do_rank_work(work)
                 out: Any = self.worker_step(meta)
             except Exception as e:
                 traceback.print_exc()
@@ -500,6 +494,18 @@ class Engine:
         self.tap.close()
         print(f"[{self.role} rank {self.par.tp_rank}] shut down after {self.steps} steps")
         return 0
+
+    def do_rank_work(self, work: list[tuple[Any, ...]]) -> None:
+        """Rank r > 0: the lead's work for this rank, before this step's worker half."""
+        if work and self.a.rank_work_delay:
+            time.sleep(self.a.rank_work_delay)  # a slow rank (see the flag)
+        for w in work:
+            if w[0] == "fill":
+                self.fill(int(w[1]), list(w[2]))
+            elif w[0] == "clear":
+                self.clear(list(w[1]))
+            elif w[0] == "dump":
+                self.dump(str(w[1]), list(w[2]))
 
     def status(self, final: bool = False) -> dict[str, Any]:
         lt = self.s._nixl_handshake_listener_t if self.s is not None else None
@@ -838,8 +844,13 @@ class Engine:
             yield  # queued, not yet scheduled: only heartbeats flow
         n_ext, is_async = self.sched.get_num_new_matched_tokens(req, 0)
         self.clear(blocks)
-        if self.par.tp_size > 1:  # before the step that has their workers send PUSH_REG
+        if self.par.tp_size > 1:
+            # The other ranks clear theirs one step before the step that sends PUSH_REG, and
+            # that step ends only when every rank has done its part: a P may WRITE every rank's
+            # heads on the first rank's PUSH_REG, so a clear in the same step as the PUSH_REGs
+            # could run after P's bytes landed and wipe them (a loaded host did, once).
             self.rank_work.append(("clear", blocks))
+            yield
         self.sched.update_state_after_alloc(req, self.kv_blocks(blocks), n_ext)
         t_alloc = time.monotonic()
         deadline = t_alloc + timeout
@@ -916,6 +927,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dist-port", type=int, default=0, help="the lead's TCP store (tp > 1)")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this parent is gone")
     ap.add_argument("--nice", type=int, default=0, help="lower this process's priority by N")
+    ap.add_argument(
+        "--rank-work-delay",
+        type=float,
+        default=0.0,
+        help="rank r > 0: sleep this many seconds before the lead's per-step work (a fill, a "
+        "clear, a dump) -- a slow rank, as a loaded host makes one",
+    )
     a = ap.parse_args(argv)
     if a.num_blocks < 1 or a.block_size % 32 or a.lease < 1:
         ap.error("need --num-blocks >= 1, --block-size a multiple of 32, --lease >= 1")

@@ -36,7 +36,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(480)]
 @pytest.fixture(scope="module")
 def d_tp2(vllm_py: str, vllm_tmp: Path) -> Iterator[tuple[VllmPeer, Served]]:
     serve = ServeFactory(vllm_tmp)
-    d = VllmPeer.start("D", vllm_tmp / "vllm-D-tp2", python=vllm_py, tp_size=TP, lease=LEASE_S)
+    # Rank 1 slow (a loaded host made it so once): P may WRITE both ranks on rank 0's PUSH_REG,
+    # so D's rank 1 must have cleared its blocks a step before either rank sends one.
+    d = VllmPeer.start(
+        "D",
+        vllm_tmp / "vllm-D-tp2",
+        python=vllm_py,
+        tp_size=TP,
+        lease=LEASE_S,
+        extra=["--rank-work-delay", "0.5"],
+    )
     try:
         p = serve.start(
             "prefill",
