@@ -173,11 +173,6 @@ def member_of(rec: MemberRecord) -> MemberRecord:
     return MemberRecord(**{f: getattr(rec, f) for f in _MEMBER_FIELDS})
 
 
-def same_member(a: MemberRecord, b: MemberRecord) -> bool:
-    """Whether two records say the same of the endpoint (their load summaries aside)."""
-    return member_of(a) == member_of(b)
-
-
 def encode_member(rec: MemberRecord) -> bytes:
     """The membership key's value of ``rec`` (every field but the load summary)."""
     return _enc.encode(member_of(rec))

@@ -1,7 +1,7 @@
-"""The registered KV memory of one endpoint: one allocation, fill / verify / scrub.
+"""The registered KV memory of one endpoint: one allocation, fill / verify / digest.
 
 ``KvPool`` owns the one allocation that the NIXL adapter registers, its ``BlockAllocator``
-(``kvpush.memory.allocator``) and ``fill`` / ``verify`` / ``scrub`` of blocks. Host memory
+(``kvpush.memory.allocator``) and ``fill`` / ``verify`` / ``digest`` of blocks. Host memory
 (DRAM, ``--device cpu``) is a numpy array; a pool on a GPU (VRAM) is a torch tensor
 (``kvpush.memory.vram``, the only importer of torch on an endpoint's path: an endpoint on host
 memory starts without torch, 1-6 s sooner here). The pattern is generated and compared on the
@@ -27,11 +27,7 @@ from kvpush.wire.side_messages import DeviceKind
 if TYPE_CHECKING:
     import torch
 
-POISON_BYTE = 0xA5
-"""What ``scrub`` writes: neither zero nor a likely pattern byte run, easy to spot in a dump."""
-_POISON_WORD = int.from_bytes(bytes([POISON_BYTE]) * 8, "little", signed=True)  # as int64 words
-
-_CHUNK_BYTES = 16 * 1024 * 1024  # fill/verify/scrub work in slices of this size (scratch x 2)
+_CHUNK_BYTES = 16 * 1024 * 1024  # fill/verify/digest work in slices of this size (scratch x 2)
 
 
 def rank_device(spec: str, rank: int) -> str:
@@ -78,7 +74,6 @@ class _Memory(Protocol):
 
     def gather(self, region: int | None, ids: np.ndarray, out: np.ndarray) -> np.ndarray: ...
     def scatter(self, ids: np.ndarray, src: np.ndarray) -> None: ...
-    def poison(self, ids: np.ndarray, byte: int) -> None: ...
     def as_tensor(self) -> torch.Tensor: ...
 
 
@@ -111,10 +106,6 @@ class HostMemory:
     def scatter(self, ids: np.ndarray, src: np.ndarray) -> None:
         _as_words(self.array)[:, ids] = _as_words(src)
 
-    def poison(self, ids: np.ndarray, byte: int) -> None:
-        words = _as_words(self.array)
-        words[:, ids] = byte if words is self.array else _POISON_WORD
-
     def as_tensor(self) -> torch.Tensor:
         import torch
 
@@ -125,7 +116,7 @@ class KvPool:
     """One registered allocation per endpoint: uint8 ``(regions, num_blocks, block_bytes)``.
 
     Region ``r`` starts at ``base_addr + r*region_stride``; block ``b`` of it at
-    ``+ b*block_bytes``. ``fill`` / ``verify`` / ``scrub`` work on slices of at most ~16 MiB (or
+    ``+ b*block_bytes``. ``fill`` / ``verify`` / ``digest`` work on slices of at most ~16 MiB (or
     one block in every region, if larger); in host memory a run of consecutive ids is read and
     written in place, other ids (and a GPU's blocks) go through one reusable scratch buffer per
     calling thread, so they allocate nothing after the first call and run at several GB/s.
@@ -254,11 +245,6 @@ class KvPool:
         ids = np.ascontiguousarray(block_ids, dtype=np.int64).reshape(-1)
         self._chunks(ids)  # validates the ids
         return self._region_rows(region, ids)
-
-    def scrub(self, block_ids: np.ndarray) -> None:
-        """Overwrite these blocks in every region with ``POISON_BYTE``."""
-        for _, ids in self._chunks(block_ids):
-            self.memory.poison(ids, POISON_BYTE)
 
     # -- helpers ------------------------------------------------------------------------------
 

@@ -65,8 +65,5 @@ class DeviceMemory:
         """Host ``src`` (regions, len(ids), block_bytes) written into blocks ``ids``."""
         self.tensor.index_copy_(1, self._index(ids), torch.from_numpy(src).to(self.device))
 
-    def poison(self, ids: np.ndarray, byte: int) -> None:
-        self.tensor.index_fill_(1, self._index(ids), byte)
-
     def as_tensor(self) -> torch.Tensor:
         return self.tensor

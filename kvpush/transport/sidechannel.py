@@ -96,7 +96,6 @@ class SideChannelServer:
         self.heartbeat = Heartbeat(name)
         self._rl = RateLimitedLog(log)
         self.requests = 0  # kvpush-framed (or unreadable) requests
-        self.identifies = 0  # get_meta_msg first contacts
         self.rejected = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -254,7 +253,6 @@ class SideChannelServer:
             if pp_tp is not None:
                 # vLLM's request form, and every client's first contact: always answered in
                 # vLLM's two-part form, whatever the token (the handler decides what to tell).
-                self.identifies += 1
                 self._replies.append([frames[0], b"", *self._answer_get_meta(*pp_tp)])
                 return
         self.requests += 1

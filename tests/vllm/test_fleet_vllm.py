@@ -107,7 +107,7 @@ def test_fleet_check_across_vllm_engines(
 
     leg = prefill_leg(kp.address, p_id, 2, 60, on_params=on_params)
     runner[0].join(120)
-    assert leg.outcome == "ok", leg
+    assert leg.outcome == "ok", (leg.reason, leg.detail, dres, _state_of(vp, vd, vd64, kp))
     assert dres["ok"] is True and dres["sha256"] == leg.sha256, (dres, leg)
     for peer in (vp, vd, vd64):
         peer.assert_alive("after the fleet check and the push")

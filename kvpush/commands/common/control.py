@@ -118,12 +118,6 @@ class ClientPool:
             self._budget += n
             self._cond.notify_all()
 
-    @property
-    def sockets(self) -> int:
-        """Clients in existence (idle or borrowed)."""
-        with self._cond:
-            return self._count
-
     def close(self) -> None:
         """Close the idle clients; a borrowed one is closed when it is given back."""
         with self._cond:

@@ -76,7 +76,6 @@ class Peer:
     last_liveness: float = 0.0
     last_recheck: float = 0.0
     suspect: bool = False
-    downs: int = 0
     left: bool = False  # out of the rotation (its registry key went): never picked, not rechecked
     restarted: bool = False  # a worker saw a new incarnation answer at this address
     stopping: bool = False  # a worker heard it say it is shutting down
@@ -373,7 +372,6 @@ class Health:
             if not p.up:
                 return
             p.up, p.why = False, why
-            p.downs += 1
             p.last_recheck = time.monotonic()
             held = len(p.inflight)
             inflight = sorted(p.inflight) if dead else []

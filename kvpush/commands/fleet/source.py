@@ -54,10 +54,6 @@ class FleetSource:
             return "listed"
         return self.registry.cluster + (" + listed" if self.listing.entries else "")
 
-    @property
-    def has_registry(self) -> bool:
-        return self.registry is not None
-
     def open(self) -> Etcd | None:
         return self.registry.open() if self.registry is not None else None
 
