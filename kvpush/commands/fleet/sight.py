@@ -132,38 +132,43 @@ def sight(entry: Entry, token: bytes | None, timeout_s: float = CONTACT_TIMEOUT_
     listener waits for its GIL; measured: with two busy loops beside three vLLM engines, two of
     four listed endpoints missed a 3 s contact), and calling it unseen would be wrong."""
     try:
-        return _sight(entry, token, timeout_s, last_try=False)
-    except _Slow:
-        return _sight(entry, token, timeout_s * SLOW_RETRY, last_try=True)
+        return _sight(entry, token, timeout_s)
+    except PeerTimeoutError:
+        pass
+    try:
+        return _sight(entry, token, timeout_s * SLOW_RETRY)
+    except PeerTimeoutError as e:
+        return Seen(entry, None, "error", f"{_where(entry)}: {_said(entry, e)} (asked twice)")
 
 
-class _Slow(Exception):
-    """A first contact timed out at a side channel that is there (asked again, longer)."""
+def _where(entry: Entry) -> str:
+    return f"{entry.where}: {entry.address}" if entry.where else entry.address
 
 
-def _sight(entry: Entry, token: bytes | None, timeout_s: float, *, last_try: bool) -> Seen:
+def _said(entry: Entry, e: KvpushError) -> str:
+    """The error without the address it starts with."""
+    return e.message.removeprefix(f"{entry.address}: ").removeprefix(f"{entry.address} ")
+
+
+def _sight(entry: Entry, token: bytes | None, timeout_s: float) -> Seen:
+    """One look; a side channel that took the connection but did not answer in time raises
+    ``PeerTimeoutError`` (``sight`` asks once more)."""
     from kvpush.commands.common import control
 
-    where = f"{entry.where}: {entry.address}" if entry.where else entry.address
-
-    def said(e: KvpushError) -> str:  # the error without the address it starts with
-        return e.message.removeprefix(f"{entry.address}: ").removeprefix(f"{entry.address} ")
-
+    where = _where(entry)
     try:
         control.first_contact(entry.address, timeout_s)
     except control.UnreachablePeer as e:
-        return Seen(entry, None, "unreachable", f"{where}: unreachable ({said(e)})")
+        return Seen(entry, None, "unreachable", f"{where}: unreachable ({_said(entry, e)})")
     except control.NotASideChannel as e:
-        return Seen(entry, None, "not_a_side_channel", f"{where}: {said(e)}")
+        return Seen(entry, None, "not_a_side_channel", f"{where}: {_said(entry, e)}")
     try:
         with control.connect(entry.address, token, timeout_s) as client:
             return _asked(entry, client, token, where)
-    except PeerTimeoutError as e:
-        if not last_try:
-            raise _Slow from None
-        return Seen(entry, None, "error", f"{where}: {said(e)} (asked twice)")
+    except PeerTimeoutError:
+        raise
     except KvpushError as e:
-        return Seen(entry, None, "error", f"{where}: {said(e)}")
+        return Seen(entry, None, "error", f"{where}: {_said(entry, e)}")
 
 
 def _asked(entry: Entry, client: SideChannelClient, token: bytes | None, where: str) -> Seen:
