@@ -35,11 +35,14 @@ POOL = ["--num-blocks", "256", "--layers", "1", "--block-bytes", "4096"]
 P_FAST = ["--lease", "3", "--heartbeat", "0.5"]
 
 
-def _until(what: str, cond: Callable[[], bool], timeout: float = 60.0) -> None:
+def _until(
+    what: str, cond: Callable[[], bool], timeout: float = 60.0, seen: Callable[[], str] = str
+) -> None:
+    """Wait for ``cond``; on timeout, fail with ``seen()`` (what there was to see instead)."""
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{seen()}")
         time.sleep(0.1)
 
 
@@ -101,6 +104,10 @@ class _Watched:
 
     def said(self, text: str) -> bool:
         return any(text in ln for ln in self.err_lines)
+
+    def events(self) -> str:
+        """Its stderr so far but the progress lines."""
+        return "".join(ln for ln in self.err_lines if " req/s" not in ln)
 
     def said_all(self, pattern: re.Pattern[str]) -> list[str]:
         """The first group of each match of ``pattern`` in its stderr so far."""
@@ -285,7 +292,7 @@ def test_a_frozen_decode_that_is_then_killed_fails_what_it_held_at_once(serve) -
         assert held, "D1 held no request in five freezes"
         d1.proc.send_signal(signal.SIGKILL)
         gone = f"decode {d1.address} is gone (connection refused): {held} requests in flight"
-        _until("D1's requests to fail", lambda: drive.said(gone))
+        _until("D1's requests to fail", lambda: drive.said(gone), seen=drive.events)
         drive.proc.send_signal(signal.SIGINT)  # the partial summary of an interrupted run
         out, stderr = drive.finish(120)
     finally:

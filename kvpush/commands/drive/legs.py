@@ -97,8 +97,6 @@ class Legs:
                 self.tracer.sent(i, p, d)
             if self.spans is not None:
                 self.spans.sent(i)
-            if not self.health.sent(d, i):
-                continue  # went down this instant: pick again
             try:
                 if self._decode_leg(i, p, d):
                     return
@@ -191,7 +189,9 @@ class Legs:
     def _decode_leg(self, i: int, p: str, d: str) -> bool:
         """Contact D (bounded by ``CONTACT_S``), send the prefill leg, send the decode leg and
         wait for D's answer. False when D could not be contacted (nothing was sent: the
-        request may go to another D)."""
+        request may go to another D). The request counts in flight at D -- what D's health
+        fails if D dies -- only once D answered the contact: one still contacting a D that
+        froze goes to another D when its contact times out."""
         try:
             with self.d_pool.borrow(d) as c:
                 try:
@@ -205,6 +205,8 @@ class Legs:
                     return False  # nothing sent: another D takes the request
                 if not self._same_incarnation(d, kv):
                     return False  # nothing sent: it is re-checked before it gets traffic
+                if not self.health.sent(d, i):
+                    return False  # went down this instant: nothing sent, pick again
                 got = self._prefill_for(i, p, d)
                 if got is None:
                     return True  # no P up within the grace: failed
