@@ -86,6 +86,9 @@ def _drive(*args: str) -> subprocess.Popen[str]:
     )
 
 
+_PROGRESS = re.compile(r"drive: \d+/\d+ done, ")
+
+
 class _Watched:
     """A drive run whose stderr (peer events, progress) and stdout are read as they come."""
 
@@ -107,7 +110,7 @@ class _Watched:
 
     def events(self) -> str:
         """Its stderr so far but the progress lines."""
-        return "".join(ln for ln in self.err_lines if " req/s" not in ln)
+        return "".join(ln for ln in self.err_lines if not _PROGRESS.match(ln))
 
     def said_all(self, pattern: re.Pattern[str]) -> list[str]:
         """The first group of each match of ``pattern`` in its stderr so far."""
