@@ -261,12 +261,13 @@ def test_drive_registry_takes_a_joining_d_and_loses_only_a_killed_ds_requests(
     time.sleep(4.0)
     d1.kill()
     rep, err = _finish(drive)
-    assert drive.returncode == 1, err  # d1's requests in flight failed
     assert rep["requests"] == n and rep["ok"] + rep["failed"] == n
     assert rep["by_decode"].get(d2.address, 0) > 50, rep["by_decode"]
     assert f"registry: decode {d2.address} joined" in err
-    # Only d1's requests in flight when it died failed: at most one per worker.
-    assert 0 < rep["failed"] <= conc, rep
+    # Only d1's requests already sent there when it died failed: at most one per worker (none
+    # when no request was past its contact with d1: those went to d2).
+    assert rep["failed"] <= conc, rep
+    assert drive.returncode == (1 if rep["failed"] else 0), err
     assert set(rep["failures_by_reason"]) <= {"decode_unreachable"}, rep
     assert all(d1.address in f for f in rep["first_failures"]), rep["first_failures"]
 
